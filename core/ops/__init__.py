@@ -1,0 +1,16 @@
+"""Reference ops in pure PyTorch: the ground truth for every backend.
+
+Tensor conventions (T = new tokens in the step, B = sequences):
+q [T, Hq, D]; k, v [T, Hkv, D]; caches as in ``lmport.kv.layout`` ("bshd").
+"""
+from lmport.ops.metadata import AttentionMetadata, build_attention_metadata
+from lmport.ops.kv_fill import fill_kv_cache
+from lmport.ops.attention import paged_attention, gather_kv
+from lmport.ops.block_copy import copy_blocks
+from lmport.ops.norm import rms_norm
+from lmport.ops.rotary import apply_rotary
+
+__all__ = [
+    "AttentionMetadata", "build_attention_metadata", "fill_kv_cache", "paged_attention",
+    "gather_kv", "copy_blocks", "rms_norm", "apply_rotary",
+]

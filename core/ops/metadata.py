@@ -1,0 +1,70 @@
+"""Attention metadata: built once a step, by a pure function, read by every layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each sequence's new tokens are and where its KV lives.
+
+    Sequence ``i`` has ``q_lens[i]`` new tokens (rows ``q_start_loc[i]`` to
+    ``q_start_loc[i + 1]`` of q) and ``kv_lens[i]`` tokens in the cache once
+    they are written (history + new). New token ``j`` sits at absolute
+    position ``kv_lens[i] - q_lens[i] + j`` and attends to positions <= that.
+    """
+
+    q_start_loc: torch.Tensor    # [B + 1] int32, cumulative q_lens
+    q_lens: torch.Tensor         # [B] int32
+    kv_lens: torch.Tensor        # [B] int32
+    block_tables: torch.Tensor   # [B, max_blocks] int32, padded with block 0
+    slot_mapping: torch.Tensor   # [T] int64, cache slot (block * block_size + offset) of each new token
+    positions: torch.Tensor      # [T] int64, absolute position of each new token
+    block_size: int
+    max_q_len: int               # host ints, so ops never sync to size their work
+    max_kv_len: int
+    is_decode: bool              # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.q_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def build_attention_metadata(q_lens: list[int], kv_lens: list[int], block_tables: list[list[int]],
+                             block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    if not (len(q_lens) == len(kv_lens) == len(block_tables)) or not q_lens:
+        raise ValueError("q_lens, kv_lens and block_tables need one entry per sequence (at least one)")
+    positions, slots = [], []
+    for q_len, kv_len, table in zip(q_lens, kv_lens, block_tables):
+        if not 0 < q_len <= kv_len or len(table) * block_size < kv_len:
+            raise ValueError(f"bad sequence shape: q_len={q_len}, kv_len={kv_len}, blocks={len(table)}")
+        for pos in range(kv_len - q_len, kv_len):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max(len(t) for t in block_tables)
+    tables = [t + [0] * (width - len(t)) for t in block_tables]
+    start = [0]
+    for n in q_lens:
+        start.append(start[-1] + n)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        q_start_loc=tensor(start, torch.int32),
+        q_lens=tensor(q_lens, torch.int32),
+        kv_lens=tensor(kv_lens, torch.int32),
+        block_tables=tensor(tables, torch.int32),
+        slot_mapping=tensor(slots, torch.int64),
+        positions=tensor(positions, torch.int64),
+        block_size=block_size,
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+        is_decode=max(q_lens) == 1,
+    )

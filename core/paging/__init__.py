@@ -1,0 +1,1 @@
+"""Paging: block allocator, prefix cache, host tier, block manager."""
