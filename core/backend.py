@@ -72,8 +72,10 @@ class Backend:
         """Whether this backend can run here, and why. Must never raise."""
         return ProbeResult(True, "reference ops on torch")
 
-    def __init__(self) -> None:
-        self.device = torch.device(self.capabilities.torch_device)
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        # ``device`` overrides the torch device, e.g. "cpu" to run Triton kernels
+        # under the interpreter or a vendor backend against a simulated SDK.
+        self.device = torch.device(device or self.capabilities.torch_device)
 
     # -- memory ---------------------------------------------------------
     def memory_info(self) -> tuple[int, int]:
