@@ -7,6 +7,6 @@ __all__ = ["Adjustment", "ConfigError", "EngineConfig", "GenerationConfig", "pip
 
 
 def pipeline(model: str = "smollm2", backend_config: EngineConfig | None = None, **kwargs):
-    """Load ``model`` and return a :class:`lmport.pipeline.Pipeline` (LMDeploy's name and shape)."""
-    from lmport.pipeline import Pipeline
+    """Load ``model`` and return a :class:`lmport.api.Pipeline` (LMDeploy's name and shape)."""
+    from lmport.api import Pipeline
     return Pipeline(model, backend_config=backend_config, **kwargs)

@@ -22,8 +22,10 @@ def _entry_points() -> dict[str, list[metadata.EntryPoint]]:
     found: dict[str, list[metadata.EntryPoint]] = {}
     seen = set()
     for ep in metadata.entry_points(group=NAMESPACE):
-        key = (ep.name, ep.value)
-        if key in seen:  # one distribution seen twice on sys.path
+        # One distribution seen twice on sys.path is one registration; the same
+        # name from two distributions is a duplicate even when the values agree.
+        key = (ep.name, ep.value, ep.dist.name if ep.dist else None)
+        if key in seen:
             continue
         seen.add(key)
         found.setdefault(ep.name, []).append(ep)

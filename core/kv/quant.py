@@ -16,7 +16,10 @@ never underflows and nothing divides by zero.
 
 The param dtype is float16 for 16-bit caches and float32 for float32 caches;
 scale and zero sit side by side, ``qparams[..., 0] = scale`` and
-``qparams[..., 1] = zero``.
+``qparams[..., 1] = zero``. A scale beyond the param dtype's largest finite
+value (a bfloat16 vector whose range exceeds about 65504 * (2**bits - 1)) is
+clamped to it and the zero to +-ZERO_LIMIT: such values saturate, finite,
+instead of turning into inf and NaN; the bound above holds below that range.
 
 INT4 packs two values a byte: element ``2i`` in the low nibble, ``2i + 1`` in
 the high nibble. Every backend uses this same order.
@@ -49,8 +52,9 @@ def quantize(x: torch.Tensor, bits: int, pdtype: torch.dtype) -> tuple[torch.Ten
     eps = torch.finfo(pdtype).tiny * levels
     scale = torch.maximum((hi - lo).clamp_min(eps) / levels, lo.abs() / ZERO_LIMIT)
     # Round the stored scale up, never down, so the range still fits in the levels.
-    scale = (scale * (1 + 2.0 ** -9)).to(pdtype).float()
-    zero = torch.round(-lo / scale)
+    scale = (scale * (1 + 2.0 ** -9)).clamp_(max=torch.finfo(pdtype).max).to(pdtype).float()
+    # The clamp only bites when the scale was clamped: saturate, never overflow the param dtype.
+    zero = torch.round(-lo / scale).clamp_(-ZERO_LIMIT, ZERO_LIMIT)
     q = (torch.round(xf / scale) + zero).clamp_(0, levels).to(torch.uint8)
     if bits == 4:
         q = q[..., 0::2] | (q[..., 1::2] << 4)

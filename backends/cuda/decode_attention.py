@@ -1,0 +1,152 @@
+"""Paged decode attention: split-K over each sequence's KV, then a reduction.
+
+Matches ``lmport.ops.paged_attention`` when ``meta.is_decode`` (one new token
+a sequence). Stage 1 runs one program per (sequence, KV head, split): the
+query heads that share the KV head (GQA group, padded to >= 16 rows for
+``tl.dot``) attend to the split's tokens, gathered through the block table and
+dequantized inline, with an online softmax. Stage 2 merges the splits of each
+(sequence, query head) by their log-sum-exp. Splitting the KV keeps the GPU
+full when batch x KV heads is small and contexts are long.
+
+Work is sized from host ints only (``meta.max_kv_len``, shapes): no syncs,
+and a larger ``max_kv_len`` than any real length (e.g. the fixed bound of a
+captured CUDA graph) is still correct, the extra splits exit at once.
+"""
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from lmport.backends.cuda.launch import dot_args, pow2, sm_count, tl_dtype
+from lmport.backends.cuda.paged_kv import load_kv_tile
+from lmport.kv.layout import LayerCache
+from lmport.ops.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_out, part_lse,
+                  sm_scale_log2, tokens_per_split,
+                  sq_t, sq_h, sq_d, st_b, st_n,
+                  c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
+                  po_b, po_h, po_s, pl_b, pl_h,
+                  GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_lens + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    qt = tl.load(q + seq * sq_t + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
+                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+
+    k_head = k_cache + kv_head * c_h
+    v_head = v_cache + kv_head * c_h
+    kp_head = k_qp + kv_head * p_h
+    vp_head = v_qp + kv_head * p_h
+    table = block_tables + seq * st_b
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
+        slots = offs_n % PAGE
+        kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                          c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                          c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
+        m = m_new
+
+    # An empty split (past this sequence's end) leaves l = 0: weight 0 in the reduction.
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(part_out + seq * po_b + heads[:, None] * po_h + split * po_s + offs_d[None, :], out,
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(part_lse + seq * pl_b + heads * pl_h + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _reduce_kernel(part_out, part_lse, o, num_splits,
+                   po_b, po_h, po_s, pl_b, pl_h, so_t, so_h, so_d,
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(part_lse + seq * pl_b + head * pl_h + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))      # split 0 always holds tokens: the max is finite
+    parts = tl.load(part_out + seq * po_b + head * po_h + offs_s[:, None] * po_s + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
+    tl.store(o + seq * so_t + head * so_h + offs_d * so_d, out.to(o.dtype.element_ty), mask=mask_d)
+
+
+def _splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+    """KV splits a sequence: enough programs for ~2 waves of the GPU, at least one tile each."""
+    tiles = triton.cdiv(max_kv_len, block_n)
+    want = triton.cdiv(2 * sm_count(device), batch * kv_heads)
+    return max(1, min(want, tiles, 64))
+
+
+def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, softmax_scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q: [B, Hq, D] (one token a sequence) -> [B, Hq, D]."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = cache.k.shape[2]
+    group = q_heads // kv_heads
+    block_n = 64
+    if num_splits is None:
+        num_splits = _splits(batch, kv_heads, meta.max_kv_len, block_n, q.device)
+    # Each split covers a whole number of tiles; recount so no split is empty by construction.
+    tokens_per_split = triton.cdiv(triton.cdiv(meta.max_kv_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(meta.max_kv_len, tokens_per_split)
+
+    part_out = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    k_qp, v_qp = (cache.k_qparams, cache.v_qparams) if cache.quant_policy else (cache.k, cache.v)
+    p_strides = cache.k_qparams.stride() if cache.quant_policy else (0, 0, 0, 0)
+    dot_dtype, dot_prec = dot_args(q.dtype)
+    block_d = pow2(head_dim)
+    _split_kernel[(batch, kv_heads, num_splits)](
+        q, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.kv_lens, part_out, part_lse,
+        softmax_scale * LOG2E, tokens_per_split,
+        *q.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
+        *part_out.stride()[:3], *part_lse.stride()[:2],
+        GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim,
+        BLOCK_G=max(16, pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        QUANT=cache.quant_policy, ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+        num_warps=4, num_stages=2,
+    )
+    _reduce_kernel[(batch, q_heads)](
+        part_out, part_lse, out, num_splits,
+        *part_out.stride()[:3], *part_lse.stride()[:2], *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out

@@ -1,0 +1,41 @@
+"""Triton helper: one tile of K or V gathered from the paged cache, dequantized inline.
+
+Shared by the decode and prefill attention kernels. Tokens are gathered one by
+one through the block table, so a tile may span several cache blocks and any
+block size works. A quantized tile is turned back into the attention dtype
+with the reference formula ``((q - zero) * scale).to(dtype)`` (lmport.kv.quant),
+so the kernels see the very values the reference attends to.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, qp_ptr, block_ids, slots, offs_d, mask_n, mask_d,
+                 stride_b, stride_s, stride_d, qp_stride_b, qp_stride_s, qp_stride_2,
+                 QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    # OUT_DTYPE is the attention (q) dtype, as in the reference; callers widen it for tl.dot if needed.
+    """[BLOCK_N, BLOCK_D] tile of token rows ``(block_ids[n], slots[n])``.
+
+    ``cache_ptr``/``qp_ptr`` already point at the KV head. Masked entries are 0.
+    """
+    rows = block_ids.to(tl.int64) * stride_b + slots * stride_s
+    mask = mask_n[:, None] & mask_d[None, :]
+    if QUANT == 0:
+        x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+        out = x.to(OUT_DTYPE)
+    else:
+        if QUANT == 4:
+            # Two values a byte: element 2i in the low nibble, 2i + 1 in the high one.
+            raw = tl.load(cache_ptr + rows[:, None] + (offs_d[None, :] // 2) * stride_d, mask=mask, other=0)
+            raw = (raw.to(tl.int32) >> ((offs_d[None, :] % 2) * 4)) & 0xF
+        else:
+            raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0)
+            raw = raw.to(tl.int32)
+        qp_rows = block_ids.to(tl.int64) * qp_stride_b + slots * qp_stride_s
+        scale = tl.load(qp_ptr + qp_rows, mask=mask_n, other=0.0).to(tl.float32)
+        zero = tl.load(qp_ptr + qp_rows + qp_stride_2, mask=mask_n, other=0.0).to(tl.float32)
+        out = ((raw.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
+    return out

@@ -1,0 +1,152 @@
+"""Paged prefill attention: new tokens over the cached history plus themselves.
+
+Matches ``lmport.ops.paged_attention`` for any batch (varlen; chunked prefill;
+decode rows mixed in). The new tokens' K/V are already in the cache, so every
+key comes from the paged cache, gathered through the block table and
+dequantized inline. A program owns one sequence, one KV head and a tile of
+BLOCK_M rows, each row a (new token, query head of the GQA group) pair: the
+group's query heads share every K/V tile they load. Keys all rows of the tile
+see (below the tile's first position) run unmasked; the causal tail is masked.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmport.backends.cuda.launch import INTERPRETED, dot_args, pow2, tl_dtype
+from lmport.backends.cuda.paged_kv import load_kv_tile
+from lmport.kv.layout import LayerCache
+from lmport.ops.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
+            k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2, sm_scale_log2,
+            CAUSAL: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+            ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One K/V tile of the online softmax: returns the updated (m, l, acc)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < kv_len
+    block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
+    slots = offs_n % PAGE
+    kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                      c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+    s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
+    if CAUSAL:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                      c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_loc, q_lens, kv_lens,
+                    sm_scale_log2,
+                    sq_t, sq_h, sq_d, so_t, so_h, so_d, st_b, st_n,
+                    c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
+                    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    TOK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_len = tl.load(q_lens + seq)
+    tok0 = tile * TOK_M                        # first new token of this tile
+    if tok0 < q_len:
+        kv_len = tl.load(kv_lens + seq)
+        ctx = kv_len - q_len                   # cached history before the new tokens
+        q_row0 = tl.load(q_start_loc + seq).to(tl.int64)
+
+        # Row r is new token tok0 + r // GROUP, query head kv_head * GROUP + r % GROUP.
+        offs_r = tl.arange(0, BLOCK_M)
+        tok = tok0 + offs_r // GROUP
+        heads = kv_head * GROUP + offs_r % GROUP
+        valid = (offs_r < TOK_M * GROUP) & (tok < q_len)
+        q_pos = ctx + tok
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        rows = (q_row0 + tok) * sq_t + heads * sq_h
+        qt = tl.load(q + rows[:, None] + offs_d[None, :] * sq_d,
+                     mask=valid[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+
+        k_head = k_cache + kv_head * c_h
+        v_head = v_cache + kv_head * c_h
+        kp_head = k_qp + kv_head * p_h
+        vp_head = v_qp + kv_head * p_h
+        table = block_tables + seq * st_b
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys before ctx + tok0 are visible to every row: whole tiles of them need no mask.
+        full_end = (ctx + tok0) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
+                                k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
+                                sm_scale_log2, False, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE,
+                                DOT_PREC)
+        # Every row sees key full_end <= its position, so m is finite after the first tile.
+        hi = tl.minimum(kv_len, ctx + tok0 + TOK_M)
+        for n0 in range(full_end, hi, BLOCK_N):
+            m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
+                                k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
+                                sm_scale_log2, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE,
+                                DOT_PREC)
+
+        out = acc / l[:, None]
+        out_rows = (q_row0 + tok) * so_t + heads * so_h
+        tl.store(o + out_rows[:, None] + offs_d[None, :] * so_d, out.to(o.dtype.element_ty),
+                 mask=valid[:, None] & mask_d[None, :])
+
+
+def tile_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper-class GPUs.
+
+    128 rows x 64 keys keeps the [128, D] fp32 accumulator in registers for
+    D <= 128 with 8 warps; smaller heads can afford deeper pipelining. Under
+    the interpreter smaller tiles are cheaper and exercise the multi-tile
+    paths at test shapes.
+    """
+    if INTERPRETED:
+        return 32, 32, 4, 1
+    d = pow2(head_dim)
+    if d <= 64:
+        return 128, 64, 4, 3
+    if d <= 128:
+        return 128, 64, 8, 2
+    return 64, 32, 8, 2
+
+
+def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, softmax_scale: float,
+                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions."""
+    _, q_heads, head_dim = q.shape
+    kv_heads = cache.k.shape[2]
+    group = q_heads // kv_heads
+    block_m, block_n, num_warps, num_stages = config or tile_config(head_dim)
+    block_m = max(block_m, pow2(group))        # a tile holds at least one token's whole group
+    tok_m = block_m // group
+    out = torch.empty_like(q)
+    k_qp, v_qp = (cache.k_qparams, cache.v_qparams) if cache.quant_policy else (cache.k, cache.v)
+    p_strides = cache.k_qparams.stride() if cache.quant_policy else (0, 0, 0, 0)
+    dot_dtype, dot_prec = dot_args(q.dtype)
+    grid = (triton.cdiv(meta.max_q_len, tok_m), kv_heads, meta.num_seqs)
+    _prefill_kernel[grid](
+        q, out, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.q_start_loc, meta.q_lens,
+        meta.kv_lens, softmax_scale * LOG2E,
+        *q.stride(), *out.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
+        GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim, TOK_M=tok_m, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=pow2(head_dim), QUANT=cache.quant_policy,
+        ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

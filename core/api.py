@@ -1,0 +1,104 @@
+"""The Python API, named after LMDeploy's: ``lmport.pipeline(model)(prompts)``."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from lmport.config import EngineConfig, GenerationConfig
+from lmport.engine import Engine, RequestError
+
+
+@dataclass
+class Response:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None      # "stop", "length", "abort" or "error"
+    input_token_len: int
+    generate_token_len: int
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    error: str | None = None
+
+
+class Pipeline:
+    def __init__(self, model: str = "smollm2", backend_config: EngineConfig | None = None):
+        self.engine = Engine(model, backend_config)
+        self.tokenizer = self.engine.tokenizer
+
+    # -- prompts ----------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """A string or a list of {"role", "content"} messages -> token ids through the chat template."""
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in prompt):
+            raise RequestError('a prompt is a string or a list of {"role": ..., "content": ...} messages')
+        if not prompt:
+            raise RequestError("the messages list is empty: give at least one message")
+        if self.tokenizer.chat_template is None:
+            return self.tokenizer.encode("\n".join(m["content"] for m in prompt))
+        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def __call__(self, prompts, gen_config: GenerationConfig | None = None):
+        """One prompt -> one Response; a list of prompts -> a list of Responses."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        batch = [prompts] if single else list(prompts)
+        ids, errors = [], {}
+        for i, p in enumerate(batch):
+            try:
+                ids.append(self.encode(p))
+            except RequestError as exc:
+                ids.append([])
+                errors[i] = str(exc)
+        responses = self._run(ids, gen_config, errors)
+        return responses[0] if single else responses
+
+    def generate(self, token_ids: list[list[int]], gen_config: GenerationConfig | None = None) -> list[Response]:
+        """Raw token ids in, one Response each (no chat template)."""
+        return self._run([list(t) for t in token_ids], gen_config, {})
+
+    def _run(self, ids: list[list[int]], gen_config, errors: dict[int, str]) -> list[Response]:
+        gen_config = gen_config or GenerationConfig()
+        responses: list[Response | None] = [None] * len(ids)
+        request_of = {}
+        for i, prompt_ids in enumerate(ids):
+            if i in errors:
+                responses[i] = Response("", [], "error", 0, 0, error=errors[i])
+                continue
+            try:
+                request_of[self.engine.add_request(prompt_ids, gen_config)] = i
+            except RequestError as exc:  # this prompt fails alone; the others run
+                responses[i] = Response("", [], "error", len(prompt_ids), 0, error=str(exc))
+        while request_of:
+            for out in self.engine.step():
+                if out.finished and out.request_id in request_of:
+                    responses[request_of.pop(out.request_id)] = Response(
+                        out.text, out.token_ids, out.finish_reason, out.prompt_tokens, len(out.token_ids),
+                        out.logprobs, out.error)
+        return responses
+
+    def stream(self, prompt, gen_config: GenerationConfig | None = None) -> Iterator[str]:
+        """Yield text deltas as they are generated."""
+        request_id = self.engine.add_request(self.encode(prompt), gen_config or GenerationConfig())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    if out.delta_text:
+                        yield out.delta_text
+                    if out.finished:
+                        if out.error:
+                            raise RuntimeError(out.error)
+                        return
+        finally:
+            self.engine.abort(request_id)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,241 @@
+"""The engine: requests in, one batched forward a step, outputs out.
+
+``Engine`` is synchronous (``add_request`` / ``step`` / ``abort``); the
+background loop for async streaming is ``lmport.engine_loop.EngineLoop``.
+Every request ends finished ("stop" / "length"), aborted, or with an error.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from lmport import memory
+from lmport.config import ConfigError, EngineConfig, GenerationConfig
+from lmport.kv.layout import KVLayout
+from lmport.models.llama import head_dim_of
+from lmport.models.loader import load_model
+from lmport.ops import build_attention_metadata
+from lmport.paging.block_manager import BlockManager
+from lmport.sampling import sample
+from lmport.scheduler import Scheduler
+from lmport.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the problem and the fix."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]             # every generated token so far
+    text: str                        # the generated text so far
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2", config: EngineConfig | None = None):
+        self.config = (config or EngineConfig()).resolve()
+        backend_cls = self.config.backend_class()
+        self.backend = backend_cls()
+        self.dtype = DTYPES[self.config.dtype]
+        loaded = load_model(model, self.backend, self.dtype)
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.eos_token_ids = loaded.eos_token_ids
+        self.model_name = model
+        cfg = self.model_config
+
+        self.layout = KVLayout(
+            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim_of(cfg),
+            block_size=self.config.block_size, dtype=self.dtype, quant_policy=self.config.quant_policy,
+            axis_order=self.backend.capabilities.kv_axis_order)
+        free, _ = self.backend.memory_info()
+        reserve = memory.activation_reserve(cfg, self.config.max_prefill_token_num, self.dtype.itemsize)
+        self.plan = memory.plan_cache(self.config.cache_max_entry_count, self.layout, free, reserve)
+        self.caches = self.layout.allocate(self.plan.num_blocks, self.backend.device)
+        self.session_len = self._session_len()
+        log.info("memory plan: weights %.1f MiB, reserve %.1f MiB, cache %.1f MiB = %d blocks x %d tokens "
+                 "(%d tokens, quant_policy %d), session_len %d", loaded.weight_bytes / 2**20,
+                 reserve / 2**20, self.plan.cache_bytes / 2**20, self.plan.num_blocks,
+                 self.layout.block_size, self.plan.num_tokens, self.config.quant_policy, self.session_len)
+        self.weight_bytes = loaded.weight_bytes
+
+        self.block_manager = BlockManager(self.plan.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+
+    def _session_len(self) -> int:
+        model_limit = getattr(self.model_config, "max_position_embeddings", None) or 1 << 30
+        capacity = self.plan.num_tokens
+        if self.config.session_len is None:
+            return min(model_limit, capacity)
+        if self.config.session_len > capacity:
+            raise ConfigError(
+                f"session_len={self.config.session_len} does not fit in the KV cache: {self.plan.num_blocks} "
+                f"blocks x {self.layout.block_size} = {capacity} tokens; raise cache_max_entry_count, use "
+                f"quant_policy=8 or 4, or lower session_len to <= {capacity}")
+        return min(self.config.session_len, model_limit)
+
+    # -- requests --------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve."""
+        gen_config = gen_config or GenerationConfig()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids)
+        stop = set(gen_config.stop_token_ids if gen_config.stop_token_ids is not None else self.eos_token_ids)
+        if gen_config.ignore_eos:
+            stop -= set(self.eos_token_ids)
+        generator = None
+        if not gen_config.greedy:
+            generator = torch.Generator(device=self.backend.device)
+            generator.manual_seed(gen_config.random_seed if gen_config.random_seed is not None
+                                  else torch.seed())
+        seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(prompt_ids)
+        return request_id
+
+    def validate(self, prompt_ids) -> None:
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(prompt_ids) >= self.session_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens but session_len is {self.session_len} "
+                f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish("abort")
+        self._pending_outputs.append(self._output(seq, [], ""))
+        del self.seqs[request_id]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+
+    # -- one step --------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        self.stats["steps"] += 1
+        try:
+            logits = self._forward(batch.seqs, batch.num_new)
+        except Exception as exc:  # a failing forward ends this batch's requests, not the engine
+            log.exception("forward failed")
+            for seq in batch.seqs:
+                self._end(seq, "error", f"forward failed: {type(exc).__name__}: {exc}")
+                outputs.append(self._output(seq, [], ""))
+            return outputs
+
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+        ready = [s for s in batch.seqs if s.num_uncomputed == 0]
+        if not ready:
+            return outputs
+        tokens, logprobs = sample(logits, ready)
+        for seq, token, lp in zip(ready, tokens, logprobs):
+            outputs.append(self._append(seq, token, lp))
+        return outputs
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes."""
+        kv_lens = [s.num_computed + n for s, n in zip(seqs, num_new)]
+        meta = build_attention_metadata(num_new, kv_lens, [s.block_table for s in seqs],
+                                        self.layout.block_size, self.backend.device)
+        ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.backend.device)
+        hidden = self.model(input_ids, meta, self.caches)
+        ends, rows = 0, []
+        for s, n in zip(seqs, num_new):
+            ends += n
+            if s.num_computed + n == s.num_tokens:
+                rows.append(ends - 1)
+        return self.model.logits(hidden[rows]) if rows else hidden.new_empty(0)
+
+    def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+        seq.output_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        self.stats["generated_tokens"] += 1
+        old_text = seq.text
+        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.gen_config.skip_special_tokens)
+        cfg = seq.gen_config
+        reason = None
+        if token in seq.stop_token_ids:
+            reason = "stop"
+        elif cfg.stop_words and (cut := _first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
+            seq.text, reason = seq.text[:cut], "stop"
+        elif len(seq.output_ids) >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
+            reason = "length"
+        if reason:
+            self._end(seq, reason)
+            delta = seq.text[len(old_text):] if seq.text.startswith(old_text) else ""
+        else:
+            # Hold back a trailing partial UTF-8 character until its bytes complete.
+            shown = seq.text.rstrip("\ufffd")
+            delta = shown[len(old_text):] if len(shown) > len(old_text) else ""
+            seq.text = old_text + delta
+        return self._output(seq, [token], delta)
+
+    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(seq)
+        seq.finish(reason, error)
+        self.seqs.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, token_ids=list(seq.output_ids), text=seq.text,
+            delta_token_ids=new_tokens, delta_text=delta, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs), error=seq.error)
+
+    # -- introspection ----------------------------------------------------
+    def usage(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "blocks_total": self.block_manager.num_blocks,
+            "blocks_used": self.block_manager.num_blocks - self.block_manager.num_free,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.stats,
+        }
+
+    def close(self) -> None:
+        self.caches = []
+        self.seqs.clear()
+
+
+def _first_stop(text: str, stop_words: list[str], searched: int) -> int | None:
+    """Index of the earliest stop string in ``text`` that ends after ``searched`` chars."""
+    start = max(0, searched - max(len(s) for s in stop_words))
+    hits = [i for s in stop_words if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,69 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds, logprobs."""
+from __future__ import annotations
+
+import torch
+
+from lmport.sequence import Sequence
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """transformers' rule: a seen token's logit is divided by the penalty if positive, else multiplied."""
+    rows = [i for i, s in enumerate(seqs) if s.gen_config.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        seen = torch.tensor(sorted(set(seqs[i].token_ids)), device=logits.device)
+        penalty = seqs[i].gen_config.repetition_penalty
+        values = logits[i, seen]
+        logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p remove; rows with k=0, p=1, min_p=0 are untouched."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    remove = ranks[None, :] >= k[:, None]
+    probs = sorted_logits.softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+    remove |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    remove |= probs < (min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits [B, V] float32 -> one token per sequence (and its logprobs when asked)."""
+    raw = logits
+    logits = apply_repetition_penalty(logits, seqs)
+    tokens = logits.argmax(-1)
+    sampled = [i for i, s in enumerate(seqs) if not s.gen_config.greedy]
+    if sampled:
+        cfgs = [seqs[i].gen_config for i in sampled]
+        dev = logits.device
+        rows = logits[sampled] / torch.tensor([c.temperature for c in cfgs], device=dev)[:, None]
+        rows = _filter(rows, torch.tensor([c.top_k for c in cfgs], device=dev),
+                       torch.tensor([c.top_p for c in cfgs], device=dev),
+                       torch.tensor([c.min_p for c in cfgs], device=dev))
+        probs = rows.softmax(-1)
+        for j, i in enumerate(sampled):
+            # Each request draws from its own generator: a seed gives the same text whatever the batch.
+            tokens[i] = torch.multinomial(probs[j], 1, generator=seqs[i].generator)[0]
+    token_list = tokens.tolist()
+
+    logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+    wanted = [i for i, s in enumerate(seqs) if s.gen_config.logprobs is not None]
+    if wanted:
+        # Logprobs of the model's own distribution (before penalties and filters), as OpenAI reports them.
+        lp = raw[wanted].log_softmax(-1)
+        for j, i in enumerate(wanted):
+            top = lp[j].topk(seqs[i].gen_config.logprobs) if seqs[i].gen_config.logprobs else None
+            entry = {token_list[i]: lp[j, token_list[i]].item()}
+            if top is not None:
+                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+            logprobs[i] = entry
+    return token_list, logprobs

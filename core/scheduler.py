@@ -1,0 +1,96 @@
+"""Continuous batching: decode first, then new prompts, within a per-step token budget.
+
+A long prompt is prefilled in chunks across steps. When blocks run out, the
+most recently admitted running sequence is preempted: its blocks are freed,
+its token ids kept, and it goes back to the front of the waiting queue to be
+recomputed when readmitted.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from lmport.paging.block_manager import BlockManager
+from lmport.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new: list[int]      # tokens each sequence computes this step
+
+    def __bool__(self):
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int):
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.token_budget = max_prefill_token_num
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        budget = self.token_budget
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.block_manager.allocate(seq, n)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.block_manager.allocate(seq, n)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        log.debug("preempted %s (%d tokens to recompute)", seq.request_id, seq.num_tokens)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence that ended (stop, length, abort or error)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            self.block_manager.free(seq)

@@ -1,0 +1,55 @@
+"""A request's token ids, state and outcome as the scheduler and engine see it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from lmport.config import GenerationConfig
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    gen_config: GenerationConfig
+    stop_token_ids: frozenset[int] = frozenset()
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0           # tokens whose K/V are in the cache
+    num_cached_prefix: int = 0      # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""                  # decoded output, cut at a stop string
+    generator: torch.Generator | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error

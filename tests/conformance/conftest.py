@@ -1,0 +1,31 @@
+"""The per-backend matrix: every test here that asks for ``backend_name`` runs once per installed backend.
+
+The list is read from the ``lmport.backends`` entry points when pytest collects
+the tests (names only, no backend module imported), so a newly installed plugin
+joins the matrix without any change here.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def installed_backend_names() -> list[str]:
+    from lmport import registry
+    return registry.backend_names()
+
+
+def pytest_generate_tests(metafunc):
+    if "backend_name" in metafunc.fixturenames:
+        names = installed_backend_names()
+        metafunc.parametrize("backend_name", names, ids=names)
+
+
+@pytest.fixture
+def backend_class(backend_name):
+    from lmport import registry
+    return registry.load_backend_class(backend_name)
+
+
+@pytest.fixture
+def capabilities(backend_class):
+    return backend_class.capabilities
