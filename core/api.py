@@ -1,11 +1,18 @@
 """The Python API, named after LMDeploy's: ``lmport.pipeline(model)(prompts)``."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn.functional as F
+
+from lmport import memory
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine, RequestError
+from lmport.ops import build_attention_metadata
+from lmport.sequence import Sequence
 
 
 @dataclass
@@ -27,17 +34,7 @@ class Pipeline:
     # -- prompts ----------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A string or a list of {"role", "content"} messages -> token ids through the chat template."""
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                   for m in prompt):
-            raise RequestError('a prompt is a string or a list of {"role": ..., "content": ...} messages')
-        if not prompt:
-            raise RequestError("the messages list is empty: give at least one message")
-        if self.tokenizer.chat_template is None:
-            return self.tokenizer.encode("\n".join(m["content"] for m in prompt))
-        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        return encode_prompt(self.tokenizer, prompt)
 
     def __call__(self, prompts, gen_config: GenerationConfig | None = None):
         """One prompt -> one Response; a list of prompts -> a list of Responses."""
@@ -94,6 +91,49 @@ class Pipeline:
         finally:
             self.engine.abort(request_id)
 
+    # -- scoring ------------------------------------------------------------
+    def get_ppl(self, token_id_lists: list[list[int]],
+                logits_budget_bytes: int = memory.PPL_LOGITS_BUDGET) -> list[float]:
+        """Perplexity of each token-id list: exp(mean negative log-likelihood of tokens 2..n).
+
+        Each input is prefilled through the engine's paged KV cache in chunks of at most
+        ``logits_budget_bytes / (vocab_size * 4)`` positions (and max_prefill_token_num, which
+        the activation reserve covers), so a chunk's float32 logits never exceed the budget.
+        """
+        chunk = min(memory.logits_chunk_tokens(self.engine.model_config.vocab_size, logits_budget_bytes),
+                    self.engine.config.max_prefill_token_num)
+        return [self._ppl(list(ids), chunk) for ids in token_id_lists]
+
+    def _ppl(self, ids: list[int], chunk: int) -> float:
+        engine, blocks = self.engine, self.engine.block_manager
+        vocab = engine.model_config.vocab_size
+        if len(ids) < 2 or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise RequestError(f"perplexity needs at least 2 token ids, each an int in [0, {vocab})")
+        if len(ids) > engine.session_len:
+            raise RequestError(f"{len(ids)} tokens exceed session_len {engine.session_len}")
+        seq = Sequence(f"ppl-{id(ids)}", ids, GenerationConfig())
+        nll = 0.0
+        try:
+            # The last token predicts nothing: positions 0 .. n-2 are scored against ids 1 .. n-1.
+            for start in range(0, len(ids) - 1, chunk):
+                n = min(chunk, len(ids) - 1 - start)
+                if not blocks.can_allocate(seq, n):
+                    raise RequestError(f"not enough free KV blocks to score {len(ids)} tokens; "
+                                       f"retry when running requests have finished")
+                blocks.allocate(seq, n)
+                engine._copy_blocks()   # evicted cached blocks go to the host tier before we overwrite them
+                meta = build_attention_metadata([n], [start + n], [seq.block_table], engine.layout.block_size,
+                                                engine.backend.device)
+                hidden = engine.model(torch.tensor(ids[start:start + n]).to(engine.backend.device), meta,
+                                      engine.caches)
+                logits = engine.model.logits(hidden)          # [n, vocab] float32: within the budget
+                targets = torch.tensor(ids[start + 1:start + n + 1]).to(logits.device)
+                nll += F.cross_entropy(logits, targets, reduction="sum").item()
+                seq.num_computed += n
+        finally:
+            blocks.free(seq)
+        return math.exp(nll / (len(ids) - 1))
+
     def close(self) -> None:
         self.engine.close()
 
@@ -102,3 +142,21 @@ class Pipeline:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A string or a list of {"role", "content"} messages -> token ids through the chat template.
+
+    Shared by Pipeline.encode and the server, so both build the same prompt.
+    """
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                               for m in prompt):
+        raise RequestError('a prompt is a string or a list of {"role": ..., "content": ...} messages')
+    if not prompt:
+        raise RequestError("the messages list is empty: give at least one message")
+    if tokenizer.chat_template is None:
+        return tokenizer.encode("\n".join(m["content"] for m in prompt))
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))

@@ -82,6 +82,12 @@ class Backend:
         """(free, total) bytes of the device memory the KV cache can use."""
         raise NotImplementedError
 
+    def measure_peak_memory(self, fn) -> int | None:
+        """Peak device bytes allocated while ``fn()`` runs, above what was allocated before, with the
+        memory ``fn`` freed handed back to the device; None where the backend cannot measure it (then
+        ``fn`` is not run and the engine uses an estimate of the activation reserve)."""
+        return None
+
     def pin_host_memory(self) -> bool:
         """Whether the host pool of the prefix cache should be pinned."""
         return False

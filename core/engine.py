@@ -14,11 +14,11 @@ import torch
 
 from lmport import memory
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
-from lmport.kv.layout import KVLayout
-from lmport.models.llama import head_dim_of
 from lmport.models.loader import load_model
 from lmport.ops import build_attention_metadata
+from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
+from lmport.paging.prefix_cache import model_fingerprint
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
@@ -59,43 +59,46 @@ class Engine:
         self.model_name = model
         cfg = self.model_config
 
-        self.layout = KVLayout(
-            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim_of(cfg),
-            block_size=self.config.block_size, dtype=self.dtype, quant_policy=self.config.quant_policy,
-            axis_order=self.backend.capabilities.kv_axis_order)
+        # Memory plan (docs/memory.md): the same lmport.memory.plan_cache as `lmport plan`, fed with
+        # the free memory measured now that the weights are loaded.
+        if self.config.tp != 1:
+            raise ConfigError(f"tp={self.config.tp}: this engine runs on one device (tp=1); "
+                              f"`lmport plan --tp {self.config.tp}` can still plan for {self.config.tp} devices")
+        caps = self.backend.capabilities
+        self.layout = memory.kv_layout(cfg, self.config, caps.kv_axis_order)
+        measured = memory.measure_activation_reserve(self.model, self.backend, self.layout, self.config)
         free, _ = self.backend.memory_info()
-        reserve = memory.activation_reserve(cfg, self.config.max_prefill_token_num, self.dtype.itemsize)
-        self.plan = memory.plan_cache(self.config.cache_max_entry_count, self.layout, free, reserve)
-        self.caches = self.layout.allocate(self.plan.num_blocks, self.backend.device)
-        self.session_len = self._session_len()
-        log.info("memory plan: weights %.1f MiB, reserve %.1f MiB, cache %.1f MiB = %d blocks x %d tokens "
-                 "(%d tokens, quant_policy %d), session_len %d", loaded.weight_bytes / 2**20,
-                 reserve / 2**20, self.plan.cache_bytes / 2**20, self.plan.num_blocks,
-                 self.layout.block_size, self.plan.num_tokens, self.config.quant_policy, self.session_len)
+        self.memory_inputs = memory.MemoryInputs(
+            cfg, self.config, caps, loaded.weight_bytes, free,
+            measured if measured is not None else memory.activation_reserve(cfg, self.config), measured is not None)
+        self.plan = memory.plan_cache(self.memory_inputs)
+        self.caches = memory.allocate_cache(self.memory_inputs, self.plan, self.layout, self.backend)
+        self.session_len = self.plan.session_len
+        log.info("memory plan: weights %s, activation reserve %s (%s), cache %s = %d blocks x %d tokens "
+                 "(quant_policy %d), session_len %d", memory.fmt_bytes(loaded.weight_bytes),
+                 memory.fmt_bytes(self.plan.reserve_bytes), "measured" if measured is not None else "estimated",
+                 memory.fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
+                 self.config.quant_policy, self.session_len)
         self.weight_bytes = loaded.weight_bytes
 
-        self.block_manager = BlockManager(self.plan.num_blocks, self.config.block_size)
+        # Prefix cache and host tier: docs/prefix-caching.md.
+        num_host_blocks = host_tier.host_pool_blocks(self.layout, self.config.host_cache_gib)
+        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, self.backend.pin_host_memory())
+                            if num_host_blocks else [])
+        self.block_manager = BlockManager(
+            self.plan.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
+            num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
+            flops_per_token=2 * loaded.weight_bytes / self.dtype.itemsize,   # ~2 FLOPs a parameter a token
+            seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy))
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
 
-    def _session_len(self) -> int:
-        model_limit = getattr(self.model_config, "max_position_embeddings", None) or 1 << 30
-        capacity = self.plan.num_tokens
-        if self.config.session_len is None:
-            return min(model_limit, capacity)
-        if self.config.session_len > capacity:
-            raise ConfigError(
-                f"session_len={self.config.session_len} does not fit in the KV cache: {self.plan.num_blocks} "
-                f"blocks x {self.layout.block_size} = {capacity} tokens; raise cache_max_entry_count, use "
-                f"quant_policy=8 or 4, or lower session_len to <= {capacity}")
-        return min(self.config.session_len, model_limit)
-
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Queue a request; raises RequestError (and queues nothing) for input it cannot serve."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -110,7 +113,8 @@ class Engine:
             generator = torch.Generator(device=self.backend.device)
             generator.manual_seed(gen_config.random_seed if gen_config.random_seed is not None
                                   else torch.seed())
-        seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator)
+        seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
+                       cache_salt=cache_salt)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -144,6 +148,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
+        self._copy_blocks()
         if not batch:
             return outputs
         self.stats["steps"] += 1
@@ -165,6 +170,13 @@ class Engine:
         for seq, token, lp in zip(ready, tokens, logprobs):
             outputs.append(self._append(seq, token, lp))
         return outputs
+
+    def _copy_blocks(self) -> None:
+        """Run the device<->host block copies scheduling queued, in order, one call per batch."""
+        for b in self.block_manager.take_copies():
+            src, dst = (self.caches, self.host_caches) if b.to_host else (self.host_caches, self.caches)
+            self.backend.copy_blocks(src, dst, torch.tensor(b.src, dtype=torch.long),
+                                     torch.tensor(b.dst, dtype=torch.long))
 
     def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes."""
@@ -226,11 +238,13 @@ class Engine:
             "blocks_total": self.block_manager.num_blocks,
             "blocks_used": self.block_manager.num_blocks - self.block_manager.num_free,
             "preemptions": self.scheduler.num_preemptions,
+            **self.block_manager.usage(),
             **self.stats,
         }
 
     def close(self) -> None:
         self.caches = []
+        self.host_caches = []
         self.seqs.clear()
 
 

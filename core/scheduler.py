@@ -2,8 +2,10 @@
 
 A long prompt is prefilled in chunks across steps. When blocks run out, the
 most recently admitted running sequence is preempted: its blocks are freed,
-its token ids kept, and it goes back to the front of the waiting queue to be
-recomputed when readmitted.
+its token ids kept, and it goes back to the front of the waiting queue. On
+readmission it is recomputed, less what the prefix cache still holds, or its
+blocks come back from the host tier when the block manager swapped them out.
+Prefix-cache lookups happen at admission; a hit's tokens cost no budget.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self.token_budget
+        for seq in self.running:    # last step's full blocks become visible to this step's lookups
+            self.block_manager.cache_computed(seq)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -64,13 +68,12 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            n = self.block_manager.admit(seq, budget)
+            if n is None:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self.block_manager.allocate(seq, n)
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
@@ -78,13 +81,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed = 0
+        swapped = self.block_manager.preempt(seq)   # sets num_computed = 0 unless swapped out
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        log.debug("preempted %s (%d tokens to recompute)", seq.request_id, seq.num_tokens)
+        log.debug("preempted %s (%s, %d tokens)", seq.request_id, "swapped" if swapped else "to recompute",
+                  seq.num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that ended (stop, length, abort or error)."""

@@ -26,6 +26,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0           # tokens whose K/V are in the cache
     num_cached_prefix: int = 0      # prompt tokens served from the prefix cache at admission
+    cache_salt: str | None = None   # prefix-cache isolation: only requests with the same salt share blocks
+    prefix_hits: dict[str, int] = field(default_factory=dict)  # prefix-cache blocks: "device"/"host" hits, "miss"
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None

@@ -16,7 +16,7 @@ class CpuBackend(Backend):
         priority=0,
         default_dtype="float32",
         # Host RAM is shared with everything else on the machine: take a smaller share.
-        default_cache_max_entry_count=0.2,
+        default_cache_max_entry_count=0.05,
     )
 
     @classmethod

@@ -13,20 +13,29 @@ torch ops (see docs/cuda.md for why).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+import psutil
 import torch
 
+from lmport import ops
 from lmport.backend import Backend, Capabilities, ProbeResult
+from lmport.kv.layout import LayerCache
 
 
-def _kernels():
-    """The Triton kernel modules, imported on first use."""
+def _load_kernels(device: torch.device) -> SimpleNamespace:
+    """The Triton kernel entry points, imported on first use."""
     try:
         from lmport.backends.cuda import decode_attention, kv_fill, launch, prefill_attention
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
-    return decode_attention, kv_fill, launch, prefill_attention
+    if device.type == "cpu" and not launch.INTERPRETED:
+        raise RuntimeError("CudaBackend(device='cpu') needs the Triton interpreter, but the kernels were "
+                           "imported without TRITON_INTERPRET=1; set it before anything imports them")
+    return SimpleNamespace(fill_kv_cache=kv_fill.fill_kv_cache,
+                           decode_attention=decode_attention.decode_attention,
+                           prefill_attention=prefill_attention.prefill_attention)
 
 
 class CudaBackend(Backend):
@@ -57,33 +66,48 @@ class CudaBackend(Backend):
             # Kernels on CPU tensors only run under the Triton interpreter, which
             # is chosen when the kernel modules are imported (lazily, later).
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        self._ops = None
+        self._kernels: SimpleNamespace | None = None
 
-    def _kernel_ops(self):
-        if self._ops is None:
-            decode, fill, launch, prefill = _kernels()
-            if self.device.type == "cpu" and not launch.INTERPRETED:
-                raise RuntimeError("CudaBackend(device='cpu') needs the Triton interpreter, but the kernels "
-                                   "were already imported without TRITON_INTERPRET=1; set it before "
-                                   "anything imports lmport.backends.cuda's kernels")
-            self._ops = (decode.decode_attention, fill.fill_kv_cache, prefill.prefill_attention)
-        return self._ops
+    @property
+    def kernels(self) -> SimpleNamespace:
+        if self._kernels is None:
+            self._kernels = _load_kernels(self.device)
+        return self._kernels
 
     def memory_info(self) -> tuple[int, int]:
+        if self.device.type == "cpu":  # interpreter runs: "device" memory is host memory
+            mem = psutil.virtual_memory()
+            return mem.available, mem.total
         return torch.cuda.mem_get_info(self.device)
 
+    def measure_peak_memory(self, fn) -> int | None:
+        if self.device.type != "cuda":  # interpreter runs on host memory: nothing to measure
+            return None
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()  # so mem_get_info counts what fn freed as free again
+        return peak
+
     def pin_host_memory(self) -> bool:
-        return True
+        return self.device.type == "cuda"
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- ops --------------------------------------------------------------
-    def fill_kv_cache(self, k, v, cache, slot_mapping) -> None:
-        self._kernel_ops()[1](k, v, cache, slot_mapping)
+    def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                      slot_mapping: torch.Tensor) -> None:
+        self.kernels.fill_kv_cache(k, v, cache, slot_mapping)
 
-    def paged_attention(self, q, cache, meta, softmax_scale):
-        decode, _, prefill = self._kernel_ops()
-        return (decode if meta.is_decode else prefill)(q, cache, meta, softmax_scale)
+    def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
+                        softmax_scale: float) -> torch.Tensor:
+        if meta.is_decode:
+            return self.kernels.decode_attention(q, cache, meta, softmax_scale)
+        return self.kernels.prefill_attention(q, cache, meta, softmax_scale)
 
     # copy_blocks, rms_norm, apply_rotary: the reference torch ops (docs/cuda.md says why).

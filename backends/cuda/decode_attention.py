@@ -21,6 +21,7 @@ import triton.language as tl
 
 from lmport.backends.cuda.launch import dot_args, pow2, sm_count, tl_dtype
 from lmport.backends.cuda.paged_kv import load_kv_tile
+from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.kv.layout import LayerCache
 from lmport.ops.metadata import AttentionMetadata
 
@@ -59,8 +60,8 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
     table = block_tables + seq * st_b
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    l = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -70,10 +71,10 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
                           c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.reduce(s, 1, MAX))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        l = l * alpha + tl.reduce(p, 1, SUM)
         vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
                           c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
@@ -99,10 +100,10 @@ def _reduce_kernel(part_out, part_lse, o, num_splits,
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(part_lse + seq * pl_b + head * pl_h + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))      # split 0 always holds tokens: the max is finite
+    w = tl.exp2(lse - tl.reduce(lse, 0, MAX))      # split 0 always holds tokens: the max is finite
     parts = tl.load(part_out + seq * po_b + head * po_h + offs_s[:, None] * po_s + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
+    out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)
     tl.store(o + seq * so_t + head * so_h + offs_d * so_d, out.to(o.dtype.element_ty), mask=mask_d)
 
 

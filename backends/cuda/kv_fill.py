@@ -11,11 +11,15 @@ A negative slot (a padded row, e.g. in a CUDA-graph batch) is skipped.
 """
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from lmport.backends.cuda.launch import INTERPRETED, pow2, tl_dtype
+from lmport.backends.cuda.reductions import MAX, MIN
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
 
@@ -32,16 +36,18 @@ def _round_half_even(x):
 
 @triton.jit
 def _params(lo, hi, valid, LEVELS: tl.constexpr, EPS: tl.constexpr, ZERO_LIMIT: tl.constexpr,
-            PDTYPE: tl.constexpr):
+            PMAX: tl.constexpr, PDTYPE: tl.constexpr):
     """(scale, zero) in fp32 from each row's min and max, as quant.quantize."""
-    # Padding rows (heads past NUM_HEADS) see no values: keep them finite.
+    # Rows that are not written (padding, slot < 0) saw no values: keep them finite.
     lo = tl.where(valid, lo, 0.0)
     hi = tl.where(valid, hi, 0.0)
     scale = tl.maximum(tl.math.div_rn(tl.maximum(hi - lo, EPS), LEVELS),
                        tl.math.div_rn(tl.abs(lo), ZERO_LIMIT))
-    # Round the stored scale up (x (1 + 2**-9)) as the reference does, then use the stored value.
-    scale = (scale * 1.001953125).to(PDTYPE).to(tl.float32)
+    # Round the stored scale up (x (1 + 2**-9)) as the reference does, clamped to the param
+    # dtype's largest finite value (values then saturate), and use the stored value from here on.
+    scale = tl.minimum(scale * 1.001953125, PMAX).to(PDTYPE).to(tl.float32)
     zero = _round_half_even(tl.math.div_rn(-lo, scale))
+    zero = tl.minimum(tl.maximum(zero, -ZERO_LIMIT), ZERO_LIMIT)
     return scale, zero
 
 
@@ -55,7 +61,7 @@ def _levels(x, scale, zero, LEVELS: tl.constexpr):
 def _fill(src, s_t, s_h, s_d, dst, qp, tok, head, slot_block, slot_off, valid,
           c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
-          EPS: tl.constexpr, ZERO_LIMIT: tl.constexpr, PDTYPE: tl.constexpr):
+          EPS: tl.constexpr, ZERO_LIMIT: tl.constexpr, PMAX: tl.constexpr, PDTYPE: tl.constexpr):
     """Write [ROWS, HEAD_DIM] rows of K or V into their cache slots.
 
     BLOCK_D covers the stored columns: HEAD_DIM, or HEAD_DIM // 2 bytes for INT4.
@@ -74,16 +80,16 @@ def _fill(src, s_t, s_h, s_d, dst, qp, tok, head, slot_block, slot_off, valid,
             mask = valid[:, None] & (offs_d < HEAD_DIM // 2)[None, :]
             even = tl.load(row + (2 * offs_d)[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
             odd = tl.load(row + (2 * offs_d + 1)[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
-            lo = tl.minimum(tl.min(tl.where(mask, even, inf), axis=1), tl.min(tl.where(mask, odd, inf), axis=1))
-            hi = tl.maximum(tl.max(tl.where(mask, even, -inf), axis=1), tl.max(tl.where(mask, odd, -inf), axis=1))
-            scale, zero = _params(lo, hi, valid, LEVELS, EPS, ZERO_LIMIT, PDTYPE)
+            lo = tl.reduce(tl.minimum(tl.where(mask, even, inf), tl.where(mask, odd, inf)), 1, MIN)
+            hi = tl.reduce(tl.maximum(tl.where(mask, even, -inf), tl.where(mask, odd, -inf)), 1, MAX)
+            scale, zero = _params(lo, hi, valid, LEVELS, EPS, ZERO_LIMIT, PMAX, PDTYPE)
             packed = _levels(even, scale, zero, LEVELS) | (_levels(odd, scale, zero, LEVELS) << 4)
         else:
             mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
             x = tl.load(row + offs_d[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
-            lo = tl.min(tl.where(mask, x, inf), axis=1)
-            hi = tl.max(tl.where(mask, x, -inf), axis=1)
-            scale, zero = _params(lo, hi, valid, LEVELS, EPS, ZERO_LIMIT, PDTYPE)
+            lo = tl.reduce(tl.where(mask, x, inf), 1, MIN)
+            hi = tl.reduce(tl.where(mask, x, -inf), 1, MAX)
+            scale, zero = _params(lo, hi, valid, LEVELS, EPS, ZERO_LIMIT, PMAX, PDTYPE)
             packed = _levels(x, scale, zero, LEVELS)
         tl.store(out, packed, mask=mask)
         params = qp + slot_block * p_b + slot_off * p_s + head * p_h
@@ -97,7 +103,8 @@ def _fill_kernel(k, v, k_cache, v_cache, k_qp, v_qp, slot_mapping, num_rows,
                  c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                  PAGE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                 LEVELS: tl.constexpr, EPS: tl.constexpr, ZERO_LIMIT: tl.constexpr, PDTYPE: tl.constexpr):
+                 LEVELS: tl.constexpr, EPS: tl.constexpr, ZERO_LIMIT: tl.constexpr, PMAX: tl.constexpr,
+                 PDTYPE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)   # row = token * NUM_HEADS + head
     tok = r // NUM_HEADS
     head = r % NUM_HEADS
@@ -108,10 +115,10 @@ def _fill_kernel(k, v, k_cache, v_cache, k_qp, v_qp, slot_mapping, num_rows,
     slot_off = slot % PAGE
     _fill(k, sk_t, sk_h, sk_d, k_cache, k_qp, tok, head, slot_block, slot_off, valid,
           c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
-          HEAD_DIM, BLOCK_D, QUANT, LEVELS, EPS, ZERO_LIMIT, PDTYPE)
+          HEAD_DIM, BLOCK_D, QUANT, LEVELS, EPS, ZERO_LIMIT, PMAX, PDTYPE)
     _fill(v, sv_t, sv_h, sv_d, v_cache, v_qp, tok, head, slot_block, slot_off, valid,
           c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
-          HEAD_DIM, BLOCK_D, QUANT, LEVELS, EPS, ZERO_LIMIT, PDTYPE)
+          HEAD_DIM, BLOCK_D, QUANT, LEVELS, EPS, ZERO_LIMIT, PMAX, PDTYPE)
 
 
 def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
@@ -131,11 +138,13 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slot_mapp
     # ~2K elements a program on a GPU; the interpreter runs programs one by one, so fewer, larger ones.
     rows = 64 if INTERPRETED else max(1, min(64, 2048 // block_d))
     num_rows = tokens * heads
-    _fill_kernel[(triton.cdiv(num_rows, rows),)](
-        k, v, cache.k, cache.v, qp_k, qp_v, slot_mapping, num_rows,
-        *k.stride(), *v.stride(), *cache.k.stride(), *p_strides,
-        PAGE=cache.block_size, NUM_HEADS=heads, HEAD_DIM=head_dim,
-        ROWS=rows, BLOCK_D=block_d, QUANT=policy, LEVELS=float((1 << policy) - 1),
-        EPS=eps, ZERO_LIMIT=float(quant.ZERO_LIMIT), PDTYPE=tl_dtype(pdtype),
-        num_warps=4,
-    )
+    # fp32 max - min may overflow to inf, exactly as in the reference; numpy (interpreter) would warn.
+    with np.errstate(over="ignore") if INTERPRETED else contextlib.nullcontext():
+        _fill_kernel[(triton.cdiv(num_rows, rows),)](
+            k, v, cache.k, cache.v, qp_k, qp_v, slot_mapping, num_rows,
+            *k.stride(), *v.stride(), *cache.k.stride(), *p_strides,
+            PAGE=cache.block_size, NUM_HEADS=heads, HEAD_DIM=head_dim,
+            ROWS=rows, BLOCK_D=block_d, QUANT=policy, LEVELS=float((1 << policy) - 1),
+            EPS=eps, ZERO_LIMIT=float(quant.ZERO_LIMIT), PMAX=torch.finfo(pdtype).max, PDTYPE=tl_dtype(pdtype),
+            num_warps=4,
+        )

@@ -6,6 +6,8 @@ imported, which is when the ``@triton.jit`` decorators of the kernel modules run
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,7 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors: how many programs fill the GPU once.
 

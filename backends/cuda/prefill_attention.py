@@ -16,6 +16,7 @@ import triton.language as tl
 
 from lmport.backends.cuda.launch import INTERPRETED, dot_args, pow2, tl_dtype
 from lmport.backends.cuda.paged_kv import load_kv_tile
+from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.kv.layout import LayerCache
 from lmport.ops.metadata import AttentionMetadata
 
@@ -37,10 +38,10 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
     s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_new = tl.maximum(m, tl.reduce(s, 1, MAX))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
+    l = l * alpha + tl.reduce(p, 1, SUM)
     vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
                       c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
@@ -85,8 +86,8 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
         table = block_tables + seq * st_b
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        l = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         # Keys before ctx + tok0 are visible to every row: whole tiles of them need no mask.
         full_end = (ctx + tok0) // BLOCK_N * BLOCK_N
         for n0 in range(0, full_end, BLOCK_N):

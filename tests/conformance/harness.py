@@ -8,6 +8,10 @@ It calls ``pytest.skip`` when a backend cannot run its ops here at all.
 """
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,9 +35,25 @@ def _cuda_interpreter(cls) -> tuple[Backend, str]:
     return cls(device="cpu"), "interpreter"
 
 
+def simulated_backend(cls) -> tuple[Backend, str]:
+    """A vendor backend on CPU tensors against its simulated SDK (tests/simulated), mode "simulated".
+
+    The simulated modules are in sys.modules only while the backend is built; the
+    instance keeps its own references to them, so nothing leaks into other tests.
+    """
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    simulated = importlib.import_module("simulated")
+    with simulated.installed(cls.capabilities.device_type):
+        return cls(device="cpu"), "simulated"
+
+
 # Off-device runners by backend name; the vendor backends add theirs here.
 _OFF_DEVICE = {
     "cuda": _cuda_interpreter,
+    "ascend": simulated_backend,
+    "camb": simulated_backend,
 }
 
 

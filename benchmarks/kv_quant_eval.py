@@ -1,0 +1,243 @@
+"""KV-cache quantization on the default model: accuracy and capacity for quant_policy 0, 8 and 4.
+
+For each policy, through the pipeline API (``lmport.pipeline`` + ``EngineConfig``):
+
+- perplexity on a fixed English text that ships in benchmarks/data/ (Alice's
+  Adventures in Wonderland, public domain; see benchmarks/data/README.md),
+  cut into chunks of --chunk tokens so each chunk fills a long stretch of cache;
+- greedy agreement with policy 0: --prompts prompts taken from the same text,
+  --new-tokens tokens each; the share of tokens identical up to the first
+  divergence, and the share identical position by position overall;
+- bytes per token of KV cache (values + scale/zero, from the engine's KVLayout)
+  and how many concurrent --seq-len-token sequences fit in a 1 GiB cache, for
+  the run's cache dtype and for a 16-bit cache.
+
+Prints a markdown table and writes JSON (default benchmarks/results/kv_quant_eval.json).
+
+    .venv/bin/python benchmarks/kv_quant_eval.py            # full run (CPU: ~15 min)
+    .venv/bin/python benchmarks/kv_quant_eval.py --quick    # a smoke run of the script
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import lmport
+from lmport import EngineConfig, GenerationConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT_FILE = ROOT / "benchmarks" / "data" / "alice29.txt"
+TEXT_SOURCE = ("Lewis Carroll, Alice's Adventures in Wonderland (1865), public domain; Project Gutenberg "
+               "etext 'Millennium Fulcrum Edition 2.9' as the Canterbury Corpus file alice29.txt, "
+               "taken from the PyPI sdist brotli-1.2.1 (tests/testdata/alice29.txt)")
+GIB = 2 ** 30
+POLICY_NAMES = {0: "none (16/32-bit)", 8: "INT8", 4: "INT4"}
+
+
+def load_text() -> str:
+    """The book with its hard line wraps undone: one line per paragraph, single spaces."""
+    raw = TEXT_FILE.read_text(encoding="ascii")
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", raw) if p.strip()]
+    return "\n\n".join(paragraphs)
+
+
+def perplexity(pipe, chunks: list[list[int]]) -> float:
+    """Perplexity over all chunks together: exp(total NLL / predicted tokens)."""
+    ppls = pipe.get_ppl(chunks) if hasattr(pipe, "get_ppl") else _ppl_via_engine(pipe, chunks)
+    # Each chunk's perplexity is exp(mean NLL over its len - 1 predicted tokens).
+    nll = sum(math.log(p) * (len(c) - 1) for p, c in zip(ppls, chunks))
+    return math.exp(nll / sum(len(c) - 1 for c in chunks))
+
+
+@torch.inference_mode()
+def _ppl_via_engine(pipe, chunks: list[list[int]]) -> list[float]:
+    """Stand-in until ``Pipeline.get_ppl`` lands: the engine's own model and quantized KV cache.
+
+    One chunk at a time through ``engine.model`` (so K/V go through fill_kv_cache
+    and paged attention of the configured policy); the engine is idle here, so
+    blocks 1.. of its cache are free to use. Remove once get_ppl exists.
+    """
+    from lmport.ops import build_attention_metadata
+
+    eng = pipe.engine
+    block = eng.layout.block_size
+    out = []
+    for ids in chunks:
+        table = list(range(1, -(-len(ids) // block) + 1))
+        if len(table) >= eng.plan.num_blocks:
+            raise RuntimeError(f"a {len(ids)}-token chunk does not fit in the engine's {eng.plan.num_blocks} blocks")
+        meta = build_attention_metadata([len(ids)], [len(ids)], [table], block, eng.backend.device)
+        hidden = eng.model(torch.tensor(ids, device=eng.backend.device), meta, eng.caches)
+        targets = torch.tensor(ids[1:], device=eng.backend.device)
+        nll = 0.0
+        for start in range(0, len(ids) - 1, 512):  # logits in slices: vocab x chunk would be large
+            logits = eng.model.logits(hidden[start:start + 512][: len(targets) - start]).float()
+            nll += torch.nn.functional.cross_entropy(logits, targets[start:start + 512], reduction="sum").item()
+        out.append(math.exp(nll / len(targets)))
+    return out
+
+
+def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """(share of tokens identical up to each sequence's first divergence, share identical by position)."""
+    total = prefix = same = 0
+    for a, b in zip(base, other):
+        total += len(a)
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix += n
+        same += sum(x == y for x, y in zip(a, b))
+    return prefix / total, same / total
+
+
+def capacity(layout, seq_len: int) -> dict:
+    per_seq = -(-seq_len // layout.block_size)
+    return {"bytes_per_token": layout.bytes_per_token,
+            "bytes_per_block": layout.bytes_per_block,
+            "tokens_in_1gib": layout.blocks_in(GIB) * layout.block_size,
+            f"seqs_of_{seq_len}_in_1gib": layout.blocks_in(GIB) // per_seq}
+
+
+def run_policy(args, policy: int, chunks, prompts) -> dict:
+    cfg = EngineConfig(device_type=args.device_type, dtype=args.dtype, quant_policy=policy,
+                       cache_max_entry_count=args.cache_max_entry_count)
+    started = time.perf_counter()
+    pipe = lmport.pipeline(args.model, backend_config=cfg)
+    try:
+        eng = pipe.engine
+        t0 = time.perf_counter()
+        ppl = perplexity(pipe, chunks)
+        t_ppl = time.perf_counter() - t0
+        gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, ignore_eos=True)
+        t0 = time.perf_counter()
+        responses = pipe.generate(prompts, gen)
+        t_gen = time.perf_counter() - t0
+        errors = [r.error for r in responses if r.error]
+        if errors:
+            raise RuntimeError(f"generation failed: {errors[0]}")
+        layout16 = dataclasses.replace(eng.layout, dtype=torch.float16)
+        return {
+            "policy": policy,
+            "device_type": eng.config.device_type,
+            "dtype": eng.config.dtype,
+            "block_size": eng.layout.block_size,
+            "perplexity": ppl,
+            "ppl_via": "get_ppl" if hasattr(pipe, "get_ppl") else "engine model (get_ppl not yet in the pipeline)",
+            "outputs": [list(r.token_ids) for r in responses],
+            "capacity": capacity(eng.layout, args.seq_len),
+            "capacity_16bit": capacity(layout16, args.seq_len),
+            "seconds": {"load": t0 - started - t_ppl, "ppl": t_ppl, "generate": t_gen},
+        }
+    finally:
+        pipe.close()
+
+
+def _fraction_or_blocks(text: str) -> float | int:
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device-type", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto: the backend's default (cpu: float32)")
+    ap.add_argument("--cache-max-entry-count", type=_fraction_or_blocks, default=None,
+                    help="a fraction of free memory in (0, 1] or an exact number of blocks (default: the backend's)")
+    ap.add_argument("--policies", type=int, nargs="+", default=[0, 8, 4])
+    ap.add_argument("--chunk", type=int, default=2048, help="tokens per perplexity chunk")
+    ap.add_argument("--min-text-tokens", type=int, default=20000)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=2048, help="sequence length for the 1 GiB capacity")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_quant_eval.json")
+    ap.add_argument("--quick", action="store_true", help="2 chunks of 256, 4 prompts x 8 tokens")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.chunk, args.min_text_tokens, args.prompts, args.new_tokens = 256, 0, 4, 8
+    if args.policies[0] != 0:
+        ap.error("the first policy must be 0: agreement is measured against it")
+
+    # Tokenize with the model's tokenizer (the same for every policy); no BOS, as SmolLM2 has none.
+    from lmport.models.loader import hf_directory
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(hf_directory(args.model))
+    ids = tokenizer.encode(load_text(), add_special_tokens=False)
+    n_chunks = len(ids) // args.chunk
+    if args.quick:
+        n_chunks = min(n_chunks, 2)
+    chunks = [ids[i * args.chunk:(i + 1) * args.chunk] for i in range(n_chunks)]
+    scored = sum(len(c) - 1 for c in chunks)
+    if scored < args.min_text_tokens:
+        sys.exit(f"only {scored} tokens to score; need {args.min_text_tokens}")
+    # Prompts: windows spread evenly over the text.
+    stride = (len(ids) - args.prompt_tokens) // args.prompts
+    prompts = [ids[i * stride:i * stride + args.prompt_tokens] for i in range(args.prompts)]
+
+    print(f"text: {TEXT_FILE.relative_to(ROOT)}: {len(ids)} tokens; {n_chunks} chunks x {args.chunk} "
+          f"({scored} scored); {args.prompts} prompts x {args.prompt_tokens} -> {args.new_tokens} greedy tokens",
+          flush=True)
+    runs = []
+    for policy in args.policies:
+        print(f"quant_policy={policy} ...", flush=True)
+        runs.append(run_policy(args, policy, chunks, prompts))
+        r = runs[-1]
+        print(f"  ppl {r['perplexity']:.4f}  ({r['seconds']['ppl']:.0f} s ppl, "
+              f"{r['seconds']['generate']:.0f} s generate)", flush=True)
+
+    base = runs[0]
+    rows = []
+    for r in runs:
+        prefix, overall = agreement(base["outputs"], r["outputs"])
+        r["ppl_change_rel"] = r["perplexity"] / base["perplexity"] - 1
+        r["agreement_to_first_divergence"] = prefix
+        r["agreement_overall"] = overall
+        r["capacity_ratio_16bit"] = (base["capacity_16bit"]["bytes_per_token"]
+                                     / r["capacity_16bit"]["bytes_per_token"])
+        rows.append(r)
+
+    key = f"seqs_of_{args.seq_len}_in_1gib"
+    dtype = base["dtype"]
+    print()
+    print(f"model {args.model} on {base['device_type']}, cache dtype {dtype}, block size {base['block_size']}")
+    print()
+    print(f"| quant_policy | perplexity | change | greedy agreement to 1st divergence | overall | "
+          f"bytes/token ({dtype}) | {args.seq_len}-token seqs in 1 GiB ({dtype}) | "
+          f"bytes/token (16-bit) | seqs in 1 GiB (16-bit) | x tokens vs 16-bit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c, c16 = r["capacity"], r["capacity_16bit"]
+        print(f"| {r['policy']} ({POLICY_NAMES.get(r['policy'], '?')}) | {r['perplexity']:.4f} | "
+              f"{100 * r['ppl_change_rel']:+.2f}% | {100 * r['agreement_to_first_divergence']:.1f}% | "
+              f"{100 * r['agreement_overall']:.1f}% | {c['bytes_per_token']:.0f} | {c[key]} | "
+              f"{c16['bytes_per_token']:.0f} | {c16[key]} | {r['capacity_ratio_16bit']:.3f} |")
+
+    result = {
+        "benchmark": "kv_quant_eval",
+        "model": args.model,
+        "text": {"file": str(TEXT_FILE.relative_to(ROOT)), "source": TEXT_SOURCE, "tokens": len(ids),
+                 "chunk_tokens": args.chunk, "chunks": n_chunks, "scored_tokens": scored},
+        "generation": {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+                       "new_tokens": args.new_tokens, "greedy": True, "ignore_eos": True},
+        "quick": args.quick,
+        "host": {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+                 "lmport": lmport.__version__},
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Load test of `lmport serve`: N concurrent streamed chat completions over loopback.
+
+Starts `lmport serve MODEL` on a free 127.0.0.1 port (or uses --url, which
+must be a loopback address), sends --requests streamed requests at once,
+each generating exactly --max-tokens tokens (ignore_eos), and reports the
+success count, time to first token p50/p99 and output tokens/s. Bounded in
+count and time: everything stops after --timeout seconds and the server it
+started is shut down. Prints a markdown table; writes JSON to --out.
+
+    .venv/bin/python benchmarks/serve_load.py                  # 200 requests, smollm2
+    .venv/bin/python benchmarks/serve_load.py --requests 20 --max-tokens 16 --model /path/to/model
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["the sea", "a lighthouse", "paged attention", "a robot", "autumn", "a library", "mountains", "a city"]
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (p in [0, 100])."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def start_server(model: str, port: int, extra: list[str], log_path: Path) -> subprocess.Popen:
+    lmport = Path(sys.executable).parent / "lmport"
+    cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport.cli"]
+    cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
+    print("starting:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+async def wait_ready(url: str, proc: subprocess.Popen | None, deadline: float) -> None:
+    async with httpx.AsyncClient(timeout=2) as http:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            try:
+                if (await http.get(url + "/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not become ready")
+            await asyncio.sleep(0.25)
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
+                      headers: dict) -> dict:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Request {i}: write a story about {TOPICS[i % len(TOPICS)]}."}]}
+    start = time.perf_counter()
+    result = {"ok": False, "ttft": None, "latency": None, "completion_tokens": 0, "error": None}
+    try:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                result["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result["error"] = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result["completion_tokens"] = chunk["usage"]["completion_tokens"]
+                if result["ttft"] is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    result["ttft"] = time.perf_counter() - start
+        result["latency"] = time.perf_counter() - start
+        result["ok"] = done and result["completion_tokens"] == max_tokens
+        if not result["ok"]:
+            result["error"] = f"stream ended early ({result['completion_tokens']} of {max_tokens} tokens)"
+    except httpx.HTTPError as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str | None, timeout: float) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as http:
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one_request(http, url, model, i, max_tokens, headers)) for i in range(n)]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:  # past the time bound: stop them (closing the stream aborts them on the server)
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - start
+        results = [t.result() if t in done else {"ok": False, "error": "timed out", "completion_tokens": 0,
+                                                  "ttft": None, "latency": None} for t in tasks]
+        metrics_text = (await http.get(url + "/metrics", headers=headers)).text
+    ok = [r for r in results if r["ok"]]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tokens = sum(r["completion_tokens"] for r in results)
+    errors = sorted({r["error"] for r in results if r["error"]})
+    return {
+        "requests": n, "succeeded": len(ok), "max_tokens": max_tokens, "wall_s": wall,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts, default=None),
+        "latency_p50_s": percentile([r["latency"] for r in ok], 50),
+        "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall else None,
+        "errors": errors[:10],
+        "server_running_after": _metric(metrics_text, "lmport_requests_running"),
+        "server_kv_blocks_used_after": _metric(metrics_text, "lmport_kv_blocks_used"),
+    }
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def table(r: dict) -> str:
+    def s(x):
+        return "-" if x is None else f"{x:.3f}"
+    rows = [("requests (concurrent)", r["requests"]), ("succeeded", r["succeeded"]),
+            ("output tokens per request", r["max_tokens"]), ("wall time (s)", s(r["wall_s"])),
+            ("TTFT p50 (s)", s(r["ttft_p50_s"])), ("TTFT p99 (s)", s(r["ttft_p99_s"])),
+            ("request latency p50 (s)", s(r["latency_p50_s"])), ("output tokens", r["output_tokens"]),
+            ("output tokens/s", s(r["output_tokens_per_s"])),
+            ("running after / KV blocks used after", f"{r['server_running_after']} / {r['server_kv_blocks_used_after']}")]
+    return "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+async def main_async(args) -> dict:
+    proc = None
+    if args.url:
+        if not is_loopback(args.url):
+            raise SystemExit(f"--url must be a loopback address (127.0.0.1, ::1, localhost), got {args.url}")
+        url = args.url.rstrip("/")
+    else:
+        port = free_loopback_port()
+        url = f"http://127.0.0.1:{port}"
+        log_path = Path(args.out).with_suffix(".server.log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        proc = start_server(args.model, port, shlex.split(args.server_args), log_path)
+    try:
+        await wait_ready(url, proc, time.monotonic() + 300)
+        async with httpx.AsyncClient(timeout=30) as http:
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            model = (await http.get(url + "/v1/models", headers=headers)).json()["data"][0]["id"]
+        # One short request first, so start-up costs (first forward, allocator warm-up) are not measured.
+        async with httpx.AsyncClient(timeout=300) as http:
+            await one_request(http, url, model, 0, 4, headers)
+        result = await run_load(url, model, args.requests, args.max_tokens, args.api_key, args.timeout)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    result.update(model=args.model if not args.url else model, url=url, server_args=args.server_args,
+                  host=platform.node(), cpus=os.cpu_count(), python=platform.python_version())
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="model for the server this script starts")
+    p.add_argument("--url", default=None, help="use a running server on loopback instead of starting one")
+    p.add_argument("--api-key", default=os.environ.get("LMPORT_API_KEY"))
+    p.add_argument("--requests", type=int, default=200, help="concurrent streamed requests (default 200)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates (default 64)")
+    p.add_argument("--timeout", type=float, default=600, help="time bound for the load, in seconds")
+    p.add_argument("--server-args", default="", help='extra `lmport serve` flags, e.g. "--max-batch-size 128"')
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_load.json"))
+    args = p.parse_args()
+    result = asyncio.run(main_async(args))
+    print(table(result))
+    if result["errors"]:
+        print("errors:", *result["errors"], sep="\n  ")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if result["succeeded"] == result["requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Throughput of lmport vs transformers on one fixed mixed workload, side by side in one run.
+
+Workload: N requests (default 64), prompts of 8-512 tokens cut from a fixed
+text, output lengths from {16, 32, 64, 128} (EOS ignored so every engine
+produces exactly the requested tokens), fixed seed, all arriving at t=0.
+
+- lmport: every request at once through the engine (continuous batching, per-request lengths).
+- transformers generate: padded batches of --hf-batch requests of one output length.
+- transformers generate_batch: its continuous batching, one call per output length
+  (it takes a single max_new_tokens per call).
+
+Same model, dtype (float32) and machine. Prints a markdown table, writes JSON.
+Run: python benchmarks/throughput.py [--requests 64] [--out benchmarks/results/throughput.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+OUTPUT_LENGTHS = (16, 32, 64, 128)
+TEXT = (
+    "The history of computing is a story of abstraction layered on abstraction. Early machines were "
+    "programmed by rewiring panels; later, stored programs let the same hardware run many tasks. "
+    "Operating systems introduced virtual memory, which maps a process's addresses onto physical pages "
+    "so that memory can be shared, swapped and protected. Paged attention borrows the same idea: the "
+    "key-value cache of each sequence lives in fixed-size blocks that need not be contiguous, so that "
+    "many requests of different lengths can share one pool without fragmentation. "
+)
+
+
+def workload(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    base = tokenizer.encode(TEXT * 20)
+    requests = []
+    for i in range(n):
+        length = rng.randint(8, 512)
+        start = rng.randrange(0, len(base) - length)
+        requests.append((base[start:start + length], OUTPUT_LENGTHS[i % len(OUTPUT_LENGTHS)]))
+    return requests
+
+
+def summarize(name: str, wall: float, latencies: list[float], requests) -> dict:
+    out_tokens = sum(n for _, n in requests)
+    lat = sorted(latencies)
+    return {
+        "engine": name, "requests": len(requests), "wall_s": round(wall, 2),
+        "requests_per_s": round(len(requests) / wall, 3), "output_tokens_per_s": round(out_tokens / wall, 1),
+        "mean_latency_s": round(statistics.mean(lat), 2),
+        "p99_latency_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
+    }
+
+
+def run_lmport(model: str, requests, args) -> dict:
+    import lmport
+    from lmport import EngineConfig, GenerationConfig
+    pipe = lmport.pipeline(model, backend_config=EngineConfig(
+        device_type="cpu", dtype="float32", max_batch_size=args.max_batch_size, cache_max_entry_count=args.blocks))
+    engine = pipe.engine
+    engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=2, ignore_eos=True))  # warm-up
+    while engine.has_unfinished():
+        engine.step()
+    start = time.perf_counter()
+    done = {}
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(ids, GenerationConfig(max_new_tokens=n, ignore_eos=True), request_id=str(i))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert len(out.token_ids) == requests[int(out.request_id)][1], out
+                done[out.request_id] = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    result = summarize("lmport", wall, list(done.values()), requests)
+    result["preemptions"] = engine.usage()["preemptions"]
+    pipe.close()
+    return result
+
+
+def by_length(requests):
+    groups = {}
+    for i, (ids, n) in enumerate(requests):
+        groups.setdefault(n, []).append(i)
+    return groups
+
+
+def run_hf_generate(hf, tokenizer, requests, batch: int) -> dict:
+    start = time.perf_counter()
+    latencies = []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for n, idx in by_length(requests).items():
+        for b in range(0, len(idx), batch):
+            chunk = [requests[i][0] for i in idx[b:b + batch]]
+            width = max(map(len, chunk))
+            # Left padding, as generation needs the last position to be a real token.
+            ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=pad)
+            assert out.shape[1] - width == n
+            latencies += [time.perf_counter() - start] * len(chunk)
+    return summarize("transformers generate", time.perf_counter() - start, latencies, requests)
+
+
+def run_hf_generate_batch(hf, requests) -> dict:
+    from transformers import GenerationConfig as HFGenerationConfig
+    start = time.perf_counter()
+    latencies = []
+    for n, idx in by_length(requests).items():
+        cfg = HFGenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            outs = hf.generate_batch([requests[i][0] for i in idx], generation_config=cfg, progress_bar=False)
+        assert all(len(o.generated_tokens) == n for o in outs.values())
+        latencies += [time.perf_counter() - start] * len(idx)
+    return summarize("transformers generate_batch", time.perf_counter() - start, latencies, requests)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=2400, help="KV blocks of 16 tokens for lmport")
+    parser.add_argument("--skip", nargs="*", default=[], help="generate, generate_batch")
+    parser.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmport.models.loader import hf_directory
+    directory = hf_directory(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    requests = workload(tokenizer, args.requests, args.seed)
+    results = [run_lmport(args.model, requests, args)]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if "generate" not in args.skip:
+        results.append(run_hf_generate(hf, tokenizer, requests, args.hf_batch))
+    if "generate_batch" not in args.skip:
+        try:
+            results.append(run_hf_generate_batch(hf, requests))
+        except Exception as exc:  # report, don't hide, a peer that cannot run here
+            results.append({"engine": "transformers generate_batch", "error": f"{type(exc).__name__}: {exc}"})
+
+    cols = ["engine", "requests_per_s", "output_tokens_per_s", "mean_latency_s", "p99_latency_s", "wall_s"]
+    print(f"\n{args.requests} requests, prompts 8-512 tokens, outputs {OUTPUT_LENGTHS}, "
+          f"torch threads {torch.get_num_threads()}\n")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        print("| " + " | ".join(str(r.get(c, r.get("error", "-"))) for c in cols) + " |")
+    base = next((r for r in results if r["engine"] == "transformers generate" and "wall_s" in r), None)
+    if base:
+        print(f"\nlmport / transformers generate, output tokens/s: "
+              f"{results[0]['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
+                               "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

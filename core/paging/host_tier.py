@@ -1,0 +1,64 @@
+"""Host-memory tier: a KV pool in host memory and the block copies to and from it.
+
+The host pool has the device pool's KVLayout (same block shapes, qparams
+included), so a block moves with one ``Backend.copy_blocks`` call. Its blocks
+are tracked by a ``BlockAllocator``: cached = a prefix-cache block evicted from
+the device, used = a block of a swapped-out (preempted) sequence.
+
+The block manager queues copies while it schedules a step; the engine runs
+them before the step's forward. Order matters (a host block read back this
+step may be reused as a destination later in the same step), so the queue
+keeps it, and batches consecutive copies in one direction into one call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmport.kv.layout import KVLayout, LayerCache
+
+GiB = 1 << 30
+
+
+def host_pool_blocks(layout: KVLayout, host_cache_gib: float) -> int:
+    return layout.blocks_in(host_cache_gib * GiB)
+
+
+def allocate_host_pool(layout: KVLayout, num_blocks: int, pin_memory: bool) -> list[LayerCache]:
+    """Host KV pool; pinned when the backend says so (faster, asynchronous-capable copies)."""
+    return layout.allocate(num_blocks, "cpu", pin_memory=pin_memory)
+
+
+@dataclass
+class CopyBatch:
+    to_host: bool       # device -> host when True, host -> device otherwise
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    written: set[int] = field(default_factory=set, repr=False)
+
+
+class CopyQueue:
+    def __init__(self):
+        self._batches: list[CopyBatch] = []
+        self.blocks_to_host = 0
+        self.blocks_from_host = 0
+
+    def add(self, to_host: bool, src: int, dst: int) -> None:
+        last = self._batches[-1] if self._batches else None
+        # A second write to the same block must not share a batch with the first (index_copy_ order is undefined).
+        if last is None or last.to_host != to_host or dst in last.written:
+            last = CopyBatch(to_host)
+            self._batches.append(last)
+        last.src.append(src)
+        last.dst.append(dst)
+        last.written.add(dst)
+        if to_host:
+            self.blocks_to_host += 1
+        else:
+            self.blocks_from_host += 1
+
+    def take(self) -> list[CopyBatch]:
+        batches, self._batches = self._batches, []
+        return batches
+
+    def __len__(self) -> int:
+        return sum(len(b.src) for b in self._batches)

@@ -1,0 +1,165 @@
+"""`lmport plan MODEL`: the memory plan of a model on a backend, from the model's config alone.
+
+No weight is read or converted: a GGUF's config comes from its metadata, the
+parameter count from the engine's model built on the meta device. The cache
+is sized by ``lmport.memory.plan_cache``, the function the engine itself uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import sys
+
+import torch
+
+from lmport import registry
+from lmport.backend import Backend
+from lmport.config import ConfigError, EngineConfig
+from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
+                           plan_cache)
+from lmport.models.llama import PagedCausalLM, head_dim_of
+from lmport.models.loader import ModelNotFound, resolve_model_path
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """"24GiB", "24G" (both 2**30 units), "24GB" (10**9), "512MiB" or a plain byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit or float(match.group(1)) <= 0:
+        raise ConfigError(f"--device-memory {text!r}: give a size such as 24GiB, 80G, 512MiB or a byte count")
+    return int(float(match.group(1)) * unit)
+
+
+@functools.lru_cache(maxsize=None)
+def read_model_config(model: str):
+    """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is read)."""
+    from transformers import AutoConfig
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def count_parameters(model_cfg) -> int:
+    """Parameters the engine loads: its model built on the meta device (no memory), tied embeddings once."""
+    with torch.device("meta"):
+        model = PagedCausalLM(model_cfg, backend=None, rotary=None)
+    count = sum(p.numel() for p in model.parameters())
+    if getattr(model_cfg, "tie_word_embeddings", False):
+        count -= model.lm_head.weight.numel()
+    return count
+
+
+def build_plan(model: str, config: EngineConfig, device_memory: int | None = None) -> dict:
+    """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free
+    before the weights load (default: the chosen device's free memory on this machine)."""
+    resolved = config.resolve()
+    backend_cls = resolved.backend_class()
+    caps = backend_cls.capabilities
+    model_cfg = read_model_config(model)
+    layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
+    params = count_parameters(model_cfg)
+    dtype = getattr(torch, resolved.dtype)
+    weight_bytes = params * dtype.itemsize // resolved.tp   # one device's share under tensor parallelism
+
+    if device_memory is None:
+        probe = registry.safe_probe(backend_cls)
+        if not probe.available:
+            raise ConfigError(f"device {caps.device_type!r} is not available here ({probe.reason}); plan for one "
+                              f"with --device-memory, e.g. --device-memory 24GiB")
+        device_memory, _ = backend_cls().memory_info()
+        source = "free on this machine now"
+    else:
+        source = "--device-memory"
+    measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
+    inputs = MemoryInputs(model_cfg, resolved, caps, weight_bytes, max(0, device_memory - weight_bytes),
+                          activation_reserve(model_cfg, resolved), reserve_measured=False)
+
+    report = {
+        "model": {"name": model, "model_type": model_cfg.model_type, "layers": model_cfg.num_hidden_layers,
+                  "hidden_size": model_cfg.hidden_size, "attention_heads": model_cfg.num_attention_heads,
+                  "kv_heads": model_cfg.num_key_value_heads, "head_dim": head_dim_of(model_cfg),
+                  "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg)},
+        "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
+        "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": {resolved.dtype: weight_bytes}},
+        "activation_reserve": {
+            "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
+            "source": "estimate",
+            "note": (f"the {caps.device_type} engine measures it with one forward at start-up" if measures else
+                     f"{caps.device_type} cannot measure peak memory: the engine uses this estimate too")},
+        "free_after_weights_bytes": inputs.free_bytes,
+        "usable_for_cache_bytes": inputs.usable_bytes,
+        "kv": {"quant_policy": resolved.quant_policy, "block_size": layout.block_size,
+               "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token},
+        "cache": None,
+        "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "adjustments"},
+        "adjustments": [a._asdict() for a in resolved.adjustments],
+        "error": None,
+    }
+    try:
+        plan = plan_cache(inputs)
+    except CacheDoesNotFit as exc:
+        report["error"] = str(exc)
+        return report
+    report["cache"] = {
+        "cache_max_entry_count": resolved.cache_max_entry_count,
+        "meaning": ("exact number of blocks" if isinstance(resolved.cache_max_entry_count, int)
+                    else "share of the memory left after weights and activation reserve"),
+        "bytes": plan.cache_bytes, "num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
+        "session_len": plan.session_len, "blocks_per_sequence": plan.blocks_per_sequence,
+        "sequences_that_fit": plan.max_sequences,
+        "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
+    }
+    return report
+
+
+def format_plan(r: dict) -> str:
+    m, d, w, a, kv, cache = r["model"], r["device"], r["weights"], r["activation_reserve"], r["kv"], r["cache"]
+    cfg = r["config"]
+    rows = [
+        ("model", f"{m['name']}: {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}, "
+                  f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
+                  f"context {m['max_position_embeddings']}"),
+        ("device", f"{d['type']}: {fmt_bytes(d['memory_bytes'])} ({d['memory_source']})"),
+        ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
+                    + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())
+                    + (f" on each of {cfg['tp']} devices" if cfg["tp"] > 1 else "")),
+        ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
+                       f"({a['source']}; {a['note']})"),
+        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights, "
+                 f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
+        ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
+                     f"tokens = {kv['bytes_per_token']:,.1f} B a token"),
+    ]
+    if cache:
+        rows += [
+            ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "
+                 f"{fmt_bytes(cache['bytes'])} = {cache['num_blocks']:,} blocks = {cache['num_tokens']:,} tokens"),
+            ("session_len", f"{cache['session_len']} ({'asked' if cfg['session_len'] else 'min(model limit, cache)'})"),
+            ("sequences", f"{cache['sequences_that_fit']:,} of {cache['session_len']} tokens fit in the cache; "
+                          f"max concurrent {cache['max_concurrent_sequences']} (max_batch_size {cfg['max_batch_size']})"),
+        ]
+    rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
+             ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"
+                                       for a in r["adjustments"]) or "none")]
+    text = "\n".join(f"{name:<12} {value}".rstrip() for name, value in rows)
+    if r["error"]:
+        text += "\n\nerror: the KV cache does not fit: " + r["error"]
+    return text
+
+
+def plan_command(args) -> int:
+    from lmport.cli import engine_config
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    try:
+        report = build_plan(args.model, engine_config(args), device_memory)
+    except ModelNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 2 if report["error"] else 0

@@ -1,0 +1,422 @@
+"""`lmport serve`: an OpenAI-compatible HTTP API over one Engine (FastAPI + uvicorn).
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(``stream: true`` gives server-sent events ending in ``data: [DONE]``),
+GET /health (never needs the API key) and GET /metrics (Prometheus).
+
+The Engine runs in an EngineLoop thread; each HTTP request becomes one
+engine request per choice (``n``). A client that goes away, streaming or
+not, aborts its engine requests, which frees their KV blocks at once.
+Bad input is refused before anything is queued, with an OpenAI-style error
+that names the field; see docs/server.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lmport.api import encode_prompt
+from lmport.config import ConfigError, GenerationConfig
+from lmport.engine import Engine, RequestError, RequestOutput
+from lmport.engine_loop import EngineLoop
+from lmport.server.metrics import Metrics
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 2 * 2**20
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request: its prompts and one GenerationConfig per choice."""
+    id: str
+    created: int
+    prompts: list[list[int]]
+    configs: list[GenerationConfig]   # len(prompts) * n, choice index = prompt index * n + sample index
+    n: int
+    received: float                   # perf_counter() when the request arrived, for time to first token
+    header: dict = field(default_factory=dict)   # id, object, created, model: the start of every response
+    include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed as soon as the response ends, however it ends.
+
+    Starlette cancels the streaming task when the client disconnects, but a
+    generator paused at ``yield`` would only be closed by the garbage
+    collector; closing it here aborts the engine requests right away.
+    """
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class Server:
+    def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.engine = engine
+        self.model_name = model_name or engine.model_name
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
+        # A private tokenizer: the engine thread decodes with its own at the same time.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.loop = EngineLoop(engine)
+        self.metrics = Metrics(lambda: self.loop.call(Engine.usage))
+        self.created = int(time.time())
+
+    # -- request parsing ------------------------------------------------------------------------
+    async def parse(self, request: Request, cls):
+        """Read the body (up to max_body_bytes) and validate it into ``cls``."""
+        too_large = APIError(413, f"the request body is larger than the server's limit of {self.max_body_bytes} "
+                                  f"bytes", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_large
+        try:
+            req = cls.model_validate_json(bytes(body))
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        if req.model != self.model_name:
+            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r} "
+                                f"(see GET /v1/models)", param="model", code="model_not_found")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name}: not supported by lmport; leave it out or use "
+                                    f"repetition_penalty", param=name)
+        return req
+
+    def job(self, req, prompts: list[list[int]], param: str, max_tokens: int | None,
+            logprobs: int | None, received: float) -> _Job:
+        """Check every prompt against the engine and build one GenerationConfig per choice."""
+        configs = []
+        for ids in prompts:
+            try:
+                # validate() reads only fixed facts (vocab, session_len): safe without the engine lock.
+                self.engine.validate(ids)
+            except RequestError as exc:
+                raise APIError(400, f"{param}: {exc}", param=param) from None
+            for i in range(req.n):
+                try:
+                    configs.append(GenerationConfig(
+                        # No max_tokens: up to the session length, as OpenAI does up to the context.
+                        max_new_tokens=max_tokens or self.engine.session_len - len(ids),
+                        temperature=req.temperature, do_sample=req.temperature > 0,
+                        top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
+                        repetition_penalty=req.repetition_penalty,
+                        # n choices from one seed differ from each other yet repeat run to run.
+                        random_seed=None if req.seed is None else (req.seed + i) % 2**64,
+                        stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs))
+                except ConfigError as exc:
+                    raise APIError(400, str(exc)) from None
+        return _Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
+
+    # -- generation -----------------------------------------------------------------------------
+    async def outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every choice at once; yield (choice index, output) as outputs arrive.
+
+        Closing this iterator (or cancelling its consumer) aborts every unfinished choice.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: int, config: GenerationConfig):
+            try:
+                async for out in self.loop.generate(job.prompt_of(choice), config, f"{job.id}-{choice}"):
+                    queue.put_nowait((choice, out))
+            except Exception as exc:  # reaches the consumer instead of dying in this task
+                queue.put_nowait((choice, exc))
+
+        tasks = [asyncio.create_task(pump(c, cfg)) for c, cfg in enumerate(job.configs)]
+        last = [None] * len(tasks)  # when each choice last produced a token
+        remaining = len(tasks)
+        try:
+            while remaining:
+                choice, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                now = time.perf_counter()
+                if out.delta_token_ids:
+                    if last[choice] is None:
+                        self.metrics.ttft.observe(now - job.received)
+                    else:
+                        self.metrics.itl.observe(now - last[choice])
+                    last[choice] = now
+                if out.finished:
+                    remaining -= 1
+                    self.metrics.finished.labels(out.finish_reason).inc()
+                    self.metrics.e2e.observe(now - job.received)
+                yield choice, out
+        finally:
+            if remaining:  # the consumer left early (a client that went away): those choices are aborted
+                self.metrics.finished.labels("abort").inc(remaining)
+            for task in tasks:
+                task.cancel()  # a cancelled pump closes its generate(), which aborts the request
+            # Last: inside a cancelled anyio scope (Starlette's disconnect handling) this await raises again.
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, job: _Job) -> list[RequestOutput]:
+        """Every choice's final output, in choice order."""
+        final: list[RequestOutput | None] = [None] * len(job.configs)
+        async for choice, out in self.outputs(job):
+            if out.finished:
+                final[choice] = out
+        return final
+
+    async def until_done_or_gone(self, request: Request, job: _Job) -> list[RequestOutput] | None:
+        """collect(), or None when the client disconnects first (its requests are then aborted)."""
+        work = asyncio.ensure_future(self.collect(job))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # the client left (or this handler was cancelled): abort the choices
+                await asyncio.gather(work, return_exceptions=True)
+        return None if work.cancelled() else work.result()
+
+    # -- response pieces ------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat_logprobs(self, out: RequestOutput, start: int, top: int) -> dict:
+        content = []
+        for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+            content.append({**self._lp(token_id, entry[token_id]),
+                            "top_logprobs": [self._lp(t, lp) for t, lp in best]})
+        return {"content": content}
+
+    def completion_logprobs(self, out: RequestOutput, start: int, top: int, offset: int) -> dict:
+        tokens = [self.token_text(t) for t in out.token_ids[start:]]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens,
+                "token_logprobs": [entry[t] for t, entry in zip(out.token_ids[start:], out.logprobs[start:])],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in sorted(e.items(), key=lambda kv: -kv[1])[:top]}
+                                 for e in out.logprobs[start:]],
+                "text_offset": offsets}
+
+    def _lp(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def usage(self, job: _Job, outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(p) for p in job.prompts)
+        completion = sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    if out.finish_reason == "error":
+        raise APIError(500, f"generation failed: {out.error}", type="server_error")
+    return out.finish_reason
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has already been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _events(server: Server, job: _Job, chunk) -> AsyncIterator[str]:
+    """SSE lines: ``chunk(choice, out, first, logprobs_from)`` per output, then usage when asked, then [DONE]."""
+    finals: list[RequestOutput] = []
+    sent_logprobs = [0] * len(job.configs)
+    started = [False] * len(job.configs)
+    stream = server.outputs(job)
+    try:
+        async for choice, out in stream:
+            if out.finished:
+                finals.append(out)
+            if out.finished and out.finish_reason == "error":
+                yield _sse(APIError(500, f"choice {choice}: generation failed: {out.error}",
+                                    type="server_error").body())
+                continue
+            new_logprobs = len(out.logprobs) > sent_logprobs[choice]
+            if out.delta_text or out.finished or new_logprobs:
+                yield _sse(chunk(choice, out, not started[choice], sent_logprobs[choice]))
+                started[choice], sent_logprobs[choice] = True, len(out.logprobs)
+        if job.include_usage:
+            yield _sse({**job.header, "choices": [], "usage": server.usage(job, finals)})
+        yield _sse("[DONE]")
+    finally:
+        await stream.aclose()
+
+
+def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    server = Server(engine, model_name, api_key, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.loop.shutdown()
+
+    app = FastAPI(title="lmport", lifespan=lifespan)
+    app.state.server = server
+
+    def require_key(request: Request) -> None:
+        if server.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")
+
+    auth = [Depends(require_key)]
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        server.metrics.rejected.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                                  f"{exc.detail}", code=str(exc.status_code)))
+
+    @app.get("/health")
+    async def health():
+        if not server.loop._thread.is_alive():
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics():
+        # Scraping takes the engine lock, which a running step holds: wait in a thread, not in the event loop.
+        data = await asyncio.to_thread(generate_latest, server.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "lmport", "max_model_len": engine.session_len}]}
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        received = time.perf_counter()
+        req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+        if not req.messages:
+            raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = encode_prompt(server.tokenizer, messages)
+        except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
+            raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received)
+        job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
+                      "model": server.model_name}
+        job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        if req.stream:
+            def chunk(choice, out, first, lp_from):
+                delta = {"role": "assistant", "content": out.delta_text} if first else {"content": out.delta_text}
+                return {**job.header, "choices": [{
+                    "index": choice, "delta": delta, "finish_reason": _finish_reason(out),
+                    "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
+            return EventStream(_events(server, job, chunk), headers={"Cache-Control": "no-cache"})
+
+        outs = await server.until_done_or_gone(request, job)
+        if outs is None:
+            return Response(status_code=499)  # nobody is listening
+        return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": [
+            {"index": c, "message": {"role": "assistant", "content": o.text}, "finish_reason": _finish_reason(o),
+             "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None}
+            for c, o in enumerate(outs)]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        received = time.perf_counter()
+        req: CompletionRequest = await server.parse(request, CompletionRequest)
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: the list is empty; give a string or token ids", param="prompt")
+        prompts = [server.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received)
+        job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                      "model": server.model_name}
+        job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        top = req.logprobs
+
+        if req.stream:
+            def chunk(choice, out, first, lp_from):
+                offset = len(out.text) - len(out.delta_text)
+                return {**job.header, "choices": [{
+                    "index": choice, "text": out.delta_text, "finish_reason": _finish_reason(out),
+                    "logprobs": server.completion_logprobs(out, lp_from, top, offset) if top is not None else None}]}
+            return EventStream(_events(server, job, chunk), headers={"Cache-Control": "no-cache"})
+
+        outs = await server.until_done_or_gone(request, job)
+        if outs is None:
+            return Response(status_code=499)
+        return {**job.header, "usage": server.usage(job, outs), "choices": [
+            {"index": c, "text": o.text, "finish_reason": _finish_reason(o),
+             "logprobs": server.completion_logprobs(o, 0, top, 0) if top is not None else None}
+            for c, o in enumerate(outs)]}
+
+    return app
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(args) -> int:
+    """`lmport serve MODEL --host --port --api-key` with every EngineConfig flag."""
+    import uvicorn
+
+    from lmport.cli import engine_config
+    api_key = args.api_key or os.environ.get("LMPORT_API_KEY") or None
+    engine = Engine(args.model, engine_config(args))
+    app = create_app(engine, model_name=args.model, api_key=api_key)
+    if not _is_loopback(args.host) and api_key is None:
+        log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "
+          f"{engine.plan.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLevelName(
+        logging.getLogger().level).lower(), timeout_graceful_shutdown=5)
+    return 0

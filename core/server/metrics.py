@@ -1,0 +1,73 @@
+"""Prometheus metrics for one server, in its own CollectorRegistry (several servers can share a process).
+
+Engine state (requests, KV blocks, token counts, prefix cache) is read from
+``engine.usage()`` at scrape time; latencies are observed by the request
+handlers as outputs arrive.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+
+
+def prefix_hit_rate(usage: dict) -> float | None:
+    """The prefix cache's hit rate when the engine reports one (directly or as hits and misses)."""
+    if "prefix_cache_hit_rate" in usage:
+        return float(usage["prefix_cache_hit_rate"])
+    hits, misses = usage.get("prefix_cache_hits"), usage.get("prefix_cache_misses")
+    if hits is None or misses is None:
+        return None
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+class _EngineCollector:
+    """Reads engine.usage() on every scrape, so the numbers are never stale."""
+
+    def __init__(self, usage_fn):
+        self.usage_fn = usage_fn
+
+    def collect(self):
+        usage = self.usage_fn()
+        for name, key, doc in (
+                ("lmport_requests_running", "running", "Requests in the running batch"),
+                ("lmport_requests_waiting", "waiting", "Requests queued, not yet admitted (or preempted)"),
+                ("lmport_kv_blocks_used", "blocks_used", "KV cache blocks in use"),
+                ("lmport_kv_blocks_total", "blocks_total", "KV cache blocks in the pool")):
+            yield GaugeMetricFamily(name, doc, value=usage[key])
+        if usage["blocks_total"]:
+            yield GaugeMetricFamily("lmport_kv_cache_usage_ratio", "Share of KV cache blocks in use",
+                                    value=usage["blocks_used"] / usage["blocks_total"])
+        for name, key, doc in (
+                ("lmport_generation_tokens", "generated_tokens", "Tokens generated"),
+                ("lmport_prompt_tokens", "prompt_tokens", "Prompt tokens received"),
+                ("lmport_preemptions", "preemptions", "Sequences preempted for lack of KV blocks"),
+                ("lmport_engine_steps", "steps", "Engine steps run")):
+            if key in usage:
+                yield CounterMetricFamily(name, doc, value=usage[key])
+        rate = prefix_hit_rate(usage)
+        if rate is not None:
+            yield GaugeMetricFamily("lmport_prefix_cache_hit_rate", "Prefix cache hit rate", value=rate)
+        # Everything else the engine reports (prefix cache, host tier, ...), under its own key.
+        other = GaugeMetricFamily("lmport_engine_stat", "Other numbers from engine.usage()", labels=["key"])
+        for key, value in sorted(usage.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                other.add_metric([key], value)
+        yield other
+
+
+class Metrics:
+    def __init__(self, usage_fn):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(usage_fn))
+        self.ttft = Histogram("lmport_time_to_first_token_seconds", "Time from request received to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("lmport_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("lmport_request_latency_seconds", "Time from request received to its last token",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("lmport_requests_finished", "Generations ended, by finish reason",
+                                ["finish_reason"], registry=self.registry)
+        self.rejected = Counter("lmport_requests_rejected", "HTTP requests refused, by status code",
+                                ["status"], registry=self.registry)

@@ -1,0 +1,110 @@
+"""Request models of the OpenAI API subset lmport serves, and OpenAI-style errors.
+
+Requests are validated strictly (``"16"`` is not an int), so a wrong type is
+an error that names its field instead of a silent coercion. Unknown fields
+are ignored, as OpenAI clients send fields (``user``, ``metadata``) that do
+not change generation. Responses are plain dicts built in ``app.py``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+
+
+class APIError(Exception):
+    """Becomes ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 that names the field."""
+    errors = exc.errors(include_url=False)
+    # A union field reports one error per member: the deepest one is the most specific.
+    err = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err['msg']}", code="invalid_json")
+    if err["type"] == "model_type":  # the body is JSON but not an object
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    # Drop union-member tags ("str", "list[str]") so the path reads like the JSON: messages.0.content
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    message = f"{param}: {err['msg']}" + ("" if err["type"] == "missing" else f" (got {got})")
+    return APIError(400, message, param=param)
+
+
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields shared by both routes. temperature 0 is greedy; > 0 samples (OpenAI's default is 1)."""
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)                  # extension (vLLM, LMDeploy); 0 or -1: off
+    min_p: float = Field(0.0, ge=0, lt=1)         # extension
+    repetition_penalty: float = Field(1.0, gt=0)  # extension
+    presence_penalty: float | None = None         # accepted only when they change nothing (0)
+    frequency_penalty: float | None = None
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False                      # extension: generate exactly max_tokens
+
+    @property
+    def stop_words(self) -> list[str] | None:
+        if self.stop is None or self.stop == []:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)      # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False                  # not supported

@@ -1,0 +1,129 @@
+"""Packaging: entry points, the core/ -> lmport and backends/ -> lmport.backends mapping, the console script."""
+from __future__ import annotations
+
+import ast
+import importlib
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_TREE = {"ascend", "camb", "cpu", "cuda"}
+PACKAGE_ROOTS = {"core": "lmport", "backends": "lmport.backends"}
+
+
+def _load_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            from pip._vendor import tomli as tomllib
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return _load_toml(ROOT / "pyproject.toml")
+
+
+def test_must_show_entry_points_command():
+    """The issue's command, verbatim."""
+    command = ("import importlib.metadata as m; "
+               "print(sorted(e.name for e in m.entry_points(group='lmport.backends')))")
+    proc = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, timeout=60,
+                          cwd=str(ROOT.parent))
+    assert proc.returncode == 0, proc.stderr
+    names = set(ast.literal_eval(proc.stdout.strip()))
+    assert IN_TREE <= names, proc.stdout
+
+
+def test_installed_entry_points_match_pyproject(pyproject):
+    declared = pyproject["project"]["entry-points"]["lmport.backends"]
+    assert IN_TREE <= set(declared)
+    for name, value in declared.items():
+        assert value.startswith(f"lmport.backends.{name}:"), (name, value)
+    installed = {ep.name: ep.value for ep in metadata.entry_points(group="lmport.backends")
+                 if ep.dist is not None and ep.dist.name == "lmport"}
+    assert installed == declared, ("the installed lmport's entry points differ from pyproject.toml; "
+                                   "run `make setup` to reinstall")
+
+
+def test_console_script(pyproject):
+    assert pyproject["project"]["scripts"]["lmport"] == "lmport.cli:main"
+    script = Path(sys.executable).parent / "lmport"
+    assert script.exists(), f"no `lmport` console script next to {sys.executable}; run `make setup`"
+
+
+@pytest.mark.parametrize("name", sorted(IN_TREE))
+def test_import_in_tree_backend(name):
+    module = importlib.import_module(f"lmport.backends.{name}")
+    assert Path(module.__file__).parts[-2:] == (name, "__init__.py")
+
+
+def _package_folders() -> dict[str, Path]:
+    """Every folder under core/ and backends/ with an __init__.py, by the package name it installs as."""
+    found = {}
+    for folder, package in PACKAGE_ROOTS.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(ROOT / folder)
+            if "__pycache__" in rel.parts:
+                continue
+            found[".".join([package, *rel.parts])] = init.parent
+    return found
+
+
+def test_package_dir_mapping(pyproject):
+    assert pyproject["tool"]["setuptools"]["package-dir"] == {"lmport": "core", "lmport.backends": "backends"}
+
+
+def test_every_package_folder_is_listed(pyproject):
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    folders = _package_folders()
+    missing = sorted(set(folders) - listed)
+    assert not missing, (f"{missing} are packages in the tree but not in pyproject's [tool.setuptools] "
+                         f"packages: `pip install .` (non-editable) would leave them out")
+    stale = sorted(listed - set(folders))
+    assert not stale, f"pyproject lists {stale}, which have no folder with an __init__.py"
+
+
+def test_no_python_folder_without_init():
+    """A folder of modules without __init__.py is a namespace package that `packages` silently skips."""
+    orphans = []
+    for folder in PACKAGE_ROOTS:
+        for path in (ROOT / folder).rglob("*.py"):
+            parent = path.parent
+            if "__pycache__" not in parent.parts and not (parent / "__init__.py").exists():
+                orphans.append(str(parent.relative_to(ROOT)))
+    assert not orphans, f"folders with modules but no __init__.py: {sorted(set(orphans))}"
+
+
+@pytest.mark.slow
+def test_wheel_contains_every_package(tmp_path):
+    # Build from a copy, so no build/ or egg-info lands in the working tree.
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for folder in PACKAGE_ROOTS:
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path / "wheels"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [wheel] = out.glob("lmport-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "lmport/backends/cuda/__init__.py" in names
+    for package in _package_folders():
+        assert f"{package.replace('.', '/')}/__init__.py" in names, package
+    [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    for name in IN_TREE:
+        assert f"{name} = lmport.backends.{name}:" in text

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible server, driven over loopback HTTP with the official `openai` package.
+
+Two servers run in threads of this process for the whole module: the default
+model (where the text matters; it also requires an API key) and a tiny
+random-weight model (bad input, disconnects, metrics). One `lmport serve`
+subprocess checks the command itself; it starts first so its start-up
+overlaps the other tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import lmport_command
+from models import tiny_model_dir
+
+from lmport.config import EngineConfig
+from lmport.engine import Engine
+from lmport.server.app import create_app
+
+API_KEY = "sk-lmport-test"
+TINY_BODY_LIMIT = 256 * 1024
+
+
+class ServerThread:
+    """A real uvicorn server on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one, and nobody can take it before us
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    server = ServerThread(create_app(Engine("smollm2", EngineConfig(cache_max_entry_count=512)),
+                                     model_name="smollm2", api_key=API_KEY))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=512))
+    server = ServerThread(create_app(engine, model_name="tiny", max_body_bytes=TINY_BODY_LIMIT))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def serve_command(tmp_path_factory):
+    """`lmport serve` in a subprocess, with the API key from LMPORT_API_KEY."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*lmport_command(), "serve", tiny_model_dir("llama"), "--host", "127.0.0.1", "--port", str(port),
+             "--cache-max-entry-count", "64"],
+            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, LMPORT_API_KEY="from-env"))
+    yield proc, f"http://127.0.0.1:{port}", log
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def client(server, api_key=API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict[str, float]:
+    """/metrics as {name or name{labels}: value}."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return values
+
+
+def wait_idle(server, timeout=20.0) -> dict[str, float]:
+    """/metrics once no request runs or waits, or the last reading at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = m["lmport_requests_running"] == 0 and m["lmport_requests_waiting"] == 0
+        if idle and m["lmport_kv_blocks_used"] == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# -- the default model, through the openai client ---------------------------------------------------
+
+def test_models_lists_the_served_model(smol):
+    models = client(smol).models.list().data
+    assert [m.id for m in models] == ["smollm2"]
+
+
+def test_api_key_is_required_except_for_health(smol):
+    with pytest.raises(openai.AuthenticationError) as exc:
+        client(smol, api_key="wrong").chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert exc.value.status_code == 401
+    assert exc.value.body["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(smol.url + path)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(smol.url + "/health").status_code == 200
+    assert httpx.get(smol.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_chat_completion(smol):
+    r = client(smol).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France? Answer in one "
+                                                              "sentence."}],
+        max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant" and choice.finish_reason == "stop"
+    assert r.model == "smollm2" and r.object == "chat.completion"
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_chat_equals_the_non_streamed_text_under_greedy(smol):
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+                  max_tokens=48, temperature=0)
+    whole = client(smol).chat.completions.create(**kwargs)
+    chunks = list(client(smol).chat.completions.create(**kwargs, stream=True,
+                                                       stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert len([d for d in deltas if d]) > 10  # it really streamed, token by token
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completion_with_a_stop_string(smol):
+    r = client(smol).completions.create(model="smollm2", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0,
+                                        stop=[" 8"])
+    assert r.choices[0].text == " 6, 7,"
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_lmport_chat_url_client(smol):
+    from lmport.chat import _remote_stream
+    from lmport.config import GenerationConfig
+    stream = _remote_stream(smol.url, API_KEY, GenerationConfig(max_new_tokens=40))
+    text = "".join(stream([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]))
+    assert "Paris" in text
+
+
+# -- the tiny model -------------------------------------------------------------------------------------
+
+def test_n_seed_and_logprobs(tiny):
+    c = client(tiny)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=3, seed=7,
+                  temperature=1.0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    first, again = c.chat.completions.create(**kwargs), c.chat.completions.create(**kwargs)
+    texts = [ch.message.content for ch in first.choices]
+    assert [ch.index for ch in first.choices] == [0, 1, 2]
+    assert texts == [ch.message.content for ch in again.choices]  # a seed repeats
+    assert len(set(texts)) > 1                                     # ...but the n choices differ
+    lp = first.choices[0].logprobs.content
+    assert len(lp) == 6 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
+    assert first.usage.completion_tokens == 18
+
+    r = c.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=0, logprobs=1,
+                             extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and all(len(ch.logprobs.tokens) == 4 for ch in r.choices)
+    assert all("".join(ch.logprobs.tokens) == ch.text for ch in r.choices)
+
+
+def _chat_body(content="hi", **fields):
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
+
+
+LONG_PROMPT = "hello " * 2500  # over the tiny model's 2048-token session length
+
+# (case, path, body: dict is sent as JSON, str/bytes as is, status, the field the message names or None)
+BAD_INPUT = [
+    ("malformed JSON", "chat", '{"model": "tiny", "messages": [', 400, None),
+    ("body is not a JSON object", "chat", "[1, 2]", 400, None),
+    ("max_tokens is a string", "chat", _chat_body(max_tokens="ten"), 400, "max_tokens"),
+    ("messages is a string", "chat", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ("temperature is a string", "chat", _chat_body(temperature="hot"), 400, "temperature"),
+    ("message content is a number", "chat", _chat_body(content=5), 400, "messages.0.content"),
+    ("unknown role", "chat", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("stop is a number", "completions", {"model": "tiny", "prompt": "a", "stop": 5}, 400, "stop"),
+    ("missing model", "chat", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ("unknown model", "chat", _chat_body(model="gpt-4"), 404, "model"),
+    ("max_tokens = 0", "chat", _chat_body(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens < 0", "completions", {"model": "tiny", "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("temperature < 0", "chat", _chat_body(temperature=-1), 400, "temperature"),
+    ("top_p = 0", "chat", _chat_body(top_p=0), 400, "top_p"),
+    ("n = 0", "chat", _chat_body(n=0), 400, "n"),
+    ("empty messages list", "chat", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("chat prompt over session_len", "chat", _chat_body(content=LONG_PROMPT), 400, "messages"),
+    ("prompt over session_len", "completions", {"model": "tiny", "prompt": LONG_PROMPT}, 400, "prompt"),
+    ("empty prompt", "completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("token id out of vocab", "completions", {"model": "tiny", "prompt": [1, 10**9]}, 400, "prompt"),
+    ("body over the size limit", "chat", _chat_body(content="x" * (TINY_BODY_LIMIT + 1)), 413, None),
+    ("chunked body over the limit", "chat",
+     iter([b'{"model": "tiny", "messages": [{"role": "user", "content": "', b"x" * (TINY_BODY_LIMIT + 1), b'"}]}']),
+     413, None),
+]
+
+
+def test_bad_input_gets_a_4xx_naming_the_field_while_a_normal_request_completes(tiny):
+    normal = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=600,
+                  temperature=0, extra_body={"ignore_eos": True})
+    expected = client(tiny).chat.completions.create(**normal).choices[0].message.content
+
+    streamed, first_token = [], threading.Event()
+
+    def run_normal():
+        try:
+            for chunk in client(tiny).chat.completions.create(**normal, stream=True):
+                if chunk.choices:
+                    streamed.append(chunk.choices[0].delta.content or "")
+                    first_token.set()
+        finally:
+            streamed.append(None)  # the end
+
+    worker = threading.Thread(target=run_normal)
+    worker.start()
+    assert first_token.wait(60)
+    table = []
+    with httpx.Client(base_url=tiny.url + "/v1", timeout=60) as http:
+        for case, path, body, status, param in BAD_INPUT:
+            kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
+            r = http.post("/chat/completions" if path == "chat" else "/completions", **kwargs)
+            error = r.json()["error"]
+            table.append((case, r.status_code, error["param"], error["message"][:90]))
+            assert r.status_code == status, (case, r.text)
+            assert error["param"] == param, (case, error)
+            assert param is None or error["message"].startswith(param.split(".")[0]), (case, error)
+            assert error["type"] and error["message"]
+        assert http.get("/nope").status_code == 404
+        assert http.get("/chat/completions").status_code == 405
+    still_running = streamed[-1] is not None
+    print("\n".join(f"{status}  {case:32}  param={param!s:20} {message}" for case, status, param, message in table))
+    worker.join(120)
+    assert still_running, "the normal request finished before the bad ones were sent; make it longer"
+    assert streamed[-1] is None and "".join(streamed[:-1]) == expected
+    m = wait_idle(tiny)
+    assert m["lmport_requests_running"] == 0 and m["lmport_kv_blocks_used"] == 0
+
+
+def _abort_count(m) -> float:
+    return m.get("lmport_requests_finished_total{finish_reason=abort}", 0.0)
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(tiny):
+    before = metrics(tiny)
+    body = _chat_body("Tell me a long story.", max_tokens=1500, stream=True, ignore_eos=True, temperature=0)
+    received = []
+
+    def client_that_leaves():
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", tiny.url + "/v1/chat/completions", json=body) as r:
+                chunks = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["finish_reason"] is None:
+                        chunks += 1
+                        if chunks == 3:
+                            break
+                received.append(chunks)
+        # Leaving the blocks with the response unread closes the connection: the client is gone.
+
+    threads = [threading.Thread(target=client_that_leaves) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert received == [3] * 20
+    after = wait_idle(tiny)
+    assert after["lmport_requests_running"] == 0 and after["lmport_requests_waiting"] == 0
+    assert after["lmport_kv_blocks_used"] == 0 and after["lmport_kv_blocks_total"] == 512
+    # Each of the 20 ended as aborted, not finished: far fewer tokens than 20 x 1500 were generated.
+    assert _abort_count(after) - _abort_count(before) == 20
+    assert after["lmport_generation_tokens_total"] - before["lmport_generation_tokens_total"] < 20 * 1500 / 2
+
+
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(tiny):
+    before = metrics(tiny)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(tiny.url + "/v1/completions", timeout=1.0,
+                   json={"model": "tiny", "prompt": "a", "max_tokens": 2000, "ignore_eos": True})
+    after = wait_idle(tiny)
+    assert after["lmport_requests_running"] == 0 and after["lmport_kv_blocks_used"] == 0
+    assert _abort_count(after) - _abort_count(before) == 1
+
+
+def test_metrics_exposes_engine_state_and_latency_histograms(tiny):
+    client(tiny).completions.create(model="tiny", prompt="a", max_tokens=5, extra_body={"ignore_eos": True})
+    m = metrics(tiny)
+    for name in ("lmport_requests_running", "lmport_requests_waiting", "lmport_kv_blocks_used",
+                 "lmport_kv_blocks_total", "lmport_generation_tokens_total", "lmport_prefix_cache_hit_rate"):
+        assert name in m, name
+    assert m["lmport_time_to_first_token_seconds_count"] >= 1
+    assert m["lmport_inter_token_latency_seconds_count"] >= 4
+    assert httpx.get(tiny.url + "/health").json() == {"status": "ok"}
+
+
+# -- the command ------------------------------------------------------------------------------------------
+
+def test_lmport_serve_command(serve_command):
+    proc, url, log = serve_command
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"`lmport serve` exited {proc.returncode}:\n{log.read_text()}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"`lmport serve` did not answer:\n{log.read_text()}"
+        time.sleep(0.2)
+    assert httpx.get(url + "/v1/models").status_code == 401  # LMPORT_API_KEY is enforced
+    c = openai.OpenAI(base_url=url + "/v1", api_key="from-env", max_retries=0)
+    model = c.models.list().data[0].id
+    r = c.completions.create(model=model, prompt="a", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
