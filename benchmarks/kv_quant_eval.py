@@ -50,9 +50,13 @@ def load_text() -> str:
     return "\n\n".join(paragraphs)
 
 
-def perplexity(pipe, chunks: list[list[int]]) -> float:
+def perplexity(pipe, chunks: list[list[int]], group: int = 4) -> float:
     """Perplexity over all chunks together: exp(total NLL / predicted tokens)."""
-    ppls = pipe.get_ppl(chunks) if hasattr(pipe, "get_ppl") else _ppl_via_engine(pipe, chunks)
+    get_ppl = pipe.get_ppl if hasattr(pipe, "get_ppl") else lambda c: _ppl_via_engine(pipe, c)
+    ppls = []
+    for i in range(0, len(chunks), group):  # a few chunks at a time: bounded cache use, visible progress
+        ppls += get_ppl(chunks[i:i + group])
+        print(f"  {len(ppls)}/{len(chunks)} chunks", flush=True)
     # Each chunk's perplexity is exp(mean NLL over its len - 1 predicted tokens).
     nll = sum(math.log(p) * (len(c) - 1) for p, c in zip(ppls, chunks))
     return math.exp(nll / sum(len(c) - 1 for c in chunks))

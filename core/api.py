@@ -27,8 +27,8 @@ class Response:
 
 
 class Pipeline:
-    def __init__(self, model: str = "smollm2", backend_config: EngineConfig | None = None):
-        self.engine = Engine(model, backend_config)
+    def __init__(self, model: str = "smollm2", backend_config: EngineConfig | None = None, backend=None):
+        self.engine = Engine(model, backend_config, backend=backend)
         self.tokenizer = self.engine.tokenizer
 
     # -- prompts ----------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmport import memory
+from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.models.loader import load_model
 from lmport.ops import build_attention_metadata
@@ -48,10 +49,15 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model: str = "smollm2", config: EngineConfig | None = None):
+    def __init__(self, model: str = "smollm2", config: EngineConfig | None = None, backend: Backend | None = None):
+        """``backend`` injects an instance of the configured backend, e.g. one whose
+        ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
         self.config = (config or EngineConfig()).resolve()
         backend_cls = self.config.backend_class()
-        self.backend = backend_cls()
+        if backend is not None and not isinstance(backend, backend_cls):
+            raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
+                              f"backend ({backend_cls.__name__})")
+        self.backend = backend or backend_cls()
         self.dtype = DTYPES[self.config.dtype]
         loaded = load_model(model, self.backend, self.dtype)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config

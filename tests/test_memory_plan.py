@@ -1,0 +1,158 @@
+"""`lmport plan`: reads only the config, and its numbers are the ones the engine really allocates."""
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import pytest
+import transformers
+from transformers import modeling_gguf_pytorch_utils
+
+from lmport import cli, memory, plan
+from lmport.backends.cpu import CpuBackend
+from lmport.config import EngineConfig
+from lmport.engine import Engine
+from lmport.models import loader
+from models import default_model_path, tiny_model_dir
+from test_get_ppl import CONFIG, FREE, smollm2_pipeline
+
+
+@pytest.fixture
+def run_plan(capsys):
+    """``run_plan(*argv)`` -> (exit code, stdout) of `lmport plan ARGV` in this process."""
+    def run(*argv) -> tuple[int, str]:
+        code = cli.main(["plan", *map(str, argv)])
+        return code, capsys.readouterr().out
+    return run
+
+
+def test_smollm2_plan_reads_no_weights_and_matches_the_engine(monkeypatch):
+    engine = smollm2_pipeline().engine      # started with FREE bytes free once its weights were loaded
+    gguf_reads = []
+    real_read = modeling_gguf_pytorch_utils.load_gguf_checkpoint
+
+    def metadata_only(*args, **kwargs):
+        gguf_reads.append(kwargs.get("return_tensors", False))
+        return real_read(*args, **kwargs)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("lmport plan must not load or convert weights")
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", metadata_only)
+    monkeypatch.setattr(loader, "hf_directory", no_weights)
+    monkeypatch.setattr(loader, "load_model", no_weights)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    misses = plan.read_model_config.cache_info().misses
+    report = plan.build_plan("smollm2", CONFIG, device_memory=FREE + engine.weight_bytes)
+    if plan.read_model_config.cache_info().misses > misses:   # not read earlier in this process
+        assert gguf_reads == [False]     # the GGUF's metadata, no tensor
+
+    assert report["weights"]["bytes"] == engine.weight_bytes
+    assert report["weights"]["bytes_by_dtype"] == {"float32": engine.weight_bytes}
+    assert report["free_after_weights_bytes"] == FREE == engine.plan.free_bytes
+    assert report["activation_reserve"]["bytes"] == engine.plan.reserve_bytes
+    assert report["kv"]["bytes_per_block"] == engine.layout.bytes_per_block
+    cache = report["cache"]
+    assert cache["num_blocks"] == engine.plan.num_blocks == engine.caches[0].k.shape[0]
+    assert engine.block_manager.num_blocks == cache["num_blocks"]
+    assert cache["session_len"] == engine.session_len
+    assert cache["bytes"] == sum(t.numel() * t.element_size() for c in engine.caches for t in (c.k, c.v))
+    # The float's meaning: a share of what is free after weights and the reserve.
+    assert cache["num_blocks"] == int((FREE - engine.plan.reserve_bytes) * 0.05) // engine.layout.bytes_per_block
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(device_type="cpu", cache_max_entry_count=37),
+    EngineConfig(device_type="cpu", cache_max_entry_count=0.001, quant_policy=8, block_size=32),
+    EngineConfig(device_type="cpu", cache_max_entry_count=0.002, quant_policy=4, session_len=256,
+                 max_prefill_token_num=512),
+])
+def test_tiny_model_plan_matches_the_engine(config):
+    model = tiny_model_dir("llama")
+    free = 256 << 20
+    with mock.patch.object(CpuBackend, "memory_info", lambda self: (free, free)):
+        engine = Engine(model, config)
+    report = plan.build_plan(model, config, device_memory=free + engine.weight_bytes)
+    assert report["weights"]["bytes"] == engine.weight_bytes
+    assert report["cache"]["num_blocks"] == engine.plan.num_blocks == engine.caches[0].k.shape[0]
+    assert report["cache"]["session_len"] == engine.session_len
+    assert report["kv"]["bytes_per_block"] == engine.layout.bytes_per_block
+    if isinstance(config.cache_max_entry_count, int):
+        assert engine.plan.num_blocks == config.cache_max_entry_count
+
+
+def test_a_measured_reserve_replaces_the_estimate(monkeypatch):
+    """Where the backend measures peak memory (cuda), one real forward of max_prefill_token_num tokens
+    sets the reserve; the scratch cache it used is not counted."""
+    runs = []
+
+    def measure(self, fn):
+        fn()
+        runs.append(1)
+        return 50 << 20
+
+    monkeypatch.setattr(CpuBackend, "measure_peak_memory", measure)
+    monkeypatch.setattr(CpuBackend, "memory_info", lambda self: (256 << 20, 256 << 20))
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", max_prefill_token_num=64,
+                                                         cache_max_entry_count=0.1))
+    scratch = 4 * engine.layout.bytes_per_block          # 64 tokens in blocks of 16
+    assert runs == [1]
+    assert engine.plan.reserve_measured and engine.plan.reserve_bytes == (50 << 20) - scratch
+    assert engine.plan.num_blocks == int(((256 << 20) - engine.plan.reserve_bytes) * 0.1) // engine.layout.bytes_per_block
+
+
+def test_cpu_says_it_uses_the_estimate(run_plan):
+    code, out = run_plan(tiny_model_dir("llama"), "--device", "cpu", "--device-memory", "1GiB", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["activation_reserve"]["source"] == "estimate"
+    assert "cpu cannot measure" in report["activation_reserve"]["note"]
+
+
+def test_planned_24gib_cuda_device_for_each_quant_policy(run_plan):
+    """A device that is not here: resolved against the cuda backend's capabilities, not instantiated."""
+    model = default_model_path()          # smollm2's converted config: same numbers, read fast
+    reports = {}
+    for q in (0, 8, 4):
+        code, out = run_plan(model, "--device", "cuda", "--device-memory", "24GiB", "--quant-policy", q, "--json")
+        assert code == 0, out
+        reports[q] = json.loads(out)
+    r0 = reports[0]
+    assert r0["config"]["dtype"] == "bfloat16" and r0["config"]["block_size"] == 64
+    assert r0["weights"]["bytes_by_dtype"] == {"bfloat16": r0["weights"]["parameters"] * 2}
+    assert r0["activation_reserve"]["note"].startswith("the cuda engine measures it")
+    # 30 layers x 3 KV heads x (K and V) per token: 64 bf16 values, 64 uint8, or 32 packed bytes + fp16 scale/zero.
+    assert [reports[q]["kv"]["bytes_per_token"] for q in (0, 8, 4)] == [30 * 3 * 2 * 128, 30 * 3 * 2 * 68,
+                                                                       30 * 3 * 2 * 36]
+    usable = (24 << 30) - r0["weights"]["bytes"] - r0["activation_reserve"]["bytes"]
+    for q, r in reports.items():
+        assert r["usable_for_cache_bytes"] == usable
+        assert r["cache"]["num_blocks"] == int(usable * 0.8) // r["kv"]["bytes_per_block"]
+        assert r["cache"]["session_len"] == 8192
+        assert r["cache"]["sequences_that_fit"] == r["cache"]["num_blocks"] // (8192 // 64)
+        assert r["cache"]["max_concurrent_sequences"] == min(64, r["cache"]["sequences_that_fit"])
+    assert reports[0]["cache"]["num_tokens"] < reports[8]["cache"]["num_tokens"] < reports[4]["cache"]["num_tokens"]
+
+
+def test_text_output_names_every_figure(run_plan):
+    code, out = run_plan(tiny_model_dir("llama"), "--device", "camb", "--device-memory", "2GiB", "--block-size", "64")
+    assert code == 0
+    for label in ("model", "device", "weights", "activation", "free", "KV cache", "session_len", "sequences",
+                  "config", "adjustments"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+    assert "block_size: 64 -> 16 (camb requires block size 16)" in out
+
+
+@pytest.mark.parametrize("text, size", [("24GiB", 24 << 30), ("24G", 24 << 30), ("24GB", 24 * 10**9),
+                                        ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("1000", 1000)])
+def test_parse_bytes(text, size):
+    assert plan.parse_bytes(text) == size
+
+
+def test_estimate_scales_with_prefill_tokens_and_tp():
+    cfg = plan.read_model_config(str(default_model_path()))
+    base = EngineConfig(device_type="cuda").resolve()
+    small = EngineConfig(device_type="cuda", max_prefill_token_num=1024).resolve()
+    split = EngineConfig(device_type="cuda", tp=3).resolve()
+    assert memory.activation_reserve(cfg, small) < memory.activation_reserve(cfg, base)
+    assert memory.activation_reserve(cfg, split) < memory.activation_reserve(cfg, base)
+    assert memory.kv_layout(cfg, split).num_kv_heads == 1
