@@ -226,8 +226,9 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
     limit = model_limit(inp.model_config)
     target = min(c.session_len, limit) if c.session_len else limit   # the session the user wants
     need = -(-target // bs)
-    room = inp.usable_bytes if available is None else max(0, int(0.9 * (available - inp.reserve_bytes)))
-    fit = room // bpb                       # the most blocks there is memory for
+    fit = inp.layout.blocks_in(inp.usable_bytes)     # the most blocks there is memory for
+    if available is not None:   # an allocation failed: aim at 90% of what is free now, and below what failed
+        fit = min(layout.blocks_in(0.9 * (available - inp.reserve_bytes)), int(0.9 * _blocks(inp)))
     too_big = _blocks(inp) > fit
 
     lines = [problem + ".",
