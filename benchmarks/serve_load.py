@@ -55,12 +55,13 @@ def is_loopback(url: str) -> bool:
         return host == "localhost"
 
 
-def start_server(model: str, port: int, extra: list[str], log_path: Path) -> subprocess.Popen:
+def start_server(model: str, port: int, extra: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
     lmport = Path(sys.executable).parent / "lmport"
     cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport.cli"]
     cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
     print("starting:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
-    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
 async def wait_ready(url: str, proc: subprocess.Popen | None, deadline: float) -> None:
@@ -173,7 +174,7 @@ async def main_async(args) -> dict:
         url = f"http://127.0.0.1:{port}"
         log_path = Path(args.out).with_suffix(".server.log")
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        proc = start_server(args.model, port, shlex.split(args.server_args), log_path)
+        proc = start_server(args.model, port, shlex.split(args.server_args), log_path, args.torch_threads)
     try:
         await wait_ready(url, proc, time.monotonic() + 300)
         async with httpx.AsyncClient(timeout=30) as http:
@@ -191,6 +192,7 @@ async def main_async(args) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
     result.update(model=args.model if not args.url else model, url=url, server_args=args.server_args,
+                  torch_threads=args.torch_threads,
                   host=platform.node(), cpus=os.cpu_count(), python=platform.python_version())
     return result
 
@@ -204,6 +206,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates (default 64)")
     p.add_argument("--timeout", type=float, default=600, help="time bound for the load, in seconds")
     p.add_argument("--server-args", default="", help='extra `lmport serve` flags, e.g. "--max-batch-size 128"')
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for the server (on a busy CPU, 1 avoids threads spinning against each other)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_load.json"))
     args = p.parse_args()
     result = asyncio.run(main_async(args))

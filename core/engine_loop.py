@@ -1,13 +1,17 @@
 """A background thread that owns an Engine, for async callers (the server, streaming).
 
 The engine is not thread-safe; every call into it holds ``_lock``. Outputs
-reach each caller's asyncio queue through its own event loop.
+reach each caller's asyncio queue through its own event loop. Adds and
+aborts from async callers are queued for the engine thread (``_submit``)
+instead of waiting for the lock, which a running step holds.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator
 
 from lmport.config import GenerationConfig
@@ -23,6 +27,7 @@ class EngineLoop:
         self._work = threading.Event()
         self._stopped = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: collections.deque = collections.deque()  # calls for the engine thread (see _submit)
         self._thread = threading.Thread(target=self._run, name="lmport-engine", daemon=True)
         self._thread.start()
 
@@ -32,25 +37,45 @@ class EngineLoop:
 
         Closing the iterator early (a client that went away) aborts the request and frees its blocks.
         """
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        with self._lock:
-            request_id = self.engine.add_request(prompt_ids, gen_config, request_id)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._work.set()
+        added = loop.create_future()  # resolves to None, or to the RequestError add_request raised
+        request_id = request_id if request_id is not None else f"loop-{uuid.uuid4().hex}"
+
+        def add(engine):
+            try:
+                engine.add_request(prompt_ids, gen_config, request_id)
+                self._streams[request_id] = (loop, queue)
+                loop.call_soon_threadsafe(_resolve, added, None)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_resolve, added, exc)
+
+        # Queued for the engine thread, not added under the lock: waiting for the lock here
+        # would stall this event loop (every other stream) until the running step ends.
+        self._submit(add)
         finished = False
         try:
+            error = await added
+            if error is not None:
+                finished = True  # nothing was queued
+                raise error
             while not finished:
                 out = await queue.get()
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
+            if not finished:  # runs after add() on the engine thread, even if add() has not run yet
+                self._submit(lambda engine: (engine.abort(request_id), self._streams.pop(request_id, None)))
+            else:
+                self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
+        """Abort at the engine thread's next turn; its last output still reaches an open stream."""
+        self._submit(lambda engine: engine.abort(request_id))
+
+    def _submit(self, fn) -> None:
+        """Run ``fn(engine)`` on the engine thread before its next step, in submission order."""
+        self._inbox.append(fn)
         self._work.set()
 
     def call(self, fn, *args, **kwargs):
@@ -61,6 +86,11 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped:
             with self._lock:
+                while self._inbox:
+                    try:
+                        self._inbox.popleft()(self.engine)
+                    except Exception:  # one bad call must not stop the loop for every request
+                        log.exception("engine call failed")
                 busy = self.engine.has_unfinished()
                 outputs = self.engine.step() if busy else []
                 for out in outputs:
@@ -79,3 +109,8 @@ class EngineLoop:
         with self._lock:
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
+
+
+def _resolve(future: asyncio.Future, error: Exception | None) -> None:
+    if not future.done():  # the waiting generator may have been closed meanwhile
+        future.set_result(error)

@@ -8,7 +8,6 @@ The semantics are documented in docs/memory.md.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 
@@ -19,8 +18,6 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.kv.layout import KVLayout
 from lmport.models.llama import head_dim_of
 from lmport.ops import build_attention_metadata
-
-log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -156,10 +153,6 @@ class CachePlan:
         """Sequences of the full session length the cache holds at once."""
         return self.num_blocks // self.blocks_per_sequence
 
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "num_tokens": self.num_tokens,
-                "blocks_per_sequence": self.blocks_per_sequence, "max_sequences": self.max_sequences}
-
 
 def _blocks(inp: MemoryInputs) -> int:
     """Blocks the cache gets: a float is a share of the usable memory, an int an exact count."""
@@ -292,6 +285,7 @@ def _step_prefill(inp: MemoryInputs, need: int) -> str:
     tokens = inp.config.max_prefill_token_num
     if tokens == 1:
         return "already 1"
+
     def works(x: MemoryInputs) -> bool:
         return _room(x) >= need and _blocks(x) * x.layout.bytes_per_block <= x.usable_bytes
 
@@ -316,7 +310,10 @@ def _step_count(inp: MemoryInputs, count, too_big: bool, fit: int, need: int, ta
             return "cannot help: there is no room for a single block (steps 2, 3, 5)"
         if isinstance(count, int):
             return f"lower it from {count} to {fit} blocks (the most that fit)"
-        return f"lower it from {count} to {math.floor(fit * bpb / usable * 1000) / 1000} (the share that fits)"
+        share = math.floor(fit * bpb / usable * 1000) / 1000
+        if share <= 0:   # too small a share to write with 3 decimals
+            return f"lower it from {count} to an exact count of {fit} blocks"
+        return f"lower it from {count} to {share} (the share that fits)"
     if need > inp.layout.blocks_in(usable):
         return (f"cannot help: all of {fmt_bytes(usable)} holds {inp.layout.blocks_in(usable)} blocks, "
                 f"fewer than the {need} that session_len {target} needs")

@@ -134,15 +134,17 @@ def format_plan(r: dict) -> str:
         ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights, "
                  f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
         ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
-                     f"tokens = {kv['bytes_per_token']:,.1f} B a token"),
+                     f"tokens = {kv['bytes_per_token']:,.6g} B a token"),
     ]
     if cache:
         rows += [
             ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "
                  f"{fmt_bytes(cache['bytes'])} = {cache['num_blocks']:,} blocks = {cache['num_tokens']:,} tokens"),
-            ("session_len", f"{cache['session_len']} ({'asked' if cfg['session_len'] else 'min(model limit, cache)'})"),
-            ("sequences", f"{cache['sequences_that_fit']:,} of {cache['session_len']} tokens fit in the cache; "
-                          f"max concurrent {cache['max_concurrent_sequences']} (max_batch_size {cfg['max_batch_size']})"),
+            ("session_len", f"{cache['session_len']} " + ("(asked)" if cfg["session_len"] else
+                            f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)")),
+            ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: the cache "
+                          f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
+                          f"max_batch_size is {cfg['max_batch_size']}"),
         ]
     rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
              ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"

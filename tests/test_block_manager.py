@@ -16,6 +16,7 @@ import pytest
 from lmport.config import GenerationConfig
 from lmport.paging.allocator import BlockAllocator
 from lmport.paging.block_manager import BlockManager
+from lmport.paging.host_tier import CopyQueue
 from lmport.paging.prefix_cache import block_hash, model_fingerprint
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
@@ -66,6 +67,7 @@ class FakeEngine:
     def step(self) -> None:
         batch = self.sched.schedule()
         for b in self.bm.take_copies():
+            assert len(set(b.dst)) == len(b.dst), "a batch writes a block twice: the result is undefined"
             src, dst = self.pools[not b.to_host], self.pools[b.to_host]
             rows = [list(src[s]) for s in b.src]    # read all, then write: one batched copy
             for d, row in zip(b.dst, rows):
@@ -125,6 +127,18 @@ def test_allocator_states_and_lru():
     with pytest.raises(ValueError):
         a.incref(b0)                        # cached: take() it, not incref
     assert min(a.ref_counts) == 0
+
+
+def test_copy_queue_keeps_order_and_batches_by_direction():
+    q = CopyQueue()
+    q.add(True, 1, 7)
+    q.add(True, 2, 8)
+    q.add(False, 7, 3)      # reads host 7 after it was written
+    q.add(True, 4, 7)       # host 7 reused after it was read: a later batch
+    q.add(True, 5, 7)       # a second write to 7: not in the same batch as the first
+    assert [(b.to_host, b.src, b.dst) for b in q.take()] == [
+        (True, [1, 2], [7, 8]), (False, [7], [3]), (True, [4], [7]), (True, [5], [7])]
+    assert (q.blocks_to_host, q.blocks_from_host, len(q)) == (4, 1, 0)
 
 
 # -- hashing ------------------------------------------------------------------------------------------------------
@@ -355,7 +369,7 @@ def test_random_swapping_under_pressure(seed):
     """Small device pools and an always-swap rule: many preemptions, swaps, and swapped sequences whose
     cached prefix is evicted before they come back (those recompute from what is left)."""
     rng = random.Random(1000 + seed)
-    eng = FakeEngine(num_blocks=rng.randrange(10, 16), block_size=rng.choice([2, 4]), budget=rng.choice([8, 32]),
+    eng = FakeEngine(num_blocks=rng.randrange(8, 12), block_size=rng.choice([2, 4]), budget=rng.choice([8, 32]),
                      max_batch=8, caching=seed % 3 != 0, host_blocks=rng.choice([6, 12, 48]),
                      link_bytes_per_flop=float("inf"), seed=seed)
     random_workload(eng, rng, 30)

@@ -31,9 +31,10 @@ the Ascend Extension for PyTorch API reference on hiascend.com):
   * fallback, stated: INT4 (FIA's int4 is int32-packed in an order the pages call
     "interleaved" without defining it, and page attention refuses int4 with a
     float query), INT8 prefill (antiquant with Q_S > 1 is per-channel or per-token
-    only, not per-token-per-head) and block sizes page attention refuses for
-    prefill: the blocks named in the block tables are gathered and dequantized with
-    the reference (``lmport.ops.gather_kv``) and FIA runs on the contiguous result.
+    only, not per-token-per-head) and block sizes page attention refuses (prefill
+    below 128 or not a multiple of 128, anything above 512): the blocks named in the
+    block tables are gathered and dequantized with the reference
+    (``lmport.ops.gather_kv``) and FIA runs on the contiguous result.
   * queries FIA does not take (float32, head_dim not 16-aligned or > 512, more than
     64 query heads per KV head) use the reference op.
 - rms_norm: ``torch_npu.npu_rms_norm(x, gamma, epsilon)[0]`` (ptaoplist
@@ -127,7 +128,7 @@ class AscendBackend(Backend):
         if q.dtype not in _FIA_DTYPES or d % 16 or d > 512 or hq // hkv > 64:
             return super().paged_attention(q, cache, meta, softmax_scale)
         common = dict(num_heads=hq, num_key_value_heads=hkv, input_layout="BSND", scale=softmax_scale,
-                      actual_seq_lengths_kv=meta.kv_lens.tolist())
+                      actual_seq_lengths_kv=list(meta.kv_lens_host))
         if meta.is_decode:
             query = q.contiguous().view(meta.num_seqs, 1, hq, d)
             key, value, extra = self._decode_kv(cache, meta, q.dtype)
@@ -146,7 +147,7 @@ class AscendBackend(Backend):
             (key, value), extra = _gathered_kv(cache, meta, q.dtype), {}
         out, _ = self._npu.npu_fused_infer_attention_score(
             query, key, value, atten_mask=self._causal_mask(q.device), sparse_mode=3,
-            actual_seq_lengths=meta.q_lens.tolist(), **common, **extra)
+            actual_seq_lengths=list(meta.q_lens_host), **common, **extra)
         return out[seq, step]
 
     def _decode_kv(self, cache: LayerCache, meta: ops.AttentionMetadata, dtype: torch.dtype):

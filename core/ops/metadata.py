@@ -26,6 +26,8 @@ class AttentionMetadata:
     max_q_len: int               # host ints, so ops never sync to size their work
     max_kv_len: int
     is_decode: bool              # every sequence has exactly one new token
+    q_lens_host: tuple[int, ...] = ()    # q_lens and kv_lens on the host, for vendor ops that take lists
+    kv_lens_host: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -67,4 +69,6 @@ def build_attention_metadata(q_lens: list[int], kv_lens: list[int], block_tables
         max_q_len=max(q_lens),
         max_kv_len=max(kv_lens),
         is_decode=max(q_lens) == 1,
+        q_lens_host=tuple(q_lens),
+        kv_lens_host=tuple(kv_lens),
     )

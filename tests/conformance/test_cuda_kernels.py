@@ -31,7 +31,6 @@ import pytest  # noqa: E402
 
 from harness import op_backend  # noqa: E402
 from lmport import ops  # noqa: E402
-from lmport.kv import quant  # noqa: E402
 from lmport.kv.layout import KVLayout, LayerCache  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3),

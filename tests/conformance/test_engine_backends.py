@@ -26,7 +26,8 @@ def prompts() -> list[list[int]]:
 
 
 def config_for(caps, quant_policy: int) -> EngineConfig:
-    dtype = "float32" if "float32" in caps.dtypes else caps.default_dtype
+    # The backend's own dtype, so vendor fast paths run; bfloat16 has no Triton-interpreter path on CPU.
+    dtype = "float32" if caps.default_dtype == "bfloat16" else caps.default_dtype
     return EngineConfig(device_type=caps.device_type, dtype=dtype, quant_policy=quant_policy,
                         cache_max_entry_count=48, max_prefill_token_num=64)
 

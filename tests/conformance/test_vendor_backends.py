@@ -1,12 +1,11 @@
 """ascend and camb: their ops against the reference ops, and their configuration rules.
 
 ``harness.op_backend`` runs each backend natively where its vendor stack imports
-and a device is present; otherwise against the simulated SDK in tests/simulated
-(CPU tensors, mode "simulated"). Every op test records its mode as the
-``mode`` property (``--junitxml`` shows it) and in its test id's backend name is
-the device whose ops ran, so a simulated pass is never mistaken for a pass on
-hardware. In simulated mode the tests also check, from the simulation's call
-log, which vendor operator each op actually ran.
+and a device is present, otherwise against the simulated SDK in tests/simulated
+(CPU tensors, mode "simulated"). Every backend test records its mode as the
+``mode`` property (``--junitxml`` shows it), so a simulated pass is never taken
+for a pass on hardware. In simulated mode the tests also check, from the
+simulation's call log, which vendor operator each op actually ran.
 
 Cases: KV fill, decode and prefill-with-history attention (mixed batch with a
 decode row, GQA, shuffled non-contiguous blocks) for ascend with quant_policy
@@ -23,9 +22,9 @@ import math
 import pytest
 import torch
 
-from lmport import ConfigError, EngineConfig, GenerationConfig, ops, registry
+from lmport import ConfigError, EngineConfig, GenerationConfig, ops
 from lmport.kv.layout import KVLayout, LayerCache
-from harness import op_backend, simulated_backend
+from harness import op_backend
 from models import tiny_model_dir
 
 VENDORS = ("ascend", "camb")
@@ -69,7 +68,7 @@ def backend(request, vendors, record_property):
 
 
 def _simulation(name):
-    import simulated  # on sys.path once harness.simulated_backend has run
+    import simulated  # tests/ is on sys.path (tests/conftest.py), as for ``models``
     return simulated.module(name)
 
 
@@ -239,13 +238,8 @@ def test_block_size_rules():
 
 # -- the simulations raise where the documented operators do ------------------------
 
-def _sim(name):
-    simulated_backend(registry.load_backend_class(name))  # puts tests/ on sys.path
-    return _simulation(name)
-
-
 def test_simulated_npu_rejects_what_the_docs_exclude():
-    npu = _sim("ascend")
+    npu = _simulation("ascend")
     q = torch.zeros(1, 4, HQ, D, dtype=torch.float16)
     cache = torch.zeros(4, 16, HKV * D, dtype=torch.float16)
     table = torch.zeros(1, 4, dtype=torch.int32)
@@ -264,7 +258,7 @@ def test_simulated_npu_rejects_what_the_docs_exclude():
 
 
 def test_simulated_mlu_rejects_what_the_docs_exclude():
-    tmo = _sim("camb")
+    tmo = _simulation("camb")
     q = torch.zeros(3, HQ, D, dtype=torch.float16)
     cache = torch.zeros(4, HKV, 32, D, dtype=torch.float16)
     cu = torch.tensor([0, 3], dtype=torch.int32)
@@ -286,10 +280,10 @@ def _engine_settings(quant_policy: int) -> dict:
     return dict(dtype="float16", quant_policy=quant_policy, cache_max_entry_count=64, max_prefill_token_num=32)
 
 
-def _greedy(model_dir: str, config: EngineConfig) -> list[list[int]]:
+def _greedy(config: EngineConfig, backend=None) -> list[list[int]]:
     from lmport.engine import Engine
-    engine = Engine(model_dir, config)
-    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    engine = Engine(tiny_model_dir("llama"), config, backend=backend)
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     ids = [engine.add_request(p, gen) for p in PROMPTS]
     done = {}
     while engine.has_unfinished():
@@ -307,46 +301,21 @@ def cpu_tokens():
 
     def get(quant_policy: int) -> list[list[int]]:
         if quant_policy not in made:
-            config = EngineConfig(device_type="cpu", block_size=16, **_engine_settings(quant_policy))
-            made[quant_policy] = _greedy(tiny_model_dir("llama"), config)
+            made[quant_policy] = _greedy(EngineConfig(device_type="cpu", block_size=16,
+                                                      **_engine_settings(quant_policy)))
         return made[quant_policy]
     return get
 
 
-ENGINE_CASES = [
+@pytest.mark.parametrize("device,quant_policy,block", [
     pytest.param("ascend", 0, 128, id="ascend-q0-bs128"),
     pytest.param("ascend", 8, 16, id="ascend-q8-bs16"),
     pytest.param("camb", 0, None, id="camb-q0"),
-]
-
-
-def _engine_uses_simulated(monkeypatch, device: str) -> None:
-    """The engine instantiates its backend itself: make the registry hand it one built on cpu
-    inside the simulated SDK."""
-    import simulated
-    real = registry.load_backend_class
-    base = real(device)
-
-    class Simulated(base):
-        def __init__(self, device=None):
-            with simulated.installed(base.capabilities.device_type):
-                super().__init__("cpu")
-
-    monkeypatch.setattr(registry, "load_backend_class", lambda name: Simulated if name == device else real(name))
-
-
-@pytest.mark.parametrize("device,quant_policy,block", ENGINE_CASES)
-def test_engine_greedy_tokens_match_cpu(vendors, cpu_tokens, monkeypatch, record_property, device, quant_policy,
-                                        block):
-    """A tiny random-weight Llama (tests/models.py), chunked prefill included: same greedy tokens."""
-    _, mode = vendors(device)
-    record_property("mode", mode)
-    if mode == "simulated":
-        _engine_uses_simulated(monkeypatch, device)
-        calls = _simulation(device).calls
-        calls.clear()
-    tiny_model = tiny_model_dir("llama")
-    got = _greedy(tiny_model, EngineConfig(device_type=device, block_size=block, **_engine_settings(quant_policy)))
-    assert got == cpu_tokens(quant_policy)
-    if mode == "simulated":
+])
+def test_engine_greedy_tokens_match_cpu(backend, cpu_tokens, device, quant_policy, block):
+    """A tiny random-weight Llama (tests/models.py) in float16, chunked prefill included: same greedy tokens."""
+    be, mode, calls = backend
+    config = EngineConfig(device_type=device, block_size=block, **_engine_settings(quant_policy))
+    assert _greedy(config, be) == cpu_tokens(quant_policy)
+    if calls is not None:
         assert _ops_called(calls), "the engine never reached the vendor attention operators"
