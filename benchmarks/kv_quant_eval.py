@@ -14,8 +14,12 @@ For each policy, through the pipeline API (``lmport.pipeline`` + ``EngineConfig`
 
 Prints a markdown table and writes JSON (default benchmarks/results/kv_quant_eval.json).
 
-    .venv/bin/python benchmarks/kv_quant_eval.py            # full run (CPU: ~15 min)
+    .venv/bin/python benchmarks/kv_quant_eval.py            # full run (2 CPU cores: ~12 CPU-min a policy)
     .venv/bin/python benchmarks/kv_quant_eval.py --quick    # a smoke run of the script
+
+    # One process per policy, then the table from their saved runs:
+    for p in 0 8 4; do .venv/bin/python benchmarks/kv_quant_eval.py --only --policies $p & done; wait
+    .venv/bin/python benchmarks/kv_quant_eval.py --reuse
 """
 from __future__ import annotations
 
@@ -165,11 +169,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048, help="sequence length for the 1 GiB capacity")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_quant_eval.json")
     ap.add_argument("--quick", action="store_true", help="2 chunks of 256, 4 prompts x 8 tokens")
+    ap.add_argument("--only", action="store_true",
+                    help="run --policies and save each one's run, without the table: for one process per policy")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take a policy's saved run (from --only) when its settings match, instead of running it")
     args = ap.parse_args(argv)
     if args.quick:
         args.chunk, args.min_text_tokens, args.prompts, args.new_tokens = 256, 0, 4, 8
-    if args.policies[0] != 0:
-        ap.error("the first policy must be 0: agreement is measured against it")
+    if not args.only and 0 not in args.policies:
+        ap.error("policy 0 is needed: agreement and the changes are measured against it")
 
     # Tokenize with the model's tokenizer (the same for every policy); no BOS, as SmolLM2 has none.
     from lmport.models.loader import hf_directory
@@ -190,14 +198,26 @@ def main(argv=None) -> int:
     print(f"text: {TEXT_FILE.relative_to(ROOT)}: {len(ids)} tokens; {n_chunks} chunks x {args.chunk} "
           f"({scored} scored); {args.prompts} prompts x {args.prompt_tokens} -> {args.new_tokens} greedy tokens",
           flush=True)
+    # What makes a saved run comparable: everything but the policy.
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("policies", "out", "only", "reuse")}
     runs = []
     for policy in args.policies:
-        print(f"quant_policy={policy} ...", flush=True)
-        runs.append(run_policy(args, policy, chunks, prompts))
+        saved = args.out.with_name(f"{args.out.stem}.policy{policy}.json")
+        if args.reuse and saved.exists() and json.loads(saved.read_text())["settings"] == settings:
+            runs.append(json.loads(saved.read_text())["run"])
+            print(f"quant_policy={policy}: reusing {saved.name}", flush=True)
+        else:
+            print(f"quant_policy={policy} ...", flush=True)
+            runs.append(run_policy(args, policy, chunks, prompts))
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps({"settings": settings, "run": runs[-1]}) + "\n")
         r = runs[-1]
         print(f"  ppl {r['perplexity']:.4f}  ({r['seconds']['ppl']:.0f} s ppl, "
               f"{r['seconds']['generate']:.0f} s generate)", flush=True)
+    if args.only:
+        return 0
 
+    runs.sort(key=lambda r: r["policy"] != 0)  # policy 0 first: the baseline
     base = runs[0]
     rows = []
     for r in runs:

@@ -23,6 +23,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -83,7 +84,9 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, i: int, max
                       headers: dict) -> dict:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": f"Request {i}: write a story about {TOPICS[i % len(TOPICS)]}."}]}
+            # A short system message: the default model's template would otherwise add its own, longer one.
+            "messages": [{"role": "system", "content": "You tell stories."},
+                         {"role": "user", "content": f"Request {i}: a story about {TOPICS[i % len(TOPICS)]}."}]}
     start = time.perf_counter()
     result = {"ok": False, "ttft": None, "latency": None, "completion_tokens": 0, "error": None}
     try:
@@ -172,8 +175,8 @@ async def main_async(args) -> dict:
     else:
         port = free_loopback_port()
         url = f"http://127.0.0.1:{port}"
-        log_path = Path(args.out).with_suffix(".server.log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path = Path(tempfile.mkdtemp(prefix="lmport-serve-load-")) / "server.log"
+        print(f"server log: {log_path}", file=sys.stderr)
         proc = start_server(args.model, port, shlex.split(args.server_args), log_path, args.torch_threads)
     try:
         await wait_ready(url, proc, time.monotonic() + 300)

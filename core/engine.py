@@ -220,6 +220,8 @@ class Engine:
         else:
             # Hold back a trailing partial UTF-8 character until its bytes complete.
             shown = seq.text.rstrip("\ufffd")
+            if cfg.stop_words:  # and text that may yet turn out to start a stop string
+                shown = shown[:len(shown) - _stop_prefix_len(shown, cfg.stop_words)]
             delta = shown[len(old_text):] if len(shown) > len(old_text) else ""
             seq.text = old_text + delta
         return self._output(seq, [token], delta)
@@ -259,3 +261,14 @@ def _first_stop(text: str, stop_words: list[str], searched: int) -> int | None:
     start = max(0, searched - max(len(s) for s in stop_words))
     hits = [i for s in stop_words if (i := text.find(s, start)) >= 0]
     return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stop_words: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the start of a stop string (and so may become one)."""
+    best = 0
+    for word in stop_words:
+        for n in range(min(len(word) - 1, len(text)), best, -1):
+            if text.endswith(word[:n]):
+                best = n
+                break
+    return best

@@ -105,6 +105,9 @@ def test_chat_prompt_stop_string_and_stream():
     cut = pipe("Count from 1 to 10, separated by commas.", GenerationConfig(max_new_tokens=40, stop_words=["3"]))
     assert "3" in full.text and cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index("3")]
+    streamed = pipe.stream("Count from 1 to 10, separated by commas.",
+                           GenerationConfig(max_new_tokens=40, stop_words=["3"]))
+    assert "".join(streamed) == cut.text  # nothing of the stop string was sent and taken back
     batch = pipe(["Hi!", [{"role": "user", "content": "Hi!"}]], GenerationConfig(max_new_tokens=5))
     assert batch[0].token_ids == batch[1].token_ids
     assert pipe([], GenerationConfig()) == []

@@ -121,8 +121,8 @@ def test_cache_salt_and_cached_tokens(tiny):
 @pytest.mark.slow
 def test_shared_system_prompt_default_model():
     prompts = shared_prompt_workload()
-    off, _ = run("smollm2", prompts, 8, 0, cache_max_entry_count=4500)
-    on, _ = run("smollm2", prompts, 8, 0, cache_max_entry_count=4500, enable_prefix_caching=True)
+    off, _ = run("smollm2", prompts, 8, 0, cache_max_entry_count=1200)
+    on, _ = run("smollm2", prompts, 8, 0, cache_max_entry_count=1200, enable_prefix_caching=True)
     host, u = run("smollm2", prompts, 8, 0, cache_max_entry_count=160, enable_prefix_caching=True,
                   host_cache_gib=0.5)
     assert on == off and host == off

@@ -12,8 +12,10 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +23,6 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import lmport_command
 from models import tiny_model_dir
 
 from lmport.config import EngineConfig
@@ -30,6 +31,12 @@ from lmport.server.app import create_app
 
 API_KEY = "sk-lmport-test"
 TINY_BODY_LIMIT = 256 * 1024
+
+
+def lmport_command() -> list[str]:
+    """The `lmport` console script beside this interpreter (``-m lmport.cli`` without one)."""
+    script = Path(sys.executable).parent / "lmport"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lmport.cli"]
 
 
 class ServerThread:
@@ -145,7 +152,7 @@ def test_chat_completion(smol):
 
 def test_streamed_chat_equals_the_non_streamed_text_under_greedy(smol):
     kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Write a short poem about the sea."}],
-                  max_tokens=48, temperature=0)
+                  max_tokens=24, temperature=0)
     whole = client(smol).chat.completions.create(**kwargs)
     chunks = list(client(smol).chat.completions.create(**kwargs, stream=True,
                                                        stream_options={"include_usage": True}))
@@ -158,10 +165,14 @@ def test_streamed_chat_equals_the_non_streamed_text_under_greedy(smol):
 
 
 def test_completion_with_a_stop_string(smol):
-    r = client(smol).completions.create(model="smollm2", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0,
-                                        stop=[" 8"])
+    kwargs = dict(model="smollm2", prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[" 8"])
+    r = client(smol).completions.create(**kwargs)
     assert r.choices[0].text == " 6, 7,"
     assert r.choices[0].finish_reason == "stop"
+    # Streamed, the " " before "8" (a token of its own) must not be sent before the stop string is known.
+    chunks = list(client(smol).completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == " 6, 7,"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_lmport_chat_url_client(smol):

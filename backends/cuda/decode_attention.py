@@ -14,7 +14,6 @@ captured CUDA graph) is still correct, the extra splits exit at once.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -123,7 +122,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
     block_n = 64
     if num_splits is None:
         num_splits = _splits(batch, kv_heads, meta.max_kv_len, block_n, q.device)
-    # Each split covers a whole number of tiles; recount so no split is empty by construction.
+    # Each split covers whole tiles; recount so no split starts past max_kv_len.
     tokens_per_split = triton.cdiv(triton.cdiv(meta.max_kv_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(meta.max_kv_len, tokens_per_split)
 

@@ -45,7 +45,7 @@ class CopyQueue:
     def add(self, to_host: bool, src: int, dst: int) -> None:
         last = self._batches[-1] if self._batches else None
         # A second write to the same block must not share a batch with the first (index_copy_ order is undefined).
-        if last is None or last.to_host != to_host:
+        if last is None or last.to_host != to_host or dst in last.written:
             last = CopyBatch(to_host)
             self._batches.append(last)
         last.src.append(src)

@@ -216,7 +216,9 @@ class Server:
                             "top_logprobs": [self._lp(t, lp) for t, lp in best]})
         return {"content": content}
 
-    def completion_logprobs(self, out: RequestOutput, start: int, top: int, offset: int) -> dict:
+    def completion_logprobs(self, out: RequestOutput, start: int, top: int) -> dict:
+        """OpenAI's legacy logprobs for tokens ``start:``; text_offset counts the tokens' own texts."""
+        offset = sum(len(self.token_text(t)) for t in out.token_ids[:start])
         tokens = [self.token_text(t) for t in out.token_ids[start:]]
         offsets = []
         for text in tokens:
@@ -257,8 +259,12 @@ def _sse(data: dict | str) -> str:
 
 
 async def _events(server: Server, job: _Job, chunk) -> AsyncIterator[str]:
-    """SSE lines: ``chunk(choice, out, first, logprobs_from)`` per output, then usage when asked, then [DONE]."""
+    """SSE lines: ``chunk(choice, out, delta, first, logprobs_from)`` per output, usage when asked, [DONE].
+
+    ``out.text`` never shows what may still turn out to be a stop string: the engine holds it back.
+    """
     finals: list[RequestOutput] = []
+    sent_text = [0] * len(job.configs)
     sent_logprobs = [0] * len(job.configs)
     started = [False] * len(job.configs)
     stream = server.outputs(job)
@@ -270,10 +276,12 @@ async def _events(server: Server, job: _Job, chunk) -> AsyncIterator[str]:
                 yield _sse(APIError(500, f"choice {choice}: generation failed: {out.error}",
                                     type="server_error").body())
                 continue
+            delta = out.text[sent_text[choice]:]
             new_logprobs = len(out.logprobs) > sent_logprobs[choice]
-            if out.delta_text or out.finished or new_logprobs:
-                yield _sse(chunk(choice, out, not started[choice], sent_logprobs[choice]))
+            if delta or out.finished or new_logprobs:
+                yield _sse(chunk(choice, out, delta, not started[choice], sent_logprobs[choice]))
                 started[choice], sent_logprobs[choice] = True, len(out.logprobs)
+                sent_text[choice] += len(delta)
         if job.include_usage:
             yield _sse({**job.header, "choices": [], "usage": server.usage(job, finals)})
         yield _sse("[DONE]")
@@ -348,8 +356,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         if req.stream:
-            def chunk(choice, out, first, lp_from):
-                delta = {"role": "assistant", "content": out.delta_text} if first else {"content": out.delta_text}
+            def chunk(choice, out, text, first, lp_from):
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
                 return {**job.header, "choices": [{
                     "index": choice, "delta": delta, "finish_reason": _finish_reason(out),
                     "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
@@ -380,11 +388,10 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         top = req.logprobs
 
         if req.stream:
-            def chunk(choice, out, first, lp_from):
-                offset = len(out.text) - len(out.delta_text)
+            def chunk(choice, out, text, first, lp_from):
                 return {**job.header, "choices": [{
-                    "index": choice, "text": out.delta_text, "finish_reason": _finish_reason(out),
-                    "logprobs": server.completion_logprobs(out, lp_from, top, offset) if top is not None else None}]}
+                    "index": choice, "text": text, "finish_reason": _finish_reason(out),
+                    "logprobs": server.completion_logprobs(out, lp_from, top) if top is not None else None}]}
             return EventStream(_events(server, job, chunk), headers={"Cache-Control": "no-cache"})
 
         outs = await server.until_done_or_gone(request, job)
@@ -392,7 +399,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             return Response(status_code=499)
         return {**job.header, "usage": server.usage(job, outs), "choices": [
             {"index": c, "text": o.text, "finish_reason": _finish_reason(o),
-             "logprobs": server.completion_logprobs(o, 0, top, 0) if top is not None else None}
+             "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
             for c, o in enumerate(outs)]}
 
     return app
