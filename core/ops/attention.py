@@ -26,19 +26,45 @@ def gather_kv(values: torch.Tensor, qparams: torch.Tensor | None, tables: torch.
 
 def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                     softmax_scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions."""
-    n_blocks = -(-meta.max_kv_len // meta.block_size)
-    tables = meta.block_tables[:, :n_blocks].long()
+    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions.
+
+    Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
+    long chunk never pads every decode row to its length.
+    """
+    q_lens = meta.q_lens_host or tuple(meta.q_lens.tolist())
+    kv_lens = meta.kv_lens_host or tuple(meta.kv_lens.tolist())
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    groups = ([decodes] if decodes else []) + [[i] for i, n in enumerate(q_lens) if n > 1]
+    if len(groups) == 1:
+        return _attend(q, cache, meta, softmax_scale, groups[0], q_lens, kv_lens, starts)
+    out = torch.empty_like(q)
+    for seqs in groups:
+        rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])], device=q.device)
+        out[rows] = _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts)
+    return out
+
+
+def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts) -> torch.Tensor:
+    """Attention for the sequences ``seqs``, padded to their longest q and kv; returns their q rows in order."""
+    dev = q.device
+    max_q = max(q_lens[i] for i in seqs)
+    n_blocks = -(-max(kv_lens[i] for i in seqs) // meta.block_size)
+    index = torch.tensor(seqs, device=dev)
+    tables = meta.block_tables.index_select(0, index)[:, :n_blocks].long()
     k = gather_kv(cache.k, cache.k_qparams, tables, cache.quant_policy, q.dtype)
     v = gather_kv(cache.v, cache.v_qparams, tables, cache.quant_policy, q.dtype)
 
-    # Pad the new tokens to [B, max_q_len]; padded rows are computed and dropped.
-    steps = torch.arange(meta.max_q_len, device=q.device)
-    rows = (meta.q_start_loc[:-1, None].long() + steps).clamp_(max=q.shape[0] - 1)
-    valid = steps < meta.q_lens[:, None]
-    q_pos = (meta.kv_lens - meta.q_lens)[:, None].long() + steps
-    kv_pos = torch.arange(k.shape[1], device=q.device)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]          # [B, max_q, max_kv]
+    steps = torch.arange(max_q, device=dev)
+    sub_q_lens = torch.tensor([q_lens[i] for i in seqs], device=dev)
+    first_pos = torch.tensor([kv_lens[i] - q_lens[i] for i in seqs], device=dev)
+    rows = (torch.tensor([starts[i] for i in seqs], device=dev)[:, None] + steps).clamp_(max=q.shape[0] - 1)
+    valid = steps < sub_q_lens[:, None]
+    q_pos = first_pos[:, None] + steps
+    kv_pos = torch.arange(k.shape[1], device=dev)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]          # [B, max_q, max_kv]; padded rows are dropped
 
     out = F.scaled_dot_product_attention(
         q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
