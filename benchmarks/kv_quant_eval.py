@@ -44,7 +44,7 @@ TEXT_SOURCE = ("Lewis Carroll, Alice's Adventures in Wonderland (1865), public d
                "etext 'Millennium Fulcrum Edition 2.9' as the Canterbury Corpus file alice29.txt, "
                "taken from the PyPI sdist brotli-1.2.1 (tests/testdata/alice29.txt)")
 GIB = 2 ** 30
-POLICY_NAMES = {0: "none (16/32-bit)", 8: "INT8", 4: "INT4"}
+POLICY_NAMES = {0: "off", 8: "INT8", 4: "INT4"}
 
 
 def load_text() -> str:
@@ -56,42 +56,13 @@ def load_text() -> str:
 
 def perplexity(pipe, chunks: list[list[int]], group: int = 4) -> float:
     """Perplexity over all chunks together: exp(total NLL / predicted tokens)."""
-    get_ppl = pipe.get_ppl if hasattr(pipe, "get_ppl") else lambda c: _ppl_via_engine(pipe, c)
     ppls = []
-    for i in range(0, len(chunks), group):  # a few chunks at a time: bounded cache use, visible progress
-        ppls += get_ppl(chunks[i:i + group])
+    for i in range(0, len(chunks), group):  # a few chunks at a time, to show progress
+        ppls += pipe.get_ppl(chunks[i:i + group])
         print(f"  {len(ppls)}/{len(chunks)} chunks", flush=True)
     # Each chunk's perplexity is exp(mean NLL over its len - 1 predicted tokens).
     nll = sum(math.log(p) * (len(c) - 1) for p, c in zip(ppls, chunks))
     return math.exp(nll / sum(len(c) - 1 for c in chunks))
-
-
-@torch.inference_mode()
-def _ppl_via_engine(pipe, chunks: list[list[int]]) -> list[float]:
-    """Stand-in until ``Pipeline.get_ppl`` lands: the engine's own model and quantized KV cache.
-
-    One chunk at a time through ``engine.model`` (so K/V go through fill_kv_cache
-    and paged attention of the configured policy); the engine is idle here, so
-    blocks 1.. of its cache are free to use. Remove once get_ppl exists.
-    """
-    from lmport.ops import build_attention_metadata
-
-    eng = pipe.engine
-    block = eng.layout.block_size
-    out = []
-    for ids in chunks:
-        table = list(range(1, -(-len(ids) // block) + 1))
-        if len(table) >= eng.plan.num_blocks:
-            raise RuntimeError(f"a {len(ids)}-token chunk does not fit in the engine's {eng.plan.num_blocks} blocks")
-        meta = build_attention_metadata([len(ids)], [len(ids)], [table], block, eng.backend.device)
-        hidden = eng.model(torch.tensor(ids, device=eng.backend.device), meta, eng.caches)
-        targets = torch.tensor(ids[1:], device=eng.backend.device)
-        nll = 0.0
-        for start in range(0, len(ids) - 1, 512):  # logits in slices: vocab x chunk would be large
-            logits = eng.model.logits(hidden[start:start + 512][: len(targets) - start]).float()
-            nll += torch.nn.functional.cross_entropy(logits, targets[start:start + 512], reduction="sum").item()
-        out.append(math.exp(nll / len(targets)))
-    return out
 
 
 def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
@@ -139,7 +110,6 @@ def run_policy(args, policy: int, chunks, prompts) -> dict:
             "dtype": eng.config.dtype,
             "block_size": eng.layout.block_size,
             "perplexity": ppl,
-            "ppl_via": "get_ppl" if hasattr(pipe, "get_ppl") else "engine model (get_ppl not yet in the pipeline)",
             "outputs": [list(r.token_ids) for r in responses],
             "capacity": capacity(eng.layout, args.seq_len),
             "capacity_16bit": capacity(layout16, args.seq_len),

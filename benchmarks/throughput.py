@@ -1,6 +1,6 @@
 """Throughput of lmport vs transformers on one fixed mixed workload, side by side in one run.
 
-Workload: N requests (default 64), prompts of 8-512 tokens cut from a fixed
+Workload: N requests (default 64), prompts of 8-256 tokens cut from a fixed
 text, output lengths from {16, 32, 64, 128} (EOS ignored so every engine
 produces exactly the requested tokens), fixed seed, all arriving at t=0.
 
@@ -41,7 +41,7 @@ def workload(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
     base = tokenizer.encode(TEXT * 20)
     requests = []
     for i in range(n):
-        length = rng.randint(8, 512)
+        length = rng.randint(8, 256)
         start = rng.randrange(0, len(base) - length)
         requests.append((base[start:start + length], OUTPUT_LENGTHS[i % len(OUTPUT_LENGTHS)]))
     return requests
@@ -151,7 +151,7 @@ def main() -> None:
             results.append({"engine": "transformers generate_batch", "error": f"{type(exc).__name__}: {exc}"})
 
     cols = ["engine", "requests_per_s", "output_tokens_per_s", "mean_latency_s", "p99_latency_s", "wall_s"]
-    print(f"\n{args.requests} requests, prompts 8-512 tokens, outputs {OUTPUT_LENGTHS}, "
+    print(f"\n{args.requests} requests, prompts 8-256 tokens, outputs {OUTPUT_LENGTHS}, "
           f"torch threads {torch.get_num_threads()}\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

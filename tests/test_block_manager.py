@@ -328,7 +328,8 @@ def random_workload(eng: FakeEngine, rng: random.Random, num_requests: int):
     pending = []
     for _ in range(num_requests):
         base = rng.choice(shared)
-        prompt = base[:rng.randrange(len(base) // 2, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(8))]
+        own = [rng.randrange(50) for _ in range(rng.randrange(8))]
+        prompt = base[:rng.randrange(len(base) // 2, len(base) + 1)] + own
         max_new = rng.randrange(1, 12)
         salt = rng.choice([None, None, None, "x"])
         pending.append((prompt[:max(1, capacity - max_new)], max_new, salt))
