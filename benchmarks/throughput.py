@@ -115,8 +115,8 @@ def run_hf_generate_batch(hf, requests) -> dict:
     latencies = []
     for n, idx in by_length(requests).items():
         cfg = HFGenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        with torch.inference_mode():
-            outs = hf.generate_batch([requests[i][0] for i in idx], generation_config=cfg, progress_bar=False)
+        # No inference_mode here: generate_batch updates its cache tensors in place from its own thread.
+        outs = hf.generate_batch([requests[i][0] for i in idx], generation_config=cfg, progress_bar=False)
         assert all(len(o.generated_tokens) == n for o in outs.values())
         latencies += [time.perf_counter() - start] * len(idx)
     return summarize("transformers generate_batch", time.perf_counter() - start, latencies, requests)
