@@ -85,7 +85,7 @@ def run_lmport(model: str, requests, args) -> dict:
 
 def by_length(requests):
     groups = {}
-    for i, (ids, n) in enumerate(requests):
+    for i, (_, n) in enumerate(requests):
         groups.setdefault(n, []).append(i)
     return groups
 

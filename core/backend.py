@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import psutil
 import torch
 
 from lmport import ops
@@ -78,9 +79,16 @@ class Backend:
         self.device = torch.device(device or self.capabilities.torch_device)
 
     # -- memory ---------------------------------------------------------
+    # The torch device namespace (torch.cuda, torch.npu, torch.mlu) a device backend sets in
+    # ``__init__``; None means the tensors live in host memory.
+    device_module = None
+
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the device memory the KV cache can use."""
-        raise NotImplementedError
+        if self.device_module is None:
+            mem = psutil.virtual_memory()
+            return mem.available, mem.total
+        return self.device_module.mem_get_info(self.device)
 
     def measure_peak_memory(self, fn) -> int | None:
         """Peak device bytes allocated while ``fn()`` runs, above what was allocated before, with the
@@ -90,10 +98,11 @@ class Backend:
 
     def pin_host_memory(self) -> bool:
         """Whether the host pool of the prefix cache should be pinned."""
-        return False
+        return self.device_module is not None and self.device.type != "cpu"
 
     def synchronize(self) -> None:
-        pass
+        if self.device_module is not None:
+            self.device_module.synchronize(self.device)
 
     # -- ops (reference implementations; override to accelerate) --------
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

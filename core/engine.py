@@ -22,7 +22,7 @@ from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
-from lmport.sequence import Sequence, Status
+from lmport.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

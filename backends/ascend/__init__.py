@@ -94,19 +94,9 @@ class AscendBackend(Backend):
     def __init__(self, device: str | torch.device | None = None) -> None:
         # Importing torch_npu registers the "npu" device and torch.npu; keep both.
         self._npu = importlib.import_module("torch_npu")
-        self._device_module = torch.npu
+        self.device_module = torch.npu
         super().__init__(device)
         self._masks: dict[torch.device, torch.Tensor] = {}
-
-    # -- memory ---------------------------------------------------------
-    def memory_info(self) -> tuple[int, int]:
-        return self._device_module.mem_get_info(self.device)
-
-    def synchronize(self) -> None:
-        self._device_module.synchronize(self.device)
-
-    def pin_host_memory(self) -> bool:
-        return self.device.type != "cpu"
 
     # -- ops ------------------------------------------------------------
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

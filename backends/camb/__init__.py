@@ -75,18 +75,8 @@ class CambBackend(Backend):
         # Importing torch_mlu registers the "mlu" device and torch.mlu; keep both modules.
         importlib.import_module("torch_mlu")
         self._tmo = importlib.import_module("torch_mlu_ops")
-        self._device_module = torch.mlu
+        self.device_module = torch.mlu
         super().__init__(device)
-
-    # -- memory ---------------------------------------------------------
-    def memory_info(self) -> tuple[int, int]:
-        return self._device_module.mem_get_info(self.device)
-
-    def synchronize(self) -> None:
-        self._device_module.synchronize(self.device)
-
-    def pin_host_memory(self) -> bool:
-        return self.device.type != "cpu"
 
     # -- ops ------------------------------------------------------------
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

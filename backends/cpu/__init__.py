@@ -1,8 +1,6 @@
 """cpu backend: the reference ops on host memory."""
 from __future__ import annotations
 
-import psutil
-
 from lmport.backend import Backend, Capabilities, ProbeResult
 
 
@@ -22,7 +20,3 @@ class CpuBackend(Backend):
     @classmethod
     def probe(cls) -> ProbeResult:
         return ProbeResult(True, "always available (reference ops on host memory)")
-
-    def memory_info(self) -> tuple[int, int]:
-        mem = psutil.virtual_memory()
-        return mem.available, mem.total

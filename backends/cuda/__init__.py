@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-import psutil
 import torch
 
 from lmport import ops
@@ -66,6 +65,9 @@ class CudaBackend(Backend):
             # Kernels on CPU tensors only run under the Triton interpreter, which
             # is chosen when the kernel modules are imported (lazily, later).
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        else:
+            # Interpreter runs keep device_module None: their "device" memory is host memory.
+            self.device_module = torch.cuda
         self._kernels: SimpleNamespace | None = None
 
     @property
@@ -73,12 +75,6 @@ class CudaBackend(Backend):
         if self._kernels is None:
             self._kernels = _load_kernels(self.device)
         return self._kernels
-
-    def memory_info(self) -> tuple[int, int]:
-        if self.device.type == "cpu":  # interpreter runs: "device" memory is host memory
-            mem = psutil.virtual_memory()
-            return mem.available, mem.total
-        return torch.cuda.mem_get_info(self.device)
 
     def measure_peak_memory(self, fn) -> int | None:
         if self.device.type != "cuda":  # interpreter runs on host memory: nothing to measure
@@ -91,13 +87,6 @@ class CudaBackend(Backend):
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()  # so mem_get_info counts what fn freed as free again
         return peak
-
-    def pin_host_memory(self) -> bool:
-        return self.device.type == "cuda"
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # -- ops --------------------------------------------------------------
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

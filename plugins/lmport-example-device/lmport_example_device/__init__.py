@@ -1,13 +1,12 @@
 """A fictional device "example": no KV quantization, block size fixed at 32.
 
 It shows everything a vendor writes for a new device: Capabilities as data,
-a probe, a memory query, and (here) no op overrides at all, so it runs on the
-reference ops. A real plugin would override ``fill_kv_cache``,
-``paged_attention`` and friends with its own kernels.
+a probe, and (here) no op overrides at all, so it runs on the reference ops
+in host memory. A real plugin sets ``device_module`` (its torch device
+namespace, for memory queries and synchronization) in ``__init__`` and
+overrides ``fill_kv_cache``, ``paged_attention`` and friends with its own kernels.
 """
 from __future__ import annotations
-
-import psutil
 
 from lmport.backend import Backend, Capabilities, ProbeResult
 
@@ -28,7 +27,3 @@ class ExampleBackend(Backend):
     @classmethod
     def probe(cls) -> ProbeResult:
         return ProbeResult(True, "simulated on the host CPU")
-
-    def memory_info(self) -> tuple[int, int]:
-        mem = psutil.virtual_memory()
-        return mem.available, mem.total
