@@ -105,6 +105,9 @@ class Backend:
             self.device_module.synchronize(self.device)
 
     # -- ops (reference implementations; override to accelerate) --------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         ops.fill_kv_cache(k, v, cache, slot_mapping)

@@ -1,7 +1,16 @@
-"""cpu backend: the reference ops on host memory."""
+"""cpu backend: host memory, reference ops plus a C++ paged attention and a BLAS-friendly linear."""
 from __future__ import annotations
 
+import torch
+
+from lmport import ops
 from lmport.backend import Backend, Capabilities, ProbeResult
+from lmport.backends.cpu import kernels
+from lmport.kv.layout import LayerCache
+
+# Up to this many tokens a GEMM runs as W @ x^T: MKL splits its threads over the
+# output's rows, and x @ W^T has too few of them to keep both cores busy.
+SMALL_BATCH_TOKENS = 128
 
 
 class CpuBackend(Backend):
@@ -19,4 +28,24 @@ class CpuBackend(Backend):
 
     @classmethod
     def probe(cls) -> ProbeResult:
-        return ProbeResult(True, "always available (reference ops on host memory)")
+        return ProbeResult(True, "always available (host memory)")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > SMALL_BATCH_TOKENS:
+            return super().linear(x, weight, bias)
+        out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
+        return out.t().contiguous()
+
+    def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
+                        softmax_scale: float) -> torch.Tensor:
+        compiled = kernels.load() if self._kernel_fits(q, cache) else None
+        if compiled is None:
+            return super().paged_attention(q, cache, meta, softmax_scale)
+        return compiled.paged_attention(q.contiguous(), cache.k, cache.v, meta.block_tables,
+                                        meta.q_start_loc, meta.kv_lens, softmax_scale)
+
+    @staticmethod
+    def _kernel_fits(q: torch.Tensor, cache: LayerCache) -> bool:
+        """The kernel covers unquantized float32 caches (in this backend's bshd order) and head_dim % 8 == 0."""
+        return (cache.quant_policy == 0 and q.dtype == cache.k.dtype == torch.float32
+                and q.shape[-1] % 8 == 0)

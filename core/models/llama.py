@@ -1,8 +1,8 @@
 """Paged-attention decoder for the Llama family (Llama, SmolLM2, Mistral), Qwen2 and Qwen3.
 
-Parameter names match transformers' so its state dict loads as is. Linear
-layers and the MLP are plain torch; every device-specific op (RMSNorm,
-rotary, KV fill, paged attention) goes through the backend.
+Parameter names match transformers' so its state dict loads as is. Every
+device-specific op (linear, RMSNorm, rotary, KV fill, paged attention) goes
+through the backend; the rest is plain torch.
 """
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ class RMSNorm(nn.Module):
         return self.backend.rms_norm(x, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose matmul the backend runs (a BLAS may want another operand order)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: Backend):
+        super().__init__(in_features, out_features, bias=bias)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, backend: Backend):
         super().__init__()
@@ -41,11 +52,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         self.scale = self.head_dim ** -0.5
         qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size,
-                                bias=getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2")
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, qkv_bias, backend)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, qkv_bias, backend)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, qkv_bias, backend)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size,
+                             getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2", backend)
         # Qwen3 normalizes each head of q and k before rotary.
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
@@ -66,16 +77,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, backend: Backend):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, backend)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, backend)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, backend)
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        # In place on the fresh gate activations: a long prefill's [tokens, intermediate] buffers are large.
+        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -84,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, backend)
 
     def forward(self, x, cos, sin, cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
@@ -109,7 +121,7 @@ class PagedCausalLM(nn.Module):
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         self.config = cfg
         self.model = Decoder(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, backend)
         self.rotary = rotary  # transformers' own rotary module: every rope variant it knows
 
     @torch.inference_mode()

@@ -1,0 +1,34 @@
+"""The cpu backend's C++ kernels, compiled with torch's extension builder on first use.
+
+The build (about 45 s, once per machine and source version) is cached by
+torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
+``load()`` returns None and the backend keeps the reference ops.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+
+
+@functools.cache
+def load():
+    """The compiled module, or None (the reason is logged once)."""
+    if os.environ.get("LMPORT_CPU_KERNELS", "1") == "0":
+        log.info("cpu kernels off (LMPORT_CPU_KERNELS=0): using the reference ops")
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+        log.info("building the cpu kernels (once per machine)")
+        return build("lmport_cpu_kernels", [str(s) for s in SOURCES],
+                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # any build failure leaves the reference ops in place
+        log.warning("cpu kernels unavailable, using the reference ops: %s: %s", type(exc).__name__,
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return None

@@ -1,0 +1,86 @@
+"""The cpu backend's C++ paged attention and small-batch linear against the reference ops.
+
+The kernel must build here (gcc and ninja are part of the test environment):
+a build that silently fell back to the reference ops would leave it untested.
+Matrix: block sizes 1/16/64, head dims 64/128, GQA groups 1/3, decode and
+mixed prefill batches (a chunk over cached history, a block-exact sequence,
+a one-token sequence). Tolerance: fp32 summation order only, 2e-5.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmport import ops
+from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
+from lmport.kv.layout import KVLayout
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+KV_HEADS = 2
+BATCHES = {
+    "decode": lambda bs: ([1, 1, 1, 1], [1, bs, bs + 21, 300]),
+    "mixed": lambda bs: ([1, bs, 20, 37], [1, bs, bs + 20, 37]),
+}
+
+
+def _case(block_size, head_dim, group, q_lens, kv_lens, dtype=torch.float32, policy=0, seed=0):
+    """A cache on shuffled blocks holding every sequence's KV, the step's metadata, and q."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in kv_lens]
+    ids = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
+    tables = [ids[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
+    cache = KVLayout(1, KV_HEADS, head_dim, block_size, dtype, policy).allocate(sum(counts) + 1, "cpu")[0]
+    history = ops.build_attention_metadata(kv_lens, kv_lens, tables, block_size)
+    k, v = (torch.randn(sum(kv_lens), KV_HEADS, head_dim, generator=gen).to(dtype) for _ in range(2))
+    ops.fill_kv_cache(k, v, cache, history.slot_mapping)
+    meta = ops.build_attention_metadata(q_lens, kv_lens, tables, block_size)
+    q = torch.randn(sum(q_lens), KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    return cache, meta, q
+
+
+def test_kernel_builds_here():
+    assert kernels.load() is not None, "the cpu kernels failed to build; see the warning logged by kernels.load"
+
+
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("group", (1, 3))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("block_size", (1, 16, 64))
+def test_paged_attention_matches_reference(block_size, head_dim, group, kind):
+    cache, meta, q = _case(block_size, head_dim, group, *BATCHES[kind](block_size))
+    scale = head_dim ** -0.5
+    out = kernels.load().paged_attention(q, cache.k, cache.v, meta.block_tables, meta.q_start_loc,
+                                          meta.kv_lens, scale)
+    torch.testing.assert_close(out, ops.paged_attention(q, cache, meta, scale), **TOL)
+    torch.testing.assert_close(CpuBackend().paged_attention(q, cache, meta, scale), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,policy,head_dim", [(torch.float32, 8, 64), (torch.float32, 4, 64),
+                                                   (torch.bfloat16, 0, 64), (torch.float32, 0, 36)])
+def test_cases_the_kernel_does_not_cover_use_the_reference(dtype, policy, head_dim):
+    cache, meta, q = _case(16, head_dim, 3, *BATCHES["mixed"](16), dtype=dtype, policy=policy)
+    out = CpuBackend().paged_attention(q, cache, meta, 0.125)
+    assert torch.equal(out, ops.paged_attention(q, cache, meta, 0.125))
+
+
+def test_kernels_off_by_environment():
+    code = "from lmport.backends.cpu import kernels; print(kernels.load())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LMPORT_CPU_KERNELS": "0"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("rows", (1, 7, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300))
+@pytest.mark.parametrize("bias", (False, True))
+def test_linear_matches_torch(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen)
+    b = torch.randn(160, generator=gen) if bias else None
+    out = CpuBackend().linear(x, w, b)
+    assert out.shape == (rows, 160) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), **TOL)
