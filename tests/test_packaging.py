@@ -121,7 +121,7 @@ def test_wheel_contains_every_package(tmp_path):
     [wheel] = out.glob("lmport-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "lmport/backends/cuda/__init__.py" in names
-    assert "lmport/backends/cpu/csrc/paged_attention.cpp" in names  # the cpu kernels build from it at run time
+    assert "lmport/backends/cpu/csrc/paged_attention.h" in names  # the cpu kernels build from it at run time
     for package in _package_folders():
         assert f"{package.replace('.', '/')}/__init__.py" in names, package
     [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]

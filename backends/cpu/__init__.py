@@ -1,4 +1,5 @@
-"""cpu backend: host memory, reference ops plus a C++ paged attention and a BLAS-friendly linear."""
+"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, RMSNorm and rotary on float32,
+the reference ops for everything else."""
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,22 @@ class CpuBackend(Backend):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > SMALL_BATCH_TOKENS:
             return super().linear(x, weight, bias)
+        # x^T of a transposed activation (the previous small linear's output) is contiguous again.
         out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
-        return out.t().contiguous()
+        return out.t()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        compiled = kernels.load() if x.dtype == weight.dtype == torch.float32 else None
+        if compiled is None:
+            return super().rms_norm(x, weight, eps)
+        return compiled.rms_norm(x, weight, eps)
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        compiled = kernels.load() if q.dtype == k.dtype == cos.dtype == torch.float32 else None
+        if compiled is None:
+            return super().apply_rotary(q, k, cos, sin)
+        return compiled.apply_rotary(q, k, cos, sin)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:
@@ -46,6 +61,7 @@ class CpuBackend(Backend):
 
     @staticmethod
     def _kernel_fits(q: torch.Tensor, cache: LayerCache) -> bool:
-        """The kernel covers unquantized float32 caches (in this backend's bshd order) and head_dim % 8 == 0."""
+        """The kernel covers unquantized float32 caches (in this backend's bshd order), head_dim % 8 == 0
+        up to 256."""
         return (cache.quant_policy == 0 and q.dtype == cache.k.dtype == torch.float32
-                and q.shape[-1] % 8 == 0)
+                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / "kernels.cpp"]  # includes the csrc/*.h kernels
 
 
 @functools.cache

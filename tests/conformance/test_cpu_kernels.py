@@ -1,8 +1,9 @@
-"""The cpu backend's C++ paged attention and small-batch linear against the reference ops.
+"""The cpu backend's C++ kernels (paged attention, RMSNorm, rotary) and small-batch linear
+against the reference ops.
 
 The kernel must build here (gcc and ninja are part of the test environment):
 a build that silently fell back to the reference ops would leave it untested.
-Matrix: block sizes 1/16/64, head dims 64/128, GQA groups 1/3, decode and
+Attention matrix: block sizes 1/16/64, head dims 64/128, GQA groups 1/3, decode and
 mixed prefill batches (a chunk over cached history, a block-exact sequence,
 a one-token sequence). Tolerance: fp32 summation order only, 2e-5.
 """
@@ -79,8 +80,34 @@ def test_kernels_off_by_environment():
 @pytest.mark.parametrize("bias", (False, True))
 def test_linear_matches_torch(rows, bias):
     gen = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen)
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen) / 96 ** 0.5
     b = torch.randn(160, generator=gen) if bias else None
     out = CpuBackend().linear(x, w, b)
-    assert out.shape == (rows, 160) and out.is_contiguous()
+    assert out.shape == (rows, 160)
     torch.testing.assert_close(out, F.linear(x, w, b), **TOL)
+    # A transposed result feeds the next linear as is.
+    w2 = torch.randn(48, 160, generator=gen) / 160 ** 0.5
+    torch.testing.assert_close(CpuBackend().linear(out, w2), F.linear(F.linear(x, w, b), w2), **TOL)
+
+
+@pytest.mark.parametrize("shape", [(5, 576), (3, 4, 64), (1, 100)])
+def test_rms_norm_matches_reference(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    x, w = torch.randn(*shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+    out = CpuBackend().rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(out, ops.rms_norm(x, w, 1e-5), **TOL)
+    strided = torch.randn(shape[-1], 5, generator=gen).t()  # a transposed linear output
+    torch.testing.assert_close(CpuBackend().rms_norm(strided, w, 1e-5), ops.rms_norm(strided, w, 1e-5), **TOL)
+
+
+@pytest.mark.parametrize("tokens,head_dim", [(1, 64), (37, 64), (300, 128), (4, 6)])
+def test_rotary_matches_reference(tokens, head_dim):
+    gen = torch.Generator().manual_seed(tokens)
+    q = torch.randn(head_dim * 9, tokens, generator=gen).t().unflatten(-1, (9, head_dim))  # transposed, as in decode
+    k = torch.randn(tokens, 3, head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    got = CpuBackend().apply_rotary(q, k, cos, sin)
+    for g, want in zip(got, ops.apply_rotary(q, k, cos, sin)):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, want, **TOL)

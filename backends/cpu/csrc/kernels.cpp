@@ -1,0 +1,12 @@
+// The cpu backend's compiled ops, one translation unit so the build stays short.
+#include <torch/extension.h>
+
+#include "paged_attention.h"
+#include "rms_norm.h"
+#include "rotary.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 block pool");
+  m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
+  m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");
+}
