@@ -126,3 +126,6 @@ class Backend:
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.apply_rotary(q, k, cos, sin)
+
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(gate, up)

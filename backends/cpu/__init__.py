@@ -1,5 +1,5 @@
-"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, RMSNorm and rotary on float32,
-the reference ops for everything else."""
+"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, RMSNorm, rotary and the
+silu-gated activation on float32, the reference ops for everything else."""
 from __future__ import annotations
 
 import torch
@@ -50,6 +50,12 @@ class CpuBackend(Backend):
         if compiled is None:
             return super().apply_rotary(q, k, cos, sin)
         return compiled.apply_rotary(q, k, cos, sin)
+
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        compiled = kernels.load() if gate.dtype == up.dtype == torch.float32 else None
+        if compiled is None:
+            return super().silu_and_mul(gate, up)
+        return compiled.silu_and_mul(gate, up)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:

@@ -9,8 +9,9 @@ from lmport.ops.attention import paged_attention, gather_kv
 from lmport.ops.block_copy import copy_blocks
 from lmport.ops.norm import rms_norm
 from lmport.ops.rotary import apply_rotary
+from lmport.ops.activation import silu_and_mul
 
 __all__ = [
     "AttentionMetadata", "build_attention_metadata", "fill_kv_cache", "paged_attention",
-    "gather_kv", "copy_blocks", "rms_norm", "apply_rotary",
+    "gather_kv", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul",
 ]

@@ -111,3 +111,14 @@ def test_rotary_matches_reference(tokens, head_dim):
     for g, want in zip(got, ops.apply_rotary(q, k, cos, sin)):
         assert g.is_contiguous()
         torch.testing.assert_close(g, want, **TOL)
+
+
+@pytest.mark.parametrize("transposed", (False, True))
+@pytest.mark.parametrize("shape", [(5, 1536), (300, 20), (1, 7)])
+def test_silu_and_mul_matches_reference(shape, transposed):
+    gen = torch.Generator().manual_seed(shape[0])
+    gate, up = (torch.randn(*shape, generator=gen) * 4 for _ in range(2))
+    if transposed:  # as the small-batch linear returns them
+        gate, up = gate.t().contiguous().t(), up.t().contiguous().t()
+    out = CpuBackend().silu_and_mul(gate, up)
+    torch.testing.assert_close(out, ops.silu_and_mul(gate.clone(), up), **TOL)

@@ -1,6 +1,7 @@
 // The cpu backend's compiled ops, one translation unit so the build stays short.
 #include <torch/extension.h>
 
+#include "activation.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "rotary.h"
@@ -8,5 +9,6 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 block pool");
   m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
+  m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");
 }

@@ -22,47 +22,68 @@ struct Pool {
   int64_t row() const { return kv_heads * head_dim; }  // floats between neighbouring tokens of a block
 };
 
+// Per-worker buffers, reused across tokens.
+struct Scratch {
+  std::vector<int64_t> rows;  // float offset of each visible key's row in the pool
+  std::vector<float> scores;  // [Hq, n rounded up to 8]
+};
+
 // Query token with heads q[Hq, D] at position n - 1 of a sequence whose blocks are
 // ``blocks``: out[Hq, D]. kD is the head dim when known at compile time (then the
 // output accumulators live in registers), 0 to read it from the pool.
 template <int64_t kD>
 void attend(const float* q, float* out, const int64_t* blocks, int64_t n, int64_t q_heads,
-            const Pool& pool, float scale, std::vector<float>& scores) {
+            const Pool& pool, float scale, Scratch& scratch) {
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.row();
-  const int64_t group = q_heads / pool.kv_heads;
-  scores.resize(q_heads * n);
+  const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
+  auto& rows = scratch.rows;
+  rows.resize(n);
+  for (int64_t j0 = 0; j0 < n; j0 += bs)
+    for (int64_t j = j0; j < std::min(n, j0 + bs); ++j) rows[j] = (blocks[j0 / bs] * bs + j - j0) * row;
+  auto& scores = scratch.scores;
+  scores.assign(q_heads * width, -INFINITY);  // the padding keys get exp() == 0
 
-  // Scores: each K row (every kv head) is read once, in block order.
-  for (int64_t j0 = 0; j0 < n; j0 += bs) {
-    const float* kb = pool.k + blocks[j0 / bs] * bs * row;
-    for (int64_t j = j0; j < std::min(n, j0 + bs); ++j) {
-      const float* kj = kb + (j - j0) * row;
-      for (int64_t h = 0; h < q_heads; ++h) {
-        const float* qh = q + h * D;
-        const float* kh = kj + h / group * D;
-        vec8 acc = load(qh) * load(kh);
-        for (int64_t d = 8; d < D; d += 8) acc += load(qh + d) * load(kh + d);
-        scores[h * n + j] = sum(acc) * scale;
+  // Scores, eight keys at a time: their K rows (every kv head) stay in L1 while
+  // each head's eight dot products are summed in one go. The V rows are
+  // prefetched meanwhile, for the V passes below.
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t keys = std::min<int64_t>(8, n - j);
+    for (int64_t u = 0; u < keys; ++u)
+      for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.v + rows[j + u] + f);
+    for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
+      for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.k + rows[u] + f);
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const float* qh = q + h * D;
+      const float* kh = pool.k + h / group * D;
+      vec8 acc[8] = {};
+      for (int64_t d = 0; d < D; d += 8) {
+        const vec8 qd = load(qh + d);
+        for (int64_t u = 0; u < keys; ++u) acc[u] += qd * load(kh + rows[j + u] + d);
       }
+      const vec8 s = sum8(acc) * scale;
+      for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = s[u];
     }
   }
   // Softmax, then V per head so its accumulators stay in registers across keys.
   for (int64_t h = 0; h < q_heads; ++h) {
-    float* s = scores.data() + h * n;
-    const float m = *std::max_element(s, s + n);
-    float total = 0.f;
-    for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - m));
-    const float inv = 1.f / total;
+    float* s = scores.data() + h * width;
+    vec8 m8 = load(s);
+    for (int64_t j = 8; j < width; j += 8) m8 = vmax(m8, load(s + j));
+    const float m = max(m8);
+    vec8 total = {};
+    for (int64_t j = 0; j < width; j += 8) {
+      const vec8 e = exp8(load(s + j) - m);
+      store(s + j, e);
+      total += e;
+    }
+    const float inv = 1.f / sum(total);
 
     vec8 acc[(kD ? kD : kMaxHeadDim) / 8] = {};
-    const int64_t offset = h / group * D;
-    for (int64_t j0 = 0; j0 < n; j0 += bs) {
-      const float* vb = pool.v + blocks[j0 / bs] * bs * row + offset;
-      for (int64_t j = j0; j < std::min(n, j0 + bs); ++j) {
-        const float* vj = vb + (j - j0) * row;
-        const float p = s[j];
-        for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load(vj + 8 * i);
-      }
+    const float* vh = pool.v + h / group * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = vh + rows[j];
+      const float p = s[j];
+      for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load(vj + 8 * i);
     }
     for (int64_t i = 0; i < D / 8; ++i) store(out + h * D + 8 * i, acc[i] * inv);
   }
@@ -103,12 +124,12 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
   // with position, are shared evenly.
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), T);
   at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores;
+    Scratch scratch;
     for (int64_t w = first; w < last; ++w)
       for (int64_t t = w; t < T; t += workers) {
         const int64_t b = seq_of[t];
         const int64_t n = kl[b] - (st[b + 1] - t) + 1;  // keys visible to token t
-        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, n, Hq, pool, static_cast<float>(scale), scores);
+        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, n, Hq, pool, static_cast<float>(scale), scratch);
       }
   });
   return out;
