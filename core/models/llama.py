@@ -1,8 +1,8 @@
 """Paged-attention decoder for the Llama family (Llama, SmolLM2, Mistral), Qwen2 and Qwen3.
 
 Parameter names match transformers' so its state dict loads as is. Every
-device-specific op (linear, RMSNorm, rotary, KV fill, paged attention) goes
-through the backend; the rest is plain torch.
+device-specific op (linear, RMSNorm, rotary, the gated activation, KV fill,
+paged attention) goes through the backend; the rest is plain torch.
 """
 from __future__ import annotations
 
