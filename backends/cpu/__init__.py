@@ -39,35 +39,37 @@ class CpuBackend(Backend):
         return out.t()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        compiled = kernels.load() if x.dtype == weight.dtype == torch.float32 else None
+        compiled = _compiled_for(x, weight)
         if compiled is None:
             return super().rms_norm(x, weight, eps)
         return compiled.rms_norm(x, weight, eps)
 
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        compiled = kernels.load() if q.dtype == k.dtype == cos.dtype == torch.float32 else None
+        compiled = _compiled_for(q, k, cos, sin)
         if compiled is None:
             return super().apply_rotary(q, k, cos, sin)
         return compiled.apply_rotary(q, k, cos, sin)
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        compiled = kernels.load() if gate.dtype == up.dtype == torch.float32 else None
+        compiled = _compiled_for(gate, up)
         if compiled is None:
             return super().silu_and_mul(gate, up)
         return compiled.silu_and_mul(gate, up)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:
-        compiled = kernels.load() if self._kernel_fits(q, cache) else None
+        # The kernel covers unquantized caches (in this backend's bshd order), head_dim % 8 == 0 up to 256.
+        fits = cache.quant_policy == 0 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+        compiled = _compiled_for(q, cache.k) if fits else None
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale)
         return compiled.paged_attention(q.contiguous(), cache.k, cache.v, meta.block_tables,
                                         meta.q_start_loc, meta.kv_lens, softmax_scale)
 
-    @staticmethod
-    def _kernel_fits(q: torch.Tensor, cache: LayerCache) -> bool:
-        """The kernel covers unquantized float32 caches (in this backend's bshd order), head_dim % 8 == 0
-        up to 256."""
-        return (cache.quant_policy == 0 and q.dtype == cache.k.dtype == torch.float32
-                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+def _compiled_for(*tensors: torch.Tensor):
+    """The compiled kernels when every tensor is float32 (all they take), else None."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return kernels.load()
+    return None

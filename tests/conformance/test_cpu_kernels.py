@@ -122,3 +122,19 @@ def test_silu_and_mul_matches_reference(shape, transposed):
         gate, up = gate.t().contiguous().t(), up.t().contiguous().t()
     out = CpuBackend().silu_and_mul(gate, up)
     torch.testing.assert_close(out, ops.silu_and_mul(gate.clone(), up), **TOL)
+
+
+def test_kernels_refuse_what_they_do_not_cover_with_a_clear_error():
+    cache, meta, q = _case(16, 64, 3, *BATCHES["mixed"](16))
+    compiled = kernels.load()
+    with pytest.raises(RuntimeError, match="float32"):
+        compiled.paged_attention(q.bfloat16(), cache.k, cache.v, meta.block_tables, meta.q_start_loc,
+                                 meta.kv_lens, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim % 8 == 0"):
+        odd, odd_meta, odd_q = _case(16, 36, 3, *BATCHES["mixed"](16))
+        compiled.paged_attention(odd_q, odd.k, odd.v, odd_meta.block_tables, odd_meta.q_start_loc,
+                                 odd_meta.kv_lens, 0.125)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        compiled.silu_and_mul(torch.ones(2, 8), torch.ones(2, 16))
+    with pytest.raises(RuntimeError, match="weight has 3 elements"):
+        compiled.rms_norm(torch.ones(2, 8), torch.ones(3), 1e-5)

@@ -32,7 +32,7 @@ struct Scratch {
 // ``blocks``: out[Hq, D]. kD is the head dim when known at compile time (then the
 // output accumulators live in registers), 0 to read it from the pool.
 template <int64_t kD>
-void attend(const float* q, float* out, const int64_t* blocks, int64_t n, int64_t q_heads,
+void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_t q_heads,
             const Pool& pool, float scale, Scratch& scratch) {
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.row();
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
@@ -103,12 +103,13 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1), k_cache.size(2), D};
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && Hq % pool.kv_heads == 0,
               "paged_attention needs head_dim % 8 == 0, head_dim <= 256 and whole GQA groups");
-  auto tables = block_tables.to(torch::kLong).contiguous();
-  auto starts = q_start_loc.to(torch::kLong).contiguous();
-  auto lens = kv_lens.to(torch::kLong).contiguous();
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  const int64_t* st = starts.data_ptr<int64_t>();
-  const int64_t* kl = lens.data_ptr<int64_t>();
+  // The step metadata is int32 (AttentionMetadata): .to() is then a no-op, not a copy per layer.
+  auto tables = block_tables.to(torch::kInt).contiguous();
+  auto starts = q_start_loc.to(torch::kInt).contiguous();
+  auto lens = kv_lens.to(torch::kInt).contiguous();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const int32_t* kl = lens.data_ptr<int32_t>();
   const int64_t width = tables.size(1), B = lens.size(0);
 
   std::vector<int64_t> seq_of(T);
