@@ -1,5 +1,5 @@
-"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, RMSNorm, rotary and the
-silu-gated activation on float32, the reference ops for everything else."""
+"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, small-batch linear,
+RMSNorm, rotary and the silu-gated activation on float32, the reference ops for everything else."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +9,8 @@ from lmport.backend import Backend, Capabilities, ProbeResult
 from lmport.backends.cpu import kernels
 from lmport.kv.layout import LayerCache
 
-# Up to this many tokens a GEMM runs as W @ x^T: MKL splits its threads over the
-# output's rows, and x @ W^T has too few of them to keep both cores busy.
+# Up to this many tokens (a decode step) the compiled small-batch linear beats the
+# BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS.
 SMALL_BATCH_TOKENS = 128
 
 
@@ -32,11 +32,11 @@ class CpuBackend(Backend):
         return ProbeResult(True, "always available (host memory)")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > SMALL_BATCH_TOKENS:
+        small = x.dim() == 2 and x.shape[0] <= SMALL_BATCH_TOKENS and x.shape[1] % 8 == 0
+        compiled = _compiled_for(x, weight, *([] if bias is None else [bias])) if small else None
+        if compiled is None:
             return super().linear(x, weight, bias)
-        # x^T of a transposed activation (the previous small linear's output) is contiguous again.
-        out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
-        return out.t()
+        return compiled.small_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)

@@ -1,5 +1,5 @@
-"""The cpu backend's C++ kernels (paged attention, RMSNorm, rotary) and small-batch linear
-against the reference ops.
+"""The cpu backend's C++ kernels (paged attention, small-batch linear, RMSNorm, rotary,
+silu-and-mul) against the reference ops.
 
 The kernel must build here (gcc and ninja are part of the test environment):
 a build that silently fell back to the reference ops would leave it untested.
@@ -76,18 +76,24 @@ def test_kernels_off_by_environment():
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("rows", (1, 7, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300))
+@pytest.mark.parametrize("rows", (1, 2, 3, 4, 7, 16, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300))
+@pytest.mark.parametrize("out_features", (160, 163))  # 163: rows left over from the four-row tiles
 @pytest.mark.parametrize("bias", (False, True))
-def test_linear_matches_torch(rows, bias):
+def test_linear_matches_torch(rows, out_features, bias):
     gen = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 96, generator=gen), torch.randn(160, 96, generator=gen) / 96 ** 0.5
-    b = torch.randn(160, generator=gen) if bias else None
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(out_features, 96, generator=gen) / 96 ** 0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
     out = CpuBackend().linear(x, w, b)
-    assert out.shape == (rows, 160)
+    assert out.shape == (rows, out_features)
     torch.testing.assert_close(out, F.linear(x, w, b), **TOL)
-    # A transposed result feeds the next linear as is.
-    w2 = torch.randn(48, 160, generator=gen) / 160 ** 0.5
-    torch.testing.assert_close(CpuBackend().linear(out, w2), F.linear(F.linear(x, w, b), w2), **TOL)
+    transposed = x.t().contiguous().t()
+    torch.testing.assert_close(CpuBackend().linear(transposed, w, b), F.linear(x, w, b), **TOL)
+
+
+def test_linear_with_in_features_off_the_vector_width_uses_torch():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 36, generator=gen), torch.randn(20, 36, generator=gen)
+    assert torch.equal(CpuBackend().linear(x, w), F.linear(x, w))
 
 
 @pytest.mark.parametrize("shape", [(5, 576), (3, 4, 64), (1, 100)])
@@ -96,14 +102,14 @@ def test_rms_norm_matches_reference(shape):
     x, w = torch.randn(*shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
     out = CpuBackend().rms_norm(x, w, 1e-5)
     torch.testing.assert_close(out, ops.rms_norm(x, w, 1e-5), **TOL)
-    strided = torch.randn(shape[-1], 5, generator=gen).t()  # a transposed linear output
+    strided = torch.randn(shape[-1], 5, generator=gen).t()  # dense but not contiguous
     torch.testing.assert_close(CpuBackend().rms_norm(strided, w, 1e-5), ops.rms_norm(strided, w, 1e-5), **TOL)
 
 
 @pytest.mark.parametrize("tokens,head_dim", [(1, 64), (37, 64), (300, 128), (4, 6)])
 def test_rotary_matches_reference(tokens, head_dim):
     gen = torch.Generator().manual_seed(tokens)
-    q = torch.randn(head_dim * 9, tokens, generator=gen).t().unflatten(-1, (9, head_dim))  # transposed, as in decode
+    q = torch.randn(head_dim * 9, tokens, generator=gen).t().unflatten(-1, (9, head_dim))  # dense but not contiguous
     k = torch.randn(tokens, 3, head_dim, generator=gen)
     angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
@@ -118,7 +124,7 @@ def test_rotary_matches_reference(tokens, head_dim):
 def test_silu_and_mul_matches_reference(shape, transposed):
     gen = torch.Generator().manual_seed(shape[0])
     gate, up = (torch.randn(*shape, generator=gen) * 4 for _ in range(2))
-    if transposed:  # as the small-batch linear returns them
+    if transposed:  # dense but not contiguous
         gate, up = gate.t().contiguous().t(), up.t().contiguous().t()
     out = CpuBackend().silu_and_mul(gate, up)
     torch.testing.assert_close(out, ops.silu_and_mul(gate.clone(), up), **TOL)
@@ -138,3 +144,7 @@ def test_kernels_refuse_what_they_do_not_cover_with_a_clear_error():
         compiled.silu_and_mul(torch.ones(2, 8), torch.ones(2, 16))
     with pytest.raises(RuntimeError, match="weight has 3 elements"):
         compiled.rms_norm(torch.ones(2, 8), torch.ones(3), 1e-5)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        compiled.small_linear(torch.ones(2, 12), torch.ones(4, 12))
+    with pytest.raises(RuntimeError, match=r"x is \[tokens, in\], weight \[out, in\]"):
+        compiled.small_linear(torch.ones(2, 16), torch.ones(4, 8))

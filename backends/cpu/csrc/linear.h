@@ -1,0 +1,101 @@
+// y = x W^T (+ b) for a small batch of rows x (a decode step). BLAS libraries tune
+// for large batches; here each weight row is streamed from memory once and dotted
+// against every row of x, which stays in cache, so the cost is one pass over W.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "vec8.h"
+
+namespace lmport {
+
+namespace linear_detail {
+
+typedef float vec4 __attribute__((vector_size(16), aligned(4)));
+
+// Keeps a loaded vector in a register: left alone, the compiler folds the load into
+// every FMA that uses it, and the extra loads, not the FMAs, then set the pace.
+inline vec8 in_register(vec8 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// Four weight rows against MR rows of x: 4 * MR dot products kept in registers
+// (with MR = 2, accumulators, weights and one x vector fit AVX2's 16 registers).
+template <int MR>
+inline void dot_tile(const float* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                     const float* bias, const float* prefetch) {
+  vec8 acc[MR][4] = {};
+  for (int64_t k = 0; k < K; k += 8) {
+    __builtin_prefetch(prefetch + k);
+    vec8 xv[MR];
+    for (int j = 0; j < MR; ++j) xv[j] = in_register(load(x + j * ldx + k));
+    for (int i = 0; i < 4; ++i) {
+      const vec8 wv = in_register(load(w + i * K + k));
+      for (int j = 0; j < MR; ++j) acc[j][i] += wv * xv[j];
+    }
+  }
+  const vec4 b = bias ? *reinterpret_cast<const vec4*>(bias) : vec4{};
+  for (int j = 0; j < MR; ++j) {
+    // Lane i of each 128-bit half holds half of dot product i; the halves then add up.
+    const vec8 h = hadd(hadd(acc[j][0], acc[j][1]), hadd(acc[j][2], acc[j][3]));
+    *reinterpret_cast<vec4*>(y + j * ldy) = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                                            __builtin_shufflevector(h, h, 4, 5, 6, 7) + b;
+  }
+}
+
+// One weight row against every row of x (the last rows when N % 4 != 0).
+inline void dot_row(const float* w, int64_t K, const float* x, int64_t M, float* y, int64_t ldy, float bias) {
+  for (int64_t m = 0; m < M; ++m) {
+    vec8 acc = {};
+    for (int64_t k = 0; k < K; k += 8) acc += load(w + k) * load(x + m * K + k);
+    y[m * ldy] = sum(acc) + bias;
+  }
+}
+
+constexpr int kRows = 4;  // weight rows per tile
+constexpr int kCols = 3;  // rows of x per tile
+
+}  // namespace linear_detail
+
+inline torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  using namespace linear_detail;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+              "small_linear takes float32 tensors");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_linear: x is [tokens, in], weight [out, in]; got ", x.sizes(), " and ", weight.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K % 8 == 0, "small_linear: in_features must be a multiple of 8, got ", K);
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N,
+                        "small_linear: bias must be float32 with ", N, " elements");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Each thread takes a contiguous run of weight rows, so W is read once in all.
+  at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kRows;
+      const float* bn = bp ? bp + n : nullptr;
+      if (n + kRows <= N) {
+        // While this tile's rows are in use, the next tile's are fetched, a row per pass over x.
+        auto next = [&](int64_t pass) { return wp + std::min(n + kRows + pass % kRows, N - 1) * K; };
+        int64_t m = 0, pass = 0;
+        for (; m + kCols <= M; m += kCols, ++pass)
+          dot_tile<kCols>(wp + n * K, K, xp + m * K, K, yp + m * N + n, N, bn, next(pass));
+        if (M - m == 2) dot_tile<2>(wp + n * K, K, xp + m * K, K, yp + m * N + n, N, bn, next(pass));
+        if (M - m == 1) dot_tile<1>(wp + n * K, K, xp + m * K, K, yp + m * N + n, N, bn, next(pass));
+      } else {
+        for (int64_t r = n; r < N; ++r) dot_row(wp + r * K, K, xp, M, yp + r, N, bp ? bp[r] : 0.f);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace lmport
