@@ -48,17 +48,21 @@ void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_
   // prefetched meanwhile, for the V passes below.
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t keys = std::min<int64_t>(8, n - j);
+    // A last group short of eight repeats its final key (its scores are not kept), so the
+    // loops below run a fixed eight keys and their accumulators stay in registers.
+    const float* k_rows[8];
+    for (int64_t u = 0; u < 8; ++u) k_rows[u] = pool.k + rows[j + std::min(u, keys - 1)];
     for (int64_t u = 0; u < keys; ++u)
       for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.v + rows[j + u] + f);
     for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
       for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.k + rows[u] + f);
     for (int64_t h = 0; h < q_heads; ++h) {
       const float* qh = q + h * D;
-      const float* kh = pool.k + h / group * D;
+      const int64_t kv = h / group * D;
       vec8 acc[8] = {};
       for (int64_t d = 0; d < D; d += 8) {
         const vec8 qd = load(qh + d);
-        for (int64_t u = 0; u < keys; ++u) acc[u] += qd * load(kh + rows[j + u] + d);
+        for (int u = 0; u < 8; ++u) acc[u] += qd * load(k_rows[u] + kv + d);
       }
       const vec8 s = sum8(acc) * scale;
       for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = s[u];
