@@ -6,7 +6,7 @@ import torch
 
 from lmport import ops
 from lmport.backend import Backend, Capabilities, ProbeResult
-from lmport.backends.cpu import kernels
+from lmport.backends.cpu import kernels, malloc
 from lmport.kv.layout import LayerCache
 
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
@@ -30,6 +30,10 @@ class CpuBackend(Backend):
     @classmethod
     def probe(cls) -> ProbeResult:
         return ProbeResult(True, "always available (host memory)")
+
+    def __init__(self, device=None) -> None:
+        super().__init__(device)
+        malloc.keep_freed_memory()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         small = x.dim() == 2 and x.shape[0] <= SMALL_BATCH_TOKENS and x.shape[1] % 8 == 0

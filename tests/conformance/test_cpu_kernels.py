@@ -10,6 +10,7 @@ a one-token sequence). Tolerance: fp32 summation order only, 2e-5.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lmport import ops
-from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
+from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels, malloc
 from lmport.kv.layout import KVLayout
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -148,3 +149,9 @@ def test_kernels_refuse_what_they_do_not_cover_with_a_clear_error():
         compiled.small_linear(torch.ones(2, 12), torch.ones(4, 12))
     with pytest.raises(RuntimeError, match=r"x is \[tokens, in\], weight \[out, in\]"):
         compiled.small_linear(torch.ones(2, 16), torch.ones(4, 8))
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc settings")
+def test_cpu_backend_keeps_freed_step_memory_in_the_heap():
+    CpuBackend()
+    assert malloc.keep_freed_memory()
