@@ -37,7 +37,12 @@ def fmt_bytes(n: float) -> str:
 
 
 def model_limit(model_cfg) -> int:
-    return getattr(model_cfg, "max_position_embeddings", None) or 1 << 30
+    """The longest sequence the engine runs: the model's context, or its sliding attention window if
+    that is shorter (Mistral v0.1, Qwen2 with use_sliding_window). The paged kernels attend to the
+    whole history, which within one window is exactly what the window would compute."""
+    limit = getattr(model_cfg, "max_position_embeddings", None) or 1 << 30
+    window = getattr(model_cfg, "sliding_window", None)  # transformers sets None where no layer slides
+    return min(limit, window) if window else limit
 
 
 def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLayout:

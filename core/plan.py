@@ -84,7 +84,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "model": {"name": model, "model_type": model_cfg.model_type, "layers": model_cfg.num_hidden_layers,
                   "hidden_size": model_cfg.hidden_size, "attention_heads": model_cfg.num_attention_heads,
                   "kv_heads": model_cfg.num_key_value_heads, "head_dim": head_dim_of(model_cfg),
-                  "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg)},
+                  "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg),
+                  "sliding_window": getattr(model_cfg, "sliding_window", None)},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
         "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": {resolved.dtype: weight_bytes}},
         "activation_reserve": {
@@ -124,7 +125,8 @@ def format_plan(r: dict) -> str:
     rows = [
         ("model", f"{m['name']}: {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}, "
                   f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
-                  f"context {m['max_position_embeddings']}"),
+                  f"context {m['max_position_embeddings']}"
+                  + (" (its sliding window)" if m["sliding_window"] == m["max_position_embeddings"] else "")),
         ("device", f"{d['type']}: {fmt_bytes(d['memory_bytes'])} ({d['memory_source']})"),
         ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
                     + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())

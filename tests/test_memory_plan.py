@@ -81,6 +81,21 @@ def test_tiny_model_plan_matches_the_engine(config):
         assert engine.plan.num_blocks == config.cache_max_entry_count
 
 
+@pytest.mark.parametrize("model_cfg,limit", [
+    (transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768), 4096),
+    (transformers.MistralConfig(sliding_window=None, max_position_embeddings=32768), 32768),
+    (transformers.Qwen2Config(use_sliding_window=True, sliding_window=1024, max_position_embeddings=32768), 1024),
+    (transformers.Qwen2Config(sliding_window=1024, max_position_embeddings=32768), 32768),  # window off
+    (transformers.LlamaConfig(max_position_embeddings=2048), 2048),
+])
+def test_a_sliding_window_caps_the_session(model_cfg, limit):
+    # The kernels attend to the whole history: exact only while it fits in the window.
+    assert memory.model_limit(model_cfg) == limit
+    config = EngineConfig(device_type="cpu", cache_max_entry_count=4096).resolve()
+    inputs = memory.MemoryInputs(model_cfg, config, CpuBackend.capabilities, 0, 64 << 40, 0, False)
+    assert memory.plan_cache(inputs).session_len == limit
+
+
 def test_a_measured_reserve_replaces_the_estimate(monkeypatch):
     """Where the backend measures peak memory (cuda), one real forward of max_prefill_token_num tokens
     sets the reserve; the scratch cache it used is not counted."""
