@@ -33,7 +33,7 @@ struct Scratch {
 // output accumulators live in registers), 0 to read it from the pool.
 template <int64_t kD>
 void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_t q_heads,
-            const Pool& pool, float scale, Scratch& scratch) {
+            const Pool& pool, float scale, bool prefetch, Scratch& scratch) {
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.row();
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
   auto& rows = scratch.rows;
@@ -52,10 +52,12 @@ void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_
     // loops below run a fixed eight keys and their accumulators stay in registers.
     const float* k_rows[8];
     for (int64_t u = 0; u < 8; ++u) k_rows[u] = pool.k + rows[j + std::min(u, keys - 1)];
-    for (int64_t u = 0; u < keys; ++u)
-      for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.v + rows[j + u] + f);
-    for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
-      for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.k + rows[u] + f);
+    if (prefetch) {
+      for (int64_t u = 0; u < keys; ++u)
+        for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.v + rows[j + u] + f);
+      for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
+        for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.k + rows[u] + f);
+    }
     for (int64_t h = 0; h < q_heads; ++h) {
       const float* qh = q + h * D;
       const int64_t kv = h / group * D;
@@ -134,7 +136,10 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
       for (int64_t t = w; t < T; t += workers) {
         const int64_t b = seq_of[t];
         const int64_t n = kl[b] - (st[b + 1] - t) + 1;  // keys visible to token t
-        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, n, Hq, pool, static_cast<float>(scale), scratch);
+        // A decode token reads its history cold; prefill tokens of one sequence share it in cache.
+        const bool decode = st[b + 1] - st[b] == 1;
+        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, n, Hq, pool, static_cast<float>(scale), decode,
+            scratch);
       }
   });
   return out;
