@@ -17,12 +17,14 @@ typedef float vec4 __attribute__((vector_size(16), aligned(4)));
 // Keeps a loaded vector in a register: left alone, the compiler folds the load into
 // every FMA that uses it, and the extra loads, not the FMAs, then set the pace.
 inline vec8 in_register(vec8 v) {
+#if defined(__x86_64__)
   asm("" : "+x"(v));
+#endif
   return v;
 }
 
 // Four weight rows against MR rows of x: 4 * MR dot products kept in registers
-// (with MR = 2, accumulators, weights and one x vector fit AVX2's 16 registers).
+// (with MR = 3: 12 accumulators, 3 x vectors and 1 weight vector fill AVX2's 16).
 template <int MR>
 inline void dot_tile(const float* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
                      const float* bias, const float* prefetch) {

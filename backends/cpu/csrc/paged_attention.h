@@ -44,8 +44,8 @@ void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_
   scores.assign(q_heads * width, -INFINITY);  // the padding keys get exp() == 0
 
   // Scores, eight keys at a time: their K rows (every kv head) stay in L1 while
-  // each head's eight dot products are summed in one go. The V rows are
-  // prefetched meanwhile, for the V passes below.
+  // each head's eight dot products are summed in one go. For a decode token the
+  // V rows, and the next eight K rows, are prefetched meanwhile.
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t keys = std::min<int64_t>(8, n - j);
     // A last group short of eight repeats its final key (its scores are not kept), so the
