@@ -1,6 +1,6 @@
 """The cpu backend's C++ kernels, compiled with torch's extension builder on first use.
 
-The build (about 45 s, once per machine and source version) is cached by
+The build (about 45 s, once per kind of CPU and source version) is cached by
 torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
 If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
 ``load()`` returns None and the backend keeps the reference ops.
@@ -8,13 +8,27 @@ If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / "kernels.cpp"]  # includes the csrc/*.h kernels
+
+
+def machine_tag() -> str:
+    """A short hash of this CPU's model and instruction sets. The build targets the CPU it runs
+    on (-march=native); naming it after the CPU keeps a cache shared between unlike machines
+    (a home directory on a cluster) from loading code the CPU cannot run."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        described = [line for line in info if line.startswith(("model name", "flags", "Features"))][:2]
+    except OSError:
+        described = []
+    return hashlib.sha1("\n".join([platform.machine(), *described]).encode()).hexdigest()[:10]
 
 
 @functools.cache
@@ -26,7 +40,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
         log.info("building the cpu kernels (once per machine)")
-        return build("lmport_cpu_kernels", [str(s) for s in SOURCES],
+        return build(f"lmport_cpu_kernels_{machine_tag()}", [str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # any build failure leaves the reference ops in place
         log.warning("cpu kernels unavailable, using the reference ops: %s: %s", type(exc).__name__,
