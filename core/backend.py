@@ -106,6 +106,7 @@ class Backend:
 
     # -- ops (reference implementations; override to accelerate) --------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T (+ bias); the result may be in any strided layout (the model does not assume contiguity)."""
         return torch.nn.functional.linear(x, weight, bias)
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

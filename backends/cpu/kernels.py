@@ -39,7 +39,7 @@ def load():
         return None
     try:
         from torch.utils.cpp_extension import load as build
-        log.info("building the cpu kernels (once per machine)")
+        log.info("loading the cpu kernels (built on first use, once per kind of CPU)")
         return build(f"lmport_cpu_kernels_{machine_tag()}", [str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # any build failure leaves the reference ops in place

@@ -65,7 +65,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        # unflatten, not view: a backend's linear may return a transposed (non-contiguous) result.
+        # unflatten, not view: a backend's linear need not return a contiguous result.
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -139,4 +139,4 @@ class PagedCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float().contiguous()
+        return self.lm_head(hidden).float().contiguous()  # sampling wants rows; linear need not give them

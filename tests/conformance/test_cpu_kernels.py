@@ -147,6 +147,10 @@ def test_kernels_refuse_what_they_do_not_cover_with_a_clear_error():
         compiled.silu_and_mul(torch.ones(2, 8), torch.ones(2, 16))
     with pytest.raises(RuntimeError, match="weight has 3 elements"):
         compiled.rms_norm(torch.ones(2, 8), torch.ones(3), 1e-5)
+    with pytest.raises(RuntimeError, match=r"cos and sin are \[tokens, head_dim\]"):
+        compiled.apply_rotary(torch.ones(3, 2, 8), torch.ones(3, 1, 8), torch.ones(2, 8), torch.ones(2, 8))
+    with pytest.raises(RuntimeError, match=r"k \[tokens, kv_heads, head_dim\]"):
+        compiled.apply_rotary(torch.ones(3, 2, 8), torch.ones(4, 1, 8), torch.ones(3, 8), torch.ones(3, 8))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         compiled.small_linear(torch.ones(2, 12), torch.ones(4, 12))
     with pytest.raises(RuntimeError, match=r"x is \[tokens, in\], weight \[out, in\]"):

@@ -39,6 +39,11 @@ inline std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, to
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
               cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat,
               "apply_rotary takes float32 tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "apply_rotary: q is [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]; got ", q.sizes(),
+              " and ", k.sizes());
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == q.size(0) * q.size(2),
+              "apply_rotary: cos and sin are [tokens, head_dim]; got ", cos.sizes(), " and ", sin.sizes());
   TORCH_CHECK(q.size(-1) % 2 == 0, "apply_rotary needs an even head dim");
   auto qc = q.contiguous(), kc = k.contiguous(), c = cos.contiguous(), s = sin.contiguous();
   auto q_out = torch::empty_like(qc), k_out = torch::empty_like(kc);
