@@ -143,6 +143,11 @@ def test_kernels_refuse_what_they_do_not_cover_with_a_clear_error():
         odd, odd_meta, odd_q = _case(16, 36, 3, *BATCHES["mixed"](16))
         compiled.paged_attention(odd_q, odd.k, odd.v, odd_meta.block_tables, odd_meta.q_start_loc,
                                  odd_meta.kv_lens, 0.125)
+    args = (cache.k, cache.v, meta.block_tables, meta.q_start_loc, meta.kv_lens, 0.125)
+    with pytest.raises(RuntimeError, match=r"the caches \[blocks, block_size, kv_heads, head_dim\] alike"):
+        compiled.paged_attention(q[..., :32].contiguous(), *args)
+    with pytest.raises(RuntimeError, match=r"q_start_loc \[B \+ 1\] ending at the"):
+        compiled.paged_attention(q[:-1].contiguous(), *args)
     with pytest.raises(RuntimeError, match="differ in shape"):
         compiled.silu_and_mul(torch.ones(2, 8), torch.ones(2, 16))
     with pytest.raises(RuntimeError, match="weight has 3 elements"):

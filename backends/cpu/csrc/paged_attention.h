@@ -105,6 +105,10 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
               v_cache.scalar_type() == torch::kFloat, "paged_attention takes float32 q and caches");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention takes contiguous q and caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) == q.size(2) &&
+              v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
+              "head_dim] alike; got ", q.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1), k_cache.size(2), D};
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && Hq % pool.kv_heads == 0,
@@ -117,6 +121,9 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int32_t* st = starts.data_ptr<int32_t>();
   const int32_t* kl = lens.data_ptr<int32_t>();
   const int64_t width = tables.size(1), B = lens.size(0);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && starts.numel() == B + 1 && st[B] == T,
+              "paged_attention: block_tables [B, max_blocks], q_start_loc [B + 1] ending at the ", T,
+              " query tokens, kv_lens [B]; got ", tables.sizes(), ", ", starts.sizes(), " and ", lens.sizes());
 
   std::vector<int64_t> seq_of(T);
   for (int64_t b = 0; b < B; ++b)
