@@ -37,7 +37,7 @@ from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import Engine, RequestError, RequestOutput
 from lmport.engine_loop import EngineLoop
 from lmport.server.metrics import Metrics
-from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief, validation_error
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,15 @@ class Server:
         except ValidationError as exc:
             raise validation_error(exc) from None
         if req.model != self.model_name:
-            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r} "
-                                f"(see GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(404, f"model: {brief(req.model)} does not exist; this server serves "
+                                f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        for problem in (req.unsupported_problem(), req.stop_problem()):
+            if problem is not None:
+                raise problem
+        vocab = self.engine.model_config.vocab_size
+        if req.top_k > vocab:
+            raise APIError(400, f"top_k: {brief(req.top_k)} is more than the vocabulary ({vocab} tokens); give "
+                                f"at most {vocab}, or 0 for no top-k", param="top_k")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
                 raise APIError(400, f"{name}: not supported by lmport; leave it out or use "
