@@ -30,7 +30,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -107,6 +107,8 @@ class Server:
         self.loop = EngineLoop(engine)
         # /metrics reads what the engine thread publishes after each step: a scrape never waits for a step.
         self.metrics = Metrics(lambda: self.loop.snapshot)
+        Gauge("lmport_requests_admitted", "Engine requests admitted by the server and not yet finished",
+              registry=self.metrics.registry).set_function(lambda: self.admission.active)
         self.created = int(time.time())
         self.live: set[asyncio.Queue] = set()   # the output queues of jobs in flight (see abort_all)
 
