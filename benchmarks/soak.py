@@ -252,7 +252,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="--max-batch-size 16 --max-waiting-requests 48 --request-timeout 60 "
                                             "--cache-max-entry-count 256")
-    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: 1)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     args = p.parse_args()
     if args.model is None:
