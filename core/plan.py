@@ -7,7 +7,6 @@ is sized by ``lmport.memory.plan_cache``, the function the engine itself uses.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import sys
@@ -20,7 +19,7 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import PagedCausalLM, head_dim_of
-from lmport.models.loader import ModelNotFound, resolve_model_path
+from lmport.models.loader import ModelNotFound, read_model_config
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -33,16 +32,6 @@ def parse_bytes(text: str) -> int:
     if not unit or float(match.group(1)) <= 0:
         raise ConfigError(f"--device-memory {text!r}: give a size such as 24GiB, 80G, 512MiB or a byte count")
     return int(float(match.group(1)) * unit)
-
-
-@functools.lru_cache(maxsize=None)
-def read_model_config(model: str):
-    """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is read)."""
-    from transformers import AutoConfig
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(path)
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def count_parameters(model_cfg) -> int:
