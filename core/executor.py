@@ -6,8 +6,9 @@ call is one broadcast of (method, arguments) from rank 0 over a control group, t
 every rank runs it; a step's ``StepInput`` therefore crosses the process boundary
 once, and the logits come back from rank 0 alone (the LM head gathers them there).
 
-Faults: a worker that raises reports its traceback and exits; its peers' collectives
-then fail (gloo notices the closed connection; every collective also has a timeout),
+Faults: a worker that raises reports its error through the rendezvous store and exits;
+its peers' collectives then fail (gloo notices the closed connection; every collective
+also has a timeout, ``dist_timeout``),
 the executor records which rank failed and every later call raises ``WorkerFailed``
 at once. ``close`` stops the workers and leaves no process behind.
 """
@@ -16,17 +17,19 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
-import multiprocessing
 import os
-import queue
+import pickle
 import socket
+import subprocess
+import sys
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
 from lmport.backend import Backend
-from lmport.config import EngineConfig
+from lmport.config import ConfigError, EngineConfig
 from lmport.parallel import TPGroup
 from lmport.runner import ModelRunner, StepInput
 
@@ -63,35 +66,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(config: EngineConfig, backend_cls: type[Backend], rank: int, addr: str) -> tuple[TPGroup, object]:
-    """Joins the rendezvous at ``addr`` as ``rank``; returns the compute group and the control group."""
-    timeout = datetime.timedelta(seconds=config.dist_timeout)
-    try:
-        dist.init_process_group(backend_cls.capabilities.dist_backend, init_method=f"tcp://{addr}",
-                                rank=rank, world_size=config.tp, timeout=timeout)
-    except Exception as exc:
-        raise WorkerFailed(f"rank {rank} cannot join the tensor-parallel rendezvous at {addr} "
-                           f"(waited up to {config.dist_timeout:g}s): {type(exc).__name__}: {exc}; check that "
-                           f"node 0 runs the engine with --dist-init-addr {addr} and that the port is reachable") from exc
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(rank, config.tp, dist.group.WORLD), control
-
-
 def ranks_per_node(config: EngineConfig) -> int:
     return config.tp // config.nnodes
+
+
+def _joined_key(rank: int) -> str:
+    return f"lmport/joined/{rank}"
+
+
+def _error_key(rank: int) -> str:
+    return f"lmport/error/{rank}"
+
+
+def _connect(config: EngineConfig, addr: str, rank: int):
+    """The rendezvous store at ``addr`` (rank 0 hosts it); a clear error when it cannot be reached."""
+    host, _, port = addr.rpartition(":")
+    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    try:
+        return dist.TCPStore(host, int(port), config.tp, is_master=rank == 0, timeout=timeout,
+                             wait_for_workers=False)
+    except Exception as exc:
+        raise WorkerFailed(f"rank {rank} cannot reach the tensor-parallel rendezvous at {addr} within "
+                           f"{config.dist_timeout:g}s ({type(exc).__name__}: {exc}); check that node 0 runs the "
+                           f"engine with --dist-init-addr {addr} and that the port is reachable from here") from exc
+
+
+def _join(config: EngineConfig, backend_cls: type[Backend], store, rank: int) -> tuple[TPGroup, object]:
+    """Joins the process group; returns the compute group (timeouts: dist_timeout) and the control group."""
+    dist.init_process_group(backend_cls.capabilities.dist_backend, store=store, rank=rank, world_size=config.tp,
+                            timeout=datetime.timedelta(seconds=config.dist_timeout))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank, config.tp, dist.group.WORLD), control
 
 
 def _make_backend(backend_cls: type[Backend], local_rank: int, local_world: int) -> Backend:
     return backend_cls(device=backend_cls.setup_rank(local_rank, local_world))
 
 
-def worker_main(model: str, config: EngineConfig, backend_cls: type[Backend], rank: int, addr: str,
-                errors) -> None:
-    """A worker process: joins the group, loads its shard, then runs the driver's calls until told to stop."""
-    local = rank % ranks_per_node(config)
-    runner, control = None, None
+def run_worker(model: str, config: EngineConfig, backend_cls: type[Backend], rank: int, addr: str) -> int:
+    """One worker rank: joins the group, loads its shard, then runs the driver's calls until told to stop.
+    A failure is reported to rank 0 through the rendezvous store, then the process exits (code 1)."""
+    store = _connect(config, addr, rank)
     try:
-        tp, control = init_rank(config, backend_cls, rank, addr)
+        store.set(_joined_key(rank), "1")
+        tp, control = _join(config, backend_cls, store, rank)
+        local = rank % ranks_per_node(config)
         runner = ModelRunner(model, config, _make_backend(backend_cls, local, ranks_per_node(config)), tp)
         while True:
             box = [None]
@@ -102,42 +121,90 @@ def worker_main(model: str, config: EngineConfig, backend_cls: type[Backend], ra
             result = getattr(runner, method)(*args)
             if gather:
                 dist.gather_object(result, None, dst=0, group=control)
-    except Exception as exc:
-        if errors is not None:
-            errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-            errors.close()
-            errors.join_thread()   # os._exit would drop a report still in the queue's feeder thread
+    except BaseException as exc:
         log.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        try:
+            store.set(_error_key(rank), f"{type(exc).__name__}: {exc}")
+        except Exception:   # rank 0 (and its store) is gone: nobody to tell
+            pass
         os._exit(1)   # the closed connections end the peers' collectives at once
     dist.destroy_process_group()
+    return 0
+
+
+def _stdin_worker() -> None:
+    """Entry of a worker process started by this node's engine (or `lmport worker`): arguments on stdin."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(run_worker(*pickle.load(sys.stdin.buffer)))
+
+
+def start_workers(model: str, config: EngineConfig, backend_cls: type[Backend], addr: str,
+                  ranks: range) -> dict[int, subprocess.Popen]:
+    """Worker processes for ``ranks``: fresh interpreters (nothing of the caller's state is inherited), in the
+    caller's process group, so a Ctrl-C reaches them too."""
+    procs = {}
+    for rank in ranks:
+        p = subprocess.Popen([sys.executable, "-c", "from lmport.executor import _stdin_worker; _stdin_worker()"],
+                             stdin=subprocess.PIPE)
+        p.stdin.write(pickle.dumps((model, config, backend_cls, rank, addr)))
+        p.stdin.close()
+        procs[rank] = p
+    return procs
+
+
+def stop_workers(procs: dict[int, subprocess.Popen], grace: float = 10.0) -> None:
+    deadline = time.monotonic() + grace
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class DistributedExecutor:
-    """tp > 1: rank 0 here, ranks 1.. of this node in spawned processes, other nodes' ranks from `lmport worker`."""
+    """tp > 1: rank 0 here, ranks 1.. of this node in worker processes, other nodes' ranks from `lmport worker`."""
 
     def __init__(self, model: str, config: EngineConfig, backend: Backend):
         self.failure: str | None = None
+        self.config = config
         self.addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
         backend_cls = type(backend)
-        ctx = multiprocessing.get_context("spawn")
-        self.errors = ctx.Queue()
-        self.procs = {rank: ctx.Process(target=worker_main, args=(model, config, backend_cls, rank, self.addr,
-                                                                  self.errors),
-                                        name=f"lmport-tp{rank}", daemon=True)
-                      for rank in range(1, ranks_per_node(config))}
-        for p in self.procs.values():
-            p.start()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.runner = None
         atexit.register(self.close)
         try:
-            tp, self.control = init_rank(config, backend_cls, 0, self.addr)
+            self.store = _connect(config, self.addr, 0)
+            self.procs = start_workers(model, config, backend_cls, self.addr, range(1, ranks_per_node(config)))
+            self._wait_for_ranks()
+            tp, self.control = _join(config, backend_cls, self.store, 0)
             rank0 = _make_backend(backend_cls, 0, ranks_per_node(config))
             self.runner = ModelRunner(model, config, rank0, tp)
             self.run_all("collective_stats")   # every rank has loaded its shard
         except BaseException as exc:
-            if not isinstance(exc, WorkerFailed):
+            if self.failure is None:
                 self._fail(exc)
             self.close()
-            raise WorkerFailed(self.failure or str(exc)) from exc
+            if isinstance(exc, (KeyboardInterrupt, ConfigError)):
+                raise
+            raise WorkerFailed(self.failure) from exc
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        return {rank: p.pid for rank, p in self.procs.items()}
+
+    def _wait_for_ranks(self) -> None:
+        """Until every rank has reached the rendezvous; a local worker that exits first fails at once."""
+        keys = [_joined_key(r) for r in range(1, self.config.tp)]
+        deadline = time.monotonic() + self.config.dist_timeout
+        while not self.store.check(keys):
+            if any(p.poll() is not None for p in self.procs.values()) or time.monotonic() > deadline:
+                missing = [r for r in range(1, self.config.tp) if not self.store.check([_joined_key(r)])]
+                self.failure = self._dead_ranks() or (
+                    f"tensor-parallel ranks {missing} did not reach the rendezvous at {self.addr} within "
+                    f"{self.config.dist_timeout:g}s (start `lmport worker` on the other nodes)")
+                raise WorkerFailed(self.failure)
+            time.sleep(0.05)
 
     def _call(self, method: str, args: tuple, gather: bool):
         if self.failure:
@@ -177,40 +244,36 @@ class DistributedExecutor:
     def execute(self, step: StepInput) -> torch.Tensor:
         return self._call("execute", (step,), gather=False)
 
+    def _dead_ranks(self) -> str | None:
+        """What the failed ranks reported through the store, else which local workers exited and how."""
+        reports = [f"rank {r} failed: {self.store.get(_error_key(r)).decode()}" for r in range(1, self.config.tp)
+                   if self.store.check([_error_key(r)])]
+        exits = [f"rank {r} exited with code {p.returncode}" + (f" (signal {-p.returncode})" if p.returncode < 0
+                                                                else "")
+                 for r, p in self.procs.items() if p.poll() is not None and p.returncode != 0]
+        return "tensor-parallel " + "; ".join(reports or exits) if reports or exits else None
+
     def _fail(self, exc: BaseException) -> None:
-        """Records which rank failed (a worker's own report, else its exit) and why."""
-        reports = []
-        try:
-            reports.append(self.errors.get(timeout=2.0))
-        except queue.Empty:
-            pass
-        if reports:
-            rank, message, _ = reports[0]
-            self.failure = f"tensor-parallel rank {rank} failed: {message}"
-        else:
-            dead = [f"rank {r} exited with code {p.exitcode}" for r, p in self.procs.items()
-                    if p.exitcode is not None]
-            self.failure = (f"tensor-parallel {', '.join(dead)}" if dead else
-                            f"a tensor-parallel collective failed: {type(exc).__name__}: {exc}")
+        """Records which rank failed (its own report, else its exit) and why; gives a dying worker 2 s to say."""
+        deadline = time.monotonic() + 2.0
+        while (found := self._dead_ranks()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.failure = found or f"a tensor-parallel collective failed: {type(exc).__name__}: {exc}"
         log.error("%s", self.failure)
 
     def close(self) -> None:
+        """Stops every worker (they leave their loop, else they are killed) and leaves the process group."""
         atexit.unregister(self.close)
-        if not self.failure and dist.is_initialized():
+        if not self.failure and self.runner is not None:
             try:
                 dist.broadcast_object_list([None], src=0, group=self.control)
             except Exception:   # a worker already gone: the rest are stopped below
                 pass
-        for p in self.procs.values():
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
         if dist.is_initialized():
-            dist.destroy_process_group()
-        if getattr(self, "runner", None) is not None:
+            dist.destroy_process_group()   # workers still waiting on a collective see the closed connections
+        stop_workers(self.procs, grace=10.0 if not self.failure else 5.0)
+        if self.runner is not None:
             self.runner.close()
-        self.procs = {}
 
 
 def make_executor(model: str, config: EngineConfig, backend: Backend):
