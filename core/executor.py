@@ -166,6 +166,9 @@ class DistributedExecutor:
     """tp > 1: rank 0 here, ranks 1.. of this node in worker processes, other nodes' ranks from `lmport worker`."""
 
     def __init__(self, model: str, config: EngineConfig, backend: Backend):
+        if dist.is_initialized():   # torch.distributed has one default process group a process
+            raise ConfigError(f"tp={config.tp}: this process already runs a tensor-parallel engine (or another "
+                              f"torch.distributed group); close it first, or run the engines in separate processes")
         self.failure: str | None = None
         self.config = config
         self.addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"

@@ -1,7 +1,9 @@
 """Tensor parallelism: which tp values a model allows, what each rank holds, and its collectives.
 
 Sharding (Megatron style): q/k/v and gate/up are split by output (column-parallel),
-o and down by input (row-parallel, one all-reduce each). The embedding and the LM head
+o and down by input (row-parallel, one all-reduce each). Heads split evenly; the MLP
+width need not divide by tp (the default model's 1536 over 9 ranks): its pieces differ
+by at most one column, which the row-parallel sum does not care about. The embedding and the LM head
 are split over the vocabulary: the embedding sums each rank's rows with one all-reduce
 (every token's row is on exactly one rank, so the sum is exact), the LM head gathers its
 logit columns on rank 0. KV heads are split across ranks; where tp exceeds the KV heads,
@@ -26,8 +28,8 @@ def tp_problem(model_cfg, tp: int) -> str | None:
         return f"its {heads} attention heads are not divisible by tp={tp}"
     if kv % tp and tp % kv:
         return f"its {kv} KV heads neither divide among nor replicate evenly over {tp} ranks"
-    if inter % tp:
-        return f"its MLP width {inter} is not divisible by tp={tp}"
+    if inter < tp:
+        return f"its MLP width {inter} is less than tp={tp}"
     return None
 
 
@@ -49,6 +51,11 @@ def check_tp(model_cfg, tp: int) -> None:
 
 def kv_heads_per_rank(model_cfg, tp: int) -> int:
     return max(1, model_cfg.num_key_value_heads // tp)
+
+
+def balanced(size: int, tp: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's part of ``size`` in tp pieces whose lengths differ by at most one."""
+    return rank * size // tp, (rank + 1) * size // tp
 
 
 def split(size: int, tp: int, rank: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.ops import AttentionMetadata
-from lmport.parallel import TPGroup, kv_heads_per_rank, split
+from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -135,7 +135,7 @@ class MLP(nn.Module):
     def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        part = tp.head_range(cfg.intermediate_size)   # an even split of the width
+        part = balanced(cfg.intermediate_size, tp.size, tp.rank)
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, bias, backend, tp)

@@ -325,6 +325,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     async def health():
         if not server.loop._thread.is_alive():
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        if server.engine.failure:   # a tensor-parallel rank is gone: nothing can be generated
+            return JSONResponse({"status": f"engine failed: {server.engine.failure}"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=auth)
