@@ -234,3 +234,33 @@ def test_a_worker_that_cannot_reach_the_rendezvous_names_the_address():
                           "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
                           "--dist-timeout", "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and f"cannot reach the tensor-parallel rendezvous at {addr}" in out.stderr
+
+
+@pytest.mark.slow
+def test_server_with_tp3_streamed_and_whole_chat_agree_and_sigterm_leaves_no_worker():
+    import openai
+    import psutil
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lmport.cli", "serve", "smollm2", "--device", "cpu", "--tp", "3",
+                               "--port", str(port), "--cache-max-entry-count", "200"])
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+        workers = [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
+        assert len(workers) == 2
+        messages = [{"role": "user", "content": "Name three colours."}]
+        whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True) if chunk.choices)
+        assert whole.choices[0].message.content == streamed and streamed
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    assert not any(alive(p) for p in workers)
