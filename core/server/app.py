@@ -118,6 +118,8 @@ class Server:
             return self.loop.failure
         if not self.loop._thread.is_alive():
             return "the engine thread has stopped"
+        if self.engine.failure:  # a tensor-parallel rank is gone: nothing can be generated
+            return f"engine failed: {self.engine.failure}"
         return None
 
     async def tokenize(self, fn, *args):
