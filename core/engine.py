@@ -184,15 +184,46 @@ class Engine:
         ready = [s for s in batch.seqs if s.num_uncomputed == 0]
         if not ready:
             return outputs
-        tokens, logprobs = sample(logits, ready)
-        for seq, token, lp in zip(ready, tokens, logprobs):
-            outputs.append(self._append(seq, token, lp))
+        for seq, token, lp in self._sample(logits, ready):
+            if isinstance(token, Exception):
+                outputs.append(self._fail(seq, "sampling", token))
+                continue
+            try:
+                outputs.append(self._append(seq, token, lp))
+            except Exception as exc:  # detokenizing or a stop check: this request fails, not the engine
+                outputs.append(self._fail(seq, "decoding", exc))
         return outputs
 
     @property
     def failure(self) -> str | None:
         """Why the model cannot run any more (a tensor-parallel rank died or raised), else None."""
         return self.executor.failure
+
+    def _sample(self, logits: torch.Tensor, ready: list[Sequence]):
+        """(seq, token, logprobs) for each ready sequence; token is the exception when sampling it failed.
+
+        The batch is sampled at once; when that raises, each sequence is sampled alone so
+        that only the one whose input made it fail gets the error.
+        """
+        try:
+            tokens, logprobs = sample(logits, ready)
+            return list(zip(ready, tokens, logprobs))
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling each request alone", len(ready))
+        results = []
+        for i, seq in enumerate(ready):
+            try:
+                (token,), (lp,) = sample(logits[i:i + 1], [seq])
+                results.append((seq, token, lp))
+            except Exception as exc:
+                results.append((seq, exc, None))
+        return results
+
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+        log.error("request %s failed in %s: %s: %s", seq.request_id, stage, type(exc).__name__, exc)
+        if not seq.is_finished:
+            self._end(seq, "error", f"{stage} failed: {type(exc).__name__}: {exc}")
+        return self._output(seq, [], "")
 
     def _copy_blocks(self) -> None:
         """Run the device<->host block copies scheduling queued (on every rank), when no forward carries them."""
