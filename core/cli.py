@@ -114,32 +114,6 @@ def cmd_plan(args) -> int:
     return plan_command(args)
 
 
-def cmd_worker(args) -> int:
-    """This node's tensor-parallel ranks for an engine on node 0 (docs/distributed.md); runs until it stops."""
-    import signal
-
-    from lmport.executor import ranks_per_node, start_workers, stop_workers
-    from lmport.models.loader import read_model_config
-    from lmport.parallel import check_tp
-    config = engine_config(args).resolve()
-    if config.node_rank == 0 or not config.dist_init_addr:
-        raise ConfigError("`lmport worker` runs the ranks of nodes 1..nnodes-1: give --node-rank >= 1 and "
-                          "--dist-init-addr HOST:PORT of node 0 (node 0 runs generate/chat/serve itself)")
-    check_tp(read_model_config(args.model), config.tp)
-    first = config.node_rank * ranks_per_node(config)
-    procs = start_workers(args.model, config, config.backend_class(), config.dist_init_addr,
-                          range(first, first + ranks_per_node(config)))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        codes = [p.wait() for p in procs.values()]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        stop_workers(procs, grace=5.0)
-    return max(codes, key=abs) if any(codes) else 0
-
-
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
     """`lmport serve`'s limits, timeouts and cross-site settings (docs/server.md)."""
     g = p.add_argument_group("limits")
@@ -175,6 +149,32 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="origins browsers may call the API from (default: none)")
     g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)")
+
+
+def cmd_worker(args) -> int:
+    """This node's tensor-parallel ranks for an engine on node 0 (docs/distributed.md); runs until it stops."""
+    import signal
+
+    from lmport.executor import ranks_per_node, start_workers, stop_workers
+    from lmport.models.loader import read_model_config
+    from lmport.parallel import check_tp
+    config = engine_config(args).resolve()
+    if config.node_rank == 0 or not config.dist_init_addr:
+        raise ConfigError("`lmport worker` runs the ranks of nodes 1..nnodes-1: give --node-rank >= 1 and "
+                          "--dist-init-addr HOST:PORT of node 0 (node 0 runs generate/chat/serve itself)")
+    check_tp(read_model_config(args.model), config.tp)
+    first = config.node_rank * ranks_per_node(config)
+    procs = start_workers(args.model, config, config.backend_class(), config.dist_init_addr,
+                          range(first, first + ranks_per_node(config)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        codes = [p.wait() for p in procs.values()]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        stop_workers(procs, grace=5.0)
+    return max(codes, key=abs) if any(codes) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -194,11 +194,6 @@ class Engine:
                 outputs.append(self._fail(seq, "decoding", exc))
         return outputs
 
-    @property
-    def failure(self) -> str | None:
-        """Why the model cannot run any more (a tensor-parallel rank died or raised), else None."""
-        return self.executor.failure
-
     def _sample(self, logits: torch.Tensor, ready: list[Sequence]):
         """(seq, token, logprobs) for each ready sequence; token is the exception when sampling it failed.
 
@@ -224,6 +219,11 @@ class Engine:
         if not seq.is_finished:
             self._end(seq, "error", f"{stage} failed: {type(exc).__name__}: {exc}")
         return self._output(seq, [], "")
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model cannot run any more (a tensor-parallel rank died or raised), else None."""
+        return self.executor.failure
 
     def _copy_blocks(self) -> None:
         """Run the device<->host block copies scheduling queued (on every rank), when no forward carries them."""

@@ -116,10 +116,10 @@ class Server:
         """Why no request can be served now, or None."""
         if self.loop.failure is not None:
             return self.loop.failure
-        if self.engine.failure:   # a tensor-parallel rank is gone: nothing can be generated
-            return f"the engine failed: {self.engine.failure}"
         if not self.loop._thread.is_alive():
             return "the engine thread has stopped"
+        if self.engine.failure:  # a tensor-parallel rank is gone: nothing can be generated
+            return f"engine failed: {self.engine.failure}"
         return None
 
     async def tokenize(self, fn, *args):
