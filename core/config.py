@@ -140,6 +140,8 @@ class GenerationConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0       # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0      # OpenAI's: subtracted per time a token was generated
     do_sample: bool = False             # False: greedy, whatever the sampling fields say
     random_seed: int | None = None
     stop_token_ids: list[int] | None = None   # None: the model's end-of-sequence tokens
@@ -158,6 +160,9 @@ class GenerationConfig:
         _check(_is_number(self.min_p) and 0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p!r}")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value!r}")
         _check(self.random_seed is None or _is_int(self.random_seed),
                f"random_seed must be an int or None, got {self.random_seed!r}")
         _check(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids),

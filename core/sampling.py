@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds, logprobs."""
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence and frequency penalties,
+seeds, logprobs."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,28 @@ def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         penalty = seqs[i].gen_config.repetition_penalty
         values = logits[i, seen]
         logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def apply_presence_frequency_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """OpenAI's rule over generated tokens: logit -= count * frequency_penalty + (count > 0) * presence_penalty."""
+    rows = [i for i, s in enumerate(seqs)
+            if (s.gen_config.presence_penalty or s.gen_config.frequency_penalty) and s.output_ids]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    longest = max(len(seqs[i].output_ids) for i in rows)
+    # Output ids padded with an extra column (vocab) that is dropped after counting.
+    ids = torch.full((len(rows), longest), vocab, dtype=torch.long)
+    for j, i in enumerate(rows):
+        ids[j, :len(seqs[i].output_ids)] = torch.tensor(seqs[i].output_ids)
+    ids = ids.to(dev)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
+    counts = counts[:, :vocab]
+    freq = torch.tensor([seqs[i].gen_config.frequency_penalty for i in rows], device=dev)[:, None]
+    presence = torch.tensor([seqs[i].gen_config.presence_penalty for i in rows], device=dev)[:, None]
+    logits = logits.clone()
+    logits[rows] -= counts * freq + (counts > 0).float() * presence
     return logits
 
 
@@ -40,6 +63,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     """logits [B, V] float32 -> one token per sequence (and its logprobs when asked)."""
     raw = logits
     logits = apply_repetition_penalty(logits, seqs)
+    logits = apply_presence_frequency_penalties(logits, seqs)
     tokens = logits.argmax(-1)
     sampled = [i for i, s in enumerate(seqs) if not s.gen_config.greedy]
     if sampled:

@@ -109,10 +109,6 @@ class Server:
         if req.model != self.model_name:
             raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r} "
                                 f"(see GET /v1/models)", param="model", code="model_not_found")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name}: not supported by lmport; leave it out or use "
-                                    f"repetition_penalty", param=name)
         return req
 
     def job(self, req, prompts: list[list[int]], param: str, max_tokens: int | None,
@@ -132,7 +128,8 @@ class Server:
                         max_new_tokens=max_tokens or self.engine.session_len - len(ids),
                         temperature=req.temperature, do_sample=req.temperature > 0,
                         top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
-                        repetition_penalty=req.repetition_penalty,
+                        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
                         # n choices from one seed differ from each other yet repeat run to run.
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs))

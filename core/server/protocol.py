@@ -65,8 +65,8 @@ class _Sampling(_Request):
     top_k: int = Field(0, ge=-1)                  # extension (vLLM, LMDeploy); 0 or -1: off
     min_p: float = Field(0.0, ge=0, lt=1)         # extension
     repetition_penalty: float = Field(1.0, gt=0)  # extension
-    presence_penalty: float | None = None         # accepted only when they change nothing (0)
-    frequency_penalty: float | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)   # OpenAI's, over generated tokens
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = None
     stop: Stop = None
