@@ -149,6 +149,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     logprobs: int | None = None         # number of top logprobs to return per token
     skip_special_tokens: bool = True
+    response_format: dict | None = None  # structured output (JSON schema, regex, grammar): see lmport.guided
 
     def __post_init__(self):
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -171,6 +172,12 @@ class GenerationConfig:
                f"stop_words must be a list of non-empty strings, got {self.stop_words!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
+        if self.response_format is not None:
+            from lmport.guided import GuidedDecodingError, grammar_key
+            try:
+                grammar_key(self.response_format)
+            except GuidedDecodingError as exc:
+                raise ConfigError(str(exc)) from None
 
     @property
     def greedy(self) -> bool:

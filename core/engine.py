@@ -15,6 +15,7 @@ import torch
 from lmport import memory
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
+from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
 from lmport.models.loader import load_model
 from lmport.ops import build_attention_metadata
 from lmport.paging import host_tier
@@ -101,6 +102,9 @@ class Engine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        # Structured outputs (docs/server.md): grammars compiled once per format, masks built beside the forward.
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.masks = MaskBuilder(cfg.vocab_size)
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
@@ -119,8 +123,12 @@ class Engine:
             generator = torch.Generator(device=self.backend.device)
             generator.manual_seed(gen_config.random_seed if gen_config.random_seed is not None
                                   else torch.seed())
+        try:
+            grammar = self.grammars.matcher(gen_config.response_format)
+        except GuidedDecodingError as exc:
+            raise RequestError(str(exc)) from None
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, grammar=grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -158,6 +166,8 @@ class Engine:
         if not batch:
             return outputs
         self.stats["steps"] += 1
+        completing = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
             logits = self._forward(batch.seqs, batch.num_new)
         except Exception as exc:  # a failing forward ends this batch's requests, not the engine
@@ -172,7 +182,7 @@ class Engine:
         ready = [s for s in batch.seqs if s.num_uncomputed == 0]
         if not ready:
             return outputs
-        tokens, logprobs = sample(logits, ready)
+        tokens, logprobs = sample(logits, ready, masks.result() if masks else None)
         for seq, token, lp in zip(ready, tokens, logprobs):
             outputs.append(self._append(seq, token, lp))
         return outputs
@@ -208,7 +218,9 @@ class Engine:
         seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.gen_config.skip_special_tokens)
         cfg = seq.gen_config
         reason = None
-        if token in seq.stop_token_ids:
+        if seq.grammar is not None:
+            seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
+        if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
             reason = "stop"
         elif cfg.stop_words and (cut := _first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
             seq.text, reason = seq.text[:cut], "stop"

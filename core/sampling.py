@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lmport.guided import apply_bitmask
 from lmport.sequence import Sequence
 
 
@@ -59,9 +60,15 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits [B, V] float32 -> one token per sequence (and its logprobs when asked)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], torch.Tensor] | None = None
+           ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits [B, V] float32 -> one token per sequence (and its logprobs when asked).
+
+    ``masks``: (rows, bitmask) of the constrained rows (lmport.guided); their forbidden tokens are never drawn.
+    """
     raw = logits
+    if masks is not None:
+        logits = apply_bitmask(logits, *masks)
     logits = apply_repetition_penalty(logits, seqs)
     logits = apply_presence_frequency_penalties(logits, seqs)
     tokens = logits.argmax(-1)

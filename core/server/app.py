@@ -32,10 +32,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmport.api import encode_prompt
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import Engine, RequestError, RequestOutput
 from lmport.engine_loop import EngineLoop
+from lmport.server import echo, structured, tools
 from lmport.server.metrics import Metrics
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 
@@ -112,7 +112,7 @@ class Server:
         return req
 
     def job(self, req, prompts: list[list[int]], param: str, max_tokens: int | None,
-            logprobs: int | None, received: float) -> _Job:
+            logprobs: int | None, received: float, response_format: dict | None = None) -> _Job:
         """Check every prompt against the engine and build one GenerationConfig per choice."""
         configs = []
         for ids in prompts:
@@ -132,7 +132,8 @@ class Server:
                         frequency_penalty=req.frequency_penalty,
                         # n choices from one seed differ from each other yet repeat run to run.
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
-                        stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs))
+                        stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                        response_format=response_format))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
         return _Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
@@ -341,32 +342,61 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
         if not req.messages:
             raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        setup = tools.check(req, engine)
         try:
-            ids = encode_prompt(server.tokenizer, messages)
+            ids = tools.encode(server.tokenizer, req, setup)
+        except APIError:
+            raise
         except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+        response_format = req.response_format
+        structured.check_format(engine, response_format, "response_format")
+        if setup is not None and setup.response_format is not None:
+            if structured.constrains(response_format):
+                raise APIError(400, "response_format: cannot be combined with a tool_choice that forces a call",
+                               param="response_format")
+            response_format = setup.response_format
+            structured.check_format(engine, response_format, "tools")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received)
+        job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
+                         response_format)
         job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
                       "model": server.model_name}
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         if req.stream:
+            parsers = [tools.StreamParser(setup) for _ in job.configs] if setup else None
+            called = [False] * len(job.configs)
+
             def chunk(choice, out, text, first, lp_from):
+                calls = []
+                if parsers:
+                    text, calls = parsers[choice].feed(text, out.finished)
+                    called[choice] |= bool(calls)
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
+                if calls:
+                    delta["tool_calls"] = calls
+                finish = _finish_reason(out)
                 return {**job.header, "choices": [{
-                    "index": choice, "delta": delta, "finish_reason": _finish_reason(out),
+                    "index": choice, "delta": delta,
+                    "finish_reason": "tool_calls" if finish == "stop" and called[choice] else finish,
                     "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
             return EventStream(_events(server, job, chunk), headers={"Cache-Control": "no-cache"})
 
         outs = await server.until_done_or_gone(request, job)
         if outs is None:
             return Response(status_code=499)  # nobody is listening
-        return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": [
-            {"index": c, "message": {"role": "assistant", "content": o.text}, "finish_reason": _finish_reason(o),
-             "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None}
-            for c, o in enumerate(outs)]}
+        choices = []
+        for c, o in enumerate(outs):
+            message, finish = {"role": "assistant", "content": o.text}, _finish_reason(o)
+            if setup is not None:
+                message["content"], calls = tools.parse(o.text, setup)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c, "message": message, "finish_reason": finish,
+                            "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None})
+        return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": choices}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
@@ -378,11 +408,21 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         if not prompt:
             raise APIError(400, "prompt: the list is empty; give a string or token ids", param="prompt")
         prompts = [server.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with echo (to score the "
+                                "prompt)", param="max_tokens")
+        if req.echo and req.stream:
+            raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
+        response_format, format_param = structured.completion_format(req)
+        structured.check_format(engine, response_format, format_param)
+        job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format)
         job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                       "model": server.model_name}
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         top = req.logprobs
+        if req.echo:
+            texts = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in prompt]
+            return await echo_completion(req, job, top, request, texts)
 
         if req.stream:
             def chunk(choice, out, text, first, lp_from):
@@ -398,6 +438,29 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             {"index": c, "text": o.text, "finish_reason": _finish_reason(o),
              "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
             for c, o in enumerate(outs)]}
+
+    async def echo_completion(req: CompletionRequest, job: _Job, top: int | None, request: Request,
+                              prompt_texts: list[str]):
+        """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
+        scores = [await echo.prompt_logprobs(server, ids, top or 0) if top is not None else None
+                  for ids in job.prompts]
+        if req.max_tokens == 0:
+            outs = [None] * len(job.configs)
+        else:
+            outs = await server.until_done_or_gone(request, job)
+            if outs is None:
+                return Response(status_code=499)
+        choices = []
+        for c, o in enumerate(outs):
+            ids = job.prompt_of(c)
+            generated = None if o is None or top is None else server.completion_logprobs(o, 0, top)
+            choices.append({"index": c, "text": prompt_texts[c // job.n] + (o.text if o else ""),
+                            "finish_reason": _finish_reason(o) if o else "length",
+                            "logprobs": echo.merge(server, ids, scores[c // job.n], top, generated)})
+        completion = sum(len(o.token_ids) for o in outs if o)
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        return {**job.header, "choices": choices, "usage": {
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}}
 
     return app
 
