@@ -162,20 +162,28 @@ class MaskBuilder:
         return self._pool.submit(self._fill, matchers)
 
     def _fill(self, matchers) -> tuple[list[int], torch.Tensor]:
+        """(constrained rows, bitmask [B, ceil(V / 32)] int32); unconstrained rows stay all-allowed."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            matchers[i].fill_next_token_bitmask(bitmask, j)
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
         return rows, bitmask
 
 
+# Devices xgrammar has a masking kernel for; on any other, its pure-torch implementation.
+KERNEL_DEVICES = ("cpu", "cuda")
+
+
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """Logits [B, V] with every token a row's bitmask forbids set to -inf (bit t of word t // 32 allows t)."""
-    bits = bitmask.to(logits.device)
-    shifts = torch.arange(32, device=logits.device, dtype=bits.dtype)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    """A copy of logits [B, V] whose ``rows`` have every token their bitmask row forbids at -inf.
+
+    Bit t % 32 of word t // 32 allows token t. A copy: the caller's logits still give the model's
+    own distribution (for logprobs).
+    """
     logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    backend = "auto" if logits.device.type in KERNEL_DEVICES else "torch_native"
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=logits.shape[-1], indices=rows, backend=backend)
     return logits
 
 
