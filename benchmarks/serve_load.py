@@ -185,9 +185,14 @@ def table(runs: list[dict]) -> str:
                                                   for r in runs) + " |")
     lines.append("| running after / KV blocks used after | " + " | ".join(
         f"{r['server_running_after']} / {r['server_kv_blocks_used_after']}" for r in runs) + " |")
-    if len(runs) == 2 and runs[0]["output_tokens_per_s"] and runs[1]["output_tokens_per_s"]:
-        lines.append(f"\nJSON schema vs none: output tokens/s {runs[1]['output_tokens_per_s'] / runs[0]['output_tokens_per_s'] - 1:+.1%}"
-                     f", time per output token {runs[1]['tpot_p50_s'] / runs[0]['tpot_p50_s'] - 1:+.1%}")
+    plain = [r for r in runs if not r["json_schema"] and r["output_tokens_per_s"]]
+    schema = [r for r in runs if r["json_schema"] and r["output_tokens_per_s"]]
+    if plain and schema:
+        def mean(rs, key):
+            return sum(r[key] for r in rs) / len(rs)
+        lines.append(f"\nJSON schema vs none (means over {len(schema)} and {len(plain)} runs): output tokens/s "
+                     f"{mean(schema, 'output_tokens_per_s') / mean(plain, 'output_tokens_per_s') - 1:+.1%}, "
+                     f"time per output token p50 {mean(schema, 'tpot_p50_s') / mean(plain, 'tpot_p50_s') - 1:+.1%}")
     return "\n".join(lines)
 
 
@@ -211,7 +216,8 @@ async def main_async(args) -> dict:
         # One short request first, so start-up costs (first forward, allocator warm-up) are not measured.
         async with httpx.AsyncClient(timeout=300) as http:
             await one_request(http, url, model, 0, 4, headers, args.json_schema != "off")
-        modes = {"off": [False], "on": [True], "both": [False, True]}[args.json_schema]
+        # Alternating rounds, so a machine whose load drifts during the run affects both sides alike.
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.json_schema] * args.rounds
         runs = [await run_load(url, model, args.requests, args.max_tokens, args.api_key, args.timeout, schema)
                 for schema in modes]
     finally:
@@ -241,6 +247,7 @@ def main() -> int:
                    help="OMP_NUM_THREADS for the server (on a busy CPU, 1 avoids threads spinning against each other)")
     p.add_argument("--json-schema", choices=["off", "on", "both"], default="off",
                    help="a JSON-schema response_format on every request; both: without, then with (default off)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the load (alternating with --json-schema both)")
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/serve_load.json, "
                                                 "serve_load_json_schema.json with --json-schema)")
     args = p.parse_args()

@@ -169,10 +169,15 @@ def test_tool_prompt_and_parse_formats():
                                  setup)
     assert content == "Sure." and [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
     assert tools.parse("<tool_call>\n{not json}\n</tool_call>", setup)[1] == []
+    text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [1, 2, 3, 4, 5, 6, 7]}}}\n</tool_call>'
     parser = tools.StreamParser(setup)
-    pieces = ["Sure.\n<tool", "_call>\n{\"name\": \"add\", ", "\"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"]
-    out = [parser.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
-    assert "".join(c for c, _ in out) == "Sure.\n" and [len(calls) for _, calls in out] == [0, 0, 1]
+    out = [parser.feed(text[i:i + 3], i + 3 >= len(text)) for i in range(0, len(text), 3)]
+    assert "".join(c for c, _ in out) == "Sure.\n"
+    deltas = [d for _, ds in out for d in ds]
+    assert deltas[0]["function"] == {"name": "add", "arguments": ""} and deltas[0]["id"].startswith("call_")
+    assert len(deltas) > 3 and {d["index"] for d in deltas} == {0}   # the arguments arrive in pieces
+    assert "".join(d["function"]["arguments"] for d in deltas) == tools.parse(text, setup)[1][0]["function"][
+        "arguments"] == '{"a": 1, "b": {"c": [1, 2, 3, 4, 5, 6, 7]}}'
 
 
 def test_regex_choice_and_length_cut(tiny):

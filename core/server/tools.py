@@ -187,7 +187,16 @@ def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
     return content or None, calls
 
 
+# The start of a block in the taught key order, up to where the arguments' JSON text begins.
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
 def _call(block: str, setup: ToolSetup) -> dict | None:
+    """The call a block's JSON text makes, or None when it is malformed or names no given tool.
+
+    ``arguments`` is the model's own JSON text when the block is in the taught order (so a stream can
+    send it as it is generated), else the arguments re-serialized.
+    """
     try:
         data = json.loads(block)
     except json.JSONDecodeError:
@@ -200,21 +209,39 @@ def _call(block: str, setup: ToolSetup) -> dict | None:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return None
+    text = json.dumps(arguments, ensure_ascii=False)
+    header = HEADER.match(block)
+    if header and not isinstance(data["arguments"], str):
+        raw = block[header.end():].rstrip()
+        if raw.endswith("}") and _loads_or_none(raw[:-1]) == arguments:
+            text = raw[:-1].rstrip()
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": data["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": data["name"], "arguments": text}}
+
+
+def _loads_or_none(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 class StreamParser:
-    """Splits a streamed reply into content deltas and whole tool calls, one choice at a time.
+    """Splits a streamed reply into content deltas and tool-call deltas, one choice at a time.
 
-    Text that may be the start of a ``<tool_call>`` block is held back until it is known; a block
-    is sent as one tool-call delta (id, name and its complete arguments) once it closes.
+    Text that may be the start of a ``<tool_call>`` block is held back until it is known. Inside a
+    block, as OpenAI streams: once the name is known, a delta with the call's index, id, type and
+    name (arguments ""); then the arguments' text in pieces as it is generated (the last few
+    characters wait until the block closes, as they may be its end). The pieces concatenate to the
+    non-streamed call's ``arguments``.
     """
+    HOLD = len("}\n" + CLOSE) + 2
 
     def __init__(self, setup: ToolSetup):
         self.setup = setup
         self.buffer = ""
-        self.calls = 0
+        self.calls = 0          # calls started so far (the next one's index)
+        self.open = None        # the call being streamed: {"index", "id", "sent"} once its name is known
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
         self.buffer += delta
@@ -232,15 +259,47 @@ class StreamParser:
             if end < 0:
                 if finished:   # an unclosed block: the model never finished its call
                     content, self.buffer = content + self.buffer, ""
+                else:
+                    calls += self._progress(self.buffer[len(OPEN):])
                 return content, calls
             block = self.buffer[:end + len(CLOSE)]
             self.buffer = self.buffer[end + len(CLOSE):]
-            call = _call(CALL_BLOCK.match(block).group(1), self.setup)
+            text, done = self._close(block)
+            content += text
+            calls += done
+
+    def _progress(self, body: str) -> list[dict]:
+        """Deltas for an open block: its header once the name is known, then new argument text."""
+        out = []
+        if self.open is None:
+            header = HEADER.match(body)
+            if not header or json.loads(f'"{header.group(1)}"') not in self.setup.names:
+                return out
+            self.open = {"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "sent": "",
+                         "start": header.end()}
+            self.calls += 1
+            out.append({"index": self.open["index"], "id": self.open["id"], "type": "function",
+                        "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})
+        ready = body[self.open["start"]:len(body) - self.HOLD]
+        if len(ready) > len(self.open["sent"]):
+            out.append({"index": self.open["index"], "function": {"arguments": ready[len(self.open["sent"]):]}})
+            self.open["sent"] = ready
+        return out
+
+    def _close(self, block: str) -> tuple[str, list[dict]]:
+        """(content, deltas) that finish a block: the rest of its arguments, the whole call if nothing
+        was sent yet, or the block as content when it is no call."""
+        opened, self.open = self.open, None
+        body = block[len(OPEN):-len(CLOSE)]
+        call = _call(body, self.setup)
+        if opened is None:
             if call is None:
-                content += block
-            else:
-                calls.append({"index": self.calls, **call})
-                self.calls += 1
+                return block, []
+            self.calls += 1
+            return "", [{"index": self.calls - 1, **call}]
+        arguments = call["function"]["arguments"] if call else body[opened["start"]:].rstrip()[:-1]
+        rest = arguments[len(opened["sent"]):] if arguments.startswith(opened["sent"]) else ""
+        return "", [{"index": opened["index"], "function": {"arguments": rest}}] if rest else []
 
 
 def _partial_prefix(text: str, word: str) -> int:
