@@ -113,10 +113,11 @@ class Pipeline:
         self.close()
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None) -> list[int]:
     """A string or a list of {"role", "content"} messages -> token ids through the chat template.
 
-    Shared by Pipeline.encode and the server, so both build the same prompt.
+    Shared by Pipeline.encode and the server, so both build the same prompt. ``tools`` (OpenAI's
+    function tools) go to a template that uses them (lmport.server.tools decides).
     """
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -128,4 +129,4 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if tokenizer.chat_template is None:
         return tokenizer.encode("\n".join(m["content"] for m in prompt))
     return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+                                              return_dict=False, **({"tools": tools} if tools else {})))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from lmport.api import encode_prompt
 from lmport.engine import Engine
 from lmport.guided import GuidedDecodingError
 from lmport.server.protocol import APIError, ChatCompletionRequest
@@ -154,19 +155,13 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
     """Token ids of the conversation with its tools, through the chat template."""
     native = template_knows_tools(tokenizer)
     messages = template_messages(req, native)
-    if tokenizer.chat_template is None:
-        return tokenizer.encode("\n".join(m["content"] for m in messages))
-    kwargs = {}
-    if setup is not None and native:
-        kwargs["tools"] = setup.tools
-    elif setup is not None:
+    if setup is not None and not native:
         prompt = GENERIC_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in setup.tools))
         if messages and messages[0]["role"] in ("system", "developer"):
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False, **kwargs))
+    return encode_prompt(tokenizer, messages, setup.tools if setup is not None and native else None)
 
 
 def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
