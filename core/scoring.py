@@ -10,7 +10,7 @@ import torch
 from lmport import memory
 from lmport.config import GenerationConfig
 from lmport.engine import Engine, RequestError
-from lmport.ops import build_attention_metadata
+from lmport.runner import StepInput
 from lmport.sequence import Sequence
 
 
@@ -44,11 +44,10 @@ def token_logprobs(engine: Engine, ids: list[int], chunk: int, top: int = 0
                 raise RequestError(f"not enough free KV blocks to score {len(ids)} tokens; "
                                    f"retry when running requests have finished")
             blocks.allocate(seq, n)
-            engine._copy_blocks()   # evicted cached blocks go to the host tier before we overwrite them
-            meta = build_attention_metadata([n], [start + n], [seq.block_table], engine.layout.block_size,
-                                            engine.backend.device)
-            hidden = engine.model(torch.tensor(ids[start:start + n]).to(engine.backend.device), meta, engine.caches)
-            lp = engine.model.logits(hidden).log_softmax(-1)       # [n, vocab] float32: within the budget
+            # Evicted cached blocks go to the host tier (the copies run first) before we overwrite them.
+            logits = engine.executor.execute(StepInput(
+                ids[start:start + n], [n], [start + n], [seq.block_table], list(range(n)), blocks.take_copies()))
+            lp = logits.log_softmax(-1)       # [n, vocab] float32: within the budget
             targets = torch.tensor(ids[start + 1:start + n + 1]).to(lp.device)
             logprobs += lp.gather(1, targets[:, None])[:, 0].tolist()
             if top:

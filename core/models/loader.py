@@ -1,6 +1,7 @@
 """Find a model, convert a GGUF once into a local safetensors cache, load it through transformers."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from lmport.backend import Backend
 from lmport.models.llama import PagedCausalLM
+from lmport.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +89,15 @@ def hf_directory(model: str) -> Path:
     return target
 
 
-def read_config(model: str):
-    """The transformers config alone: no weights are read (for planning)."""
+@functools.lru_cache(maxsize=None)
+def read_model_config(model: str):
+    """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is
+    read), for planning and for the checks made before any weight loads."""
     from transformers import AutoConfig
     path = resolve_model_path(model)
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    converted = hf_directory(model)
-    return AutoConfig.from_pretrained(converted)
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @dataclass
@@ -106,7 +109,8 @@ class LoadedModel:
     weight_bytes: int
 
 
-def load_model(model: str, backend: Backend, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None) -> LoadedModel:
+    """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         directory = hf_directory(model)
@@ -116,9 +120,9 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype) -> LoadedModel:
         bar.update()
         cfg = hf.config
         with torch.device("meta"):
-            paged = PagedCausalLM(cfg, backend, rotary=None)
+            paged = PagedCausalLM(cfg, backend, rotary=None, tp=tp)
         # Share transformers' tensors instead of copying them (tied embeddings stay tied).
-        paged.load_state_dict(hf.state_dict(), strict=True, assign=True)
+        paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
         paged.rotary = hf.model.rotary_emb
         paged.to(backend.device).eval()
         bar.update()
