@@ -9,6 +9,11 @@ started is shut down. Prints a markdown table; writes JSON to --out.
 
     .venv/bin/python benchmarks/serve_load.py                  # 200 requests, smollm2
     .venv/bin/python benchmarks/serve_load.py --requests 20 --max-tokens 16 --model /path/to/model
+    .venv/bin/python benchmarks/serve_load.py --json-schema both   # the cost of structured outputs
+
+``--json-schema on`` gives every request a JSON-schema response_format (STORY_SCHEMA, whose
+story is longer than any --max-tokens, so each request still generates exactly --max-tokens
+tokens); ``both`` runs the load without and then with it against the same server, side by side.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from urllib.parse import urlparse
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+STORY_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
+                                               "story": {"type": "string", "minLength": 2000}},
+                "required": ["title", "story"]}
 TOPICS = ["the sea", "a lighthouse", "paged attention", "a robot", "autumn", "a library", "mountains", "a city"]
 
 
@@ -81,14 +89,16 @@ async def wait_ready(url: str, proc: subprocess.Popen | None, deadline: float) -
 
 
 async def one_request(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
-                      headers: dict) -> dict:
+                      headers: dict, schema: bool = False) -> dict:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True,
             # A short system message: the default model's template would otherwise add its own, longer one.
             "messages": [{"role": "system", "content": "You tell stories."},
                          {"role": "user", "content": f"Request {i}: a story about {TOPICS[i % len(TOPICS)]}."}]}
+    if schema:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}}
     start = time.perf_counter()
-    result = {"ok": False, "ttft": None, "latency": None, "completion_tokens": 0, "error": None}
+    result = {"ok": False, "ttft": None, "latency": None, "tpot": None, "completion_tokens": 0, "error": None}
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -110,6 +120,8 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, i: int, max
                 if result["ttft"] is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     result["ttft"] = time.perf_counter() - start
         result["latency"] = time.perf_counter() - start
+        if result["ttft"] is not None and result["completion_tokens"] > 1:
+            result["tpot"] = (result["latency"] - result["ttft"]) / (result["completion_tokens"] - 1)
         result["ok"] = done and result["completion_tokens"] == max_tokens
         if not result["ok"]:
             result["error"] = f"stream ended early ({result['completion_tokens']} of {max_tokens} tokens)"
@@ -118,19 +130,21 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, i: int, max
     return result
 
 
-async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str | None, timeout: float) -> dict:
+async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str | None, timeout: float,
+                   schema: bool = False) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as http:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one_request(http, url, model, i, max_tokens, headers)) for i in range(n)]
+        tasks = [asyncio.create_task(one_request(http, url, model, i, max_tokens, headers, schema))
+                 for i in range(n)]
         done, pending = await asyncio.wait(tasks, timeout=timeout)
         for task in pending:  # past the time bound: stop them (closing the stream aborts them on the server)
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - start
         results = [t.result() if t in done else {"ok": False, "error": "timed out", "completion_tokens": 0,
-                                                  "ttft": None, "latency": None} for t in tasks]
+                                                  "ttft": None, "latency": None, "tpot": None} for t in tasks]
         metrics_text = (await http.get(url + "/metrics", headers=headers)).text
     ok = [r for r in results if r["ok"]]
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -140,6 +154,8 @@ async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str |
         "requests": n, "succeeded": len(ok), "max_tokens": max_tokens, "wall_s": wall,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts, default=None),
         "latency_p50_s": percentile([r["latency"] for r in ok], 50),
+        "tpot_p50_s": percentile([r["tpot"] for r in ok if r["tpot"] is not None], 50),
+        "json_schema": schema,
         "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall else None,
         "errors": errors[:10],
         "server_running_after": _metric(metrics_text, "lmport_requests_running"),
@@ -154,16 +170,30 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-def table(r: dict) -> str:
+def table(runs: list[dict]) -> str:
     def s(x):
         return "-" if x is None else f"{x:.3f}"
-    rows = [("requests (concurrent)", r["requests"]), ("succeeded", r["succeeded"]),
-            ("output tokens per request", r["max_tokens"]), ("wall time (s)", s(r["wall_s"])),
-            ("TTFT p50 (s)", s(r["ttft_p50_s"])), ("TTFT p99 (s)", s(r["ttft_p99_s"])),
-            ("request latency p50 (s)", s(r["latency_p50_s"])), ("output tokens", r["output_tokens"]),
-            ("output tokens/s", s(r["output_tokens_per_s"])),
-            ("running after / KV blocks used after", f"{r['server_running_after']} / {r['server_kv_blocks_used_after']}")]
-    return "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    rows = [("requests (concurrent)", "requests"), ("succeeded", "succeeded"),
+            ("output tokens per request", "max_tokens"), ("wall time (s)", "wall_s"),
+            ("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p99 (s)", "ttft_p99_s"),
+            ("request latency p50 (s)", "latency_p50_s"), ("time per output token p50 (s)", "tpot_p50_s"),
+            ("output tokens", "output_tokens"), ("output tokens/s", "output_tokens_per_s")]
+    lines = ["| metric | " + " | ".join("JSON schema" if r["json_schema"] else "no constraint" for r in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for label, key in rows:
+        lines.append(f"| {label} | " + " | ".join(s(r[key]) if isinstance(r[key], float) else str(r[key])
+                                                  for r in runs) + " |")
+    lines.append("| running after / KV blocks used after | " + " | ".join(
+        f"{r['server_running_after']} / {r['server_kv_blocks_used_after']}" for r in runs) + " |")
+    plain = [r for r in runs if not r["json_schema"] and r["output_tokens_per_s"]]
+    schema = [r for r in runs if r["json_schema"] and r["output_tokens_per_s"]]
+    if plain and schema:
+        def mean(rs, key):
+            return sum(r[key] for r in rs) / len(rs)
+        lines.append(f"\nJSON schema vs none (means over {len(schema)} and {len(plain)} runs): output tokens/s "
+                     f"{mean(schema, 'output_tokens_per_s') / mean(plain, 'output_tokens_per_s') - 1:+.1%}, "
+                     f"time per output token p50 {mean(schema, 'tpot_p50_s') / mean(plain, 'tpot_p50_s') - 1:+.1%}")
+    return "\n".join(lines)
 
 
 async def main_async(args) -> dict:
@@ -185,8 +215,11 @@ async def main_async(args) -> dict:
             model = (await http.get(url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         # One short request first, so start-up costs (first forward, allocator warm-up) are not measured.
         async with httpx.AsyncClient(timeout=300) as http:
-            await one_request(http, url, model, 0, 4, headers)
-        result = await run_load(url, model, args.requests, args.max_tokens, args.api_key, args.timeout)
+            await one_request(http, url, model, 0, 4, headers, args.json_schema != "off")
+        # Alternating rounds, so a machine whose load drifts during the run affects both sides alike.
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.json_schema] * args.rounds
+        runs = [await run_load(url, model, args.requests, args.max_tokens, args.api_key, args.timeout, schema)
+                for schema in modes]
     finally:
         if proc is not None:
             proc.terminate()
@@ -194,10 +227,11 @@ async def main_async(args) -> dict:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    result.update(model=args.model if not args.url else model, url=url, server_args=args.server_args,
-                  torch_threads=args.torch_threads,
-                  host=platform.node(), cpus=os.cpu_count(), python=platform.python_version())
-    return result
+    for result in runs:
+        result.update(model=args.model if not args.url else model, url=url, server_args=args.server_args,
+                      torch_threads=args.torch_threads,
+                      host=platform.node(), cpus=os.cpu_count(), python=platform.python_version())
+    return runs
 
 
 def main() -> int:
@@ -211,17 +245,23 @@ def main() -> int:
     p.add_argument("--server-args", default="", help='extra `lmport serve` flags, e.g. "--max-batch-size 128"')
     p.add_argument("--torch-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for the server (on a busy CPU, 1 avoids threads spinning against each other)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_load.json"))
+    p.add_argument("--json-schema", choices=["off", "on", "both"], default="off",
+                   help="a JSON-schema response_format on every request; both: without, then with (default off)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the load (alternating with --json-schema both)")
+    p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/serve_load.json, "
+                                                "serve_load_json_schema.json with --json-schema)")
     args = p.parse_args()
-    result = asyncio.run(main_async(args))
-    print(table(result))
-    if result["errors"]:
-        print("errors:", *result["errors"], sep="\n  ")
-    out = Path(args.out)
+    runs = asyncio.run(main_async(args))
+    print(table(runs))
+    for result in runs:
+        if result["errors"]:
+            print("errors:", *result["errors"], sep="\n  ")
+    name = "serve_load.json" if args.json_schema == "off" else "serve_load_json_schema.json"
+    out = Path(args.out or ROOT / "benchmarks" / "results" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
-    return 0 if result["succeeded"] == result["requests"] else 1
+    return 0 if all(r["succeeded"] == r["requests"] for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -5,14 +5,9 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-
-from lmport import memory
+from lmport import memory, scoring
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine, RequestError
-from lmport.runner import StepInput
-from lmport.sequence import Sequence
 
 
 @dataclass
@@ -100,37 +95,13 @@ class Pipeline:
         ``logits_budget_bytes / (vocab_size * 4)`` positions (and max_prefill_token_num, which
         the activation reserve covers), so a chunk's float32 logits never exceed the budget.
         """
-        chunk = min(memory.logits_chunk_tokens(self.engine.model_config.vocab_size, logits_budget_bytes),
-                    self.engine.config.max_prefill_token_num)
-        return [self._ppl(list(ids), chunk) for ids in token_id_lists]
+        return [math.exp(-sum(lps) / len(lps)) for lps in self.get_logprobs(token_id_lists, logits_budget_bytes)]
 
-    def _ppl(self, ids: list[int], chunk: int) -> float:
-        engine, blocks = self.engine, self.engine.block_manager
-        vocab = engine.model_config.vocab_size
-        if len(ids) < 2 or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise RequestError(f"perplexity needs at least 2 token ids, each an int in [0, {vocab})")
-        if len(ids) > engine.session_len:
-            raise RequestError(f"{len(ids)} tokens exceed session_len {engine.session_len}")
-        seq = Sequence(f"ppl-{id(ids)}", ids, GenerationConfig())
-        nll = 0.0
-        try:
-            # The last token predicts nothing: positions 0 .. n-2 are scored against ids 1 .. n-1.
-            for start in range(0, len(ids) - 1, chunk):
-                n = min(chunk, len(ids) - 1 - start)
-                if not blocks.can_allocate(seq, n):
-                    raise RequestError(f"not enough free KV blocks to score {len(ids)} tokens; "
-                                       f"retry when running requests have finished")
-                blocks.allocate(seq, n)
-                # Evicted cached blocks go to the host tier (the copies run first) before we overwrite them.
-                logits = engine.executor.execute(StepInput(
-                    ids[start:start + n], [n], [start + n], [seq.block_table], list(range(n)),
-                    blocks.take_copies()))                 # [n, vocab] float32: within the budget
-                targets = torch.tensor(ids[start + 1:start + n + 1]).to(logits.device)
-                nll += F.cross_entropy(logits, targets, reduction="sum").item()
-                seq.num_computed += n
-        finally:
-            blocks.free(seq)
-        return math.exp(nll / (len(ids) - 1))
+    def get_logprobs(self, token_id_lists: list[list[int]],
+                     logits_budget_bytes: int = memory.PPL_LOGITS_BUDGET) -> list[list[float]]:
+        """Per-token log-likelihoods of each list: log p(t_i | t_<i) for tokens 2..n (what get_ppl averages)."""
+        chunk = scoring.chunk_tokens(self.engine, logits_budget_bytes)
+        return [scoring.token_logprobs(self.engine, list(ids), chunk)[0] for ids in token_id_lists]
 
     def close(self) -> None:
         self.engine.close()
@@ -142,10 +113,11 @@ class Pipeline:
         self.close()
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None) -> list[int]:
     """A string or a list of {"role", "content"} messages -> token ids through the chat template.
 
-    Shared by Pipeline.encode and the server, so both build the same prompt.
+    Shared by Pipeline.encode and the server, so both build the same prompt. ``tools`` (OpenAI's
+    function tools) go to a template that uses them (lmport.server.tools decides).
     """
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -157,4 +129,4 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if tokenizer.chat_template is None:
         return tokenizer.encode("\n".join(m["content"] for m in prompt))
     return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+                                              return_dict=False, **({"tools": tools} if tools else {})))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import typing
@@ -40,6 +41,8 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str) -> No
             kwargs.update(nargs="+", type=int)
         elif "list[str]" in hint:
             kwargs.update(nargs="+")
+        elif hint.startswith("dict"):   # response_format: a JSON object on the command line
+            kwargs["type"] = json.loads
         elif f.name == "cache_max_entry_count":
             kwargs["type"] = _number
         elif "float" in hint:

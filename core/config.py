@@ -156,6 +156,8 @@ class GenerationConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0       # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0      # OpenAI's: subtracted per time a token was generated
     do_sample: bool = False             # False: greedy, whatever the sampling fields say
     random_seed: int | None = None
     stop_token_ids: list[int] | None = None   # None: the model's end-of-sequence tokens
@@ -163,6 +165,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     logprobs: int | None = None         # number of top logprobs to return per token
     skip_special_tokens: bool = True
+    response_format: dict | None = None  # structured output (JSON schema, regex, grammar): see lmport.guided
 
     def __post_init__(self):
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -174,6 +177,9 @@ class GenerationConfig:
         _check(_is_number(self.min_p) and 0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p!r}")
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value!r}")
         _check(self.random_seed is None or _is_int(self.random_seed),
                f"random_seed must be an int or None, got {self.random_seed!r}")
         _check(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids),
@@ -182,6 +188,12 @@ class GenerationConfig:
                f"stop_words must be a list of non-empty strings, got {self.stop_words!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
+        if self.response_format is not None:
+            from lmport.guided import GuidedDecodingError, grammar_key
+            try:
+                grammar_key(self.response_format)
+            except GuidedDecodingError as exc:
+                raise ConfigError(str(exc)) from None
 
     @property
     def greedy(self) -> bool:

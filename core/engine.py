@@ -16,6 +16,7 @@ from lmport import memory
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.executor import make_executor
+from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
 from lmport.models.loader import read_model_config
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
@@ -73,6 +74,9 @@ class Engine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        # Structured outputs (docs/engine.md): grammars compiled once per format, masks built beside the forward.
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.masks = MaskBuilder(self.model_config.vocab_size)
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -124,8 +128,12 @@ class Engine:
             generator = torch.Generator(device=self.backend.device)
             generator.manual_seed(gen_config.random_seed if gen_config.random_seed is not None
                                   else torch.seed())
+        try:
+            grammar = self.grammars.matcher(gen_config.response_format)
+        except GuidedDecodingError as exc:
+            raise RequestError(str(exc)) from None
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, grammar=grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -170,6 +178,8 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
+        completing = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
             logits = self._forward(batch.seqs, batch.num_new)
         except Exception as exc:  # a failing forward ends this batch's requests, not the engine
@@ -184,7 +194,7 @@ class Engine:
         ready = [s for s in batch.seqs if s.num_uncomputed == 0]
         if not ready:
             return outputs
-        for seq, token, lp in self._sample(logits, ready):
+        for seq, token, lp in self._sample(logits, ready, masks):
             if isinstance(token, Exception):
                 outputs.append(self._fail(seq, "sampling", token))
                 continue
@@ -194,21 +204,23 @@ class Engine:
                 outputs.append(self._fail(seq, "decoding", exc))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, ready: list[Sequence]):
+    def _sample(self, logits: torch.Tensor, ready: list[Sequence], masks=None):
         """(seq, token, logprobs) for each ready sequence; token is the exception when sampling it failed.
 
         The batch is sampled at once; when that raises, each sequence is sampled alone so
-        that only the one whose input made it fail gets the error.
+        that only the one whose input made it fail gets the error. ``masks``: the future of the
+        constrained rows' token masks (lmport.guided.MaskBuilder), or None.
         """
         try:
-            tokens, logprobs = sample(logits, ready)
+            tokens, logprobs = sample(logits, ready, masks.result() if masks else None)
             return list(zip(ready, tokens, logprobs))
         except Exception:
             log.exception("sampling a batch of %d failed; sampling each request alone", len(ready))
         results = []
         for i, seq in enumerate(ready):
             try:
-                (token,), (lp,) = sample(logits[i:i + 1], [seq])
+                rows, bitmask = masks.result() if masks else ([], None)
+                (token,), (lp,) = sample(logits[i:i + 1], [seq], ([0], bitmask[i:i + 1]) if i in rows else None)
                 results.append((seq, token, lp))
             except Exception as exc:
                 results.append((seq, exc, None))
@@ -252,7 +264,9 @@ class Engine:
         seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.gen_config.skip_special_tokens)
         cfg = seq.gen_config
         reason = None
-        if token in seq.stop_token_ids:
+        if seq.grammar is not None:
+            seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
+        if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
             reason = "stop"
         elif cfg.stop_words and (cut := _first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
             seq.text, reason = seq.text[:cut], "stop"

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds, logprobs.
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence and frequency
+penalties, token masks of structured outputs, seeds, logprobs.
 
 Numerically safe for any valid GenerationConfig: temperatures below TEMPERATURE_FLOOR act
 as greedy, filtered rows are renormalised in float32, and a row left with no finite
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from lmport.guided import apply_bitmask
 from lmport.sequence import Sequence
 
 # Dividing logits by a smaller temperature overflows float32; so close to 0 sampling is greedy anyway.
@@ -25,6 +27,28 @@ def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         penalty = seqs[i].gen_config.repetition_penalty
         values = logits[i, seen]
         logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def apply_presence_frequency_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """OpenAI's rule over generated tokens: logit -= count * frequency_penalty + (count > 0) * presence_penalty."""
+    rows = [i for i, s in enumerate(seqs)
+            if (s.gen_config.presence_penalty or s.gen_config.frequency_penalty) and s.output_ids]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    longest = max(len(seqs[i].output_ids) for i in rows)
+    # Output ids padded with an extra column (vocab) that is dropped after counting.
+    ids = torch.full((len(rows), longest), vocab, dtype=torch.long)
+    for j, i in enumerate(rows):
+        ids[j, :len(seqs[i].output_ids)] = torch.tensor(seqs[i].output_ids)
+    ids = ids.to(dev)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
+    counts = counts[:, :vocab]
+    freq = torch.tensor([seqs[i].gen_config.frequency_penalty for i in rows], device=dev)[:, None]
+    presence = torch.tensor([seqs[i].gen_config.presence_penalty for i in rows], device=dev)[:, None]
+    logits = logits.clone()
+    logits[rows] -= counts * freq + (counts > 0).float() * presence
     return logits
 
 
@@ -49,11 +73,19 @@ def _samples(seq: Sequence) -> bool:
     return not cfg.greedy and cfg.temperature >= TEMPERATURE_FLOOR
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits [B, V] -> one token per sequence (and its logprobs when asked)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], torch.Tensor] | None = None
+           ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits [B, V] -> one token per sequence (and its logprobs when asked).
+
+    ``masks``: (rows, bitmask) of the constrained rows (lmport.guided); their forbidden tokens are never drawn.
+    """
     raw = logits.float()
     # NaN would win argmax and poison softmax: it counts as "never this token".
-    logits = apply_repetition_penalty(raw.nan_to_num(nan=float("-inf")), seqs)
+    logits = raw.nan_to_num(nan=float("-inf"))
+    if masks is not None:
+        logits = apply_bitmask(logits, *masks)
+    logits = apply_repetition_penalty(logits, seqs)
+    logits = apply_presence_frequency_penalties(logits, seqs)
     tokens = logits.argmax(-1)
     sampled = [i for i, s in enumerate(seqs) if _samples(s)]
     if sampled:

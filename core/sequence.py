@@ -34,6 +34,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""                  # decoded output, cut at a stop string
     generator: torch.Generator | None = None
+    grammar: object | None = None   # xgrammar matcher of a structured output (lmport.guided), advanced per token
 
     @property
     def token_ids(self) -> list[int]:

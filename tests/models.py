@@ -76,3 +76,25 @@ def hf_greedy(model: str, prompts: list[list[int]], max_new_tokens: int) -> list
 def default_model_path() -> Path:
     from lmport.models.loader import hf_directory
     return hf_directory("smollm2")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tool_model_dir() -> str:
+    """The tiny random-weight Qwen2 model with a Qwen 2.5-style chat template that teaches tools
+    (tests/data/qwen2_5_tool_template.jinja, Hermes <tool_call> blocks), built locally."""
+    from transformers import AutoTokenizer
+
+    from lmport.models.loader import cache_root
+    template = (Path(__file__).parent / "data" / "qwen2_5_tool_template.jinja").read_text()
+    target = cache_root() / "test-models" / "tiny-qwen2-tools-v1"
+    if not (target / "config.json").exists():
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.copytree(tiny_model_dir("qwen2"), tmp)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        tok.chat_template = template
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -31,10 +31,10 @@ def _config():
 def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
     real = engine_module.sample
 
-    def sample(logits, seqs):
+    def sample(logits, seqs, masks=None):
         if any(s.request_id == "bad" for s in seqs):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, seqs)
+        return real(logits, seqs, masks)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     ids = [engine.add_request([1, 2, 3], _config(), rid) for rid in ("good", "bad", "good2")]

@@ -147,6 +147,7 @@ def test_a_cache_that_does_not_fit_is_planned_as_an_error(fields, device_memory,
 
 
 def test_tp_must_divide_the_heads():
+    # tp > 1 itself runs (tests/test_tensor_parallel.py); a tp that cannot split the heads is refused.
     with pytest.raises(ConfigError, match=r"tp=3 cannot split this model: its 4 attention heads are not divisible "
                                           r"by tp=3; this model supports tp in \[1, 2, 4\]"):
         plan.build_plan(tiny(), EngineConfig(device_type="cpu", tp=3), device_memory=1 << 30)

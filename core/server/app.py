@@ -34,12 +34,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmport.api import encode_prompt
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import Engine, RequestError, RequestOutput
 from lmport.engine_loop import EngineLoop, EngineStopped
 from lmport.server.guards import Guards
 from lmport.server.limits import Admission, Limits
+from lmport.server import echo, structured, tools
 from lmport.server.metrics import Metrics
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief, validation_error
 
@@ -180,14 +180,10 @@ class Server:
         if req.top_k > vocab:
             raise APIError(400, f"top_k: {brief(req.top_k)} is more than the vocabulary ({vocab} tokens); give "
                                 f"at most {vocab}, or 0 for no top-k", param="top_k")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name}: not supported by lmport; leave it out or use "
-                                    f"repetition_penalty", param=name)
         return req
 
     def job(self, req, prompts: list[list[int]], param: str, max_tokens: int | None,
-            logprobs: int | None, received: float) -> _Job:
+            logprobs: int | None, received: float, response_format: dict | None = None) -> _Job:
         """Check every prompt against the engine and build one GenerationConfig per choice."""
         configs = []
         for ids in prompts:
@@ -203,10 +199,12 @@ class Server:
                         max_new_tokens=max_tokens or self.engine.session_len - len(ids),
                         temperature=req.temperature, do_sample=req.temperature > 0,
                         top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
-                        repetition_penalty=req.repetition_penalty,
+                        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
                         # n choices from one seed differ from each other yet repeat run to run.
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
-                        stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs))
+                        stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                        response_format=response_format))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
         return _Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
@@ -458,26 +456,48 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
         if not req.messages:
             raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if (chars := sum(len(m["content"]) for m in messages)) > max_chars:
+        if (chars := sum(len(m.text()) for m in req.messages)) > max_chars:
             raise too_long("messages", chars)
+        setup = tools.check(req, engine)
         try:
-            ids = await server.tokenize(encode_prompt, server.tokenizer, messages)
+            ids = await server.tokenize(tools.encode, server.tokenizer, req, setup)
+        except APIError:
+            raise
         except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
                            param="messages") from None
+        response_format = req.response_format
+        structured.check_format(engine, response_format, "response_format")
+        if setup is not None and setup.response_format is not None:
+            if structured.constrains(response_format):
+                raise APIError(400, "response_format: cannot be combined with a tool_choice that forces a call",
+                               param="response_format")
+            response_format = setup.response_format
+            structured.check_format(engine, response_format, "tools")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received)
+        job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
+                         response_format)
         job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
                       "model": server.model_name}
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         server.admit(job)
 
         if req.stream:
+            parsers = [tools.StreamParser(setup) for _ in job.configs] if setup else None
+            called = [False] * len(job.configs)
+
             def chunk(choice, out, text, first, lp_from):
+                calls = []
+                if parsers:
+                    text, calls = parsers[choice].feed(text, out.finished)
+                    called[choice] |= bool(calls)
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
+                if calls:
+                    delta["tool_calls"] = calls
+                finish = _finish_reason(out)
                 return {**job.header, "choices": [{
-                    "index": choice, "delta": delta, "finish_reason": _finish_reason(out),
+                    "index": choice, "delta": delta,
+                    "finish_reason": "tool_calls" if finish == "stop" and called[choice] else finish,
                     "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
             return EventStream(_events(server, job, chunk), on_close=job.release, headers={"Cache-Control": "no-cache"})
 
@@ -487,10 +507,17 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             job.release()
         if outs is None:
             return Response(status_code=499)  # nobody is listening
-        return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": [
-            {"index": c, "message": {"role": "assistant", "content": o.text}, "finish_reason": _finish_reason(o),
-             "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None}
-            for c, o in enumerate(outs)]}
+        choices = []
+        for c, o in enumerate(outs):
+            message, finish = {"role": "assistant", "content": o.text}, _finish_reason(o)
+            if setup is not None:
+                message["content"], calls = tools.parse(o.text, setup)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c, "message": message, "finish_reason": finish,
+                            "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None})
+        return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": choices}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
@@ -512,12 +539,25 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                 raise too_long("prompt", len(p))
         prompts = await server.tokenize(
             lambda: [server.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt])
-        job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with echo (to score the "
+                                "prompt)", param="max_tokens")
+        if req.echo and req.stream:
+            raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
+        response_format, format_param = structured.completion_format(req)
+        structured.check_format(engine, response_format, format_param)
+        job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format)
         job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                       "model": server.model_name}
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         top = req.logprobs
         server.admit(job)
+        if req.echo:
+            texts = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in prompt]
+            try:
+                return await echo_completion(req, job, top, request, texts)
+            finally:
+                job.release()
 
         if req.stream:
             def chunk(choice, out, text, first, lp_from):
@@ -536,6 +576,29 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             {"index": c, "text": o.text, "finish_reason": _finish_reason(o),
              "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
             for c, o in enumerate(outs)]}
+
+    async def echo_completion(req: CompletionRequest, job: _Job, top: int | None, request: Request,
+                              prompt_texts: list[str]):
+        """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
+        scores = [await echo.prompt_logprobs(server, ids, top or 0) if top is not None else None
+                  for ids in job.prompts]
+        if req.max_tokens == 0:
+            outs = [None] * len(job.configs)
+        else:
+            outs = await server.until_done_or_gone(request, job)
+            if outs is None:
+                return Response(status_code=499)
+        choices = []
+        for c, o in enumerate(outs):
+            ids = job.prompt_of(c)
+            generated = None if o is None or top is None else server.completion_logprobs(o, 0, top)
+            choices.append({"index": c, "text": prompt_texts[c // job.n] + (o.text if o else ""),
+                            "finish_reason": _finish_reason(o) if o else "length",
+                            "logprobs": echo.merge(server, ids, scores[c // job.n], top, generated)})
+        completion = sum(len(o.token_ids) for o in outs if o)
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        return {**job.header, "choices": choices, "usage": {
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}}
 
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],

@@ -73,8 +73,8 @@ class _Sampling(_Request):
     top_k: int = Field(0, ge=-1)                  # extension (vLLM, LMDeploy); 0 or -1: off
     min_p: float = Field(0.0, ge=0, lt=1)         # extension
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
-    presence_penalty: float | None = None         # accepted only when they change nothing (0)
-    frequency_penalty: float | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)   # OpenAI's, over generated tokens
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = None
     stop: str | list[str] | None = None           # checked in stop_problem() for messages that name the limit
@@ -125,9 +125,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str                                # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
+    tool_call_id: str | None = None               # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -140,10 +154,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = None           # checked by lmport.guided: text, json_object, json_schema
+    tools: list[dict] | None = None               # checked by lmport.server.tools
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)      # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)      # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False                  # not supported
+    echo: bool = False                            # the prompt (and its logprobs) before the completion
+    response_format: dict | None = None
+    # vLLM's structured-output extension; at most one of these or response_format.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None

@@ -1,0 +1,198 @@
+"""Structured outputs: a grammar compiled once per distinct format, a matcher per request, a token mask per step.
+
+``GenerationConfig.response_format`` names the format (LMDeploy's field and
+shapes, which follow OpenAI's ``response_format``):
+
+- ``None`` or ``{"type": "text"}``: unconstrained;
+- ``{"type": "json_object"}``: any JSON object;
+- ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``;
+- ``{"type": "regex_schema", "regex_schema": "<regex>"}``;
+- ``{"type": "grammar", "grammar": "<EBNF, GBNF dialect>"}``.
+
+Grammars are xgrammar's (the engine vLLM, SGLang and TensorRT-LLM use).
+Each request gets its own matcher, advanced with every token it accepts;
+before sampling, the matcher's allowed-token bitmask sets the other tokens'
+logits to -inf. The mask is plain torch on whatever device the logits live
+on, so no backend needs a kernel for it. Masks are filled on a host thread
+while the forward runs (``MaskBuilder.start``).
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jsonschema
+import torch
+import xgrammar as xgr
+
+FORMAT_TYPES = ("text", "json_object", "json_schema", "regex_schema", "grammar")
+
+
+class GuidedDecodingError(ValueError):
+    """A response_format that is malformed or that the grammar engine cannot compile; the message says why."""
+
+
+def grammar_key(response_format: dict | None) -> tuple[str, str] | None:
+    """The format as (kind, canonical text), or None when it constrains nothing; raises on a malformed one.
+
+    Two requests with the same key share one compiled grammar.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or response_format.get("type") not in FORMAT_TYPES:
+        raise GuidedDecodingError(f"response_format must be an object whose type is one of {', '.join(FORMAT_TYPES)}"
+                                  f", got {_short(response_format)}")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_schema", '{"type": "object"}')
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise GuidedDecodingError('response_format.json_schema must be {"name": ..., "schema": {...}}, '
+                                      f"got {_short(spec)}")
+        # OpenAI allows the schema to be left out: any JSON then.
+        schema = spec.get("schema", {})
+        check_schema(schema)
+        # Key order kept: the output follows the schema's property order.
+        return ("json_schema", json.dumps(schema))
+    text = response_format.get(kind)
+    if not isinstance(text, str) or not text:
+        raise GuidedDecodingError(f"response_format.{kind} must be a non-empty string, got {_short(text)}")
+    return (kind, text)
+
+
+# Keywords xgrammar would silently ignore (its output could then break the schema): refused instead.
+UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "unevaluatedProperties",
+                        "unevaluatedItems")
+
+
+def check_schema(schema) -> None:
+    """A valid JSON schema (draft 2020-12 meta-schema) using only what the grammar engine enforces."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise GuidedDecodingError(f"response_format.json_schema.schema is not a valid JSON schema"
+                                  f"{f' at {where}' if where else ''}: {exc.message}") from None
+    for path, node in _walk(schema, ""):
+        used = [k for k in UNSUPPORTED_KEYWORDS if k in node]
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            used.append(f"$ref to {ref!r} (only local #/... references)")
+        if used:
+            raise GuidedDecodingError(f"response_format.json_schema.schema{path}: {', '.join(used)} is not supported "
+                                      f"by the grammar engine; leave it out")
+
+
+def _walk(node, path):
+    """Every schema object inside ``node``, with its path; maps of names to schemas are not schemas themselves."""
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _walk(sub, f"{path}/{key}/{name}")
+            elif key not in ("enum", "const", "default", "examples", "required"):
+                yield from _walk(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, f"{path}/{i}")
+
+
+class Grammars:
+    """xgrammar's tokenizer view and compiler for one model; compiled grammars cached by grammar_key.
+
+    Thread-safe: the server compiles a request's grammar (to refuse a bad one with a 400) on its
+    own thread while the engine thread compiles for add_request.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=self.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # ours below is keyed by format
+        self._cache: dict[tuple[str, str], xgr.CompiledGrammar] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0   # grammars compiled so far (the rest were cache hits)
+
+    def compile(self, response_format: dict | None) -> xgr.CompiledGrammar | None:
+        key = grammar_key(response_format)
+        if key is None:
+            return None
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        try:
+            compiled = self._compile(*key)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            raise GuidedDecodingError(f"response_format: the {key[0]} cannot be compiled: {_reason(exc)}") from None
+        with self._lock:
+            self.compiles += key not in self._cache
+            return self._cache.setdefault(key, compiled)
+
+    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        if kind == "json_schema":
+            # Fixed separators and no free whitespace: a model cannot wander off into endless blanks.
+            return self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "regex_schema":
+            return self.compiler.compile_regex(text)
+        return self.compiler.compile_grammar(text)
+
+    def matcher(self, response_format: dict | None) -> xgr.GrammarMatcher | None:
+        compiled = self.compile(response_format)
+        return None if compiled is None else xgr.GrammarMatcher(compiled)
+
+
+class MaskBuilder:
+    """Fills the allowed-token bitmasks of a step's constrained sequences on a host thread."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmport-grammar")
+
+    def start(self, matchers: list[xgr.GrammarMatcher | None]) -> Future | None:
+        """Begin filling masks for rows whose matcher is not None; None when no row is constrained."""
+        if all(m is None for m in matchers):
+            return None
+        return self._pool.submit(self._fill, matchers)
+
+    def _fill(self, matchers) -> tuple[list[int], torch.Tensor]:
+        """(constrained rows, bitmask [B, ceil(V / 32)] int32); unconstrained rows stay all-allowed."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        return rows, bitmask
+
+
+# Devices xgrammar has a masking kernel for; on any other, its pure-torch implementation.
+KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] whose ``rows`` have every token their bitmask row forbids at -inf.
+
+    Bit t % 32 of word t // 32 allows token t. A copy: the caller's logits still give the model's
+    own distribution (for logprobs).
+    """
+    logits = logits.clone()
+    backend = "auto" if logits.device.type in KERNEL_DEVICES else "torch_native"
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=logits.shape[-1], indices=rows, backend=backend)
+    return logits
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its "[time] file.cc:line:" prefix."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", lines[0]).strip()
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,56 @@
+"""Structured outputs on the routes: a request's response_format (or vLLM's guided_* fields), checked up front.
+
+The format is compiled here, on the server's thread, so a schema the grammar engine refuses is a 400
+naming the field before anything is queued; the engine then finds it in the compiled-grammar cache.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from lmport.engine import Engine
+from lmport.guided import GuidedDecodingError
+from lmport.server.protocol import APIError, CompletionRequest
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+
+def completion_format(req: CompletionRequest) -> tuple[dict | None, str]:
+    """(response_format, the field it came from) of a completions request."""
+    given = [name for name in ("response_format", *GUIDED_FIELDS) if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]}: give one of response_format, {', '.join(GUIDED_FIELDS)}, not "
+                            f"{' and '.join(given)}", param=given[1])
+    if not given or given[0] == "response_format":
+        return req.response_format, "response_format"
+    name = given[0]
+    value = getattr(req, name)
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise APIError(400, f"guided_json: not valid JSON: {exc}", param=name) from None
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": value}}, name
+    if name == "guided_regex":
+        return {"type": "regex_schema", "regex_schema": value}, name
+    if name == "guided_grammar":
+        return {"type": "grammar", "grammar": value}, name
+    if not value or not all(value):
+        raise APIError(400, "guided_choice: give a list of non-empty strings", param=name)
+    return {"type": "regex_schema", "regex_schema": "|".join(f"({re.escape(c)})" for c in value)}, name
+
+
+def constrains(response_format: dict | None) -> bool:
+    return response_format is not None and response_format.get("type") != "text"
+
+
+def check_format(engine: Engine, response_format: dict | None, param: str) -> None:
+    """Compile (and cache) the format now; a bad one is a 400 that names ``param``."""
+    try:
+        engine.grammars.compile(response_format)
+    except GuidedDecodingError as exc:
+        message = str(exc)
+        if param != "response_format":
+            message = message.replace("response_format", param, 1)
+        raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param=param) from None

@@ -1,0 +1,305 @@
+"""Tool calling on chat: tools into the prompt, Hermes-style ``<tool_call>`` blocks out of the text.
+
+The tools reach the model through its chat template (``apply_chat_template(tools=...)``) when the
+template uses them; otherwise a generic system prompt (``GENERIC_PROMPT``) teaches the same format.
+Calls are parsed from the output in that format, the one Qwen 2.5/3 and Hermes templates teach::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``tool_choice: "required"`` or a named function constrains decoding to one such block whose
+arguments match the function's ``parameters`` schema (an xgrammar grammar, lmport.guided).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+import xgrammar as xgr
+
+from lmport.api import encode_prompt
+from lmport.engine import Engine
+from lmport.guided import GuidedDecodingError
+from lmport.server.protocol import APIError, ChatCompletionRequest
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+
+GENERIC_PROMPT = """You can call functions. The functions, as JSON schemas:
+<tools>
+{tools}
+</tools>
+To call a function, answer with one block per call, exactly like this:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-json-object>}}
+</tool_call>"""
+
+
+@dataclass
+class ToolSetup:
+    tools: list[dict]                  # OpenAI's tool objects, {"type": "function", "function": {...}}
+    names: list[str]
+    choice: str                        # "auto", "required" or a function's name
+    response_format: dict | None       # the grammar forcing a call ("required" or a named function)
+
+
+def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
+    """The request's tools and tool_choice, each checked (a 400 naming the field); None when no tool may be called."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice: there are no tools to choose from; give tools or leave tool_choice "
+                                "out", param="tool_choice")
+        return None
+    tools, names = [], []
+    for i, tool in enumerate(req.tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"tools.{i}.type: only \"function\" tools are supported, got {tool.get('type')!r}",
+                           param=f"tools.{i}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"tools.{i}.function: give an object with a non-empty name", param=f"tools.{i}.function")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools.{i}.function.parameters: must be a JSON schema object",
+                           param=f"tools.{i}.function.parameters")
+        try:   # a schema the grammar engine refuses is refused now, whatever tool_choice says
+            engine.grammars.compile({"type": "json_schema", "json_schema": {"schema": params}})
+        except GuidedDecodingError as exc:
+            param = f"tools.{i}.function.parameters"
+            message = re.sub(r"^response_format(\.json_schema\.schema)?", param, str(exc))
+            raise APIError(400, message, param=param) from None
+        tools.append({"type": "function", "function": {**fn, "parameters": params}})
+        names.append(fn["name"])
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: two tools have the same name", param="tools")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise APIError(400, f"tool_choice.function.name: {name!r} is not one of the tools ({', '.join(names)})"
+                           if name else 'tool_choice: give {"type": "function", "function": {"name": ...}}',
+                           param="tool_choice.function.name" if name else "tool_choice")
+        choice = name
+    elif choice not in ("none", "auto", "required"):
+        raise APIError(400, f'tool_choice: must be "none", "auto", "required" or a named function, got {choice!r}',
+                       param="tool_choice")
+    if choice == "none":
+        return None
+    forced = None
+    if choice != "auto":
+        chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+        forced = {"type": "grammar", "grammar": call_grammar(chosen)}
+    return ToolSetup(tools, names, choice, forced)
+
+
+def call_grammar(functions: list[dict]) -> str:
+    """EBNF for one call block of any of ``functions``, its arguments matching the function's parameters."""
+    grammars = []
+    for fn in functions:
+        schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+                  "required": ["name", "arguments"]}
+        grammars.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= {json.dumps(OPEN + chr(10))}'),
+                                           xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                                           xgr.Grammar.from_ebnf(f'root ::= {json.dumps(chr(10) + CLOSE)}')))
+    return str(grammars[0] if len(grammars) == 1 else xgr.Grammar.union(*grammars))
+
+
+def template_messages(req: ChatCompletionRequest, native: bool) -> list[dict]:
+    """The conversation as chat-template messages; tool turns as the template expects (``native``) or as text."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        msg = {"role": m.role, "content": m.text()}
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                           param=f"messages.{i}.tool_calls")
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise APIError(400, f"messages.{i}.tool_call_id: a tool message must name the call it answers",
+                               param=f"messages.{i}.tool_call_id")
+            if native:
+                msg.update(tool_call_id=m.tool_call_id, **({"name": m.name} if m.name else {}))
+            else:
+                msg = {"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"}
+        if m.tool_calls:
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                    raise APIError(400, f"{param}: must be a JSON object as text, got {call.function.arguments!r}",
+                                   param=param)
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            if native:
+                msg["tool_calls"] = calls
+            else:
+                blocks = [f"{OPEN}\n{json.dumps(c['function'], ensure_ascii=False)}\n{CLOSE}" for c in calls]
+                msg["content"] = "\n".join(filter(None, [msg["content"], *blocks]))
+        messages.append(msg)
+    return messages
+
+
+def template_knows_tools(tokenizer) -> bool:
+    return "tools" in (tokenizer.chat_template or "")
+
+
+def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> list[int]:
+    """Token ids of the conversation with its tools, through the chat template."""
+    native = template_knows_tools(tokenizer)
+    messages = template_messages(req, native)
+    if setup is not None and not native:
+        prompt = GENERIC_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in setup.tools))
+        if messages and messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    return encode_prompt(tokenizer, messages, setup.tools if setup is not None and native else None)
+
+
+def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a reply: every well-formed block naming a tool becomes a call.
+
+    A reply with a malformed block is left as plain content (no calls), as the model did not
+    produce a call the client could run.
+    """
+    calls = []
+    for block in CALL_BLOCK.findall(text):
+        call = _call(block, setup)
+        if call is None:
+            return text, []
+        calls.append(call)
+    if not calls:
+        return text, []
+    content = CALL_BLOCK.sub("", text).strip()
+    return content or None, calls
+
+
+# The start of a block in the taught key order, up to where the arguments' JSON text begins.
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def _call(block: str, setup: ToolSetup) -> dict | None:
+    """The call a block's JSON text makes, or None when it is malformed or names no given tool.
+
+    ``arguments`` is the model's own JSON text when the block is in the taught order (so a stream can
+    send it as it is generated), else the arguments re-serialized.
+    """
+    try:
+        data = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("name") not in setup.names:
+        return None
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    text = json.dumps(arguments, ensure_ascii=False)
+    header = HEADER.match(block)
+    if header and not isinstance(data["arguments"], str):
+        raw = block[header.end():].rstrip()
+        if raw.endswith("}") and _loads_or_none(raw[:-1]) == arguments:
+            text = raw[:-1].rstrip()
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": data["name"], "arguments": text}}
+
+
+def _loads_or_none(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+class StreamParser:
+    """Splits a streamed reply into content deltas and tool-call deltas, one choice at a time.
+
+    Text that may be the start of a ``<tool_call>`` block is held back until it is known. Inside a
+    block, as OpenAI streams: once the name is known, a delta with the call's index, id, type and
+    name (arguments ""); then the arguments' text in pieces as it is generated (the last few
+    characters wait until the block closes, as they may be its end). The pieces concatenate to the
+    non-streamed call's ``arguments``.
+    """
+    HOLD = len("}\n" + CLOSE) + 2
+
+    def __init__(self, setup: ToolSetup):
+        self.setup = setup
+        self.buffer = ""
+        self.calls = 0          # calls started so far (the next one's index)
+        self.open = None        # the call being streamed: {"index", "id", "sent"} once its name is known
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        self.buffer += delta
+        content, calls = "", []
+        while True:
+            start = self.buffer.find(OPEN)
+            if start < 0:
+                keep = 0 if finished else _partial_prefix(self.buffer, OPEN)
+                content += self.buffer[:len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return content, calls
+            content += self.buffer[:start]
+            self.buffer = self.buffer[start:]
+            end = self.buffer.find(CLOSE)
+            if end < 0:
+                if finished:   # an unclosed block: the model never finished its call
+                    content, self.buffer = content + self.buffer, ""
+                else:
+                    calls += self._progress(self.buffer[len(OPEN):])
+                return content, calls
+            block = self.buffer[:end + len(CLOSE)]
+            self.buffer = self.buffer[end + len(CLOSE):]
+            text, done = self._close(block)
+            content += text
+            calls += done
+
+    def _progress(self, body: str) -> list[dict]:
+        """Deltas for an open block: its header once the name is known, then new argument text."""
+        out = []
+        if self.open is None:
+            header = HEADER.match(body)
+            if not header or json.loads(f'"{header.group(1)}"') not in self.setup.names:
+                return out
+            self.open = {"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "sent": "",
+                         "start": header.end()}
+            self.calls += 1
+            out.append({"index": self.open["index"], "id": self.open["id"], "type": "function",
+                        "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})
+        ready = body[self.open["start"]:len(body) - self.HOLD]
+        if len(ready) > len(self.open["sent"]):
+            out.append({"index": self.open["index"], "function": {"arguments": ready[len(self.open["sent"]):]}})
+            self.open["sent"] = ready
+        return out
+
+    def _close(self, block: str) -> tuple[str, list[dict]]:
+        """(content, deltas) that finish a block: the rest of its arguments, the whole call if nothing
+        was sent yet, or the block as content when it is no call."""
+        opened, self.open = self.open, None
+        body = block[len(OPEN):-len(CLOSE)]
+        call = _call(body, self.setup)
+        if opened is None:
+            if call is None:
+                return block, []
+            self.calls += 1
+            return "", [{"index": self.calls - 1, **call}]
+        arguments = call["function"]["arguments"] if call else body[opened["start"]:].rstrip()[:-1]
+        rest = arguments[len(opened["sent"]):] if arguments.startswith(opened["sent"]) else ""
+        return "", [{"index": opened["index"], "function": {"arguments": rest}}] if rest else []
+
+
+def _partial_prefix(text: str, word: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``word``."""
+    for n in range(min(len(word) - 1, len(text)), 0, -1):
+        if text.endswith(word[:n]):
+            return n
+    return 0

@@ -1,0 +1,71 @@
+"""presence_penalty / frequency_penalty: the engine's tokens equal a reference loop written from OpenAI's formula."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import lmport
+from lmport import EngineConfig, GenerationConfig
+from lmport.config import ConfigError
+from models import hf_model, tiny_model_dir
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_pipe():
+    return lmport.pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(
+        device_type="cpu", cache_max_entry_count=64, session_len=512))
+
+
+def openai_reference(prompt: list[int], steps: int, presence: float, frequency: float,
+                     temperature: float = 0.0, seed: int | None = None) -> list[int]:
+    """transformers' forward, then OpenAI's documented penalty over the generated tokens:
+    mu[j] -= c[j] * frequency_penalty + float(c[j] > 0) * presence_penalty."""
+    model = hf_model(tiny_model_dir("llama"))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).float()
+            logits = logits - counts * frequency - (counts > 0).float() * presence
+            if generator is None:
+                out.append(int(logits.argmax()))
+            else:
+                probs = (logits / temperature).softmax(-1)
+                out.append(int(torch.multinomial(probs, 1, generator=generator)[0]))
+    return out
+
+
+def prompt(seed: int) -> list[int]:
+    return torch.randint(3, 49152, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 1.2), (0.8, 0.6), (-1.0, -0.5)])
+def test_greedy_penalties_equal_openai_formula(presence, frequency):
+    p = prompt(0)   # this random model's greedy output repeats a token at step 6 of this prompt
+    want = openai_reference(p, 12, presence, frequency)
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
+    assert tiny_pipe().generate([p], cfg)[0].token_ids == want
+    plain = tiny_pipe().generate([p], GenerationConfig(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    assert plain != want, "the penalty should change this random model's repetitive greedy output"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_sampled_penalties_equal_openai_formula_per_seed(seed):
+    p = prompt(10 + seed)
+    # A low temperature sharpens the random model's flat distribution, so the penalty decides the draws.
+    want = openai_reference(p, 10, 0.7, 0.9, temperature=0.05, seed=seed)
+    cfg = GenerationConfig(max_new_tokens=10, ignore_eos=True, do_sample=True, temperature=0.05, random_seed=seed,
+                           presence_penalty=0.7, frequency_penalty=0.9)
+    # Batched with another prompt: each row counts its own generated tokens.
+    outs = tiny_pipe().generate([p, prompt(99)], cfg)
+    assert outs[0].token_ids == want
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [2.5, -2.01, "1"])
+def test_penalty_range_is_checked(field, value):
+    with pytest.raises(ConfigError, match=f"{field} must be a number in \\[-2, 2\\]"):
+        GenerationConfig(**{field: value})
