@@ -59,7 +59,7 @@ class Engine:
                               f"backend ({backend_cls.__name__})")
         self.backend = backend or backend_cls()
         self.dtype = DTYPES[self.config.dtype]
-        loaded = load_model(model, self.backend, self.dtype)
+        loaded = load_model(model, self.backend, self.dtype, self.config.weight_format)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.model_name = model

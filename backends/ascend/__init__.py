@@ -69,6 +69,7 @@ class AscendBackend(Backend):
         device_type="ascend",
         torch_device="npu",
         kv_quant_policies=frozenset({0, 4, 8}),
+        weight_formats=frozenset({"int4", "int8"}),
         default_block_size=128,
         block_size_min=16,
         block_size_power_of_two=True,

@@ -19,6 +19,7 @@ class CpuBackend(Backend):
         device_type="cpu",
         torch_device="cpu",
         kv_quant_policies=frozenset({0, 4, 8}),
+        weight_formats=frozenset({"int4", "int8"}),
         default_block_size=16,
         dist_backend="gloo",
         priority=0,

@@ -42,6 +42,7 @@ class CudaBackend(Backend):
         device_type="cuda",
         torch_device="cuda",
         kv_quant_policies=frozenset({0, 4, 8}),
+        weight_formats=frozenset({"int4", "int8"}),
         default_block_size=64,
         block_size_min=16,
         block_size_power_of_two=True,

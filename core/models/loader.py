@@ -15,7 +15,10 @@ from safetensors.torch import save_model
 from tqdm import tqdm
 
 from lmport.backend import Backend
+from lmport.models import quantized as quantized_layers
 from lmport.models.llama import PagedCausalLM
+from lmport.weights import gguf
+from lmport.weights.checkpoint import check_backend
 
 log = logging.getLogger(__name__)
 
@@ -106,25 +109,66 @@ class LoadedModel:
     weight_bytes: int
 
 
-def load_model(model: str, backend: Backend, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(model: str, backend: Backend, dtype: torch.dtype, weight_format: str = "auto") -> LoadedModel:
+    """The paged model on ``backend``; a GGUF whose tensors map onto the internal quantized format keeps
+    them quantized (unless ``weight_format="dequantize"``), refused before any tensor loads when the
+    backend cannot run them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model_path(model)
+    keep_quantized = bool(check_backend(path, backend.capabilities, weight_format))
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         directory = hf_directory(model)
         bar.update()
-        hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(directory)
+        if keep_quantized:
+            cfg = AutoConfig.from_pretrained(directory)
+            generation_config = _generation_config(directory)
+            paged = _paged_from_gguf(path, cfg, backend, dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+            cfg, generation_config = hf.config, hf.generation_config
+            with torch.device("meta"):
+                paged = PagedCausalLM(cfg, backend, rotary=None)
+            # Share transformers' tensors instead of copying them (tied embeddings stay tied).
+            paged.load_state_dict(hf.state_dict(), strict=True, assign=True)
+            paged.rotary = hf.model.rotary_emb
         bar.update()
-        cfg = hf.config
-        with torch.device("meta"):
-            paged = PagedCausalLM(cfg, backend, rotary=None)
-        # Share transformers' tensors instead of copying them (tied embeddings stay tied).
-        paged.load_state_dict(hf.state_dict(), strict=True, assign=True)
-        paged.rotary = hf.model.rotary_emb
         paged.to(backend.device).eval()
         bar.update()
-    eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
+    eos = generation_config.eos_token_id if generation_config is not None else None
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    # Tied weights are two Parameters over one storage: count each storage once.
-    weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in paged.parameters()}.values())
-    return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), weight_bytes)
+    return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), resident_bytes(paged))
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights (parameters and quantized buffers, not the rotary tables), each
+    tensor once: a tied LM head shares its embedding's."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size()
+               for name, t in [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary.")}
+    return sum(tensors.values())
+
+
+def _generation_config(directory: Path):
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except OSError:
+        return None
+
+
+def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype) -> PagedCausalLM:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    quantized, floats = gguf.load_tensors(path, cfg, dtype)
+    with torch.device("meta"):
+        paged = PagedCausalLM(cfg, backend, rotary=None)
+    quantized_layers.install(paged, quantized, floats, backend, dtype)
+    missing, unexpected = paged.load_state_dict(floats, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{path.name}: tensors missing for {missing[:4]} / without a place in the model "
+                         f"{unexpected[:4]} (config: {cfg.model_type}, {cfg.num_hidden_layers} layers)")
+    for name, p in [*paged.named_parameters(), *paged.named_buffers()]:
+        if p.is_meta:
+            raise ValueError(f"{path.name}: no tensor for {name}")
+    paged.rotary = LlamaRotaryEmbedding(config=cfg)
+    return paged
