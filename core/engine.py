@@ -15,7 +15,7 @@ import torch
 from lmport import memory
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
-from lmport.models.loader import load_model
+from lmport.models.loader import load_model, resolve_model_path
 from lmport.ops import build_attention_metadata
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
@@ -23,6 +23,7 @@ from lmport.paging.prefix_cache import model_fingerprint
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
+from lmport.weights.checkpoint import check_backend
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class Engine:
         ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
         self.config = (config or EngineConfig()).resolve()
         backend_cls = self.config.backend_class()
+        # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
+        check_backend(resolve_model_path(model), backend_cls.capabilities, self.config.weight_format)
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")

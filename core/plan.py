@@ -21,6 +21,8 @@ from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fm
                            plan_cache)
 from lmport.models.llama import PagedCausalLM, head_dim_of
 from lmport.models.loader import ModelNotFound, resolve_model_path
+from lmport.weights import gguf
+from lmport.weights.checkpoint import check_backend
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -65,7 +67,12 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
     params = count_parameters(model_cfg)
     dtype = getattr(torch, resolved.dtype)
-    weight_bytes = params * dtype.itemsize // resolved.tp   # one device's share under tensor parallelism
+    bytes_by_format = {resolved.dtype: params * dtype.itemsize}
+    path = resolve_model_path(model)
+    if check_backend(path, caps, resolved.weight_format):   # kept quantized: the bytes of its format
+        bytes_by_format = gguf.planned_bytes(path, dtype)
+    bytes_by_format = {k: v // resolved.tp for k, v in bytes_by_format.items()}  # one device's share under tp
+    weight_bytes = sum(bytes_by_format.values())
 
     if device_memory is None:
         probe = registry.safe_probe(backend_cls)
@@ -87,7 +94,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                   "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg),
                   "sliding_window": getattr(model_cfg, "sliding_window", None)},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
-        "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": {resolved.dtype: weight_bytes}},
+        "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
         "activation_reserve": {
             "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
             "source": "estimate",

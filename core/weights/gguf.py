@@ -123,3 +123,21 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype) -> tuple[dict[str, Quantiz
         embed = "model.embed_tokens.weight"
         (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
     return quantized, floats
+
+
+def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes the loaded weights will take, by format ("int4", "int8", or the compute dtype's name), from
+    the GGUF header alone: what ``load_tensors`` keeps (a tied LM head shares its embedding's tensors)."""
+    import gguf
+    kept = _kept_types()
+    by_format: dict[str, int] = {}
+    float_name = str(dtype).removeprefix("torch.")
+    for t in gguf.GGUFReader(path).tensors:
+        numel = int(np.prod(t.shape))
+        if t.tensor_type in kept:
+            bits = kept[t.tensor_type]
+            key, size = f"int{bits}", numel * bits // 8 + numel // 32 * 2 * 2   # codes + float16 scale and min a run
+        else:
+            key, size = float_name, numel * dtype.itemsize
+        by_format[key] = by_format.get(key, 0) + size
+    return by_format
