@@ -2,10 +2,11 @@
 LM head) against transformers loading the same GGUF (which dequantizes it to float32).
 
 Tolerances, stated: the quantized path's weights are the GGUF's values exactly (its dequantized
-tensors are bit-identical to transformers'); the cpu kernel rounds each run of 32 activations to
-int8 as llama.cpp does, so logits differ by that rounding: last-position logits within 0.35 of
-transformers' (their spread is ~20), the top token the same on every prompt, and greedy tokens
-identical on at least 15 of 16 prompts.
+tensors are bit-identical to transformers'); the cpu decode kernel rounds each run of 32
+activations to int16 (a relative step of 3e-5), so last-position logits (spread ~20) stay within
+0.05 of transformers' (measured: at most 0.019 over 8 prompts), the top token the same; greedy
+tokens identical on at least 15 of 16 prompts x 32 tokens (slow; measured 16/16), and on all of
+6 prompts x 8 tokens in the short version.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from lmport.weights import gguf as gguf_weights
 from models import hf_greedy, hf_model
 from test_engine_parity import PROMPTS, prompt_ids
 
-LOGIT_ATOL = 0.35
+LOGIT_ATOL = 0.05
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,10 +73,11 @@ def test_plan_counts_the_bytes_the_engine_holds():
 
 def test_last_position_logits_against_transformers():
     pipe = quantized_pipeline()
-    for ids in prompt_ids()[:8]:
+    for ids in prompt_ids()[:3]:
         with torch.inference_mode():
             want = hf_model("smollm2")(torch.tensor([ids])).logits[0, -1]
         got = pipe.engine.model.logits(_prefill_hidden(pipe.engine, ids))[-1]
+        print(f"max |logit difference| {(got - want).abs().max().item():.2e}")
         assert (got - want).abs().max().item() < LOGIT_ATOL
         assert got.argmax() == want.argmax()
 
@@ -95,8 +97,8 @@ def _prefill_hidden(engine, ids):
     return hidden
 
 
-def _greedy_agreement(new_tokens: int) -> tuple[int, list[str]]:
-    ids = prompt_ids()
+def _greedy_agreement(new_tokens: int, prompts: int = 16) -> tuple[int, list[str]]:
+    ids = prompt_ids()[:prompts]
     want = hf_greedy("smollm2", ids, new_tokens)
     got = [r.token_ids for r in quantized_pipeline().generate(ids, GenerationConfig(max_new_tokens=new_tokens))]
     diverged = [f"{PROMPTS[i]!r} at token {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)}"
@@ -105,9 +107,8 @@ def _greedy_agreement(new_tokens: int) -> tuple[int, list[str]]:
 
 
 def test_greedy_against_transformers_short():
-    same, diverged = _greedy_agreement(8)
-    print(f"\nidentical: {same}/16; diverged: {diverged}")
-    assert same >= 15, diverged
+    same, diverged = _greedy_agreement(8, prompts=6)
+    assert same == 6, diverged
 
 
 @pytest.mark.slow
