@@ -47,7 +47,8 @@ def llama_version(bin_dir: Path) -> str:
 def make_q8_0(bin_dir: Path, source: Path, cache: Path) -> Path:
     target = cache / f"{source.stem.rsplit('.', 1)[0]}.Q8_0.gguf"
     if not target.exists():
-        tmp = target.with_suffix(".tmp")
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.stem}.partial.gguf")
         subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), "Q8_0"],
                        check=True, capture_output=True)
         tmp.rename(target)
