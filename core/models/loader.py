@@ -17,7 +17,8 @@ from tqdm import tqdm
 from lmport.backend import Backend
 from lmport.models import quantized as quantized_layers
 from lmport.models.llama import PagedCausalLM
-from lmport.weights import gguf
+from lmport import ops
+from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,16 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, weight_format: 
         directory = hf_directory(model)
         bar.update()
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        if keep_quantized:
+        packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
+        if keep_quantized or packed:
             cfg = AutoConfig.from_pretrained(directory)
             generation_config = _generation_config(directory)
-            paged = _paged_from_gguf(path, cfg, backend, dtype)
+            quantized, floats = (packed_int.load_tensors(path, dtype) if packed
+                                 else gguf.load_tensors(path, cfg, dtype))
+            if not keep_quantized:   # weight_format="dequantize"
+                floats |= {name: ops.dequantize(w, dtype) for name, w in quantized.items()}
+                quantized = {}
+            paged = _paged_from_tensors(path, cfg, quantized, floats, backend, dtype)
         else:
             hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
             cfg, generation_config = hf.config, hf.generation_config
@@ -157,9 +164,13 @@ def _generation_config(directory: Path):
         return None
 
 
-def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype) -> PagedCausalLM:
+def _paged_from_tensors(path: Path, cfg, quantized: dict, floats: dict, backend: Backend,
+                        dtype: torch.dtype) -> PagedCausalLM:
+    """The paged model over a loader's quantized weights and float tensors (transformers' names)."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    quantized, floats = gguf.load_tensors(path, cfg, dtype)
+    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in quantized | floats:
+        embed = "model.embed_tokens.weight"
+        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
     with torch.device("meta"):
         paged = PagedCausalLM(cfg, backend, rotary=None)
     quantized_layers.install(paged, quantized, floats, backend, dtype)

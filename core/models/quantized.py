@@ -60,9 +60,13 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight], floats: dic
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
+        want = tuple(old.weight.shape)
+        if (weight.out_features, weight.in_features) != want:
+            raise ValueError(f"{name}: quantized weight is [{weight.out_features}, {weight.in_features}] "
+                             f"but the model config makes it {list(want)}")
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(weight, dtype)
         else:
-            bias = floats.pop(f"{module_name}.bias", None)
+            bias = floats.get(f"{module_name}.bias")   # also loaded by name with the other floats
             new = QuantLinear(weight, None if bias is None else bias.to(dtype), backend)
         setattr(parent, attr, new)

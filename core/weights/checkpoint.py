@@ -15,7 +15,8 @@ def checkpoint_formats(path: Path) -> set[tuple[int, int]]:
     if path.suffix == ".gguf":
         from lmport.weights import gguf
         return gguf.weight_formats(path)
-    return set()
+    from lmport.weights import packed_int
+    return packed_int.weight_formats(path)
 
 
 def check_backend(path: Path, caps, weight_format: str = "auto") -> set[tuple[int, int]]:

@@ -119,9 +119,6 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype) -> tuple[dict[str, Quantiz
     if dequantized_types:
         log.info("%s: tensor types %s have no exact internal form and were dequantized to %s",
                  path.name, ", ".join(sorted(dequantized_types)), str(dtype).removeprefix("torch."))
-    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in quantized | floats:
-        embed = "model.embed_tokens.weight"
-        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
     return quantized, floats
 
 
