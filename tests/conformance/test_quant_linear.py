@@ -16,6 +16,7 @@ from lmport import ops
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
 from lmport.weights.format import from_codes
+from harness import op_backend
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-16": 16, "prefill-17": 17, "prefill-40": 40}
 
@@ -35,16 +36,21 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return per_input @ w.abs().T
 
 
+# Activation dtype each backend's own kernel takes (ascend's op takes float16 / bfloat16 only).
+DTYPES = {"cpu": torch.float32, "ascend": torch.float16}
+
+
 @pytest.fixture
-def native_backend(backend_name, backend_class) -> Backend:
+def native_backend(backend_name, backend_class, record_property) -> Backend:
+    """The backend on its device, under the Triton interpreter (cuda) or the simulated SDK (ascend)."""
     caps = backend_class.capabilities
     if not caps.weight_formats:
         pytest.skip(f"{backend_name} declares no weight formats (its refusal is tested below)")
     if backend_class.quant_linear is Backend.quant_linear:
         pytest.skip(f"{backend_name} runs the reference op itself (no kernel of its own to compare)")
-    if backend_name != "cpu":
-        pytest.skip(f"{backend_name}'s kernel needs its device")
-    return backend_class()
+    backend, mode = op_backend(backend_name)
+    record_property("mode", mode)
+    return backend
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -55,13 +61,21 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
         pytest.skip(f"group {group} not declared")
     weight = random_weight(bits, group)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(SHAPES[shape], weight.in_features, generator=g)
-    bias = torch.randn(weight.out_features, generator=g)
+    name = native_backend.capabilities.device_type
+    dtype = DTYPES[name]
+    x = torch.randn(SHAPES[shape], weight.in_features, generator=g).to(dtype)
+    bias = torch.randn(weight.out_features, generator=g).to(dtype)
     for b in (None, bias):
         got = native_backend.quant_linear(x, weight, b)
-        want = ops.quant_linear(x, weight, b)
-        bound = int16_rounding_bound(x, ops.dequantize(weight)) if shape.startswith("decode") else 0
-        assert ((got - want).abs() <= bound + 1e-5 + 1e-5 * want.abs()).all(), (got - want).abs().max()
+        want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
+        if name == "cpu":
+            bound = int16_rounding_bound(x, ops.dequantize(weight)) if shape.startswith("decode") else 0
+            assert ((got - want).abs() <= bound + 1e-5 + 1e-5 * want.abs()).all(), (got - want).abs().max()
+        else:   # float16 activations and result; offset = min / scale rounded to float16
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    if name == "ascend" and native_backend._npu.__version__ == "simulated":
+        import simulated
+        assert simulated.module("ascend").calls[-1][0] == "npu_weight_quant_batchmatmul"
 
 
 def test_cpu_dequantize_kernel_is_the_reference():
