@@ -37,7 +37,7 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 # Activation dtype each backend's own kernel takes (ascend's op takes float16 / bfloat16 only).
-DTYPES = {"cpu": torch.float32, "ascend": torch.float16}
+DTYPES = {"cpu": torch.float32, "ascend": torch.float16, "cuda": torch.float32}
 
 
 @pytest.fixture
@@ -71,6 +71,8 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
         if name == "cpu":
             bound = int16_rounding_bound(x, ops.dequantize(weight)) if shape.startswith("decode") else 0
             assert ((got - want).abs() <= bound + 1e-5 + 1e-5 * want.abs()).all(), (got - want).abs().max()
+        elif name == "cuda":   # fp32 IEEE dot products: summation order only
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         else:   # float16 activations and result; offset = min / scale rounded to float16
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     if name == "ascend" and native_backend._npu.__version__ == "simulated":
