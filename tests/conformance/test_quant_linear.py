@@ -59,9 +59,11 @@ def native_backend(backend_name, backend_class, record_property) -> Backend:
 def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
     if group not in native_backend.capabilities.weight_group_sizes:
         pytest.skip(f"group {group} not declared")
+    name = native_backend.capabilities.device_type
+    if name == "cuda" and native_backend.device.type == "cpu" and (group == 64 or shape in ("decode-16", "prefill-40")):
+        pytest.skip("the Triton interpreter is slow: groups 32/128 and three shapes keep make test short")
     weight = random_weight(bits, group)
     g = torch.Generator().manual_seed(1)
-    name = native_backend.capabilities.device_type
     dtype = DTYPES[name]
     x = torch.randn(SHAPES[shape], weight.in_features, generator=g).to(dtype)
     bias = torch.randn(weight.out_features, generator=g).to(dtype)
