@@ -97,7 +97,7 @@ class Engine:
         self.block_manager = BlockManager(
             self.plan.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
-            flops_per_token=2 * loaded.weight_bytes / self.dtype.itemsize,   # ~2 FLOPs a parameter a token
+            flops_per_token=2 * loaded.num_parameters,   # ~2 FLOPs a parameter a token
             seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy))
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
         self.seqs: dict[str, Sequence] = {}

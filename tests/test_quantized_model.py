@@ -66,6 +66,7 @@ def test_plan_counts_the_bytes_the_engine_holds():
     report = plan.build_plan("smollm2", EngineConfig(device_type="cpu", cache_max_entry_count=400),
                              device_memory=1 << 34)
     assert report["weights"]["bytes"] == engine.weight_bytes
+    assert report["weights"]["parameters"] == loader.parameter_count(engine.model)   # 134.5M, as the float model
     assert set(report["weights"]["bytes_by_dtype"]) == {"int4", "int8", "float32"}
     assert report["weights"]["bytes_by_dtype"] == gguf_weights.planned_bytes(
         loader.resolve_model_path("smollm2"), torch.float32)

@@ -108,6 +108,7 @@ class LoadedModel:
     config: object
     eos_token_ids: list[int]
     weight_bytes: int
+    num_parameters: int   # weights as the model computes with them (a quantized weight counts in x out)
 
 
 def load_model(model: str, backend: Backend, dtype: torch.dtype, weight_format: str = "auto") -> LoadedModel:
@@ -145,7 +146,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, weight_format: 
     eos = generation_config.eos_token_id if generation_config is not None else None
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), resident_bytes(paged))
+    return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), resident_bytes(paged), parameter_count(paged))
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -154,6 +155,16 @@ def resident_bytes(model: torch.nn.Module) -> int:
     tensors = {t.data_ptr(): t.numel() * t.element_size()
                for name, t in [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary.")}
     return sum(tensors.values())
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Weights of the model, each once (a tied head shares its embedding's), quantized ones as [out, in]."""
+    counts = {p.data_ptr(): p.numel() for name, p in model.named_parameters() if not name.startswith("rotary.")}
+    for module in model.modules():
+        if isinstance(module, quantized_layers.QuantLinear | quantized_layers.QuantEmbedding):
+            q = module.quantized
+            counts[q.qweight.data_ptr()] = q.out_features * q.in_features
+    return sum(counts.values())
 
 
 def _generation_config(directory: Path):
