@@ -137,6 +137,7 @@ def main() -> None:
         for _ in range(args.repeats):
             rounds.append({"llama.cpp": llama_bench(bin_dir, path, args.threads),
                            "lmport": quantized.run(), "lmport float32": float32.run(decode=False)})
+            print(f"{label} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
         gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
         results["files"][label] = {
             "path": str(path), "gguf_tensor_bytes": gguf_bytes, "lmport_weight_bytes": quantized.engine.weight_bytes,
