@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lmport import memory
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine, RequestError
-from lmport.ops import build_attention_metadata
+from lmport.runner import StepInput
 from lmport.sequence import Sequence
 
 
@@ -121,12 +121,10 @@ class Pipeline:
                     raise RequestError(f"not enough free KV blocks to score {len(ids)} tokens; "
                                        f"retry when running requests have finished")
                 blocks.allocate(seq, n)
-                engine._copy_blocks()   # evicted cached blocks go to the host tier before we overwrite them
-                meta = build_attention_metadata([n], [start + n], [seq.block_table], engine.layout.block_size,
-                                                engine.backend.device)
-                hidden = engine.model(torch.tensor(ids[start:start + n]).to(engine.backend.device), meta,
-                                      engine.caches)
-                logits = engine.model.logits(hidden)          # [n, vocab] float32: within the budget
+                # Evicted cached blocks go to the host tier (the copies run first) before we overwrite them.
+                logits = engine.executor.execute(StepInput(
+                    ids[start:start + n], [n], [start + n], [seq.block_table], list(range(n)),
+                    blocks.take_copies()))                 # [n, vocab] float32: within the budget
                 targets = torch.tensor(ids[start + 1:start + n + 1]).to(logits.device)
                 nll += F.cross_entropy(logits, targets, reduction="sum").item()
                 seq.num_computed += n

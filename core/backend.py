@@ -96,6 +96,12 @@ class Backend:
         # under the interpreter or a vendor backend against a simulated SDK.
         self.device = torch.device(device or self.capabilities.torch_device)
 
+    @classmethod
+    def setup_rank(cls, local_rank: int, local_world: int) -> str:
+        """The torch device of tensor-parallel rank ``local_rank`` among ``local_world`` ranks on one host
+        (one device each); a backend may also share what the ranks of a host share (cpu: its cores)."""
+        return f"{cls.capabilities.torch_device}:{local_rank}"
+
     # -- memory ---------------------------------------------------------
     # The torch device namespace (torch.cuda, torch.npu, torch.mlu) a device backend sets in
     # ``__init__``; None means the tensors live in host memory.

@@ -115,6 +115,69 @@ def cmd_plan(args) -> int:
     return plan_command(args)
 
 
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """`lmport serve`'s limits, timeouts and cross-site settings (docs/server.md)."""
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-engine-requests-per-request", type=int, default=256, metavar="N",
+                   help="most generations (prompts x n) one HTTP request may start (default: 256)")
+    g.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="longest prompt in characters, checked before tokenizing (default: 16 x session_len)")
+    g.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="engine requests queued beyond the running batch; more get 503 + Retry-After "
+                        "(default: 4 x max_batch_size)")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request not finished this long after it arrived (default: none)")
+    g = p.add_argument_group("connections")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request headers are incomplete after this long (default: 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="answer 408 when a request body takes longer than this to arrive (default: 30)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="close idle keep-alive connections after this long (default: 5)")
+    g.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections beyond which new ones get 503 (default: 1024)")
+    g = p.add_argument_group("lifecycle")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, let in-flight requests finish for this long, then abort them "
+                        "(default: 30)")
+    g.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit non-zero when the engine thread stops, for a supervisor to restart (default: on)")
+    g = p.add_argument_group("cross-site")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                   help="Host header names to accept besides the bound address and localhost (always checked "
+                        "on loopback; '*' accepts any)")
+    g.add_argument("--cors-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="origins browsers may call the API from (default: none)")
+    g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)")
+
+
+def cmd_worker(args) -> int:
+    """This node's tensor-parallel ranks for an engine on node 0 (docs/distributed.md); runs until it stops."""
+    import signal
+
+    from lmport.executor import ranks_per_node, start_workers, stop_workers
+    from lmport.models.loader import read_model_config
+    from lmport.parallel import check_tp
+    config = engine_config(args).resolve()
+    if config.node_rank == 0 or not config.dist_init_addr:
+        raise ConfigError("`lmport worker` runs the ranks of nodes 1..nnodes-1: give --node-rank >= 1 and "
+                          "--dist-init-addr HOST:PORT of node 0 (node 0 runs generate/chat/serve itself)")
+    check_tp(read_model_config(args.model), config.tp)
+    first = config.node_rank * ranks_per_node(config)
+    procs = start_workers(args.model, config, config.backend_class(), config.dist_init_addr,
+                          range(first, first + ranks_per_node(config)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        codes = [p.wait() for p in procs.values()]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        stop_workers(procs, grace=5.0)
+    return max(codes, key=abs) if any(codes) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmport", description="A pluggable multi-device LLM inference engine")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
@@ -144,8 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=23333)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set LMPORT_API_KEY)")
+    _add_server_flags(p)
     _add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("worker", help="the tensor-parallel ranks of one more node for an engine on node 0")
+    p.add_argument("model", nargs="?", default="smollm2")
+    _add_dataclass_flags(p, EngineConfig, "engine")
+    p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("plan", help="memory plan for a model on a backend, without loading weights")
     p.add_argument("model", nargs="?", default="smollm2")

@@ -56,6 +56,11 @@ class EngineConfig:
     # "auto": a quantized checkpoint keeps its 4-/8-bit weights (docs/weight-quantization.md);
     # "dequantize": its weights are dequantized to dtype at load (for a backend without its format).
     weight_format: str = "auto"
+    # Tensor parallelism across nodes (docs/distributed.md): tp ranks split evenly over nnodes nodes.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None        # HOST:PORT of the rendezvous (node 0); None: a free local port
+    dist_timeout: float = 300.0              # seconds any collective may wait before it fails
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -70,7 +75,7 @@ class EngineConfig:
                f"(exact number of blocks), got {c!r}")
         _check(self.quant_policy in (0, 4, 8) and _is_int(self.quant_policy),
                f"quant_policy must be 0 (off), 8 (INT8) or 4 (INT4), got {self.quant_policy!r}")
-        for name in ("max_batch_size", "max_prefill_token_num", "tp"):
+        for name in ("max_batch_size", "max_prefill_token_num", "tp", "nnodes"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.session_len is None or (_is_int(self.session_len) and self.session_len >= 1),
@@ -79,6 +84,17 @@ class EngineConfig:
                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weight_format!r}")
         _check(_is_number(self.host_cache_gib) and self.host_cache_gib >= 0,
                f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
+        _check(self.tp % self.nnodes == 0, f"tp={self.tp} must split evenly over nnodes={self.nnodes} "
+                                           f"(the same number of ranks on every node)")
+        _check(_is_int(self.node_rank) and 0 <= self.node_rank < self.nnodes,
+               f"node_rank must be an int in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        _check(self.nnodes == 1 or (isinstance(self.dist_init_addr, str) and ":" in self.dist_init_addr),
+               f"nnodes={self.nnodes} needs dist_init_addr=HOST:PORT of node 0 (the rendezvous every node joins)")
+        _check(self.dist_init_addr is None or (isinstance(self.dist_init_addr, str)
+                                               and self.dist_init_addr.rpartition(":")[2].isdigit()),
+               f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        _check(_is_number(self.dist_timeout) and self.dist_timeout > 0,
+               f"dist_timeout must be a number of seconds > 0, got {self.dist_timeout!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.device_type != "auto":

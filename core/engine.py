@@ -15,20 +15,19 @@ import torch
 from lmport import memory
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
-from lmport.models.loader import load_model, resolve_model_path
-from lmport.ops import build_attention_metadata
+from lmport.executor import make_executor
+from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
+from lmport.parallel import check_tp
+from lmport.runner import DTYPES, StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
 from lmport.weights.checkpoint import check_backend
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the problem and the fix."""
@@ -56,54 +55,63 @@ class Engine:
         self.config = (config or EngineConfig()).resolve()
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
-        check_backend(resolve_model_path(model), backend_cls.capabilities, self.config.weight_format)
+        if check_backend(resolve_model_path(model), backend_cls.capabilities, self.config.weight_format) \
+                and self.config.tp > 1:
+            raise ConfigError(f"tp={self.config.tp} with a quantized checkpoint is not supported (its weights are "
+                              f"not sharded in their quantized layout); use tp=1, or weight_format='dequantize'")
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")
         self.backend = backend or backend_cls()
         self.dtype = DTYPES[self.config.dtype]
-        loaded = load_model(model, self.backend, self.dtype, self.config.weight_format)
+        if self.config.node_rank != 0:
+            raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
+                              f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
+        check_tp(read_model_config(model), self.config.tp)   # before any weight loads
+        # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
+        self.executor = make_executor(model, self.config, self.backend)
+        try:
+            self._plan_and_allocate(model)
+        except BaseException:
+            self.executor.close()
+            raise
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+
+    def _plan_and_allocate(self, model: str) -> None:
+        self.runner = self.executor.runner
+        self.backend = self.runner.backend
+        loaded = self.runner.loaded
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.eos_token_ids = loaded.eos_token_ids
         self.model_name = model
         cfg = self.model_config
 
-        # Memory plan (docs/memory.md): the same lmport.memory.plan_cache as `lmport plan`, fed with
-        # the free memory measured now that the weights are loaded.
-        if self.config.tp != 1:
-            raise ConfigError(f"tp={self.config.tp}: this engine runs on one device (tp=1); "
-                              f"`lmport plan --tp {self.config.tp}` can still plan for {self.config.tp} devices")
-        caps = self.backend.capabilities
-        self.layout = memory.kv_layout(cfg, self.config, caps.kv_axis_order)
-        measured = memory.measure_activation_reserve(self.model, self.backend, self.layout, self.config)
-        free, _ = self.backend.memory_info()
-        self.memory_inputs = memory.MemoryInputs(
-            cfg, self.config, caps, loaded.weight_bytes, free,
-            measured if measured is not None else memory.activation_reserve(cfg, self.config), measured is not None)
-        self.plan = memory.plan_cache(self.memory_inputs)
-        self.caches = memory.allocate_cache(self.memory_inputs, self.plan, self.layout, self.backend)
+        # Memory plan (docs/memory.md): every rank plans its cache from its own free memory with the same
+        # lmport.memory.plan_cache as `lmport plan`; all allocate the smallest block count of any rank.
+        self.layout = self.runner.layout
+        num_blocks = min(self.executor.run_all("plan_memory"))
+        num_host_blocks = host_tier.host_pool_blocks(self.layout, self.config.host_cache_gib)
+        self.executor.run_all("allocate", num_blocks, num_host_blocks)
+        self.memory_inputs, self.plan = self.runner.memory_inputs, self.runner.plan
         self.session_len = self.plan.session_len
-        log.info("memory plan: weights %s, activation reserve %s (%s), cache %s = %d blocks x %d tokens "
-                 "(quant_policy %d), session_len %d", memory.fmt_bytes(loaded.weight_bytes),
-                 memory.fmt_bytes(self.plan.reserve_bytes), "measured" if measured is not None else "estimated",
+        log.info("memory plan (each of %d ranks): weights %s, activation reserve %s (%s), cache %s = %d blocks x %d "
+                 "tokens (quant_policy %d), session_len %d", self.config.tp, memory.fmt_bytes(loaded.weight_bytes),
+                 memory.fmt_bytes(self.plan.reserve_bytes),
+                 "measured" if self.memory_inputs.reserve_measured else "estimated",
                  memory.fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
                  self.config.quant_policy, self.session_len)
         self.weight_bytes = loaded.weight_bytes
 
         # Prefix cache and host tier: docs/prefix-caching.md.
-        num_host_blocks = host_tier.host_pool_blocks(self.layout, self.config.host_cache_gib)
-        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, self.backend.pin_host_memory())
-                            if num_host_blocks else [])
         self.block_manager = BlockManager(
             self.plan.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
-            flops_per_token=2 * loaded.num_parameters,   # ~2 FLOPs a parameter a token
+            flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
             seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy))
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
-        self.seqs: dict[str, Sequence] = {}
-        self._ids = itertools.count()
-        self._pending_outputs: list[RequestOutput] = []
-        self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
@@ -130,6 +138,8 @@ class Engine:
         return request_id
 
     def validate(self, prompt_ids) -> None:
+        if self.failure:
+            raise RequestError(f"the engine cannot run the model: {self.failure}")
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -156,9 +166,14 @@ class Engine:
     # -- one step --------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.failure:   # a rank is gone: nothing can run, and every request ends with why
+            for seq in list(self.seqs.values()):
+                self._end(seq, "error", self.failure)
+                outputs.append(self._output(seq, [], ""))
+            return outputs
         batch = self.scheduler.schedule()
-        self._copy_blocks()
         if not batch:
+            self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
         try:
@@ -166,41 +181,73 @@ class Engine:
         except Exception as exc:  # a failing forward ends this batch's requests, not the engine
             log.exception("forward failed")
             for seq in batch.seqs:
-                self._end(seq, "error", f"forward failed: {type(exc).__name__}: {exc}")
+                self._end(seq, "error", self.failure or f"forward failed: {type(exc).__name__}: {exc}")
                 outputs.append(self._output(seq, [], ""))
-            return outputs
+            return outputs + self.step() if self.failure else outputs
 
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
         ready = [s for s in batch.seqs if s.num_uncomputed == 0]
         if not ready:
             return outputs
-        tokens, logprobs = sample(logits, ready)
-        for seq, token, lp in zip(ready, tokens, logprobs):
-            outputs.append(self._append(seq, token, lp))
+        for seq, token, lp in self._sample(logits, ready):
+            if isinstance(token, Exception):
+                outputs.append(self._fail(seq, "sampling", token))
+                continue
+            try:
+                outputs.append(self._append(seq, token, lp))
+            except Exception as exc:  # detokenizing or a stop check: this request fails, not the engine
+                outputs.append(self._fail(seq, "decoding", exc))
         return outputs
 
+    def _sample(self, logits: torch.Tensor, ready: list[Sequence]):
+        """(seq, token, logprobs) for each ready sequence; token is the exception when sampling it failed.
+
+        The batch is sampled at once; when that raises, each sequence is sampled alone so
+        that only the one whose input made it fail gets the error.
+        """
+        try:
+            tokens, logprobs = sample(logits, ready)
+            return list(zip(ready, tokens, logprobs))
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling each request alone", len(ready))
+        results = []
+        for i, seq in enumerate(ready):
+            try:
+                (token,), (lp,) = sample(logits[i:i + 1], [seq])
+                results.append((seq, token, lp))
+            except Exception as exc:
+                results.append((seq, exc, None))
+        return results
+
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+        log.error("request %s failed in %s: %s: %s", seq.request_id, stage, type(exc).__name__, exc)
+        if not seq.is_finished:
+            self._end(seq, "error", f"{stage} failed: {type(exc).__name__}: {exc}")
+        return self._output(seq, [], "")
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model cannot run any more (a tensor-parallel rank died or raised), else None."""
+        return self.executor.failure
+
     def _copy_blocks(self) -> None:
-        """Run the device<->host block copies scheduling queued, in order, one call per batch."""
-        for b in self.block_manager.take_copies():
-            src, dst = (self.caches, self.host_caches) if b.to_host else (self.host_caches, self.caches)
-            self.backend.copy_blocks(src, dst, torch.tensor(b.src, dtype=torch.long),
-                                     torch.tensor(b.dst, dtype=torch.long))
+        """Run the device<->host block copies scheduling queued (on every rank), when no forward carries them."""
+        copies = self.block_manager.take_copies()
+        if copies:
+            self.executor.execute(StepInput([], [], [], [], [], copies))
 
     def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes."""
-        kv_lens = [s.num_computed + n for s, n in zip(seqs, num_new)]
-        meta = build_attention_metadata(num_new, kv_lens, [s.block_table for s in seqs],
-                                        self.layout.block_size, self.backend.device)
         ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.backend.device)
-        hidden = self.model(input_ids, meta, self.caches)
         ends, rows = 0, []
         for s, n in zip(seqs, num_new):
             ends += n
             if s.num_computed + n == s.num_tokens:
                 rows.append(ends - 1)
-        return self.model.logits(hidden[rows]) if rows else hidden.new_empty(0)
+        step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
+                         [s.block_table for s in seqs], rows, self.block_manager.take_copies())
+        return self.executor.execute(step)
 
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
         seq.output_ids.append(token)
@@ -253,9 +300,13 @@ class Engine:
             **self.stats,
         }
 
+    @property
+    def caches(self) -> list:
+        """Rank 0's KV cache (all of it at tp=1)."""
+        return self.runner.caches
+
     def close(self) -> None:
-        self.caches = []
-        self.host_caches = []
+        self.executor.close()
         self.seqs.clear()
 
 

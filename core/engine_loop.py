@@ -4,6 +4,12 @@ The engine is not thread-safe; every call into it holds ``_lock``. Outputs
 reach each caller's asyncio queue through its own event loop. Adds and
 aborts from async callers are queued for the engine thread (``_submit``)
 instead of waiting for the lock, which a running step holds.
+
+If the engine thread stops for any reason, every waiting and streaming caller
+gets an error output at once, new calls raise EngineStopped, and
+``on_failure`` (if given) is called with the reason. After each step the
+thread publishes ``snapshot`` (engine.usage()), which readers such as
+/metrics use without waiting for the engine.
 """
 from __future__ import annotations
 
@@ -20,13 +26,23 @@ from lmport.engine import Engine, RequestOutput
 log = logging.getLogger(__name__)
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread is no longer running; no request can be served."""
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_failure=None):
         self.engine = engine
+        self.on_failure = on_failure       # called (on the engine thread) with the reason it stopped
+        self.failure: str | None = None    # why the engine thread stopped, once it has
+        self.snapshot: dict = engine.usage()
         self._lock = threading.Lock()
         self._work = threading.Event()
         self._stopped = False
+        # Guards failure, _streams and _adding between the engine thread and the callers.
+        self._state = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adding: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._inbox: collections.deque = collections.deque()  # calls for the engine thread (see _submit)
         self._thread = threading.Thread(target=self._run, name="lmport-engine", daemon=True)
         self._thread.start()
@@ -45,11 +61,19 @@ class EngineLoop:
         def add(engine):
             try:
                 engine.add_request(prompt_ids, gen_config, request_id)
-                self._streams[request_id] = (loop, queue)
-                loop.call_soon_threadsafe(_resolve, added, None)
+                error = None
             except Exception as exc:
-                loop.call_soon_threadsafe(_resolve, added, exc)
+                error = exc
+            with self._state:
+                self._adding.pop(request_id, None)
+                if error is None:
+                    self._streams[request_id] = (loop, queue)
+            loop.call_soon_threadsafe(_resolve, added, error)
 
+        with self._state:
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
+            self._adding[request_id] = (loop, added)
         # Queued for the engine thread, not added under the lock: waiting for the lock here
         # would stall this event loop (every other stream) until the running step ends.
         self._submit(add)
@@ -64,10 +88,15 @@ class EngineLoop:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:  # runs after add() on the engine thread, even if add() has not run yet
-                self._submit(lambda engine: (engine.abort(request_id), self._streams.pop(request_id, None)))
+            if not finished and self.failure is None:  # runs after add() on the engine thread
+                self._submit(lambda engine: (engine.abort(request_id), self._forget(request_id)))
             else:
-                self._streams.pop(request_id, None)
+                self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        with self._state:
+            self._streams.pop(request_id, None)
+            self._adding.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Abort at the engine thread's next turn; its last output still reaches an open stream."""
@@ -84,6 +113,13 @@ class EngineLoop:
             return fn(self.engine, *args, **kwargs)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever stops the thread must reach every caller
+            log.critical("the engine thread stopped: %s: %s", type(exc).__name__, exc, exc_info=True)
+            self._fail(f"the engine stopped: {type(exc).__name__}: {exc}")
+
+    def _serve(self) -> None:
         while not self._stopped:
             with self._lock:
                 while self._inbox:
@@ -93,14 +129,33 @@ class EngineLoop:
                         log.exception("engine call failed")
                 busy = self.engine.has_unfinished()
                 outputs = self.engine.step() if busy else []
-                for out in outputs:
-                    target = self._streams.get(out.request_id)
+                self.snapshot = self.engine.usage()
+                with self._state:
+                    targets = [(self._streams.get(out.request_id), out) for out in outputs]
+                for target, out in targets:
                     if target is not None:
                         loop, queue = target
                         loop.call_soon_threadsafe(queue.put_nowait, out)
             if not busy:
                 self._work.wait(timeout=0.5)
                 self._work.clear()
+
+    def _fail(self, reason: str) -> None:
+        """Every caller gets an error now; later calls raise EngineStopped."""
+        with self._state:
+            self.failure = reason
+            streams, self._streams = self._streams, {}
+            adding, self._adding = self._adding, {}
+        for request_id, (loop, queue) in streams.items():
+            out = RequestOutput(request_id, [], "", [], "", True, "error", 0, error=reason)
+            _call_soon(loop, queue.put_nowait, out)
+        for loop, future in adding.values():
+            _call_soon(loop, _resolve, future, EngineStopped(reason))
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:
+                log.exception("the engine failure handler failed")
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -109,6 +164,13 @@ class EngineLoop:
         with self._lock:
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is waiting
+        pass
 
 
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:

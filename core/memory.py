@@ -17,7 +17,7 @@ from lmport.backend import Capabilities
 from lmport.config import ConfigError, EngineConfig
 from lmport.kv.layout import KVLayout
 from lmport.models.llama import head_dim_of
-from lmport.ops import build_attention_metadata
+from lmport.parallel import check_tp, kv_heads_per_rank, tp_choices
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -46,19 +46,12 @@ def model_limit(model_cfg) -> int:
 
 
 def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLayout:
-    """The KV layout of one device: tensor parallelism splits the KV heads over ``config.tp`` devices."""
-    kv_heads = model_cfg.num_key_value_heads
-    if kv_heads % config.tp or model_cfg.num_attention_heads % config.tp:
-        raise ConfigError(f"tp={config.tp} does not divide the model's {model_cfg.num_attention_heads} attention "
-                          f"heads and {kv_heads} KV heads; use a tp among {tp_choices(model_cfg)}")
-    return KVLayout(num_layers=model_cfg.num_hidden_layers, num_kv_heads=kv_heads // config.tp,
+    """The KV layout of one device: tensor parallelism splits the KV heads over ``config.tp`` devices
+    (and replicates them where tp exceeds the KV heads)."""
+    check_tp(model_cfg, config.tp)
+    return KVLayout(num_layers=model_cfg.num_hidden_layers, num_kv_heads=kv_heads_per_rank(model_cfg, config.tp),
                     head_dim=head_dim_of(model_cfg), block_size=config.block_size,
                     dtype=getattr(torch, config.dtype), quant_policy=config.quant_policy, axis_order=axis_order)
-
-
-def tp_choices(model_cfg) -> list[int]:
-    kv, heads = model_cfg.num_key_value_heads, model_cfg.num_attention_heads
-    return [n for n in range(1, kv + 1) if kv % n == 0 and heads % n == 0]
 
 
 def activation_reserve(model_cfg, config: EngineConfig) -> int:
@@ -78,18 +71,22 @@ def activation_reserve(model_cfg, config: EngineConfig) -> int:
     return int((tokens * per_token * dtype_bytes + logits) * 1.25)
 
 
-def measure_activation_reserve(model, backend, layout: KVLayout, config: EngineConfig) -> int | None:
-    """Peak bytes of one real forward over ``max_prefill_token_num`` tokens, where the backend can measure
-    it (``Backend.measure_peak_memory``); None where it cannot (cpu): then the estimate is used."""
+def measure_activation_reserve(runner) -> int | None:
+    """Peak bytes of one real forward of ``runner`` (lmport.runner.ModelRunner) over ``max_prefill_token_num``
+    tokens, where the backend can measure it (``Backend.measure_peak_memory``); None where it cannot (cpu):
+    then the estimate is used. Under tensor parallelism every rank runs it together."""
+    from lmport.runner import StepInput
+    backend, layout, config = runner.backend, runner.layout, runner.config
     tokens = config.max_prefill_token_num
     blocks = -(-tokens // layout.block_size)
+    rows = min(config.max_batch_size, tokens)
 
     def forward():
         caches = layout.allocate(blocks, backend.device)   # a scratch cache just for this forward
-        meta = build_attention_metadata([tokens], [tokens], [list(range(blocks))], layout.block_size,
-                                        backend.device)
-        hidden = model(torch.zeros(tokens, dtype=torch.long, device=backend.device), meta, caches)
-        model.logits(hidden[-min(config.max_batch_size, tokens):]).softmax(-1)
+        step = StepInput([0] * tokens, [tokens], [tokens], [list(range(blocks))], list(range(tokens - rows, tokens)))
+        logits = runner.forward(step, caches)
+        if logits is not None:
+            logits.softmax(-1)
 
     try:
         peak = backend.measure_peak_memory(forward)
@@ -98,7 +95,7 @@ def measure_activation_reserve(model, backend, layout: KVLayout, config: EngineC
         raise CacheDoesNotFit(
             f"one forward of max_prefill_token_num={tokens} tokens does not fit beside the weights "
             f"({fmt_bytes(free)} free): lower max_prefill_token_num (to {max(1, tokens // 4)}, say), "
-            f"or use a larger tp (among {tp_choices(model.config)})") from None
+            f"or use a larger tp (among {tp_choices(runner.model_config)})") from None
     # The scratch cache counts in the peak; the real cache is planned separately.
     return None if peak is None else max(0, peak - blocks * layout.bytes_per_block)
 

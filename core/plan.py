@@ -7,7 +7,6 @@ is sized by ``lmport.memory.plan_cache``, the function the engine itself uses.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import sys
@@ -20,7 +19,8 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import PagedCausalLM, head_dim_of
-from lmport.models.loader import ModelNotFound, resolve_model_path
+from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
+from lmport.parallel import TPGroup
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
 
@@ -37,20 +37,11 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * unit)
 
 
-@functools.lru_cache(maxsize=None)
-def read_model_config(model: str):
-    """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is read)."""
-    from transformers import AutoConfig
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(path)
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def count_parameters(model_cfg) -> int:
-    """Parameters the engine loads: its model built on the meta device (no memory), tied embeddings once."""
+def count_parameters(model_cfg, tp: TPGroup | None = None) -> int:
+    """Parameters the engine loads (on rank ``tp.rank`` of ``tp.size``): its model built on the meta device
+    (no memory), tied embeddings once."""
     with torch.device("meta"):
-        model = PagedCausalLM(model_cfg, backend=None, rotary=None)
+        model = PagedCausalLM(model_cfg, backend=None, rotary=None, tp=tp)
     count = sum(p.numel() for p in model.parameters())
     if getattr(model_cfg, "tie_word_embeddings", False):
         count -= model.lm_head.weight.numel()
@@ -67,12 +58,16 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
     params = count_parameters(model_cfg)
     dtype = getattr(torch, resolved.dtype)
-    bytes_by_format = {resolved.dtype: params * dtype.itemsize}
+    # Each rank's own shard (vocabulary and MLP pieces may differ by a row between ranks).
+    rank_bytes = [count_parameters(model_cfg, TPGroup(r, resolved.tp)) * dtype.itemsize for r in range(resolved.tp)]
+    weight_bytes = max(rank_bytes)
+    bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
-    if check_backend(path, caps, resolved.weight_format):   # kept quantized: the bytes of its format
+    if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
+        # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
-    bytes_by_format = {k: v // resolved.tp for k, v in bytes_by_format.items()}  # one device's share under tp
-    weight_bytes = sum(bytes_by_format.values())
+        weight_bytes = sum(bytes_by_format.values())
+        rank_bytes = [weight_bytes]
 
     if device_memory is None:
         probe = registry.safe_probe(backend_cls)
@@ -84,8 +79,9 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     else:
         source = "--device-memory"
     measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
-    inputs = MemoryInputs(model_cfg, resolved, caps, weight_bytes, max(0, device_memory - weight_bytes),
-                          activation_reserve(model_cfg, resolved), reserve_measured=False)
+    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w, max(0, device_memory - w),
+                                activation_reserve(model_cfg, resolved), reserve_measured=False) for w in rank_bytes]
+    inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
 
     report = {
         "model": {"name": model, "model_type": model_cfg.model_type, "layers": model_cfg.num_hidden_layers,
@@ -105,6 +101,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "kv": {"quant_policy": resolved.quant_policy, "block_size": layout.block_size,
                "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token},
         "cache": None,
+        "ranks": None,
         "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "adjustments"},
         "adjustments": [a._asdict() for a in resolved.adjustments],
         "error": None,
@@ -114,6 +111,9 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     except CacheDoesNotFit as exc:
         report["error"] = str(exc)
         return report
+    report["ranks"] = [{"rank": r, "weight_bytes": inp.weight_bytes, "reserve_bytes": inp.reserve_bytes,
+                        "free_after_weights_bytes": inp.free_bytes, "num_blocks": plan.num_blocks,
+                        "cache_bytes": plan.cache_bytes} for r, inp in enumerate(rank_inputs)]
     report["cache"] = {
         "cache_max_entry_count": resolved.cache_max_entry_count,
         "meaning": ("exact number of blocks" if isinstance(resolved.cache_max_entry_count, int)
@@ -155,6 +155,10 @@ def format_plan(r: dict) -> str:
                           f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
                           f"max_batch_size is {cfg['max_batch_size']}"),
         ]
+    if r["ranks"] and len(r["ranks"]) > 1:
+        rows += [(f"rank {x['rank']}", f"weights {fmt_bytes(x['weight_bytes'])} ({x['weight_bytes']:,} B), reserve "
+                                       f"{fmt_bytes(x['reserve_bytes'])}, cache {x['num_blocks']:,} blocks = "
+                                       f"{fmt_bytes(x['cache_bytes'])} ({x['cache_bytes']:,} B)") for x in r["ranks"]]
     rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
              ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"
                                        for a in r["adjustments"]) or "none")]

@@ -1,9 +1,17 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds, logprobs."""
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds, logprobs.
+
+Numerically safe for any valid GenerationConfig: temperatures below TEMPERATURE_FLOOR act
+as greedy, filtered rows are renormalised in float32, and a row left with no finite
+probability (NaN or -inf logits) falls back to the greedy choice instead of raising.
+"""
 from __future__ import annotations
 
 import torch
 
 from lmport.sequence import Sequence
+
+# Dividing logits by a smaller temperature overflows float32; so close to 0 sampling is greedy anyway.
+TEMPERATURE_FLOOR = 1e-5
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -36,23 +44,33 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _samples(seq: Sequence) -> bool:
+    cfg = seq.gen_config
+    return not cfg.greedy and cfg.temperature >= TEMPERATURE_FLOOR
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits [B, V] float32 -> one token per sequence (and its logprobs when asked)."""
-    raw = logits
-    logits = apply_repetition_penalty(logits, seqs)
+    """logits [B, V] -> one token per sequence (and its logprobs when asked)."""
+    raw = logits.float()
+    # NaN would win argmax and poison softmax: it counts as "never this token".
+    logits = apply_repetition_penalty(raw.nan_to_num(nan=float("-inf")), seqs)
     tokens = logits.argmax(-1)
-    sampled = [i for i, s in enumerate(seqs) if not s.gen_config.greedy]
+    sampled = [i for i, s in enumerate(seqs) if _samples(s)]
     if sampled:
         cfgs = [seqs[i].gen_config for i in sampled]
         dev = logits.device
+        vocab = logits.shape[-1]
         rows = logits[sampled] / torch.tensor([c.temperature for c in cfgs], device=dev)[:, None]
-        rows = _filter(rows, torch.tensor([c.top_k for c in cfgs], device=dev),
+        rows = rows.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        rows = _filter(rows, torch.tensor([min(c.top_k, vocab) for c in cfgs], device=dev),
                        torch.tensor([c.top_p for c in cfgs], device=dev),
                        torch.tensor([c.min_p for c in cfgs], device=dev))
-        probs = rows.softmax(-1)
+        probs = rows.softmax(-1).nan_to_num(nan=0.0)
+        usable = probs.sum(-1) > 0
         for j, i in enumerate(sampled):
-            # Each request draws from its own generator: a seed gives the same text whatever the batch.
-            tokens[i] = torch.multinomial(probs[j], 1, generator=seqs[i].generator)[0]
+            if usable[j]:  # otherwise the greedy token stands
+                # Each request draws from its own generator: a seed gives the same text whatever the batch.
+                tokens[i] = torch.multinomial(probs[j], 1, generator=seqs[i].generator)[0]
     token_list = tokens.tolist()
 
     logprobs: list[dict[int, float] | None] = [None] * len(seqs)

@@ -262,7 +262,8 @@ def test_bad_input_gets_a_4xx_naming_the_field_while_a_normal_request_completes(
     table = []
     with httpx.Client(base_url=tiny.url + "/v1", timeout=60) as http:
         for case, path, body, status, param in BAD_INPUT:
-            kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
+            kwargs = {"json": body} if isinstance(body, dict) else {
+                "content": body, "headers": {"Content-Type": "application/json"}}
             r = http.post("/chat/completions" if path == "chat" else "/completions", **kwargs)
             error = r.json()["error"]
             table.append((case, r.status_code, error["param"], error["message"][:90]))

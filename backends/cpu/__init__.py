@@ -3,6 +3,8 @@ linear over int4/int8 weights, RMSNorm, rotary and the silu-gated activation on 
 reference ops for everything else."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lmport import ops
@@ -35,6 +37,12 @@ class CpuBackend(Backend):
     @classmethod
     def probe(cls) -> ProbeResult:
         return ProbeResult(True, "always available (host memory)")
+
+    @classmethod
+    def setup_rank(cls, local_rank: int, local_world: int) -> str:
+        # Every rank computes on host memory; the cores are split so ranks do not oversubscribe them.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        return "cpu"
 
     def __init__(self, device=None) -> None:
         super().__init__(device)

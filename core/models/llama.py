@@ -13,6 +13,7 @@ from transformers.activations import ACT2FN
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.ops import AttentionMetadata
+from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -43,20 +44,73 @@ class Linear(nn.Linear):
         return self.backend.linear(x, self.weight, self.bias)
 
 
+class ColumnParallelLinear(Linear):
+    """This rank's rows [start, end) of the full weight's output features (bias split alike)."""
+
+    shard_dim = 0
+
+    def __init__(self, in_features: int, out_range: tuple[int, int], bias: bool, backend: Backend):
+        super().__init__(in_features, out_range[1] - out_range[0], bias, backend)
+        self.shard_range = out_range
+
+
+class RowParallelLinear(Linear):
+    """This rank's input features [start, end) of the full weight; the partial results are summed
+    over the ranks (one all-reduce), then the (replicated) bias is added once."""
+
+    shard_dim = 1
+
+    def __init__(self, in_range: tuple[int, int], out_features: int, bias: bool, backend: Backend, tp: TPGroup):
+        super().__init__(in_range[1] - in_range[0], out_features, bias, backend)
+        self.shard_range = in_range
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(self.backend.linear(x, self.weight, None).contiguous())
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [start, end) of the embedding; other tokens look up zeros, and one all-reduce
+    sums the ranks (each token's row lives on exactly one rank, so the sum is exact)."""
+
+    shard_dim = 0
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        start, end = split(vocab_size, tp.size, tp.rank)
+        super().__init__(end - start, hidden)
+        self.shard_range = (start, end)
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        start, end = self.shard_range
+        local = (ids >= start) & (ids < end)
+        x = super().forward(torch.where(local, ids - start, 0)) * local[:, None]
+        return self.tp.all_reduce(x)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, backend: Backend):
+    """This rank's attention heads (all of them at tp=1) and their KV heads."""
+
+    def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         self.backend = backend
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = head_dim_of(cfg)
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(cfg, tp.size)
+        self.head_dim = d = head_dim_of(cfg)
         self.scale = self.head_dim ** -0.5
         qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, qkv_bias, backend)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, qkv_bias, backend)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, qkv_bias, backend)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size,
-                             getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2", backend)
+        q0, q1 = tp.head_range(cfg.num_attention_heads)
+        k0, k1 = tp.kv_head_range(cfg.num_key_value_heads)
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, (q0 * d, q1 * d), qkv_bias, backend)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
+        self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size,
+                                        getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2", backend, tp)
         # Qwen3 normalizes each head of q and k before rotary.
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
@@ -78,12 +132,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, backend: Backend):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, backend)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias, backend)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, backend)
+        part = balanced(cfg.intermediate_size, tp.size, tp.rank)
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
+        self.down_proj = RowParallelLinear(part, cfg.hidden_size, bias, backend, tp)
         self.backend = backend
         self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
 
@@ -95,12 +150,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: Backend):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = MLP(cfg, backend)
+        self.mlp = MLP(cfg, backend, tp)
 
     def forward(self, x, cos, sin, cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
@@ -108,24 +163,27 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg, backend: Backend):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
 
 class PagedCausalLM(nn.Module):
-    """``forward`` runs one step's new tokens (flattened over sequences) and returns hidden states."""
+    """``forward`` runs one step's new tokens (flattened over sequences) and returns hidden states.
 
-    def __init__(self, cfg, backend: Backend, rotary: nn.Module):
+    Under tensor parallelism (``tp``) the module holds one rank's shard (lmport.parallel)."""
+
+    def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
         super().__init__()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         self.config = cfg
-        self.model = Decoder(cfg, backend)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, backend)
+        self.tp = tp = tp or TPGroup()
+        self.model = Decoder(cfg, backend, tp)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, split(cfg.vocab_size, tp.size, tp.rank), False, backend)
         self.rotary = rotary  # transformers' own rotary module: every rope variant it knows
 
     @torch.inference_mode()
@@ -138,5 +196,29 @@ class PagedCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float().contiguous()  # sampling wants rows; linear need not give them
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary on rank 0 (None on the other ranks)."""
+        local = self.lm_head(hidden).float().contiguous()  # sampling wants rows; linear need not give them
+        vocab = self.config.vocab_size
+        return self.tp.gather_columns(local, -(-vocab // self.tp.size), vocab)
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slices of a full checkpoint's state dict (views at tp=1, copies otherwise, so the
+        full tensors can be freed); a row-parallel bias stays whole (it is added once, after the sum)."""
+        if self.tp.size == 1:
+            return full
+        out, copies = dict(full), {}
+        for name, module in self.named_modules():
+            if not hasattr(module, "shard_dim"):
+                continue
+            start, end = module.shard_range
+            for pname in ("weight", "bias"):
+                key = f"{name}.{pname}"
+                if key not in full or (pname == "bias" and module.shard_dim == 1):
+                    continue
+                src, dim = full[key], module.shard_dim if pname == "weight" else 0
+                slot = (src.data_ptr(), dim, start, end)    # tied weights stay one tensor
+                if slot not in copies:
+                    copies[slot] = src.narrow(dim, start, end - start).clone()
+                out[key] = copies[slot]
+        return out

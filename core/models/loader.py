@@ -1,6 +1,7 @@
 """Find a model, convert a GGUF once into a local safetensors cache, load it through transformers."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -15,9 +16,11 @@ from safetensors.torch import save_model
 from tqdm import tqdm
 
 from lmport.backend import Backend
+from lmport.config import ConfigError
 from lmport.models import quantized as quantized_layers
 from lmport.models.llama import PagedCausalLM
 from lmport import ops
+from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend
 
@@ -91,14 +94,15 @@ def hf_directory(model: str) -> Path:
     return target
 
 
-def read_config(model: str):
-    """The transformers config alone: no weights are read (for planning)."""
+@functools.lru_cache(maxsize=None)
+def read_model_config(model: str):
+    """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is
+    read), for planning and for the checks made before any weight loads."""
     from transformers import AutoConfig
     path = resolve_model_path(model)
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    converted = hf_directory(model)
-    return AutoConfig.from_pretrained(converted)
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @dataclass
@@ -111,18 +115,14 @@ class LoadedModel:
     num_parameters: int   # weights as the model computes with them (a quantized weight counts in x out)
 
 
-def load_model(model: str, backend: Backend, dtype: torch.dtype, weight_format: str = "auto") -> LoadedModel:
-    """The paged model on ``backend``; a GGUF whose tensors map onto the internal quantized format keeps
-    them quantized (unless ``weight_format="dequantize"``), refused before any tensor loads when the
-    backend cannot run them."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    path = resolve_model_path(model)
-    keep_quantized = bool(check_backend(path, backend.capabilities, weight_format))
+from lmport import ops
+from lmport.parallel import TPGroup
+from lmport.weights import gguf, packed_int
+from lmport.weights.checkpoint import check_backend
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         directory = hf_directory(model)
         bar.update()
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
         if keep_quantized or packed:
             cfg = AutoConfig.from_pretrained(directory)
             generation_config = _generation_config(directory)
@@ -136,9 +136,9 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, weight_format: 
             hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
             cfg, generation_config = hf.config, hf.generation_config
             with torch.device("meta"):
-                paged = PagedCausalLM(cfg, backend, rotary=None)
+                paged = PagedCausalLM(cfg, backend, rotary=None, tp=tp)
             # Share transformers' tensors instead of copying them (tied embeddings stay tied).
-            paged.load_state_dict(hf.state_dict(), strict=True, assign=True)
+            paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
             paged.rotary = hf.model.rotary_emb
         bar.update()
         paged.to(backend.device).eval()

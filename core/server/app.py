@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import copy
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -24,20 +23,25 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.api import encode_prompt
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import Engine, RequestError, RequestOutput
-from lmport.engine_loop import EngineLoop
+from lmport.engine_loop import EngineLoop, EngineStopped
+from lmport.server.guards import Guards
+from lmport.server.limits import Admission, Limits
 from lmport.server.metrics import Metrics
-from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief, validation_error
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class _Job:
     received: float                   # perf_counter() when the request arrived, for time to first token
     header: dict = field(default_factory=dict)   # id, object, created, model: the start of every response
     include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
+    release: object = None            # gives its engine requests back to Admission (idempotent)
 
     def prompt_of(self, choice: int) -> list[int]:
         return self.prompts[choice // self.n]
@@ -69,25 +74,79 @@ class EventStream(StreamingResponse):
     """
     media_type = "text/event-stream"
 
+    def __init__(self, content, on_close=None, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
 
 class Server:
     def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None):
         self.engine = engine
         self.model_name = model_name or engine.model_name
-        self.api_key = api_key or None
+        if api_key == "":
+            raise ConfigError("the API key is empty: give a key, or leave it out to serve without one")
+        self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        # A private tokenizer: the engine thread decodes with its own at the same time.
+        self.limits = limits or Limits()
+        self.admission = Admission(engine.config.max_batch_size + self.limits.waiting(engine.config.max_batch_size))
+        # A private tokenizer: the engine thread decodes with its own at the same time. Tokenizing and
+        # chat templates run in this one worker thread (in order), never in the event loop.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="lmport-tokenize")
         self.loop = EngineLoop(engine)
-        self.metrics = Metrics(lambda: self.loop.call(Engine.usage))
+        # /metrics reads what the engine thread publishes after each step: a scrape never waits for a step.
+        self.metrics = Metrics(lambda: self.loop.snapshot)
+        Gauge("lmport_requests_admitted", "Engine requests admitted by the server and not yet finished",
+              registry=self.metrics.registry).set_function(lambda: self.admission.active)
         self.created = int(time.time())
+        self.live: set[asyncio.Queue] = set()   # the output queues of jobs in flight (see abort_all)
+
+    def engine_problem(self) -> str | None:
+        """Why no request can be served now, or None."""
+        if self.loop.failure is not None:
+            return self.loop.failure
+        if not self.loop._thread.is_alive():
+            return "the engine thread has stopped"
+        if self.engine.failure:  # a tensor-parallel rank is gone: nothing can be generated
+            return f"engine failed: {self.engine.failure}"
+        return None
+
+    async def tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def admit(self, job: "_Job") -> None:
+        problem = self.engine_problem()
+        if problem is not None:
+            raise APIError(503, f"the server cannot generate: {problem}", type="server_error", code="engine_stopped")
+        job.release = self.admission.admit(len(job.configs))
+
+    def abort_all(self, error: APIError) -> None:
+        """End every job in flight with ``error`` (streams: a final error event and [DONE])."""
+        for queue in list(self.live):
+            queue.put_nowait((None, error))
+
+    async def drain(self, timeout: float) -> None:
+        """Shutdown: admit nothing more, give jobs in flight ``timeout`` seconds, then abort the rest."""
+        self.admission.closed = "the server is shutting down; retry on another instance or after the restart"
+        deadline = time.monotonic() + timeout
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.live:
+            log.warning("aborting %d request(s) still running after the %.0f s shutdown timeout",
+                        len(self.live), timeout)
+            self.abort_all(APIError(503, "the server is shutting down: the request was aborted",
+                                    type="server_error", code="shutting_down"))
 
     # -- request parsing ------------------------------------------------------------------------
     async def parse(self, request: Request, cls):
@@ -98,17 +157,29 @@ class Server:
         if length.isdigit() and int(length) > self.max_body_bytes:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise too_large
+        try:
+            async with asyncio.timeout(self.limits.body_timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > self.max_body_bytes:
+                        raise too_large
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s",
+                           code="body_timeout") from None
         try:
             req = cls.model_validate_json(bytes(body))
         except ValidationError as exc:
             raise validation_error(exc) from None
         if req.model != self.model_name:
-            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r} "
-                                f"(see GET /v1/models)", param="model", code="model_not_found")
+            raise APIError(404, f"model: {brief(req.model)} does not exist; this server serves "
+                                f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        for problem in (req.unsupported_problem(), req.stop_problem()):
+            if problem is not None:
+                raise problem
+        vocab = self.engine.model_config.vocab_size
+        if req.top_k > vocab:
+            raise APIError(400, f"top_k: {brief(req.top_k)} is more than the vocabulary ({vocab} tokens); give "
+                                f"at most {vocab}, or 0 for no top-k", param="top_k")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
                 raise APIError(400, f"{name}: not supported by lmport; leave it out or use "
@@ -158,9 +229,18 @@ class Server:
         tasks = [asyncio.create_task(pump(c, cfg)) for c, cfg in enumerate(job.configs)]
         last = [None] * len(tasks)  # when each choice last produced a token
         remaining = len(tasks)
+        self.live.add(queue)
+        timeout = self.limits.request_timeout
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(
+            max(0.0, job.received + timeout - time.perf_counter()), queue.put_nowait,
+            (None, APIError(504, f"the request did not finish within the server's {timeout:g} s timeout "
+                                 f"(--request-timeout) and was aborted", type="server_error", code="timeout")))
         try:
             while remaining:
                 choice, out = await queue.get()
+                if isinstance(out, EngineStopped):
+                    raise APIError(503, f"the server cannot generate: {out}", type="server_error",
+                                   code="engine_stopped")
                 if isinstance(out, Exception):
                     raise out
                 now = time.perf_counter()
@@ -176,6 +256,9 @@ class Server:
                     self.metrics.e2e.observe(now - job.received)
                 yield choice, out
         finally:
+            self.live.discard(queue)
+            if timer is not None:
+                timer.cancel()
             if remaining:  # the consumer left early (a client that went away): those choices are aborted
                 self.metrics.finished.labels("abort").inc(remaining)
             for task in tasks:
@@ -269,19 +352,24 @@ async def _events(server: Server, job: _Job, chunk) -> AsyncIterator[str]:
     started = [False] * len(job.configs)
     stream = server.outputs(job)
     try:
-        async for choice, out in stream:
-            if out.finished:
-                finals.append(out)
-            if out.finished and out.finish_reason == "error":
-                yield _sse(APIError(500, f"choice {choice}: generation failed: {out.error}",
-                                    type="server_error").body())
-                continue
-            delta = out.text[sent_text[choice]:]
-            new_logprobs = len(out.logprobs) > sent_logprobs[choice]
-            if delta or out.finished or new_logprobs:
-                yield _sse(chunk(choice, out, delta, not started[choice], sent_logprobs[choice]))
-                started[choice], sent_logprobs[choice] = True, len(out.logprobs)
-                sent_text[choice] += len(delta)
+        try:
+            async for choice, out in stream:
+                if out.finished:
+                    finals.append(out)
+                if out.finished and out.finish_reason == "error":
+                    yield _sse(APIError(500, f"choice {choice}: generation failed: {out.error}",
+                                        type="server_error").body())
+                    continue
+                delta = out.text[sent_text[choice]:]
+                new_logprobs = len(out.logprobs) > sent_logprobs[choice]
+                if delta or out.finished or new_logprobs:
+                    yield _sse(chunk(choice, out, delta, not started[choice], sent_logprobs[choice]))
+                    started[choice], sent_logprobs[choice] = True, len(out.logprobs)
+                    sent_text[choice] += len(delta)
+        except APIError as exc:  # timeout, shutdown, engine stopped: the stream still ends properly
+            yield _sse(exc.body())
+            yield _sse("[DONE]")
+            return
         if job.include_usage:
             yield _sse({**job.header, "choices": [], "usage": server.usage(job, finals)})
         yield _sse("[DONE]")
@@ -290,15 +378,20 @@ async def _events(server: Server, job: _Job, chunk) -> AsyncIterator[str]:
 
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    server = Server(engine, model_name, api_key, max_body_bytes)
+               max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
+               allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
+               docs: bool = True) -> FastAPI:
+    """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
+    for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``)."""
+    server = Server(engine, model_name, api_key, max_body_bytes, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         server.loop.shutdown()
+        server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="lmport", lifespan=lifespan)
+    app = FastAPI(title="lmport", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
     def require_key(request: Request) -> None:
@@ -314,29 +407,50 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         server.metrics.rejected.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: "
                                                                   f"{exc.detail}", code=str(exc.status_code)))
 
+    if docs:  # behind the API key like every other route but /health
+        @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+        async def openapi():
+            return app.openapi()
+
+        @app.get("/docs", dependencies=auth, include_in_schema=False)
+        async def swagger():
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="lmport")
+
+        @app.get("/redoc", dependencies=auth, include_in_schema=False)
+        async def redoc():
+            return get_redoc_html(openapi_url="/openapi.json", title="lmport")
+
     @app.get("/health")
     async def health():
-        if not server.loop._thread.is_alive():
-            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        problem = server.engine_problem()
+        if problem is not None:
+            return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
+        if server.admission.closed:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=auth)
     async def metrics():
-        # Scraping takes the engine lock, which a running step holds: wait in a thread, not in the event loop.
-        data = await asyncio.to_thread(generate_latest, server.metrics.registry)
-        return Response(data, media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "lmport", "max_model_len": engine.session_len}]}
+
+    max_chars = server.limits.prompt_chars(engine.session_len)
+
+    def too_long(param: str, chars: int) -> APIError:
+        return APIError(400, f"{param}: {chars} characters is more than the server's limit of {max_chars} "
+                             f"(--max-prompt-chars; the session holds {engine.session_len} tokens): shorten it",
+                        param=param)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
@@ -345,15 +459,19 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         if not req.messages:
             raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if (chars := sum(len(m["content"]) for m in messages)) > max_chars:
+            raise too_long("messages", chars)
         try:
-            ids = encode_prompt(server.tokenizer, messages)
+            ids = await server.tokenize(encode_prompt, server.tokenizer, messages)
         except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
-            raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+            raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
+                           param="messages") from None
         top = (req.top_logprobs or 0) if req.logprobs else None
         job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received)
         job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
                       "model": server.model_name}
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        server.admit(job)
 
         if req.stream:
             def chunk(choice, out, text, first, lp_from):
@@ -361,9 +479,12 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
                 return {**job.header, "choices": [{
                     "index": choice, "delta": delta, "finish_reason": _finish_reason(out),
                     "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
-            return EventStream(_events(server, job, chunk), headers={"Cache-Control": "no-cache"})
+            return EventStream(_events(server, job, chunk), on_close=job.release, headers={"Cache-Control": "no-cache"})
 
-        outs = await server.until_done_or_gone(request, job)
+        try:
+            outs = await server.until_done_or_gone(request, job)
+        finally:
+            job.release()
         if outs is None:
             return Response(status_code=499)  # nobody is listening
         return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": [
@@ -380,21 +501,35 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt: the list is empty; give a string or token ids", param="prompt")
-        prompts = [server.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        limit = server.limits.max_engine_requests
+        if len(prompt) * req.n > limit:
+            raise APIError(400, f"prompt: {len(prompt)} prompts x n={req.n} would be {len(prompt) * req.n} "
+                                f"generations; the server allows at most {limit} per request "
+                                f"(--max-engine-requests-per-request): send fewer prompts or a smaller n",
+                           param="prompt")
+        for p in prompt:
+            if isinstance(p, str) and len(p) > max_chars:
+                raise too_long("prompt", len(p))
+        prompts = await server.tokenize(
+            lambda: [server.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt])
         job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received)
         job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                       "model": server.model_name}
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         top = req.logprobs
+        server.admit(job)
 
         if req.stream:
             def chunk(choice, out, text, first, lp_from):
                 return {**job.header, "choices": [{
                     "index": choice, "text": text, "finish_reason": _finish_reason(out),
                     "logprobs": server.completion_logprobs(out, lp_from, top) if top is not None else None}]}
-            return EventStream(_events(server, job, chunk), headers={"Cache-Control": "no-cache"})
+            return EventStream(_events(server, job, chunk), on_close=job.release, headers={"Cache-Control": "no-cache"})
 
-        outs = await server.until_done_or_gone(request, job)
+        try:
+            outs = await server.until_done_or_gone(request, job)
+        finally:
+            job.release()
         if outs is None:
             return Response(status_code=499)
         return {**job.header, "usage": server.usage(job, outs), "choices": [
@@ -402,28 +537,42 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
              "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
             for c, o in enumerate(outs)]}
 
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guards, allowed_hosts=allowed_hosts)
     return app
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def serve(args) -> int:
-    """`lmport serve MODEL --host --port --api-key` with every EngineConfig flag."""
+    """`lmport serve MODEL` with the server flags (see docs/server.md) and every EngineConfig flag."""
     import uvicorn
 
     from lmport.cli import engine_config
-    api_key = args.api_key or os.environ.get("LMPORT_API_KEY") or None
+    from lmport.server.connections import ConnectionLimits
+    from lmport.server.guards import allowed_host_names, is_loopback
+    from lmport.server.shutdown import GracefulServer
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LMPORT_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("the API key is empty (--api-key or LMPORT_API_KEY): give a key, or leave both out "
+                          "to serve without one")
+    limits = Limits(max_engine_requests=args.max_engine_requests_per_request, max_prompt_chars=args.max_prompt_chars,
+                    max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
+                    body_timeout=args.body_timeout)
+    connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                                   max_connections=args.max_connections)
     engine = Engine(args.model, engine_config(args))
-    app = create_app(engine, model_name=args.model, api_key=api_key)
-    if not _is_loopback(args.host) and api_key is None:
+    app = create_app(engine, model_name=args.model, api_key=api_key, limits=limits,
+                     allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
+                     cors_origins=args.cors_origins, docs=args.docs)
+    if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "
           f"{engine.plan.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLevelName(
-        logging.getLogger().level).lower(), timeout_graceful_shutdown=5)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
+        logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
+    server = GracefulServer(config, app.state.server, shutdown_timeout=args.shutdown_timeout,
+                            exit_on_engine_failure=args.exit_on_engine_failure)
+    server.run()
+    return server.exit_code

@@ -7,20 +7,23 @@ not change generation. Responses are plain dicts built in ``app.py``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256          # each stop string is matched against the text's end at every token
+REPETITION_PENALTY_RANGE = (0.01, 100.0)   # beyond it logits over- or underflow float32
 
 
 class APIError(Exception):
     """Becomes ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -38,10 +41,15 @@ def validation_error(exc: ValidationError) -> APIError:
     # Drop union-member tags ("str", "list[str]") so the path reads like the JSON: messages.0.content
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
     param = ".".join(loc) or None
-    got = repr(err.get("input"))
-    got = got if len(got) <= 80 else got[:77] + "..."
+    got = brief(err.get("input"))
     message = f"{param}: {err['msg']}" + ("" if err["type"] == "missing" else f" (got {got})")
     return APIError(400, message, param=param)
+
+
+def brief(value, limit: int = 80) -> str:
+    """repr(value), cut to ``limit`` characters: an error message never echoes a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
 
 
 def _is_union_tag(part) -> bool:
@@ -64,15 +72,46 @@ class _Sampling(_Request):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)                  # extension (vLLM, LMDeploy); 0 or -1: off
     min_p: float = Field(0.0, ge=0, lt=1)         # extension
-    repetition_penalty: float = Field(1.0, gt=0)  # extension
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     presence_penalty: float | None = None         # accepted only when they change nothing (0)
     frequency_penalty: float | None = None
     n: int = Field(1, ge=1, le=16)
     seed: int | None = None
-    stop: Stop = None
+    stop: str | list[str] | None = None           # checked in stop_problem() for messages that name the limit
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                      # extension: generate exactly max_tokens
+    # OpenAI fields lmport does not implement: refused (unsupported_problem) rather than silently ignored.
+    logit_bias: dict | None = None
+    best_of: int | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    def unsupported_problem(self) -> APIError | None:
+        if self.logit_bias:
+            return APIError(400, "logit_bias: not supported by lmport; leave it out", param="logit_bias")
+        if self.best_of is not None and self.best_of != 1:
+            return APIError(400, "best_of: not supported by lmport (only 1); use n for several choices",
+                            param="best_of")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                return APIError(400, f"{name}: not supported by lmport; leave it out", param=name)
+        return None
+
+    def stop_problem(self) -> APIError | None:
+        words = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(words) > MAX_STOP_STRINGS:
+            return APIError(400, f"stop: {len(words)} stop strings; give at most {MAX_STOP_STRINGS}",
+                            param="stop")
+        for i, word in enumerate(words):
+            where = "stop" if isinstance(self.stop, str) else f"stop.{i}"
+            if not word:
+                return APIError(400, f"{where}: an empty stop string would stop at once; leave it out",
+                                param="stop")
+            if len(word) > MAX_STOP_CHARS:
+                return APIError(400, f"{where}: a stop string of {len(word)} characters; give at most "
+                                     f"{MAX_STOP_CHARS}", param="stop")
+        return None
 
     @property
     def stop_words(self) -> list[str] | None:

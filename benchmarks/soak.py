@@ -1,0 +1,287 @@
+"""Soak test of `lmport serve`: many requests of every kind for a long time; does anything leak?
+
+Starts `lmport serve MODEL` on a free 127.0.0.1 port and sends --requests
+requests, paced over at least --min-minutes, at most --concurrency at once.
+The mix: streamed chats that finish, non-streamed completions, streams the
+client drops after a few chunks (disconnect), non-streamed requests the client
+gives up on (abort), and bad requests (each must get a 4xx, or a 200 where
+the input is valid but extreme). After --warmup requests the server's RSS is
+read; at the end, once it is idle, RSS, KV blocks used and requests left
+(running + waiting + admitted) are read again. Prints a table; writes JSON
+to --out. Pass: RSS within 10% of the warm-up reading, 0 blocks used, 0
+requests left, no 5xx, no request without an answer.
+
+    .venv/bin/python benchmarks/soak.py                          # 10,000 requests, >= 15 minutes, tiny model
+    .venv/bin/python benchmarks/soak.py --requests 300 --min-minutes 0.5   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import _metric, free_loopback_port, percentile, start_server, wait_ready  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {"stream": 0.35, "complete": 0.2, "disconnect": 0.15, "abort": 0.1, "bad": 0.2}
+
+
+def bad_requests(model: str) -> list[tuple[str, dict, object, set[int]]]:
+    """(name, headers, body, acceptable statuses): the "Why" cases of the reliability issue, and more."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    json_type = {"Content-Type": "application/json"}
+    return [
+        ("temperature 1e-300", json_type, {**chat, "temperature": 1e-300}, {200}),
+        ("top_k 1e23", json_type, {**chat, "top_k": 10**23}, {400}),
+        ("repetition_penalty 1e-320", json_type, {**chat, "repetition_penalty": 1e-320}, {400}),
+        ("[[1]] x 5000, n 16", json_type, {"model": model, "prompt": [[1]] * 5000, "n": 16}, {400}),
+        ("stop ''", json_type, {**chat, "stop": ""}, {400}),
+        ("17 stop strings", json_type, {**chat, "stop": [f"s{i}" for i in range(17)]}, {400}),
+        ("100 KB model name", json_type, {**chat, "model": "m" * 100_000}, {404}),
+        ("logit_bias", json_type, {**chat, "logit_bias": {"1": 5}}, {400}),
+        ("best_of 2", json_type, {**chat, "best_of": 2}, {400}),
+        ("malformed JSON", json_type, b'{"model": ', {400}),
+        ("text/plain POST", {"Content-Type": "text/plain"}, json.dumps(chat).encode(), {415}),
+        ("foreign Host", {**json_type, "Host": "evil.example"}, chat, {421}),
+        ("max_tokens 0", json_type, {**chat, "max_tokens": 0}, {400}),
+        ("token id out of vocab", json_type, {"model": model, "prompt": [1, 10**9]}, {400}),
+    ]
+
+
+class Soak:
+    def __init__(self, url: str, model: str, args):
+        self.url, self.model, self.args = url, model, args
+        self.rng = random.Random(args.seed)
+        self.bad_cases = bad_requests(model)
+        self.counts: collections.Counter = collections.Counter()   # (kind, outcome)
+        self.problems: list[str] = []
+        self.latencies: dict[str, list[float]] = collections.defaultdict(list)
+
+    def problem(self, text: str) -> None:
+        self.counts["problem"] += 1
+        if len(self.problems) < 20:
+            self.problems.append(text)
+
+    async def one(self, http: httpx.AsyncClient, i: int) -> None:
+        kind = self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        start = time.perf_counter()
+        try:
+            outcome = await asyncio.wait_for(getattr(self, kind)(http, i), timeout=self.args.hang_after)
+        except asyncio.TimeoutError:
+            outcome = "hung"
+            self.problem(f"request {i} ({kind}) had no answer after {self.args.hang_after} s")
+        except httpx.HTTPError as exc:
+            outcome = f"transport error {type(exc).__name__}"
+            self.problem(f"request {i} ({kind}): {type(exc).__name__}: {exc}")
+        self.counts[(kind, outcome)] += 1
+        self.latencies[kind].append(time.perf_counter() - start)
+
+    def _chat(self, i: int, stream: bool) -> dict:
+        return {"model": self.model, "stream": stream, "max_tokens": self.rng.randint(4, 48),
+                "temperature": self.rng.choice([0, 0.7, 1.0]), "ignore_eos": self.rng.random() < 0.5,
+                "messages": [{"role": "user", "content": f"Request {i}: tell me about {self.rng.random():.4f}"}]}
+
+    async def _stream(self, http, body: dict, stop_after: int | None) -> str:
+        async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return self._status(r)
+            chunks = 0
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return "done"
+                if line.startswith("data: "):
+                    if '"error"' in line[:20]:
+                        self.problem(f"stream error event: {line[:200]}")
+                        return "error event"
+                    chunks += 1
+                    if stop_after is not None and chunks >= stop_after:
+                        return "disconnected"   # leaving the block closes the connection
+            self.problem("a stream ended without [DONE]")
+            return "no [DONE]"
+
+    def _status(self, r: httpx.Response) -> str:
+        if r.status_code == 503:
+            return "503 busy"
+        self.problem(f"HTTP {r.status_code}: {r.text[:200]}")
+        return f"HTTP {r.status_code}"
+
+    async def stream(self, http, i):
+        return await self._stream(http, self._chat(i, True), None)
+
+    async def disconnect(self, http, i):
+        body = {**self._chat(i, True), "max_tokens": 200, "ignore_eos": True}
+        return await self._stream(http, body, self.rng.randint(1, 5))
+
+    async def complete(self, http, i):
+        body = {"model": self.model, "prompt": [f"Text {i}:", "Another"][: self.rng.randint(1, 2)],
+                "max_tokens": self.rng.randint(4, 32), "n": self.rng.randint(1, 2), "temperature": 0.8}
+        r = await http.post(self.url + "/v1/completions", json=body)
+        return "done" if r.status_code == 200 else self._status(r)
+
+    async def abort(self, http, i):
+        body = {"model": self.model, "prompt": f"Abort {i}", "max_tokens": 500, "ignore_eos": True}
+        try:
+            r = await http.post(self.url + "/v1/completions", json=body,
+                                timeout=self.rng.uniform(0.05, 0.5))
+        except httpx.TimeoutException:
+            return "aborted"
+        return "done" if r.status_code == 200 else self._status(r)
+
+    async def bad(self, http, i):
+        name, headers, body, ok = self.rng.choice(self.bad_cases)
+        kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
+        path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+        r = await http.post(self.url + path, headers=headers, **kwargs)
+        if r.status_code in ok:
+            return f"{r.status_code} as expected"
+        if r.status_code == 503:
+            return "503 busy"
+        self.problem(f"bad request {name!r}: HTTP {r.status_code} (expected {sorted(ok)}): {r.text[:200]}")
+        return f"{name}: HTTP {r.status_code}"
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def idle_metrics(http: httpx.AsyncClient, url: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = (await http.get(url + "/metrics")).text
+        m = {name: _metric(text, name) for name in ("lmport_requests_running", "lmport_requests_waiting",
+                                                      "lmport_kv_blocks_used", "lmport_requests_admitted")}
+        if not any(m.values()) or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.5)
+
+
+async def run(args, url: str, pid: int) -> dict:
+    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.hang_after, connect=30), limits=limits) as http:
+        model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
+        soak = Soak(url, model, args)
+        gate = asyncio.Semaphore(args.concurrency)
+        interval = args.min_minutes * 60 / args.requests   # pacing: the run lasts at least min_minutes
+        start = time.monotonic()
+        rss = {"samples": []}
+
+        async def task(i):
+            try:
+                await soak.one(http, i)
+            finally:
+                gate.release()
+
+        tasks = []
+        for i in range(args.requests):
+            await asyncio.sleep(max(0.0, start + i * interval - time.monotonic()))
+            await gate.acquire()
+            tasks.append(asyncio.create_task(task(i)))
+            if i == args.warmup:
+                await asyncio.gather(*tasks)          # a quiet moment, like the end
+                rss["after_warmup"] = rss_bytes(pid)
+            if i % 500 == 0:
+                rss["samples"].append((round(time.monotonic() - start, 1), rss_bytes(pid)))
+                print(f"{i} requests sent, {time.monotonic() - start:.0f} s, RSS "
+                      f"{rss['samples'][-1][1] / 2**20:.0f} MiB, problems {soak.counts['problem']}", file=sys.stderr)
+        await asyncio.gather(*tasks)
+        wall = time.monotonic() - start
+        after = await idle_metrics(http, url)
+        rss["end"] = rss_bytes(pid)
+        health = (await http.get(url + "/health")).status_code
+    outcomes = collections.defaultdict(dict)
+    for key, n in soak.counts.items():
+        if key != "problem":
+            outcomes[key[0]][key[1]] = n
+    return {
+        "requests": args.requests, "concurrency": args.concurrency, "wall_s": round(wall, 1),
+        "outcomes": outcomes, "problems": soak.counts["problem"], "problem_examples": soak.problems,
+        "latency_p50_s": {k: percentile(v, 50) for k, v in soak.latencies.items()},
+        "latency_p99_s": {k: percentile(v, 99) for k, v in soak.latencies.items()},
+        "rss_after_warmup_mib": rss["after_warmup"] / 2**20, "rss_end_mib": rss["end"] / 2**20,
+        "rss_growth_pct": 100 * (rss["end"] - rss["after_warmup"]) / rss["after_warmup"],
+        "rss_samples_mib": [(t, round(b / 2**20, 1)) for t, b in rss["samples"]],
+        "running_after": after["lmport_requests_running"], "waiting_after": after["lmport_requests_waiting"],
+        "admitted_after": after["lmport_requests_admitted"], "kv_blocks_used_after": after["lmport_kv_blocks_used"],
+        "health_after": health,
+    }
+
+
+def table(r: dict) -> str:
+    passed = (abs(r["rss_growth_pct"]) <= 10 and r["kv_blocks_used_after"] == 0 and r["problems"] == 0
+              and not r["running_after"] and not r["waiting_after"] and not r["admitted_after"])
+    rows = [("requests / concurrency", f"{r['requests']} / {r['concurrency']}"),
+            ("wall time (min)", f"{r['wall_s'] / 60:.1f}"),
+            *((f"{kind}", ", ".join(f"{o}: {n}" for o, n in sorted(v.items()))) for kind, v in
+              sorted(r["outcomes"].items())),
+            ("problems (5xx, hangs, missing [DONE], unexpected status)", r["problems"]),
+            ("RSS after warm-up / end (MiB)", f"{r['rss_after_warmup_mib']:.0f} / {r['rss_end_mib']:.0f} "
+                                              f"({r['rss_growth_pct']:+.1f}%)"),
+            ("KV blocks used at the end", r["kv_blocks_used_after"]),
+            ("requests left (running / waiting / admitted)",
+             f"{r['running_after']} / {r['waiting_after']} / {r['admitted_after']}"),
+            ("/health at the end", r["health_after"]),
+            ("pass", "yes" if passed else "no")]
+    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: the tiny random-weight test model")
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--min-minutes", type=float, default=15.5)
+    p.add_argument("--concurrency", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=500)
+    p.add_argument("--hang-after", type=float, default=120.0, help="a request with no answer by then has hung")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-args", default="--max-batch-size 16 --max-waiting-requests 48 --request-timeout 60 "
+                                            "--cache-max-entry-count 256")
+    p.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: 1)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
+    args = p.parse_args()
+    if args.model is None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from models import tiny_model_dir
+        args.model = tiny_model_dir("llama")
+    port = free_loopback_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(tempfile.mkdtemp(prefix="lmport-soak-")) / "server.log"
+    print(f"server log: {log_path}", file=sys.stderr)
+    proc = start_server(args.model, port, shlex.split(args.server_args), log_path, args.torch_threads)
+    try:
+        asyncio.run(wait_ready(url, proc, time.monotonic() + 300))
+        result = asyncio.run(run(args, url, proc.pid))
+    finally:
+        proc.terminate()
+        try:
+            result_exit = proc.wait(timeout=60)
+        except Exception:
+            proc.kill()
+            result_exit = None
+    result.update(exit_code_after_sigterm=result_exit, model=args.model, server_args=args.server_args,
+                  host=platform.node(), cpus=os.cpu_count(), python=platform.python_version())
+    print(table(result))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The model runner: one rank's model shard, KV-cache shard, attention metadata, block copies and forward.
+
+The engine's driver (scheduler, block manager, sampling, detokenizing) never touches
+the model's tensors: it hands the runner one ``StepInput`` a step, made of plain
+Python lists, so under tensor parallelism it crosses the process boundary once a step
+(lmport.executor) and every rank builds the same metadata from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from lmport import memory
+from lmport.backend import Backend
+from lmport.config import EngineConfig
+from lmport.models.loader import load_model
+from lmport.ops import build_attention_metadata
+from lmport.paging import host_tier
+from lmport.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class StepInput:
+    """One forward: the new tokens of each sequence, flattened, and what the attention needs."""
+
+    token_ids: list[int]
+    q_lens: list[int]                 # new tokens of each sequence
+    kv_lens: list[int]                # tokens in each sequence's cache after this step
+    block_tables: list[list[int]]
+    logits_rows: list[int]            # rows of token_ids whose logits are wanted
+    copies: list = field(default_factory=list)   # device<->host block copies (CopyBatch) to run first
+
+
+class ModelRunner:
+    """One rank's part of the model. At tp=1 it lives in the engine's process and is called directly."""
+
+    def __init__(self, model: str, config: EngineConfig, backend: Backend, tp: TPGroup | None = None):
+        self.config, self.backend = config, backend
+        self.tp = tp or TPGroup()
+        self.dtype = DTYPES[config.dtype]
+        self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
+        self.model, self.model_config = self.loaded.model, self.loaded.config
+        self.layout = memory.kv_layout(self.model_config, config, backend.capabilities.kv_axis_order)
+        self.caches: list = []
+        self.host_caches: list = []
+        self.memory_inputs: memory.MemoryInputs | None = None
+        self.plan: memory.CachePlan | None = None
+
+    # -- memory (docs/memory.md) --------------------------------------------
+    def plan_memory(self) -> int:
+        """Plans this rank's cache from its own free memory; returns the blocks it would get."""
+        measured = memory.measure_activation_reserve(self)
+        free, _ = self.backend.memory_info()
+        self.memory_inputs = memory.MemoryInputs(
+            self.model_config, self.config, self.backend.capabilities, self.loaded.weight_bytes, free,
+            measured if measured is not None else memory.activation_reserve(self.model_config, self.config),
+            measured is not None)
+        self.plan = memory.plan_cache(self.memory_inputs)
+        return self.plan.num_blocks
+
+    def allocate(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Allocates ``num_blocks`` (every rank gets the smallest count any rank planned) and the host pool."""
+        if num_blocks != self.plan.num_blocks:
+            exact = dataclasses.replace(self.config, cache_max_entry_count=num_blocks)
+            self.memory_inputs = dataclasses.replace(self.memory_inputs, config=exact)
+            self.plan = memory.plan_cache(self.memory_inputs)
+        self.caches = memory.allocate_cache(self.memory_inputs, self.plan, self.layout, self.backend)
+        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, self.backend.pin_host_memory())
+                            if num_host_blocks else [])
+
+    # -- a step -------------------------------------------------------------
+    def copy_blocks(self, copies: list) -> None:
+        """Device<->host block copies the block manager queued, in order, one call per batch."""
+        for b in copies:
+            src, dst = (self.caches, self.host_caches) if b.to_host else (self.host_caches, self.caches)
+            self.backend.copy_blocks(src, dst, torch.tensor(b.src, dtype=torch.long),
+                                     torch.tensor(b.dst, dtype=torch.long))
+
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Block copies, then the forward over the cache; the logits rows (rank 0; None elsewhere)."""
+        self.copy_blocks(step.copies)
+        if not step.q_lens:
+            return None
+        return self.forward(step, self.caches)
+
+    def forward(self, step: StepInput, caches: list) -> torch.Tensor | None:
+        device = self.backend.device
+        meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size, device)
+        input_ids = torch.tensor(step.token_ids, dtype=torch.long).to(device)
+        hidden = self.model(input_ids, meta, caches)
+        if not step.logits_rows:
+            return hidden.new_empty(0) if self.tp.rank == 0 else None
+        return self.model.logits(hidden[step.logits_rows])
+
+    def allocation(self) -> dict:
+        """What this rank really holds: weight bytes, KV-cache blocks and bytes (compared with `lmport plan`)."""
+        tensors = [t for c in self.caches for t in (c.k, c.v, c.k_qparams, c.v_qparams) if t is not None]
+        return {"weight_bytes": self.loaded.weight_bytes, "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
+                "cache_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+    def collective_stats(self) -> dict:
+        return dict(self.tp.stats)
+
+    def close(self) -> None:
+        self.caches, self.host_caches = [], []

@@ -1,0 +1,74 @@
+"""Cross-site guards, as plain ASGI middleware in front of the app.
+
+* Host check: a server bound to loopback answers only requests whose ``Host``
+  is the bound address, ``localhost`` or a name in ``allowed_hosts``, so a web
+  page that rebinds its own DNS name to 127.0.0.1 cannot read responses.
+* Content type: a POST must be ``application/json``. Browsers send
+  ``text/plain`` (and form types) cross-site without a CORS preflight; JSON
+  needs one, which the server refuses unless ``--cors-origins`` allows it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def host_name(header: str) -> str:
+    """``example.com:8080`` -> ``example.com``; ``[::1]:80`` -> ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def allowed_host_names(bind_host: str, allowed_hosts: list[str] | None) -> set[str] | None:
+    """The Host names to accept, or None for any (not bound to loopback, or ``*`` allowed)."""
+    extra = [h.strip().lower() for h in (allowed_hosts or [])]
+    if "*" in extra or (not is_loopback(bind_host) and not extra):
+        return None
+    names = {*extra, host_name(bind_host)}
+    if is_loopback(bind_host):
+        names.update(LOOPBACK_NAMES)
+    return names
+
+
+class Guards:
+    def __init__(self, app, allowed_hosts: set[str] | None):
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.allowed_hosts is not None:
+            host = headers.get(b"host", b"").decode("latin-1")
+            if host_name(host) not in self.allowed_hosts:
+                shown = host if len(host) <= 80 else host[:77] + "..."
+                return await _error(send, 421, f"Host {shown!r} is not served here; allowed: "
+                                               f"{', '.join(sorted(self.allowed_hosts))} (add names with "
+                                               f"--allowed-hosts)", "invalid_host")
+        if scope["method"] == "POST":
+            media_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                shown = media_type or "none"
+                return await _error(send, 415, f"Content-Type {shown[:80]!r}: send the body as application/json",
+                                    "unsupported_media_type")
+        return await self.app(scope, receive, send)
+
+
+async def _error(send, status: int, message: str, code: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

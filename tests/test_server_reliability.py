@@ -1,0 +1,345 @@
+"""Reliability and safety of `lmport serve`, against real server subprocesses on loopback.
+
+One shared server (tiny random-weight model, API key, max_batch_size 1,
+max_waiting_requests 4, short header/body timeouts) takes every "bad
+request" case in turn; after each, a normal request must succeed within
+NORMAL_WITHIN seconds and /metrics must be back to 0 running, 0 waiting and
+0 KV blocks. Two more subprocesses are shut down on purpose: one by SIGTERM
+with 20 streams in flight, one by a fault injected into Engine.step (it
+must exit non-zero). All three start together, so their start-ups overlap.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from models import tiny_model_dir
+
+KEY = "sk-reliability"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NORMAL_WITHIN = 30.0      # seconds a normal request may take right after a bad one
+SHUTDOWN_TIMEOUT = 3.0
+
+FAULT_SCRIPT = r"""
+import os, sys
+import lmport.engine as engine_module
+real_step = engine_module.Engine.step
+
+def step(self):
+    if os.path.exists(os.environ["LMPORT_TEST_FAULT_FILE"]):
+        raise RuntimeError("injected engine fault")
+    return real_step(self)
+
+engine_module.Engine.step = step
+from lmport.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Serve:
+    """`lmport serve` (the tiny model) in a subprocess on a free loopback port."""
+
+    def __init__(self, tmp, name: str, *flags: str, script: str | None = None, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"{name}.log"
+        argv = ["serve", tiny_model_dir("llama"), "--host", "127.0.0.1", "--port", str(self.port),
+                "--cache-max-entry-count", "64", *flags]
+        cmd = [sys.executable, "-c", script, *argv] if script else [sys.executable, "-m", "lmport.cli", *argv]
+        with open(self.log, "w") as out:
+            # One torch thread: three servers share a small machine with the test process.
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+    def ready(self, timeout: float = 180) -> "Serve":
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"lmport serve exited {self.proc.returncode}:\n{self.log.read_text()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"lmport serve did not start:\n{self.log.read_text()}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reliability")
+    fault_file = tmp / "fault"
+    started = {
+        "shared": Serve(tmp, "shared", "--api-key", KEY, "--max-batch-size", "1", "--max-waiting-requests", "4",
+                        "--header-timeout", "1", "--body-timeout", "2"),
+        "sigterm": Serve(tmp, "sigterm", "--max-batch-size", "32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)),
+        "fault": Serve(tmp, "fault", script=FAULT_SCRIPT, env={"LMPORT_TEST_FAULT_FILE": str(fault_file)}),
+    }
+    started["fault"].fault_file = fault_file
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(servers):
+    server = servers["shared"].ready()
+    httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=120,   # the first forward is slow
+               json={"model": _model(server.url), "prompt": "warm up", "max_tokens": 2})
+    return server
+
+
+def metrics(url: str) -> dict[str, float]:
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=AUTH, timeout=10).text):
+        for s in family.samples:
+            if not s.labels:
+                values[s.name] = s.value
+    return values
+
+
+def chat(content="hi", **fields) -> dict:
+    """A chat body for model "tiny" (tests swap in the served id, the tiny model's directory)."""
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
+
+
+def assert_recovers(url: str, headers=AUTH) -> None:
+    """A normal request succeeds within NORMAL_WITHIN s, and the server is back to idle."""
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=NORMAL_WITHIN,
+                   json={"model": _model(url), "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    assert time.monotonic() - start < NORMAL_WITHIN
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(url)
+        idle = (m["lmport_requests_running"], m["lmport_requests_waiting"], m["lmport_kv_blocks_used"],
+                m["lmport_requests_admitted"]) == (0, 0, 0, 0)
+        if idle:
+            return
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+def _model(url: str) -> str:
+    return httpx.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+
+
+J = {"Content-Type": "application/json"}
+
+# (case, path, headers, body (dict: JSON; bytes: as is), expected status, param the error names or None)
+WHY = [
+    ("temperature 1e-300 acts as greedy", "chat", J, chat(temperature=1e-300), 200, None),
+    ("top_k 1e23", "chat", J, chat(top_k=10**23), 400, "top_k"),
+    ("top_k above the vocabulary", "chat", J, chat(top_k=49153), 400, "top_k"),
+    ("repetition_penalty 1e-320", "chat", J, chat(repetition_penalty=1e-320), 400, "repetition_penalty"),
+    ("repetition_penalty 1e300", "chat", J, chat(repetition_penalty=1e300), 400, "repetition_penalty"),
+    ("[[1]] x 5000 prompts, n 16", "completions", J, {"model": "tiny", "prompt": [[1]] * 5000, "n": 16}, 400,
+     "prompt"),
+    ("100,000 prompts", "completions", J, {"model": "tiny", "prompt": ["a"] * 100_000}, 400, "prompt"),
+    ("1.9 MB prompt", "completions", J, {"model": "tiny", "prompt": "word " * 380_000}, 400, "prompt"),
+    ("stop ''", "chat", J, chat(stop=""), 400, "stop"),
+    ("17 stop strings", "chat", J, chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("100 KB model name", "chat", J, chat(model="m" * 100_000), 404, "model"),
+    ("logit_bias", "chat", J, chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("best_of 3", "completions", J, {"model": "tiny", "prompt": "a", "best_of": 3}, 400, "best_of"),
+    ("functions", "chat", J, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
+    ("text/plain POST", "chat", {"Content-Type": "text/plain"}, json.dumps(chat()).encode(), 415, None),
+    ("form POST", "completions", {"Content-Type": "application/x-www-form-urlencoded"}, b"model=tiny&prompt=a",
+     415, None),
+    ("foreign Host header (DNS rebinding)", "chat", {**J, "Host": "attacker.example"}, chat(), 421, None),
+]
+
+
+@pytest.mark.parametrize("case, path, headers, body, status, param", WHY, ids=[w[0] for w in WHY])
+def test_why_case_gets_a_clear_answer_and_the_server_recovers(shared, case, path, headers, body, status, param):
+    if isinstance(body, dict) and body["model"] == "tiny":
+        body = {**body, "model": _model(shared.url)}   # the served id is the model's directory
+    elif isinstance(body, bytes):
+        body = body.replace(b"tiny", _model(shared.url).encode())
+    kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
+    start = time.monotonic()
+    r = httpx.post(shared.url + ("/v1/chat/completions" if path == "chat" else "/v1/completions"),
+                   headers={**AUTH, **headers}, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    assert time.monotonic() - start < 10
+    if status != 200:
+        error = r.json()["error"]
+        assert error["param"] == param and len(error["message"]) < 400, error
+        if param:
+            assert error["message"].startswith(param), error
+    assert_recovers(shared.url)
+
+
+def test_stop_messages_name_the_field_and_the_limit(shared):
+    model = _model(shared.url)
+    r = httpx.post(shared.url + "/v1/chat/completions", headers=AUTH, json=chat(stop=["a"] * 17, model=model))
+    assert r.json()["error"]["message"] == "stop: 17 stop strings; give at most 16"
+    r = httpx.post(shared.url + "/v1/chat/completions", headers=AUTH, json=chat(stop=["ok", ""], model=model))
+    assert r.json()["error"]["message"].startswith("stop.1: an empty stop string")
+
+
+def test_docs_need_the_api_key_and_cors_is_off(shared):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(shared.url + path).status_code == 401
+        assert httpx.get(shared.url + path, headers=AUTH).status_code == 200
+    preflight = httpx.options(shared.url + "/v1/chat/completions", headers={
+        "Origin": "https://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in preflight.headers
+    assert httpx.get(shared.url + "/health", headers={"Host": f"localhost:{shared.port}"}).status_code == 200
+
+
+def test_tokenizing_a_long_prompt_does_not_block_the_event_loop(shared):
+    """A prompt just under the character limit is tokenized in a worker thread: /health stays quick."""
+    limit = 16 * 2048
+    body = {"model": _model(shared.url), "prompt": "lorem ipsum dolor " * (limit // 18), "max_tokens": 1}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, shared.url + "/v1/completions", headers=AUTH, json=body, timeout=60)
+        worst = 0.0
+        while not pending.done():
+            start = time.monotonic()
+            assert httpx.get(shared.url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.monotonic() - start)
+        assert pending.result().status_code == 400   # over session_len in tokens
+    assert worst < 0.5
+    assert_recovers(shared.url)
+
+
+def test_queue_limit_gives_503_with_retry_after_and_metrics_stay_fast(shared):
+    """20 concurrent requests against max_batch_size 1 + max_waiting_requests 4."""
+    body = chat(max_tokens=60, ignore_eos=True, model=_model(shared.url))
+
+    def post(_):
+        r = httpx.post(shared.url + "/v1/chat/completions", headers=AUTH, json=body, timeout=120)
+        return r.status_code, r.headers.get("retry-after")
+
+    scrape_times = []
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        results = pool.map(post, range(20))
+        for _ in range(10):
+            start = time.monotonic()
+            metrics(shared.url)
+            scrape_times.append(time.monotonic() - start)
+        results = list(results)
+    statuses = sorted(s for s, _ in results)
+    assert statuses.count(200) >= 5 and statuses.count(503) >= 10, statuses
+    assert set(statuses) == {200, 503}
+    assert all(ra == "1" for s, ra in results if s == 503)
+    assert max(scrape_times) < 1.0, scrape_times
+    assert_recovers(shared.url)
+
+
+def test_half_sent_headers_are_cut_off_and_slow_bodies_get_408(shared):
+    socks = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", shared.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        socks.append(s)
+    time.sleep(2.5)   # --header-timeout 1
+    for s in socks:
+        s.settimeout(2)
+        assert s.recv(100) == b""
+        s.close()
+    with socket.create_connection(("127.0.0.1", shared.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        s.settimeout(10)
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408"), reply   # --body-timeout 2
+    assert_recovers(shared.url)
+
+
+def test_an_empty_api_key_is_an_error():
+    proc = subprocess.run([sys.executable, "-m", "lmport.cli", "serve", tiny_model_dir("llama"), "--api-key", ""],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "API key is empty" in proc.stderr
+
+
+def _stream(url: str, results: list, started: threading.Event | None = None, max_tokens=1500):
+    """A streamed chat; appends (events, saw_done, error) when it ends."""
+    events, done, error = [], False, None
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "model": _model(url), "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if started is not None and len(events) == 2:
+                        started.release()
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    results.append((events, done, error))
+
+
+def _ended_properly(events) -> bool:
+    last = events[-1]
+    return "error" in last or last["choices"][0]["finish_reason"] is not None
+
+
+def test_sigterm_ends_every_stream_with_a_final_event_and_exits_0(servers):
+    server = servers["sigterm"].ready()
+    results, started = [], threading.Semaphore(0)
+    threads = [threading.Thread(target=_stream, args=(server.url, results, started)) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        assert started.acquire(timeout=60)
+    sent = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=SHUTDOWN_TIMEOUT + 10) == 0, server.log.read_text()
+    assert time.monotonic() - sent < SHUTDOWN_TIMEOUT + 5
+    for t in threads:
+        t.join(10)
+    assert len(results) == 20
+    for events, done, error in results:
+        assert error is None and done and _ended_properly(events), (error, done, events[-1:])
+    assert sum("error" in events[-1] for events, _, _ in results) >= 1   # 1500 tokens take longer than 3 s
+    with pytest.raises(httpx.ConnectError):   # nothing listens any more
+        httpx.get(server.url + "/health", timeout=2)
+
+
+def test_an_engine_fault_errors_every_stream_within_5_s_and_exits_non_zero(servers):
+    server = servers["fault"].ready()
+    results, started = [], threading.Semaphore(0)
+    threads = [threading.Thread(target=_stream, args=(server.url, results, started)) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for _ in range(5):
+        assert started.acquire(timeout=60)
+    server.fault_file.write_text("fail")
+    start = time.monotonic()
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - start < 5 and len(results) == 5
+    for events, done, error in results:
+        assert error is None and done and "error" in events[-1], (error, done, events[-1:])
+        assert "injected engine fault" in events[-1]["error"]["message"]
+    assert server.proc.wait(timeout=30) not in (0, None)
+    assert "injected engine fault" in server.log.read_text()
