@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_model
 from tqdm import tqdm
 
+from lmport import ops
 from lmport.backend import Backend
 from lmport.config import ConfigError
 from lmport.models import quantized as quantized_layers
 from lmport.models.llama import PagedCausalLM
-from lmport import ops
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend
@@ -115,10 +115,19 @@ class LoadedModel:
     num_parameters: int   # weights as the model computes with them (a quantized weight counts in x out)
 
 
-from lmport import ops
-from lmport.parallel import TPGroup
-from lmport.weights import gguf, packed_int
-from lmport.weights.checkpoint import check_backend
+def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None,
+               weight_format: str = "auto") -> LoadedModel:
+    """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config.
+    A GGUF whose tensors map onto the internal quantized format, or an AWQ / GPTQ directory, keeps
+    them quantized (unless ``weight_format="dequantize"``), refused before any tensor loads when the
+    backend cannot run them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model_path(model)
+    keep_quantized = bool(check_backend(path, backend.capabilities, weight_format))
+    packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
+    if (keep_quantized or packed) and tp is not None and tp.size > 1:
+        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (its weights are not "
+                          f"sharded in their quantized layout); use tp=1, or weight_format='dequantize' for a GGUF")
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         directory = hf_directory(model)
         bar.update()
