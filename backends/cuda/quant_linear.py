@@ -30,7 +30,7 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, M, N, K, GROU
     j = tl.arange(0, RUN)
     row_ok = rows < M
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is itself jitted: see reductions.py
     for k0 in range(0, K, RUN):
         x = tl.load(x_ptr + rows[:, None] * K + (k0 + j)[None, :], mask=row_ok[:, None], other=0.0)
         if BITS == 4:
