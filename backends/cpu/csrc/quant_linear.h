@@ -193,10 +193,23 @@ inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scale
       for (int64_t k = 0; k < K; k += kRun) {
         const int64_t g = n * groups + k / group_size;
         const float s = static_cast<float>(sp[g]), mn = static_cast<float>(mp[g]);
-        for (int i = 0; i < kRun; ++i) {
-          const int q = bits == 4 ? (w[n * row_bytes + k / 2 + i % 16] >> (i < 16 ? 0 : 4)) & 15
-                                  : static_cast<int8_t>(w[n * row_bytes + k + i]);
-          op[n * K + k + i] = s * static_cast<float>(q) + mn;
+        // The run's 32 codes as bytes in input order, widened 8 at a time to float: w = s * q + min.
+        __m128i lo, hi;
+        if (bits == 4) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * row_bytes + k / 2));
+          lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+          hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        } else {
+          lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * row_bytes + k));
+          hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * row_bytes + k + 16));
+        }
+        const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(mn);
+        float* o = op + n * K + k;
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int i = 0; i < 4; ++i) {
+          const __m256i q = bits == 4 ? _mm256_cvtepu8_epi32(parts[i]) : _mm256_cvtepi8_epi32(parts[i]);
+          // q * s + min as the reference computes it (a fused multiply-add may round once less).
+          _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), sv), mv));
         }
       }
     }
