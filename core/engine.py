@@ -6,6 +6,7 @@ Every request ends finished ("stop" / "length"), aborted, or with an error.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from lmport.runner import DTYPES, StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
-from lmport.weights.checkpoint import check_backend
+from lmport.weights.checkpoint import check_backend, checkpoint_formats
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,13 @@ class Engine:
         self.config = (config or EngineConfig()).resolve()
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
-        if check_backend(resolve_model_path(model), backend_cls.capabilities, self.config.weight_format) \
-                and self.config.tp > 1:
-            raise ConfigError(f"tp={self.config.tp} with a quantized checkpoint is not supported (its weights are "
-                              f"not sharded in their quantized layout); use tp=1, or weight_format='dequantize'")
+        path = resolve_model_path(model)
+        if self.config.tp > 1 and self.config.weight_format == "auto" and checkpoint_formats(path):
+            # Quantized weights are not sharded: under tensor parallelism the checkpoint loads float.
+            log.warning("tp=%d: %s is dequantized to %s at load (quantized weights run at tp=1 only)",
+                        self.config.tp, path.name, self.config.dtype)
+            self.config = dataclasses.replace(self.config, weight_format="dequantize")
+        check_backend(path, backend_cls.capabilities, self.config.weight_format)
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")

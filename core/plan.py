@@ -63,7 +63,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     weight_bytes = max(rank_bytes)
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
-    if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
+    weight_format = resolved.weight_format if resolved.tp == 1 else "dequantize"   # as the engine does
+    if check_backend(path, caps, weight_format) and path.suffix == ".gguf":
         # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
         weight_bytes = sum(bytes_by_format.values())

@@ -95,12 +95,12 @@ def test_cpu_dequantize_kernel_is_the_reference():
 def test_backend_without_weight_formats_refuses_a_quantized_checkpoint(backend_name, capabilities, monkeypatch):
     if capabilities.weight_formats:
         pytest.skip(f"{backend_name} runs int4/int8 weights")
-    from lmport import engine as engine_module
+    from lmport import runner
     from lmport.engine import Engine
 
     def no_load(*args, **kwargs):
         raise AssertionError("refused only after loading weights")
-    monkeypatch.setattr(engine_module, "load_model", no_load)
+    monkeypatch.setattr(runner, "load_model", no_load)
     with pytest.raises(ConfigError) as err:
         Engine("smollm2", EngineConfig(device_type=backend_name))
     message = str(err.value)
