@@ -4,7 +4,9 @@ Workload: N requests (default 64), prompts of 8-256 tokens cut from a fixed
 text, output lengths from {16, 32, 64, 128} (EOS ignored so every engine
 produces exactly the requested tokens), fixed seed, all arriving at t=0.
 
-- lmport: every request at once through the engine (continuous batching, per-request lengths).
+- lmport: every request at once through the engine (continuous batching, per-request lengths),
+  with the GGUF's weights kept int4/int8, and again with them dequantized to float32 at load
+  (`weight_format="dequantize"`, the path before quantized weights; skip with --skip dequantized).
 - transformers generate: padded batches of --hf-batch requests of one output length.
 - transformers generate_batch: its continuous batching, one call per output length
   (it takes a single max_new_tokens per call).
@@ -58,11 +60,12 @@ def summarize(name: str, wall: float, latencies: list[float], requests) -> dict:
     }
 
 
-def run_lmport(model: str, requests, args) -> dict:
+def run_lmport(model: str, requests, args, weight_format: str = "auto") -> dict:
     import lmport
     from lmport import EngineConfig, GenerationConfig
     pipe = lmport.pipeline(model, backend_config=EngineConfig(
-        device_type="cpu", dtype="float32", max_batch_size=args.max_batch_size, cache_max_entry_count=args.blocks))
+        device_type="cpu", dtype="float32", max_batch_size=args.max_batch_size, cache_max_entry_count=args.blocks,
+        weight_format=weight_format))
     engine = pipe.engine
     engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=2, ignore_eos=True))  # warm-up
     while engine.has_unfinished():
@@ -130,7 +133,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=2400, help="KV blocks of 16 tokens for lmport")
-    parser.add_argument("--skip", nargs="*", default=[], help="generate, generate_batch")
+    parser.add_argument("--skip", nargs="*", default=[], help="generate, generate_batch, dequantized")
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
 
@@ -141,6 +144,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(directory)
     requests = workload(tokenizer, args.requests, args.seed)
     results = [run_lmport(args.model, requests, args)]
+    if "dequantized" not in args.skip:   # the same GGUF dequantized to float32 at load (the path before int4/int8)
+        results.append(run_lmport(args.model, requests, args, "dequantize") | {"engine": "lmport (float32 weights)"})
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     if "generate" not in args.skip:
         results.append(run_hf_generate(hf, tokenizer, requests, args.hf_batch))

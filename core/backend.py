@@ -35,6 +35,24 @@ class Capabilities:
     default_cache_max_entry_count: float = 0.8
     # Axis order of each K/V cache block: "bshd" = [block, slot, head, dim].
     kv_axis_order: str = "bshd"
+    # Quantized weight formats run natively (docs/weight-quantization.md): "int4", "int8", and the
+    # group sizes (input elements sharing one scale and min) the kernels take. Empty: none.
+    weight_formats: frozenset[str] = frozenset()
+    weight_group_sizes: frozenset[int] = frozenset({32, 64, 128})
+
+    def weight_format_problem(self, bits: int, group_size: int) -> str | None:
+        """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""
+        if f"int{bits}" not in self.weight_formats:
+            runs = ", ".join(sorted(self.weight_formats)) or "no quantized weights"
+            return f"it runs {runs}"
+        if group_size not in self.weight_group_sizes:
+            return f"its int{bits} kernels take group sizes {sorted(self.weight_group_sizes)}"
+        return None
+
+    def weight_formats_text(self) -> str:
+        if not self.weight_formats:
+            return "-"
+        return ",".join(sorted(self.weight_formats)) + " g" + "/".join(map(str, sorted(self.weight_group_sizes)))
 
     def block_size_rule(self) -> str:
         if self.block_size_forced is not None:
@@ -114,6 +132,11 @@ class Backend:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ bias); the result may be in any strided layout (the model does not assume contiguity)."""
         return torch.nn.functional.linear(x, weight, bias)
+
+    def quant_linear(self, x: torch.Tensor, weight: "ops.QuantizedWeight",
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ dequantize(weight)^T (+ bias) for a weight in the internal quantized format."""
+        return ops.quant_linear(x, weight, bias)
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:

@@ -67,13 +67,14 @@ def gen_config(args) -> GenerationConfig:
 
 
 def cmd_backends(args) -> int:
-    rows = [("backend", "available", "quant policies", "block size", "torch device", "dist", "origin")]
+    rows = [("backend", "available", "quant policies", "weight formats", "block size", "torch device", "dist", "origin")]
     reasons = []
     for r in registry.describe_backends():
         caps = r.capabilities
         rows.append((
             r.name, "yes" if r.probe.available else "no",
             ",".join(str(p) for p in sorted(caps.kv_quant_policies)) if caps else "-",
+            caps.weight_formats_text() if caps else "-",
             f"{caps.block_size_rule()} (default {caps.default_block_size})" if caps else "-",
             caps.torch_device if caps else "-", caps.dist_backend if caps else "-", r.origin))
         reasons.append(f"  {r.name}: {r.probe.reason}")

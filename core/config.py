@@ -12,6 +12,7 @@ from typing import NamedTuple
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+WEIGHT_FORMATS = ("auto", "dequantize")
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,9 @@ class EngineConfig:
     host_cache_gib: float = 0.0
     tp: int = 1
     eager_mode: bool = True                  # False: backends that can capture graphs do
+    # "auto": a quantized checkpoint keeps its 4-/8-bit weights (docs/weight-quantization.md);
+    # "dequantize": its weights are dequantized to dtype at load (for a backend without its format).
+    weight_format: str = "auto"
     # Tensor parallelism across nodes (docs/distributed.md): tp ranks split evenly over nnodes nodes.
     nnodes: int = 1
     node_rank: int = 0
@@ -76,6 +80,8 @@ class EngineConfig:
             _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.session_len is None or (_is_int(self.session_len) and self.session_len >= 1),
                f"session_len must be an int >= 1 (or None for the model's limit), got {self.session_len!r}")
+        _check(self.weight_format in WEIGHT_FORMATS,
+               f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weight_format!r}")
         _check(_is_number(self.host_cache_gib) and self.host_cache_gib >= 0,
                f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
         _check(self.tp % self.nnodes == 0, f"tp={self.tp} must split evenly over nnodes={self.nnodes} "

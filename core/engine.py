@@ -6,6 +6,7 @@ Every request ends finished ("stop" / "length"), aborted, or with an error.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
-from lmport.models.loader import read_model_config
+from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
@@ -26,6 +27,7 @@ from lmport.runner import DTYPES, StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
+from lmport.weights.checkpoint import check_backend, checkpoint_formats
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,14 @@ class Engine:
         ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
         self.config = (config or EngineConfig()).resolve()
         backend_cls = self.config.backend_class()
+        # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
+        path = resolve_model_path(model)
+        if self.config.tp > 1 and self.config.weight_format == "auto" and checkpoint_formats(path):
+            # Quantized weights are not sharded: under tensor parallelism the checkpoint loads float.
+            log.warning("tp=%d: %s is dequantized to %s at load (quantized weights run at tp=1 only)",
+                        self.config.tp, path.name, self.config.dtype)
+            self.config = dataclasses.replace(self.config, weight_format="dequantize")
+        check_backend(path, backend_cls.capabilities, self.config.weight_format)
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")
@@ -107,7 +117,7 @@ class Engine:
         self.block_manager = BlockManager(
             self.plan.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
-            flops_per_token=2 * self.config.tp * loaded.weight_bytes / self.dtype.itemsize,   # ~2 a parameter
+            flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
             seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy))
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
 

@@ -272,7 +272,25 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
                      f"{_room_text(alt)}")
     else:
         lines.append(f"5. tp={c.tp} already splits all {inp.model_config.num_key_value_heads} KV heads")
+    lines.append("6. weights: " + _step_weights(base))
     return "\n".join(lines)
+
+
+def _step_weights(inp: MemoryInputs) -> str:
+    """What a 4-bit checkpoint of this model would free (docs/weight-quantization.md), when the loaded one is float."""
+    from lmport.plan import count_parameters
+    params = count_parameters(inp.model_config)
+    float_bytes = params * getattr(torch, inp.config.dtype).itemsize // inp.config.tp
+    if inp.weight_bytes < 0.9 * float_bytes:
+        return f"already quantized ({fmt_bytes(inp.weight_bytes)} for {params / 1e6:.0f}M parameters)"
+    if "int4" not in inp.capabilities.weight_formats:
+        return f"4-bit weights are not supported on {inp.config.device_type}"
+    # int4 in groups of 32 with a float16 scale and min: 4 + 32 / 32 bits = 0.625 bytes a parameter.
+    four_bit = params * 5 // 8 // inp.config.tp
+    saved = inp.weight_bytes - four_bit
+    alt = dataclasses.replace(inp, weight_bytes=four_bit, free_bytes=inp.free_bytes + saved)
+    return (f"a 4-bit checkpoint (a Q4_0 / Q4_1 GGUF) holds them in {fmt_bytes(four_bit)} instead of "
+            f"{fmt_bytes(inp.weight_bytes)} ({inp.config.dtype}), {fmt_bytes(saved)} more for the cache: {_room_text(alt)}")
 
 
 def _room_text(inp: MemoryInputs) -> str:

@@ -19,8 +19,10 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import PagedCausalLM, head_dim_of
-from lmport.models.loader import ModelNotFound, read_model_config
+from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
 from lmport.parallel import TPGroup
+from lmport.weights import gguf
+from lmport.weights.checkpoint import check_backend
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
@@ -59,6 +61,14 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     # Each rank's own shard (vocabulary and MLP pieces may differ by a row between ranks).
     rank_bytes = [count_parameters(model_cfg, TPGroup(r, resolved.tp)) * dtype.itemsize for r in range(resolved.tp)]
     weight_bytes = max(rank_bytes)
+    bytes_by_format = {resolved.dtype: weight_bytes}
+    path = resolve_model_path(model)
+    weight_format = resolved.weight_format if resolved.tp == 1 else "dequantize"   # as the engine does
+    if check_backend(path, caps, weight_format) and path.suffix == ".gguf":
+        # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
+        bytes_by_format = gguf.planned_bytes(path, dtype)
+        weight_bytes = sum(bytes_by_format.values())
+        rank_bytes = [weight_bytes]
 
     if device_memory is None:
         probe = registry.safe_probe(backend_cls)
@@ -81,7 +91,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                   "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg),
                   "sliding_window": getattr(model_cfg, "sliding_window", None)},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
-        "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": {resolved.dtype: weight_bytes}},
+        "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
         "activation_reserve": {
             "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
             "source": "estimate",

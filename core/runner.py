@@ -45,7 +45,7 @@ class ModelRunner:
         self.config, self.backend = config, backend
         self.tp = tp or TPGroup()
         self.dtype = DTYPES[config.dtype]
-        self.loaded = load_model(model, backend, self.dtype, self.tp)
+        self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
         self.model, self.model_config = self.loaded.model, self.loaded.config
         self.layout = memory.kv_layout(self.model_config, config, backend.capabilities.kv_axis_order)
         self.caches: list = []

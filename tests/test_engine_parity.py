@@ -46,6 +46,9 @@ def reference_tokens() -> list[list[int]]:
 
 
 def run_engine(model, ids, max_new_tokens, **config):
+    # The default model's GGUF dequantized to float32 (as transformers loads it), so tokens must be
+    # identical; its quantized path is held to the reference in test_quantized_model.py.
+    config.setdefault("weight_format", "dequantize")
     with lmport.pipeline(model, backend_config=EngineConfig(device_type="cpu", **config)) as pipe:
         responses = pipe.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens))
         usage = pipe.engine.usage()

@@ -16,7 +16,7 @@ from lmport.engine import RequestError
 from models import hf_model
 
 FREE = 3 << 30   # free memory the engine sees once its weights are loaded: the same plan on every machine
-CONFIG = EngineConfig(device_type="cpu", cache_max_entry_count=0.05)
+CONFIG = EngineConfig(device_type="cpu", cache_max_entry_count=0.05, weight_format="dequantize")  # float32, as transformers
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention keeps keys and values in fixed-size blocks, so no memory is lost to padding; a block "

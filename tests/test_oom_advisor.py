@@ -49,7 +49,7 @@ def test_too_small_cache_max_entry_count_gives_advice_with_numbers(free_memory):
     assert f"{memory.fmt_bytes(usable)} left for the KV cache" in message
     assert f"activation reserve {memory.fmt_bytes(reserve)} (estimated)" in message
     s = steps(message)
-    assert [line[:3] for line in s] == ["1. ", "2. ", "3. ", "4. ", "5. "]
+    assert [line[:3] for line in s] == ["1. ", "2. ", "3. ", "4. ", "5. ", "6. "]
     assert s[0] == f"1. cache_max_entry_count: raise it from 0.001 to {raise_to} (session_len 1024)"
     # INT8: 16 values + fp32 scale/zero (8 bytes) a head a token, instead of 64 bytes.
     assert s[1].startswith(f"2. quant_policy=8: {64 / 24:.2f}x the tokens: ")
@@ -58,6 +58,10 @@ def test_too_small_cache_max_entry_count_gives_advice_with_numbers(free_memory):
     assert s[2].startswith("3. max_prefill_token_num: lower it from 4096 to ")
     assert s[3] == f"4. session_len: lower it to <= {blocks * 16} (what {blocks} blocks hold)"
     assert s[4].startswith("5. tp=2 (2 devices like this one): each holds ")
+    # The tiny model is float32 (4 bytes a parameter); int4 with its scales and mins takes 0.625.
+    params = plan.count_parameters(plan.read_model_config(tiny()))
+    assert s[5].startswith(f"6. weights: a 4-bit checkpoint (a Q4_0 / Q4_1 GGUF) holds them in "
+                           f"{memory.fmt_bytes(params * 5 // 8)} instead of {memory.fmt_bytes(params * 4)} (float32)")
 
     # Step 1's number is enough on its own.
     with pytest.MonkeyPatch.context() as mp:

@@ -120,7 +120,7 @@ def test_plugin_that_fails_to_load_is_reported(install_fake_plugin, freeze_disco
 
     assert cli.main(["backends"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^broken\s+no\s+-\s+-\s+-\s+-\s+lmport-broken-device$", out, re.M), out
+    assert re.search(r"^broken\s+no\s+-\s+-\s+-\s+-\s+-\s+lmport-broken-device$", out, re.M), out
     reason = re.search(r"^\s+broken: (.*)$", out, re.M)
     assert reason and expected in reason.group(1), out
 

@@ -37,6 +37,14 @@ the Ascend Extension for PyTorch API reference on hiascend.com):
     (``lmport.ops.gather_kv``) and FIA runs on the contiguous result.
   * queries FIA does not take (float32, head_dim not 16-aligned or > 512, more than
     64 query heads per KV head) use the reference op.
+- quant_linear (int4 / int8 weights, docs/weight-quantization.md):
+  ``torch_npu.npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, bias=...,
+  antiquant_group_size=group)`` (torch_npu-npu_weight_quant_batchmatmul.md), which computes
+  x @ ((weight + offset) * scale): our w = scale * q + min becomes offset = min / scale (8-bit,
+  signed codes as they are) or 8 + min / scale (4-bit, codes re-centred to signed q - 8 and packed
+  eight to an int32 along the outputs, the op's int4 layout); scale and offset per group as
+  (in / group, out) in x's dtype. The int4 repack runs per call (not yet cached at load).
+  float32 activations (the op takes float16 / bfloat16) use the reference.
 - rms_norm: ``torch_npu.npu_rms_norm(x, gamma, epsilon)[0]`` (ptaoplist
   "torch_npu.npu_rms_norm": float16/bfloat16/float32, gamma in x's dtype).
 - apply_rotary: ``torch_npu.npu_rotary_mul(x, r1, r2)`` in "half" mode
@@ -59,6 +67,7 @@ from lmport import ops
 from lmport.backend import Backend, Capabilities, ProbeResult
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
+from lmport.weights.format import unpack_int4
 
 _FIA_DTYPES = (torch.float16, torch.bfloat16)
 _MASK_SIDE = 2048  # sparse_mode=3 takes this fixed-size lower-triangular mask
@@ -69,6 +78,7 @@ class AscendBackend(Backend):
         device_type="ascend",
         torch_device="npu",
         kv_quant_policies=frozenset({0, 4, 8}),
+        weight_formats=frozenset({"int4", "int8"}),
         default_block_size=128,
         block_size_min=16,
         block_size_power_of_two=True,
@@ -99,6 +109,23 @@ class AscendBackend(Backend):
         self._masks: dict[torch.device, torch.Tensor] = {}
 
     # -- ops ------------------------------------------------------------
+    def quant_linear(self, x: torch.Tensor, weight: ops.QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype not in _FIA_DTYPES or x.dim() != 2:
+            return super().quant_linear(x, weight, bias)
+        scale = weight.scales.float()
+        offset = weight.mins.float() / scale
+        if weight.bits == 8:
+            packed = weight.qweight.T                                   # (in, out) int8
+        else:
+            offset = offset + 8
+            signed = (unpack_int4(weight.qweight).to(torch.int32) - 8).T  # (in, out), -8..7
+            shifts = torch.arange(8, dtype=torch.int32, device=signed.device) * 4
+            packed = ((signed.reshape(signed.shape[0], -1, 8) & 15) << shifts).sum(-1, dtype=torch.int32)
+        return self._npu.npu_weight_quant_batchmatmul(
+            x, packed, scale.T.to(x.dtype).contiguous(), offset.T.to(x.dtype).contiguous(),
+            bias=bias, antiquant_group_size=weight.group_size)
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         index = slot_mapping.view(-1, 1)

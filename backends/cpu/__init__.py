@@ -1,5 +1,6 @@
 """cpu backend: host memory; C++ kernels (kernels.py) for paged attention, small-batch linear,
-RMSNorm, rotary and the silu-gated activation on float32, the reference ops for everything else."""
+linear over int4/int8 weights, RMSNorm, rotary and the silu-gated activation on float32, the
+reference ops for everything else."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,9 @@ from lmport.kv.layout import LayerCache
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS.
 SMALL_BATCH_TOKENS = 128
+# Up to this many tokens a quantized linear dots int8 activations with the packed weight;
+# beyond it the weight is dequantized for the BLAS.
+QUANT_GEMV_TOKENS = 16
 
 
 class CpuBackend(Backend):
@@ -21,6 +25,7 @@ class CpuBackend(Backend):
         device_type="cpu",
         torch_device="cpu",
         kv_quant_policies=frozenset({0, 4, 8}),
+        weight_formats=frozenset({"int4", "int8"}),
         default_block_size=16,
         dist_backend="gloo",
         priority=0,
@@ -49,6 +54,18 @@ class CpuBackend(Backend):
         if compiled is None:
             return super().linear(x, weight, bias)
         return compiled.small_linear(x, weight, bias)
+
+    def quant_linear(self, x: torch.Tensor, weight: ops.QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        compiled = _compiled_for(x, *([] if bias is None else [bias]))
+        if compiled is None or x.dim() != 2:
+            return super().quant_linear(x, weight, bias)
+        q = weight
+        if x.shape[0] <= QUANT_GEMV_TOKENS:  # decode: integer dot products over the packed weight
+            return compiled.quant_linear(x, q.qweight, q.scales, q.mins, q.bits, q.group_size, bias)
+        # prefill: the weight expanded once for the BLAS, which is then as fast as on float weights
+        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)
+        return torch.nn.functional.linear(x, w, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)

@@ -25,7 +25,7 @@ from lmport.kv.layout import LayerCache
 def _load_kernels(device: torch.device) -> SimpleNamespace:
     """The Triton kernel entry points, imported on first use."""
     try:
-        from lmport.backends.cuda import decode_attention, kv_fill, launch, prefill_attention
+        from lmport.backends.cuda import decode_attention, kv_fill, launch, prefill_attention, quant_linear
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
@@ -34,7 +34,8 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            "imported without TRITON_INTERPRET=1; set it before anything imports them")
     return SimpleNamespace(fill_kv_cache=kv_fill.fill_kv_cache,
                            decode_attention=decode_attention.decode_attention,
-                           prefill_attention=prefill_attention.prefill_attention)
+                           prefill_attention=prefill_attention.prefill_attention,
+                           quant_linear=quant_linear.quant_linear)
 
 
 class CudaBackend(Backend):
@@ -42,6 +43,7 @@ class CudaBackend(Backend):
         device_type="cuda",
         torch_device="cuda",
         kv_quant_policies=frozenset({0, 4, 8}),
+        weight_formats=frozenset({"int4", "int8"}),
         default_block_size=64,
         block_size_min=16,
         block_size_power_of_two=True,
@@ -89,6 +91,12 @@ class CudaBackend(Backend):
         return peak
 
     # -- ops --------------------------------------------------------------
+    def quant_linear(self, x: torch.Tensor, weight: ops.QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2:
+            return super().quant_linear(x, weight, bias)
+        return self.kernels.quant_linear(x, weight, bias)
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         self.kernels.fill_kv_cache(k, v, cache, slot_mapping)

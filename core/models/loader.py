@@ -15,9 +15,14 @@ import torch
 from safetensors.torch import save_model
 from tqdm import tqdm
 
+from lmport import ops
 from lmport.backend import Backend
+from lmport.config import ConfigError
+from lmport.models import quantized as quantized_layers
 from lmport.models.llama import PagedCausalLM
 from lmport.parallel import TPGroup
+from lmport.weights import gguf, packed_int
+from lmport.weights.checkpoint import check_backend
 
 log = logging.getLogger(__name__)
 
@@ -107,28 +112,94 @@ class LoadedModel:
     config: object
     eos_token_ids: list[int]
     weight_bytes: int
+    num_parameters: int   # weights as the model computes with them (a quantized weight counts in x out)
 
 
-def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None) -> LoadedModel:
-    """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None,
+               weight_format: str = "auto") -> LoadedModel:
+    """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config.
+    A GGUF whose tensors map onto the internal quantized format, or an AWQ / GPTQ directory, keeps
+    them quantized (unless ``weight_format="dequantize"``), refused before any tensor loads when the
+    backend cannot run them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model_path(model)
+    keep_quantized = bool(check_backend(path, backend.capabilities, weight_format))
+    packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
+    if (keep_quantized or packed) and tp is not None and tp.size > 1:
+        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (its weights are not "
+                          f"sharded in their quantized layout); use tp=1, or weight_format='dequantize' for a GGUF")
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         directory = hf_directory(model)
         bar.update()
-        hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(directory)
+        if keep_quantized or packed:
+            cfg = AutoConfig.from_pretrained(directory)
+            generation_config = _generation_config(directory)
+            quantized, floats = (packed_int.load_tensors(path, dtype) if packed
+                                 else gguf.load_tensors(path, cfg, dtype))
+            if not keep_quantized:   # weight_format="dequantize"
+                floats |= {name: ops.dequantize(w, dtype) for name, w in quantized.items()}
+                quantized = {}
+            paged = _paged_from_tensors(path, cfg, quantized, floats, backend, dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+            cfg, generation_config = hf.config, hf.generation_config
+            with torch.device("meta"):
+                paged = PagedCausalLM(cfg, backend, rotary=None, tp=tp)
+            # Share transformers' tensors instead of copying them (tied embeddings stay tied).
+            paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
+            paged.rotary = hf.model.rotary_emb
         bar.update()
-        cfg = hf.config
-        with torch.device("meta"):
-            paged = PagedCausalLM(cfg, backend, rotary=None, tp=tp)
-        # Share transformers' tensors instead of copying them (tied embeddings stay tied).
-        paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
-        paged.rotary = hf.model.rotary_emb
         paged.to(backend.device).eval()
         bar.update()
-    eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
+    eos = generation_config.eos_token_id if generation_config is not None else None
     eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    # Tied weights are two Parameters over one storage: count each storage once.
-    weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in paged.parameters()}.values())
-    return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), weight_bytes)
+    return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), resident_bytes(paged), parameter_count(paged))
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights (parameters and quantized buffers, not the rotary tables), each
+    tensor once: a tied LM head shares its embedding's."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size()
+               for name, t in [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary.")}
+    return sum(tensors.values())
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Weights of the model, each once (a tied head shares its embedding's), quantized ones as [out, in]."""
+    counts = {p.data_ptr(): p.numel() for name, p in model.named_parameters() if not name.startswith("rotary.")}
+    for module in model.modules():
+        if isinstance(module, quantized_layers.QuantLinear | quantized_layers.QuantEmbedding):
+            q = module.quantized
+            counts[q.qweight.data_ptr()] = q.out_features * q.in_features
+    return sum(counts.values())
+
+
+def _generation_config(directory: Path):
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except OSError:
+        return None
+
+
+def _paged_from_tensors(path: Path, cfg, quantized: dict, floats: dict, backend: Backend,
+                        dtype: torch.dtype) -> PagedCausalLM:
+    """The paged model over a loader's quantized weights and float tensors (transformers' names)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in quantized | floats:
+        embed = "model.embed_tokens.weight"
+        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
+    with torch.device("meta"):
+        paged = PagedCausalLM(cfg, backend, rotary=None)
+    quantized_layers.install(paged, quantized, floats, backend, dtype)
+    missing, unexpected = paged.load_state_dict(floats, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{path.name}: tensors missing for {missing[:4]} / without a place in the model "
+                         f"{unexpected[:4]} (config: {cfg.model_type}, {cfg.num_hidden_layers} layers)")
+    for name, p in [*paged.named_parameters(), *paged.named_buffers()]:
+        if p.is_meta:
+            raise ValueError(f"{path.name}: no tensor for {name}")
+    paged.rotary = LlamaRotaryEmbedding(config=cfg)
+    return paged

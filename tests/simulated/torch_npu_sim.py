@@ -274,6 +274,56 @@ def npu_fused_infer_attention_score(
     return out.to(query.dtype).view(query.shape), torch.zeros(1, dtype=torch.float32)
 
 
+# -- npu_weight_quant_batchmatmul --------------------------------------------
+def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                 quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0):
+    """y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias (torch_npu-npu_weight_quant_batchmatmul.md).
+
+    x (m, k) float16/bfloat16; weight int8 (k, n), or int32 (k, n / 8) holding eight signed int4
+    values along n (value j at bits 4j); antiquant_scale/offset in x's dtype, per channel (n,) /
+    (1, n) or per group (ceil(k / antiquant_group_size), n); group size 0 or a multiple of 32 below k.
+    """
+    calls.append(("npu_weight_quant_batchmatmul", {"dtype": x.dtype, "weight": weight.dtype,
+                                                   "group": antiquant_group_size}))
+    if quant_scale is not None or quant_offset is not None:
+        _not_simulated("quantized output (quant_scale / quant_offset)")
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
+        _fail(f"npu_weight_quant_batchmatmul: x must be 2-d float16/bfloat16, got {x.dtype} {tuple(x.shape)}")
+    k = x.shape[1]
+    if weight.dtype == torch.int8:
+        w = weight.to(torch.float32)
+    elif weight.dtype == torch.int32:
+        shifts = torch.arange(8, dtype=torch.int32) * 4
+        nibbles = (weight[..., None] >> shifts) & 15
+        w = torch.where(nibbles >= 8, nibbles - 16, nibbles).flatten(-2).to(torch.float32)
+    else:
+        _fail(f"npu_weight_quant_batchmatmul: weight must be int8 or int32 (packed int4), got {weight.dtype}")
+    if w.shape[0] != k:
+        _fail(f"npu_weight_quant_batchmatmul: weight has {w.shape[0]} rows, x has k={k}")
+    n = w.shape[1]
+    group = antiquant_group_size
+    if group and (group % 32 or not 32 <= group < k):
+        _fail(f"npu_weight_quant_batchmatmul: antiquant_group_size must be 0 or a multiple of 32 in [32, k), got {group}")
+    want = (-(-k // group), n) if group else None
+    for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            _fail(f"npu_weight_quant_batchmatmul: {name} must be {x.dtype}, got {t.dtype}")
+        if group and tuple(t.shape) != want or not group and t.numel() not in (1, n):
+            _fail(f"npu_weight_quant_batchmatmul: {name} shape {tuple(t.shape)} does not fit group {group}, n={n}")
+    def per_row(t):
+        t = t.to(torch.float32)
+        return t.repeat_interleave(group, dim=0)[:k] if group else t.reshape(1, -1)
+    if antiquant_offset is not None:
+        w = w + per_row(antiquant_offset)
+    w = w * per_row(antiquant_scale)
+    y = x.to(torch.float32) @ w
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
 # -- npu_rms_norm ----------------------------------------------------------
 def npu_rms_norm(self, gamma, epsilon=1e-06):
     """y = x / sqrt(mean(x^2) + eps) * gamma over gamma's dims; returns (y, rstd)."""

@@ -4,6 +4,7 @@
 #include "activation.h"
 #include "linear.h"
 #include "paged_attention.h"
+#include "quant_linear.h"
 #include "rms_norm.h"
 #include "rotary.h"
 
@@ -11,6 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 block pool");
   m.def("small_linear", &lmport::small_linear, "x W^T (+ b) for a few rows of x (float32)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("quant_linear", &lmport::quant_linear, "x W^T (+ b), W in lmport's int4/int8 format, x float32 rows",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
+        py::arg("group_size"), py::arg("bias") = py::none());
+  m.def("quant_dequantize", &lmport::quant_dequantize, "W in lmport's int4/int8 format -> float32");
   m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");

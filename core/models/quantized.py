@@ -1,0 +1,72 @@
+"""Model layers over weights kept in the internal quantized format (lmport.weights.format).
+
+``QuantLinear`` and ``QuantEmbedding`` replace a float ``Linear`` / ``nn.Embedding`` of the
+paged model by name when a loader hands a QuantizedWeight for it; float and quantized layers
+mix freely. A tied LM head shares its embedding's buffers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmport import ops
+from lmport.backend import Backend
+from lmport.weights.format import QuantizedWeight
+
+
+class _Quantized(nn.Module):
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        # Not in the state dict: the loaders fill these, and float state dicts load around them.
+        self.register_buffer("qweight", weight.qweight, persistent=False)
+        self.register_buffer("scales", weight.scales, persistent=False)
+        self.register_buffer("mins", weight.mins, persistent=False)
+        self.bits, self.group_size = weight.bits, weight.group_size
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size)
+
+    def extra_repr(self) -> str:
+        q = self.quantized
+        return f"in={q.in_features}, out={q.out_features}, int{self.bits}, group={self.group_size}"
+
+
+class QuantLinear(_Quantized):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, backend: Backend):
+        super().__init__(weight)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.quant_linear(x, self.quantized, self.bias)
+
+
+class QuantEmbedding(_Quantized):
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(weight)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.quant_embedding(ids, self.quantized, self.dtype)
+
+
+def install(model: nn.Module, quantized: dict[str, QuantizedWeight], floats: dict[str, torch.Tensor],
+            backend: Backend, dtype: torch.dtype) -> None:
+    """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
+    the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias."""
+    for name, weight in quantized.items():
+        module_name = name.removesuffix(".weight")
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        want = tuple(old.weight.shape)
+        if (weight.out_features, weight.in_features) != want:
+            raise ValueError(f"{name}: quantized weight is [{weight.out_features}, {weight.in_features}] "
+                             f"but the model config makes it {list(want)}")
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(weight, dtype)
+        else:
+            bias = floats.get(f"{module_name}.bias")   # also loaded by name with the other floats
+            new = QuantLinear(weight, None if bias is None else bias.to(dtype), backend)
+        setattr(parent, attr, new)

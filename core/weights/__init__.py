@@ -1,0 +1,1 @@
+"""Quantized weights: the internal format (format.py), and loaders that map checkpoints onto it."""

@@ -1,0 +1,107 @@
+"""Quantized linear on every backend against the reference (lmport.ops.quant_linear), and the
+refusal of a quantized checkpoint on backends that declare no weight formats.
+
+Matrix: 4- and 8-bit, group sizes 32/64/128, decode shapes (1, 4, 16 rows: the cpu kernel's
+integer path) and prefill shapes (17, 40 rows: dequantize + BLAS), with and without bias.
+Tolerance of the cpu decode path, derived rather than picked: x is rounded to int16 per run of 32
+(step max|x_run| / 32767, error at most half a step), so |y - y_ref| <= sum_k |w_k| * step_k / 2,
+plus float32 summation error. The prefill path differs from the reference by summation order only.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmport import ops
+from lmport.backend import Backend
+from lmport.config import ConfigError, EngineConfig
+from lmport.weights.format import from_codes
+from harness import op_backend
+
+SHAPES = {"decode-1": 1, "decode-4": 4, "decode-16": 16, "prefill-17": 17, "prefill-40": 40}
+
+
+def random_weight(bits: int, group: int, n: int = 96, k: int = 256, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.randint(0, 16, (n, k), generator=g) if bits == 4
+             else torch.randint(-128, 128, (n, k), generator=g))
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    mins = -torch.rand(n, k // group, generator=g) * 0.1 * (bits == 4)
+    return from_codes(codes, scales, mins, bits, group)
+
+
+def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32767          # [M, runs]
+    per_input = step.repeat_interleave(32, dim=1) / 2                     # [M, K]
+    return per_input @ w.abs().T
+
+
+# Activation dtype each backend's own kernel takes (ascend's op takes float16 / bfloat16 only).
+DTYPES = {"cpu": torch.float32, "ascend": torch.float16, "cuda": torch.float32}
+
+
+@pytest.fixture
+def native_backend(backend_name, backend_class, record_property) -> Backend:
+    """The backend on its device, under the Triton interpreter (cuda) or the simulated SDK (ascend)."""
+    caps = backend_class.capabilities
+    if not caps.weight_formats:
+        pytest.skip(f"{backend_name} declares no weight formats (its refusal is tested below)")
+    if backend_class.quant_linear is Backend.quant_linear:
+        pytest.skip(f"{backend_name} runs the reference op itself (no kernel of its own to compare)")
+    backend, mode = op_backend(backend_name)
+    record_property("mode", mode)
+    return backend
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
+    if group not in native_backend.capabilities.weight_group_sizes:
+        pytest.skip(f"group {group} not declared")
+    name = native_backend.capabilities.device_type
+    if name == "cuda" and native_backend.device.type == "cpu" and (group == 64 or shape in ("decode-16", "prefill-40")):
+        pytest.skip("the Triton interpreter is slow: groups 32/128 and three shapes keep make test short")
+    weight = random_weight(bits, group)
+    g = torch.Generator().manual_seed(1)
+    dtype = DTYPES[name]
+    x = torch.randn(SHAPES[shape], weight.in_features, generator=g).to(dtype)
+    bias = torch.randn(weight.out_features, generator=g).to(dtype)
+    for b in (None, bias):
+        got = native_backend.quant_linear(x, weight, b)
+        want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
+        if name == "cpu":
+            bound = int16_rounding_bound(x, ops.dequantize(weight)) if shape.startswith("decode") else 0
+            assert ((got - want).abs() <= bound + 1e-5 + 1e-5 * want.abs()).all(), (got - want).abs().max()
+        elif name == "cuda":   # fp32 IEEE dot products: summation order only
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        else:   # float16 activations and result; offset = min / scale rounded to float16
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    if name == "ascend" and native_backend._npu.__version__ == "simulated":
+        import simulated
+        assert simulated.module("ascend").calls[-1][0] == "npu_weight_quant_batchmatmul"
+
+
+def test_cpu_dequantize_kernel_is_the_reference():
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    assert compiled is not None, "the cpu kernels must build here"
+    for bits in (4, 8):
+        w = random_weight(bits, 64)
+        got = compiled.quant_dequantize(w.qweight, w.scales, w.mins, bits, 64)
+        torch.testing.assert_close(got, ops.dequantize(w), atol=1e-6, rtol=1e-6)
+
+
+def test_backend_without_weight_formats_refuses_a_quantized_checkpoint(backend_name, capabilities, monkeypatch):
+    if capabilities.weight_formats:
+        pytest.skip(f"{backend_name} runs int4/int8 weights")
+    from lmport import runner
+    from lmport.engine import Engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("refused only after loading weights")
+    monkeypatch.setattr(runner, "load_model", no_load)
+    with pytest.raises(ConfigError) as err:
+        Engine("smollm2", EngineConfig(device_type=backend_name))
+    message = str(err.value)
+    assert repr(backend_name) in message and "cpu" in message and "weight_format='dequantize'" in message
