@@ -148,7 +148,8 @@ def test_a_killed_worker_ends_every_request_with_an_error_naming_its_rank(llama_
         t.join(timeout=30)
     assert len(results) == 3
     for status, body, ended in results:
-        assert status == 500 and "rank 1" in body["error"]["message"], body
+        # 500: it was running; 503: it reached the engine after the failure (a loaded machine is slow to start it)
+        assert status in (500, 503) and "rank 1" in body["error"]["message"], body
         assert ended - killed < 30
     health = client.get("/health")
     assert health.status_code == 503 and "rank 1" in health.text

@@ -236,7 +236,8 @@ class Server:
         try:
             while remaining:
                 choice, out = await queue.get()
-                if isinstance(out, EngineStopped):
+                if isinstance(out, EngineStopped) or (isinstance(out, RequestError) and self.engine_problem()):
+                    # RequestError too: the engine failed between admit() and add_request()
                     raise APIError(503, f"the server cannot generate: {out}", type="server_error",
                                    code="engine_stopped")
                 if isinstance(out, Exception):
