@@ -14,11 +14,14 @@ Per file, with the same thread count on both sides (default 2), alternating engi
   comparison.
 
 llama.cpp is not vendored: pass its bin directory (--llama-bin or LMPORT_LLAMA_CPP_BIN; default
-/work/cache/llama.cpp/build/bin). The lead's build: llama.cpp as vendored in the llama-cpp-python
-sdist (`pip download --no-binary :all: llama-cpp-python`), `cmake -DGGML_NATIVE=ON
--DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF`, targets llama-bench and llama-quantize;
-the script prints `llama-bench --version`. The machine may be shared: both engines run
-interleaved in one process tree so they see the same load, and every round is kept in the JSON.
+/work/cache/llama.cpp/build/bin). The figures in docs/weight-quantization.md come from llama.cpp
+as vendored in the llama-cpp-python sdist (`pip download --no-binary :all: llama-cpp-python`),
+built with `cmake -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF` and the
+AVX, AVX2, FMA, F16C, AVX512 and VNNI flags switched on by hand (a virtual machine may report AMX
+yet fault on its tile instructions, which -DGGML_NATIVE=ON would use), targets llama-bench and
+llama-quantize; the script prints `llama-bench --version`. The machine may be shared: both
+engines run interleaved in one process tree so they see the same load, and every round is kept
+in the JSON.
 
 Run: python benchmarks/single_stream.py [--threads 2] [--repeats 3] [--out benchmarks/results/single_stream.json]
 """
