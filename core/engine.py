@@ -19,6 +19,7 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
 from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.windows import kv_window
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
@@ -118,7 +119,8 @@ class Engine:
             self.plan.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
             flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
-            seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy))
+            seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy),
+            window=kv_window(cfg))   # blocks behind every layer's sliding window are freed (lmport.paging.window)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
 
     # -- requests --------------------------------------------------------

@@ -17,6 +17,8 @@ from lmport.backend import Capabilities
 from lmport.config import ConfigError, EngineConfig
 from lmport.kv.layout import KVLayout
 from lmport.models.llama import head_dim_of
+from lmport.models.windows import kv_window
+from lmport.paging.window import blocks_bound
 from lmport.parallel import check_tp, kv_heads_per_rank, tp_choices
 
 GiB = 1 << 30
@@ -37,12 +39,18 @@ def fmt_bytes(n: float) -> str:
 
 
 def model_limit(model_cfg) -> int:
-    """The longest sequence the engine runs: the model's context, or its sliding attention window if
-    that is shorter (Mistral v0.1, Qwen2 with use_sliding_window). The paged kernels attend to the
-    whole history, which within one window is exactly what the window would compute."""
-    limit = getattr(model_cfg, "max_position_embeddings", None) or 1 << 30
-    window = getattr(model_cfg, "sliding_window", None)  # transformers sets None where no layer slides
-    return min(limit, window) if window else limit
+    """The longest sequence the engine runs: the model's context. A sliding attention window does not
+    cap it: the attention ops honour each layer's window (lmport.models.windows)."""
+    return getattr(model_cfg, "max_position_embeddings", None) or 1 << 30
+
+
+def window_blocks(model_cfg, config: EngineConfig) -> int | None:
+    """Most blocks one sequence holds however long it grows, when every layer slides and the blocks
+    behind the window are freed (lmport.paging.window); None when some layer reads the whole history."""
+    window = kv_window(model_cfg)
+    if window is None:
+        return None
+    return blocks_bound(window, config.block_size, config.max_prefill_token_num)
 
 
 def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLayout:
@@ -141,6 +149,7 @@ class CachePlan:
     block_size: int
     num_blocks: int
     session_len: int
+    window_blocks: int | None = None   # a sliding window bounds each sequence's blocks (window_blocks())
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +157,8 @@ class CachePlan:
 
     @property
     def blocks_per_sequence(self) -> int:
-        return -(-self.session_len // self.block_size)
+        blocks = -(-self.session_len // self.block_size)
+        return blocks if self.window_blocks is None else min(blocks, self.window_blocks)
 
     @property
     def max_sequences(self) -> int:
@@ -186,6 +196,9 @@ def plan_cache(inp: MemoryInputs) -> CachePlan:
                                           f"{fmt_bytes(layout.bytes_per_block)} block"))
     capacity = num_blocks * layout.block_size
     limit = model_limit(inp.model_config)
+    bounded = window_blocks(inp.model_config, config)
+    if bounded is not None and bounded <= num_blocks:   # a sequence of any length fits in its window's blocks
+        capacity = limit
     if config.session_len is None:
         session_len = min(limit, capacity)
     else:
@@ -194,7 +207,7 @@ def plan_cache(inp: MemoryInputs) -> CachePlan:
             raise CacheDoesNotFit(advise(inp, f"session_len={session_len} does not fit in the KV cache: "
                                               f"{num_blocks} blocks x {layout.block_size} = {capacity} tokens"))
     return CachePlan(inp.free_bytes, inp.reserve_bytes, inp.reserve_measured, num_blocks * layout.bytes_per_block,
-                     layout.bytes_per_block, layout.block_size, num_blocks, session_len)
+                     layout.bytes_per_block, layout.block_size, num_blocks, session_len, bounded)
 
 
 def allocate_cache(inp: MemoryInputs, plan: CachePlan, layout: KVLayout, backend) -> list:
@@ -221,6 +234,8 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
     limit = model_limit(inp.model_config)
     target = min(c.session_len, limit) if c.session_len else limit   # the session the user wants
     need = -(-target // bs)
+    bounded = window_blocks(inp.model_config, c)
+    need = need if bounded is None else min(need, bounded)
     fit = inp.layout.blocks_in(inp.usable_bytes)     # the most blocks there is memory for
     if available is not None:   # an allocation failed: aim at 90% of what is free now, and below what failed
         fit = min(layout.blocks_in(0.9 * (available - inp.reserve_bytes)), int(0.9 * _blocks(inp)))

@@ -18,8 +18,10 @@ from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
                            plan_cache)
-from lmport.models.llama import PagedCausalLM, head_dim_of
+from lmport.models.architectures import model_class
+from lmport.models.llama import head_dim_of
 from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
+from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
@@ -41,7 +43,7 @@ def count_parameters(model_cfg, tp: TPGroup | None = None) -> int:
     """Parameters the engine loads (on rank ``tp.rank`` of ``tp.size``): its model built on the meta device
     (no memory), tied embeddings once."""
     with torch.device("meta"):
-        model = PagedCausalLM(model_cfg, backend=None, rotary=None, tp=tp)
+        model = model_class(model_cfg)(model_cfg, backend=None, rotary=None, tp=tp)
     count = sum(p.numel() for p in model.parameters())
     if getattr(model_cfg, "tie_word_embeddings", False):
         count -= model.lm_head.weight.numel()
@@ -89,7 +91,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                   "hidden_size": model_cfg.hidden_size, "attention_heads": model_cfg.num_attention_heads,
                   "kv_heads": model_cfg.num_key_value_heads, "head_dim": head_dim_of(model_cfg),
                   "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg),
-                  "sliding_window": getattr(model_cfg, "sliding_window", None)},
+                  "sliding_window": getattr(model_cfg, "sliding_window", None),
+                  "layer_windows": list(layer_windows(model_cfg))},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
         "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
         "activation_reserve": {
@@ -121,10 +124,20 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                     else "share of the memory left after weights and activation reserve"),
         "bytes": plan.cache_bytes, "num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
         "session_len": plan.session_len, "blocks_per_sequence": plan.blocks_per_sequence,
+        "window_blocks": plan.window_blocks,
         "sequences_that_fit": plan.max_sequences,
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def _windows_text(windows: list) -> str:
+    """', sliding window W on n of N layers' (or on every layer), empty without one."""
+    sliding = [w for w in windows if w is not None]
+    if not sliding:
+        return ""
+    where = "every layer" if len(sliding) == len(windows) else f"{len(sliding)} of {len(windows)} layers"
+    return f", sliding window {max(sliding)} on {where}"
 
 
 def format_plan(r: dict) -> str:
@@ -133,8 +146,7 @@ def format_plan(r: dict) -> str:
     rows = [
         ("model", f"{m['name']}: {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}, "
                   f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
-                  f"context {m['max_position_embeddings']}"
-                  + (" (its sliding window)" if m["sliding_window"] == m["max_position_embeddings"] else "")),
+                  f"context {m['max_position_embeddings']}" + _windows_text(m["layer_windows"])),
         ("device", f"{d['type']}: {fmt_bytes(d['memory_bytes'])} ({d['memory_source']})"),
         ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
                     + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())
@@ -151,7 +163,10 @@ def format_plan(r: dict) -> str:
             ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "
                  f"{fmt_bytes(cache['bytes'])} = {cache['num_blocks']:,} blocks = {cache['num_tokens']:,} tokens"),
             ("session_len", f"{cache['session_len']} " + ("(asked)" if cfg["session_len"] else
-                            f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)")),
+                            f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)"
+                            if cache["window_blocks"] is None else
+                            f"= model limit (a sequence holds at most {cache['window_blocks']} blocks: those behind "
+                            f"the sliding window are freed)")),
             ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: the cache "
                           f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
                           f"max_batch_size is {cfg['max_batch_size']}"),

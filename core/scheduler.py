@@ -54,6 +54,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget)
+            self.block_manager.release_outside_window(seq)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -72,6 +73,7 @@ class Scheduler:
             if n is None:
                 break
             self.waiting.popleft()
+            self.block_manager.release_outside_window(seq)   # prefix-cache hits behind the window
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

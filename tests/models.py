@@ -29,6 +29,22 @@ def _tiny_config(arch: str):
         return transformers.Qwen3Config(**common, head_dim=32)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None)
+    if arch == "mistral-sw32":   # every layer slides over 32 tokens (Mistral v0.1's scheme, a short window)
+        return transformers.MistralConfig(**common, sliding_window=32)
+    # Gemma: a sliding layer (window 32) then a global one; small soft caps so that tanh bends the scores;
+    # query_pre_attn_scalar differs from head_dim; tied embeddings as in the released models.
+    gemma = dict(common, tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=32)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**gemma, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                                         initializer_range=0.3)   # scores large enough for the caps to bend
+    if arch == "gemma3":   # local layers on rope base 10,000, global ones on 1,000,000
+        return transformers.Gemma3TextConfig(**gemma, sliding_window_pattern=2, rope_local_base_freq=10000.0)
+    if arch == "phi3":     # su / longrope scaling (short factors below original_max_position_embeddings)
+        d = common["hidden_size"] // common["num_attention_heads"]
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(d // 2)],
+                "long_factor": [2.0 + i / 4 for i in range(d // 2)]}
+        return transformers.Phi3Config(**common, rope_scaling=rope, original_max_position_embeddings=1024,
+                                       pad_token_id=0)
     raise ValueError(arch)
 
 

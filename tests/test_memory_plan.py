@@ -81,19 +81,26 @@ def test_tiny_model_plan_matches_the_engine(config):
         assert engine.plan.num_blocks == config.cache_max_entry_count
 
 
-@pytest.mark.parametrize("model_cfg,limit", [
-    (transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768), 4096),
-    (transformers.MistralConfig(sliding_window=None, max_position_embeddings=32768), 32768),
-    (transformers.Qwen2Config(use_sliding_window=True, sliding_window=1024, max_position_embeddings=32768), 1024),
-    (transformers.Qwen2Config(sliding_window=1024, max_position_embeddings=32768), 32768),  # window off
-    (transformers.LlamaConfig(max_position_embeddings=2048), 2048),
+@pytest.mark.parametrize("model_cfg,window_blocks", [
+    (transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768), -(-(4095 + 8192) // 16) + 1),
+    (transformers.MistralConfig(sliding_window=None, max_position_embeddings=32768), None),
+    # Only some layers slide (layers from max_window_layers on): every block stays readable.
+    (transformers.Qwen2Config(use_sliding_window=True, sliding_window=1024, max_position_embeddings=32768,
+                              num_hidden_layers=4, max_window_layers=2), None),
+    (transformers.Qwen2Config(sliding_window=1024, max_position_embeddings=32768), None),  # window off
 ])
-def test_a_sliding_window_caps_the_session(model_cfg, limit):
-    # The kernels attend to the whole history: exact only while it fits in the window.
-    assert memory.model_limit(model_cfg) == limit
-    config = EngineConfig(device_type="cpu", cache_max_entry_count=4096).resolve()
+def test_a_sliding_window_bounds_the_blocks_not_the_session(model_cfg, window_blocks):
+    # The attention ops honour the window, so the session is the model's context; where every layer
+    # slides, the blocks behind the window are freed and a sequence never holds more than the bound.
+    assert memory.model_limit(model_cfg) == 32768
+    config = EngineConfig(device_type="cpu", cache_max_entry_count=1024, block_size=16,
+                          max_prefill_token_num=8192).resolve()
     inputs = memory.MemoryInputs(model_cfg, config, CpuBackend.capabilities, 0, 64 << 40, 0, False)
-    assert memory.plan_cache(inputs).session_len == limit
+    plan = memory.plan_cache(inputs)
+    assert plan.window_blocks == window_blocks
+    # 1024 blocks hold 16,384 tokens: the 32k context fits only where the window bounds a sequence's blocks.
+    assert plan.session_len == (32768 if window_blocks else 1024 * 16)
+    assert plan.blocks_per_sequence == (window_blocks or 1024)
 
 
 def test_a_measured_reserve_replaces_the_estimate(monkeypatch):

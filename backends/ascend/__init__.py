@@ -37,6 +37,11 @@ the Ascend Extension for PyTorch API reference on hiascend.com):
     (``lmport.ops.gather_kv``) and FIA runs on the contiguous result.
   * queries FIA does not take (float32, head_dim not 16-aligned or > 512, more than
     64 query heads per KV head) use the reference op.
+  * soft-capped layers (``meta.softcap``, Gemma 2) use the reference op: FIA has no soft cap.
+  * sliding-window layers (``meta.window``) use the reference op, stated fallback: FIA's
+    band mode (sparse_mode=4 with pre_tokens / next_tokens) is the documented way to
+    express a window, but the simulated module does not model it, so a call through it
+    could not be checked here.
 - quant_linear (int4 / int8 weights, docs/weight-quantization.md):
   ``torch_npu.npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, bias=...,
   antiquant_group_size=group)`` (torch_npu-npu_weight_quant_batchmatmul.md), which computes
@@ -142,7 +147,8 @@ class AscendBackend(Backend):
                         softmax_scale: float) -> torch.Tensor:
         _, hq, d = q.shape
         hkv = cache.k.shape[2]  # [blocks, slots, heads, dim or packed dim]
-        if q.dtype not in _FIA_DTYPES or d % 16 or d > 512 or hq // hkv > 64:
+        if q.dtype not in _FIA_DTYPES or d % 16 or d > 512 or hq // hkv > 64 or meta.window is not None \
+                or meta.softcap is not None:
             return super().paged_attention(q, cache, meta, softmax_scale)
         common = dict(num_heads=hq, num_key_value_heads=hkv, input_layout="BSND", scale=softmax_scale,
                       actual_seq_lengths_kv=list(meta.kv_lens_host))

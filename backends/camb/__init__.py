@@ -19,6 +19,11 @@ and DeepLink-org/dlinfer dlinfer/vendor/camb/camb_ops.py):
   max_seq_len_kv, softmax_scale, is_causal=True, block_tables=...)`` on the packed
   queries, as vLLM-MLU calls it for prefix-cached prefill: the causal mask is
   aligned to the end of each sequence's keys.
+- paged_attention, sliding-window layers (``meta.window``): the reference op, stated
+  fallback. Both operators above take a left window (``windows_size_left`` /
+  ``window_size_left``), but the simulated module does not model it, so a call
+  through it could not be checked here. Soft-capped layers (``meta.softcap``, Gemma 2)
+  too: neither operator takes a soft cap.
 - rms_norm: ``torch_mlu_ops.fused_rms_norm(x, None, weight, None, None, eps, False)``
   (x in float/half/bfloat16, weight in x's dtype; otherwise the reference).
 - apply_rotary, copy_blocks: the reference ops (plain torch on the MLU).
@@ -30,6 +35,7 @@ symmetric scale, not lmport's asymmetric per-token-per-head scheme), so
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import torch
@@ -88,6 +94,8 @@ class CambBackend(Backend):
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:
         _check_unquantized(cache)
+        if meta.window is not None or meta.softcap is not None:   # stated fallback: see the module docstring
+            return super().paged_attention(q, bshd_view(cache), meta, softmax_scale)
         q = q.contiguous()
         out = torch.empty_like(q)
         if meta.is_decode:
@@ -106,6 +114,11 @@ class CambBackend(Backend):
         if weight.dtype != x.dtype:  # fused_rms_norm takes gamma in x's dtype
             return super().rms_norm(x, weight, eps)
         return self._tmo.fused_rms_norm(x.contiguous(), None, weight, None, None, eps, False)
+
+
+def bshd_view(cache: LayerCache) -> LayerCache:
+    """This backend's [blocks, heads, slots, dim] cache seen as the reference ops' [blocks, slots, heads, dim]."""
+    return dataclasses.replace(cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2))
 
 
 def _check_unquantized(cache: LayerCache) -> None:

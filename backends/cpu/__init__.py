@@ -94,7 +94,8 @@ class CpuBackend(Backend):
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale)
         return compiled.paged_attention(q.contiguous(), cache.k, cache.v, meta.block_tables,
-                                        meta.q_start_loc, meta.kv_lens, softmax_scale)
+                                        meta.q_start_loc, meta.kv_lens, softmax_scale, meta.window or 0,
+                                        meta.softcap or 0.0)
 
 
 def _compiled_for(*tensors: torch.Tensor):

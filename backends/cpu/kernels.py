@@ -31,6 +31,15 @@ def machine_tag() -> str:
     return hashlib.sha1("\n".join([platform.machine(), *described]).encode()).hexdigest()[:10]
 
 
+def source_tag() -> str:
+    """A short hash of the kernel sources (every csrc file): the build directory is named after it, so
+    checkouts with different sources sharing one extensions cache never load each other's build."""
+    digest = hashlib.sha1()
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 @functools.cache
 def load():
     """The compiled module, or None (the reason is logged once)."""
@@ -40,7 +49,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
         log.info("loading the cpu kernels (built on first use, once per kind of CPU)")
-        return build(f"lmport_cpu_kernels_{machine_tag()}", [str(s) for s in SOURCES],
+        return build(f"lmport_cpu_kernels_{machine_tag()}_{source_tag()}", [str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # any build failure leaves the reference ops in place
         log.warning("cpu kernels unavailable, using the reference ops: %s: %s", type(exc).__name__,

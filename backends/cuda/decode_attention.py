@@ -21,6 +21,7 @@ import triton.language as tl
 from lmport.backends.cuda.launch import dot_args, pow2, sm_count, tl_dtype
 from lmport.backends.cuda.paged_kv import load_kv_tile
 from lmport.backends.cuda.reductions import MAX, SUM
+from lmport.backends.cuda.soft_cap import soft_cap_log2
 from lmport.kv.layout import LayerCache
 from lmport.ops.metadata import AttentionMetadata
 
@@ -29,20 +30,23 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_out, part_lse,
-                  sm_scale_log2, tokens_per_split,
+                  sm_scale_log2, tokens_per_split, window, softcap,
                   sq_t, sq_h, sq_d, st_b, st_n,
                   c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                   po_b, po_h, po_s, pl_b, pl_h,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens + seq)
+    # A sliding window (window > 0) hides the keys before lo; whole tiles of them are skipped.
+    lo = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, kv_len)
+    start = tl.maximum(start, lo // BLOCK_N * BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -63,12 +67,14 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
+        mask_n = (offs_n < end) & (offs_n >= lo)   # every tile holds a key >= lo: m stays finite
         block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
         slots = offs_n % PAGE
         kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
                           c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
+        if SOFTCAP:
+            s = soft_cap_log2(s, softcap)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.reduce(s, 1, MAX))
         alpha = tl.exp2(m - m_new)
@@ -79,7 +85,7 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
         m = m_new
 
-    # An empty split (past this sequence's end) leaves l = 0: weight 0 in the reduction.
+    # An empty split (past this sequence's end, or before its window) leaves l = 0: weight 0 in the reduction.
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
@@ -99,7 +105,7 @@ def _reduce_kernel(part_out, part_lse, o, num_splits,
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(part_lse + seq * pl_b + head * pl_h + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(lse - tl.reduce(lse, 0, MAX))      # split 0 always holds tokens: the max is finite
+    w = tl.exp2(lse - tl.reduce(lse, 0, MAX))      # the split of the last key holds tokens: the max is finite
     parts = tl.load(part_out + seq * po_b + head * po_h + offs_s[:, None] * po_s + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)
@@ -135,13 +141,13 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
     block_d = pow2(head_dim)
     _split_kernel[(batch, kv_heads, num_splits)](
         q, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.kv_lens, part_out, part_lse,
-        softmax_scale * LOG2E, tokens_per_split,
+        softmax_scale * LOG2E, tokens_per_split, meta.window or 0, meta.softcap or 0.0,
         *q.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2],
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim,
         BLOCK_G=max(16, pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         QUANT=cache.quant_policy, ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
-        num_warps=4, num_stages=2,
+        SOFTCAP=meta.softcap is not None, num_warps=4, num_stages=2,
     )
     _reduce_kernel[(batch, q_heads)](
         part_out, part_lse, out, num_splits,

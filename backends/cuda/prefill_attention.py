@@ -6,7 +6,8 @@ key comes from the paged cache, gathered through the block table and
 dequantized inline. A program owns one sequence, one KV head and a tile of
 BLOCK_M rows, each row a (new token, query head of the GQA group) pair: the
 group's query heads share every K/V tile they load. Keys all rows of the tile
-see (below the tile's first position) run unmasked; the causal tail is masked.
+see (below the tile's first position) run unmasked; the causal tail is masked. Under a
+sliding window every tile from the first one a row can see is masked per row.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import triton.language as tl
 from lmport.backends.cuda.launch import INTERPRETED, dot_args, pow2, tl_dtype
 from lmport.backends.cuda.paged_kv import load_kv_tile
 from lmport.backends.cuda.reductions import MAX, SUM
+from lmport.backends.cuda.soft_cap import soft_cap_log2
 from lmport.kv.layout import LayerCache
 from lmport.ops.metadata import AttentionMetadata
 
@@ -25,10 +27,12 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
-            k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2, sm_scale_log2,
+            k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2, sm_scale_log2, window, softcap,
             CAUSAL: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-            ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One K/V tile of the online softmax: returns the updated (m, l, acc)."""
+            ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+            WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One K/V tile of the online softmax: returns the updated (m, l, acc). WINDOWED: keys at or
+    before q_pos - window are masked too, and a row may see no key of a tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < kv_len
     block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
@@ -36,9 +40,16 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
     kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
                       c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
     s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
+    if SOFTCAP:
+        s = soft_cap_log2(s, softcap)
     if CAUSAL:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
+        seen = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if WINDOWED:
+            seen = seen & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.reduce(s, 1, MAX))
+    if WINDOWED:  # a row with no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.reduce(p, 1, SUM)
@@ -50,13 +61,14 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
 
 @triton.jit
 def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_loc, q_lens, kv_lens,
-                    sm_scale_log2,
+                    sm_scale_log2, window, softcap,
                     sq_t, sq_h, sq_d, so_t, so_h, so_d, st_b, st_n,
                     c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     TOK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WINDOWED: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -88,20 +100,29 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.full([BLOCK_M], 0.0, tl.float32)
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-        # Keys before ctx + tok0 are visible to every row: whole tiles of them need no mask.
-        full_end = (ctx + tok0) // BLOCK_N * BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
-            m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
-                                k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                sm_scale_log2, False, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE,
-                                DOT_PREC)
-        # Every row sees key full_end <= its position, so m is finite after the first tile.
         hi = tl.minimum(kv_len, ctx + tok0 + TOK_M)
-        for n0 in range(full_end, hi, BLOCK_N):
-            m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
-                                k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                sm_scale_log2, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE,
-                                DOT_PREC)
+        if WINDOWED:
+            # Every tile from the one holding the first row's first visible key is masked per row.
+            lo = tl.maximum(ctx + tok0 - window + 1, 0) // BLOCK_N * BLOCK_N
+            for n0 in range(lo, hi, BLOCK_N):
+                m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
+                                    k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
+                                    sm_scale_log2, window, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
+                                    DOT_DTYPE, DOT_PREC, True, SOFTCAP)
+        else:
+            # Keys before ctx + tok0 are visible to every row: whole tiles of them need no mask.
+            full_end = (ctx + tok0) // BLOCK_N * BLOCK_N
+            for n0 in range(0, full_end, BLOCK_N):
+                m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
+                                    k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
+                                    sm_scale_log2, window, softcap, False, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
+                                    DOT_DTYPE, DOT_PREC, False, SOFTCAP)
+            # Every row sees key full_end <= its position, so m is finite after the first tile.
+            for n0 in range(full_end, hi, BLOCK_N):
+                m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
+                                    k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
+                                    sm_scale_log2, window, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
+                                    DOT_DTYPE, DOT_PREC, False, SOFTCAP)
 
         out = acc / l[:, None]
         out_rows = (q_row0 + tok) * so_t + heads * so_h
@@ -143,11 +164,12 @@ def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadat
     grid = (triton.cdiv(meta.max_q_len, tok_m), kv_heads, meta.num_seqs)
     _prefill_kernel[grid](
         q, out, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.q_start_loc, meta.q_lens,
-        meta.kv_lens, softmax_scale * LOG2E,
+        meta.kv_lens, softmax_scale * LOG2E, meta.window or 0, meta.softcap or 0.0,
         *q.stride(), *out.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim, TOK_M=tok_m, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=pow2(head_dim), QUANT=cache.quant_policy,
-        ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+        ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, WINDOWED=meta.window is not None,
+        SOFTCAP=meta.softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

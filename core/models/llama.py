@@ -12,6 +12,7 @@ from transformers.activations import ACT2FN
 
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
+from lmport.models.windows import layer_windows
 from lmport.ops import AttentionMetadata
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
 
@@ -125,7 +126,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.apply_rotary(q, k, cos, sin)
+        rot = cos.shape[-1]
+        if rot < self.head_dim:   # partial rotary (partial_rotary_factor < 1): the leading dims turn
+            qr, kr = self.backend.apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
+            q, k = torch.cat([qr, q[..., rot:]], -1), torch.cat([kr, k[..., rot:]], -1)
+        else:
+            q, k = self.backend.apply_rotary(q, k, cos, sin)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -140,7 +146,8 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, bias, backend, tp)
         self.backend = backend
-        self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
+        act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act    # Gemma names it hidden_activation
+        self.act = None if act == "silu" else ACT2FN[act]
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
@@ -175,24 +182,28 @@ class PagedCausalLM(nn.Module):
 
     Under tensor parallelism (``tp``) the module holds one rank's shard (lmport.parallel)."""
 
+    model_types = SUPPORTED_MODEL_TYPES
+
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
         super().__init__()
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.model_type not in self.model_types:
+            from lmport.models.architectures import supported_text
+            raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: {supported_text()}")
         self.config = cfg
         self.tp = tp = tp or TPGroup()
         self.model = Decoder(cfg, backend, tp)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, split(cfg.vocab_size, tp.size, tp.rank), False, backend)
         self.rotary = rotary  # transformers' own rotary module: every rope variant it knows
+        self.windows = layer_windows(cfg)   # each layer's sliding window (None: full attention)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(x, meta.positions[None])
         cos, sin = cos[0], sin[0]
-        for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, cos, sin, cache, meta)
+        metas = {w: meta.for_layer(w) for w in set(self.windows)}
+        for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
+            x = layer(x, cos, sin, cache, metas[window])
         return self.model.norm(x)
 
     @torch.inference_mode()

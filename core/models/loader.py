@@ -19,6 +19,7 @@ from lmport import ops
 from lmport.backend import Backend
 from lmport.config import ConfigError
 from lmport.models import quantized as quantized_layers
+from lmport.models.architectures import model_class
 from lmport.models.llama import PagedCausalLM
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
@@ -145,7 +146,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
             hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
             cfg, generation_config = hf.config, hf.generation_config
             with torch.device("meta"):
-                paged = PagedCausalLM(cfg, backend, rotary=None, tp=tp)
+                paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
             # Share transformers' tensors instead of copying them (tied embeddings stay tied).
             paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
             paged.rotary = hf.model.rotary_emb
@@ -192,7 +193,7 @@ def _paged_from_tensors(path: Path, cfg, quantized: dict, floats: dict, backend:
         embed = "model.embed_tokens.weight"
         (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
     with torch.device("meta"):
-        paged = PagedCausalLM(cfg, backend, rotary=None)
+        paged = model_class(cfg)(cfg, backend, rotary=None)
     quantized_layers.install(paged, quantized, floats, backend, dtype)
     missing, unexpected = paged.load_state_dict(floats, strict=False, assign=True)
     if missing or unexpected:

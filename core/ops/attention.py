@@ -26,7 +26,9 @@ def gather_kv(values: torch.Tensor, qparams: torch.Tensor | None, tables: torch.
 
 def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                     softmax_scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions.
+    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions, within
+    ``meta.window`` positions when the layer has a sliding window, scores soft-capped by
+    ``meta.softcap`` when it has one.
 
     Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
     long chunk never pads every decode row to its length.
@@ -65,8 +67,24 @@ def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts) -> tor
     q_pos = first_pos[:, None] + steps
     kv_pos = torch.arange(k.shape[1], device=dev)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]          # [B, max_q, max_kv]; padded rows are dropped
+    if meta.window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - meta.window
 
-    out = F.scaled_dot_product_attention(
-        q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None], scale=softmax_scale, enable_gqa=True)
+    if meta.softcap is not None:
+        out = _softcapped_attention(q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
+                                    softmax_scale, meta.softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None], scale=softmax_scale, enable_gqa=True)
     return out.transpose(1, 2)[valid]
+
+
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """softmax(softcap * tanh(scale * q k^T / softcap), masked) v over [B, H, S, D] (GQA by repeat), the
+    order transformers' Gemma computes it in; scaled_dot_product_attention has no soft cap."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return scores @ v

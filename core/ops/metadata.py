@@ -1,6 +1,7 @@
 """Attention metadata: built once a step, by a pure function, read by every layer."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,12 @@ class AttentionMetadata:
     Sequence ``i`` has ``q_lens[i]`` new tokens (rows ``q_start_loc[i]`` to
     ``q_start_loc[i + 1]`` of q) and ``kv_lens[i]`` tokens in the cache once
     they are written (history + new). New token ``j`` sits at absolute
-    position ``kv_lens[i] - q_lens[i] + j`` and attends to positions <= that.
+    position ``kv_lens[i] - q_lens[i] + j`` and attends to positions <= that
+    (and, under a sliding ``window``, > that - window).
+
+    A negative id in a block table names a block freed because it lies wholly
+    outside the window of every layer (lmport.paging.window); it is stored as
+    block 0, which no windowed read reaches.
     """
 
     q_start_loc: torch.Tensor    # [B + 1] int32, cumulative q_lens
@@ -28,6 +34,18 @@ class AttentionMetadata:
     is_decode: bool              # every sequence has exactly one new token
     q_lens_host: tuple[int, ...] = ()    # q_lens and kv_lens on the host, for vendor ops that take lists
     kv_lens_host: tuple[int, ...] = ()
+    # Per layer (the model sets them with ``for_layer``): the sliding window, a token at position p
+    # seeing keys at positions > p - window (transformers' rule), None for full causal attention;
+    # and the attention-logit soft cap, scores -> softcap * tanh(scores / softcap) before the
+    # softmax (Gemma 2), None for none.
+    window: int | None = None
+    softcap: float | None = None
+
+    def for_layer(self, window: int | None, softcap: float | None = None) -> AttentionMetadata:
+        """This step's metadata as a layer with this attention window and soft cap reads it."""
+        if window == self.window and softcap == self.softcap:
+            return self
+        return dataclasses.replace(self, window=window, softcap=softcap)
 
     @property
     def num_seqs(self) -> int:
@@ -50,7 +68,7 @@ def build_attention_metadata(q_lens: list[int], kv_lens: list[int], block_tables
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     width = max(len(t) for t in block_tables)
-    tables = [t + [0] * (width - len(t)) for t in block_tables]
+    tables = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in block_tables]
     start = [0]
     for n in q_lens:
         start.append(start[-1] + n)

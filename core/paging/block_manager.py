@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from lmport.paging.allocator import BlockAllocator
 from lmport.paging.host_tier import CopyBatch, CopyQueue
 from lmport.paging.prefix_cache import CachedBlock, ExtraKeys, PrefixCache
+from lmport.paging.window import HOLE, release_outside_window
 from lmport.sequence import Sequence
 
 # Bytes the host link moves in the time the device does one FLOP of prefill. A
@@ -56,8 +57,9 @@ class _Swap:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  num_host_blocks: int = 0, bytes_per_block: int = 0, flops_per_token: float = 0.0,
-                 seed: bytes = b"", link_bytes_per_flop: float = LINK_BYTES_PER_FLOP):
+                 seed: bytes = b"", link_bytes_per_flop: float = LINK_BYTES_PER_FLOP, window: int | None = None):
         self.block_size = block_size
+        self.window = window    # every layer's attention window is at most this (None: some layer reads all)
         self.allocator = BlockAllocator(num_blocks)
         self.cache = PrefixCache(block_size, seed) if enable_prefix_caching else None
         self.host = BlockAllocator(num_host_blocks) if num_host_blocks > 0 else None
@@ -92,11 +94,19 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new: int) -> None:
         seq.block_table.extend(self._allocate(self._missing(seq, num_new)))
 
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks its next token can no longer read (lmport.paging.window), once indexed."""
+        if self.window is not None and seq.block_table:
+            self.cache_computed(seq)
+            release_outside_window(self.allocator, self.cache, seq.block_table, seq.num_computed, self.window,
+                                   self.block_size)
+
     def free(self, seq: Sequence) -> None:
         self.cache_computed(seq)
         # Tail first: a sequence's later blocks become older in the LRU than its earlier ones.
         for block in reversed(seq.block_table):
-            self.allocator.decref(block, keep=self.cache is not None and block in self.cache.device)
+            if block != HOLE:
+                self.allocator.decref(block, keep=self.cache is not None and block in self.cache.device)
         seq.block_table.clear()
         self._seqs.pop(seq, None)
         swap = self._swapped.pop(seq, None)
@@ -204,7 +214,8 @@ class BlockManager:
         k = len(self._seqs[seq].entries) if seq in self._seqs else 0
         private = seq.block_table[k:self.blocks_for(seq.num_computed)]
         swap = None
-        if self.host is not None and private and self._swap_pays(seq, k, len(private)):
+        # A sequence whose window freed some of its blocks is recomputed (its holes cannot be swapped back).
+        if self.host is not None and private and HOLE not in private and self._swap_pays(seq, k, len(private)):
             host_blocks = self._host_allocate(len(private))
             for d, h in zip(private, host_blocks):
                 self.copies.add(True, d, h)

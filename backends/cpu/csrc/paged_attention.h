@@ -28,18 +28,22 @@ struct Scratch {
   std::vector<float> scores;  // [Hq, n rounded up to 8]
 };
 
-// Query token with heads q[Hq, D] at position n - 1 of a sequence whose blocks are
-// ``blocks``: out[Hq, D]. kD is the head dim when known at compile time (then the
-// output accumulators live in registers), 0 to read it from the pool.
+// Query token with heads q[Hq, D] at position end - 1 of a sequence whose blocks are
+// ``blocks``, over the keys at positions [first, end): out[Hq, D]. kD is the head dim
+// when known at compile time (then the output accumulators live in registers), 0 to
+// read it from the pool.
 template <int64_t kD>
-void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_t q_heads,
-            const Pool& pool, float scale, bool prefetch, Scratch& scratch) {
+void attend(const float* q, float* out, const int32_t* blocks, int64_t first, int64_t end, int64_t q_heads,
+            const Pool& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.row();
+  const int64_t n = end - first;  // visible keys; row j below is position first + j
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
   auto& rows = scratch.rows;
   rows.resize(n);
-  for (int64_t j0 = 0; j0 < n; j0 += bs)
-    for (int64_t j = j0; j < std::min(n, j0 + bs); ++j) rows[j] = (blocks[j0 / bs] * bs + j - j0) * row;
+  for (int64_t p = first; p < end;) {  // a block at a time: one table read, no division per key
+    const int64_t blk = p / bs, stop = std::min(end, (blk + 1) * bs), base = (blocks[blk] - blk) * bs;
+    for (; p < stop; ++p) rows[p - first] = (base + p) * row;
+  }
   auto& scores = scratch.scores;
   scores.assign(q_heads * width, -INFINITY);  // the padding keys get exp() == 0
 
@@ -67,7 +71,10 @@ void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_
         for (int u = 0; u < 8; ++u) acc[u] += qd * load(k_rows[u] + kv + d);
       }
       const vec8 s = sum8(acc) * scale;
-      for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = s[u];
+      if (softcap > 0)  // Gemma 2's attention-logit soft cap
+        for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = softcap * std::tanh(s[u] / softcap);
+      else
+        for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = s[u];
     }
   }
   // Softmax, then V per head so its accumulators stay in registers across keys.
@@ -97,10 +104,12 @@ void attend(const float* q, float* out, const int32_t* blocks, int64_t n, int64_
 
 // q [T, Hq, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
 // q_start_loc [B + 1]; kv_lens [B]. Token t of sequence b sits at position
-// kv_lens[b] - q_len + (t - q_start_loc[b]) and attends to positions <= that.
+// kv_lens[b] - q_len + (t - q_start_loc[b]) and attends to positions <= that; with a
+// sliding window (window > 0) only to those > that - window. softcap > 0: scores become
+// softcap * tanh(scores / softcap) before the softmax.
 inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor q_start_loc,
-                              torch::Tensor kv_lens, double scale) {
+                              torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
               v_cache.scalar_type() == torch::kFloat, "paged_attention takes float32 q and caches");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -142,11 +151,12 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
     for (int64_t w = first; w < last; ++w)
       for (int64_t t = w; t < T; t += workers) {
         const int64_t b = seq_of[t];
-        const int64_t n = kl[b] - (st[b + 1] - t) + 1;  // keys visible to token t
+        const int64_t end = kl[b] - (st[b + 1] - t) + 1;  // token t sits at position end - 1
+        const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
         // A decode token reads its history cold; prefill tokens of one sequence share it in cache.
         const bool decode = st[b + 1] - st[b] == 1;
-        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, n, Hq, pool, static_cast<float>(scale), decode,
-            scratch);
+        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, first, end, Hq, pool, static_cast<float>(scale),
+            static_cast<float>(softcap), decode, scratch);
       }
   });
   return out;
