@@ -159,3 +159,8 @@ class Backend:
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(gate, up)
+
+    def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' gated MLPs summed with their routing weights (lmport.ops.moe)."""
+        return ops.fused_moe(x, gate_up, down, weights, ids)

@@ -45,6 +45,11 @@ def _tiny_config(arch: str):
                 "long_factor": [2.0 + i / 4 for i in range(d // 2)]}
         return transformers.Phi3Config(**common, rope_scaling=rope, original_max_position_embeddings=1024,
                                        pad_token_id=0)
+    if arch == "mixtral":  # 4 experts, top 2, renormalized; a 32-token window on every layer
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=32)
+    if arch == "qwen3-moe":  # layer 0 dense, layer 1 with 8 experts, top 2, not renormalized (norm_topk_prob)
+        return transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False)
     raise ValueError(arch)
 
 

@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers: greedy tokens identical (float32) on five
+"""Gemma 2, Gemma 3 (text), Phi-3, Mixtral and Qwen3-MoE against transformers: greedy tokens identical (float32) on five
 prompts of 1 to 200 tokens with block sizes 16 and 64, and the logits of a prompt prefilled in three
 chunks within 2e-4 (absolute; 1e-4 relative) of transformers' forward, as for the Llama family
 (tests/test_engine_parity.py).
@@ -16,7 +16,7 @@ import lmport
 from lmport import EngineConfig, GenerationConfig, ops
 from models import hf_greedy, hf_model, tiny_model_dir
 
-ARCHS = ("gemma2", "gemma3", "phi3")
+ARCHS = ("gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe")
 NEW_TOKENS = 8
 
 

@@ -6,8 +6,9 @@ on the first op call; that is when their ``@triton.jit`` decorators run, so
 ``TRITON_INTERPRET=1`` must be set before then to run them on CPU tensors.
 ``CudaBackend(device="cpu")`` sets it (unless already set) for that reason.
 
-Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill) are
-Triton kernels; copy_blocks, rms_norm and apply_rotary are the reference
+Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill) and
+fused_moe (a grouped GEMM over the experts) are Triton kernels; copy_blocks,
+rms_norm and apply_rotary are the reference
 torch ops (see docs/cuda.md for why).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lmport.kv.layout import LayerCache
 def _load_kernels(device: torch.device) -> SimpleNamespace:
     """The Triton kernel entry points, imported on first use."""
     try:
-        from lmport.backends.cuda import decode_attention, kv_fill, launch, prefill_attention, quant_linear
+        from lmport.backends.cuda import decode_attention, kv_fill, launch, moe, prefill_attention, quant_linear
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
@@ -35,7 +36,8 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
     return SimpleNamespace(fill_kv_cache=kv_fill.fill_kv_cache,
                            decode_attention=decode_attention.decode_attention,
                            prefill_attention=prefill_attention.prefill_attention,
-                           quant_linear=quant_linear.quant_linear)
+                           quant_linear=quant_linear.quant_linear,
+                           fused_moe=moe.fused_moe)
 
 
 class CudaBackend(Backend):
@@ -106,5 +108,9 @@ class CudaBackend(Backend):
         if meta.is_decode:
             return self.kernels.decode_attention(q, cache, meta, softmax_scale)
         return self.kernels.prefill_attention(q, cache, meta, softmax_scale)
+
+    def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.fused_moe(x, gate_up, down, weights, ids)
 
     # copy_blocks, rms_norm, apply_rotary: the reference torch ops (docs/cuda.md says why).

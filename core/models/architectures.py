@@ -4,12 +4,14 @@ from __future__ import annotations
 from lmport.models.gemma import GEMMA_MODEL_TYPES, GemmaCausalLM
 from lmport.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from lmport.models.llama import PagedCausalLM
+from lmport.models.moe import MOE_MODEL_TYPES, MoeCausalLM
 from lmport.models.phi3 import PHI3_MODEL_TYPES, Phi3CausalLM
 
 MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     **{t: PagedCausalLM for t in LLAMA_MODEL_TYPES},
     **{t: GemmaCausalLM for t in GEMMA_MODEL_TYPES},
     **{t: Phi3CausalLM for t in PHI3_MODEL_TYPES},
+    **{t: MoeCausalLM for t in MOE_MODEL_TYPES},
 }
 
 

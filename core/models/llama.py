@@ -113,7 +113,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size,
                                         getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2", backend, tp)
         # Qwen3 normalizes each head of q and k before rotary.
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)

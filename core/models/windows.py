@@ -14,7 +14,7 @@ def layer_windows(cfg) -> tuple[int | None, ...]:
     """The attention window of each layer (None: full attention)."""
     window = getattr(cfg, "sliding_window", None)
     n = cfg.num_hidden_layers
-    if not window:
+    if not window or getattr(cfg, "use_sliding_window", True) is False:   # Qwen's switch, off by default
         return (None,) * n
     types = getattr(cfg, "layer_types", None)
     if types is None:

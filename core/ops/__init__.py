@@ -10,11 +10,12 @@ from lmport.ops.block_copy import copy_blocks
 from lmport.ops.norm import rms_norm
 from lmport.ops.rotary import apply_rotary
 from lmport.ops.activation import silu_and_mul
+from lmport.ops.moe import fused_moe, route
 from lmport.ops.quant_linear import dequantize, quant_embedding, quant_linear
 from lmport.weights.format import QuantizedWeight
 
 __all__ = [
     "AttentionMetadata", "build_attention_metadata", "fill_kv_cache", "paged_attention",
-    "gather_kv", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul",
+    "gather_kv", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe", "route",
     "QuantizedWeight", "dequantize", "quant_linear", "quant_embedding",
 ]

@@ -63,11 +63,12 @@ def test_tiny_model_greedy_matches_cpu_backend(backend_name, quant_policy, recor
 
 
 # Sliding windows of 32 tokens (every layer; alternating with global ones in Gemma), soft caps (Gemma 2),
-# fused checkpoint projections and longrope (Phi-3): the 45-token prompt crosses the window. In float32
+# fused checkpoint projections and longrope (Phi-3), experts (Mixtral, Qwen3-MoE): the 45-token prompt
+# crosses the window. In float32
 # where the backend declares it: at float16 a random model's near-ties flip tokens between op
 # implementations (the Gemma models' scaled embeddings make them tighter); the vendors' float16 paths are
 # held to the cpu backend by the Llama case above.
-@pytest.mark.parametrize("arch", ["mistral-sw32", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral-sw32", "gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe"])
 def test_architectures_greedy_match_cpu_backend(backend_name, arch, record_property):
     backend, mode = op_backend(backend_name)
     record_property("mode", mode)

@@ -1,0 +1,42 @@
+"""Mixture of experts, reference: route each token to its top-k experts, then run each expert on its tokens.
+
+Weights as transformers stores them: ``gate_up`` [experts, 2 * inter, hidden] (the gate's rows, then
+the up projection's) and ``down`` [experts, hidden, inter]. Routing follows Mixtral and Qwen3-MoE:
+softmax over the router logits in float32, the top k, renormalized to sum to 1 when the model says so
+(Mixtral always; Qwen3-MoE when ``norm_topk_prob``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, experts] logits -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]: [T, hidden].
+
+    One pass an expert that has tokens (a loop over experts, never over tokens), as transformers does."""
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // ids.shape[1]
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, tokens, y.float() * weights.flatten()[pairs, None])
+    return out.to(x.dtype)
