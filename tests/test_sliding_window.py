@@ -1,5 +1,5 @@
 """Sliding-window attention: the ops honour each layer's window, the blocks behind it are freed, and a
-Mistral with a 32-token window generates transformers' greedy tokens past its window.
+Mistral and a Gemma 2 with a 32-token window generate transformers' greedy tokens past the window.
 
 The engine case runs 200-token prompts and 64 new tokens with chunked prefill (64-token chunks) and a
 cache too small for every sequence at once (preemption), and asserts after every step that no sequence
@@ -136,15 +136,22 @@ def _prompts(lengths, seed=5):
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("block_size", [16, pytest.param(64, marks=pytest.mark.slow)])
-def test_mistral_window_32_matches_transformers_with_chunks_and_preemption(block_size):
-    model_dir = tiny_model_dir("mistral-sw32")
+@pytest.mark.parametrize("arch,block_size", [("mistral-sw32", 16), ("gemma2", 16),
+                                             pytest.param("mistral-sw32", 64, marks=pytest.mark.slow)])
+def test_window_32_matches_transformers_with_chunks_and_preemption(arch, block_size):
+    model_dir = tiny_model_dir(arch)
     prompts = _prompts([200, 200, 200, 120])
     want = hf_greedy(model_dir, prompts, 64)
     chunk = 64
-    bound = blocks_bound(WINDOW, block_size, chunk)
-    # One block more than a sequence's bound: 264-token sequences (17 blocks of 16 each) run only because
-    # the blocks behind the window are freed, and they preempt each other.
+    if kv_window(hf_model(model_dir).config) is not None:
+        # Every layer slides: a sequence holds at most the window's bound, and 264-token sequences
+        # (17 blocks of 16 each) run in one block more than that only because the blocks behind the
+        # window are freed.
+        bound = blocks_bound(WINDOW, block_size, chunk)
+    else:
+        # Gemma 2's global layers read the whole history through the same block table: nothing is
+        # freed, a sequence holds all its blocks.
+        bound = -(-(200 + 64) // block_size)
     got, most, usage = run_engine(model_dir, prompts, 64, block_size=block_size,
                                   cache_max_entry_count=bound + 1, max_prefill_token_num=chunk)
     assert usage["preemptions"] > 0
