@@ -114,13 +114,20 @@ class Engine:
                  self.config.quant_policy, self.session_len)
         self.weight_bytes = loaded.weight_bytes
 
-        # Prefix cache and host tier: docs/prefix-caching.md.
+        # Prefix cache and host tier: docs/prefix-caching.md. Where every layer slides, the blocks behind the
+        # window are freed as sequences grow (lmport.paging.window); a prefix's early blocks then outlive no
+        # holder and the cache keeps losing chains' heads, so prefix caching is off there (docs/engine.md).
+        window = kv_window(cfg)
+        prefix_caching = self.config.enable_prefix_caching and window is None
+        if self.config.enable_prefix_caching and not prefix_caching:
+            log.warning("prefix caching is off: every layer of %s slides over %d tokens, and the blocks behind "
+                        "the window are freed", cfg.model_type, window)
         self.block_manager = BlockManager(
-            self.plan.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
+            self.plan.num_blocks, self.config.block_size, enable_prefix_caching=prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
             flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
             seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy),
-            window=kv_window(cfg))   # blocks behind every layer's sliding window are freed (lmport.paging.window)
+            window=window)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
 
     # -- requests --------------------------------------------------------

@@ -193,3 +193,58 @@ def test_plan_session_len_is_not_capped_by_the_window():
     assert cache["session_len"] == 2048 > cache["num_tokens"]      # the model's context, more than 20 blocks hold
     assert cache["blocks_per_sequence"] == cache["window_blocks"] == blocks_bound(WINDOW, 16, 64)
     assert "sliding window 32 on every layer" in plan.format_plan(report)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workload_with_a_window_prefix_cache_and_host_tier(seed):
+    """Shared prefixes, preemption (swapped or recomputed), aborts and a window: the block accounting
+    holds after every step, no sequence exceeds the window's bound, and every block comes back."""
+    import random
+
+    from lmport.scheduler import Scheduler
+    rng = random.Random(seed)
+    bs, window, chunk = rng.choice([4, 16]), rng.choice([8, 33]), rng.choice([16, 48])
+    bound = blocks_bound(window, bs, chunk)
+    bm = BlockManager(bound + rng.randint(1, 3 * bound), bs, enable_prefix_caching=True,
+                      num_host_blocks=rng.choice([0, 2 * bound]), bytes_per_block=1, flops_per_token=1e9,
+                      window=window)
+    scheduler = Scheduler(bm, max_batch_size=8, max_prefill_token_num=chunk)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randint(20, 90))] for _ in range(3)]
+    seqs = []
+    for i in range(40):
+        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 60))]
+        seqs.append(Sequence(f"r{i}", prompt, GenerationConfig()))
+        scheduler.add(seqs[-1])
+    targets = {s.request_id: rng.randint(1, 80) for s in seqs}
+    steps = 0
+    while scheduler.has_unfinished():
+        steps += 1
+        assert steps < 20_000
+        batch = scheduler.schedule()
+        bm.take_copies()
+        for seq in batch.seqs:
+            assert sum(b != HOLE for b in seq.block_table) <= bound
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            seq.num_computed += n
+            if seq.num_uncomputed == 0:
+                seq.output_ids.append(rng.randrange(1000))
+                if len(seq.output_ids) >= targets[seq.request_id]:
+                    scheduler.finish(seq)
+                    seq.finish("length")
+        live = [s for s in seqs if not s.is_finished]
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
+            scheduler.finish(victim)
+            victim.finish("abort")
+        bm.check_invariants(scheduler.running)
+    assert bm.allocator.num_free + bm.allocator.num_cached == bm.num_blocks
+
+
+def test_prefix_caching_is_off_where_every_layer_slides(caplog):
+    cfg = EngineConfig(device_type="cpu", cache_max_entry_count=32, enable_prefix_caching=True)
+    with lmport.pipeline(tiny_model_dir("mistral-sw32"), backend_config=cfg) as pipe:
+        assert pipe.engine.usage()["prefix_caching"] is False
+        assert pipe.engine.block_manager.window == WINDOW
+    assert "prefix caching is off: every layer of mistral slides over 32 tokens" in caplog.text
+    with lmport.pipeline(tiny_model_dir("gemma2"), backend_config=cfg) as pipe:   # global layers: nothing freed
+        assert pipe.engine.usage()["prefix_caching"] is True and pipe.engine.block_manager.window is None
