@@ -165,8 +165,8 @@ def format_plan(r: dict) -> str:
             ("session_len", f"{cache['session_len']} " + ("(asked)" if cfg["session_len"] else
                             f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)"
                             if cache["window_blocks"] is None else
-                            f"= model limit (a sequence holds at most {cache['window_blocks']} blocks: those behind "
-                            f"the sliding window are freed)")),
+                            f"= model limit (a sequence holds at most {cache['blocks_per_sequence']} blocks: those "
+                            f"behind the sliding window are freed)")),
             ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: the cache "
                           f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
                           f"max_batch_size is {cfg['max_batch_size']}"),

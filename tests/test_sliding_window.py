@@ -136,7 +136,7 @@ def _prompts(lengths, seed=5):
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("arch,block_size", [("mistral-sw32", 16), ("gemma2", 16),
+@pytest.mark.parametrize("arch,block_size", [("mistral-sw32", 16), pytest.param("gemma2", 16, marks=pytest.mark.slow),
                                              pytest.param("mistral-sw32", 64, marks=pytest.mark.slow)])
 def test_window_32_matches_transformers_with_chunks_and_preemption(arch, block_size):
     model_dir = tiny_model_dir(arch)

@@ -124,7 +124,7 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
                                     sm_scale_log2, window, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
                                     DOT_DTYPE, DOT_PREC, False, SOFTCAP)
 
-        out = acc / l[:, None]
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]   # l = 0 only on padded rows, which are not stored
         out_rows = (q_row0 + tok) * so_t + heads * so_h
         tl.store(o + out_rows[:, None] + offs_d[None, :] * so_d, out.to(o.dtype.element_ty),
                  mask=valid[:, None] & mask_d[None, :])
