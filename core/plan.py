@@ -16,6 +16,7 @@ import torch
 from lmport import registry
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
+from lmport.flags import engine_config
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import PagedCausalLM, head_dim_of
@@ -170,7 +171,6 @@ def format_plan(r: dict) -> str:
 
 
 def plan_command(args) -> int:
-    from lmport.cli import engine_config
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     try:
         report = build_plan(args.model, engine_config(args), device_memory)

@@ -612,7 +612,7 @@ def serve(args) -> int:
     """`lmport serve MODEL` with the server flags (see docs/server.md) and every EngineConfig flag."""
     import uvicorn
 
-    from lmport.cli import engine_config
+    from lmport.flags import engine_config
     from lmport.server.connections import ConnectionLimits
     from lmport.server.guards import allowed_host_names, is_loopback
     from lmport.server.shutdown import GracefulServer
