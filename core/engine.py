@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmport import memory
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
+from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
 from lmport.models.loader import read_model_config, resolve_model_path
@@ -23,10 +23,11 @@ from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
-from lmport.runner import DTYPES, StepInput
+from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
+from lmport.units import fmt_bytes
 from lmport.weights.checkpoint import check_backend, checkpoint_formats
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class Engine:
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")
         self.backend = backend or backend_cls()
-        self.dtype = DTYPES[self.config.dtype]
+        self.dtype = torch_dtype(self.config.dtype)
         if self.config.node_rank != 0:
             raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
                               f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
@@ -106,10 +107,10 @@ class Engine:
         self.memory_inputs, self.plan = self.runner.memory_inputs, self.runner.plan
         self.session_len = self.plan.session_len
         log.info("memory plan (each of %d ranks): weights %s, activation reserve %s (%s), cache %s = %d blocks x %d "
-                 "tokens (quant_policy %d), session_len %d", self.config.tp, memory.fmt_bytes(loaded.weight_bytes),
-                 memory.fmt_bytes(self.plan.reserve_bytes),
+                 "tokens (quant_policy %d), session_len %d", self.config.tp, fmt_bytes(loaded.weight_bytes),
+                 fmt_bytes(self.plan.reserve_bytes),
                  "measured" if self.memory_inputs.reserve_measured else "estimated",
-                 memory.fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
+                 fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
                  self.config.quant_policy, self.session_len)
         self.weight_bytes = loaded.weight_bytes
 

@@ -15,25 +15,18 @@ import torch
 
 from lmport.backend import Capabilities
 from lmport.config import ConfigError, EngineConfig
+from lmport.dtypes import torch_dtype
 from lmport.kv.layout import KVLayout
 from lmport.models.llama import head_dim_of
 from lmport.parallel import check_tp, kv_heads_per_rank, tp_choices
+from lmport.units import GiB, ceil_div, fmt_bytes
 
-GiB = 1 << 30
-MiB = 1 << 20
 # get_ppl keeps each chunk's float32 logits under this (LMDeploy's limit too).
 PPL_LOGITS_BUDGET = 2 * GiB
 
 
 class CacheDoesNotFit(ConfigError):
     """The KV cache does not fit on the device; the message lists what to change, with numbers."""
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def model_limit(model_cfg) -> int:
@@ -51,7 +44,7 @@ def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLa
     check_tp(model_cfg, config.tp)
     return KVLayout(num_layers=model_cfg.num_hidden_layers, num_kv_heads=kv_heads_per_rank(model_cfg, config.tp),
                     head_dim=head_dim_of(model_cfg), block_size=config.block_size,
-                    dtype=getattr(torch, config.dtype), quant_policy=config.quant_policy, axis_order=axis_order)
+                    dtype=torch_dtype(config.dtype), quant_policy=config.quant_policy, axis_order=axis_order)
 
 
 def activation_reserve(model_cfg, config: EngineConfig) -> int:
@@ -63,7 +56,7 @@ def activation_reserve(model_cfg, config: EngineConfig) -> int:
     ``max_batch_size`` rows): the lm_head output, its float32 copy and sampling's copies.
     Attention kernels are assumed not to materialize [T, T] scores (flash-style).
     """
-    dtype_bytes = getattr(torch, config.dtype).itemsize
+    dtype_bytes = torch_dtype(config.dtype).itemsize
     hidden, heads = model_cfg.hidden_size, model_cfg.num_attention_heads
     per_token = (3 * model_cfg.intermediate_size + 3 * heads * head_dim_of(model_cfg)) / config.tp + 4 * hidden
     tokens = config.max_prefill_token_num
@@ -78,7 +71,7 @@ def measure_activation_reserve(runner) -> int | None:
     from lmport.runner import StepInput
     backend, layout, config = runner.backend, runner.layout, runner.config
     tokens = config.max_prefill_token_num
-    blocks = -(-tokens // layout.block_size)
+    blocks = ceil_div(tokens, layout.block_size)
     rows = min(config.max_batch_size, tokens)
 
     def forward():
@@ -148,7 +141,7 @@ class CachePlan:
 
     @property
     def blocks_per_sequence(self) -> int:
-        return -(-self.session_len // self.block_size)
+        return ceil_div(self.session_len, self.block_size)
 
     @property
     def max_sequences(self) -> int:
@@ -220,7 +213,7 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
     count = c.cache_max_entry_count
     limit = model_limit(inp.model_config)
     target = min(c.session_len, limit) if c.session_len else limit   # the session the user wants
-    need = -(-target // bs)
+    need = ceil_div(target, bs)
     fit = inp.layout.blocks_in(inp.usable_bytes)     # the most blocks there is memory for
     if available is not None:   # an allocation failed: aim at 90% of what is free now, and below what failed
         fit = min(layout.blocks_in(0.9 * (available - inp.reserve_bytes)), int(0.9 * _blocks(inp)))
@@ -280,7 +273,7 @@ def _step_weights(inp: MemoryInputs) -> str:
     """What a 4-bit checkpoint of this model would free (docs/weight-quantization.md), when the loaded one is float."""
     from lmport.plan import count_parameters
     params = count_parameters(inp.model_config)
-    float_bytes = params * getattr(torch, inp.config.dtype).itemsize // inp.config.tp
+    float_bytes = params * torch_dtype(inp.config.dtype).itemsize // inp.config.tp
     if inp.weight_bytes < 0.9 * float_bytes:
         return f"already quantized ({fmt_bytes(inp.weight_bytes)} for {params / 1e6:.0f}M parameters)"
     if "int4" not in inp.capabilities.weight_formats:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 
 import torch
@@ -16,27 +15,16 @@ import torch
 from lmport import registry
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
+from lmport.dtypes import torch_dtype
 from lmport.flags import engine_config
-from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
+from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import PagedCausalLM, head_dim_of
 from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
 from lmport.parallel import TPGroup
+from lmport.units import fmt_bytes, parse_bytes
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-
-
-def parse_bytes(text: str) -> int:
-    """"24GiB", "24G" (both 2**30 units), "24GB" (10**9), "512MiB" or a plain byte count."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or float(match.group(1)) <= 0:
-        raise ConfigError(f"--device-memory {text!r}: give a size such as 24GiB, 80G, 512MiB or a byte count")
-    return int(float(match.group(1)) * unit)
-
 
 def count_parameters(model_cfg, tp: TPGroup | None = None) -> int:
     """Parameters the engine loads (on rank ``tp.rank`` of ``tp.size``): its model built on the meta device
@@ -58,7 +46,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     model_cfg = read_model_config(model)
     layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
     params = count_parameters(model_cfg)
-    dtype = getattr(torch, resolved.dtype)
+    dtype = torch_dtype(resolved.dtype)
     # Each rank's own shard (vocabulary and MLP pieces may differ by a row between ranks).
     rank_bytes = [count_parameters(model_cfg, TPGroup(r, resolved.tp)) * dtype.itemsize for r in range(resolved.tp)]
     weight_bytes = max(rank_bytes)

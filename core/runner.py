@@ -16,14 +16,13 @@ import torch
 from lmport import memory
 from lmport.backend import Backend
 from lmport.config import EngineConfig
+from lmport.dtypes import torch_dtype
 from lmport.models.loader import load_model
 from lmport.ops import build_attention_metadata
 from lmport.paging import host_tier
 from lmport.parallel import TPGroup
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -44,7 +43,7 @@ class ModelRunner:
     def __init__(self, model: str, config: EngineConfig, backend: Backend, tp: TPGroup | None = None):
         self.config, self.backend = config, backend
         self.tp = tp or TPGroup()
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
         self.model, self.model_config = self.loaded.model, self.loaded.config
         self.layout = memory.kv_layout(self.model_config, config, backend.capabilities.kv_axis_order)

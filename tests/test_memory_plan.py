@@ -8,7 +8,7 @@ import pytest
 import transformers
 from transformers import modeling_gguf_pytorch_utils
 
-from lmport import cli, memory, plan
+from lmport import cli, memory, plan, units
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import Engine
@@ -160,7 +160,7 @@ def test_text_output_names_every_figure(run_plan):
 @pytest.mark.parametrize("text, size", [("24GiB", 24 << 30), ("24G", 24 << 30), ("24GB", 24 * 10**9),
                                         ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("1000", 1000)])
 def test_parse_bytes(text, size):
-    assert plan.parse_bytes(text) == size
+    assert units.parse_bytes(text) == size
 
 
 def test_estimate_scales_with_prefill_tokens_and_tp():

@@ -14,6 +14,7 @@ from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.ops import AttentionMetadata
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
+from lmport.units import ceil_div
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -200,7 +201,7 @@ class PagedCausalLM(nn.Module):
         """Float32 logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         local = self.lm_head(hidden).float().contiguous()  # sampling wants rows; linear need not give them
         vocab = self.config.vocab_size
-        return self.tp.gather_columns(local, -(-vocab // self.tp.size), vocab)
+        return self.tp.gather_columns(local, ceil_div(vocab, self.tp.size), vocab)
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slices of a full checkpoint's state dict (views at tp=1, copies otherwise, so the

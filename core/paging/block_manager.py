@@ -29,6 +29,7 @@ from lmport.paging.allocator import BlockAllocator
 from lmport.paging.host_tier import CopyBatch, CopyQueue
 from lmport.paging.prefix_cache import CachedBlock, ExtraKeys, PrefixCache
 from lmport.sequence import Sequence
+from lmport.units import ceil_div
 
 # Bytes the host link moves in the time the device does one FLOP of prefill. A
 # PCIe 4/5 link (25-50 GB/s) against the 50-100 TFLOP/s an accelerator reaches
@@ -79,7 +80,7 @@ class BlockManager:
         return self.allocator.num_free + self.allocator.num_cached
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     # -- running sequences ------------------------------------------------
     def _missing(self, seq: Sequence, num_new: int) -> int:

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmport.kv.layout import KVLayout, LayerCache
-
-GiB = 1 << 30
+from lmport.units import GiB
 
 
 def host_pool_blocks(layout: KVLayout, host_cache_gib: float) -> int:
