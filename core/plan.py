@@ -10,8 +10,6 @@ import dataclasses
 import json
 import sys
 
-import torch
-
 from lmport import registry
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
@@ -19,23 +17,13 @@ from lmport.dtypes import torch_dtype
 from lmport.flags import engine_config
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
                            plan_cache)
-from lmport.models.llama import PagedCausalLM, head_dim_of
+from lmport.models.llama import head_dim_of
 from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
+from lmport.models.parameters import count_parameters
 from lmport.parallel import TPGroup
 from lmport.units import fmt_bytes, parse_bytes
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
-
-def count_parameters(model_cfg, tp: TPGroup | None = None) -> int:
-    """Parameters the engine loads (on rank ``tp.rank`` of ``tp.size``): its model built on the meta device
-    (no memory), tied embeddings once."""
-    with torch.device("meta"):
-        model = PagedCausalLM(model_cfg, backend=None, rotary=None, tp=tp)
-    count = sum(p.numel() for p in model.parameters())
-    if getattr(model_cfg, "tie_word_embeddings", False):
-        count -= model.lm_head.weight.numel()
-    return count
-
 
 def build_plan(model: str, config: EngineConfig, device_memory: int | None = None) -> dict:
     """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lmport
-from lmport import memory
+from lmport import scoring
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import RequestError
@@ -61,9 +61,9 @@ def logits_shapes(monkeypatch):
 
 
 def test_default_budget_is_2gib_of_float32_logits():
-    assert memory.logits_chunk_tokens(49152) == 2 * 2**30 // (49152 * 4) == 10922
+    assert scoring.logits_chunk_tokens(49152) == 2 * 2**30 // (49152 * 4) == 10922
     with pytest.raises(ValueError, match="less than one position"):
-        memory.logits_chunk_tokens(49152, 49152 * 4 - 1)
+        scoring.logits_chunk_tokens(49152, 49152 * 4 - 1)
 
 
 def test_matches_transformers_in_one_chunk(logits_shapes):

@@ -1,5 +1,6 @@
 """The package's import graph has no cycle (docs/architecture.md): walked from the source, imports inside
-functions included, since a lazy import that closes a circle is still a circle in the design."""
+functions included, since a lazy import that closes a circle is still a circle in the design. Imports under
+``if TYPE_CHECKING:`` are left out: they are annotations, never run."""
 from __future__ import annotations
 
 import ast
@@ -23,8 +24,13 @@ def _modules() -> dict[str, Path]:
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """lmport modules ``name`` imports; ``from pkg import mod`` counts as importing ``pkg.mod``."""
     is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -41,6 +47,12 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if target and target != name:
                 out.add(target)
     return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -92,4 +104,6 @@ def test_the_walk_sees_imports():
     assert "lmport.flags" in graph["lmport.cli"]
     assert "lmport.config" in graph["lmport.flags"]
     assert "lmport.cli" not in graph["lmport.flags"]
+    assert "lmport.oom_advisor" in graph["lmport.memory"]
+    assert "lmport.memory" not in graph["lmport.oom_advisor"]   # only under TYPE_CHECKING
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmport import cli, memory, plan, units
+from lmport.models import parameters
 from lmport.backends.cpu import CpuBackend
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine
@@ -59,7 +60,7 @@ def test_too_small_cache_max_entry_count_gives_advice_with_numbers(free_memory):
     assert s[3] == f"4. session_len: lower it to <= {blocks * 16} (what {blocks} blocks hold)"
     assert s[4].startswith("5. tp=2 (2 devices like this one): each holds ")
     # The tiny model is float32 (4 bytes a parameter); int4 with its scales and mins takes 0.625.
-    params = plan.count_parameters(plan.read_model_config(tiny()))
+    params = parameters.count_parameters(plan.read_model_config(tiny()))
     assert s[5].startswith(f"6. weights: a 4-bit checkpoint (a Q4_0 / Q4_1 GGUF) holds them in "
                            f"{units.fmt_bytes(params * 5 // 8)} instead of {units.fmt_bytes(params * 4)} (float32)")
 
