@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmport import detokenize
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
@@ -272,26 +273,22 @@ class Engine:
             seq.logprobs.append(logprobs)
         self.stats["generated_tokens"] += 1
         old_text = seq.text
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.gen_config.skip_special_tokens)
+        seq.text = detokenize.decode(self.tokenizer, seq.output_ids, seq.gen_config.skip_special_tokens)
         cfg = seq.gen_config
         reason = None
         if seq.grammar is not None:
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
         if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
             reason = "stop"
-        elif cfg.stop_words and (cut := _first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
+        elif cfg.stop_words and (cut := detokenize.first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
             seq.text, reason = seq.text[:cut], "stop"
         elif len(seq.output_ids) >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
             reason = "length"
         if reason:
             self._end(seq, reason)
-            delta = seq.text[len(old_text):] if seq.text.startswith(old_text) else ""
+            delta = detokenize.final_delta(seq.text, old_text)
         else:
-            # Hold back a trailing partial UTF-8 character until its bytes complete.
-            shown = seq.text.rstrip("\ufffd")
-            if cfg.stop_words:  # and text that may yet turn out to start a stop string
-                shown = shown[:len(shown) - _stop_prefix_len(shown, cfg.stop_words)]
-            delta = shown[len(old_text):] if len(shown) > len(old_text) else ""
+            delta = detokenize.streamable_delta(seq.text, old_text, cfg.stop_words)
             seq.text = old_text + delta
         return self._output(seq, [token], delta)
 
@@ -327,21 +324,3 @@ class Engine:
     def close(self) -> None:
         self.executor.close()
         self.seqs.clear()
-
-
-def _first_stop(text: str, stop_words: list[str], searched: int) -> int | None:
-    """Index of the earliest stop string in ``text`` that ends after ``searched`` chars."""
-    start = max(0, searched - max(len(s) for s in stop_words))
-    hits = [i for s in stop_words if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stop_words: list[str]) -> int:
-    """Length of the longest end of ``text`` that is the start of a stop string (and so may become one)."""
-    best = 0
-    for word in stop_words:
-        for n in range(min(len(word) - 1, len(text)), best, -1):
-            if text.endswith(word[:n]):
-                best = n
-                break
-    return best
