@@ -6,12 +6,14 @@ Every EngineConfig and GenerationConfig field is a flag (``--quant-policy``,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
 from lmport import registry
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.flags import add_dataclass_flags, engine_config, gen_config
+from lmport.units import parse_bytes
 
 
 def cmd_backends(args) -> int:
@@ -62,8 +64,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from lmport.plan import plan_command
-    return plan_command(args)
+    from lmport.models.loader import ModelNotFound
+    from lmport.plan import build_plan
+    from lmport.plan_format import format_plan
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    try:
+        report = build_plan(args.model, engine_config(args), device_memory)
+    except ModelNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 2 if report["error"] else 0
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:

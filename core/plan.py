@@ -1,4 +1,5 @@
-"""`lmport plan MODEL`: the memory plan of a model on a backend, from the model's config alone.
+"""The memory plan of a model on a backend, from the model's config alone (`lmport plan MODEL`; its text:
+``lmport.plan_format``).
 
 No weight is read or converted: a GGUF's config comes from its metadata, the
 parameter count from the engine's model built on the meta device. The cache
@@ -7,21 +8,17 @@ is sized by ``lmport.memory.plan_cache``, the function the engine itself uses.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 
 from lmport import registry
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
 from lmport.dtypes import torch_dtype
-from lmport.flags import engine_config
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import head_dim_of
-from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
+from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.parameters import count_parameters
 from lmport.parallel import TPGroup
-from lmport.units import fmt_bytes, parse_bytes
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
 
@@ -102,56 +99,3 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
-
-
-def format_plan(r: dict) -> str:
-    m, d, w, a, kv, cache = r["model"], r["device"], r["weights"], r["activation_reserve"], r["kv"], r["cache"]
-    cfg = r["config"]
-    rows = [
-        ("model", f"{m['name']}: {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}, "
-                  f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
-                  f"context {m['max_position_embeddings']}"
-                  + (" (its sliding window)" if m["sliding_window"] == m["max_position_embeddings"] else "")),
-        ("device", f"{d['type']}: {fmt_bytes(d['memory_bytes'])} ({d['memory_source']})"),
-        ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
-                    + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())
-                    + (f" on each of {cfg['tp']} devices" if cfg["tp"] > 1 else "")),
-        ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
-                       f"({a['source']}; {a['note']})"),
-        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights, "
-                 f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
-        ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
-                     f"tokens = {kv['bytes_per_token']:,.6g} B a token"),
-    ]
-    if cache:
-        rows += [
-            ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "
-                 f"{fmt_bytes(cache['bytes'])} = {cache['num_blocks']:,} blocks = {cache['num_tokens']:,} tokens"),
-            ("session_len", f"{cache['session_len']} " + ("(asked)" if cfg["session_len"] else
-                            f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)")),
-            ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: the cache "
-                          f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
-                          f"max_batch_size is {cfg['max_batch_size']}"),
-        ]
-    if r["ranks"] and len(r["ranks"]) > 1:
-        rows += [(f"rank {x['rank']}", f"weights {fmt_bytes(x['weight_bytes'])} ({x['weight_bytes']:,} B), reserve "
-                                       f"{fmt_bytes(x['reserve_bytes'])}, cache {x['num_blocks']:,} blocks = "
-                                       f"{fmt_bytes(x['cache_bytes'])} ({x['cache_bytes']:,} B)") for x in r["ranks"]]
-    rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
-             ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"
-                                       for a in r["adjustments"]) or "none")]
-    text = "\n".join(f"{name:<12} {value}".rstrip() for name, value in rows)
-    if r["error"]:
-        text += "\n\nerror: the KV cache does not fit: " + r["error"]
-    return text
-
-
-def plan_command(args) -> int:
-    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
-    try:
-        report = build_plan(args.model, engine_config(args), device_memory)
-    except ModelNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
-    return 2 if report["error"] else 0
