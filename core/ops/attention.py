@@ -32,6 +32,7 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
     Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
     long chunk never pads every decode row to its length.
     """
+    cache.require_axis_order("bshd", "the reference paged_attention")
     q_lens = meta.q_lens_host or tuple(meta.q_lens.tolist())
     kv_lens = meta.kv_lens_host or tuple(meta.kv_lens.tolist())
     starts = [0]

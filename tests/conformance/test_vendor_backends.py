@@ -95,7 +95,7 @@ def _case(order: str, quant_policy: int, block: int, dtype, q_lens, kv_lens, see
 def _to_device(cache: LayerCache, device) -> LayerCache:
     move = (lambda t: None if t is None else t.to(device))
     return LayerCache(move(cache.k), move(cache.v), move(cache.k_qparams), move(cache.v_qparams),
-                      cache.quant_policy, cache.block_size)
+                      cache.quant_policy, cache.block_size, cache.axis_order)
 
 
 def _meta_to(meta: ops.AttentionMetadata, device) -> ops.AttentionMetadata:
