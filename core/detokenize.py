@@ -7,7 +7,7 @@ bytes complete, and so is text that may yet turn out to start a stop string.
 from __future__ import annotations
 
 
-def decode(tokenizer, output_ids: list[int], skip_special_tokens: bool) -> str:
+def decode(tokenizer, output_ids: list[int], *, skip_special_tokens: bool) -> str:
     """The whole generated text so far."""
     return tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
 

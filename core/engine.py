@@ -273,8 +273,8 @@ class Engine:
             seq.logprobs.append(logprobs)
         self.stats["generated_tokens"] += 1
         old_text = seq.text
-        seq.text = detokenize.decode(self.tokenizer, seq.output_ids, seq.gen_config.skip_special_tokens)
         cfg = seq.gen_config
+        seq.text = detokenize.decode(self.tokenizer, seq.output_ids, skip_special_tokens=cfg.skip_special_tokens)
         reason = None
         if seq.grammar is not None:
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts

@@ -209,7 +209,7 @@ class DistributedExecutor:
                 raise WorkerFailed(self.failure)
             time.sleep(0.05)
 
-    def _call(self, method: str, args: tuple, gather: bool):
+    def _call(self, method: str, args: tuple, *, gather: bool):
         if self.failure:
             raise WorkerFailed(self.failure)
         try:

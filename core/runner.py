@@ -72,7 +72,8 @@ class ModelRunner:
             self.memory_inputs = dataclasses.replace(self.memory_inputs, config=exact)
             self.plan = memory.plan_cache(self.memory_inputs)
         self.caches = memory.allocate_cache(self.memory_inputs, self.plan, self.layout, self.backend)
-        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, self.backend.pin_host_memory())
+        pin = self.backend.pin_host_memory()
+        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
 
     # -- a step -------------------------------------------------------------

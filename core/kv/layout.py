@@ -88,7 +88,7 @@ class KVLayout:
     def blocks_in(self, budget_bytes: int) -> int:
         return max(0, int(budget_bytes) // self.bytes_per_block)
 
-    def allocate(self, num_blocks: int, device: torch.device | str, pin_memory: bool = False) -> list[LayerCache]:
+    def allocate(self, num_blocks: int, device: torch.device | str, *, pin_memory: bool = False) -> list[LayerCache]:
         """Zero-filled caches: padded table entries read finite values, never NaN."""
         def zeros(block_shape, dtype):
             t = torch.zeros((num_blocks, *block_shape), dtype=dtype, device=device)

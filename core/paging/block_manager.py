@@ -129,7 +129,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
         own = seq.block_table[i]
         if e.on_host:   # ours becomes the entry's device copy; the host copy goes
             self.host.evict(e.block)
-            self.cache.move(e, False, own)
+            self.cache.move(e, own, on_host=False)
         else:           # share the entry's block, free ours
             self._hold(e.block)
             seq.block_table[i] = e.block
@@ -166,14 +166,14 @@ class BlockManager(Eviction, UsageStats, Invariants):
             self.host.take(e.block)
         for e in on_host:
             (block,) = self._allocate(1)
-            self.copies.add(False, e.block, block)
+            self.copies.add(e.block, block, to_host=False)
             self.host.decref(e.block)
-            self.cache.move(e, False, block)
+            self.cache.move(e, block, on_host=False)
         seq.block_table[:] = [e.block for e in hits]
         if swap is not None:
             blocks = self._allocate(len(swap.host_blocks))
             for h, d in zip(swap.host_blocks, blocks):
-                self.copies.add(False, h, d)
+                self.copies.add(h, d, to_host=False)
                 self.host.decref(h)
             seq.block_table.extend(blocks)
             del self._swapped[seq]
@@ -202,7 +202,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
         if self.host is not None and private and self._swap_pays(seq, k, len(private)):
             host_blocks = self._host_allocate(len(private))
             for d, h in zip(private, host_blocks):
-                self.copies.add(True, d, h)
+                self.copies.add(d, h, to_host=True)
             swap = _Swap(k, host_blocks)
         self.free(seq)
         if swap is not None:

@@ -60,8 +60,8 @@ class Eviction:
         if slot is None:
             self.cache.drop(e)
         else:
-            self.copies.add(True, block, slot)
-            self.cache.move(e, True, slot)
+            self.copies.add(block, slot, to_host=True)
+            self.cache.move(e, slot, on_host=True)
         self.allocator.evict(block)
         self.stats["device_evictions"] += 1
 
@@ -86,7 +86,7 @@ class Eviction:
             self._evict_host()
         return self.host.allocate(n)
 
-    def _victim(self, allocator: BlockAllocator, entries: dict[int, CachedBlock], on_host: bool) -> int:
+    def _victim(self, allocator: BlockAllocator, entries: dict[int, CachedBlock], *, on_host: bool) -> int:
         """Least recently used cached block with no child in its pool (on the host: no child at all)."""
         first = None
         for block in allocator.lru():

@@ -23,8 +23,8 @@ def _too_long(server: Server, param: str, chars: int) -> APIError:
                     param=param)
 
 
-async def _respond(server: Server, request: Request, job: Job, stream: bool, chunk: Callable[..., dict],
-                   body: Callable[[list[RequestOutput]], dict]):
+async def _respond(server: Server, request: Request, job: Job, chunk: Callable[..., dict],
+                   body: Callable[[list[RequestOutput]], dict], *, stream: bool):
     """An admitted job's reply: ``chunk(choice, out, delta, first, logprobs_from)`` as server-sent events, or
     ``body(final outputs)`` once all are done; 499 when the client left first."""
     if stream:
@@ -101,7 +101,7 @@ async def chat_completions(server: Server, request: Request):
                             "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None})
         return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": choices}
 
-    return await _respond(server, request, job, req.stream, chunk, body)
+    return await _respond(server, request, job, chunk, body, stream=req.stream)
 
 
 async def completions(server: Server, request: Request):
@@ -155,7 +155,7 @@ async def completions(server: Server, request: Request):
              "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
             for c, o in enumerate(outs)]}
 
-    return await _respond(server, request, job, req.stream, chunk, body)
+    return await _respond(server, request, job, chunk, body, stream=req.stream)
 
 
 async def _echo_completion(server: Server, req: CompletionRequest, job: Job, top: int | None, request: Request,
