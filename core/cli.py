@@ -17,7 +17,8 @@ from lmport.units import parse_bytes
 
 
 def cmd_backends(args) -> int:
-    rows = [("backend", "available", "quant policies", "weight formats", "block size", "torch device", "dist", "origin")]
+    rows = [("backend", "available", "quant policies", "weight formats", "block size", "torch device", "dist",
+             "origin")]
     reasons = []
     for r in registry.describe_backends():
         caps = r.capabilities

@@ -68,8 +68,8 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
     if blocks < 1:
         lines.append("4. session_len cannot help until the cache gets a block (steps 1-3)")
     else:
-        lines.append(f"4. session_len: lower it to <= {blocks * bs:,} (what {blocks:,} blocks hold"
-                     f"{' at cache_max_entry_count=' + str(base.config.cache_max_entry_count) if base is not inp else ''}"
+        at = f" at cache_max_entry_count={base.config.cache_max_entry_count}" if base is not inp else ""
+        lines.append(f"4. session_len: lower it to <= {blocks * bs:,} (what {blocks:,} blocks hold{at}"
                      f"{', with step 1' if too_big else ''})")
     bigger = [n for n in tp_choices(inp.model_config) if n > c.tp]
     if bigger:
@@ -96,7 +96,8 @@ def _step_weights(inp: MemoryInputs) -> str:
     saved = inp.weight_bytes - four_bit
     alt = dataclasses.replace(inp, weight_bytes=four_bit, free_bytes=inp.free_bytes + saved)
     return (f"a 4-bit checkpoint (a Q4_0 / Q4_1 GGUF) holds them in {fmt_bytes(four_bit)} instead of "
-            f"{fmt_bytes(inp.weight_bytes)} ({inp.config.dtype}), {fmt_bytes(saved)} more for the cache: {_room_text(alt)}")
+            f"{fmt_bytes(inp.weight_bytes)} ({inp.config.dtype}), {fmt_bytes(saved)} more for the cache: "
+            f"{_room_text(alt)}")
 
 
 def _room_text(inp: MemoryInputs) -> str:

@@ -9,7 +9,8 @@ def format_plan(r: dict) -> str:
     cfg = r["config"]
     rows = [
         ("model", f"{m['name']}: {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}, "
-                  f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
+                  f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, "
+                  f"vocab {m['vocab_size']}, "
                   f"context {m['max_position_embeddings']}"
                   + (" (its sliding window)" if m["sliding_window"] == m["max_position_embeddings"] else "")),
         ("device", f"{d['type']}: {fmt_bytes(d['memory_bytes'])} ({d['memory_source']})"),
@@ -27,11 +28,12 @@ def format_plan(r: dict) -> str:
         rows += [
             ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "
                  f"{fmt_bytes(cache['bytes'])} = {cache['num_blocks']:,} blocks = {cache['num_tokens']:,} tokens"),
-            ("session_len", f"{cache['session_len']} " + ("(asked)" if cfg["session_len"] else
-                            f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)")),
-            ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: the cache "
-                          f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
-                          f"max_batch_size is {cfg['max_batch_size']}"),
+            ("session_len", f"{cache['session_len']} " + (
+                "(asked)" if cfg["session_len"] else
+                f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)")),
+            ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: "
+                          f"the cache holds {cache['sequences_that_fit']:,} sequences of "
+                          f"{cache['blocks_per_sequence']} blocks, max_batch_size is {cfg['max_batch_size']}"),
         ]
     if r["ranks"] and len(r["ranks"]) > 1:
         rows += [(f"rank {x['rank']}", f"weights {fmt_bytes(x['weight_bytes'])} ({x['weight_bytes']:,} B), reserve "

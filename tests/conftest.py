@@ -79,7 +79,7 @@ def parse_backends_table(text: str) -> tuple[dict[str, dict[str, str]], dict[str
 # load cpu alone, then load every backend, read its Capabilities, and probe it.
 FRESH_INTERPRETER_SCRIPT = r"""
 import importlib.abc, json, sys
-VENDOR = %r
+VENDOR = __VENDOR_SDKS__
 
 class BlockVendorSDKs(importlib.abc.MetaPathFinder):
     attempts = []
@@ -126,7 +126,7 @@ for name in names:
         entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     out["backends"][name] = entry
 print(json.dumps(out))
-""" % (VENDOR_SDKS,)
+""".replace("__VENDOR_SDKS__", repr(VENDOR_SDKS))
 
 BROKEN_CLI_PLUGIN = ("lmport-broken-device", {"broken": "fake_broken_cli_plugin:BrokenBackend"},
                      {"fake_broken_cli_plugin": "import torch_fictional_sdk\n"})

@@ -16,7 +16,8 @@ from lmport.engine import RequestError
 from models import hf_model
 
 FREE = 3 << 30   # free memory the engine sees once its weights are loaded: the same plan on every machine
-CONFIG = EngineConfig(device_type="cpu", cache_max_entry_count=0.05, weight_format="dequantize")  # float32, as transformers
+# float32, as transformers computes it
+CONFIG = EngineConfig(device_type="cpu", cache_max_entry_count=0.05, weight_format="dequantize")
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention keeps keys and values in fixed-size blocks, so no memory is lost to padding; a block "
@@ -25,14 +26,14 @@ TEXTS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_pipeline():
     """The default model, loaded once for this file and test_memory_plan.py, planned with FREE bytes free."""
     with mock.patch.object(CpuBackend, "memory_info", lambda self: (FREE, FREE)):
         return lmport.pipeline("smollm2", CONFIG)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inputs() -> tuple[tuple[int, ...], ...]:
     tok = smollm2_pipeline().tokenizer
     return tuple(tuple(tok.encode(t)) for t in TEXTS)

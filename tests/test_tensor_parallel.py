@@ -1,8 +1,8 @@
 """Tensor parallelism on the cpu backend over gloo: the same greedy tokens as tp=1 and transformers.
 
 Each tp engine starts worker processes (seconds on a small machine), so one engine is
-shared by several tests (a process runs one tensor-parallel engine at a time); the default model at tp=3, the command-line
-paths and two nodes are marked slow.
+shared by several tests (a process runs one tensor-parallel engine at a time); the default model at tp=3,
+the command-line paths and two nodes are marked slow.
 """
 from __future__ import annotations
 

@@ -110,8 +110,8 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, (q0 * d, q1 * d), qkv_bias, backend)
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
-        self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size,
-                                        getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2", backend, tp)
+        o_bias = getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2"
+        self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size, o_bias, backend, tp)
         # Qwen3 normalizes each head of q and k before rotary.
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
