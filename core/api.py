@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from lmport import scoring
 from lmport.config import EngineConfig, GenerationConfig
@@ -67,7 +68,7 @@ class Pipeline:
                     responses[request_of.pop(out.request_id)] = Response(
                         out.text, out.token_ids, out.finish_reason, out.prompt_tokens, len(out.token_ids),
                         out.logprobs, out.error)
-        return responses
+        return cast(list[Response], responses)   # every slot is filled: each prompt ends or fails
 
     def stream(self, prompt, gen_config: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text deltas as they are generated."""

@@ -27,8 +27,8 @@ def chat(args) -> int:
         pipe = lmport.pipeline(args.model, backend_config=engine_config(args))
         cfg = gen_config(args)
 
-        def stream(msgs):
-            return pipe.stream(msgs, cfg)
+        def stream(messages):
+            return pipe.stream(messages, cfg)
     print("lmport chat: /exit to leave", file=sys.stderr)
     for line in _turns():
         messages.append({"role": "user", "content": line})

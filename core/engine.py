@@ -232,7 +232,8 @@ class Engine:
         for i, seq in enumerate(ready):
             try:
                 rows, bitmask = masks.result() if masks else ([], None)
-                (token,), (lp,) = sample(logits[i:i + 1], [seq], ([0], bitmask[i:i + 1]) if i in rows else None)
+                mask = ([0], bitmask[i:i + 1]) if bitmask is not None and i in rows else None
+                (token,), (lp,) = sample(logits[i:i + 1], [seq], mask)
                 results.append((seq, token, lp))
             except Exception as exc:
                 results.append((seq, exc, None))

@@ -97,7 +97,7 @@ class MemoryInputs:
         count = self.config.cache_max_entry_count
         if isinstance(count, int):
             return count
-        return self.layout.blocks_in(self.usable_bytes * count)
+        return self.layout.blocks_in(int(self.usable_bytes * float(count)))
 
     def room_blocks(self) -> int:
         """Blocks that ``cache_max_entry_count`` can give: its share for a float, all the usable memory for an int."""

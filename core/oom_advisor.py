@@ -101,7 +101,7 @@ def _step_weights(inp: MemoryInputs) -> str:
 
 
 def _room_text(inp: MemoryInputs) -> str:
-    n, bs = inp.room_blocks(), inp.config.block_size
+    n, bs = inp.room_blocks(), inp.layout.block_size
     if isinstance(inp.config.cache_max_entry_count, int):
         return f"room for {n:,} blocks ({n * bs:,} tokens)"
     return f"{n:,} blocks ({n * bs:,} tokens) at cache_max_entry_count={inp.config.cache_max_entry_count}"

@@ -102,7 +102,7 @@ def _reduce_kernel(part_out, part_lse, o, num_splits,
     w = tl.exp2(lse - tl.reduce(lse, 0, MAX))      # split 0 always holds tokens: the max is finite
     parts = tl.load(part_out + seq * po_b + head * po_h + offs_s[:, None] * po_s + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)
+    out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)  # pyright: ignore[reportOperatorIssue]
     tl.store(o + seq * so_t + head * so_h + offs_d * so_d, out.to(o.dtype.element_ty), mask=mask_d)
 
 

@@ -212,7 +212,7 @@ class PagedCausalLM(nn.Module):
         for name, module in self.named_modules():
             if not hasattr(module, "shard_dim"):
                 continue
-            start, end = module.shard_range
+            start, end = module.shard_range  # pyright: ignore[reportGeneralTypeIssues] (a parallel linear's)
             for pname in ("weight", "bias"):
                 key = f"{name}.{pname}"
                 if key not in full or (pname == "bias" and module.shard_dim == 1):

@@ -96,4 +96,6 @@ class Eviction:
             first = block if first is None else first
         # Unreachable while every holder of a block also holds its parent; kept so eviction cannot fail.
         self.stats["lru_fallbacks"] += 1
+        if first is None:
+            raise RuntimeError("no cached block to evict (callers evict only while cached blocks remain)")
         return first

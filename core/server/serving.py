@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -257,7 +258,7 @@ class Server:
         async for choice, out in self.outputs(job):
             if out.finished:
                 final[choice] = out
-        return final
+        return cast(list[RequestOutput], final)   # outputs() ends only when every choice has finished
 
     async def until_done_or_gone(self, request: Request, job: Job) -> list[RequestOutput] | None:
         """collect(), or None when the client disconnects first (its requests are then aborted)."""
