@@ -279,7 +279,7 @@ def test_an_empty_api_key_is_an_error():
     assert proc.returncode == 2 and "API key is empty" in proc.stderr
 
 
-def _stream(url: str, results: list, started: threading.Event | None = None, max_tokens=1500):
+def _stream(url: str, results: list, started: threading.Semaphore | None = None, max_tokens=1500):
     """A streamed chat; appends (events, saw_done, error) when it ends."""
     events, done, error = [], False, None
     try:
@@ -303,14 +303,20 @@ def _ended_properly(events) -> bool:
     return "error" in last or last["choices"][0]["finish_reason"] is not None
 
 
-def test_sigterm_ends_every_stream_with_a_final_event_and_exits_0(servers):
-    server = servers["sigterm"].ready()
+def _streams_in_flight(url: str, n: int) -> tuple[list, list[threading.Thread]]:
+    """``n`` streams started, each past its first event: (their results, their threads)."""
     results, started = [], threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream, args=(server.url, results, started)) for _ in range(20)]
+    threads = [threading.Thread(target=_stream, args=(url, results, started)) for _ in range(n)]
     for t in threads:
         t.start()
-    for _ in range(20):
+    for _ in range(n):
         assert started.acquire(timeout=60)
+    return results, threads
+
+
+def test_sigterm_ends_every_stream_with_a_final_event_and_exits_0(servers):
+    server = servers["sigterm"].ready()
+    results, threads = _streams_in_flight(server.url, 20)
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=SHUTDOWN_TIMEOUT + 10) == 0, server.log.read_text()
@@ -327,12 +333,7 @@ def test_sigterm_ends_every_stream_with_a_final_event_and_exits_0(servers):
 
 def test_an_engine_fault_errors_every_stream_within_5_s_and_exits_non_zero(servers):
     server = servers["fault"].ready()
-    results, started = [], threading.Semaphore(0)
-    threads = [threading.Thread(target=_stream, args=(server.url, results, started)) for _ in range(5)]
-    for t in threads:
-        t.start()
-    for _ in range(5):
-        assert started.acquire(timeout=60)
+    results, threads = _streams_in_flight(server.url, 5)
     server.fault_file.write_text("fail")
     start = time.monotonic()
     for t in threads:
