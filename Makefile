@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	rm -rf build/typecheck && mkdir -p build/typecheck
 	cp -rs "$(CURDIR)/core" build/typecheck/lmport && cp -rs "$(CURDIR)/backends" build/typecheck/lmport/backends
-	$(VENV)/bin/basedpyright
+	$(VENV)/bin/basedpyright -p pyproject.toml
 
 test: lint
 	$(PY) -m pytest -q -m "not slow"
