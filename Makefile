@@ -1,10 +1,10 @@
-# make run · make test · make bench: each sets up .venv from nothing first.
+# make run · make test · make bench: each sets up .venv from nothing first. make test lints first (make lint).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: run test test-all bench setup
+.PHONY: run test test-all bench setup lint
 
 setup: $(STAMP)
 
@@ -21,10 +21,18 @@ $(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/lmport generate "$(PROMPT)"
 
-test: $(STAMP)
+# ruff, then pyright on the package under its import names: pyright cannot follow the editable install's
+# package-dir mapping, so core/ and backends/ are linked as build/typecheck/lmport (pyproject.toml says why).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	rm -rf build/typecheck && mkdir -p build/typecheck
+	cp -rs "$(CURDIR)/core" build/typecheck/lmport && cp -rs "$(CURDIR)/backends" build/typecheck/lmport/backends
+	$(VENV)/bin/basedpyright -p pyproject.toml
+
+test: lint
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: $(STAMP)
+test-all: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

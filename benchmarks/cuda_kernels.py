@@ -76,7 +76,7 @@ class Shape:
         return (f"{self.kind} b{self.batch} q{self.q_len}{hist} kv{self.kv_len} "
                 f"h{self.q_heads}/{self.kv_heads}x{self.head_dim} int{self.policy or 16}")
 
-    def tiny(self) -> "Shape":
+    def tiny(self) -> Shape:
         """The --check version: the same kind, policy, GQA ratio and head dim, a CPU-sized batch."""
         group = self.q_heads // self.kv_heads
         q_len = 1 if self.kind == "decode" else max(1, self.q_len // 256)

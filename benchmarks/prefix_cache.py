@@ -43,7 +43,7 @@ def workload(tokenizer, args) -> list[list[int]]:
         header = tokenizer.encode(f"You are assistant number {k}, the expert on topic {k * 7 + 3}. ")
         systems.append((header + body)[:args.prompt_len])
     requests = []
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for k, system in enumerate(systems):
             for w in range(args.per_prompt):
                 i = len(requests)

@@ -152,7 +152,8 @@ async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str |
     errors = sorted({r["error"] for r in results if r["error"]})
     return {
         "requests": n, "succeeded": len(ok), "max_tokens": max_tokens, "wall_s": wall,
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts, default=None),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_max_s": max(ttfts, default=None),
         "latency_p50_s": percentile([r["latency"] for r in ok], 50),
         "tpot_p50_s": percentile([r["tpot"] for r in ok if r["tpot"] is not None], 50),
         "json_schema": schema,

@@ -158,7 +158,8 @@ def main() -> None:
         for engine, m in f["median"].items():
             weights = {"llama.cpp": f["gguf_tensor_bytes"], "lmport": f["lmport_weight_bytes"],
                        "lmport float32": f["lmport_float32_weight_bytes"]}[engine]
-            note = " (ubatch 1)" if engine == "llama.cpp" and any(r[engine]["prefill_ubatch"] == 1 for r in f["rounds"]) else ""
+            ubatch_1 = engine == "llama.cpp" and any(r[engine]["prefill_ubatch"] == 1 for r in f["rounds"])
+            note = " (ubatch 1)" if ubatch_1 else ""
             print(f"| {label} | {engine} | {m.get('prefill', float('nan')):.1f}{note} | "
                   f"{m.get('decode', float('nan')):.1f} | {weights:,} |")
         ratio = f["median"]["lmport"]["decode"] / f["median"]["llama.cpp"]["decode"]

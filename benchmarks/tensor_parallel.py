@@ -9,7 +9,8 @@ processes (each rank gets one thread), so it cannot be faster than tp=1, and its
 collectives add time; what tp buys is memory per device (the weights and KV cache of
 one rank are half), which is what a model that does not fit one device needs.
 
-Run: python benchmarks/tensor_parallel.py [--requests 8] [--new-tokens 32] [--out benchmarks/results/tensor_parallel.json]
+Run: python benchmarks/tensor_parallel.py [--requests 8] [--new-tokens 32]
+         [--out benchmarks/results/tensor_parallel.json]
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def main() -> None:
     prompts = [[1] + list(range(500 + 31 * i, 540 + 31 * i)) for i in range(args.requests)]
     results = [run(args.model, tp, prompts, args.new_tokens) for tp in args.tp]
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
-    machine = {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(), "python": platform.python_version()}
+    machine = {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+               "python": platform.python_version()}
     print(f"model {args.model}, {args.requests} requests x {args.new_tokens} tokens, float32, cpu backend, "
           f"{machine['cpus']} cores; greedy tokens identical across tp: {same}\n")
     print("| tp | total s | prefill s | tok/s | steps | collectives/step | bytes/step | ms in collectives/step |")

@@ -4,8 +4,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
-from lmport import memory, scoring
+from lmport import scoring
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine, RequestError
 
@@ -67,7 +68,7 @@ class Pipeline:
                     responses[request_of.pop(out.request_id)] = Response(
                         out.text, out.token_ids, out.finish_reason, out.prompt_tokens, len(out.token_ids),
                         out.logprobs, out.error)
-        return responses
+        return cast(list[Response], responses)   # every slot is filled: each prompt ends or fails
 
     def stream(self, prompt, gen_config: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text deltas as they are generated."""
@@ -88,7 +89,7 @@ class Pipeline:
 
     # -- scoring ------------------------------------------------------------
     def get_ppl(self, token_id_lists: list[list[int]],
-                logits_budget_bytes: int = memory.PPL_LOGITS_BUDGET) -> list[float]:
+                logits_budget_bytes: int = scoring.PPL_LOGITS_BUDGET) -> list[float]:
         """Perplexity of each token-id list: exp(mean negative log-likelihood of tokens 2..n).
 
         Each input is prefilled through the engine's paged KV cache in chunks of at most
@@ -98,7 +99,7 @@ class Pipeline:
         return [math.exp(-sum(lps) / len(lps)) for lps in self.get_logprobs(token_id_lists, logits_budget_bytes)]
 
     def get_logprobs(self, token_id_lists: list[list[int]],
-                     logits_budget_bytes: int = memory.PPL_LOGITS_BUDGET) -> list[list[float]]:
+                     logits_budget_bytes: int = scoring.PPL_LOGITS_BUDGET) -> list[list[float]]:
         """Per-token log-likelihoods of each list: log p(t_i | t_<i) for tokens 2..n (what get_ppl averages)."""
         chunk = scoring.chunk_tokens(self.engine, logits_budget_bytes)
         return [scoring.token_logprobs(self.engine, list(ids), chunk)[0] for ids in token_id_lists]

@@ -133,7 +133,7 @@ class Backend:
         """x @ weight^T (+ bias); the result may be in any strided layout (the model does not assume contiguity)."""
         return torch.nn.functional.linear(x, weight, bias)
 
-    def quant_linear(self, x: torch.Tensor, weight: "ops.QuantizedWeight",
+    def quant_linear(self, x: torch.Tensor, weight: ops.QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ dequantize(weight)^T (+ bias) for a weight in the internal quantized format."""
         return ops.quant_linear(x, weight, bias)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from lmport.flags import engine_config, gen_config
+
 
 def _turns():
     while True:
@@ -17,7 +19,6 @@ def _turns():
 
 
 def chat(args) -> int:
-    from lmport.cli import engine_config, gen_config
     messages = []
     if args.url:
         stream = _remote_stream(args.url, args.api_key, gen_config(args))
@@ -26,8 +27,8 @@ def chat(args) -> int:
         pipe = lmport.pipeline(args.model, backend_config=engine_config(args))
         cfg = gen_config(args)
 
-        def stream(msgs):
-            return pipe.stream(msgs, cfg)
+        def stream(messages):
+            return pipe.stream(messages, cfg)
     print("lmport chat: /exit to leave", file=sys.stderr)
     for line in _turns():
         messages.append({"role": "user", "content": line})

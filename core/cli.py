@@ -1,73 +1,24 @@
 """The `lmport` command: one entry point, a subcommand per task.
 
 Every EngineConfig and GenerationConfig field is a flag (``--quant-policy``,
-``--max-new-tokens``, ...), generated from the dataclasses so they never drift.
+``--max-new-tokens``, ...), generated from the dataclasses by ``lmport.flags``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
-import typing
 
 from lmport import registry
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
-
-ALIASES = {"device_type": ["--device"]}
-SKIP = {"adjustments"}
-
-
-def _number(text: str) -> float | int:
-    """cache_max_entry_count: "0.5" is a share of free memory, "100" an exact block count."""
-    return float(text) if any(c in text for c in ".eE") else int(text)
-
-
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str) -> None:
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in SKIP:
-            continue
-        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
-        hint = str(hints[f.name])
-        kwargs: dict = {"dest": f"{cls.__name__}.{f.name}", "default": argparse.SUPPRESS}
-        if hint != "<class 'bool'>":
-            kwargs["metavar"] = f.name.upper()
-        if hint == "<class 'bool'>":
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif "list[int]" in hint:
-            kwargs.update(nargs="+", type=int)
-        elif "list[str]" in hint:
-            kwargs.update(nargs="+")
-        elif hint.startswith("dict"):   # response_format: a JSON object on the command line
-            kwargs["type"] = json.loads
-        elif f.name == "cache_max_entry_count":
-            kwargs["type"] = _number
-        elif "float" in hint:
-            kwargs["type"] = float
-        elif "int" in hint:
-            kwargs["type"] = int
-        kwargs["help"] = f"(default: {f.default})"
-        group.add_argument(*flags, **kwargs)
-
-
-def _collect(args, cls):
-    prefix = f"{cls.__name__}."
-    return cls(**{k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)})
-
-
-def engine_config(args) -> EngineConfig:
-    return _collect(args, EngineConfig)
-
-
-def gen_config(args) -> GenerationConfig:
-    return _collect(args, GenerationConfig)
+from lmport.flags import add_dataclass_flags, engine_config, gen_config
+from lmport.units import parse_bytes
 
 
 def cmd_backends(args) -> int:
-    rows = [("backend", "available", "quant policies", "weight formats", "block size", "torch device", "dist", "origin")]
+    rows = [("backend", "available", "quant policies", "weight formats", "block size", "torch device", "dist",
+             "origin")]
     reasons = []
     for r in registry.describe_backends():
         caps = r.capabilities
@@ -114,8 +65,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from lmport.plan import plan_command
-    return plan_command(args)
+    from lmport.models.loader import ModelNotFound
+    from lmport.plan import build_plan
+    from lmport.plan_format import format_plan
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    try:
+        report = build_plan(args.model, engine_config(args), device_memory)
+    except ModelNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 2 if report["error"] else 0
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -193,16 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--model", default="smollm2", help="smollm2, a local HF directory or a .gguf file")
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt is plain text")
-    _add_dataclass_flags(p, EngineConfig, "engine")
-    _add_dataclass_flags(p, GenerationConfig, "generation")
+    add_dataclass_flags(p, EngineConfig, "engine")
+    add_dataclass_flags(p, GenerationConfig, "generation")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive streaming chat, locally or with a server (--url)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--url", default=None, help="talk to a running `lmport serve` instead of loading the model")
     p.add_argument("--api-key", default=None)
-    _add_dataclass_flags(p, EngineConfig, "engine")
-    _add_dataclass_flags(p, GenerationConfig, "generation")
+    add_dataclass_flags(p, EngineConfig, "engine")
+    add_dataclass_flags(p, GenerationConfig, "generation")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible API server")
@@ -211,19 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=23333)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set LMPORT_API_KEY)")
     _add_server_flags(p)
-    _add_dataclass_flags(p, EngineConfig, "engine")
+    add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="the tensor-parallel ranks of one more node for an engine on node 0")
     p.add_argument("model", nargs="?", default="smollm2")
-    _add_dataclass_flags(p, EngineConfig, "engine")
+    add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("plan", help="memory plan for a model on a backend, without loading weights")
     p.add_argument("model", nargs="?", default="smollm2")
     p.add_argument("--device-memory", default=None, help="plan for a device of this size, e.g. 24GiB")
     p.add_argument("--json", action="store_true")
-    _add_dataclass_flags(p, EngineConfig, "engine")
+    add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_plan)
     return parser
 

@@ -124,7 +124,7 @@ class EngineConfig:
             _check(self.dtype in caps.dtypes, f"dtype={self.dtype!r} is not supported on device "
                                               f"{caps.device_type!r}; use one of {', '.join(caps.dtypes)}")
 
-    def resolve(self) -> "EngineConfig":
+    def resolve(self) -> EngineConfig:
         """The effective config on the chosen backend; ``self`` is left unchanged."""
         caps = self.backend_class().capabilities
         self._check_against(caps)

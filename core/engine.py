@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmport import memory
+from lmport import detokenize
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
+from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
 from lmport.models.loader import read_model_config, resolve_model_path
@@ -24,10 +25,11 @@ from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
-from lmport.runner import DTYPES, StepInput
+from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
+from lmport.units import fmt_bytes
 from lmport.weights.checkpoint import check_backend, checkpoint_formats
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ class Engine:
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")
         self.backend = backend or backend_cls()
-        self.dtype = DTYPES[self.config.dtype]
+        self.dtype = torch_dtype(self.config.dtype)
         if self.config.node_rank != 0:
             raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
                               f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
@@ -107,10 +109,10 @@ class Engine:
         self.memory_inputs, self.plan = self.runner.memory_inputs, self.runner.plan
         self.session_len = self.plan.session_len
         log.info("memory plan (each of %d ranks): weights %s, activation reserve %s (%s), cache %s = %d blocks x %d "
-                 "tokens (quant_policy %d), session_len %d", self.config.tp, memory.fmt_bytes(loaded.weight_bytes),
-                 memory.fmt_bytes(self.plan.reserve_bytes),
+                 "tokens (quant_policy %d), session_len %d", self.config.tp, fmt_bytes(loaded.weight_bytes),
+                 fmt_bytes(self.plan.reserve_bytes),
                  "measured" if self.memory_inputs.reserve_measured else "estimated",
-                 memory.fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
+                 fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
                  self.config.quant_policy, self.session_len)
         self.weight_bytes = loaded.weight_bytes
 
@@ -239,7 +241,8 @@ class Engine:
         for i, seq in enumerate(ready):
             try:
                 rows, bitmask = masks.result() if masks else ([], None)
-                (token,), (lp,) = sample(logits[i:i + 1], [seq], ([0], bitmask[i:i + 1]) if i in rows else None)
+                mask = ([0], bitmask[i:i + 1]) if bitmask is not None and i in rows else None
+                (token,), (lp,) = sample(logits[i:i + 1], [seq], mask)
                 results.append((seq, token, lp))
             except Exception as exc:
                 results.append((seq, exc, None))
@@ -280,26 +283,22 @@ class Engine:
             seq.logprobs.append(logprobs)
         self.stats["generated_tokens"] += 1
         old_text = seq.text
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.gen_config.skip_special_tokens)
         cfg = seq.gen_config
+        seq.text = detokenize.decode(self.tokenizer, seq.output_ids, skip_special_tokens=cfg.skip_special_tokens)
         reason = None
         if seq.grammar is not None:
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
         if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
             reason = "stop"
-        elif cfg.stop_words and (cut := _first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
+        elif cfg.stop_words and (cut := detokenize.first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
             seq.text, reason = seq.text[:cut], "stop"
         elif len(seq.output_ids) >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
             reason = "length"
         if reason:
             self._end(seq, reason)
-            delta = seq.text[len(old_text):] if seq.text.startswith(old_text) else ""
+            delta = detokenize.final_delta(seq.text, old_text)
         else:
-            # Hold back a trailing partial UTF-8 character until its bytes complete.
-            shown = seq.text.rstrip("\ufffd")
-            if cfg.stop_words:  # and text that may yet turn out to start a stop string
-                shown = shown[:len(shown) - _stop_prefix_len(shown, cfg.stop_words)]
-            delta = shown[len(old_text):] if len(shown) > len(old_text) else ""
+            delta = detokenize.streamable_delta(seq.text, old_text, cfg.stop_words)
             seq.text = old_text + delta
         return self._output(seq, [token], delta)
 
@@ -335,21 +334,3 @@ class Engine:
     def close(self) -> None:
         self.executor.close()
         self.seqs.clear()
-
-
-def _first_stop(text: str, stop_words: list[str], searched: int) -> int | None:
-    """Index of the earliest stop string in ``text`` that ends after ``searched`` chars."""
-    start = max(0, searched - max(len(s) for s in stop_words))
-    hits = [i for s in stop_words if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stop_words: list[str]) -> int:
-    """Length of the longest end of ``text`` that is the start of a stop string (and so may become one)."""
-    best = 0
-    for word in stop_words:
-        for n in range(min(len(word) - 1, len(text)), best, -1):
-            if text.endswith(word[:n]):
-                best = n
-                break
-    return best

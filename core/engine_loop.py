@@ -147,7 +147,8 @@ class EngineLoop:
             streams, self._streams = self._streams, {}
             adding, self._adding = self._adding, {}
         for request_id, (loop, queue) in streams.items():
-            out = RequestOutput(request_id, [], "", [], "", True, "error", 0, error=reason)
+            out = RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error", prompt_tokens=0,
+                                error=reason)
             _call_soon(loop, queue.put_nowait, out)
         for loop, future in adding.values():
             _call_soon(loop, _resolve, future, EngineStopped(reason))

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ class LocalExecutor:
         return [getattr(self.runner, method)(*args)]
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        return self.runner.execute(step)
+        return cast(torch.Tensor, self.runner.execute(step))   # rank 0's runner always returns the logits
 
     def close(self) -> None:
         self.runner.close()
@@ -83,8 +84,9 @@ def _connect(config: EngineConfig, addr: str, rank: int):
     host, _, port = addr.rpartition(":")
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     try:
-        return dist.TCPStore(host, int(port), config.tp, is_master=rank == 0, timeout=timeout,
-                             wait_for_workers=False)
+        store = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]
+        return store(host, int(port), config.tp, is_master=rank == 0, timeout=timeout,
+                     wait_for_workers=False)
     except Exception as exc:
         raise WorkerFailed(f"rank {rank} cannot reach the tensor-parallel rendezvous at {addr} within "
                            f"{config.dist_timeout:g}s ({type(exc).__name__}: {exc}); check that node 0 runs the "
@@ -113,7 +115,7 @@ def run_worker(model: str, config: EngineConfig, backend_cls: type[Backend], ran
         local = rank % ranks_per_node(config)
         runner = ModelRunner(model, config, _make_backend(backend_cls, local, ranks_per_node(config)), tp)
         while True:
-            box = [None]
+            box: list = [None]
             dist.broadcast_object_list(box, src=0, group=control)
             if box[0] is None:
                 break
@@ -209,7 +211,7 @@ class DistributedExecutor:
                 raise WorkerFailed(self.failure)
             time.sleep(0.05)
 
-    def _call(self, method: str, args: tuple, gather: bool):
+    def _call(self, method: str, args: tuple, *, gather: bool):
         if self.failure:
             raise WorkerFailed(self.failure)
         try:
@@ -245,7 +247,7 @@ class DistributedExecutor:
         return self._call(method, args, gather=True)
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        return self._call("execute", (step,), gather=False)
+        return cast(torch.Tensor, self._call("execute", (step,), gather=False))   # rank 0's logits
 
     def _dead_ranks(self) -> str | None:
         """What the failed ranks reported through the store, else which local workers exited and how."""

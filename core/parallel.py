@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lmport.config import ConfigError
+from lmport.units import ceil_div
 
 
 def tp_problem(model_cfg, tp: int) -> str | None:
@@ -60,7 +61,7 @@ def balanced(size: int, tp: int, rank: int) -> tuple[int, int]:
 
 def split(size: int, tp: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank's part of ``size`` in ceil(size / tp) pieces (the last ones may be shorter)."""
-    piece = -(-size // tp)
+    piece = ceil_div(size, tp)
     return min(size, rank * piece), min(size, (rank + 1) * piece)
 
 

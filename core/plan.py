@@ -1,4 +1,5 @@
-"""`lmport plan MODEL`: the memory plan of a model on a backend, from the model's config alone.
+"""The memory plan of a model on a backend, from the model's config alone (`lmport plan MODEL`; its text:
+``lmport.plan_format``).
 
 No weight is read or converted: a GGUF's config comes from its metadata, the
 parameter count from the engine's model built on the meta device. The cache
@@ -7,48 +8,20 @@ is sized by ``lmport.memory.plan_cache``, the function the engine itself uses.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import sys
-
-import torch
 
 from lmport import registry
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
-from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, fmt_bytes, kv_layout, model_limit,
+from lmport.dtypes import torch_dtype
+from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
                            plan_cache)
-from lmport.models.architectures import model_class
 from lmport.models.llama import head_dim_of
-from lmport.models.loader import ModelNotFound, read_model_config, resolve_model_path
+from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-
-
-def parse_bytes(text: str) -> int:
-    """"24GiB", "24G" (both 2**30 units), "24GB" (10**9), "512MiB" or a plain byte count."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or float(match.group(1)) <= 0:
-        raise ConfigError(f"--device-memory {text!r}: give a size such as 24GiB, 80G, 512MiB or a byte count")
-    return int(float(match.group(1)) * unit)
-
-
-def count_parameters(model_cfg, tp: TPGroup | None = None) -> int:
-    """Parameters the engine loads (on rank ``tp.rank`` of ``tp.size``): its model built on the meta device
-    (no memory), tied embeddings once."""
-    with torch.device("meta"):
-        model = model_class(model_cfg)(model_cfg, backend=None, rotary=None, tp=tp)
-    count = sum(p.numel() for p in model.parameters())
-    if getattr(model_cfg, "tie_word_embeddings", False):
-        count -= model.lm_head.weight.numel()
-    return count
-
 
 def build_plan(model: str, config: EngineConfig, device_memory: int | None = None) -> dict:
     """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free
@@ -59,7 +32,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     model_cfg = read_model_config(model)
     layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
     params = count_parameters(model_cfg)
-    dtype = getattr(torch, resolved.dtype)
+    dtype = torch_dtype(resolved.dtype)
     # Each rank's own shard (vocabulary and MLP pieces may differ by a row between ranks).
     rank_bytes = [count_parameters(model_cfg, TPGroup(r, resolved.tp)) * dtype.itemsize for r in range(resolved.tp)]
     weight_bytes = max(rank_bytes)
@@ -129,68 +102,3 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
-
-
-def _windows_text(windows: list) -> str:
-    """', sliding window W on n of N layers' (or on every layer), empty without one."""
-    sliding = [w for w in windows if w is not None]
-    if not sliding:
-        return ""
-    where = "every layer" if len(sliding) == len(windows) else f"{len(sliding)} of {len(windows)} layers"
-    return f", sliding window {max(sliding)} on {where}"
-
-
-def format_plan(r: dict) -> str:
-    m, d, w, a, kv, cache = r["model"], r["device"], r["weights"], r["activation_reserve"], r["kv"], r["cache"]
-    cfg = r["config"]
-    rows = [
-        ("model", f"{m['name']}: {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}, "
-                  f"{m['attention_heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, vocab {m['vocab_size']}, "
-                  f"context {m['max_position_embeddings']}" + _windows_text(m["layer_windows"])),
-        ("device", f"{d['type']}: {fmt_bytes(d['memory_bytes'])} ({d['memory_source']})"),
-        ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
-                    + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())
-                    + (f" on each of {cfg['tp']} devices" if cfg["tp"] > 1 else "")),
-        ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
-                       f"({a['source']}; {a['note']})"),
-        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights, "
-                 f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
-        ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
-                     f"tokens = {kv['bytes_per_token']:,.6g} B a token"),
-    ]
-    if cache:
-        rows += [
-            ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "
-                 f"{fmt_bytes(cache['bytes'])} = {cache['num_blocks']:,} blocks = {cache['num_tokens']:,} tokens"),
-            ("session_len", f"{cache['session_len']} " + ("(asked)" if cfg["session_len"] else
-                            f"= min(model limit {m['max_position_embeddings']}, cache {cache['num_tokens']:,} tokens)"
-                            if cache["window_blocks"] is None else
-                            f"= model limit (a sequence holds at most {cache['blocks_per_sequence']} blocks: those "
-                            f"behind the sliding window are freed)")),
-            ("sequences", f"{cache['max_concurrent_sequences']} at once at session_len {cache['session_len']}: the cache "
-                          f"holds {cache['sequences_that_fit']:,} sequences of {cache['blocks_per_sequence']} blocks, "
-                          f"max_batch_size is {cfg['max_batch_size']}"),
-        ]
-    if r["ranks"] and len(r["ranks"]) > 1:
-        rows += [(f"rank {x['rank']}", f"weights {fmt_bytes(x['weight_bytes'])} ({x['weight_bytes']:,} B), reserve "
-                                       f"{fmt_bytes(x['reserve_bytes'])}, cache {x['num_blocks']:,} blocks = "
-                                       f"{fmt_bytes(x['cache_bytes'])} ({x['cache_bytes']:,} B)") for x in r["ranks"]]
-    rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
-             ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"
-                                       for a in r["adjustments"]) or "none")]
-    text = "\n".join(f"{name:<12} {value}".rstrip() for name, value in rows)
-    if r["error"]:
-        text += "\n\nerror: the KV cache does not fit: " + r["error"]
-    return text
-
-
-def plan_command(args) -> int:
-    from lmport.cli import engine_config
-    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
-    try:
-        report = build_plan(args.model, engine_config(args), device_memory)
-    except ModelNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
-    return 2 if report["error"] else 0

@@ -16,14 +16,14 @@ import torch
 from lmport import memory
 from lmport.backend import Backend
 from lmport.config import EngineConfig
+from lmport.dtypes import torch_dtype
 from lmport.models.loader import load_model
 from lmport.ops import build_attention_metadata
 from lmport.paging import host_tier
-from lmport.parallel import TPGroup
+from lmport.parallel import TPGroup, tp_choices
+from lmport.units import ceil_div, fmt_bytes
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ModelRunner:
     def __init__(self, model: str, config: EngineConfig, backend: Backend, tp: TPGroup | None = None):
         self.config, self.backend = config, backend
         self.tp = tp or TPGroup()
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
         self.model, self.model_config = self.loaded.model, self.loaded.config
         self.layout = memory.kv_layout(self.model_config, config, backend.capabilities.kv_axis_order)
@@ -56,7 +56,7 @@ class ModelRunner:
     # -- memory (docs/memory.md) --------------------------------------------
     def plan_memory(self) -> int:
         """Plans this rank's cache from its own free memory; returns the blocks it would get."""
-        measured = memory.measure_activation_reserve(self)
+        measured = measure_activation_reserve(self)
         free, _ = self.backend.memory_info()
         self.memory_inputs = memory.MemoryInputs(
             self.model_config, self.config, self.backend.capabilities, self.loaded.weight_bytes, free,
@@ -72,7 +72,8 @@ class ModelRunner:
             self.memory_inputs = dataclasses.replace(self.memory_inputs, config=exact)
             self.plan = memory.plan_cache(self.memory_inputs)
         self.caches = memory.allocate_cache(self.memory_inputs, self.plan, self.layout, self.backend)
-        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, self.backend.pin_host_memory())
+        pin = self.backend.pin_host_memory()
+        self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
 
     # -- a step -------------------------------------------------------------
@@ -110,3 +111,31 @@ class ModelRunner:
 
     def close(self) -> None:
         self.caches, self.host_caches = [], []
+
+
+def measure_activation_reserve(runner) -> int | None:
+    """Peak bytes of one real forward of ``runner`` over ``max_prefill_token_num``
+    tokens, where the backend can measure it (``Backend.measure_peak_memory``); None where it cannot (cpu):
+    then the estimate is used. Under tensor parallelism every rank runs it together."""
+    backend, layout, config = runner.backend, runner.layout, runner.config
+    tokens = config.max_prefill_token_num
+    blocks = ceil_div(tokens, layout.block_size)
+    rows = min(config.max_batch_size, tokens)
+
+    def forward():
+        caches = layout.allocate(blocks, backend.device)   # a scratch cache just for this forward
+        step = StepInput([0] * tokens, [tokens], [tokens], [list(range(blocks))], list(range(tokens - rows, tokens)))
+        logits = runner.forward(step, caches)
+        if logits is not None:
+            logits.softmax(-1)
+
+    try:
+        peak = backend.measure_peak_memory(forward)
+    except torch.OutOfMemoryError:
+        free, _ = backend.memory_info()
+        raise memory.CacheDoesNotFit(
+            f"one forward of max_prefill_token_num={tokens} tokens does not fit beside the weights "
+            f"({fmt_bytes(free)} free): lower max_prefill_token_num (to {max(1, tokens // 4)}, say), "
+            f"or use a larger tp (among {tp_choices(runner.model_config)})") from None
+    # The scratch cache counts in the peak; the real cache is planned separately.
+    return None if peak is None else max(0, peak - blocks * layout.bytes_per_block)

@@ -7,16 +7,29 @@ from __future__ import annotations
 
 import torch
 
-from lmport import memory
 from lmport.config import GenerationConfig
 from lmport.engine import Engine, RequestError
 from lmport.runner import StepInput
 from lmport.sequence import Sequence
+from lmport.units import GiB
 
 
-def chunk_tokens(engine: Engine, logits_budget_bytes: int = memory.PPL_LOGITS_BUDGET) -> int:
+# get_ppl keeps each chunk's float32 logits under this (LMDeploy's limit too).
+PPL_LOGITS_BUDGET = 2 * GiB
+
+
+def logits_chunk_tokens(vocab_size: int, budget_bytes: int = PPL_LOGITS_BUDGET) -> int:
+    """Positions a chunk may score so that its [positions, vocab] float32 logits stay within the budget."""
+    positions = budget_bytes // (vocab_size * 4)
+    if positions < 1:
+        raise ValueError(f"a logits budget of {budget_bytes} bytes is less than one position "
+                         f"({vocab_size} x 4 bytes)")
+    return positions
+
+
+def chunk_tokens(engine: Engine, logits_budget_bytes: int = PPL_LOGITS_BUDGET) -> int:
     """Positions a chunk may hold so its float32 logits stay under the budget (and within max_prefill_token_num)."""
-    return min(memory.logits_chunk_tokens(engine.model_config.vocab_size, logits_budget_bytes),
+    return min(logits_chunk_tokens(engine.model_config.vocab_size, logits_budget_bytes),
                engine.config.max_prefill_token_num)
 
 

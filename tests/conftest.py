@@ -18,6 +18,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the cuda backend's Triton kernels run on CPU tensors under the interpreter. Triton reads the
+# switch when the kernels are first imported, so the test session sets it here, before any test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 # Vendor stacks a backend module must import neither to load nor to read its Capabilities.
@@ -73,7 +79,7 @@ def parse_backends_table(text: str) -> tuple[dict[str, dict[str, str]], dict[str
 # load cpu alone, then load every backend, read its Capabilities, and probe it.
 FRESH_INTERPRETER_SCRIPT = r"""
 import importlib.abc, json, sys
-VENDOR = %r
+VENDOR = __VENDOR_SDKS__
 
 class BlockVendorSDKs(importlib.abc.MetaPathFinder):
     attempts = []
@@ -120,7 +126,7 @@ for name in names:
         entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     out["backends"][name] = entry
 print(json.dumps(out))
-""" % (VENDOR_SDKS,)
+""".replace("__VENDOR_SDKS__", repr(VENDOR_SDKS))
 
 BROKEN_CLI_PLUGIN = ("lmport-broken-device", {"broken": "fake_broken_cli_plugin:BrokenBackend"},
                      {"fake_broken_cli_plugin": "import torch_fictional_sdk\n"})

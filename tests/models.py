@@ -53,7 +53,7 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model_dir(arch: str) -> str:
     """A directory with a random-weight ``arch`` model and the default model's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +73,7 @@ def tiny_model_dir(arch: str) -> str:
     return str(target)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(model: str):
     """transformers' own model (float32, eval) for a short name or a directory."""
     from transformers import AutoModelForCausalLM
@@ -99,7 +99,7 @@ def default_model_path() -> Path:
     return hf_directory("smollm2")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_tool_model_dir() -> str:
     """The tiny random-weight Qwen2 model with a Qwen 2.5-style chat template that teaches tools
     (tests/data/qwen2_5_tool_template.jinja, Hermes <tool_call> blocks), built locally."""

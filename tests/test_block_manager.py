@@ -131,11 +131,11 @@ def test_allocator_states_and_lru():
 
 def test_copy_queue_keeps_order_and_batches_by_direction():
     q = CopyQueue()
-    q.add(True, 1, 7)
-    q.add(True, 2, 8)
-    q.add(False, 7, 3)      # reads host 7 after it was written
-    q.add(True, 4, 7)       # host 7 reused after it was read: a later batch
-    q.add(True, 5, 7)       # a second write to 7: not in the same batch as the first
+    q.add(1, 7, to_host=True)
+    q.add(2, 8, to_host=True)
+    q.add(7, 3, to_host=False)      # reads host 7 after it was written
+    q.add(4, 7, to_host=True)       # host 7 reused after it was read: a later batch
+    q.add(5, 7, to_host=True)       # a second write to 7: not in the same batch as the first
     assert [(b.to_host, b.src, b.dst) for b in q.take()] == [
         (True, [1, 2], [7, 8]), (False, [7], [3]), (True, [4], [7]), (True, [5], [7])]
     assert (q.blocks_to_host, q.blocks_from_host, len(q)) == (4, 1, 0)

@@ -31,7 +31,7 @@ PROMPTS = [
 NEW_TOKENS = 12
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def prompt_ids() -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -40,7 +40,7 @@ def prompt_ids() -> list[list[int]]:
     return [tok.encode(p) for p in PROMPTS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_tokens() -> list[list[int]]:
     return hf_greedy("smollm2", prompt_ids(), NEW_TOKENS)
 

@@ -12,13 +12,13 @@ from lmport.engine import RequestError
 from models import hf_model, tiny_model_dir
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_pipe():
     return lmport.pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(
         device_type="cpu", cache_max_entry_count=64, session_len=512))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_pipe():
     return lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu", cache_max_entry_count=256))
 

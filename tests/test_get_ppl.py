@@ -9,14 +9,15 @@ import pytest
 import torch
 
 import lmport
-from lmport import memory
+from lmport import scoring
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import RequestError
 from models import hf_model
 
 FREE = 3 << 30   # free memory the engine sees once its weights are loaded: the same plan on every machine
-CONFIG = EngineConfig(device_type="cpu", cache_max_entry_count=0.05, weight_format="dequantize")  # float32, as transformers
+# float32, as transformers computes it
+CONFIG = EngineConfig(device_type="cpu", cache_max_entry_count=0.05, weight_format="dequantize")
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention keeps keys and values in fixed-size blocks, so no memory is lost to padding; a block "
@@ -25,14 +26,14 @@ TEXTS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_pipeline():
     """The default model, loaded once for this file and test_memory_plan.py, planned with FREE bytes free."""
     with mock.patch.object(CpuBackend, "memory_info", lambda self: (FREE, FREE)):
         return lmport.pipeline("smollm2", CONFIG)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inputs() -> tuple[tuple[int, ...], ...]:
     tok = smollm2_pipeline().tokenizer
     return tuple(tuple(tok.encode(t)) for t in TEXTS)
@@ -61,9 +62,9 @@ def logits_shapes(monkeypatch):
 
 
 def test_default_budget_is_2gib_of_float32_logits():
-    assert memory.logits_chunk_tokens(49152) == 2 * 2**30 // (49152 * 4) == 10922
+    assert scoring.logits_chunk_tokens(49152) == 2 * 2**30 // (49152 * 4) == 10922
     with pytest.raises(ValueError, match="less than one position"):
-        memory.logits_chunk_tokens(49152, 49152 * 4 - 1)
+        scoring.logits_chunk_tokens(49152, 49152 * 4 - 1)
 
 
 def test_matches_transformers_in_one_chunk(logits_shapes):

@@ -23,7 +23,7 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}, "required": ["kind", "legs", "tags"]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_pipe():
     return lmport.pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(
         device_type="cpu", cache_max_entry_count=64, session_len=512))

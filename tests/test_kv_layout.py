@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from lmport import ops
 from lmport.kv.layout import KVLayout
 
 
@@ -115,7 +116,7 @@ def test_allocate_shapes(order, policy):
     value_shape = (5, 16, 3, last) if order == "bshd" else (5, 3, 16, last)
     total = 0
     for c in caches:
-        assert c.quant_policy == policy and c.block_size == 16
+        assert c.quant_policy == policy and c.block_size == 16 and c.axis_order == order
         for t in (c.k, c.v):
             assert tuple(t.shape) == value_shape
             assert t.dtype == (torch.float16 if policy == 0 else torch.uint8)
@@ -141,3 +142,17 @@ def test_invalid_layouts_rejected():
         layout(2)
     with pytest.raises(ValueError, match="axis_order"):
         layout(0, order="sbhd")
+
+
+def test_reference_ops_refuse_an_axis_order_they_do_not_handle():
+    (cache,) = layout(0, torch.float32, head_dim=8, layers=1, heads=2, block=4, order="bhsd").allocate(2, "cpu")
+    k = v = torch.ones(3, 2, 8)
+    meta = ops.build_attention_metadata([3], [3], [[0]], 4)
+    with pytest.raises(ValueError, match="fill_kv_cache handles 'bshd' KV caches, not 'bhsd'"):
+        ops.fill_kv_cache(k, v, cache, meta.slot_mapping)
+    with pytest.raises(ValueError, match="paged_attention handles 'bshd' KV caches, not 'bhsd'"):
+        ops.paged_attention(torch.ones(3, 2, 8), cache, meta, 1.0)
+    assert not cache.k.any()   # refused before writing
+    (bshd,) = layout(0, torch.float32, head_dim=8, layers=1, heads=2, block=4).allocate(2, "cpu")
+    ops.fill_kv_cache(k, v, bshd, meta.slot_mapping)
+    assert bshd.k.sum() == 3 * 2 * 8

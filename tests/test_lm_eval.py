@@ -3,7 +3,6 @@ the pipeline's (Pipeline.get_logprobs). Needs `pip install lm-eval`; the task an
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 

@@ -8,7 +8,7 @@ import pytest
 import transformers
 from transformers import modeling_gguf_pytorch_utils
 
-from lmport import cli, memory, plan
+from lmport import cli, memory, plan, units
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import Engine
@@ -120,7 +120,8 @@ def test_a_measured_reserve_replaces_the_estimate(monkeypatch):
     scratch = 4 * engine.layout.bytes_per_block          # 64 tokens in blocks of 16
     assert runs == [1]
     assert engine.plan.reserve_measured and engine.plan.reserve_bytes == (50 << 20) - scratch
-    assert engine.plan.num_blocks == int(((256 << 20) - engine.plan.reserve_bytes) * 0.1) // engine.layout.bytes_per_block
+    usable = (256 << 20) - engine.plan.reserve_bytes
+    assert engine.plan.num_blocks == int(usable * 0.1) // engine.layout.bytes_per_block
 
 
 def test_cpu_says_it_uses_the_estimate(run_plan):
@@ -146,7 +147,7 @@ def test_planned_24gib_cuda_device_for_each_quant_policy(run_plan):
     assert [reports[q]["kv"]["bytes_per_token"] for q in (0, 8, 4)] == [30 * 3 * 2 * 128, 30 * 3 * 2 * 68,
                                                                        30 * 3 * 2 * 36]
     usable = (24 << 30) - r0["weights"]["bytes"] - r0["activation_reserve"]["bytes"]
-    for q, r in reports.items():
+    for r in reports.values():
         assert r["usable_for_cache_bytes"] == usable
         assert r["cache"]["num_blocks"] == int(usable * 0.8) // r["kv"]["bytes_per_block"]
         assert r["cache"]["session_len"] == 8192
@@ -167,7 +168,7 @@ def test_text_output_names_every_figure(run_plan):
 @pytest.mark.parametrize("text, size", [("24GiB", 24 << 30), ("24G", 24 << 30), ("24GB", 24 * 10**9),
                                         ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("1000", 1000)])
 def test_parse_bytes(text, size):
-    assert plan.parse_bytes(text) == size
+    assert units.parse_bytes(text) == size
 
 
 def test_estimate_scales_with_prefill_tokens_and_tp():

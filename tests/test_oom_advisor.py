@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from lmport import cli, memory, plan
+from lmport import cli, memory, plan, units
+from lmport.models import parameters
 from lmport.backends.cpu import CpuBackend
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine
@@ -46,8 +47,8 @@ def test_too_small_cache_max_entry_count_gives_advice_with_numbers(free_memory):
     raise_to = math.ceil(need * BYTES_PER_BLOCK / usable * 1000) / 1000
     assert message.startswith(f"session_len=1024 does not fit in the KV cache: {blocks} blocks x 16 = "
                               f"{blocks * 16} tokens.")
-    assert f"{memory.fmt_bytes(usable)} left for the KV cache" in message
-    assert f"activation reserve {memory.fmt_bytes(reserve)} (estimated)" in message
+    assert f"{units.fmt_bytes(usable)} left for the KV cache" in message
+    assert f"activation reserve {units.fmt_bytes(reserve)} (estimated)" in message
     s = steps(message)
     assert [line[:3] for line in s] == ["1. ", "2. ", "3. ", "4. ", "5. ", "6. "]
     assert s[0] == f"1. cache_max_entry_count: raise it from 0.001 to {raise_to} (session_len 1024)"
@@ -59,9 +60,9 @@ def test_too_small_cache_max_entry_count_gives_advice_with_numbers(free_memory):
     assert s[3] == f"4. session_len: lower it to <= {blocks * 16} (what {blocks} blocks hold)"
     assert s[4].startswith("5. tp=2 (2 devices like this one): each holds ")
     # The tiny model is float32 (4 bytes a parameter); int4 with its scales and mins takes 0.625.
-    params = plan.count_parameters(plan.read_model_config(tiny()))
+    params = parameters.count_parameters(plan.read_model_config(tiny()))
     assert s[5].startswith(f"6. weights: a 4-bit checkpoint (a Q4_0 / Q4_1 GGUF) holds them in "
-                           f"{memory.fmt_bytes(params * 5 // 8)} instead of {memory.fmt_bytes(params * 4)} (float32)")
+                           f"{units.fmt_bytes(params * 5 // 8)} instead of {units.fmt_bytes(params * 4)} (float32)")
 
     # Step 1's number is enough on its own.
     with pytest.MonkeyPatch.context() as mp:
@@ -165,7 +166,7 @@ def test_quant_policy_the_backend_lacks():
 @pytest.mark.parametrize("text", ["lots", "0GiB", "-1G", "24 parsecs", ""])
 def test_device_memory_must_be_a_size(text):
     with pytest.raises(ConfigError, match="give a size such as 24GiB"):
-        plan.parse_bytes(text)
+        units.parse_bytes(text)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the plan uses its free memory")

@@ -12,7 +12,7 @@ from lmport.config import ConfigError
 from models import hf_model, tiny_model_dir
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_pipe():
     return lmport.pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(
         device_type="cpu", cache_max_entry_count=64, session_len=512))

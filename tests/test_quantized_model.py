@@ -27,7 +27,7 @@ from test_engine_parity import PROMPTS, prompt_ids
 LOGIT_ATOL = 0.05
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def quantized_pipeline():
     return lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu", cache_max_entry_count=400))
 

@@ -68,7 +68,7 @@ class Serve:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
-    def ready(self, timeout: float = 180) -> "Serve":
+    def ready(self, timeout: float = 180) -> Serve:
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, f"lmport serve exited {self.proc.returncode}:\n{self.log.read_text()}"

@@ -189,8 +189,9 @@ def test_regex_choice_and_length_cut(tiny):
     assert r.choices[0].text in ("yes", "no", "maybe")
     # A grammar that cannot end within max_tokens: finish_reason "length", never an error.
     long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
-    r = tiny.chat.completions.create(model="tiny", max_tokens=6, temperature=0, messages=[{"role": "user", "content": "x"}],
-                                     response_format={"type": "json_schema", "json_schema": {"name": "l", "schema": long}})
+    r = tiny.chat.completions.create(
+        model="tiny", max_tokens=6, temperature=0, messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "l", "schema": long}})
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith('{"s": "')
 
 

@@ -184,6 +184,7 @@ def test_window_logits_in_three_chunks():
 
 def test_plan_session_len_is_not_capped_by_the_window():
     from lmport import plan
+    from lmport.plan_format import format_plan
     report = plan.build_plan(tiny_model_dir("mistral-sw32"), EngineConfig(device_type="cpu", block_size=16,
                                                                          cache_max_entry_count=20,
                                                                          max_prefill_token_num=64),
@@ -192,7 +193,7 @@ def test_plan_session_len_is_not_capped_by_the_window():
     assert report["error"] is None
     assert cache["session_len"] == 2048 > cache["num_tokens"]      # the model's context, more than 20 blocks hold
     assert cache["blocks_per_sequence"] == cache["window_blocks"] == blocks_bound(WINDOW, 16, 64)
-    assert "sliding window 32 on every layer" in plan.format_plan(report)
+    assert "sliding window 32 on every layer" in format_plan(report)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -1,8 +1,8 @@
 """Tensor parallelism on the cpu backend over gloo: the same greedy tokens as tp=1 and transformers.
 
 Each tp engine starts worker processes (seconds on a small machine), so one engine is
-shared by several tests (a process runs one tensor-parallel engine at a time); the default model at tp=3, the command-line
-paths and two nodes are marked slow.
+shared by several tests (a process runs one tensor-parallel engine at a time); the default model at tp=3,
+the command-line paths and two nodes are marked slow.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from models import default_model_path, hf_greedy, tiny_model_dir
 
-from lmport import plan
+from lmport import plan, plan_format
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.engine import Engine
 from lmport.server.app import create_app
@@ -177,7 +177,7 @@ def test_plan_per_rank_figures_add_up_to_the_model():
     replicated = 4 * (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size   # the norms, on every rank
     assert sum(r["weight_bytes"] for r in tp2["ranks"]) == tp1["weights"]["bytes"] + replicated
     assert tp2["kv"]["bytes_per_block"] * 2 == tp1["kv"]["bytes_per_block"]
-    assert "rank 1" in plan.format_plan(tp2)
+    assert "rank 1" in plan_format.format_plan(tp2)
 
 
 # -- slow: the default model, the command line, two nodes ------------------------------------------------------

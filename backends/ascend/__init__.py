@@ -72,6 +72,7 @@ from lmport import ops
 from lmport.backend import Backend, Capabilities, ProbeResult
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
+from lmport.units import ceil_div
 from lmport.weights.format import unpack_int4
 
 _FIA_DTYPES = (torch.float16, torch.bfloat16)
@@ -208,7 +209,7 @@ class AscendBackend(Backend):
 
 
 def _tables(meta: ops.AttentionMetadata) -> torch.Tensor:
-    n_blocks = -(-meta.max_kv_len // meta.block_size)
+    n_blocks = ceil_div(meta.max_kv_len, meta.block_size)
     return meta.block_tables[:, :n_blocks].long()
 
 

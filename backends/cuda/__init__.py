@@ -3,8 +3,9 @@
 Importing this module imports neither triton nor the kernels (reading the
 capabilities must stay cheap and GPU-free). The kernel modules are imported
 on the first op call; that is when their ``@triton.jit`` decorators run, so
-``TRITON_INTERPRET=1`` must be set before then to run them on CPU tensors.
-``CudaBackend(device="cpu")`` sets it (unless already set) for that reason.
+``TRITON_INTERPRET=1`` must be set before then to run them on CPU tensors:
+the process that wants the interpreter sets it (the tests do, in tests/conftest.py);
+``CudaBackend(device="cpu")`` without it fails on its first op, naming the fix.
 
 Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill) and
 fused_moe (a grouped GEMM over the experts) are Triton kernels; copy_blocks,
@@ -13,7 +14,6 @@ torch ops (see docs/cuda.md for why).
 """
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
@@ -65,11 +65,7 @@ class CudaBackend(Backend):
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         super().__init__(device)
-        if self.device.type == "cpu":
-            # Kernels on CPU tensors only run under the Triton interpreter, which
-            # is chosen when the kernel modules are imported (lazily, later).
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        else:
+        if self.device.type != "cpu":
             # Interpreter runs keep device_module None: their "device" memory is host memory.
             self.device_module = torch.cuda
         self._kernels: SimpleNamespace | None = None

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmport.backends.cuda.launch import dot_args, pow2, sm_count, tl_dtype
+from lmport.backends.cuda.launch import dot_args, pow2, qparam_args, sm_count, tl_dtype
 from lmport.backends.cuda.paged_kv import load_kv_tile
 from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.backends.cuda.soft_cap import soft_cap_log2
@@ -108,7 +108,7 @@ def _reduce_kernel(part_out, part_lse, o, num_splits,
     w = tl.exp2(lse - tl.reduce(lse, 0, MAX))      # the split of the last key holds tokens: the max is finite
     parts = tl.load(part_out + seq * po_b + head * po_h + offs_s[:, None] * po_s + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)
+    out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)  # pyright: ignore[reportOperatorIssue]
     tl.store(o + seq * so_t + head * so_h + offs_d * so_d, out.to(o.dtype.element_ty), mask=mask_d)
 
 
@@ -135,8 +135,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
     part_out = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    k_qp, v_qp = (cache.k_qparams, cache.v_qparams) if cache.quant_policy else (cache.k, cache.v)
-    p_strides = cache.k_qparams.stride() if cache.quant_policy else (0, 0, 0, 0)
+    k_qp, v_qp, p_strides = qparam_args(cache)
     dot_dtype, dot_prec = dot_args(q.dtype)
     block_d = pow2(head_dim)
     _split_kernel[(batch, kv_heads, num_splits)](

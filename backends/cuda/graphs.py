@@ -30,7 +30,7 @@ the padding be tested here.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmport.backends.cuda.launch import INTERPRETED, pow2, tl_dtype
+from lmport.backends.cuda.launch import INTERPRETED, pow2, qparam_args, tl_dtype
 from lmport.backends.cuda.reductions import MAX, MIN
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
@@ -127,13 +127,9 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slot_mapp
     if tokens == 0:
         return
     policy = cache.quant_policy
-    if policy:
-        qp_k, qp_v = cache.k_qparams, cache.v_qparams
-        pdtype = qp_k.dtype
-        p_strides = qp_k.stride()
-        eps = torch.finfo(pdtype).tiny * ((1 << policy) - 1)
-    else:  # no params: pass the caches as placeholders the kernel never touches
-        qp_k, qp_v, pdtype, p_strides, eps = cache.k, cache.v, torch.float32, (0, 0, 0, 0), 0.0
+    qp_k, qp_v, p_strides = qparam_args(cache)
+    pdtype = qp_k.dtype if policy else torch.float32
+    eps = torch.finfo(pdtype).tiny * ((1 << policy) - 1) if policy else 0.0
     block_d = pow2(quant.packed_dim(head_dim, policy))
     # ~2K elements a program on a GPU; the interpreter runs programs one by one, so fewer, larger ones.
     rows = 64 if INTERPRETED else max(1, min(64, 2048 // block_d))

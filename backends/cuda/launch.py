@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmport.kv.layout import LayerCache
+
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 _TL_DTYPES = {
@@ -41,11 +43,19 @@ def dot_args(dtype: torch.dtype) -> tuple:
     return tl_dtype(dtype), "tf32"  # "tf32" is the default and is ignored for 16-bit inputs
 
 
+def qparam_args(cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(K params, V params, their strides) for a kernel. An unquantized cache passes its own K and V as
+    placeholders with zero strides: the kernel (QUANT=0) never reads them."""
+    if cache.k_qparams is not None and cache.v_qparams is not None and cache.quant_policy:
+        return cache.k_qparams, cache.v_qparams, cache.k_qparams.stride()
+    return cache.k, cache.v, (0, 0, 0, 0)
+
+
 def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors: how many programs fill the GPU once.
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmport.backends.cuda.launch import INTERPRETED, dot_args, pow2, tl_dtype
+from lmport.backends.cuda.launch import INTERPRETED, dot_args, pow2, qparam_args, tl_dtype
 from lmport.backends.cuda.paged_kv import load_kv_tile
 from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.backends.cuda.soft_cap import soft_cap_log2
@@ -158,8 +158,7 @@ def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadat
     block_m = max(block_m, pow2(group))        # a tile holds at least one token's whole group
     tok_m = block_m // group
     out = torch.empty_like(q)
-    k_qp, v_qp = (cache.k_qparams, cache.v_qparams) if cache.quant_policy else (cache.k, cache.v)
-    p_strides = cache.k_qparams.stride() if cache.quant_policy else (0, 0, 0, 0)
+    k_qp, v_qp, p_strides = qparam_args(cache)
     dot_dtype, dot_prec = dot_args(q.dtype)
     grid = (triton.cdiv(meta.max_q_len, tok_m), kv_heads, meta.num_seqs)
     _prefill_kernel[grid](

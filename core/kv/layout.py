@@ -10,7 +10,8 @@ from lmport.kv import quant
 
 @dataclass
 class LayerCache:
-    """One layer's K and V cache blocks (and their quantization params)."""
+    """One layer's K and V cache blocks (and their quantization params), in the axis order of its layout:
+    "bshd" = [block, slot, head, last], "bhsd" = [block, head, slot, last]."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -18,6 +19,13 @@ class LayerCache:
     v_qparams: torch.Tensor | None
     quant_policy: int
     block_size: int
+    axis_order: str = "bshd"
+
+    def require_axis_order(self, order: str, op: str) -> None:
+        """Refuse a cache in an order ``op`` does not handle (a backend with another order overrides the op)."""
+        if self.axis_order != order:
+            raise ValueError(f"{op} handles {order!r} KV caches, not {self.axis_order!r}: a backend whose "
+                             f"capabilities declare kv_axis_order={self.axis_order!r} must override {op}")
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class KVLayout:
     def blocks_in(self, budget_bytes: int) -> int:
         return max(0, int(budget_bytes) // self.bytes_per_block)
 
-    def allocate(self, num_blocks: int, device: torch.device | str, pin_memory: bool = False) -> list[LayerCache]:
+    def allocate(self, num_blocks: int, device: torch.device | str, *, pin_memory: bool = False) -> list[LayerCache]:
         """Zero-filled caches: padded table entries read finite values, never NaN."""
         def zeros(block_shape, dtype):
             t = torch.zeros((num_blocks, *block_shape), dtype=dtype, device=device)
@@ -96,5 +104,6 @@ class KVLayout:
                 v_qparams=zeros(qp, self.param_dtype) if qp else None,
                 quant_policy=self.quant_policy,
                 block_size=self.block_size,
+                axis_order=self.axis_order,
             ))
         return caches

@@ -15,6 +15,7 @@ from lmport.kv.layout import LayerCache
 from lmport.models.windows import layer_windows
 from lmport.ops import AttentionMetadata
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
+from lmport.units import ceil_div
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -110,8 +111,8 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, (q0 * d, q1 * d), qkv_bias, backend)
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
-        self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size,
-                                        getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2", backend, tp)
+        o_bias = getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2"
+        self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size, o_bias, backend, tp)
         # Qwen3 normalizes each head of q and k before rotary.
         self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
@@ -211,7 +212,7 @@ class PagedCausalLM(nn.Module):
         """Float32 logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         local = self.lm_head(hidden).float().contiguous()  # sampling wants rows; linear need not give them
         vocab = self.config.vocab_size
-        return self.tp.gather_columns(local, -(-vocab // self.tp.size), vocab)
+        return self.tp.gather_columns(local, ceil_div(vocab, self.tp.size), vocab)
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slices of a full checkpoint's state dict (views at tp=1, copies otherwise, so the
@@ -222,7 +223,7 @@ class PagedCausalLM(nn.Module):
         for name, module in self.named_modules():
             if not hasattr(module, "shard_dim"):
                 continue
-            start, end = module.shard_range
+            start, end = module.shard_range  # pyright: ignore[reportGeneralTypeIssues] (a parallel linear's)
             for pname in ("weight", "bias"):
                 key = f"{name}.{pname}"
                 if key not in full or (pname == "bias" and module.shard_dim == 1):

@@ -95,7 +95,7 @@ def hf_directory(model: str) -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def read_model_config(model: str):
     """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is
     read), for planning and for the checks made before any weight loads."""

@@ -1,7 +1,8 @@
 """Reference ops in pure PyTorch: the ground truth for every backend.
 
 Tensor conventions (T = new tokens in the step, B = sequences):
-q [T, Hq, D]; k, v [T, Hkv, D]; caches as in ``lmport.kv.layout`` ("bshd").
+q [T, Hq, D]; k, v [T, Hkv, D]; caches as in ``lmport.kv.layout``, in the "bshd" order only
+(``LayerCache.axis_order``; the ops refuse another).
 """
 from lmport.ops.metadata import AttentionMetadata, build_attention_metadata
 from lmport.ops.kv_fill import fill_kv_cache

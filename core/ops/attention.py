@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
 from lmport.ops.metadata import AttentionMetadata
+from lmport.units import ceil_div
 
 
 def gather_kv(values: torch.Tensor, qparams: torch.Tensor | None, tables: torch.Tensor,
@@ -33,6 +34,7 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
     Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
     long chunk never pads every decode row to its length.
     """
+    cache.require_axis_order("bshd", "the reference paged_attention")
     q_lens = meta.q_lens_host or tuple(meta.q_lens.tolist())
     kv_lens = meta.kv_lens_host or tuple(meta.kv_lens.tolist())
     starts = [0]
@@ -53,7 +55,7 @@ def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts) -> tor
     """Attention for the sequences ``seqs``, padded to their longest q and kv; returns their q rows in order."""
     dev = q.device
     max_q = max(q_lens[i] for i in seqs)
-    n_blocks = -(-max(kv_lens[i] for i in seqs) // meta.block_size)
+    n_blocks = ceil_div(max(kv_lens[i] for i in seqs), meta.block_size)
     index = torch.tensor(seqs, device=dev)
     tables = meta.block_tables.index_select(0, index)[:, :n_blocks].long()
     k = gather_kv(cache.k, cache.k_qparams, tables, cache.quant_policy, q.dtype)

@@ -20,5 +20,6 @@ def _write(cache: torch.Tensor, qparams: torch.Tensor | None, x: torch.Tensor,
 
 def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D]; writes token t into slot ``slot_mapping[t]``."""
+    cache.require_axis_order("bshd", "the reference fill_kv_cache")
     _write(cache.k, cache.k_qparams, k, slot_mapping, cache.quant_policy)
     _write(cache.v, cache.v_qparams, v, slot_mapping, cache.quant_policy)

@@ -60,7 +60,7 @@ class BlockAllocator:
             raise ValueError(f"block {block} is not in use; take() it instead")
         self.ref_counts[block] += 1
 
-    def decref(self, block: int, keep: bool = False) -> bool:
+    def decref(self, block: int, *, keep: bool = False) -> bool:
         """Drop one reference; True when it was the last. The block then becomes
         cached (most recently used) when ``keep``, free otherwise."""
         if self.ref_counts[block] < 1:

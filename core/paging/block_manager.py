@@ -7,35 +7,30 @@ where used = referenced by a sequence (its ref count is the number of block
 tables holding it), cached = a prefix-cache entry no sequence holds. Every
 cached block is indexed by the prefix cache, in exactly one pool.
 
-Eviction: when the device needs a block and none is free, the least recently
-used cached block that has no child on the device goes (leaves before parents,
-so the device's cached blocks always form whole prefixes). With the host tier
-it is copied there, the host evicting its own least recently used leaf for
-room; without, it is dropped. A lookup that finds blocks on the host gives
-them device blocks and copies them back instead of recomputing them.
+Eviction and the swap cost rule are in ``lmport.paging.eviction``, the usage
+report in ``lmport.paging.usage``, the accounting checks in
+``lmport.paging.invariants``. A lookup that finds blocks on the host gives them
+device blocks and copies them back instead of recomputing them.
 
 Preemption: a sequence's leading blocks already in the prefix cache stay there
 (they are found again by lookup on readmission). Its other computed blocks are
 swapped to the host when that costs less than recomputing them (see
-``_swap_pays``); otherwise it is recomputed from what the cache still holds.
+``Eviction._swap_pays``); otherwise it is recomputed from what the cache still holds.
 """
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from lmport.paging.allocator import BlockAllocator
+from lmport.paging.eviction import LINK_BYTES_PER_FLOP, Eviction
 from lmport.paging.host_tier import CopyBatch, CopyQueue
+from lmport.paging.invariants import Invariants
 from lmport.paging.prefix_cache import CachedBlock, ExtraKeys, PrefixCache
+from lmport.paging.usage import UsageStats
 from lmport.paging.window import HOLE, release_outside_window
 from lmport.sequence import Sequence
-
-# Bytes the host link moves in the time the device does one FLOP of prefill. A
-# PCIe 4/5 link (25-50 GB/s) against the 50-100 TFLOP/s an accelerator reaches
-# in prefill gives 2.5e-4 to 1e-3; a CPU backend's memcpy against its FLOP rate
-# is far higher, so this errs towards recomputing there.
-LINK_BYTES_PER_FLOP = 5e-4
+from lmport.units import ceil_div
 
 
 @dataclass
@@ -54,7 +49,7 @@ class _Swap:
     host_blocks: list[int]      # the following blocks, copied to the host pool
 
 
-class BlockManager:
+class BlockManager(Eviction, UsageStats, Invariants):
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  num_host_blocks: int = 0, bytes_per_block: int = 0, flops_per_token: float = 0.0,
                  seed: bytes = b"", link_bytes_per_flop: float = LINK_BYTES_PER_FLOP, window: int | None = None):
@@ -81,7 +76,7 @@ class BlockManager:
         return self.allocator.num_free + self.allocator.num_cached
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     # -- running sequences ------------------------------------------------
     def _missing(self, seq: Sequence, num_new: int) -> int:
@@ -144,7 +139,7 @@ class BlockManager:
         own = seq.block_table[i]
         if e.on_host:   # ours becomes the entry's device copy; the host copy goes
             self.host.evict(e.block)
-            self.cache.move(e, False, own)
+            self.cache.move(e, own, on_host=False)
         else:           # share the entry's block, free ours
             self._hold(e.block)
             seq.block_table[i] = e.block
@@ -181,14 +176,14 @@ class BlockManager:
             self.host.take(e.block)
         for e in on_host:
             (block,) = self._allocate(1)
-            self.copies.add(False, e.block, block)
+            self.copies.add(e.block, block, to_host=False)
             self.host.decref(e.block)
-            self.cache.move(e, False, block)
+            self.cache.move(e, block, on_host=False)
         seq.block_table[:] = [e.block for e in hits]
         if swap is not None:
             blocks = self._allocate(len(swap.host_blocks))
             for h, d in zip(swap.host_blocks, blocks):
-                self.copies.add(False, h, d)
+                self.copies.add(h, d, to_host=False)
                 self.host.decref(h)
             seq.block_table.extend(blocks)
             del self._swapped[seq]
@@ -218,7 +213,7 @@ class BlockManager:
         if self.host is not None and private and HOLE not in private and self._swap_pays(seq, k, len(private)):
             host_blocks = self._host_allocate(len(private))
             for d, h in zip(private, host_blocks):
-                self.copies.add(True, d, h)
+                self.copies.add(d, h, to_host=True)
             swap = _Swap(k, host_blocks)
         self.free(seq)
         if swap is not None:
@@ -228,19 +223,6 @@ class BlockManager:
             seq.num_computed = 0
             self.stats["preempt_recompute"] += 1
         return swap is not None
-
-    def _swap_pays(self, seq: Sequence, num_cached_blocks: int, num_blocks: int) -> bool:
-        """The cost rule: swap when copying the blocks out and back costs less link time than
-        recomputing their tokens costs device time, i.e. when
-
-            2 * num_blocks * bytes_per_block  <  tokens * flops_per_token * LINK_BYTES_PER_FLOP
-
-        with tokens = computed tokens past the prefix-cached blocks (those come back from the
-        cache either way), and only when the host can take the blocks (evicting cached ones)."""
-        if self.host.num_free + self.host.num_cached < num_blocks:
-            return False
-        tokens = seq.num_computed - num_cached_blocks * self.block_size
-        return 2 * num_blocks * self.bytes_per_block < tokens * self.flops_per_token * self.link_bytes_per_flop
 
     def _release_swap(self, seq: Sequence) -> None:
         for b in self._swapped.pop(seq).host_blocks:
@@ -265,109 +247,6 @@ class BlockManager:
             self._evict_device()
         return self.allocator.allocate(n)
 
-    def _evict_device(self) -> None:
-        block = self._victim(self.allocator, self.cache.device, on_host=False)
-        e = self.cache.device[block]
-        slot = self._host_slot() if self.host is not None else None
-        if slot is None:
-            self.cache.drop(e)
-        else:
-            self.copies.add(True, block, slot)
-            self.cache.move(e, True, slot)
-        self.allocator.evict(block)
-        self.stats["device_evictions"] += 1
-
-    def _evict_host(self) -> None:
-        block = self._victim(self.host, self.cache.host, on_host=True)
-        self.cache.drop(self.cache.host[block])
-        self.host.evict(block)
-        self.stats["host_evictions"] += 1
-
-    def _host_slot(self) -> int | None:
-        """A host block for an entry leaving the device (None when every host block is swapped-out KV)."""
-        if self.host.num_free == 0 and self.host.num_cached == 0:
-            return None
-        if self.host.num_free == 0:
-            self._evict_host()
-        (slot,) = self.host.allocate(1)
-        self.host.decref(slot, keep=True)
-        return slot
-
-    def _host_allocate(self, n: int) -> list[int]:
-        while self.host.num_free < n:
-            self._evict_host()
-        return self.host.allocate(n)
-
-    def _victim(self, allocator: BlockAllocator, entries: dict[int, CachedBlock], on_host: bool) -> int:
-        """Least recently used cached block with no child in its pool (on the host: no child at all)."""
-        first = None
-        for block in allocator.lru():
-            children = entries[block].children
-            if (not children) if on_host else all(c.on_host for c in children):
-                return block
-            first = block if first is None else first
-        # Unreachable while every holder of a block also holds its parent; kept so eviction cannot fail.
-        self.stats["lru_fallbacks"] += 1
-        return first
-
     def take_copies(self) -> list[CopyBatch]:
         """The device<->host copies queued since the last call, in order; run them before the forward."""
         return self.copies.take()
-
-    # -- observability -------------------------------------------------------
-    def usage(self) -> dict:
-        s, host = self.stats, self.host
-        queried = s["lookup_device"] + s["lookup_host"] + s["lookup_miss"]
-
-        def rate(n):
-            return n / queried if queried else 0.0
-        return {
-            "prefix_caching": self.cache is not None,
-            "device_blocks_cached": self.allocator.num_cached,
-            "host_blocks_total": host.num_blocks if host else 0,
-            "host_blocks_cached": host.num_cached if host else 0,
-            "host_blocks_swapped": host.num_used if host else 0,
-            "prefix_cache_queried_blocks": queried,
-            "prefix_cache_hit_blocks_device": s["lookup_device"],
-            "prefix_cache_hit_blocks_host": s["lookup_host"],
-            "prefix_cache_miss_blocks": s["lookup_miss"],
-            "prefix_cache_hit_rate": rate(s["lookup_device"] + s["lookup_host"]),
-            "prefix_cache_device_hit_rate": rate(s["lookup_device"]),
-            "prefix_cache_host_hit_rate": rate(s["lookup_host"]),
-            "device_cache_evictions": s["device_evictions"],
-            "host_cache_evictions": s["host_evictions"],
-            "hash_collisions": s["hash_collisions"],
-            "preempt_swap": s["preempt_swap"],
-            "preempt_recompute": s["preempt_recompute"],
-            "blocks_to_host": self.copies.blocks_to_host,
-            "blocks_from_host": self.copies.blocks_from_host,
-            "bytes_to_host": self.copies.blocks_to_host * self.bytes_per_block,
-            "bytes_from_host": self.copies.blocks_from_host * self.bytes_per_block,
-        }
-
-    def check_invariants(self, seqs: Iterable[Sequence] | None = None) -> None:
-        """Pool accounting, the cache index, and (given every live sequence) ref count = holders."""
-        self.allocator.check_invariants()
-        cached = set(self.allocator.lru())
-        if self.cache is None:
-            if cached:
-                raise AssertionError("cached blocks without a prefix cache")
-        else:
-            self.cache.check_invariants()
-            if not cached <= self.cache.device.keys():
-                raise AssertionError("a cached device block has no prefix-cache entry")
-            if any(self.allocator.ref_counts[b] == 0 and b not in cached for b in self.cache.device):
-                raise AssertionError("a prefix-cache entry points at a free device block")
-        if self.host is not None:
-            self.host.check_invariants()
-            host_cached = set(self.host.lru())
-            if self.cache is not None and host_cached != self.cache.host.keys():
-                raise AssertionError("host cached blocks and host prefix-cache entries disagree")
-            swapped = [b for s in self._swapped.values() for b in s.host_blocks]
-            if sorted(swapped) != sorted(b for b, c in enumerate(self.host.ref_counts) if c > 0) or \
-                    any(self.host.ref_counts[b] != 1 for b in swapped):
-                raise AssertionError("used host blocks are not exactly the swapped-out blocks")
-        if seqs is not None:
-            holders = Counter(b for s in seqs for b in s.block_table)
-            if any(self.allocator.ref_counts[b] != holders[b] for b in range(self.num_blocks)):
-                raise AssertionError("a device block's ref count differs from the tables holding it")

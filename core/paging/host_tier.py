@@ -15,15 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmport.kv.layout import KVLayout, LayerCache
-
-GiB = 1 << 30
+from lmport.units import GiB
 
 
 def host_pool_blocks(layout: KVLayout, host_cache_gib: float) -> int:
     return layout.blocks_in(host_cache_gib * GiB)
 
 
-def allocate_host_pool(layout: KVLayout, num_blocks: int, pin_memory: bool) -> list[LayerCache]:
+def allocate_host_pool(layout: KVLayout, num_blocks: int, *, pin_memory: bool) -> list[LayerCache]:
     """Host KV pool; pinned when the backend says so (faster, asynchronous-capable copies)."""
     return layout.allocate(num_blocks, "cpu", pin_memory=pin_memory)
 
@@ -42,7 +41,7 @@ class CopyQueue:
         self.blocks_to_host = 0
         self.blocks_from_host = 0
 
-    def add(self, to_host: bool, src: int, dst: int) -> None:
+    def add(self, src: int, dst: int, *, to_host: bool) -> None:
         last = self._batches[-1] if self._batches else None
         # A second write to the same block must not share a batch with the first (index_copy_ order is undefined).
         if last is None or last.to_host != to_host or dst in last.written:

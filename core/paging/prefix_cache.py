@@ -55,10 +55,6 @@ class CachedBlock:
     children: set[CachedBlock] = field(default_factory=set)
     alive: bool = True
 
-    def is_leaf(self, on_host: bool) -> bool:
-        """No child in the given tier (a host entry's children are all on the host)."""
-        return not any(c.on_host == on_host for c in self.children)
-
     def __repr__(self):
         return f"CachedBlock({'host' if self.on_host else 'device'}:{self.block}, {self.hash.hex()[:8]})"
 
@@ -101,14 +97,14 @@ class PrefixCache:
     def add(self, h: bytes, tokens: Sequence[int], extra: ExtraKeys, parent: CachedBlock | None,
             block: int) -> CachedBlock:
         """Index device ``block`` (just computed) under ``h``; the caller checked ``h`` is not taken."""
-        e = CachedBlock(h, tuple(tokens), extra, parent, False, block)
+        e = CachedBlock(h, tuple(tokens), extra, parent, on_host=False, block=block)
         self.by_hash[h] = e
         self.device[block] = e
         if parent is not None:
             parent.children.add(e)
         return e
 
-    def move(self, e: CachedBlock, on_host: bool, block: int) -> None:
+    def move(self, e: CachedBlock, block: int, *, on_host: bool) -> None:
         """The entry's KV now lives in ``block`` of the device or host pool."""
         del (self.host if e.on_host else self.device)[e.block]
         e.on_host, e.block = on_host, block

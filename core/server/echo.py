@@ -32,6 +32,8 @@ def merge(server, prompt_ids: list[int], prompt_lps: tuple[list, list] | None, t
     """OpenAI's legacy logprobs for prompt + completion: tokens, token_logprobs, top_logprobs, text_offset."""
     if top is None:
         return None
+    if prompt_lps is None:
+        raise ValueError("merge: the prompt's logprobs are needed when top is given")
     lps, tops = prompt_lps
     tokens = [server.token_text(t) for t in prompt_ids]
     offsets, offset = [], 0

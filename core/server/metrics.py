@@ -12,16 +12,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 
 
-def prefix_hit_rate(usage: dict) -> float | None:
-    """The prefix cache's hit rate when the engine reports one (directly or as hits and misses)."""
-    if "prefix_cache_hit_rate" in usage:
-        return float(usage["prefix_cache_hit_rate"])
-    hits, misses = usage.get("prefix_cache_hits"), usage.get("prefix_cache_misses")
-    if hits is None or misses is None:
-        return None
-    return hits / (hits + misses) if hits + misses else 0.0
-
-
 class _EngineCollector:
     """Reads engine.usage() on every scrape, so the numbers are never stale."""
 
@@ -46,9 +36,9 @@ class _EngineCollector:
                 ("lmport_engine_steps", "steps", "Engine steps run")):
             if key in usage:
                 yield CounterMetricFamily(name, doc, value=usage[key])
-        rate = prefix_hit_rate(usage)
-        if rate is not None:
-            yield GaugeMetricFamily("lmport_prefix_cache_hit_rate", "Prefix cache hit rate", value=rate)
+        if "prefix_cache_hit_rate" in usage:   # Engine.usage() has it (lmport.paging.usage)
+            yield GaugeMetricFamily("lmport_prefix_cache_hit_rate", "Prefix cache hit rate",
+                                    value=float(usage["prefix_cache_hit_rate"]))
         # Everything else the engine reports (prefix cache, host tier, ...), under its own key.
         other = GaugeMetricFamily("lmport_engine_stat", "Other numbers from engine.usage()", labels=["key"])
         for key, value in sorted(usage.items()):

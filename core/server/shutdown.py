@@ -25,7 +25,7 @@ ENGINE_FAILURE_EXIT_CODE = 3
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app_server, shutdown_timeout: float,
+    def __init__(self, config: uvicorn.Config, app_server, shutdown_timeout: float, *,
                  exit_on_engine_failure: bool = True):
         # uvicorn's own cut-off only backs ours up: streams end cleanly at shutdown_timeout.
         config.timeout_graceful_shutdown = shutdown_timeout + 5

@@ -61,7 +61,8 @@ def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
                            param=f"tools.{i}.type")
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(400, f"tools.{i}.function: give an object with a non-empty name", param=f"tools.{i}.function")
+            raise APIError(400, f"tools.{i}.function: give an object with a non-empty name",
+                           param=f"tools.{i}.function")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise APIError(400, f"tools.{i}.function.parameters: must be a JSON schema object",

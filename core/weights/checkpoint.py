@@ -27,7 +27,8 @@ def check_backend(path: Path, caps, weight_format: str = "auto") -> set[tuple[in
         if problem:
             raise ConfigError(
                 f"{path.name} keeps int{bits} weights in groups of {group}, which device {caps.device_type!r} "
-                f"cannot run ({problem}); backends that run it: {', '.join(backends_running(bits, group)) or 'none installed'}. "
+                f"cannot run ({problem}); backends that run it: "
+                f"{', '.join(backends_running(bits, group)) or 'none installed'}. "
                 f"Use one of those, a 16-bit checkpoint, or weight_format='dequantize' to dequantize at load")
     return formats
 

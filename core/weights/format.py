@@ -45,11 +45,11 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
 
-    def rows(self, index: torch.Tensor) -> "QuantizedWeight":
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the output rows ``index`` (an embedding lookup's rows)."""
         return QuantizedWeight(self.qweight[index], self.scales[index], self.mins[index], self.bits, self.group_size)
 
-    def check(self, name: str = "weight") -> "QuantizedWeight":
+    def check(self, name: str = "weight") -> QuantizedWeight:
         """Raises ValueError naming ``name`` when the tensors do not form a weight of this format."""
         n = self.qweight.shape[0]
         if self.bits not in BITS:

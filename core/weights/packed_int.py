@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -52,7 +53,7 @@ def weight_formats(directory: Path) -> set[tuple[int, int]]:
     if method == "gptq" and q.get("desc_act"):
         raise ConfigError(f"{where}: GPTQ desc_act=true (act-order, inputs regrouped by g_idx) is not supported; "
                           f"use a checkpoint quantized with desc_act=false")
-    return {(bits, group)}
+    return {(int(bits), int(group))}   # both checked against SUPPORTED above
 
 
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -111,8 +112,8 @@ def _check_shapes(prefix: str, codes, zeros, scales, group: int) -> None:
 def load_tensors(directory: Path, dtype: torch.dtype) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
     """(quantized weights, float tensors) of an AWQ / GPTQ safetensors directory, transformers' names."""
     from safetensors import safe_open
-    q = quantization_config(directory)
-    (bits, group), = weight_formats(directory)
+    (bits, group), = weight_formats(directory)   # refuses a directory without a quantization_config
+    q = cast(dict, quantization_config(directory))
     tensors = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:

@@ -32,7 +32,7 @@ def op_backend(name: str) -> tuple[Backend, str]:
 
 
 def _cuda_interpreter(cls) -> tuple[Backend, str]:
-    # Look triton up without importing it: the backend sets TRITON_INTERPRET before the kernels load.
+    # Look triton up without importing it: tests/conftest.py sets TRITON_INTERPRET before the kernels load.
     if importlib.util.find_spec("triton") is None:
         pytest.skip("cuda: triton is not installed, so its kernels cannot run under the interpreter")
     return cls(device="cpu"), "interpreter"

@@ -17,8 +17,9 @@ from lmport.backend import Backend, Capabilities, ProbeResult
 BROKEN_SDKS = ("torch_npu", "torch_mlu", "torch_mlu_ops")
 KNOWN_DTYPES = {"float16", "bfloat16", "float32"}
 
-# DESIGN.md's table. rule: ("pow2", min) | ("forced", size) | ("any", min).
-DESIGN_TABLE = {
+# The capabilities table of docs/backends.md (see docs/architecture.md).
+# rule: ("pow2", min) | ("forced", size) | ("any", min).
+DOCS_TABLE = {
     "cuda": dict(quant={0, 4, 8}, rule=("pow2", 16), torch_device="cuda", dist="nccl", sdk=None),
     "ascend": dict(quant={0, 4, 8}, rule=("pow2", 16), torch_device="npu", dist="hccl", sdk="torch_npu",
                    default_block_size=128),
@@ -38,7 +39,7 @@ def test_backend_loads_without_vendor_sdk(backend_name, fresh_interpreter):
     assert result["vendor_imported"] == [], f"loading {backend_name} imported {result['vendor_imported']}"
     assert result["cuda_initialized"] is False, f"loading {backend_name} initialized CUDA"
     assert isinstance(result["available"], bool) and result["reason"]
-    sdk = DESIGN_TABLE.get(backend_name, {}).get("sdk")
+    sdk = DOCS_TABLE.get(backend_name, {}).get("sdk")
     if sdk:
         assert result["available"] is False
         assert sdk in result["reason"], result["reason"]
@@ -92,9 +93,9 @@ def test_capabilities_are_sane(backend_name, capabilities):
     assert sorted(c.kv_axis_order) == sorted("bshd")
 
 
-@pytest.mark.parametrize("name", sorted(DESIGN_TABLE))
+@pytest.mark.parametrize("name", sorted(DOCS_TABLE))
 def test_in_tree_capabilities_match_design(name):
-    want = DESIGN_TABLE[name]
+    want = DOCS_TABLE[name]
     cls = registry.load_backend_class(name)
     c = cls.capabilities
     assert cls.__module__ == f"lmport.backends.{name}"

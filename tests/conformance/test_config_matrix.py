@@ -26,8 +26,8 @@ RULE_TABLE = {
     "power of two >= 16": {None, 16, 32, 64, 128},
     "forced": {None, 1, 16, 32, 64, 100, 128},  # accepted, then replaced by the forced size
 }
-# The in-tree backends' rule kinds, as DESIGN.md states them.
-DESIGN_RULES = {"cpu": "any >= 1", "cuda": "power of two >= 16", "ascend": "power of two >= 16", "camb": "forced"}
+# The in-tree backends' rule kinds, as docs/backends.md states them.
+DOCS_RULES = {"cpu": "any >= 1", "cuda": "power of two >= 16", "ascend": "power of two >= 16", "camb": "forced"}
 
 
 def rule_kind(caps) -> str:
@@ -86,8 +86,8 @@ def devices_supporting(policy: int) -> list[str]:
 @pytest.mark.parametrize("quant_policy", QUANT_POLICIES, ids=lambda q: f"quant{q}")
 def test_config_matrix(backend_name, capabilities, quant_policy, block_size, caplog):
     caps = capabilities
-    if backend_name in DESIGN_RULES:
-        assert rule_kind(caps) == DESIGN_RULES[backend_name]
+    if backend_name in DOCS_RULES:
+        assert rule_kind(caps) == DOCS_RULES[backend_name]
     quant_ok = quant_policy in caps.kv_quant_policies
     block_ok = block_size_accepted(caps, block_size)
 

@@ -21,17 +21,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # The interpreter is chosen when the kernels are imported (lazily, on first use): set it first.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from harness import op_backend  # noqa: E402
-from lmport import ops  # noqa: E402
-from lmport.kv.layout import KVLayout, LayerCache  # noqa: E402
+from harness import op_backend
+from lmport import ops
+from lmport.kv.layout import KVLayout, LayerCache
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3),
        torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
@@ -45,7 +40,7 @@ def cuda():
 
 
 def _kernels():
-    from lmport.backends.cuda import decode_attention, prefill_attention  # after TRITON_INTERPRET is set
+    from lmport.backends.cuda import decode_attention, prefill_attention  # TRITON_INTERPRET: tests/conftest.py
     return decode_attention, prefill_attention
 
 

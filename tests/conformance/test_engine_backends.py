@@ -41,7 +41,7 @@ def greedy(backend, config: EngineConfig, arch: str = "llama") -> list[list[int]
     return [r.token_ids for r in out]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_tokens(quant_policy: int, dtype: str, block_size: int, arch: str = "llama") -> list[list[int]]:
     from lmport.backends.cpu import CpuBackend
     cfg = EngineConfig(device_type="cpu", dtype=dtype, quant_policy=quant_policy, block_size=block_size,

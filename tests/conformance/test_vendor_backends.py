@@ -93,9 +93,10 @@ def _case(order: str, quant_policy: int, block: int, dtype, q_lens, kv_lens, see
 
 
 def _to_device(cache: LayerCache, device) -> LayerCache:
-    move = (lambda t: None if t is None else t.to(device))
+    def move(t):
+        return None if t is None else t.to(device)
     return LayerCache(move(cache.k), move(cache.v), move(cache.k_qparams), move(cache.v_qparams),
-                      cache.quant_policy, cache.block_size)
+                      cache.quant_policy, cache.block_size, cache.axis_order)
 
 
 def _meta_to(meta: ops.AttentionMetadata, device) -> ops.AttentionMetadata:
@@ -266,8 +267,8 @@ def test_simulated_mlu_rejects_what_the_docs_exclude():
         tmo.flash_attention(q, cache, cache, None, cu, cu, None, None, 3, 3, 1.0, True,
                             block_tables=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="int32"):
-        tmo.reshape_paged_cache(torch.zeros(1, HKV, D, dtype=torch.float16), torch.zeros(1, HKV, D, dtype=torch.float16),
-                                cache, cache, torch.zeros(1, dtype=torch.int64))
+        new = torch.zeros(1, HKV, D, dtype=torch.float16)
+        tmo.reshape_paged_cache(new, new.clone(), cache, cache, torch.zeros(1, dtype=torch.int64))
 
 
 # -- engine: greedy tokens equal to the cpu backend's -----------------------------

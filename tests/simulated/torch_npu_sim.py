@@ -303,7 +303,8 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     n = w.shape[1]
     group = antiquant_group_size
     if group and (group % 32 or not 32 <= group < k):
-        _fail(f"npu_weight_quant_batchmatmul: antiquant_group_size must be 0 or a multiple of 32 in [32, k), got {group}")
+        _fail(f"npu_weight_quant_batchmatmul: antiquant_group_size must be 0 or a multiple of 32 in [32, k), "
+              f"got {group}")
     want = (-(-k // group), n) if group else None
     for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset)):
         if t is None:

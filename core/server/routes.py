@@ -1,0 +1,182 @@
+"""The completion routes, POST /v1/chat/completions and POST /v1/completions (docs/server.md).
+
+Each parses and checks its request, builds a job and admits it; ``_respond`` then does what both share:
+stream the outputs as server-sent events, or wait for them and answer once.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from lmport.engine import RequestOutput
+from lmport.server import echo, structured, tools
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief
+from lmport.server.serving import EventStream, Job, Server, event_lines, finish_reason
+
+
+def _too_long(server: Server, param: str, chars: int) -> APIError:
+    return APIError(400, f"{param}: {chars} characters is more than the server's limit of {server.max_prompt_chars} "
+                         f"(--max-prompt-chars; the session holds {server.engine.session_len} tokens): shorten it",
+                    param=param)
+
+
+async def _respond(server: Server, request: Request, job: Job, chunk: Callable[..., dict],
+                   body: Callable[[list[RequestOutput]], dict], *, stream: bool):
+    """An admitted job's reply: ``chunk(choice, out, delta, first, logprobs_from)`` as server-sent events, or
+    ``body(final outputs)`` once all are done; 499 when the client left first."""
+    if stream:
+        return EventStream(event_lines(server, job, chunk), on_close=job.release,
+                           headers={"Cache-Control": "no-cache"})
+    try:
+        outs = await server.until_done_or_gone(request, job)
+    finally:
+        job.release()
+    if outs is None:
+        return Response(status_code=499)  # nobody is listening
+    return body(outs)
+
+
+async def chat_completions(server: Server, request: Request):
+    """POST /v1/chat/completions."""
+    received = time.perf_counter()
+    req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+    if not req.messages:
+        raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
+    if (chars := sum(len(m.text()) for m in req.messages)) > server.max_prompt_chars:
+        raise _too_long(server, "messages", chars)
+    setup = tools.check(req, server.engine)
+    try:
+        ids = await server.tokenize(tools.encode, server.tokenizer, req, setup)
+    except APIError:
+        raise
+    except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
+        raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
+                       param="messages") from None
+    response_format = req.response_format
+    structured.check_format(server.engine, response_format, "response_format")
+    if setup is not None and setup.response_format is not None:
+        if structured.constrains(response_format):
+            raise APIError(400, "response_format: cannot be combined with a tool_choice that forces a call",
+                           param="response_format")
+        response_format = setup.response_format
+        structured.check_format(server.engine, response_format, "tools")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
+                     response_format)
+    job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
+                  "model": server.model_name}
+    job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    server.admit(job)
+
+    parsers = [tools.StreamParser(setup) for _ in job.configs] if setup and req.stream else None
+    called = [False] * len(job.configs)
+
+    def chunk(choice, out, text, first, lp_from):
+        calls = []
+        if parsers:
+            text, calls = parsers[choice].feed(text, out.finished)
+            called[choice] |= bool(calls)
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        if calls:
+            delta["tool_calls"] = calls
+        finish = finish_reason(out)
+        return {**job.header, "choices": [{
+            "index": choice, "delta": delta,
+            "finish_reason": "tool_calls" if finish == "stop" and called[choice] else finish,
+            "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
+
+    def body(outs: list[RequestOutput]) -> dict:
+        choices = []
+        for c, o in enumerate(outs):
+            message, finish = {"role": "assistant", "content": o.text}, finish_reason(o)
+            if setup is not None:
+                message["content"], calls = tools.parse(o.text, setup)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c, "message": message, "finish_reason": finish,
+                            "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None})
+        return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": choices}
+
+    return await _respond(server, request, job, chunk, body, stream=req.stream)
+
+
+async def completions(server: Server, request: Request):
+    """POST /v1/completions."""
+    received = time.perf_counter()
+    req: CompletionRequest = await server.parse(request, CompletionRequest)
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: the list is empty; give a string or token ids", param="prompt")
+    limit = server.limits.max_engine_requests
+    if len(prompt) * req.n > limit:
+        raise APIError(400, f"prompt: {len(prompt)} prompts x n={req.n} would be {len(prompt) * req.n} "
+                            f"generations; the server allows at most {limit} per request "
+                            f"(--max-engine-requests-per-request): send fewer prompts or a smaller n",
+                       param="prompt")
+    for p in prompt:
+        if isinstance(p, str) and len(p) > server.max_prompt_chars:
+            raise _too_long(server, "prompt", len(p))
+    prompts = await server.tokenize(
+        lambda: [server.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt])
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with echo (to score the "
+                            "prompt)", param="max_tokens")
+    if req.echo and req.stream:
+        raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
+    response_format, format_param = structured.completion_format(req)
+    structured.check_format(server.engine, response_format, format_param)
+    job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format)
+    job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                  "model": server.model_name}
+    job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    top = req.logprobs
+    server.admit(job)
+    if req.echo:
+        texts = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in prompt]
+        try:
+            return await _echo_completion(server, req, job, top, request, texts)
+        finally:
+            job.release()
+
+    def chunk(choice, out, text, first, lp_from):
+        return {**job.header, "choices": [{
+            "index": choice, "text": text, "finish_reason": finish_reason(out),
+            "logprobs": server.completion_logprobs(out, lp_from, top) if top is not None else None}]}
+
+    def body(outs: list[RequestOutput]) -> dict:
+        return {**job.header, "usage": server.usage(job, outs), "choices": [
+            {"index": c, "text": o.text, "finish_reason": finish_reason(o),
+             "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
+            for c, o in enumerate(outs)]}
+
+    return await _respond(server, request, job, chunk, body, stream=req.stream)
+
+
+async def _echo_completion(server: Server, req: CompletionRequest, job: Job, top: int | None, request: Request,
+                           prompt_texts: list[str]):
+    """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
+    scores = [await echo.prompt_logprobs(server, ids, top or 0) if top is not None else None
+              for ids in job.prompts]
+    if req.max_tokens == 0:
+        outs = [None] * len(job.configs)
+    else:
+        outs = await server.until_done_or_gone(request, job)
+        if outs is None:
+            return Response(status_code=499)
+    choices = []
+    for c, o in enumerate(outs):
+        ids = job.prompt_of(c)
+        generated = None if o is None or top is None else server.completion_logprobs(o, 0, top)
+        choices.append({"index": c, "text": prompt_texts[c // job.n] + (o.text if o else ""),
+                        "finish_reason": finish_reason(o) if o else "length",
+                        "logprobs": echo.merge(server, ids, scores[c // job.n], top, generated)})
+    completion = sum(len(o.token_ids) for o in outs if o)
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    return {**job.header, "choices": choices, "usage": {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}}

@@ -1,0 +1,109 @@
+"""The package's import graph has no cycle (docs/architecture.md): walked from the source, imports inside
+functions included, since a lazy import that closes a circle is still a circle in the design. Imports under
+``if TYPE_CHECKING:`` are left out: they are annotations, never run."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"lmport": ROOT / "core", "lmport.backends": ROOT / "backends"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """lmport modules ``name`` imports; ``from pkg import mod`` counts as importing ``pkg.mod``."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:   # an attribute of a module: the module itself
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    # A package's __init__ re-exporting its submodules is not a cycle with them: drop package -> child edges.
+    return {name: {t for t in _imports(name, path, modules) if not t.startswith(name + ".")}
+            for name, path in modules.items()}
+
+
+def test_import_graph_has_no_cycle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (modules that import each other, directly or around a circle): " + \
+        "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_walk_sees_imports():
+    graph = _graph()
+    assert "lmport.flags" in graph["lmport.cli"]
+    assert "lmport.config" in graph["lmport.flags"]
+    assert "lmport.cli" not in graph["lmport.flags"]
+    assert "lmport.oom_advisor" in graph["lmport.memory"]
+    assert "lmport.memory" not in graph["lmport.oom_advisor"]   # only under TYPE_CHECKING
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
