@@ -118,7 +118,7 @@ class CambBackend(Backend):
 
 def bshd_view(cache: LayerCache) -> LayerCache:
     """This backend's [blocks, heads, slots, dim] cache seen as the reference ops' [blocks, slots, heads, dim]."""
-    return dataclasses.replace(cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2))
+    return dataclasses.replace(cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2), axis_order="bshd")
 
 
 def _check_unquantized(cache: LayerCache) -> None:

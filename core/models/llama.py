@@ -187,9 +187,9 @@ class PagedCausalLM(nn.Module):
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
         super().__init__()
-        if cfg.model_type not in self.model_types:
-            from lmport.models.architectures import supported_text
-            raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: {supported_text()}")
+        if cfg.model_type not in self.model_types:   # model_class() (models/architectures.py) picks the class
+            raise ValueError(f"model type {cfg.model_type!r} is not one {type(self).__name__} runs; it runs "
+                             f"{', '.join(self.model_types)}")
         self.config = cfg
         self.tp = tp = tp or TPGroup()
         self.model = Decoder(cfg, backend, tp)

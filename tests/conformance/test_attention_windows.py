@@ -63,6 +63,6 @@ def test_windowed_attention_matches_reference(backend_name, batch, block_size, w
     meta = meta.for_layer(window, softcap)
     out = backend.paged_attention(q, cache, meta, HEAD_DIM ** -0.5)
     bshd = cache if caps.kv_axis_order == "bshd" else dataclasses.replace(
-        cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2))     # the reference reads bshd
+        cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2), axis_order="bshd")   # the reference reads bshd
     ref = ops.paged_attention(q, bshd, meta, HEAD_DIM ** -0.5)
     torch.testing.assert_close(out, ref, **TOL[dtype])
