@@ -119,3 +119,21 @@ def tiny_tool_model_dir() -> str:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def logits_in_chunks(engine, ids: list[int], chunk_tokens: int):
+    """The prompt ``ids`` prefilled ``chunk_tokens`` at a time through the engine's own scheduler and model:
+    (its sequence, each chunk's logits)."""
+    from lmport import GenerationConfig, ops
+    seq = engine.seqs[engine.add_request(ids, GenerationConfig(max_new_tokens=1))]
+    engine.scheduler.token_budget = chunk_tokens
+    logits = []
+    while seq.num_uncomputed:
+        batch = engine.scheduler.schedule()
+        kv = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)]
+        meta = ops.build_attention_metadata(batch.num_new, kv, [s.block_table for s in batch.seqs],
+                                            engine.layout.block_size)
+        chunk = seq.token_ids[seq.num_computed:seq.num_computed + batch.num_new[0]]
+        logits.append(engine.model.logits(engine.model(torch.tensor(chunk), meta, engine.caches)))
+        seq.num_computed += batch.num_new[0]
+    return seq, logits

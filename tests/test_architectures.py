@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import lmport
-from lmport import EngineConfig, GenerationConfig, ops
-from models import hf_greedy, hf_model, tiny_model_dir
+from lmport import EngineConfig, GenerationConfig
+from models import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
 
 ARCHS = ("gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe")
 NEW_TOKENS = 8
@@ -51,17 +51,7 @@ def test_logits_in_three_chunks(arch):
         engine = pipe.engine
         with torch.inference_mode():
             ref = hf_model(model_dir)(torch.tensor([ids])).logits[0]
-        seq = engine.seqs[engine.add_request(ids, GenerationConfig(max_new_tokens=1))]
-        engine.scheduler.token_budget = 24
-        logits = []
-        while seq.num_uncomputed:
-            batch = engine.scheduler.schedule()
-            kv = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)]
-            meta = ops.build_attention_metadata(batch.num_new, kv, [s.block_table for s in batch.seqs],
-                                                engine.layout.block_size)
-            chunk = seq.token_ids[seq.num_computed:seq.num_computed + batch.num_new[0]]
-            logits.append(engine.model.logits(engine.model(torch.tensor(chunk), meta, engine.caches)))
-            seq.num_computed += batch.num_new[0]
+        _, logits = logits_in_chunks(engine, ids, 24)
         assert len(logits) == 3
         torch.testing.assert_close(torch.cat(logits), ref, atol=2e-4, rtol=1e-4)
 

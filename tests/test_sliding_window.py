@@ -19,7 +19,7 @@ from lmport.models.windows import kv_window, layer_windows
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.window import HOLE, blocks_bound, first_kept_block
 from lmport.sequence import Sequence
-from models import hf_greedy, hf_model, tiny_model_dir
+from models import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
 
 WINDOW = 32
 
@@ -166,17 +166,7 @@ def test_window_logits_in_three_chunks():
     engine = pipe.engine
     with torch.inference_mode():
         ref = hf_model(model_dir)(torch.tensor([ids])).logits[0]
-    seq = engine.seqs[engine.add_request(ids, GenerationConfig(max_new_tokens=1))]
-    engine.scheduler.token_budget = 30  # three chunks of 30
-    logits = []
-    while seq.num_uncomputed:
-        batch = engine.scheduler.schedule()
-        kv = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_new)]
-        meta = ops.build_attention_metadata(batch.num_new, kv, [s.block_table for s in batch.seqs],
-                                            engine.layout.block_size)
-        chunk = seq.token_ids[seq.num_computed:seq.num_computed + batch.num_new[0]]
-        logits.append(engine.model.logits(engine.model(torch.tensor(chunk), meta, engine.caches)))
-        seq.num_computed += batch.num_new[0]
+    seq, logits = logits_in_chunks(engine, ids, 30)   # three chunks of 30
     assert sum(b == HOLE for b in seq.block_table) > 0   # the window freed blocks between the chunks
     torch.testing.assert_close(torch.cat(logits), ref, atol=2e-4, rtol=1e-4)
     pipe.close()
