@@ -9,6 +9,7 @@ from lmport.config import GenerationConfig
 from lmport.paging.block_manager import BlockManager
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
+from workload import maybe_abort, run_batch
 
 
 def check(scheduler: Scheduler, bm: BlockManager) -> None:
@@ -43,21 +44,8 @@ def test_random_workload_keeps_invariants_and_finishes_everything(seed):
             scheduler.add(seq)
             seqs.append(seq)
             arrived += 1
-        batch = scheduler.schedule()
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-            assert seq.num_computed <= seq.num_tokens
-            if seq.num_uncomputed == 0:
-                seq.output_ids.append(rng.randrange(1000))
-                if len(seq.output_ids) >= targets[seq.request_id]:
-                    scheduler.finish(seq)
-                    seq.finish("length")
-        # Aborts hit running and waiting requests alike.
-        live = [s for s in seqs if not s.is_finished]
-        if live and rng.random() < 0.05:
-            victim = rng.choice(live)
-            scheduler.finish(victim)
-            victim.finish("abort")
+        run_batch(scheduler, scheduler.schedule(), rng, targets)
+        maybe_abort(scheduler, seqs, rng, 0.05)
         check(scheduler, bm)
 
     assert bm.num_free == bm.num_blocks

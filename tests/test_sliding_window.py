@@ -20,6 +20,7 @@ from lmport.paging.block_manager import BlockManager
 from lmport.paging.window import HOLE, blocks_bound, first_kept_block
 from lmport.sequence import Sequence
 from models import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
+from workload import maybe_abort, run_batch
 
 WINDOW = 32
 
@@ -215,18 +216,8 @@ def test_random_workload_with_a_window_prefix_cache_and_host_tier(seed):
         bm.take_copies()
         for seq in batch.seqs:
             assert sum(b != HOLE for b in seq.block_table) <= bound
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
-            seq.num_computed += n
-            if seq.num_uncomputed == 0:
-                seq.output_ids.append(rng.randrange(1000))
-                if len(seq.output_ids) >= targets[seq.request_id]:
-                    scheduler.finish(seq)
-                    seq.finish("length")
-        live = [s for s in seqs if not s.is_finished]
-        if live and rng.random() < 0.03:
-            victim = rng.choice(live)
-            scheduler.finish(victim)
-            victim.finish("abort")
+        run_batch(scheduler, batch, rng, targets)
+        maybe_abort(scheduler, seqs, rng, 0.03)
         bm.check_invariants(scheduler.running)
     assert bm.allocator.num_free + bm.allocator.num_cached == bm.num_blocks
 
