@@ -40,7 +40,8 @@ def gguf_tensor_bytes() -> int:
 def test_default_model_stays_quantized_within_1_15x_of_the_gguf():
     engine = quantized_pipeline().engine
     layers = [m for m in engine.model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
-    assert len(layers) == 30 * 7 + 2            # every projection, the embedding and the LM head
+    # Every projection (q/k/v and gate/up merged at load: 4 a layer), the embedding and the LM head.
+    assert len(layers) == 30 * 4 + 2
     head, embed = engine.model.lm_head, engine.model.model.embed_tokens
     assert head.qweight.data_ptr() == embed.qweight.data_ptr() and head.bits == 8   # tied, Q8_0, stored once
     stored = loader.resident_bytes(engine.model)
@@ -54,10 +55,16 @@ def test_weights_are_the_gguf_values_exactly():
     """Each kept tensor dequantizes to exactly the float32 tensor transformers made of the GGUF."""
     engine = quantized_pipeline().engine
     reference = hf_model("smollm2").state_dict()
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj", "model.layers.29.mlp.down_proj",
-                 "lm_head"):
+    # A merged projection holds its parts' rows in order: q, k, v and gate, up.
+    merged = {"model.layers.0.self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
+              "model.layers.7.self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
+              "model.layers.11.mlp.gate_up_proj": ["gate_proj", "up_proj"],
+              "model.layers.29.mlp.down_proj": [""], "lm_head": [""]}
+    for name, parts in merged.items():
         module = engine.model.get_submodule(name)
-        assert torch.equal(ops.dequantize(module.quantized), reference[f"{name}.weight"]), name
+        prefix = name.rpartition(".")[0] + "." if parts != [""] else name
+        want = torch.cat([reference[f"{prefix}{part}.weight" if part else f"{name}.weight"] for part in parts])
+        assert torch.equal(ops.dequantize(module.quantized), want), name
 
 
 def test_plan_counts_the_bytes_the_engine_holds():

@@ -127,7 +127,7 @@ def test_quantized_checkpoint_matches_its_dequantized_model(tmp_path, arch, meth
     directory, hf = build(tmp_path, arch, method, bits, group, sym)
     pipe = lmport.pipeline(str(directory), backend_config=EngineConfig(device_type="cpu", cache_max_entry_count=64))
     engine = pipe.engine
-    layer = engine.model.model.layers[0].self_attn.q_proj
+    layer = engine.model.model.layers[0].self_attn.qkv_proj   # q, k and v, merged at load
     assert isinstance(layer, QuantLinear) and layer.bits == bits and layer.group_size == group
     ids = torch.randint(3, 49152, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.inference_mode():

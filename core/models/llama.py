@@ -113,6 +113,9 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
         o_bias = getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2"
         self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size, o_bias, backend, tp)
+        # q, k and v as one linear once loaded (models/fusion.py), split back by these sizes.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
         # Qwen3 normalizes each head of q and k before rotary.
         self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
@@ -121,10 +124,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        # unflatten, not view: a backend's linear need not return a contiguous result.
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        # unflatten, not view: neither a backend's linear nor a split need return a contiguous result.
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         rot = cos.shape[-1]
@@ -146,12 +153,16 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, bias, backend, tp)
+        self.gate_up_proj: nn.Module | None = None   # gate and up as one linear once loaded (models/fusion.py)
         self.backend = backend
         act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act    # Gemma names it hidden_activation
         self.act = None if act == "silu" else ACT2FN[act]
 
     def forward(self, x):
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if self.act is None:
             return self.down_proj(self.backend.silu_and_mul(gate, up))
         return self.down_proj(self.act(gate) * up)

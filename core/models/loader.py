@@ -20,6 +20,7 @@ from lmport.backend import Backend
 from lmport.config import ConfigError
 from lmport.models import quantized as quantized_layers
 from lmport.models.architectures import model_class
+from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
@@ -150,6 +151,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
             # Share transformers' tensors instead of copying them (tied embeddings stay tied).
             paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
             paged.rotary = hf.model.rotary_emb
+        fuse_projections(paged)
         bar.update()
         paged.to(backend.device).eval()
         bar.update()

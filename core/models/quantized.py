@@ -22,10 +22,17 @@ class _Quantized(nn.Module):
         self.register_buffer("scales", weight.scales, persistent=False)
         self.register_buffer("mins", weight.mins, persistent=False)
         self.bits, self.group_size = weight.bits, weight.group_size
+        self._weight: QuantizedWeight | None = None
 
     @property
     def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size)
+        if self._weight is None:   # built once: a decode step asks for it a few hundred times
+            self._weight = QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size)
+        return self._weight
+
+    def _apply(self, fn, recurse=True):
+        self._weight = None   # .to() and the like replace the buffers
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         q = self.quantized

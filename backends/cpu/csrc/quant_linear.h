@@ -125,13 +125,176 @@ inline void check_quantized(const torch::Tensor& qweight, const torch::Tensor& s
   TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? torch::kByte : torch::kChar) && qweight.dim() == 2,
               bits, "-bit codes must be a 2-d ", bits == 4 ? "uint8" : "int8", " tensor, got ", qweight.sizes());
   const int64_t K = qweight.size(1) * 8 / bits;
-  TORCH_CHECK(group_size > 0 && group_size % quant_detail::kRun == 0 && K % group_size == 0,
-              "group size ", group_size, " must be a multiple of 32 dividing ", K);
+  const int64_t runs_per_group = group_size / quant_detail::kRun;
+  TORCH_CHECK(group_size > 0 && group_size % quant_detail::kRun == 0 && K % group_size == 0 &&
+                  (runs_per_group & (runs_per_group - 1)) == 0,
+              "group size ", group_size, " must be 32 times a power of two and divide ", K);
   for (const auto* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == torch::kHalf && t->dim() == 2 && t->size(0) == qweight.size(0) &&
                     t->size(1) == K / group_size,
                 "scales and mins must be float16 [", qweight.size(0), ", ", K / group_size, "], got ", t->sizes());
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LMPORT_QUANT_AVX512 1
+
+namespace quant512 {
+
+using quant_detail::kRun;
+constexpr int kTile = 4;  // rows of x dotted with each unpacked weight run pair
+
+// x [M, K] rounded to int16 per run of 32 as above, laid out for 512-bit dot products: runs go in
+// pairs (b, b + 1) stored as [b 0..15, b+1 0..15, b 16..31, b+1 16..31], the order in which the
+// weight bytes of the pair unpack, so one dpwssd leaves run b in lanes 0..7 and run b + 1 in lanes
+// 8..15 (an odd last run stays in input order). ``steps`` holds each pair's two activation steps
+// spread over those lanes; ``group_sums`` the sum of x over each weight group, which meets the mins.
+struct Activations {
+  std::vector<int16_t> codes;
+  std::vector<float> steps, group_sums;
+  int64_t K, pairs, groups;
+};
+
+inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_size) {
+  const int64_t runs = K / kRun, pairs = (runs + 1) / 2, groups = K / group_size;
+  Activations a{std::vector<int16_t>(M * K), std::vector<float>(M * pairs * 16), std::vector<float>(M * groups, 0.f),
+                K, pairs, groups};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < runs; ++b) {
+      const float* v = x + m * K + b * kRun;
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < kRun; ++i) {
+        amax = std::max(amax, std::fabs(v[i]));
+        sum += v[i];
+      }
+      const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const bool paired = (b | 1) < runs;
+      int16_t* out = a.codes.data() + m * K + (b & ~int64_t{1}) * kRun;
+      for (int i = 0; i < kRun; ++i) {
+        const int64_t at = paired ? (i / 16) * 32 + (b & 1) * 16 + i % 16 : i;
+        out[at] = static_cast<int16_t>(std::nearbyint(v[i] * inv));
+      }
+      float* step = a.steps.data() + (m * pairs + b / 2) * 16;
+      for (int i = 0; i < 8; ++i) step[(b & 1) * 8 + i] = d;
+      if (!paired)
+        for (int i = 0; i < 8; ++i) step[8 + i] = d;
+      a.group_sums[m * groups + b * kRun / group_size] += sum;
+    }
+  }
+  return a;
+}
+
+// The first min(left, 16) lanes.
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+// The int16 codes of runs b and b + 1 of a weight row, in the activations' pair order.
+template <int BITS>
+inline void unpack_pair(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
+  if constexpr (BITS == 4) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, mask));
+    w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+  } else {
+    const uint8_t* r = row + b * 32;
+    auto halves = [](const uint8_t* lo, const uint8_t* hi) {
+      return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
+    };
+    w0 = _mm512_cvtepi8_epi16(halves(r, r + 32));
+    w1 = _mm512_cvtepi8_epi16(halves(r + 16, r + 48));
+  }
+}
+
+// The int16 codes of the odd last run b, in input order (w1 is zero).
+template <int BITS>
+inline void unpack_last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
+  if constexpr (BITS == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w0 = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask)));
+  } else {
+    w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32)));
+  }
+  w1 = _mm512_setzero_si512();
+}
+
+// Rows m0 .. m0 + MT of x against one weight row (``scales``: its group scales as float, a group
+// being 2^rpg_shift runs): each weight run pair is unpacked once for the MT rows.
+template <int BITS, int MT>
+inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, const at::Half* mins, const Activations& a,
+                     int64_t m0, const uint8_t* prefetch, float* out) {
+  const int64_t runs = a.K / kRun;
+  const int16_t* codes = a.codes.data() + m0 * a.K;
+  const float* steps = a.steps.data() + m0 * a.pairs * 16;
+  __m512 acc[MT];
+  for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
+  auto accumulate = [&](int64_t p, __m512i w0, __m512i w1, __m512 s, bool single) {
+    for (int j = 0; j < MT; ++j) {
+      const int16_t* x = codes + j * a.K + p * 2 * kRun;
+      __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x));
+      if (!single) d = _mm512_dpwssd_epi32(d, w1, _mm512_loadu_si512(x + 32));
+      const __m512 step = _mm512_loadu_ps(steps + (j * a.pairs + p) * 16);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, step), acc[j]);
+    }
+  };
+  int64_t p = 0;
+  for (; 2 * p + 1 < runs; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kRun * BITS / 8), _MM_HINT_T0);
+    __m512i w0, w1;
+    unpack_pair<BITS>(row, 2 * p, w0, w1);
+    const __m512 s0 = _mm512_set1_ps(scales[(2 * p) >> rpg_shift]);
+    accumulate(p, w0, w1, _mm512_insertf32x8(s0, _mm256_set1_ps(scales[(2 * p + 1) >> rpg_shift]), 1), false);
+  }
+  if (p < a.pairs) {
+    __m512i w0, w1;
+    unpack_last<BITS>(row, 2 * p, w0, w1);
+    accumulate(p, w0, w1, _mm512_set1_ps(scales[(2 * p) >> rpg_shift]), true);
+  }
+  // The mins meet the sums of x over their groups.
+  for (int j = 0; j < MT; ++j) {
+    const float* sums = a.group_sums.data() + (m0 + j) * a.groups;
+    __m512 off = _mm512_setzero_ps();
+    for (int64_t g = 0; g < a.groups; g += 16) {
+      const __mmask16 k = tail_mask(a.groups - g);
+      const __m512 mn = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + g));
+      off = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(k, sums + g), off);
+    }
+    out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off));
+  }
+}
+
+template <int BITS>
+inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::Half* sp, const at::Half* mp,
+                   int64_t N, int64_t group_size, const float* bias, float* y) {
+  const int64_t row_bytes = a.K * BITS / 8;
+  const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
+  constexpr int64_t kAhead = 32;  // weight rows fetched ahead of the one in use
+  // Threads split the output rows, so the packed weight is read once in all.
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    float out[kTile];
+    std::vector<float> s(a.groups + 16);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      const uint8_t* ahead = w + std::min(n + kAhead, N - 1) * row_bytes;
+      const at::Half* mn = mp + n * a.groups;
+      for (int64_t g = 0; g < a.groups; g += 16)
+        _mm512_storeu_ps(s.data() + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int64_t mt = std::min<int64_t>(kTile, M - m0);
+        switch (mt) {
+          case 4: dot_tile<BITS, 4>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
+          case 3: dot_tile<BITS, 3>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
+          case 2: dot_tile<BITS, 2>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
+          default: dot_tile<BITS, 1>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
+        }
+        for (int64_t j = 0; j < mt; ++j) y[(m0 + j) * N + n] = out[j] + (bias ? bias[n] : 0.f);
+      }
+    }
+  });
+}
+
+}  // namespace quant512
+#endif
 
 inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                                   int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias) {
@@ -148,13 +311,19 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   mins = mins.contiguous();
   const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
   const int64_t M = x.size(0), runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+#ifdef LMPORT_QUANT_AVX512
+  const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
+  if (bits == 4) quant512::linear<4>(a, M, w, sp, mp, N, group_size, bp, yp);
+  else quant512::linear<8>(a, M, w, sp, mp, N, group_size, bp, yp);
+  (void)runs, (void)groups, (void)row_bytes;
+#else
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> sd(runs);
@@ -171,6 +340,7 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
       }
     }
   });
+#endif
   return y;
 }
 

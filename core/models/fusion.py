@@ -1,0 +1,63 @@
+"""Projections that read the same input, merged into one linear once the weights are loaded: an
+attention layer's q, k and v, and an MLP's gate and up.
+
+A decode step at batch 1 is a string of small matmuls, each paying a fixed cost besides the bytes
+of weight it reads (the call, the threads, a quantized kernel's pass over the activations); merging
+makes 3 of a layer's 7 calls do the work of 7. The merged weight stacks the parts' rows in order
+(under tensor parallelism, this rank's rows of each), so its output splits back into theirs exactly.
+Parts of different kinds (float beside quantized, int4 beside int8, other group sizes, dtypes or
+biases) stay separate.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmport.models.llama import MLP, Attention, Linear, RowParallelLinear
+from lmport.models.quantized import QuantLinear
+from lmport.weights.format import QuantizedWeight
+
+
+def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear computing ``torch.cat([p(x) for p in parts], -1)``, or None where the parts differ in kind."""
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    if all(isinstance(p, QuantLinear) for p in parts):
+        weights = [p.quantized for p in parts]
+        if len({(w.bits, w.group_size, w.in_features) for w in weights}) != 1:
+            return None
+        merged = QuantizedWeight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("qweight", "scales", "mins")),
+                                 weights[0].bits, weights[0].group_size)
+        return QuantLinear(merged, bias, parts[0].backend)
+    if all(type(p) is not RowParallelLinear and isinstance(p, Linear) for p in parts):
+        weights = [p.weight.detach() for p in parts]
+        if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+            return None
+        with torch.device("meta"):   # no throwaway initialization of a weight about to be replaced
+            fused = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias is not None, parts[0].backend)
+        fused.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        return fused
+    return None
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Merge q/k/v and gate/up in every attention layer and MLP of ``model``; the number of merges."""
+    merges = 0
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and module.qkv_proj is None:
+            fused = merge_linears([module.q_proj, module.k_proj, module.v_proj])
+            if fused is not None:
+                module.qkv_proj = fused
+                del module.q_proj, module.k_proj, module.v_proj
+                merges += 1
+        elif isinstance(module, MLP) and module.gate_up_proj is None:
+            fused = merge_linears([module.gate_proj, module.up_proj])
+            if fused is not None:
+                module.gate_up_proj = fused
+                del module.gate_proj, module.up_proj
+                merges += 1
+    return merges
