@@ -15,9 +15,6 @@ from lmport.kv.layout import LayerCache
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS.
 SMALL_BATCH_TOKENS = 128
-# Up to this many tokens a quantized linear dots int8 activations with the packed weight;
-# beyond it the weight is dequantized for the BLAS.
-QUANT_GEMV_TOKENS = 16
 
 
 class CpuBackend(Backend):
@@ -61,7 +58,7 @@ class CpuBackend(Backend):
         if compiled is None or x.dim() != 2:
             return super().quant_linear(x, weight, bias)
         q = weight
-        if x.shape[0] <= QUANT_GEMV_TOKENS:  # decode: integer dot products over the packed weight
+        if x.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the packed weight (csrc/quant_linear.h)
             return compiled.quant_linear(x, q.qweight, q.scales, q.mins, q.bits, q.group_size, bias)
         # prefill: the weight expanded once for the BLAS, which is then as fast as on float weights
         w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)

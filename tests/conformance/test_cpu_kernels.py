@@ -64,6 +64,24 @@ def test_paged_attention_matches_reference(block_size, head_dim, group, kind):
     torch.testing.assert_close(CpuBackend().paged_attention(q, cache, meta, scale), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("threads", (2, 3, 8))
+@pytest.mark.parametrize("kv_lens", ([1], [5], [300], [7, 300]), ids=str)
+@pytest.mark.parametrize("window", (0, 40))
+def test_decode_attention_split_over_threads_matches_reference(threads, kv_lens, window):
+    """Fewer decode tokens than threads: each token's keys are split into parts (some empty when
+    there are fewer keys than parts) whose softmax statistics merge them."""
+    cache, meta, q = _case(16, 64, 3, [1] * len(kv_lens), kv_lens)
+    meta = meta.for_layer(window or None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.load().paged_attention(q, cache.k, cache.v, meta.block_tables, meta.q_start_loc,
+                                              meta.kv_lens, 0.125, window)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ops.paged_attention(q, cache, meta, 0.125), **TOL)
+
+
 @pytest.mark.parametrize("dtype,policy,head_dim", [(torch.float32, 8, 64), (torch.float32, 4, 64),
                                                    (torch.bfloat16, 0, 64), (torch.float32, 0, 36)])
 def test_cases_the_kernel_does_not_cover_use_the_reference(dtype, policy, head_dim):

@@ -59,6 +59,20 @@ inline void dot_row(const float* w, int64_t K, const float* x, int64_t M, float*
 constexpr int kRows = 4;  // weight rows per tile
 constexpr int kCols = 3;  // rows of x per tile
 
+// y[:, 0:rows] (+ bias) of ``rows`` <= kRows weight rows w [rows, K] against every row of x [M, K];
+// ``next`` is the memory the next tile reads (fetched meanwhile, a row per pass over x).
+inline void rows_times_x(const float* w, int64_t rows, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
+                         const float* bias, const float* const next[kRows]) {
+  if (rows < kRows) {
+    for (int64_t r = 0; r < rows; ++r) dot_row(w + r * K, K, x, M, y + r, ldy, bias ? bias[r] : 0.f);
+    return;
+  }
+  int64_t m = 0, pass = 0;
+  for (; m + kCols <= M; m += kCols, ++pass) dot_tile<kCols>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
+  if (M - m == 2) dot_tile<2>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
+  if (M - m == 1) dot_tile<1>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
+}
+
 }  // namespace linear_detail
 
 inline torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
@@ -83,18 +97,9 @@ inline torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::op
   at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kRows;
-      const float* bn = bp ? bp + n : nullptr;
-      if (n + kRows <= N) {
-        // While this tile's rows are in use, the next tile's are fetched, a row per pass over x.
-        auto next = [&](int64_t pass) { return wp + std::min(n + kRows + pass % kRows, N - 1) * K; };
-        int64_t m = 0, pass = 0;
-        for (; m + kCols <= M; m += kCols, ++pass)
-          dot_tile<kCols>(wp + n * K, K, xp + m * K, K, yp + m * N + n, N, bn, next(pass));
-        if (M - m == 2) dot_tile<2>(wp + n * K, K, xp + m * K, K, yp + m * N + n, N, bn, next(pass));
-        if (M - m == 1) dot_tile<1>(wp + n * K, K, xp + m * K, K, yp + m * N + n, N, bn, next(pass));
-      } else {
-        for (int64_t r = n; r < N; ++r) dot_row(wp + r * K, K, xp, M, yp + r, N, bp ? bp[r] : 0.f);
-      }
+      const float* next[kRows];
+      for (int r = 0; r < kRows; ++r) next[r] = wp + std::min(n + kRows + r, N - 1) * K;
+      rows_times_x(wp + n * K, std::min<int64_t>(kRows, N - n), K, xp, M, yp + n, N, bp ? bp + n : nullptr, next);
     }
   });
   return y;

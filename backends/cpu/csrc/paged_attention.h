@@ -29,12 +29,14 @@ struct Scratch {
 };
 
 // Query token with heads q[Hq, D] at position end - 1 of a sequence whose blocks are
-// ``blocks``, over the keys at positions [first, end): out[Hq, D]. kD is the head dim
+// ``blocks``, over the keys at positions [first, end) (at least one): out[Hq, D], and when
+// ``stats`` is given each head's largest score and sum of exp(score - largest) in
+// stats[2h], stats[2h + 1], which merge attention over parts of the keys. kD is the head dim
 // when known at compile time (then the output accumulators live in registers), 0 to
 // read it from the pool.
 template <int64_t kD>
-void attend(const float* q, float* out, const int32_t* blocks, int64_t first, int64_t end, int64_t q_heads,
-            const Pool& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
+void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
+            int64_t q_heads, const Pool& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.row();
   const int64_t n = end - first;  // visible keys; row j below is position first + j
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
@@ -90,6 +92,7 @@ void attend(const float* q, float* out, const int32_t* blocks, int64_t first, in
       total += e;
     }
     const float inv = 1.f / sum(total);
+    if (stats) stats[2 * h] = m, stats[2 * h + 1] = sum(total);
 
     vec8 acc[(kD ? kD : kMaxHeadDim) / 8] = {};
     const float* vh = pool.v + h / group * D;
@@ -143,22 +146,52 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const auto run = D == 64 ? attend<64> : D == 128 ? attend<128> : attend<0>;
 
-  // Tokens go round-robin to the workers, so prefill rows, whose cost grows
-  // with position, are shared evenly.
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), T);
-  at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
+  // Work items are (token, part of its keys). Fewer tokens than threads (a decode step of a few
+  // sequences) split each token's keys into parts, attended apart and merged by their softmax
+  // statistics, so every thread has work; otherwise a token is one item.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = T < threads ? threads / T : 1, items = T * parts;
+  std::vector<float> part_out(parts > 1 ? items * Hq * D : 0), part_stats(parts > 1 ? items * Hq * 2 : 0);
+  // Items go round-robin to the workers, so prefill rows, whose cost grows with position, are
+  // shared evenly.
+  const int64_t workers = std::min(threads, items);
+  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
     Scratch scratch;
-    for (int64_t w = first; w < last; ++w)
-      for (int64_t t = w; t < T; t += workers) {
-        const int64_t b = seq_of[t];
+    for (int64_t w = first_worker; w < last_worker; ++w)
+      for (int64_t i = w; i < items; i += workers) {
+        const int64_t t = i / parts, part = i % parts, b = seq_of[t];
         const int64_t end = kl[b] - (st[b + 1] - t) + 1;  // token t sits at position end - 1
         const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+        const int64_t lo = first + (end - first) * part / parts, hi = first + (end - first) * (part + 1) / parts;
+        float* stats = parts > 1 ? part_stats.data() + i * Hq * 2 : nullptr;
+        if (lo == hi) {  // more parts than keys: this one weighs nothing in the merge
+          for (int64_t h = 0; h < Hq; ++h) stats[2 * h] = -INFINITY, stats[2 * h + 1] = 0.f;
+          continue;
+        }
         // A decode token reads its history cold; prefill tokens of one sequence share it in cache.
         const bool decode = st[b + 1] - st[b] == 1;
-        run(qp + t * Hq * D, op + t * Hq * D, tab + b * width, first, end, Hq, pool, static_cast<float>(scale),
-            static_cast<float>(softcap), decode, scratch);
+        run(qp + t * Hq * D, parts > 1 ? part_out.data() + i * Hq * D : op + t * Hq * D, stats, tab + b * width, lo,
+            hi, Hq, pool, static_cast<float>(scale), static_cast<float>(softcap), decode, scratch);
       }
   });
+  // Each head's parts weigh by their share of the softmax mass: exp(max_part - max) * sum_part.
+  for (int64_t t = 0; t < T && parts > 1; ++t)
+    for (int64_t h = 0; h < Hq; ++h) {
+      float m = -INFINITY, total = 0.f;
+      for (int64_t part = 0; part < parts; ++part) m = std::max(m, part_stats[((t * parts + part) * Hq + h) * 2]);
+      std::vector<float> weight(parts);
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* st2 = part_stats.data() + ((t * parts + part) * Hq + h) * 2;
+        weight[part] = st2[1] > 0.f ? std::exp(st2[0] - m) * st2[1] : 0.f;
+        total += weight[part];
+      }
+      float* o = op + (t * Hq + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* src = part_out.data() + ((t * parts + part) * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += weight[part] / total * src[d];
+      }
+    }
   return out;
 }
 

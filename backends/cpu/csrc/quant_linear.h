@@ -2,12 +2,14 @@
 // per group of inputs w = scale * q + min, 4-bit codes (0..15) two a byte with byte j of each
 // 32-input run holding inputs j (low nibble) and j + 16 (high), or signed 8-bit codes.
 //
-// quant_linear (a few rows of x, i.e. decode): x is rounded once per call to int16 in runs of
-// 32 (scale = max|x| / 32767, a relative step of 3e-5: float32 accuracy for all a greedy decode
-// can tell, where int8 activations change tokens), each weight run widened to int16 and dotted
-// with it in integer arithmetic (AVX2 madd, or VNNI's dpwssd where the CPU has it), accumulated
-// in float32. Every packed weight byte is read once a call, which is what bounds a decode step.
-// quant_dequantize (prefill) expands the weight to float32 for the BLAS.
+// quant_linear, up to kIntegerRows rows of x (a decode step): x is rounded once per call to int16
+// in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5: float32 accuracy for all a
+// greedy decode can tell, where int8 activations change tokens), each weight run widened to int16
+// and dotted with it in integer arithmetic (AVX2 madd, VNNI's dpwssd where the CPU has it, 512 bits
+// wide where it has AVX-512), accumulated in float32. Every packed weight byte is read once a
+// call, which is what bounds a decode step. More rows (a batched decode step): tiles of weight
+// rows expanded to float32 in cache (linear_by_tiles). quant_dequantize (prefill) expands the
+// whole weight to float32 for the BLAS.
 #pragma once
 
 #include <immintrin.h>
@@ -16,6 +18,8 @@
 
 #include <cmath>
 #include <vector>
+
+#include "linear.h"
 
 namespace lmport {
 
@@ -296,6 +300,58 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
 }  // namespace quant512
 #endif
 
+namespace quant_detail {
+
+// Weight row w (its K codes, scales and mins) as float32: out[k] = s * q + min.
+inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t K, int64_t group_size,
+                           int64_t bits, float* out) {
+  for (int64_t k = 0; k < K; k += kRun) {
+    const float s = static_cast<float>(scales[k / group_size]), mn = static_cast<float>(mins[k / group_size]);
+    // The run's 32 codes as bytes in input order, widened 8 at a time to float.
+    __m128i lo, hi;
+    if (bits == 4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
+      lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+      hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    } else {
+      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16));
+    }
+    const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(mn);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = bits == 4 ? _mm256_cvtepu8_epi32(parts[i]) : _mm256_cvtepi8_epi32(parts[i]);
+      // q * s + min as the reference computes it (a fused multiply-add may round once less).
+      _mm256_storeu_ps(out + k + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), sv), mv));
+    }
+  }
+}
+
+// Rows of x beyond kIntegerRows: each tile of weight rows is expanded to float32 in a buffer that
+// stays in cache and dotted with every row of x as small_linear does (linear.h); the integer path's
+// cost grows faster with the rows of x than this expansion's, which is paid once per weight row.
+constexpr int64_t kIntegerRows = 8;
+
+inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, const at::Half* sp,
+                            const at::Half* mp, int64_t N, int64_t group_size, int64_t bits, const float* bias,
+                            float* y) {
+  using linear_detail::kRows;
+  const int64_t row_bytes = K * bits / 8, groups = K / group_size;
+  at::parallel_for(0, (N + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(kRows * K);
+    const float* next[kRows] = {tile.data(), tile.data(), tile.data(), tile.data()};
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kRows, rows = std::min<int64_t>(kRows, N - n);
+      for (int64_t r = 0; r < rows; ++r)
+        dequantize_row(w + (n + r) * row_bytes, sp + (n + r) * groups, mp + (n + r) * groups, K, group_size, bits,
+                       tile.data() + r * K);
+      linear_detail::rows_times_x(tile.data(), rows, K, x, M, y + n, N, bias ? bias + n : nullptr, next);
+    }
+  });
+}
+
+}  // namespace quant_detail
+
 inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                                   int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias) {
   using namespace quant_detail;
@@ -317,6 +373,10 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   const at::Half* mp = mins.data_ptr<at::Half>();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  if (M > kIntegerRows) {
+    linear_by_tiles(x.data_ptr<float>(), M, K, w, sp, mp, N, group_size, bits, bp, yp);
+    return y;
+  }
 #ifdef LMPORT_QUANT_AVX512
   const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
   if (bits == 4) quant512::linear<4>(a, M, w, sp, mp, N, group_size, bp, yp);
@@ -359,30 +419,8 @@ inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scale
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k = 0; k < K; k += kRun) {
-        const int64_t g = n * groups + k / group_size;
-        const float s = static_cast<float>(sp[g]), mn = static_cast<float>(mp[g]);
-        // The run's 32 codes as bytes in input order, widened 8 at a time to float: w = s * q + min.
-        __m128i lo, hi;
-        if (bits == 4) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * row_bytes + k / 2));
-          lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-          hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-        } else {
-          lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * row_bytes + k));
-          hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * row_bytes + k + 16));
-        }
-        const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(mn);
-        float* o = op + n * K + k;
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int i = 0; i < 4; ++i) {
-          const __m256i q = bits == 4 ? _mm256_cvtepu8_epi32(parts[i]) : _mm256_cvtepi8_epi32(parts[i]);
-          // q * s + min as the reference computes it (a fused multiply-add may round once less).
-          _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), sv), mv));
-        }
-      }
-    }
+    for (int64_t n = begin; n < end; ++n)
+      dequantize_row(w + n * row_bytes, sp + n * groups, mp + n * groups, K, group_size, bits, op + n * K);
   });
   return out;
 }
