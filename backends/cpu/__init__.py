@@ -1,6 +1,6 @@
-"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, small-batch linear,
-linear over int4/int8 weights, RMSNorm, rotary and the silu-gated activation on float32, the
-reference ops for everything else."""
+"""cpu backend: host memory; C++ kernels (kernels.py) for paged attention, KV fill, small-batch
+linear, linear over int4/int8 weights, RMSNorm, rotary and the silu-gated activation on float32,
+the reference ops for everything else."""
 from __future__ import annotations
 
 import os
@@ -89,6 +89,14 @@ class CpuBackend(Backend):
             return moe_by_gather(x, gate_up, down, weights, ids)
         return super().fused_moe(x, gate_up, down, weights, ids)
 
+    def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+                      slot_mapping: torch.Tensor) -> None:
+        # The kernel covers unquantized float32 caches in this backend's bshd order.
+        compiled = _compiled_for(k, v, cache.k) if cache.quant_policy == 0 else None
+        if compiled is None:
+            return super().fill_kv_cache(k, v, cache, slot_mapping)
+        compiled.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping)
+
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:
         # The kernel covers unquantized caches (in this backend's bshd order), head_dim % 8 == 0 up to 256.
@@ -121,6 +129,7 @@ def moe_by_gather(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 
 def _compiled_for(*tensors: torch.Tensor):
     """The compiled kernels when every tensor is float32 (all they take), else None."""
-    if all(t.dtype == torch.float32 for t in tensors):
-        return kernels.load()
-    return None
+    for t in tensors:   # a loop, not all(): this runs a few hundred times a decode step
+        if t.dtype != torch.float32:
+            return None
+    return kernels.load()

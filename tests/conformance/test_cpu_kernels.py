@@ -64,6 +64,19 @@ def test_paged_attention_matches_reference(block_size, head_dim, group, kind):
     torch.testing.assert_close(CpuBackend().paged_attention(q, cache, meta, scale), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens", [([1], [37]), ([1, 1, 1], [5, 16, 300]), ([20, 37], [20, 40])], ids=str)
+def test_fill_kv_cache_matches_reference(q_lens, kv_lens):
+    cache, meta, _ = _case(16, 64, 1, q_lens, kv_lens)
+    k, v = (torch.randn(sum(q_lens), KV_HEADS, 64) for _ in range(2))
+    want = KVLayout(1, KV_HEADS, 64, 16, torch.float32, 0).allocate(cache.k.shape[0], "cpu")[0]
+    want.k.copy_(cache.k), want.v.copy_(cache.v)
+    ops.fill_kv_cache(k, v, want, meta.slot_mapping)
+    CpuBackend().fill_kv_cache(k, v, cache, meta.slot_mapping)
+    assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)
+    with pytest.raises(RuntimeError, match="slot -1 of token 0 is outside"):
+        kernels.load().fill_kv_cache(k[:1], v[:1], cache.k, cache.v, torch.tensor([-1]))
+
+
 @pytest.mark.parametrize("threads", (2, 3, 8))
 @pytest.mark.parametrize("kv_lens", ([1], [5], [300], [7, 300]), ids=str)
 @pytest.mark.parametrize("window", (0, 40))

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "activation.h"
+#include "kv_fill.h"
 #include "linear.h"
 #include "paged_attention.h"
 #include "quant_linear.h"
@@ -12,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 block pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_start_loc"),
         py::arg("kv_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 bshd block pool",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("small_linear", &lmport::small_linear, "x W^T (+ b) for a few rows of x (float32)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("quant_linear", &lmport::quant_linear, "x W^T (+ b), W in lmport's int4/int8 format, x float32 rows",
