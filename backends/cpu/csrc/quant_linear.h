@@ -151,17 +151,18 @@ constexpr int kTile = 4;  // rows of x dotted with each unpacked weight run pair
 // pairs (b, b + 1) stored as [b 0..15, b+1 0..15, b 16..31, b+1 16..31], the order in which the
 // weight bytes of the pair unpack, so one dpwssd leaves run b in lanes 0..7 and run b + 1 in lanes
 // 8..15 (an odd last run stays in input order). ``steps`` holds each pair's two activation steps
-// spread over those lanes; ``group_sums`` the sum of x over each weight group, which meets the mins.
+// spread over those lanes, ``run_steps`` each run's step once; ``group_sums`` the sum of x over each
+// weight group, which meets the mins.
 struct Activations {
   std::vector<int16_t> codes;
-  std::vector<float> steps, group_sums;
+  std::vector<float> steps, run_steps, group_sums;
   int64_t K, pairs, groups;
 };
 
 inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_size) {
   const int64_t runs = K / kRun, pairs = (runs + 1) / 2, groups = K / group_size;
-  Activations a{std::vector<int16_t>(M * K), std::vector<float>(M * pairs * 16), std::vector<float>(M * groups, 0.f),
-                K, pairs, groups};
+  Activations a{std::vector<int16_t>(M * K), std::vector<float>(M * pairs * 16), std::vector<float>(M * runs),
+                std::vector<float>(M * groups, 0.f), K, pairs, groups};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < runs; ++b) {
       const float* v = x + m * K + b * kRun;
@@ -181,6 +182,7 @@ inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_
       for (int i = 0; i < 8; ++i) step[(b & 1) * 8 + i] = d;
       if (!paired)
         for (int i = 0; i < 8; ++i) step[8 + i] = d;
+      a.run_steps[m * runs + b] = d;
       a.group_sums[m * groups + b * kRun / group_size] += sum;
     }
   }
@@ -223,22 +225,28 @@ inline void unpack_last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1)
 }
 
 // Rows m0 .. m0 + MT of x against one weight row (``scales``: its group scales as float, a group
-// being 2^rpg_shift runs): each weight run pair is unpacked once for the MT rows.
-template <int BITS, int MT>
+// being 2^rpg_shift runs): each weight run pair is unpacked once for the MT rows. FOLDED (one row
+// of x): ``scales`` holds a scale per run already multiplied by x's step for that run, which
+// takes a multiplication out of the loop.
+template <int BITS, int MT, bool FOLDED = false>
 inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, const at::Half* mins, const Activations& a,
                      int64_t m0, const uint8_t* prefetch, float* out) {
   const int64_t runs = a.K / kRun;
   const int16_t* codes = a.codes.data() + m0 * a.K;
   const float* steps = a.steps.data() + m0 * a.pairs * 16;
   __m512 acc[MT];
-  for (int j = 0; j < MT; ++j) acc[j] = _mm512_setzero_ps();
+  for (auto& v : acc) v = _mm512_setzero_ps();
   auto accumulate = [&](int64_t p, __m512i w0, __m512i w1, __m512 s, bool single) {
     for (int j = 0; j < MT; ++j) {
       const int16_t* x = codes + j * a.K + p * 2 * kRun;
       __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x));
       if (!single) d = _mm512_dpwssd_epi32(d, w1, _mm512_loadu_si512(x + 32));
-      const __m512 step = _mm512_loadu_ps(steps + (j * a.pairs + p) * 16);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, step), acc[j]);
+      if constexpr (FOLDED) {
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[j]);
+      } else {
+        const __m512 step = _mm512_loadu_ps(steps + (j * a.pairs + p) * 16);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, step), acc[j]);
+      }
     }
   };
   int64_t p = 0;
@@ -270,19 +278,30 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
 template <int BITS>
 inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::Half* sp, const at::Half* mp,
                    int64_t N, int64_t group_size, const float* bias, float* y) {
-  const int64_t row_bytes = a.K * BITS / 8;
+  const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun;
   const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
   constexpr int64_t kAhead = 32;  // weight rows fetched ahead of the one in use
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     float out[kTile];
-    std::vector<float> s(a.groups + 16);
+    std::vector<float> s(a.groups + 16), folded(runs + 16);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
       const uint8_t* ahead = w + std::min(n + kAhead, N - 1) * row_bytes;
       const at::Half* mn = mp + n * a.groups;
       for (int64_t g = 0; g < a.groups; g += 16)
         _mm512_storeu_ps(s.data() + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
+      if (M == 1) {   // one row of x: each run's weight scale times x's step, then a loop without the product
+        if (rpg_shift == 0)
+          for (int64_t r = 0; r < runs; r += 16)
+            _mm512_storeu_ps(folded.data() + r, _mm512_mul_ps(_mm512_loadu_ps(s.data() + r),
+                                                              _mm512_maskz_loadu_ps(tail_mask(runs - r), a.run_steps.data() + r)));
+        else
+          for (int64_t r = 0; r < runs; ++r) folded[r] = s[r >> rpg_shift] * a.run_steps[r];
+        dot_tile<BITS, 1, true>(row, folded.data(), 0, mn, a, 0, ahead, out);
+        y[n] = out[0] + (bias ? bias[n] : 0.f);
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int64_t mt = std::min<int64_t>(kTile, M - m0);
         switch (mt) {
