@@ -3,12 +3,16 @@ attention layer's q, k and v, and an MLP's gate and up.
 
 A decode step at batch 1 is a string of small matmuls, each paying a fixed cost besides the bytes
 of weight it reads (the call, the threads, a quantized kernel's pass over the activations); merging
-makes 3 of a layer's 7 calls do the work of 7. The merged weight stacks the parts' rows in order
+leaves 4 calls a layer instead of 7. The merged weight stacks the parts' rows in order
 (under tensor parallelism, this rank's rows of each), so its output splits back into theirs exactly.
 Parts of different kinds (float beside quantized, int4 beside int8, other group sizes, dtypes or
 biases) stay separate.
 """
 from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
 
 import torch
 from torch import nn
@@ -44,20 +48,44 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
     return None
 
 
+MADV_PAGEOUT = 21   # Linux 5.4+ (asm-generic/mman-common.h); Python's mmap module may not name it
+
+
+def page_out(tensors: list[torch.Tensor]) -> None:
+    """Ask the OS to reclaim the whole pages under these host tensors (Linux ``MADV_PAGEOUT``, which
+    keeps their contents: a later read faults them back in). On cpu the merged parts are typically
+    pages of the checkpoint file that transformers maps; the file's other tensors keep the mapping
+    alive, so without this the copied-from pages stay resident beside their merged copy."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc, page = ctypes.CDLL(None, use_errno=True), mmap.PAGESIZE
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        start = -(-t.data_ptr() // page) * page
+        end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)   # a hint: errors ignored
+
+
+# Module class: (the merged linear's attribute, its parts' attributes in row order).
+MERGES = {Attention: ("qkv_proj", ["q_proj", "k_proj", "v_proj"]), MLP: ("gate_up_proj", ["gate_proj", "up_proj"])}
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Merge q/k/v and gate/up in every attention layer and MLP of ``model``; the number of merges."""
     merges = 0
     for module in list(model.modules()):
-        if isinstance(module, Attention) and module.qkv_proj is None:
-            fused = merge_linears([module.q_proj, module.k_proj, module.v_proj])
-            if fused is not None:
-                module.qkv_proj = fused
-                del module.q_proj, module.k_proj, module.v_proj
-                merges += 1
-        elif isinstance(module, MLP) and module.gate_up_proj is None:
-            fused = merge_linears([module.gate_proj, module.up_proj])
-            if fused is not None:
-                module.gate_up_proj = fused
-                del module.gate_proj, module.up_proj
-                merges += 1
+        for kind, (merged_name, part_names) in MERGES.items():
+            if not isinstance(module, kind) or getattr(module, merged_name) is not None:
+                continue
+            parts = [getattr(module, name) for name in part_names]
+            fused = merge_linears(parts)
+            if fused is None:
+                continue
+            setattr(module, merged_name, fused)
+            for name in part_names:
+                delattr(module, name)
+            page_out([t for p in parts for t in [*p.parameters(), *p.buffers()]])
+            merges += 1
     return merges
