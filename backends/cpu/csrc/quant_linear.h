@@ -295,6 +295,9 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
       const uint8_t* row = w + n * row_bytes;
       const uint8_t* ahead = w + std::min(n + kAhead, N - 1) * row_bytes;
       const at::Half* mn = mp + n * a.groups;
+      const int64_t later = std::min(n + kAhead, N - 1) * a.groups;   // the scales and mins ahead, too
+      _mm_prefetch(reinterpret_cast<const char*>(sp + later), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mp + later), _MM_HINT_T0);
       for (int64_t g = 0; g < a.groups; g += 16)
         _mm512_storeu_ps(s.data() + g,
                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
