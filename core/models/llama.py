@@ -113,9 +113,9 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
         o_bias = getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2"
         self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size, o_bias, backend, tp)
-        # q, k and v as one linear once loaded (models/fusion.py), split back by these sizes.
+        # q, k and v as one linear once loaded (models/fusion.py), split back into these numbers of heads.
         self.qkv_proj: nn.Module | None = None
-        self.qkv_sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         # Qwen3 normalizes each head of q and k before rotary.
         self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
@@ -124,14 +124,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
+        # unflatten, not view: a backend's linear need not return a contiguous result.
         if self.qkv_proj is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
         else:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        # unflatten, not view: neither a backend's linear nor a split need return a contiguous result.
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+            q, k, v = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim)).split(self.qkv_heads, dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         rot = cos.shape[-1]
