@@ -68,7 +68,8 @@ inline void rows_times_x(const float* w, int64_t rows, int64_t K, const float* x
     return;
   }
   int64_t m = 0, pass = 0;
-  for (; m + kCols <= M; m += kCols, ++pass) dot_tile<kCols>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
+  for (; m + kCols <= M; m += kCols, ++pass)
+    dot_tile<kCols>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
   if (M - m == 2) dot_tile<2>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
   if (M - m == 1) dot_tile<1>(w, K, x + m * K, K, y + m * ldy, ldy, bias, next[pass % kRows]);
 }

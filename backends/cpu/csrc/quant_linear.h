@@ -217,7 +217,8 @@ inline void unpack_last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1)
   if constexpr (BITS == 4) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    w0 = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask)));
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    w0 = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
   } else {
     w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32)));
   }
@@ -303,9 +304,10 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
       if (M == 1) {   // one row of x: each run's weight scale times x's step, then a loop without the product
         if (rpg_shift == 0)
-          for (int64_t r = 0; r < runs; r += 16)
-            _mm512_storeu_ps(folded.data() + r, _mm512_mul_ps(_mm512_loadu_ps(s.data() + r),
-                                                              _mm512_maskz_loadu_ps(tail_mask(runs - r), a.run_steps.data() + r)));
+          for (int64_t r = 0; r < runs; r += 16) {
+            const __m512 steps = _mm512_maskz_loadu_ps(tail_mask(runs - r), a.run_steps.data() + r);
+            _mm512_storeu_ps(folded.data() + r, _mm512_mul_ps(_mm512_loadu_ps(s.data() + r), steps));
+          }
         else
           for (int64_t r = 0; r < runs; ++r) folded[r] = s[r >> rpg_shift] * a.run_steps[r];
         dot_tile<BITS, 1, true>(row, folded.data(), 0, mn, a, 0, ahead, out);
@@ -332,8 +334,8 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
 namespace quant_detail {
 
 // Weight row w (its K codes, scales and mins) as float32: out[k] = s * q + min.
-inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t K, int64_t group_size,
-                           int64_t bits, float* out) {
+inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t K,
+                           int64_t group_size, int64_t bits, float* out) {
   for (int64_t k = 0; k < K; k += kRun) {
     const float s = static_cast<float>(scales[k / group_size]), mn = static_cast<float>(mins[k / group_size]);
     // The run's 32 codes as bytes in input order, widened 8 at a time to float.
@@ -395,7 +397,7 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   scales = scales.contiguous();
   mins = mins.contiguous();
   const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
-  const int64_t M = x.size(0), runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
+  const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
@@ -410,8 +412,8 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
   if (bits == 4) quant512::linear<4>(a, M, w, sp, mp, N, group_size, bp, yp);
   else quant512::linear<8>(a, M, w, sp, mp, N, group_size, bp, yp);
-  (void)runs, (void)groups, (void)row_bytes;
 #else
+  const int64_t runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
   const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
