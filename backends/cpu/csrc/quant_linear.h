@@ -201,13 +201,12 @@ inline void unpack_pair(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1)
     w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, mask));
     w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
   } else {
-    const uint8_t* r = row + b * 32;
-    auto halves = [](const uint8_t* lo, const uint8_t* hi) {
-      return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
-                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
-    };
-    w0 = _mm512_cvtepi8_epi16(halves(r, r + 32));
-    w1 = _mm512_cvtepi8_epi16(halves(r + 16, r + 48));
+    // Runs b and b + 1 are 64 bytes, four 16-byte quarters [b lo, b hi, b+1 lo, b+1 hi]: reordered to
+    // [b lo, b+1 lo, b hi, b+1 hi], each half widens to one register.
+    const __m512i raw = _mm512_loadu_si512(row + b * 32);
+    const __m512i pair = _mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0));
+    w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(pair));
+    w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(pair, 1));
   }
 }
 
