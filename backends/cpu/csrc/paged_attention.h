@@ -175,11 +175,11 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
       }
   });
   // Each head's parts weigh by their share of the softmax mass: exp(max_part - max) * sum_part.
+  std::vector<float> weight(parts);
   for (int64_t t = 0; t < T && parts > 1; ++t)
     for (int64_t h = 0; h < Hq; ++h) {
       float m = -INFINITY, total = 0.f;
       for (int64_t part = 0; part < parts; ++part) m = std::max(m, part_stats[((t * parts + part) * Hq + h) * 2]);
-      std::vector<float> weight(parts);
       for (int64_t part = 0; part < parts; ++part) {
         const float* st2 = part_stats.data() + ((t * parts + part) * Hq + h) * 2;
         weight[part] = st2[1] > 0.f ? std::exp(st2[0] - m) * st2[1] : 0.f;
