@@ -56,14 +56,14 @@ def test_weights_are_the_gguf_values_exactly():
     engine = quantized_pipeline().engine
     reference = hf_model("smollm2").state_dict()
     # A merged projection holds its parts' rows in order: q, k, v and gate, up.
-    merged = {"model.layers.0.self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
-              "model.layers.7.self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
-              "model.layers.11.mlp.gate_up_proj": ["gate_proj", "up_proj"],
-              "model.layers.29.mlp.down_proj": [""], "lm_head": [""]}
-    for name, parts in merged.items():
+    attn, mlp = "model.layers.{}.self_attn.{}_proj.weight", "model.layers.{}.mlp.{}_proj.weight"
+    parts = {"model.layers.0.self_attn.qkv_proj": [attn.format(0, p) for p in "qkv"],
+             "model.layers.7.self_attn.qkv_proj": [attn.format(7, p) for p in "qkv"],
+             "model.layers.11.mlp.gate_up_proj": [mlp.format(11, p) for p in ("gate", "up")],
+             "model.layers.29.mlp.down_proj": [mlp.format(29, "down")], "lm_head": ["lm_head.weight"]}
+    for name, sources in parts.items():
         module = engine.model.get_submodule(name)
-        prefix = name.rpartition(".")[0] + "." if parts != [""] else name
-        want = torch.cat([reference[f"{prefix}{part}.weight" if part else f"{name}.weight"] for part in parts])
+        want = torch.cat([reference[source] for source in sources])
         assert torch.equal(ops.dequantize(module.quantized), want), name
 
 
