@@ -100,6 +100,14 @@ def test_cpu_dequantize_kernel_is_the_reference():
         torch.testing.assert_close(got, ops.dequantize(w), atol=1e-6, rtol=1e-6)
 
 
+def test_cpu_kernel_refuses_a_group_size_it_does_not_take():
+    """A group of 96 inputs (a multiple of 32, not 32 times a power of two) is named in the error."""
+    from lmport.backends.cpu import kernels
+    w = random_weight(4, 96, k=288)
+    with pytest.raises(RuntimeError, match="group size 96 must be 32 times a power of two"):
+        kernels.load().quant_linear(torch.randn(1, 288), w.qweight, w.scales, w.mins, 4, 96, None)
+
+
 def test_backend_without_weight_formats_refuses_a_quantized_checkpoint(backend_name, capabilities, monkeypatch):
     if capabilities.weight_formats:
         pytest.skip(f"{backend_name} runs int4/int8 weights")
