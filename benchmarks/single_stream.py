@@ -5,13 +5,17 @@ Files: the default model's shipped Q4_1 GGUF and a Q8_0 made from it with
 Per file, with the same thread count on both sides (default 2), alternating engines for
 --repeats rounds:
 
-- llama.cpp: `llama-bench -m FILE -p 0 -n 128 -t THREADS -r 1 -o json` (decode of 128 tokens) and
-  `-p 256 -n 0` (prefill of 256 tokens), tok/s; a prefill that crashes is retried with `-ub 1`
-  and marked "(ubatch 1)" (see llama_bench below).
-- lmport: the engine on the cpu backend with the weights kept quantized: prefill = one step of a
-  256-token prompt; decode = 128 tokens generated after it (EOS ignored), tok/s. Also the
-  float32 path (the GGUF dequantized at load, as before quantized weights) for the prefill
-  comparison.
+- prefill: 256 tokens. llama.cpp: `llama-bench -m FILE -p 256 -n 0 -t THREADS -r 1 -o json`; a
+  prefill that crashes is retried with `-ub 1` and marked "(ubatch 1)" (see llama_bench below).
+  lmport: one engine step of a 256-token prompt.
+- decode: 128 tokens, at two context depths, because attention over the context is part of a
+  decode step's cost (llama.cpp's own decode drops by about a fifth from depth 0 to 256 here):
+  - depth 256, the 128 tokens that follow the 256-token prompt: llama.cpp `-p 0 -n 128 -d 256`;
+    lmport generates them after the prompt above (EOS ignored).
+  - depth 0, from an empty context: llama.cpp `-p 0 -n 128`; lmport generates them after a
+    one-token prompt.
+- lmport runs on the cpu backend with the weights kept quantized, and the float32 path (the GGUF
+  dequantized at load, as before quantized weights) runs the prefill for comparison.
 
 llama.cpp is not vendored: pass its bin directory (--llama-bin or LMPORT_LLAMA_CPP_BIN; default
 /work/cache/llama.cpp/build/bin). The figures in docs/weight-quantization.md come from llama.cpp
@@ -41,6 +45,8 @@ import torch
 
 DEFAULT_BIN = "/work/cache/llama.cpp/build/bin"
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
+DEPTHS = (0, PROMPT_TOKENS)   # context depths the decode is measured at
+MEASURES = ("prefill", *(f"decode@{d}" for d in DEPTHS))
 
 
 def llama_version(bin_dir: Path) -> str:
@@ -59,10 +65,11 @@ def make_q8_0(bin_dir: Path, source: Path, cache: Path) -> Path:
     return target
 
 
-def _llama_bench_run(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int, ubatch: int) -> float | None:
+def _llama_bench_run(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int, ubatch: int = 512,
+                     depth: int = 0) -> float | None:
     """tok/s of one llama-bench test, None when it crashed."""
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(prompt), "-n", str(gen),
-                          "-t", str(threads), "-r", "1", "-ub", str(ubatch), "-o", "json"],
+                          "-d", str(depth), "-t", str(threads), "-r", "1", "-ub", str(ubatch), "-o", "json"],
                          capture_output=True, text=True)
     if out.returncode != 0:
         return None
@@ -70,11 +77,12 @@ def _llama_bench_run(bin_dir: Path, model: Path, threads: int, prompt: int, gen:
 
 
 def llama_bench(bin_dir: Path, model: Path, threads: int) -> dict:
-    """Decode of 128 tokens, and prefill of 256 tokens in ubatches of 512 (llama.cpp's default). Where
-    the batched prefill crashes (the build on this machine faults in batched matmuls), the prefill is
-    retried with ubatch 1 (token by token) and marked so: a lower bound, not llama.cpp's real prefill."""
-    result = {"decode": _llama_bench_run(bin_dir, model, threads, 0, DECODE_TOKENS, 512)}
-    prefill = _llama_bench_run(bin_dir, model, threads, PROMPT_TOKENS, 0, 512)
+    """Decode of 128 tokens at depths 0 and 256, and prefill of 256 tokens in ubatches of 512 (llama.cpp's
+    default). Where the batched prefill crashes (the build on this machine faults in batched matmuls),
+    the prefill is retried with ubatch 1 (token by token) and marked so: a lower bound, not llama.cpp's
+    real prefill."""
+    result = {f"decode@{d}": _llama_bench_run(bin_dir, model, threads, 0, DECODE_TOKENS, depth=d) for d in DEPTHS}
+    prefill = _llama_bench_run(bin_dir, model, threads, PROMPT_TOKENS, 0)
     result["prefill_ubatch"] = 512
     if prefill is None:
         prefill, result["prefill_ubatch"] = _llama_bench_run(bin_dir, model, threads, PROMPT_TOKENS, 0, 1), 1
@@ -96,20 +104,25 @@ class LmportRunner:
         self.prompt = base[:PROMPT_TOKENS]
 
     def run(self, decode: bool = True) -> dict:
+        out = {"prefill": PROMPT_TOKENS / self._generate(self.prompt, 1)}
+        if decode:
+            for depth in DEPTHS:
+                seconds = self._generate(self.prompt[:max(depth, 1)], 1 + DECODE_TOKENS, decode_only=True)
+                out[f"decode@{depth}"] = DECODE_TOKENS / seconds
+        return out
+
+    def _generate(self, prompt: list[int], tokens: int, decode_only: bool = False) -> float:
+        """Seconds to generate ``tokens`` after ``prompt`` (EOS ignored); with ``decode_only`` the first
+        step, which runs the whole prompt and gives the first token, is left out."""
         from lmport.config import GenerationConfig
         e = self.engine
-        e.add_request(self.prompt, GenerationConfig(max_new_tokens=DECODE_TOKENS + 1 if decode else 1,
-                                                    ignore_eos=True))
+        e.add_request(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))
         t0 = time.perf_counter()
-        e.step()                                   # the whole prompt in one step, and the first token
+        e.step()
         t1 = time.perf_counter()
         while e.has_unfinished():
             e.step()
-        t2 = time.perf_counter()
-        out = {"prefill": PROMPT_TOKENS / (t1 - t0)}
-        if decode:
-            out["decode"] = DECODE_TOKENS / (t2 - t1)
-        return out
+        return time.perf_counter() - (t1 if decode_only else t0)
 
 
 def main() -> None:
@@ -145,26 +158,28 @@ def main() -> None:
         results["files"][label] = {
             "path": str(path), "gguf_tensor_bytes": gguf_bytes, "lmport_weight_bytes": quantized.engine.weight_bytes,
             "lmport_float32_weight_bytes": float32.engine.weight_bytes, "rounds": rounds,
-            "median": {engine: {k: statistics.median(r[engine][k] for r in rounds) for k in ("prefill", "decode")
+            "median": {engine: {k: statistics.median(r[engine][k] for r in rounds) for k in MEASURES
                                 if k in rounds[0][engine] and all(r[engine][k] is not None for r in rounds)}
                        for engine in rounds[0]}}
         quantized.engine.close(), float32.engine.close()
     results["load_average_after"] = os.getloadavg()
     print(f"llama.cpp: {results['llama_cpp']['version']} ({bin_dir}); threads {args.threads}; "
           f"load average before {results['machine']['load_average']}, after {results['load_average_after']}")
-    print("\n| file | engine | prefill 256 tok/s | decode 128 tok/s | weight bytes |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| file | engine | prefill 256 tok/s | decode 128 @ depth 0 tok/s | decode 128 @ depth 256 tok/s "
+          "| weight bytes |")
+    print("|---|---|---:|---:|---:|---:|")
     for label, f in results["files"].items():
         for engine, m in f["median"].items():
             weights = {"llama.cpp": f["gguf_tensor_bytes"], "lmport": f["lmport_weight_bytes"],
                        "lmport float32": f["lmport_float32_weight_bytes"]}[engine]
             ubatch_1 = engine == "llama.cpp" and any(r[engine]["prefill_ubatch"] == 1 for r in f["rounds"])
             note = " (ubatch 1)" if ubatch_1 else ""
-            print(f"| {label} | {engine} | {m.get('prefill', float('nan')):.1f}{note} | "
-                  f"{m.get('decode', float('nan')):.1f} | {weights:,} |")
-        ratio = f["median"]["lmport"]["decode"] / f["median"]["llama.cpp"]["decode"]
-        f["decode_ratio_lmport_over_llama_cpp"] = ratio
-        print(f"| {label} | lmport / llama.cpp decode | | {ratio:.2f}x | |")
+            decodes = " | ".join(f"{m.get(f'decode@{d}', float('nan')):.1f}" for d in DEPTHS)
+            print(f"| {label} | {engine} | {m.get('prefill', float('nan')):.1f}{note} | {decodes} | {weights:,} |")
+        ratios = {f"decode@{d}": f["median"]["lmport"][f"decode@{d}"] / f["median"]["llama.cpp"][f"decode@{d}"]
+                  for d in DEPTHS}
+        f["decode_ratio_lmport_over_llama_cpp"] = ratios
+        print(f"| {label} | lmport / llama.cpp decode | | {' | '.join(f'{r:.2f}x' for r in ratios.values())} | |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
