@@ -251,7 +251,7 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
   };
   int64_t p = 0;
   for (; 2 * p + 1 < runs; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kRun * BITS / 8), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kRun * BITS / 8), _MM_HINT_T1);
     __m512i w0, w1;
     unpack_pair<BITS>(row, 2 * p, w0, w1);
     const __m512 s0 = _mm512_set1_ps(scales[(2 * p) >> rpg_shift]);
@@ -281,14 +281,15 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
   const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun;
   const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
   // Weight rows fetched ahead of the one in use: the weights come from memory, not cache, and
-  // a distance of a few KB keeps enough of them in flight (4 rows were measurably slower).
+  // a distance of a few KB keeps enough of them in flight (4 rows were measurably slower). They
+  // are fetched into L2, not L1: decode ran 5% faster so, with L1 left to x and the row in use.
   constexpr int64_t kAhead = 16;
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     // The first rows are asked for at once rather than missed one after another.
     for (int64_t n = begin; n < std::min(end, begin + kAhead); ++n)
       for (int64_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + off), _MM_HINT_T1);
     float out[kTile];
     std::vector<float> s(a.groups + 16), folded(runs + 16);
     for (int64_t n = begin; n < end; ++n) {
@@ -296,8 +297,8 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
       const uint8_t* ahead = w + std::min(n + kAhead, N - 1) * row_bytes;
       const at::Half* mn = mp + n * a.groups;
       const int64_t later = std::min(n + kAhead, N - 1) * a.groups;   // the scales and mins ahead, too
-      _mm_prefetch(reinterpret_cast<const char*>(sp + later), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(mp + later), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sp + later), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(mp + later), _MM_HINT_T1);
       for (int64_t g = 0; g < a.groups; g += 16)
         _mm512_storeu_ps(s.data() + g,
                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
