@@ -4,7 +4,8 @@ refusal of a quantized checkpoint on backends that declare no weight formats.
 Matrix: 4- and 8-bit, group sizes 32/64/128, decode shapes (1, 4, 8 rows: the cpu kernel's
 integer path), batched decode shapes (9, 40 rows: the cpu kernel's weight tiles expanded in cache)
 and a prefill shape (129 rows: dequantize + BLAS), with and without bias; on cpu, group 32 weights
-have 288 inputs, an odd number of runs of 32 (the AVX-512 path takes runs in pairs).
+have 288 inputs, an odd number of runs of 32 (the AVX-512 path takes runs in pairs), and weights
+have 99 outputs, so one row of x meets a last block of fewer than its 4 weight rows.
 Tolerance of the cpu kernels, derived rather than picked: float32 summation in another order than
 the reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|; the decode path also rounds x to int16
 per run of 32 (step max|x_run| / 32767, error at most half a step), adding sum_k |w_k| * step_k / 2.
@@ -69,7 +70,7 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
     name = native_backend.capabilities.device_type
     if name == "cuda" and native_backend.device.type == "cpu" and (group == 64 or shape in ("decode-8", "batch-40")):
         pytest.skip("the Triton interpreter is slow: groups 32/128 and three shapes keep make test short")
-    weight = random_weight(bits, group, k=288 if name == "cpu" and group == 32 else 256)
+    weight = random_weight(bits, group, n=99 if name == "cpu" else 96, k=288 if name == "cpu" and group == 32 else 256)
     g = torch.Generator().manual_seed(1)
     dtype = DTYPES[name]
     x = torch.randn(SHAPES[shape], weight.in_features, generator=g).to(dtype)

@@ -189,8 +189,10 @@ inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_
   return a;
 }
 
-// The first min(left, 16) lanes.
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+// The first min(left, 16) lanes (none when left <= 0).
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
 
 // The int16 codes of runs b and b + 1 of a weight row, in the activations' pair order.
 template <int BITS>
@@ -224,11 +226,29 @@ inline void unpack_last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1)
   w1 = _mm512_setzero_si512();
 }
 
+// [a x 8, b x 8]: the scales of a run pair's two runs, in the lanes their dot products land in.
+inline __m512 pair_scales(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+// acc plus a weight row's mins times the sums of x over their groups, lane by lane.
+inline __m512 add_mins(__m512 acc, const at::Half* mins, const float* group_sums, int64_t groups) {
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 k = tail_mask(groups - g);
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + g)),
+                          _mm512_maskz_loadu_ps(k, group_sums + g), acc);
+  }
+  return acc;
+}
+
+// Weight rows fetched ahead of the one in use: the weights come from memory, not cache, and
+// a distance of a few KB keeps enough of them in flight (4 rows were measurably slower). They
+// are fetched into L2, not L1: decode ran 5% faster so, with L1 left to x and the row in use.
+constexpr int64_t kAhead = 16;
+
 // Rows m0 .. m0 + MT of x against one weight row (``scales``: its group scales as float, a group
-// being 2^rpg_shift runs): each weight run pair is unpacked once for the MT rows. FOLDED (one row
-// of x): ``scales`` holds a scale per run already multiplied by x's step for that run, which
-// takes a multiplication out of the loop.
-template <int BITS, int MT, bool FOLDED = false>
+// being 2^rpg_shift runs): each weight run pair is unpacked once for the MT rows.
+template <int BITS, int MT>
 inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, const at::Half* mins, const Activations& a,
                      int64_t m0, const uint8_t* prefetch, float* out) {
   const int64_t runs = a.K / kRun;
@@ -241,12 +261,8 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
       const int16_t* x = codes + j * a.K + p * 2 * kRun;
       __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x));
       if (!single) d = _mm512_dpwssd_epi32(d, w1, _mm512_loadu_si512(x + 32));
-      if constexpr (FOLDED) {
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[j]);
-      } else {
-        const __m512 step = _mm512_loadu_ps(steps + (j * a.pairs + p) * 16);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, step), acc[j]);
-      }
+      const __m512 step = _mm512_loadu_ps(steps + (j * a.pairs + p) * 16);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, step), acc[j]);
     }
   };
   int64_t p = 0;
@@ -254,36 +270,121 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
     _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kRun * BITS / 8), _MM_HINT_T1);
     __m512i w0, w1;
     unpack_pair<BITS>(row, 2 * p, w0, w1);
-    const __m512 s0 = _mm512_set1_ps(scales[(2 * p) >> rpg_shift]);
-    accumulate(p, w0, w1, _mm512_insertf32x8(s0, _mm256_set1_ps(scales[(2 * p + 1) >> rpg_shift]), 1), false);
+    accumulate(p, w0, w1, pair_scales(scales[(2 * p) >> rpg_shift], scales[(2 * p + 1) >> rpg_shift]), false);
   }
   if (p < a.pairs) {
     __m512i w0, w1;
     unpack_last<BITS>(row, 2 * p, w0, w1);
     accumulate(p, w0, w1, _mm512_set1_ps(scales[(2 * p) >> rpg_shift]), true);
   }
-  // The mins meet the sums of x over their groups.
-  for (int j = 0; j < MT; ++j) {
-    const float* sums = a.group_sums.data() + (m0 + j) * a.groups;
-    __m512 off = _mm512_setzero_ps();
-    for (int64_t g = 0; g < a.groups; g += 16) {
-      const __mmask16 k = tail_mask(a.groups - g);
-      const __m512 mn = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + g));
-      off = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(k, sums + g), off);
+  for (int j = 0; j < MT; ++j)
+    out[j] = _mm512_reduce_add_ps(add_mins(acc[j], mins, a.group_sums.data() + (m0 + j) * a.groups, a.groups));
+}
+
+// One row of x against kRowBlock weight rows: each pair of x's runs is loaded once for all of
+// them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
+// over lanes) is done for the block at once. ``rows`` points at each weight row, ``folded`` holds
+// each row's run scales already multiplied by x's step for the run; ``mins`` the block's mins,
+// ``valid`` rows of them (the others, past the weight's end, are not summed).
+constexpr int kRowBlock = 4;
+
+template <int BITS>
+inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
+                     const Activations& a, const uint8_t* prefetch, float* out) {
+  const int64_t runs = a.K / kRun;
+  constexpr int64_t pair_bytes = 2 * kRun * BITS / 8;
+  __m512 acc[kRowBlock];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; 2 * p + 1 < runs; ++p) {
+    for (int64_t line = 0; line < kRowBlock * pair_bytes; line += 64)  // the block ahead, a slice a pair
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kRowBlock * pair_bytes + line), _MM_HINT_T1);
+    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
+    const __m512i x1 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun + 32);
+    for (int r = 0; r < kRowBlock; ++r) {
+      __m512i w0, w1;
+      unpack_pair<BITS>(rows[r], 2 * p, w0, w1);
+      const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
+      const float* s = folded + r * runs + 2 * p;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), pair_scales(s[0], s[1]), acc[r]);
     }
-    out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off));
   }
+  if (2 * p < runs) {
+    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
+    for (int r = 0; r < kRowBlock; ++r) {
+      __m512i w0, w1;
+      unpack_last<BITS>(rows[r], 2 * p, w0, w1);
+      const __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(folded[r * runs + 2 * p]), acc[r]);
+    }
+  }
+  for (int r = 0; r < valid; ++r) acc[r] = add_mins(acc[r], mins + r * a.groups, a.group_sums.data(), a.groups);
+  // The four sums over lanes together: 128-bit quarters first, then the four lanes left in each.
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // quarter r: row r's
+  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
+  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q)));
+}
+
+// y [1, N] for one row of x: blocks of kRowBlock weight rows (dot_rows).
+template <int BITS>
+inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
+                           int rpg_shift, const float* bias, float* y) {
+  const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun, groups = a.groups;
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    // The first blocks are asked for at once rather than missed one after another.
+    const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
+    for (int64_t off = 0; off < burst * row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + first * row_bytes + off), _MM_HINT_T1);
+    std::vector<float> scales(kRowBlock * groups + 16), folded(kRowBlock * runs + 16);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kRowBlock;
+      const int valid = static_cast<int>(std::min<int64_t>(kRowBlock, N - n));
+      const uint8_t* rows[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) rows[r] = w + (n + std::min(r, valid - 1)) * row_bytes;
+      const int64_t later = std::max<int64_t>(0, std::min(n + kAhead, N - kRowBlock));   // the block ahead
+      for (int64_t off = 0; off < kRowBlock * groups * 2; off += 64) {   // the scales and mins ahead, too
+        _mm_prefetch(reinterpret_cast<const char*>(sp + later * groups) + off, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
+      }
+      // Each run's weight scale times x's step; the rows past the weight's end get zeros.
+      for (int64_t i = 0; i < kRowBlock * groups; i += 16)
+        _mm512_storeu_ps(scales.data() + i,
+                         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * groups - i), sp + n * groups + i)));
+      for (int r = 0; r < kRowBlock; ++r) {
+        float* f = folded.data() + r * runs;
+        const float* rs = scales.data() + r * groups;
+        if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32)
+          for (int64_t i = 0; i < runs; i += 16) {
+            const __mmask16 k = tail_mask(runs - i);
+            _mm512_mask_storeu_ps(f + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, rs + i),
+                                                          _mm512_maskz_loadu_ps(k, a.run_steps.data() + i)));
+          }
+        else
+          for (int64_t i = 0; i < runs; ++i) f[i] = rs[i >> rpg_shift] * a.run_steps[i];
+      }
+      float out[kRowBlock];
+      dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, w + later * row_bytes, out);
+      for (int r = 0; r < valid; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.f);
+    }
+  });
 }
 
 template <int BITS>
 inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::Half* sp, const at::Half* mp,
                    int64_t N, int64_t group_size, const float* bias, float* y) {
-  const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun;
+  const int64_t row_bytes = a.K * BITS / 8;
   const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
-  // Weight rows fetched ahead of the one in use: the weights come from memory, not cache, and
-  // a distance of a few KB keeps enough of them in flight (4 rows were measurably slower). They
-  // are fetched into L2, not L1: decode ran 5% faster so, with L1 left to x and the row in use.
-  constexpr int64_t kAhead = 16;
+  if (M == 1) {
+    linear_one_row<BITS>(a, w, sp, mp, N, rpg_shift, bias, y);
+    return;
+  }
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     // The first rows are asked for at once rather than missed one after another.
@@ -291,7 +392,7 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
       for (int64_t off = 0; off < row_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + off), _MM_HINT_T1);
     float out[kTile];
-    std::vector<float> s(a.groups + 16), folded(runs + 16);
+    std::vector<float> s(a.groups + 16);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
       const uint8_t* ahead = w + std::min(n + kAhead, N - 1) * row_bytes;
@@ -302,18 +403,6 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
       for (int64_t g = 0; g < a.groups; g += 16)
         _mm512_storeu_ps(s.data() + g,
                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
-      if (M == 1) {   // one row of x: each run's weight scale times x's step, then a loop without the product
-        if (rpg_shift == 0)
-          for (int64_t r = 0; r < runs; r += 16) {
-            const __m512 steps = _mm512_maskz_loadu_ps(tail_mask(runs - r), a.run_steps.data() + r);
-            _mm512_storeu_ps(folded.data() + r, _mm512_mul_ps(_mm512_loadu_ps(s.data() + r), steps));
-          }
-        else
-          for (int64_t r = 0; r < runs; ++r) folded[r] = s[r >> rpg_shift] * a.run_steps[r];
-        dot_tile<BITS, 1, true>(row, folded.data(), 0, mn, a, 0, ahead, out);
-        y[n] = out[0] + (bias ? bias[n] : 0.f);
-        continue;
-      }
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int64_t mt = std::min<int64_t>(kTile, M - m0);
         switch (mt) {
