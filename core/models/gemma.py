@@ -56,8 +56,10 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = MLP(cfg, backend, tp)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        # Submodules through .forward, as in models/llama.py.
+        h = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, cache, meta)
+        x = x + self.post_attention_layernorm.forward(h)
+        return x + self.post_feedforward_layernorm.forward(self.mlp.forward(self.pre_feedforward_layernorm.forward(x)))
 
 
 class GemmaDecoder(nn.Module):
@@ -101,8 +103,8 @@ class GemmaCausalLM(PagedCausalLM):
             ropes[kind] = cos[0], sin[0]
         metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
         for layer, cache, window, kind in zip(self.model.layers, caches, self.windows, self.layer_types, strict=True):
-            x = layer(x, *ropes[kind], cache, metas[window])
-        return self.model.norm(x)
+            x = layer.forward(x, *ropes[kind], cache, metas[window])
+        return self.model.norm.forward(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
