@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -283,14 +284,36 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
 
 // One row of x against kRowBlock weight rows: each pair of x's runs is loaded once for all of
 // them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
-// over lanes) is done for the block at once. ``rows`` points at each weight row, ``folded`` holds
-// each row's run scales already multiplied by x's step for the run; ``mins`` the block's mins,
-// ``valid`` rows of them (the others, past the weight's end, are not summed).
+// over lanes) is done for the block at once.
 constexpr int kRowBlock = 4;
 
+// What every block of one call shares: x's run steps and group sums repeated once per row of a
+// block, so a block's scales and mins (kRowBlock rows, contiguous) meet them in whole vectors, and
+// which rows each 16-lane vector of a block's groups holds.
+struct BlockPlan {
+  std::vector<float> steps, sums;           // [kRowBlock * runs], [kRowBlock * groups], zero padded
+  std::vector<std::array<__mmask16, kRowBlock>> rows_of;   // per vector of groups: each row's lanes
+};
+
+inline BlockPlan plan_blocks(const Activations& a) {
+  const int64_t runs = a.K / kRun, groups = a.groups, vectors = (kRowBlock * groups + 15) / 16;
+  BlockPlan plan{std::vector<float>(kRowBlock * runs + 16, 0.f), std::vector<float>(kRowBlock * groups + 16, 0.f),
+                 std::vector<std::array<__mmask16, kRowBlock>>(vectors)};
+  for (int r = 0; r < kRowBlock; ++r) {
+    std::copy(a.run_steps.begin(), a.run_steps.begin() + runs, plan.steps.begin() + r * runs);
+    std::copy(a.group_sums.begin(), a.group_sums.begin() + groups, plan.sums.begin() + r * groups);
+    for (int64_t v = 0; v < vectors; ++v)   // lanes [r * groups, (r + 1) * groups) of vector v
+      plan.rows_of[v][r] = tail_mask((r + 1) * groups - 16 * v) & static_cast<__mmask16>(~tail_mask(r * groups - 16 * v));
+  }
+  return plan;
+}
+
+// ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
+// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
+// rows repeat the last one and their mins are not read).
 template <int BITS>
 inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
-                     const Activations& a, const uint8_t* prefetch, float* out) {
+                     const Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
   const int64_t runs = a.K / kRun;
   constexpr int64_t pair_bytes = 2 * kRun * BITS / 8;
   __m512 acc[kRowBlock];
@@ -318,7 +341,14 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(folded[r * runs + 2 * p]), acc[r]);
     }
   }
-  for (int r = 0; r < valid; ++r) acc[r] = add_mins(acc[r], mins + r * a.groups, a.group_sums.data(), a.groups);
+  // The mins meet x's group sums: the block's products a vector at a time, each lane added to its row.
+  const int64_t groups = a.groups;
+  for (int64_t v = 0; 16 * v < valid * groups; ++v) {
+    const __mmask16 k = tail_mask(valid * groups - 16 * v);
+    const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 16 * v)),
+                                   _mm512_loadu_ps(plan.sums.data() + 16 * v));
+    for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_mask_add_ps(acc[r], plan.rows_of[v][r], acc[r], m);
+  }
   // The four sums over lanes together: 128-bit quarters first, then the four lanes left in each.
   const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
                                   _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -337,12 +367,13 @@ inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Hal
                            int rpg_shift, const float* bias, float* y) {
   const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun, groups = a.groups;
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  const BlockPlan plan = plan_blocks(a);
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     // The first blocks are asked for at once rather than missed one after another.
     const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
     for (int64_t off = 0; off < burst * row_bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(w + first * row_bytes + off), _MM_HINT_T1);
-    std::vector<float> scales(kRowBlock * groups + 16), folded(kRowBlock * runs + 16);
+    std::vector<float> folded(kRowBlock * runs + 16);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = b * kRowBlock;
       const int valid = static_cast<int>(std::min<int64_t>(kRowBlock, N - n));
@@ -353,24 +384,19 @@ inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Hal
         _mm_prefetch(reinterpret_cast<const char*>(sp + later * groups) + off, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
       }
-      // Each run's weight scale times x's step; the rows past the weight's end get zeros.
-      for (int64_t i = 0; i < kRowBlock * groups; i += 16)
-        _mm512_storeu_ps(scales.data() + i,
-                         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * groups - i), sp + n * groups + i)));
-      for (int r = 0; r < kRowBlock; ++r) {
-        float* f = folded.data() + r * runs;
-        const float* rs = scales.data() + r * groups;
-        if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32)
-          for (int64_t i = 0; i < runs; i += 16) {
-            const __mmask16 k = tail_mask(runs - i);
-            _mm512_mask_storeu_ps(f + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, rs + i),
-                                                          _mm512_maskz_loadu_ps(k, a.run_steps.data() + i)));
-          }
-        else
-          for (int64_t i = 0; i < runs; ++i) f[i] = rs[i >> rpg_shift] * a.run_steps[i];
-      }
+      // Each run's weight scale times x's step (zeros for the rows past the weight's end).
+      const at::Half* bs = sp + n * groups;
+      if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32): the block's scales in whole vectors
+        for (int64_t i = 0; i < kRowBlock * runs; i += 16)
+          _mm512_storeu_ps(folded.data() + i,
+                           _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * runs - i), bs + i)),
+                                         _mm512_loadu_ps(plan.steps.data() + i)));
+      else
+        for (int r = 0; r < kRowBlock; ++r)
+          for (int64_t i = 0; i < runs; ++i)
+            folded[r * runs + i] = r < valid ? _cvtsh_ss(bs[r * groups + (i >> rpg_shift)].x) * a.run_steps[i] : 0.f;
       float out[kRowBlock];
-      dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, w + later * row_bytes, out);
+      dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, plan, w + later * row_bytes, out);
       for (int r = 0; r < valid; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.f);
     }
   });
