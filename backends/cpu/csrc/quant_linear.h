@@ -167,18 +167,18 @@ inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < runs; ++b) {
       const float* v = x + m * K + b * kRun;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < kRun; ++i) {
-        amax = std::max(amax, std::fabs(v[i]));
-        sum += v[i];
-      }
+      const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
       const bool paired = (b | 1) < runs;
-      int16_t* out = a.codes.data() + m * K + (b & ~int64_t{1}) * kRun;
-      for (int i = 0; i < kRun; ++i) {
-        const int64_t at = paired ? (i / 16) * 32 + (b & 1) * 16 + i % 16 : i;
-        out[at] = static_cast<int16_t>(std::nearbyint(v[i] * inv));
-      }
+      // Rounded to nearest (even), as std::nearbyint does; inputs 0..15 and 16..31 land 16 apart
+      // (input order) or 32 apart, run b + 1's 16 after run b's (a pair).
+      int16_t* out = a.codes.data() + m * K + (b & ~int64_t{1}) * kRun + (paired ? (b & 1) * 16 : 0);
+      const __m512 scale = _mm512_set1_ps(inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (paired ? 32 : 16)),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
       float* step = a.steps.data() + (m * pairs + b / 2) * 16;
       for (int i = 0; i < 8; ++i) step[(b & 1) * 8 + i] = d;
       if (!paired)
