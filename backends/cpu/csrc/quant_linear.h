@@ -176,9 +176,9 @@ inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_
       // (input order) or 32 apart, run b + 1's 16 after run b's (a pair).
       int16_t* out = a.codes.data() + m * K + (b & ~int64_t{1}) * kRun + (paired ? (b & 1) * 16 : 0);
       const __m512 scale = _mm512_set1_ps(inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (paired ? 32 : 16)),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+      const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), codes(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (paired ? 32 : 16)), codes(hi));
       float* step = a.steps.data() + (m * pairs + b / 2) * 16;
       for (int i = 0; i < 8; ++i) step[(b & 1) * 8 + i] = d;
       if (!paired)
@@ -303,7 +303,8 @@ inline BlockPlan plan_blocks(const Activations& a) {
     std::copy(a.run_steps.begin(), a.run_steps.begin() + runs, plan.steps.begin() + r * runs);
     std::copy(a.group_sums.begin(), a.group_sums.begin() + groups, plan.sums.begin() + r * groups);
     for (int64_t v = 0; v < vectors; ++v)   // lanes [r * groups, (r + 1) * groups) of vector v
-      plan.rows_of[v][r] = tail_mask((r + 1) * groups - 16 * v) & static_cast<__mmask16>(~tail_mask(r * groups - 16 * v));
+      plan.rows_of[v][r] =
+          tail_mask((r + 1) * groups - 16 * v) & static_cast<__mmask16>(~tail_mask(r * groups - 16 * v));
   }
   return plan;
 }
