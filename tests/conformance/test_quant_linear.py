@@ -5,7 +5,7 @@ Matrix: 4- and 8-bit, group sizes 32/64/128, decode shapes (1, 4, 8 rows: the cp
 integer path), batched decode shapes (9, 40 rows: the cpu kernel's weight tiles expanded in cache)
 and a prefill shape (129 rows: dequantize + BLAS), with and without bias; on cpu, group 32 weights
 have 288 inputs, an odd number of runs of 32 (the AVX-512 path takes runs in pairs), and weights
-have 99 outputs, so one row of x meets a last block of fewer than its 4 weight rows.
+have 99 outputs, so one row of x meets a last block of fewer than its 8 weight rows.
 Tolerance of the cpu kernels, derived rather than picked: float32 summation in another order than
 the reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|; the decode path also rounds x to int16
 per run of 32 (step max|x_run| / 32767, error at most half a step), adding sum_k |w_k| * step_k / 2.

@@ -284,8 +284,9 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
 
 // One row of x against kRowBlock weight rows: each pair of x's runs is loaded once for all of
 // them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
-// over lanes) is done for the block at once.
-constexpr int kRowBlock = 4;
+// over lanes) is done for the block at once. 8 rows decoded the Q8_0 file 2% to 4% faster than 4
+// (the Q4_1 file as fast).
+constexpr int kRowBlock = 8;  // a multiple of 4 (sum4)
 
 // What every block of one call shares: x's run steps and group sums repeated once per row of a
 // block, so a block's scales and mins (kRowBlock rows, contiguous) meet them in whole vectors, and
@@ -307,6 +308,19 @@ inline BlockPlan plan_blocks(const Activations& a) {
           tail_mask((r + 1) * groups - 16 * v) & static_cast<__mmask16>(~tail_mask(r * groups - 16 * v));
   }
   return plan;
+}
+
+// The sums over lanes of 4 vectors together: 128-bit quarters first, then the four lanes left in each.
+inline __m128 sum4(const __m512* acc) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // quarter r: row r's
+  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
+  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q));
 }
 
 // ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
@@ -350,16 +364,7 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
                                    _mm512_loadu_ps(plan.sums.data() + 16 * v));
     for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_mask_add_ps(acc[r], plan.rows_of[v][r], acc[r], m);
   }
-  // The four sums over lanes together: 128-bit quarters first, then the four lanes left in each.
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // quarter r: row r's
-  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
-  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
-  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q)));
+  for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
 // y [1, N] for one row of x: blocks of kRowBlock weight rows (dot_rows).
