@@ -16,6 +16,7 @@ from transformers.activations import ACT2FN
 
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
+from lmport.models.rope_table import RopeTable
 from lmport.models.windows import layer_windows
 from lmport.ops import AttentionMetadata
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
@@ -207,13 +208,13 @@ class PagedCausalLM(nn.Module):
         self.model = Decoder(cfg, backend, tp)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, split(cfg.vocab_size, tp.size, tp.rank), False, backend)
         self.rotary = rotary  # transformers' own rotary module: every rope variant it knows
+        self.rope_table = RopeTable()   # its cos/sin by position, filled once where it can be
         self.windows = layer_windows(cfg)   # each layer's sliding window (None: full attention)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(x, meta.positions[None])
-        cos, sin = cos[0], sin[0]
+        cos, sin = self.rope_table(self.rotary, x, meta.positions, meta.max_kv_len)
         metas = {w: meta.for_layer(w) for w in set(self.windows)}
         for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
             x = layer.forward(x, cos, sin, cache, metas[window])

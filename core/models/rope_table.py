@@ -1,0 +1,44 @@
+"""Rotary cos/sin by position, from tables that transformers' rotary module fills once.
+
+Transformers computes cos and sin for a step's positions on every call (a matmul, a cat, cos,
+sin). Unless the rope type rescales its frequencies with the sequence length ("dynamic" types
+and "longrope", which transformers updates per call), a position's row does not depend on the
+rest of the step: the module is called once for positions 0..n-1, with n doubling as contexts
+grow, and a step gathers its rows. Single-stream cpu decode ran 2% to 4% faster so
+(processes with and without the table alternating, 4 rounds).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rows_depend_on_length(rotary: nn.Module) -> bool:
+    """Whether the module's cos/sin for a position change with the positions it is given."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    return not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope"
+
+
+class RopeTable:
+    """cos and sin [positions, rotary dim] of one rotary module (not an nn.Module: a cache, never
+    saved or moved; it is rebuilt on the device and dtype a step asks for)."""
+
+    MIN_ROWS = 256
+
+    def __init__(self) -> None:
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor,
+                 max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``positions`` (all below ``max_position``, a host int: no device sync)."""
+        if rows_depend_on_length(rotary):
+            cos, sin = rotary(x, positions[None])
+            return cos[0], sin[0]
+        cos = self.cos
+        if cos is None or cos.shape[0] < max_position or cos.device != x.device or cos.dtype != x.dtype:
+            rows = max(max_position, self.MIN_ROWS, 2 * (0 if cos is None else cos.shape[0]))
+            table = rotary(x, torch.arange(rows, device=x.device)[None])
+            self.cos, self.sin = table[0][0], table[1][0]
+        assert self.cos is not None and self.sin is not None
+        return self.cos[positions], self.sin[positions]

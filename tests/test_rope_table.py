@@ -1,0 +1,50 @@
+"""RopeTable (lmport.models.rope_table) against transformers' rotary module called on the positions.
+
+Static rope types are looked up from the table, equal to the module's own cos/sin for the same
+positions; types whose frequencies follow the sequence length call the module every step."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from lmport.models.rope_table import RopeTable, rows_depend_on_length
+
+SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}
+
+
+def rotary(kind: str) -> LlamaRotaryEmbedding:
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=1024,
+                      rope_scaling=SCALINGS[kind])
+    return LlamaRotaryEmbedding(config=cfg)
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_rows_equal_the_modules_own(kind):
+    module, table = rotary(kind), RopeTable()
+    x = torch.zeros(1, 64)
+    for positions in ([5], [0, 1, 2, 3], [700, 3, 299], [1000]):   # 1000 > the first table's rows
+        pos = torch.tensor(positions)
+        got = table(module, x, pos, max(positions) + 1)
+        want = module(x, pos[None])
+        torch.testing.assert_close(got[0], want[0][0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1][0], rtol=0, atol=1e-6)
+    assert (table.cos is None) == rows_depend_on_length(module) == (kind == "dynamic")
+
+
+def test_table_grows_to_the_largest_position_and_follows_the_dtype():
+    module, table = rotary("default"), RopeTable()
+    table(module, torch.zeros(1, 64), torch.tensor([3]), 4)
+    assert table.cos is not None and table.cos.shape[0] == RopeTable.MIN_ROWS
+    table(module, torch.zeros(1, 64), torch.tensor([600]), 601)
+    assert table.cos.shape[0] == 601   # the position needed (more than double the 256 rows it had)
+    cos, _ = table(module, torch.zeros(1, 64, dtype=torch.float64), torch.tensor([7]), 8)
+    assert cos.dtype == torch.float64
