@@ -4,8 +4,8 @@ Transformers computes cos and sin for a step's positions on every call (a matmul
 sin). Unless the rope type rescales its frequencies with the sequence length ("dynamic" types
 and "longrope", which transformers updates per call), a position's row does not depend on the
 rest of the step: the module is called once for positions 0..n-1, with n doubling as contexts
-grow, and a step gathers its rows. Single-stream cpu decode ran 2% to 4% faster so
-(processes with and without the table alternating, 4 rounds).
+grow, and a step gathers its rows. Single-stream cpu decode ran 2% to 4% faster so (one
+engine, the forwards with and without the table swapped between rounds).
 """
 from __future__ import annotations
 
