@@ -36,10 +36,9 @@ class RopeTable:
         if rows_depend_on_length(rotary):
             cos, sin = rotary(x, positions[None])
             return cos[0], sin[0]
-        cos = self.cos
-        if cos is None or cos.shape[0] < max_position or cos.device != x.device or cos.dtype != x.dtype:
+        cos, sin = self.cos, self.sin
+        if cos is None or sin is None or cos.shape[0] < max_position or cos.device != x.device or cos.dtype != x.dtype:
             rows = max(max_position, self.MIN_ROWS, 2 * (0 if cos is None else cos.shape[0]))
             table = rotary(x, torch.arange(rows, device=x.device)[None])
-            self.cos, self.sin = table[0][0], table[1][0]
-        assert self.cos is not None and self.sin is not None
-        return self.cos[positions], self.sin[positions]
+            cos, sin = self.cos, self.sin = table[0][0], table[1][0]
+        return cos[positions], sin[positions]
