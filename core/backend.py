@@ -164,3 +164,8 @@ class Backend:
                   ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' gated MLPs summed with their routing weights (lmport.ops.moe)."""
         return ops.fused_moe(x, gate_up, down, weights, ids)
+
+    def decoder_runner(self, layers: list[ops.DecoderLayerSpec]) -> ops.DecoderRunner | None:
+        """A function that runs a step through all of ``layers`` at once (lmport.ops.decoder), or None:
+        the model's modules then call this backend's ops one by one, which is always correct."""
+        return None

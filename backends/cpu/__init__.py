@@ -10,6 +10,7 @@ import torch
 from lmport import ops
 from lmport.backend import Backend, Capabilities, ProbeResult
 from lmport.backends.cpu import kernels, malloc
+from lmport.backends.cpu.decoder_runner import build as build_decoder_runner
 from lmport.kv.layout import LayerCache
 
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
@@ -88,6 +89,10 @@ class CpuBackend(Backend):
         if ids.numel() <= MOE_GATHER_PAIRS:
             return moe_by_gather(x, gate_up, down, weights, ids)
         return super().fused_moe(x, gate_up, down, weights, ids)
+
+    def decoder_runner(self, layers: list[ops.DecoderLayerSpec]) -> ops.DecoderRunner | None:
+        compiled = kernels.load()
+        return None if compiled is None else build_decoder_runner(layers, compiled, SMALL_BATCH_TOKENS)
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:

@@ -15,10 +15,11 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from lmport.backend import Backend
+from lmport import ops
 from lmport.kv.layout import LayerCache
+from lmport.models.quantized import QuantLinear
 from lmport.models.rope_table import RopeTable
 from lmport.models.windows import layer_windows
-from lmport.ops import AttentionMetadata
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
 from lmport.units import ceil_div
 
@@ -127,7 +128,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: LayerCache, meta: ops.AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         # unflatten, not view: a backend's linear need not return a contiguous result.
         if self.qkv_proj is None:
@@ -182,6 +183,33 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, cache, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
+    def spec(self) -> ops.DecoderLayerSpec | None:
+        """This layer as data for a backend's decoder runner (lmport.ops.decoder), or None where it is
+        not exactly the layer the spec describes: a subclass's layer, Qwen3's q/k norms, an activation
+        other than silu, projections left unmerged, a linear of another kind."""
+        attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
+        if (type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                or any(type(n) is not RMSNorm for n in norms) or attn.qk_norm or mlp.act is not None):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        qkv, o, gate_up, down = (linear_weights(m) for m in linears)
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return ops.DecoderLayerSpec(
+            input_norm=norms[0].weight, input_norm_eps=norms[0].eps, qkv=qkv, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale, o=o,
+            post_attention_norm=norms[1].weight, post_attention_norm_eps=norms[1].eps, gate_up=gate_up, down=down)
+
+
+def linear_weights(module: nn.Module | None) -> ops.LinearWeights | None:
+    """A float or quantized linear's weight and bias; None for any other module (a row-parallel
+    linear sums over ranks, which the spec does not)."""
+    if isinstance(module, QuantLinear):
+        return ops.LinearWeights(module.quantized, module.bias)
+    if isinstance(module, Linear) and not (isinstance(module, RowParallelLinear) and module.tp.size > 1):
+        return ops.LinearWeights(module.weight, module.bias)
+    return None
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg, backend: Backend, tp: TPGroup):
@@ -210,15 +238,36 @@ class PagedCausalLM(nn.Module):
         self.rotary = rotary  # transformers' own rotary module: every rope variant it knows
         self.rope_table = RopeTable()   # its cos/sin by position, filled once where it can be
         self.windows = layer_windows(cfg)   # each layer's sliding window (None: full attention)
+        self.backend = backend
+        self._runner: tuple[ops.DecoderRunner | None] | None = None   # decoder_runner(), once built
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_table(self.rotary, x, meta.positions, meta.max_kv_len)
         metas = {w: meta.for_layer(w) for w in set(self.windows)}
-        for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
-            x = layer.forward(x, cos, sin, cache, metas[window])
-        return self.model.norm.forward(x)
+        runner = self.decoder_runner()
+        out = None if runner is None else runner(x, cos, sin, caches, [metas[w] for w in self.windows])
+        if out is None:
+            for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
+                x = layer.forward(x, cos, sin, cache, metas[window])
+            out = x
+        return self.model.norm.forward(out)
+
+    def decoder_runner(self) -> ops.DecoderRunner | None:
+        """The backend's runner over all the layers (Backend.decoder_runner), built at the first step,
+        once the weights are loaded and merged, and again after ``.to()``; None where the backend has
+        none or a layer has no spec (lmport.ops.decoder), and under tensor parallelism."""
+        if self._runner is None:
+            specs = [layer.spec() if isinstance(layer, DecoderLayer) else None for layer in self.model.layers]
+            complete = [s for s in specs if s is not None]
+            usable = self.tp.size == 1 and len(complete) == len(specs)
+            self._runner = (self.backend.decoder_runner(complete) if usable else None,)
+        return self._runner[0]
+
+    def _apply(self, fn, recurse=True):
+        self._runner = None   # .to() and the like replace the tensors a runner holds
+        return super()._apply(fn, recurse)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

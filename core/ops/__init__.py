@@ -13,10 +13,12 @@ from lmport.ops.rotary import apply_rotary
 from lmport.ops.activation import silu_and_mul
 from lmport.ops.moe import fused_moe, route
 from lmport.ops.quant_linear import dequantize, quant_embedding, quant_linear
+from lmport.ops.decoder import DecoderLayerSpec, DecoderRunner, LinearWeights
 from lmport.weights.format import QuantizedWeight
 
 __all__ = [
     "AttentionMetadata", "build_attention_metadata", "fill_kv_cache", "paged_attention",
     "gather_kv", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe", "route",
-    "QuantizedWeight", "dequantize", "quant_linear", "quant_embedding",
+    "QuantizedWeight", "dequantize", "quant_linear", "quant_embedding", "DecoderLayerSpec", "DecoderRunner",
+    "LinearWeights",
 ]

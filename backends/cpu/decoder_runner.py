@@ -1,0 +1,83 @@
+"""The cpu backend's decoder runner (lmport.ops.decoder): a step's layers in one Python loop over
+the compiled kernels, each layer's weights bound once.
+
+Through the model's modules, a decode step of the default model makes about 400 op calls, each
+through a module's forward, a backend method and its checks. At batch 1 that Python is a large
+share of the step: the weights streaming through the caches between calls leave it running cold.
+This loop makes the same kernel calls with nothing in between; it covers the steps the kernels
+cover as the backend's methods would pick them (float32, an unquantized cache, up to
+SMALL_BATCH_TOKENS tokens) and hands the others back to the modules.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lmport import ops
+from lmport.kv.layout import LayerCache
+
+Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LayerCache, ops.AttentionMetadata], torch.Tensor]
+
+
+def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int) -> ops.DecoderRunner | None:
+    """The runner over ``layers`` with the compiled kernels, or None where a layer has a tensor
+    they do not take."""
+    if not layers or not all(_fits(spec) for spec in layers):
+        return None
+    bound = [_bind_layer(spec, compiled) for spec in layers]
+    head_dim = layers[0].head_dim
+
+    def run(x, cos, sin, caches, metas):
+        if (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
+                or cos.shape[-1] != head_dim or caches[0].quant_policy != 0 or caches[0].k.dtype != torch.float32):
+            return None
+        for layer, cache, meta in zip(bound, caches, metas, strict=True):
+            x = layer(x, cos, sin, cache, meta)
+        return x
+
+    return run
+
+
+def _fits(spec: ops.DecoderLayerSpec) -> bool:
+    floats = [spec.input_norm, spec.post_attention_norm]
+    for lw in (spec.qkv, spec.o, spec.gate_up, spec.down):
+        floats += [] if lw.bias is None else [lw.bias]
+        if not isinstance(lw.weight, ops.QuantizedWeight):
+            floats.append(lw.weight)
+            if lw.weight.shape[1] % 8:   # the small-batch float kernel's rule
+                return False
+    heads_fit = spec.head_dim % 8 == 0 and spec.head_dim <= 256   # the attention kernel's rule
+    return heads_fit and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in floats)
+
+
+def _bind_linear(lw: ops.LinearWeights, compiled) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight, bias = lw.weight, lw.bias
+    if isinstance(weight, ops.QuantizedWeight):
+        qweight, scales, mins, bits, group_size = (weight.qweight, weight.scales, weight.mins, weight.bits,
+                                                   weight.group_size)
+        return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias)
+    return lambda x: compiled.small_linear(x, weight, bias)
+
+
+def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
+    """One layer as lmport.ops.decoder describes it (the model's DecoderLayer.forward, op for op)."""
+    qkv, o, gate_up, down = (_bind_linear(lw, compiled) for lw in (spec.qkv, spec.o, spec.gate_up, spec.down))
+    norm1, eps1 = spec.input_norm, spec.input_norm_eps
+    norm2, eps2 = spec.post_attention_norm, spec.post_attention_norm_eps
+    heads, head_dim, scale = [spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], spec.head_dim, spec.scale
+    rms_norm, rotary, fill, attention, silu_and_mul = (compiled.rms_norm, compiled.apply_rotary, compiled.fill_kv_cache,
+                                                       compiled.paged_attention, compiled.silu_and_mul)
+
+    def layer(x, cos, sin, cache, meta):
+        t = x.shape[0]
+        q, k, v = qkv(rms_norm(x, norm1, eps1)).view(t, -1, head_dim).split(heads, 1)
+        q, k = rotary(q, k, cos, sin)
+        fill(k, v, cache.k, cache.v, meta.slot_mapping)
+        out = attention(q, cache.k, cache.v, meta.block_tables, meta.q_start_loc, meta.kv_lens, scale,
+                        meta.window or 0, meta.softcap or 0.0)
+        x = x + o(out.view(t, -1))
+        gate, up = gate_up(rms_norm(x, norm2, eps2)).chunk(2, -1)
+        return x + down(silu_and_mul(gate, up))
+
+    return layer

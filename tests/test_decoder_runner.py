@@ -1,0 +1,114 @@
+"""The cpu backend's decoder runner (backends/cpu/decoder_runner.py) against the model's modules, which
+stay the reference: the same steps give the same hidden states, bit for bit (the runner makes the same
+kernel calls), for float and quantized layers; steps and models it does not cover go to the modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmport
+from lmport import ops
+from lmport.config import EngineConfig, GenerationConfig
+from lmport.models.quantized import QuantLinear
+from lmport.weights.format import from_codes
+from models import tiny_model_dir
+
+
+def engine_for(arch: str, **config):
+    engine = lmport.pipeline(tiny_model_dir(arch), backend_config=EngineConfig(device_type="cpu", **config)).engine
+    with torch.no_grad():   # transformers starts biases (Qwen2's q/k/v) at zero, which would hide a lost one
+        for name, p in engine.model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return engine
+
+
+def quantized(linear: torch.nn.Module, bits: int, group: int) -> QuantLinear:
+    """``linear`` rounded to ``bits`` per group of ``group`` inputs (asymmetric: a scale and a min)."""
+    w = linear.weight.detach().unflatten(1, (-1, group))
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = (hi - lo).clamp_min(1e-6) / (2 ** bits - 1)
+    codes = ((w - lo[..., None]) / scales[..., None]).round()
+    mins = lo if bits == 4 else lo + 128 * scales     # 8-bit codes are signed: -128 .. 127
+    weight = from_codes((codes if bits == 4 else codes - 128).flatten(1).int(), scales, mins, bits, group)
+    return QuantLinear(weight, linear.bias, linear.backend)
+
+
+def quantize_layers(model, bits: int, group: int) -> None:
+    for layer in model.model.layers:
+        for parent, name in [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                             (layer.mlp, "down_proj")]:
+            setattr(parent, name, quantized(getattr(parent, name), bits, group))
+    model._runner = None   # the runner binds the weights: built again over the new ones
+
+
+def hidden_states(engine, prompts: list[list[int]], decode_steps: int, use_runner: bool) -> list[torch.Tensor]:
+    """Each prompt's prefill, then ``decode_steps`` steps decoding one token of every prompt together."""
+    model = engine.model
+    runner = model.decoder_runner()
+    assert runner is not None
+    covered = []
+
+    def counting(*args):
+        out = runner(*args)
+        covered.append(out is not None)
+        return out
+
+    model._runner = (counting if use_runner else None,)
+    seqs = [engine.seqs[engine.add_request(p, GenerationConfig(max_new_tokens=decode_steps + 1))] for p in prompts]
+    engine.scheduler.schedule()
+    size = engine.layout.block_size
+    out = []
+    for seq, p in zip(seqs, prompts):
+        meta = ops.build_attention_metadata([len(p)], [len(p)], [seq.block_table], size)
+        out.append(model(torch.tensor(p), meta, engine.caches))
+    for step in range(decode_steps):
+        lens = [len(p) + step + 1 for p in prompts]
+        meta = ops.build_attention_metadata([1] * len(prompts), lens, [s.block_table for s in seqs], size)
+        out.append(model(torch.tensor([p[step] for p in prompts]), meta, engine.caches))
+    for seq in seqs:
+        engine.abort(seq.request_id)
+    model._runner = (runner,)
+    if use_runner:
+        assert covered and all(covered)
+    return out
+
+
+PROMPTS = [list(range(5, 45)), list(range(100, 120))]   # 40 tokens: past mistral-sw32's window
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sw32"])
+@pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
+def test_runner_gives_the_modules_hidden_states(arch, weights):
+    engine = engine_for(arch, cache_max_entry_count=16)
+    if weights != "float32":
+        quantize_layers(engine.model, int(weights[3]), 32)
+    want = hidden_states(engine, PROMPTS, 4, use_runner=False)
+    got = hidden_states(engine, PROMPTS, 4, use_runner=True)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_layers_the_spec_does_not_describe_get_no_runner():
+    engine = engine_for("qwen3")    # q and k normalized per head
+    assert engine.model.model.layers[0].spec() is None and engine.model.decoder_runner() is None
+
+
+def test_steps_the_kernels_do_not_cover_go_to_the_modules():
+    pipe = lmport.pipeline(tiny_model_dir("llama"), backend_config=EngineConfig(device_type="cpu", quant_policy=8))
+    engine = pipe.engine
+    model = engine.model
+    runner = model.decoder_runner()
+    assert runner is not None
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    meta = ops.build_attention_metadata([1], [1], [[1]], engine.layout.block_size)
+    metas = [meta] * cfg.num_hidden_layers
+    # An int8 KV cache, which only the reference ops read.
+    assert runner(torch.zeros(1, cfg.hidden_size), torch.ones(1, d), torch.zeros(1, d), engine.caches, metas) is None
+    # More tokens than a decode step (prefill goes to the BLAS through the modules).
+    many = 129
+    assert runner(torch.zeros(many, cfg.hidden_size), torch.ones(many, d), torch.zeros(many, d), engine.caches,
+                  metas) is None
+    # And the engine still generates, through the modules.
+    assert pipe("hello", GenerationConfig(max_new_tokens=3, ignore_eos=True)).generate_token_len == 3
