@@ -70,7 +70,7 @@ def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
                                                        compiled.paged_attention, compiled.silu_and_mul)
 
     def layer(x, cos, sin, cache, meta):
-        t = x.shape[0]
+        t = x.shape[0]   # view, not unflatten: the compiled linears return contiguous rows
         q, k, v = qkv(rms_norm(x, norm1, eps1)).view(t, -1, head_dim).split(heads, 1)
         q, k = rotary(q, k, cos, sin)
         fill(k, v, cache.k, cache.v, meta.slot_mapping)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from lmport.backend import Backend
 from lmport import ops
+from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.models.quantized import QuantLinear
 from lmport.models.rope_table import RopeTable
