@@ -77,7 +77,7 @@ def hidden_states(engine, prompts: list[list[int]], decode_steps: int, use_runne
 PROMPTS = [list(range(5, 45)), list(range(100, 120))]   # 40 tokens: past mistral-sw32's window
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sw32"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sw32", "phi3"])
 @pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
 def test_runner_gives_the_modules_hidden_states(arch, weights):
     engine = engine_for(arch, cache_max_entry_count=16)
