@@ -1,8 +1,9 @@
 """Token ids to streamed text: incremental decoding, stop strings, and what may be shown yet.
 
-The engine decodes a sequence's whole output each step and streams the part that
-cannot change any more: a trailing partial UTF-8 character is held back until its
-bytes complete, and so is text that may yet turn out to start a stop string.
+Each step the engine decodes a sequence's new tokens (``IncrementalDecoder``) and streams the
+part that cannot change any more: a trailing partial UTF-8 character is held back until its
+bytes complete, and so is text that may yet turn out to start a stop string. A finished
+sequence's text is its whole output decoded at once.
 """
 from __future__ import annotations
 
@@ -10,6 +11,40 @@ from __future__ import annotations
 def decode(tokenizer, output_ids: list[int], *, skip_special_tokens: bool) -> str:
     """The whole generated text so far."""
     return tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """A sequence's output text, kept up to date by decoding only the tokens since its last
+    complete character, with the tokens decoded the time before as context (as vLLM and SGLang
+    do). Decoding the whole output each step costs time linear in its length: 760 us a step at
+    4,096 tokens with the default model's tokenizer.
+
+    The context is decoded again with the new tokens, and only what the new tokens add is kept,
+    so a token a tokenizer renders differently at the start of a text (dropping its leading space)
+    is rendered as in the whole output. Where the new tokens change the context's text (a
+    tokenizer that cleans up spaces before punctuation), the whole output is decoded instead.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.text = ""     # the text of output_ids[:read]
+        self.context = 0   # output_ids[context:read] are decoded again before the new tokens
+        self.read = 0
+
+    def update(self, output_ids: list[int]) -> str:
+        """The text of ``output_ids`` (the last call's plus new ones) up to its last complete character."""
+        before, window = self._decode(output_ids[self.context:self.read]), self._decode(output_ids[self.context:])
+        if window.endswith("\ufffd"):     # a character's bytes still incomplete: wait for the rest
+            return self.text
+        if window.startswith(before):
+            self.text += window[len(before):]
+        else:
+            self.text = self._decode(output_ids).rstrip("\ufffd")
+        self.context, self.read = self.read, len(output_ids)
+        return self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return decode(self.tokenizer, ids, skip_special_tokens=self.skip_special_tokens)
 
 
 def final_delta(text: str, old_text: str) -> str:

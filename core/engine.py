@@ -284,21 +284,26 @@ class Engine:
         self.stats["generated_tokens"] += 1
         old_text = seq.text
         cfg = seq.gen_config
-        seq.text = detokenize.decode(self.tokenizer, seq.output_ids, skip_special_tokens=cfg.skip_special_tokens)
-        reason = None
+        if seq.decoder is None:
+            seq.decoder = detokenize.IncrementalDecoder(self.tokenizer, cfg.skip_special_tokens)
+        text = seq.decoder.update(seq.output_ids)
+        reason = cut = None
         if seq.grammar is not None:
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
         if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
             reason = "stop"
-        elif cfg.stop_words and (cut := detokenize.first_stop(seq.text, cfg.stop_words, len(old_text))) is not None:
-            seq.text, reason = seq.text[:cut], "stop"
+        elif cfg.stop_words and (cut := detokenize.first_stop(text, cfg.stop_words, len(old_text))) is not None:
+            text, reason = text[:cut], "stop"
         elif len(seq.output_ids) >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
             reason = "length"
         if reason:
             self._end(seq, reason)
-            delta = detokenize.final_delta(seq.text, old_text)
+            if cut is None:   # the whole output decoded once: its exact text, a partial last character too
+                text = detokenize.decode(self.tokenizer, seq.output_ids, skip_special_tokens=cfg.skip_special_tokens)
+            seq.text = text
+            delta = detokenize.final_delta(text, old_text)
         else:
-            delta = detokenize.streamable_delta(seq.text, old_text, cfg.stop_words)
+            delta = detokenize.streamable_delta(text, old_text, cfg.stop_words)
             seq.text = old_text + delta
         return self._output(seq, [token], delta)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmport.config import GenerationConfig
+from lmport.detokenize import IncrementalDecoder
 
 
 class Status(enum.Enum):
@@ -33,6 +34,7 @@ class Sequence:
     error: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""                  # decoded output, cut at a stop string
+    decoder: IncrementalDecoder | None = None   # the engine's, made at the first output token
     generator: torch.Generator | None = None
     grammar: object | None = None   # xgrammar matcher of a structured output (lmport.guided), advanced per token
 
