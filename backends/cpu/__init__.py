@@ -47,7 +47,7 @@ class CpuBackend(Backend):
         malloc.keep_freed_memory()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        small = x.dim() == 2 and x.shape[0] <= SMALL_BATCH_TOKENS and x.shape[1] % 8 == 0
+        small = x.dim() == 2 and x.shape[0] <= SMALL_BATCH_TOKENS and kernels.small_linear_takes(x.shape[1])
         compiled = _compiled_for(x, weight, *([] if bias is None else [bias])) if small else None
         if compiled is None:
             return super().linear(x, weight, bias)
@@ -104,8 +104,8 @@ class CpuBackend(Backend):
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:
-        # The kernel covers unquantized caches (in this backend's bshd order), head_dim % 8 == 0 up to 256.
-        fits = cache.quant_policy == 0 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+        # The kernel covers unquantized caches (in this backend's bshd order), head dims as attention_takes says.
+        fits = cache.quant_policy == 0 and kernels.attention_takes(q.shape[-1])
         compiled = _compiled_for(q, cache.k) if fits else None
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from lmport import ops
+from lmport.backends.cpu import kernels
 from lmport.kv.layout import LayerCache
 
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LayerCache, ops.AttentionMetadata], torch.Tensor]
@@ -45,10 +46,10 @@ def _fits(spec: ops.DecoderLayerSpec) -> bool:
         floats += [] if lw.bias is None else [lw.bias]
         if not isinstance(lw.weight, ops.QuantizedWeight):
             floats.append(lw.weight)
-            if lw.weight.shape[1] % 8:   # the small-batch float kernel's rule
+            if not kernels.small_linear_takes(lw.weight.shape[1]):
                 return False
-    heads_fit = spec.head_dim % 8 == 0 and spec.head_dim <= 256   # the attention kernel's rule
-    return heads_fit and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in floats)
+    on_cpu = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in floats)
+    return on_cpu and kernels.attention_takes(spec.head_dim)
 
 
 def _bind_linear(lw: ops.LinearWeights, compiled) -> Callable[[torch.Tensor], torch.Tensor]:

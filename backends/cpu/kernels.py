@@ -19,6 +19,15 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / "kernels.cpp"]  # includes the csrc/*.h kernels
 
 
+# What the kernels take besides float32 tensors (the backend's methods and its decoder runner ask).
+def small_linear_takes(in_features: int) -> bool:
+    return in_features % 8 == 0
+
+
+def attention_takes(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= 256
+
+
 def machine_tag() -> str:
     """A short hash of this CPU's model and instruction sets. The build targets the CPU it runs
     on (-march=native); naming it after the CPU keeps a cache shared between unlike machines
