@@ -39,6 +39,9 @@ class Capabilities:
     # group sizes (input elements sharing one scale and min) the kernels take. Empty: none.
     weight_formats: frozenset[str] = frozenset()
     weight_group_sizes: frozenset[int] = frozenset({32, 64, 128})
+    # GGUF block types (lmport.weights.ggml.BLOCK_TYPES: "q4_k", "q6_k", ...) whose blocks the kernels
+    # read as the file stores them. Empty: none.
+    ggml_types: frozenset[str] = frozenset()
 
     def weight_format_problem(self, bits: int, group_size: int) -> str | None:
         """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""
@@ -137,6 +140,11 @@ class Backend:
                      bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ dequantize(weight)^T (+ bias) for a weight in the internal quantized format."""
         return ops.quant_linear(x, weight, bias)
+
+    def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ dequantize(weight)^T (+ bias) for a weight held in its GGUF blocks."""
+        return ops.ggml_linear(x, weight, bias)
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:

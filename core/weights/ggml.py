@@ -1,0 +1,64 @@
+"""GGUF tensors kept in their file's block layout (docs/weight-quantization.md).
+
+Q4_0, Q4_1 and Q8_0 map bit for bit onto the internal int4 / int8 format (lmport.weights.format)
+and load there. Every other GGUF quantized type lmport runs is held as the file stores it: a
+weight [out, in] is ``out`` rows of ``in / elements`` blocks of ``nbytes`` each (llama.cpp's
+``block_q4_K`` and friends), and the kernels read the blocks as they are. The K-quants' scales
+are 6- or 8-bit multiples of a float16 super-block scale: no per-group float16 scale holds them
+exactly, and a float32 one would grow a Q4_K weight by a third.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockType:
+    name: str       # lower-case GGML type name, as Capabilities.ggml_types lists it
+    elements: int   # weights a block holds (its inputs along one row)
+    nbytes: int     # bytes a block takes
+
+
+# The block types held as they are (sizes: llama.cpp's ggml-common.h, gguf.GGML_QUANT_SIZES).
+BLOCK_TYPES = {t.name: t for t in (
+    BlockType("q5_0", 32, 22), BlockType("q5_1", 32, 24),
+    BlockType("q2_k", 256, 84), BlockType("q3_k", 256, 110), BlockType("q4_k", 256, 144),
+    BlockType("q5_k", 256, 176), BlockType("q6_k", 256, 210),
+    BlockType("iq4_nl", 32, 18), BlockType("iq4_xs", 256, 136),
+)}
+
+
+@dataclass(frozen=True)
+class GGMLWeight:
+    blocks: torch.Tensor   # uint8 [out, in / elements * nbytes]: each row's blocks as the file stores them
+    type_name: str         # a key of BLOCK_TYPES
+    in_features: int
+
+    @property
+    def block_type(self) -> BlockType:
+        return BLOCK_TYPES[self.type_name]
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    def rows(self, index: torch.Tensor) -> GGMLWeight:
+        """The weight of the output rows ``index`` (an embedding lookup's rows, a q/k row permutation)."""
+        return GGMLWeight(self.blocks[index], self.type_name, self.in_features)
+
+    def check(self, name: str = "weight") -> GGMLWeight:
+        """Raises ValueError naming ``name`` when the tensor does not form a weight of its type."""
+        if self.type_name not in BLOCK_TYPES:
+            raise ValueError(f"{name}: GGML type {self.type_name!r} is not held as blocks "
+                             f"(held: {', '.join(BLOCK_TYPES)})")
+        t = self.block_type
+        if self.in_features % t.elements:
+            raise ValueError(f"{name}: {self.in_features} inputs are not a multiple of {t.name}'s "
+                             f"{t.elements}-weight blocks")
+        want = self.in_features // t.elements * t.nbytes
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != want:
+            raise ValueError(f"{name}: {t.name} blocks of {self.in_features} inputs must be a 2-d uint8 tensor "
+                             f"[out, {want}], got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+        return self
