@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # each stop string is matched against the text's end at every token
@@ -56,8 +56,32 @@ def _is_union_tag(part) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
+def _nullable_in_schema(schema: dict, cls) -> None:
+    """The JSON schema says what the validator accepts: null wherever a field has a default."""
+    for name, prop in schema.get("properties", {}).items():
+        field = cls.model_fields.get(name)
+        if field is None or field.is_required() or field.default is None or "anyOf" in prop and any(
+                p.get("type") == "null" for p in prop["anyOf"]):
+            continue
+        default = prop.pop("default", field.default)
+        title = prop.pop("title", None)
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], "default": default,
+                                      **({"title": title} if title else {})}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """A request body. An explicit ``null`` means the field's default, as OpenAI treats it (the openai SDK sends
+    null for every argument given as None)."""
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_nullable_in_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return data
 
 
 class StreamOptions(_Request):

@@ -1,0 +1,70 @@
+"""OpenAI compatibility found by outside suites (issue 35): nulls, model retrieval, the OpenAPI document,
+logit_bias, error codes, the stream's shape and usage statistics.
+
+One server over the tiny random-weight Qwen2 model (its Qwen 2.5-style template has special tokens)
+runs in a thread of this process for the whole module.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from lmport.config import EngineConfig
+from lmport.engine import Engine
+from lmport.server.app import create_app
+from models import tiny_tool_model_dir
+from test_server import ServerThread
+
+SESSION_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=128, session_len=SESSION_LEN))
+    server = ServerThread(create_app(engine, model_name="tiny"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def post(server, path: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60, **kwargs)
+
+
+def events(server, path: str, body: dict) -> list[dict]:
+    """The data of every server-sent event of a stream, [DONE] last (as the string)."""
+    out = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    assert out[-1] == "[DONE]"
+    return out
+
+
+NULLABLE = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "seed", "stop",
+            "logit_bias", "stream_options", "max_tokens", "top_k", "min_p", "repetition_penalty", "ignore_eos")
+
+
+def test_null_means_the_default(server, client):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for name in (*NULLABLE, "logprobs", "parallel_tool_calls", "max_completion_tokens", "top_logprobs"):
+        r = post(server, "/v1/chat/completions", {"max_tokens": 2, **chat, name: None})
+        assert r.status_code == 200, (name, r.text)
+    for name in (*NULLABLE, "logprobs", "echo", "best_of", "suffix", "user"):
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, name: None})
+        assert r.status_code == 200, (name, r.text)
+    # The SDK sends null for every argument passed as None.
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       temperature=None, top_p=None, n=None, logprobs=None, stream=None,
+                                       presence_penalty=None, frequency_penalty=None)
+    assert r.choices[0].finish_reason == "length"
