@@ -56,9 +56,10 @@ NULLABLE = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty"
 
 
 def test_null_means_the_default(server, client):
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for name in (*NULLABLE, "logprobs", "parallel_tool_calls", "max_completion_tokens", "top_logprobs"):
-        r = post(server, "/v1/chat/completions", {"max_tokens": 2, **chat, name: None})
+        limit = "max_completion_tokens" if name == "max_tokens" else "max_tokens"
+        r = post(server, "/v1/chat/completions", {**chat, limit: 2, name: None})
         assert r.status_code == 200, (name, r.text)
     for name in (*NULLABLE, "logprobs", "echo", "best_of", "suffix", "user"):
         r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, name: None})
@@ -68,3 +69,28 @@ def test_null_means_the_default(server, client):
                                        temperature=None, top_p=None, n=None, logprobs=None, stream=None,
                                        presence_penalty=None, frequency_penalty=None)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_models_retrieve(server, client):
+    model = client.models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    r = httpx.get(server.url + "/v1/models/other", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_prompt_longer_than_the_context_is_context_length_exceeded(server, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny", prompt=list(range(5, 5 + SESSION_LEN)), max_tokens=2)
+    assert exc.value.code == "context_length_exceeded"
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": " hello" * SESSION_LEN}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_405_has_allow_and_unknown_routes_a_named_code(server):
+    r = httpx.get(server.url + "/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.get(server.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

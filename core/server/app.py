@@ -31,10 +31,12 @@ from lmport.engine import Engine
 from lmport.server import routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
-from lmport.server.protocol import APIError
+from lmport.server.protocol import APIError, brief
 from lmport.server.serving import MAX_BODY_BYTES, Server
 
 log = logging.getLogger(__name__)
+
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
@@ -71,8 +73,10 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        # 405 keeps Starlette's Allow header (RFC 9110); the code is a name, as in every other error.
+        code = HTTP_ERROR_CODES.get(exc.status_code, "_".join(str(exc.detail).lower().split()) or None)
         return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                                  f"{exc.detail}", code=str(exc.status_code)))
+                                                                  f"{exc.detail}", code=code, headers=exc.headers))
 
     if docs:  # behind the API key like every other route but /health
         @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
@@ -100,10 +104,20 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "lmport",
+                "max_model_len": engine.session_len}
+
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "lmport", "max_model_len": engine.session_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            raise APIError(404, f"model: {brief(model_id)} does not exist; this server serves "
+                                f"{server.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):

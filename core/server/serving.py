@@ -178,7 +178,9 @@ class Server:
                 # validate() reads only fixed facts (vocab, session_len): safe without the engine lock.
                 self.engine.validate(ids)
             except RequestError as exc:
-                raise APIError(400, f"{param}: {exc}", param=param) from None
+                # OpenAI's clients look for this code to tell "shorten the prompt" from other errors.
+                code = "context_length_exceeded" if len(ids) >= self.engine.session_len else None
+                raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
             for i in range(req.n):
                 try:
                     configs.append(GenerationConfig(
