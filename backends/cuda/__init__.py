@@ -7,7 +7,8 @@ on the first op call; that is when their ``@triton.jit`` decorators run, so
 the process that wants the interpreter sets it (the tests do, in tests/conftest.py);
 ``CudaBackend(device="cpu")`` without it fails on its first op, naming the fix.
 
-Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill) and
+Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill),
+quant_linear, ggml_linear (GGUF blocks dequantized in registers) and
 fused_moe (a grouped GEMM over the experts) are Triton kernels; copy_blocks,
 rms_norm and apply_rotary are the reference
 torch ops (see docs/cuda.md for why).
@@ -26,7 +27,8 @@ from lmport.kv.layout import LayerCache
 def _load_kernels(device: torch.device) -> SimpleNamespace:
     """The Triton kernel entry points, imported on first use."""
     try:
-        from lmport.backends.cuda import decode_attention, kv_fill, launch, moe, prefill_attention, quant_linear
+        from lmport.backends.cuda import (decode_attention, ggml_linear, kv_fill, launch, moe, prefill_attention,
+                                          quant_linear)
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
@@ -37,6 +39,7 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            decode_attention=decode_attention.decode_attention,
                            prefill_attention=prefill_attention.prefill_attention,
                            quant_linear=quant_linear.quant_linear,
+                           ggml_linear=ggml_linear.ggml_linear,
                            fused_moe=moe.fused_moe)
 
 
@@ -46,12 +49,15 @@ class CudaBackend(Backend):
         torch_device="cuda",
         kv_quant_policies=frozenset({0, 4, 8}),
         weight_formats=frozenset({"int4", "int8"}),
+        # GGUF block types the Triton kernel reads as stored (backends/cuda/ggml_linear.py DEQUANTIZE).
+        ggml_types=frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs"}),
         default_block_size=64,
         block_size_min=16,
         block_size_power_of_two=True,
         dist_backend="nccl",
         priority=100,
         default_dtype="bfloat16",
+        decode_graphs=True,
     )
 
     @classmethod
@@ -95,6 +101,13 @@ class CudaBackend(Backend):
             return super().quant_linear(x, weight, bias)
         return self.kernels.quant_linear(x, weight, bias)
 
+    def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.type_name not in self.capabilities.ggml_types:
+            return super().ggml_linear(x, weight, bias)
+        y = self.kernels.ggml_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.reshape(*x.shape[:-1], weight.out_features)
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         self.kernels.fill_kv_cache(k, v, cache, slot_mapping)
@@ -110,3 +123,12 @@ class CudaBackend(Backend):
         return self.kernels.fused_moe(x, gate_up, down, weights, ids)
 
     # copy_blocks, rms_norm, apply_rotary: the reference torch ops (docs/cuda.md says why).
+
+    def decode_graphs(self, step, max_batch_size: int, max_blocks_per_seq: int, block_size: int):
+        """CUDA graphs of the decode step (backends/cuda/graphs.py); off a GPU (device "cpu", the interpreter)
+        nothing is captured and each step runs eagerly on the same padded buffers."""
+        from lmport.backends.cuda.graphs import DecodeGraphRunner, graph_batch_sizes
+        runner = DecodeGraphRunner(step, max_blocks_per_seq, block_size, self.device,
+                                   graph_batch_sizes(max_batch_size))
+        runner.capture()
+        return runner
