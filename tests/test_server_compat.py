@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -94,3 +95,30 @@ def test_405_has_allow_and_unknown_routes_a_named_code(server):
     assert r.json()["error"]["code"] == "method_not_allowed"
     r = httpx.get(server.url + "/v1/nothing", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def _conforms(doc: dict, name: str, instance) -> None:
+    jsonschema.validate(instance, {**doc, "$ref": f"#/components/schemas/{name}"})
+
+
+def test_openapi_describes_every_route_and_the_replies_conform(server):
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    paths = doc["paths"]
+    assert set(paths) >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}",
+                          "/health", "/metrics"}
+    for path, request in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest")):
+        op = paths[path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(request)
+        assert {"200", "400", "404", "413", "503"} <= set(op["responses"])
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json()
+    _conforms(doc, "ChatCompletion", chat)
+    completion = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "logprobs": 2,
+                                                  "echo": True}).json()
+    _conforms(doc, "Completion", completion)
+    _conforms(doc, "ModelList", httpx.get(server.url + "/v1/models", timeout=10).json())
+    _conforms(doc, "ErrorResponse", post(server, "/v1/completions", {"model": "tiny", "prompt": []}).json())
+    with pytest.raises(jsonschema.ValidationError):
+        _conforms(doc, "Completion", {**completion, "choices": [{**completion["choices"][0], "text": 5}]})

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
 from lmport.engine import Engine
+from lmport.server import openapi as openapi_doc
 from lmport.server import routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
@@ -81,7 +82,9 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     if docs:  # behind the API key like every other route but /health
         @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
         async def openapi():
-            return app.openapi()
+            if app.openapi_schema is None:
+                app.openapi_schema = openapi_doc.build(app, server.model_name, server.api_key is not None)
+            return app.openapi_schema
 
         @app.get("/docs", dependencies=auth, include_in_schema=False)
         async def swagger():

@@ -1,0 +1,196 @@
+"""The server's OpenAPI document: every route with its request body, its responses and their schemas.
+
+The completion routes read their bodies themselves (size limit, body timeout, errors that name the
+field), so FastAPI cannot see the request models; this module puts them, and the response shapes the
+routes build, into the document. The ``model`` field lists the one model this server serves, so a
+schema-driven client (or test generator) sends a name the server knows.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from lmport.server.protocol import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    reason: str | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+ERRORS = {
+    400: "invalid request: the message names the field and the fix",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    408: "the request body did not arrive within --body-timeout",
+    413: "the request body is larger than the server's limit",
+    415: "the body is not application/json",
+    421: "the Host header is not served here",
+    500: "generation failed inside the engine for this request",
+    503: "the server is busy (Retry-After), shutting down, or its engine has stopped",
+    504: "not finished within --request-timeout",
+}
+STREAM = {"schema": {"type": "string", "description": "server-sent events: `data: {chunk}` lines, then "
+                                                      "`data: [DONE]`"}}
+
+
+def _json(name: str) -> dict:
+    return {"application/json": {"schema": {"$ref": REF.format(model=name)}}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {str(s): {"description": ERRORS[s], "content": _json("ErrorResponse")} for s in statuses}
+
+
+def build(app: FastAPI, model_name: str, api_key: bool) -> dict:
+    """The OpenAPI document of ``app``."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="lmport's OpenAI-compatible API (docs/server.md)")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for cls in (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Health,
+                ChatCompletion, Completion):
+        schema = cls.model_json_schema(ref_template=REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[cls.__name__] = schema
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
+                                                "description": "the served model (GET /v1/models)"}
+    auth = (401,) if api_key else ()
+    common = (*auth, 400, 404, 408, 413, 415, 421, 500, 503, 504)
+    paths = doc["paths"]
+    for path, request, response in (("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion"),
+                                    ("/v1/completions", "CompletionRequest", "Completion")):
+        op = paths[path]["post"]
+        op["requestBody"] = {"required": True, "content": _json(request)}
+        op["responses"] = {"200": {"description": "the completion, or with stream: true its chunks as events",
+                                   "content": {**_json(response), "text/event-stream": STREAM}},
+                           **_errors(*common)}
+    paths["/v1/models"]["get"]["responses"] = {"200": {"description": "the served model",
+                                                       "content": _json("ModelList")}, **_errors(*auth)}
+    paths["/v1/models/{model_id}"]["get"]["responses"] = {"200": {"description": "the served model",
+                                                                  "content": _json("ModelCard")},
+                                                          **_errors(*auth, 404)}
+    health = {"description": "ok; 503 with the reason when it cannot serve", "content": _json("Health")}
+    paths["/health"]["get"]["responses"] = {"200": health, "503": health}
+    paths["/metrics"]["get"]["responses"] = {
+        "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(*auth)}
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path != "/health":
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
+    return doc
