@@ -1,6 +1,6 @@
 """cpu backend: host memory; C++ kernels (kernels.py) for paged attention, KV fill, small-batch
-linear, linear over int4/int8 weights, RMSNorm, rotary and the silu-gated activation on float32,
-the reference ops for everything else."""
+linear, linear over int4/int8 weights and over GGUF block weights, RMSNorm, rotary and the
+silu-gated activation on float32, the reference ops for everything else."""
 from __future__ import annotations
 
 import os
@@ -24,6 +24,8 @@ class CpuBackend(Backend):
         torch_device="cpu",
         kv_quant_policies=frozenset({0, 4, 8}),
         weight_formats=frozenset({"int4", "int8"}),
+        # The GGUF block types csrc/ggml_linear.h runs (its ggml_types() lists the same).
+        ggml_types=frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"}),
         default_block_size=16,
         dist_backend="gloo",
         priority=0,
@@ -64,6 +66,19 @@ class CpuBackend(Backend):
         # prefill: the weight expanded once for the BLAS, which is then as fast as on float weights
         w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)
         return torch.nn.functional.linear(x, w, bias)
+
+    def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        compiled = _compiled_for(x, *([] if bias is None else [bias]))
+        if compiled is None or weight.type_name not in self.capabilities.ggml_types:
+            return super().ggml_linear(x, weight, bias)
+        x2 = x.reshape(-1, weight.in_features)
+        if x2.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the blocks (csrc/ggml_linear.h)
+            y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias)
+        else:  # prefill: the weight expanded once for the BLAS
+            w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features)
+            y = torch.nn.functional.linear(x2, w, bias)
+        return y.view(*x.shape[:-1], weight.out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)

@@ -1,0 +1,519 @@
+// Linear layers over GGUF block weights as the file stores them (lmport.weights.ggml: each weight
+// row is in / elements blocks laid out as llama.cpp's block_q4_K and friends, ggml-common.h):
+// y = x W^T (+ b) for float32 rows x.
+//
+// Each block type is one small struct whose decode() turns a block into int8 codes in input order
+// and, per sub-block of 16 or 32 inputs, a float scale and min, with w = scale * q + min computed as
+// gguf's reference dequantizer does (gguf.quants, llama.cpp's dequantize_row_*). scale * q is exact in
+// float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
+// add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
+//
+// - Up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
+//   quant_linear.h (int8 activations changed greedy tokens there; int16 keeps float32 accuracy);
+//   threads split the output rows, each weight row is decoded into a buffer that stays in L1 and
+//   dotted with every row of x in integer arithmetic (512 bits wide with AVX-512 VNNI, else AVX2),
+//   accumulated in float32 per run with the sub-block's scale times x's step. Each weight byte is
+//   read once a call, and rows are fetched ahead into L2 as they are in quant_linear.h.
+// - More rows (a batched decode step): tiles of 4 weight rows expanded to float32 in cache and run
+//   by linear.h's small-batch kernel.
+// - ggml_dequantize: the whole weight as float32, for the BLAS (prefill).
+#pragma once
+
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "linear.h"
+#include "quant_linear.h"
+
+namespace lmport {
+
+namespace ggml_detail {
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// ---- The block types: layouts as ggml-common.h, values as gguf.quants dequantizes them. ----
+// kSub: inputs per scale (and min); kMin: whether the type has mins (w = scale * q otherwise).
+
+// d, qh (32 high bits), qs (16 bytes: input j low nibble, j + 16 high); w = d (q - 16).
+struct Q5_0 {
+  static constexpr int kElements = 32, kBytes = 22, kSub = 32;
+  static constexpr bool kMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const uint8_t* qs = b + 6;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(((qs[j] & 0xF) | ((qh >> j) & 1) << 4) - 16);
+      q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+    }
+    scale[0] = f16(b);
+  }
+};
+
+// d, m, qh, qs as Q5_0; w = d q + m.
+struct Q5_1 {
+  static constexpr int kElements = 32, kBytes = 24, kSub = 32;
+  static constexpr bool kMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    const uint8_t* qs = b + 8;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
+      q[j + 16] = static_cast<int8_t>((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+    scale[0] = f16(b);
+    min[0] = f16(b + 2);
+  }
+};
+
+// scales (16 bytes: scale low nibble, min high), qs (64 bytes: input 128 h + 32 s + j in bits 2s of
+// byte 32 h + j), d, dmin; w = d sc q - dmin m per 16 inputs.
+struct Q2_K {
+  static constexpr int kElements = 256, kBytes = 84, kSub = 16;
+  static constexpr bool kMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
+    const uint8_t* sc = b;
+    const uint8_t* qs = b + 16;
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int j = 0; j < 32; ++j) q[h * 128 + s * 32 + j] = static_cast<int8_t>((qs[h * 32 + j] >> (2 * s)) & 3);
+    for (int i = 0; i < 16; ++i) {
+      scale[i] = d * static_cast<float>(sc[i] & 0xF);
+      min[i] = -(dmin * static_cast<float>(sc[i] >> 4));
+    }
+  }
+};
+
+// hmask (32 bytes: input 32 k + j's high bit is bit k of byte j), qs (2-bit low parts as Q2_K),
+// scales (12 bytes: 16 6-bit scales), d; w = d (sc - 32) q, q = low - 4 where the high bit is 0.
+struct Q3_K {
+  static constexpr int kElements = 256, kBytes = 110, kSub = 16;
+  static constexpr bool kMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+    const uint8_t* hmask = b;
+    const uint8_t* qs = b + 32;
+    const uint8_t* sc = b + 96;
+    const float d = f16(b + 108);
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int j = 0; j < 32; ++j) {
+          const int low = (qs[h * 32 + j] >> (2 * s)) & 3, high = (hmask[j] >> (4 * h + s)) & 1;
+          q[h * 128 + s * 32 + j] = static_cast<int8_t>(low - (high ? 0 : 4));
+        }
+    for (int i = 0; i < 16; ++i) {
+      const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+      scale[i] = d * static_cast<float>((low | high << 4) - 32);
+    }
+  }
+};
+
+// The 8 6-bit scales and mins of Q4_K and Q5_K (12 bytes), times d and dmin.
+inline void k4_scales(const uint8_t* s, float d, float dmin, float* scale, float* min) {
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
+    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    scale[j] = d * static_cast<float>(sc);
+    min[j] = -(dmin * static_cast<float>(m));
+  }
+}
+
+// d, dmin, scales (12 bytes), qs (128 bytes: byte 32 c + j holds input 64 c + j low, 64 c + 32 + j
+// high); w = d sc q - dmin m per 32 inputs.
+struct Q4_K {
+  static constexpr int kElements = 256, kBytes = 144, kSub = 32;
+  static constexpr bool kMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
+    const uint8_t* qs = b + 16;
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 32; ++j) {
+        q[c * 64 + j] = static_cast<int8_t>(qs[c * 32 + j] & 0xF);
+        q[c * 64 + 32 + j] = static_cast<int8_t>(qs[c * 32 + j] >> 4);
+      }
+    k4_scales(b + 4, f16(b), f16(b + 2), scale, min);
+  }
+};
+
+// Q4_K plus qh (32 bytes: input 32 k + j's fifth bit is bit k of byte j).
+struct Q5_K {
+  static constexpr int kElements = 256, kBytes = 176, kSub = 32;
+  static constexpr bool kMin = true;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int c = 0; c < 4; ++c)
+      for (int j = 0; j < 32; ++j) {
+        q[c * 64 + j] = static_cast<int8_t>((qs[c * 32 + j] & 0xF) | ((qh[j] >> (2 * c)) & 1) << 4);
+        q[c * 64 + 32 + j] = static_cast<int8_t>((qs[c * 32 + j] >> 4) | ((qh[j] >> (2 * c + 1)) & 1) << 4);
+      }
+    k4_scales(b + 4, f16(b), f16(b + 2), scale, min);
+  }
+};
+
+// ql (128 bytes: low nibbles), qh (64 bytes: 2-bit high parts), scales (16 int8), d; per half h
+// of 128 inputs, input 128 h + 32 t + j is ql[64 h + 32 (t % 2) + j] >> 4 (t / 2) and
+// qh[32 h + j] >> 2 t; w = d sc (q - 32) per 16 inputs.
+struct Q6_K {
+  static constexpr int kElements = 256, kBytes = 210, kSub = 16;
+  static constexpr bool kMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 4; ++t)
+        for (int j = 0; j < 32; ++j) {
+          const int low = (ql[h * 64 + (t % 2) * 32 + j] >> (4 * (t / 2))) & 0xF;
+          const int high = (qh[h * 32 + j] >> (2 * t)) & 3;
+          q[h * 128 + t * 32 + j] = static_cast<int8_t>((low | high << 4) - 32);
+        }
+    for (int i = 0; i < 16; ++i) scale[i] = d * static_cast<float>(sc[i]);
+  }
+};
+
+// IQ4's 16 non-linear levels (llama.cpp's kvalues_iq4nl).
+constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// d, qs (16 bytes: nibbles as Q4_0's); w = d level[q].
+struct IQ4_NL {
+  static constexpr int kElements = 32, kBytes = 18, kSub = 32;
+  static constexpr bool kMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+    const uint8_t* qs = b + 2;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = kIQ4Levels[qs[j] & 0xF];
+      q[j + 16] = kIQ4Levels[qs[j] >> 4];
+    }
+    scale[0] = f16(b);
+  }
+};
+
+// d, scales_h (16 bits: 2 a sub-block), scales_l (4 bytes: a nibble a sub-block), qs (128 bytes: 8
+// runs of 32 as IQ4_NL's); w = d (sc - 32) level[q] per 32 inputs.
+struct IQ4_XS {
+  static constexpr int kElements = 256, kBytes = 136, kSub = 32;
+  static constexpr bool kMin = false;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+    const float d = f16(b);
+    uint16_t high;
+    std::memcpy(&high, b + 2, 2);
+    const uint8_t* low = b + 4;
+    const uint8_t* qs = b + 8;
+    for (int r = 0; r < 8; ++r) {
+      for (int j = 0; j < 16; ++j) {
+        q[r * 32 + j] = kIQ4Levels[qs[r * 16 + j] & 0xF];
+        q[r * 32 + 16 + j] = kIQ4Levels[qs[r * 16 + j] >> 4];
+      }
+      const int ls = ((low[r / 2] >> (4 * (r % 2))) & 0xF) | ((high >> (2 * r)) & 3) << 4;
+      scale[r] = d * static_cast<float>(ls - 32);
+    }
+  }
+};
+
+// Calls f(T{}) with the block type named ``name`` (lower case, as lmport.weights.ggml.BLOCK_TYPES).
+template <class F>
+inline void with_type(const std::string& name, F&& f) {
+  if (name == "q4_k") f(Q4_K{});
+  else if (name == "q6_k") f(Q6_K{});
+  else if (name == "q5_0") f(Q5_0{});
+  else if (name == "q5_k") f(Q5_K{});
+  else if (name == "q5_1") f(Q5_1{});
+  else if (name == "q3_k") f(Q3_K{});
+  else if (name == "q2_k") f(Q2_K{});
+  else if (name == "iq4_nl") f(IQ4_NL{});
+  else if (name == "iq4_xs") f(IQ4_XS{});
+  else TORCH_CHECK(false, "ggml_linear: no kernel for GGML type '", name, "'");
+}
+
+inline std::vector<std::string> type_names() {
+  return {"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"};
+}
+
+// One weight row decoded: K int8 codes, K / kSub scales and mins.
+struct RowBuffer {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, mins;
+  explicit RowBuffer(int64_t K) : codes(K + 64), scales(K / 16 + 16), mins(K / 16 + 16, 0.f) {}
+};
+
+template <class T>
+inline void decode_row(const uint8_t* row, int64_t K, RowBuffer& buf) {
+  constexpr int subs = T::kElements / T::kSub;
+  for (int64_t i = 0; i < K / T::kElements; ++i)
+    T::decode(row + i * T::kBytes, buf.codes.data() + i * T::kElements, buf.scales.data() + i * subs,
+              buf.mins.data() + i * subs);
+}
+
+// A decoded row as float32: w = scale * q (+ min), as the reference computes it.
+template <class T>
+inline void expand_row(const RowBuffer& buf, int64_t K, float* out) {
+  for (int64_t s = 0; s < K / T::kSub; ++s) {
+    const float sc = buf.scales[s], mn = buf.mins[s];
+    const int8_t* q = buf.codes.data() + s * T::kSub;
+    float* o = out + s * T::kSub;
+    for (int j = 0; j < T::kSub; ++j) o[j] = T::kMin ? sc * static_cast<float>(q[j]) + mn : sc * static_cast<float>(q[j]);
+  }
+}
+
+// ---- The integer path (decode). ----
+
+constexpr int kRun = 32;               // inputs per activation step
+constexpr int64_t kIntegerRows = 8;    // rows of x up to which the integer path runs
+constexpr int64_t kAhead = 16;         // weight rows fetched ahead (into L2), as in quant_linear.h
+
+// x [M, K] rounded to int16 per run of 32 (step max|x_run| / 32767, rounded to nearest even as
+// std::nearbyint does); per sub-block of 16 and of 32 inputs the step of its run and the sum of x.
+struct Activations {
+  std::vector<int16_t> codes;
+  std::vector<float> step16, step32, sum16, sum32;
+  int64_t K;
+  template <int SUB> const float* step(int64_t m) const {
+    return SUB == 16 ? step16.data() + m * K / 16 : step32.data() + m * K / 32;
+  }
+  template <int SUB> const float* sum(int64_t m) const {
+    return SUB == 16 ? sum16.data() + m * K / 16 : sum32.data() + m * K / 32;
+  }
+};
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline Activations quantize(const float* x, int64_t M, int64_t K) {
+  const int64_t runs = M * K / kRun;
+  Activations a{std::vector<int16_t>(M * K), std::vector<float>(2 * runs), std::vector<float>(runs),
+                std::vector<float>(2 * runs), std::vector<float>(runs), K};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < runs; ++r) {
+    const float* v = x + r * kRun;
+    __m256 p[4];
+    for (int i = 0; i < 4; ++i) p[i] = _mm256_loadu_ps(v + 8 * i);
+    const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, p[0]), _mm256_andnot_ps(sign, p[1])),
+                                          _mm256_max_ps(_mm256_andnot_ps(sign, p[2]), _mm256_andnot_ps(sign, p[3]))));
+    const float lo = quant_detail::hsum(_mm256_add_ps(p[0], p[1])), hi = quant_detail::hsum(_mm256_add_ps(p[2], p[3]));
+    const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (int i = 0; i < 4; i += 2) {
+      const __m256i c = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(p[i], scale)),
+                                           _mm256_cvtps_epi32(_mm256_mul_ps(p[i + 1], scale)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + r * kRun + 8 * i),
+                          _mm256_permute4x64_epi64(c, _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+    a.step16[2 * r] = a.step16[2 * r + 1] = a.step32[r] = d;
+    a.sum16[2 * r] = lo;
+    a.sum16[2 * r + 1] = hi;
+    a.sum32[r] = lo + hi;
+  }
+  return a;
+}
+
+// Rows m0 .. m0 + MT of x against one decoded weight row: out[j] = sum_k x[m0 + j, k] w[k].
+// ``folded`` is scratch for MT * K / SUB floats: each sub-block's scale times x's step there.
+template <int SUB, bool MIN, int MT>
+inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float* folded, float* out) {
+  const int64_t K = a.K, runs = K / kRun, subs = K / SUB;
+  for (int j = 0; j < MT; ++j) {
+    const float* step = a.step<SUB>(m0 + j);
+    for (int64_t s = 0; s < subs; ++s) folded[j * subs + s] = w.scales[s] * step[s];
+  }
+  const int8_t* q = w.codes.data();
+#ifdef LMPORT_QUANT_AVX512
+  // A run's 32 codes widened to int16 in one register; dpwssd leaves inputs 0..15 in lanes 0..7 and
+  // 16..31 in lanes 8..15, the halves of a run that 16-input sub-blocks scale apart.
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[2][MT];   // two per row: consecutive runs do not wait on each other's FMA
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
+  for (int64_t b = 0; b < runs; ++b) {
+    const __m512i wq = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kRun)));
+    for (int j = 0; j < MT; ++j) {
+      const __m512i xq = _mm512_loadu_si512(a.codes.data() + (m0 + j) * K + b * kRun);
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wq, xq));
+      __m512 s;
+      if constexpr (SUB == 32) {
+        s = _mm512_set1_ps(folded[j * subs + b]);
+      } else {
+        double pair;   // the two sub-blocks' scales, spread over their lanes
+        std::memcpy(&pair, folded + j * subs + 2 * b, 8);
+        s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+      }
+      acc[b & 1][j] = _mm512_fmadd_ps(d, s, acc[b & 1][j]);
+    }
+  }
+  for (int j = 0; j < MT; ++j) {
+    __m512 v = _mm512_add_ps(acc[0][j], acc[1][j]);
+    if constexpr (MIN) {   // the mins meet the sums of x over their sub-blocks
+      const float* xs = a.sum<SUB>(m0 + j);
+      for (int64_t s = 0; s < subs; s += 16) {
+        const __mmask16 k = quant512::tail_mask(subs - s);
+        v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w.mins.data() + s), _mm512_maskz_loadu_ps(k, xs + s), v);
+      }
+    }
+    out[j] = _mm512_reduce_add_ps(v);
+  }
+#else
+  __m256 acc[2][MT];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < runs; ++b) {
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kRun)));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kRun + 16)));
+    for (int j = 0; j < MT; ++j) {
+      const int16_t* x = a.codes.data() + (m0 + j) * K + b * kRun;
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+      const float* f = folded + j * subs;
+      if constexpr (SUB == 32) {
+        const __m256i d = quant_detail::dot_s16(quant_detail::dot_s16(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+        acc[b & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(f[b]), acc[b & 1][j]);
+      } else {
+        const __m256i d0 = quant_detail::dot_s16(_mm256_setzero_si256(), lo, xlo);
+        const __m256i d1 = quant_detail::dot_s16(_mm256_setzero_si256(), hi, xhi);
+        acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(f[2 * b]), acc[0][j]);
+        acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(f[2 * b + 1]), acc[1][j]);
+      }
+    }
+  }
+  for (int j = 0; j < MT; ++j) {
+    float v = quant_detail::hsum(_mm256_add_ps(acc[0][j], acc[1][j]));
+    if constexpr (MIN) {
+      const float* xs = a.sum<SUB>(m0 + j);
+      for (int64_t s = 0; s < subs; ++s) v += w.mins[s] * xs[s];
+    }
+    out[j] = v;
+  }
+#endif
+}
+
+template <class T>
+inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, float* y) {
+  const int64_t K = a.K, row_bytes = K / T::kElements * T::kBytes;
+  constexpr int kTile = 4;   // rows of x dotted with each decoded weight row at a time
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    // The first rows are asked for at once rather than missed one after another.
+    for (int64_t off = 0; off < std::min(end - begin, kAhead) * row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + begin * row_bytes + off), _MM_HINT_T1);
+    RowBuffer buf(K);
+    std::vector<float> folded(kTile * K / 16 + 16);
+    float out[kTile];
+    for (int64_t n = begin; n < end; ++n) {
+      if (n + kAhead < end)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n + kAhead) * row_bytes + off), _MM_HINT_T1);
+      decode_row<T>(w + n * row_bytes, K, buf);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int64_t mt = std::min<int64_t>(kTile, M - m0);
+        switch (mt) {
+          case 4: dot_tile<T::kSub, T::kMin, 4>(buf, a, m0, folded.data(), out); break;
+          case 3: dot_tile<T::kSub, T::kMin, 3>(buf, a, m0, folded.data(), out); break;
+          case 2: dot_tile<T::kSub, T::kMin, 2>(buf, a, m0, folded.data(), out); break;
+          default: dot_tile<T::kSub, T::kMin, 1>(buf, a, m0, folded.data(), out); break;
+        }
+        for (int64_t j = 0; j < mt; ++j) y[(m0 + j) * N + n] = out[j] + (bias ? bias[n] : 0.f);
+      }
+    }
+  });
+}
+
+// Rows of x beyond kIntegerRows: tiles of weight rows expanded to float32 in cache, as quant_linear.h's
+// linear_by_tiles does.
+template <class T>
+inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                            float* y) {
+  using linear_detail::kRows;
+  const int64_t row_bytes = K / T::kElements * T::kBytes;
+  at::parallel_for(0, (N + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
+    RowBuffer buf(K);
+    std::vector<float> tile(kRows * K);
+    const float* next[kRows] = {tile.data(), tile.data(), tile.data(), tile.data()};
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kRows, rows = std::min<int64_t>(kRows, N - n);
+      for (int64_t r = 0; r < rows; ++r) {
+        decode_row<T>(w + (n + r) * row_bytes, K, buf);
+        expand_row<T>(buf, K, tile.data() + r * K);
+      }
+      linear_detail::rows_times_x(tile.data(), rows, K, x, M, y + n, N, bias ? bias + n : nullptr, next);
+    }
+  });
+}
+
+inline int64_t checked_inputs(const torch::Tensor& blocks, const std::string& type, int64_t in_features) {
+  TORCH_CHECK(blocks.scalar_type() == torch::kByte && blocks.dim() == 2, "ggml blocks must be a 2-d uint8 tensor, got ",
+              blocks.scalar_type(), " ", blocks.sizes());
+  with_type(type, [&](auto t) {
+    using T = decltype(t);
+    TORCH_CHECK(in_features > 0 && in_features % T::kElements == 0 &&
+                    blocks.size(1) == in_features / T::kElements * T::kBytes,
+                type, " blocks of ", in_features, " inputs must be [out, ", in_features / T::kElements * T::kBytes,
+                "] (", T::kElements, " inputs a block of ", T::kBytes, " bytes), got ", blocks.sizes());
+  });
+  return in_features;
+}
+
+}  // namespace ggml_detail
+
+inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const std::string& type, int64_t in_features,
+                                 c10::optional<torch::Tensor> bias) {
+  using namespace ggml_detail;
+  const int64_t K = checked_inputs(blocks, type, in_features), N = blocks.size(0);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == K,
+              "ggml_linear: x must be float32 [tokens, ", K, "], got ", x.scalar_type(), " ", x.sizes());
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N,
+                        "ggml_linear: bias must be float32 with ", N, " elements");
+  x = x.contiguous();
+  blocks = blocks.contiguous();
+  const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  with_type(type, [&](auto t) {
+    using T = decltype(t);
+    if (M > kIntegerRows) {
+      linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
+    } else {
+      const Activations a = quantize(x.data_ptr<float>(), M, K);
+      linear_integer<T>(a, M, w, N, bp, y.data_ptr<float>());
+    }
+  });
+  return y;
+}
+
+inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& type, int64_t in_features) {
+  using namespace ggml_detail;
+  const int64_t K = checked_inputs(blocks, type, in_features), N = blocks.size(0);
+  blocks = blocks.contiguous();
+  auto out = torch::empty({N, K}, blocks.options().dtype(torch::kFloat));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_type(type, [&](auto t) {
+    using T = decltype(t);
+    const int64_t row_bytes = K / T::kElements * T::kBytes;
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      RowBuffer buf(K);
+      for (int64_t n = begin; n < end; ++n) {
+        decode_row<T>(w + n * row_bytes, K, buf);
+        expand_row<T>(buf, K, op + n * K);
+      }
+    });
+  });
+  return out;
+}
+
+inline std::vector<std::string> ggml_kernel_types() { return ggml_detail::type_names(); }
+
+}  // namespace lmport

@@ -1,0 +1,140 @@
+"""Linear over GGUF block weights on every backend that declares block types
+(``Capabilities.ggml_types``) against the reference (lmport.ops.ggml_linear, over gguf's dequantizer).
+
+Matrix: every declared type, decode shapes (1, 4, 8 rows: the cpu kernel's integer path), batched
+decode shapes (9, 40: weight tiles expanded in cache) and a prefill shape (129: dequantize + BLAS),
+with and without bias. Weights are random blocks (tests/conformance/ggml_cases.py) with 99 output
+rows, so no kernel's blocks of rows divide them; the K-quants get three 256-input blocks, the
+32-input types nine. Under the Triton interpreter (cuda without a GPU) the shapes are cut to three.
+
+Tolerance of the cpu kernel, derived as test_quant_linear.py derives its own: the weights expand
+bit for bit (tested below), so what is left is float32 summation in another order than the
+reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|, and on the decode path the rounding of x to
+int16 per run of 32 (step max|x_run| / 32767, at most half a step each), sum_k |w_k| * step_k / 2.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ggml_cases import random_blocks
+from harness import op_backend
+from lmport import ops
+from lmport.backend import Backend
+from lmport.weights.ggml import BLOCK_TYPES
+from test_quant_linear import float32_summation_bound, int16_rounding_bound
+
+SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
+OUT = 99
+
+
+def inputs(type_name: str) -> int:
+    return BLOCK_TYPES[type_name].elements * (3 if BLOCK_TYPES[type_name].elements == 256 else 9)
+
+
+@pytest.fixture
+def ggml_backend(backend_name, backend_class, record_property) -> Backend:
+    """The backend on its device, under the Triton interpreter (cuda) or the simulated SDK."""
+    if not backend_class.capabilities.ggml_types:
+        pytest.skip(f"{backend_name} declares no GGUF block types")
+    if backend_class.ggml_linear is Backend.ggml_linear:
+        pytest.skip(f"{backend_name} runs the reference op itself (no kernel of its own to compare)")
+    backend, mode = op_backend(backend_name)
+    record_property("mode", mode)
+    return backend
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape):
+    if type_name not in ggml_backend.capabilities.ggml_types:
+        pytest.skip(f"{type_name} not declared")
+    name = ggml_backend.capabilities.device_type
+    if name != "cpu" and ggml_backend.device.type == "cpu" and shape not in ("decode-1", "batch-9", "prefill-129"):
+        pytest.skip("the Triton interpreter is slow: three shapes keep the run short")
+    weight = random_blocks(type_name, OUT, inputs(type_name))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SHAPES[shape], weight.in_features, generator=g)
+    bias = torch.randn(OUT, generator=g)
+    w = ops.dequantize_ggml(weight)
+    for b in (None, bias):
+        got = ggml_backend.ggml_linear(x.to(ggml_backend.device), weight, None if b is None else b.to(x.device))
+        want = ops.ggml_linear(x, weight, b)
+        bound = float32_summation_bound(x, w) + (int16_rounding_bound(x, w) if shape.startswith("decode") else 0)
+        if name != "cpu":   # float32 dot products of float32 weights: summation order only
+            bound = float32_summation_bound(x, w)
+        assert ((got.cpu() - want).abs() <= bound + 1e-6).all(), (got.cpu() - want).abs().max()
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_reference_dequantizer_is_gguf_bit_for_bit(type_name):
+    weight = random_blocks(type_name, 5, inputs(type_name), seed=2)
+    qtype = gguf.GGMLQuantizationType[type_name.upper()]
+    want = gguf.quants.dequantize(weight.blocks.numpy(), qtype)
+    got = ops.dequantize_ggml(weight).numpy()
+    assert got.shape == (5, weight.in_features)
+    assert np.array_equal(got.view(np.uint32), np.asarray(want, dtype=np.float32).view(np.uint32))
+
+
+def test_cpu_kernel_runs_what_the_backend_declares():
+    from lmport.backends.cpu import CpuBackend, kernels
+    assert set(kernels.load().ggml_types()) == CpuBackend.capabilities.ggml_types
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_cpu_dequantize_kernel_is_the_reference_bit_for_bit(type_name):
+    from lmport.backends.cpu import kernels
+    weight = random_blocks(type_name, OUT, inputs(type_name), seed=3)
+    got = kernels.load().ggml_dequantize(weight.blocks, type_name, weight.in_features)
+    assert torch.equal(got.view(torch.int32), ops.dequantize_ggml(weight).view(torch.int32))
+
+
+def test_cpu_kernel_names_a_shape_it_does_not_take():
+    from lmport.backends.cpu import kernels
+    weight = random_blocks("q4_k", 4, 512)
+    with pytest.raises(RuntimeError, match=r"q4_k blocks of 256 inputs must be \[out, 144\]"):
+        kernels.load().ggml_linear(torch.randn(1, 256), weight.blocks, "q4_k", 256, None)
+    with pytest.raises(RuntimeError, match="no kernel for GGML type 'q8_0'"):
+        kernels.load().ggml_linear(torch.randn(1, 512), weight.blocks, "q8_0", 512, None)
+
+
+def test_undeclared_type_runs_the_reference(backend_name, monkeypatch):
+    """A type missing from the backend's ggml_types runs the reference op; on cpu, where every type is
+    declared, the declaration is narrowed to check that the method reads it."""
+    backend, _ = op_backend(backend_name)
+    declared = backend.capabilities.ggml_types
+    if backend_name == "cpu":
+        from dataclasses import replace
+
+        from lmport.backends.cpu import kernels
+        monkeypatch.setattr(backend, "capabilities", replace(backend.capabilities, ggml_types=declared - {"q4_k"}))
+        compiled = kernels.load()
+
+        def refused(*args, **kwargs):
+            raise AssertionError("the kernel ran a type the backend does not declare")
+        monkeypatch.setattr(compiled, "ggml_linear", refused)
+        monkeypatch.setattr(compiled, "ggml_dequantize", refused)
+        undeclared = ["q4_k"]
+    else:
+        undeclared = sorted(set(BLOCK_TYPES) - declared)[:1]
+    if not undeclared:
+        pytest.skip(f"{backend_name} declares every block type")
+    weight = random_blocks(undeclared[0], OUT, inputs(undeclared[0]))
+    x = torch.randn(2, weight.in_features)
+    got = backend.ggml_linear(x.to(backend.device), weight, None)
+    torch.testing.assert_close(got.cpu().float(), ops.ggml_linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_other_shapes_and_dtypes():
+    """x with leading axes is flattened for the kernel; float64 x runs the reference."""
+    from lmport.backends.cpu import CpuBackend
+    backend = CpuBackend()
+    weight = random_blocks("q6_k", OUT, 512)
+    x = torch.randn(2, 3, 512)
+    got = backend.ggml_linear(x, weight)
+    assert got.shape == (2, 3, OUT)
+    torch.testing.assert_close(got, ops.ggml_linear(x, weight), atol=1e-3, rtol=1e-4)
+    x64 = x.double()
+    assert torch.equal(backend.ggml_linear(x64, weight), ops.ggml_linear(x64, weight))
