@@ -174,6 +174,8 @@ def _ggml_linear_kernel(x_ptr, w_ptr, lut, b_ptr, y_ptr, M, N, K,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
+    rows64 = rows.to(tl.int64)[:, None]          # y of a long prompt's logits can pass 2^31 elements
+    x_rows = x_ptr + rows64 * K
     # Rows past N read row N - 1 (their results are not stored), so the helpers need no masks.
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * ((K // ELEMENTS) * NBYTES)
     j = tl.arange(0, RUN)[None, :]
@@ -182,7 +184,7 @@ def _ggml_linear_kernel(x_ptr, w_ptr, lut, b_ptr, y_ptr, M, N, K,
         blk = w_rows + b * NBYTES
         for s in tl.static_range(ELEMENTS // RUN):
             k0 = b * ELEMENTS + s * RUN
-            x = tl.load(x_ptr + rows[:, None] * K + k0 + j, mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_rows + k0 + j, mask=row_ok[:, None], other=0.0)
             w = DEQUANT(blk, s, j, lut)                     # [BLOCK_N, RUN] fp32
             if ROUND_BF16:
                 w = _round_to_bf16(w)
@@ -192,7 +194,7 @@ def _ggml_linear_kernel(x_ptr, w_ptr, lut, b_ptr, y_ptr, M, N, K,
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:
         acc = _round_to_bf16(acc)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(OUT_DTYPE), mask=row_ok[:, None] & (cols < N)[None, :])
+    tl.store(y_ptr + rows64 * N + cols[None, :], acc.to(OUT_DTYPE), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
 @functools.cache
@@ -202,9 +204,11 @@ def _iq4_table(device: torch.device) -> torch.Tensor:
 
 
 def tiles(m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for m rows of x: decode-sized batches take the smallest tile tl.dot allows."""
+    """(BLOCK_M, BLOCK_N) for m rows of x. Up to 16 rows (decode) the smallest tile tl.dot takes, and on a GPU
+    32 weight rows a program, so a 4096-row weight makes 128 programs (about one an SM) rather than 64.
+    Under the interpreter 64 (every program runs in turn there, and the tests cross a 64-row tile)."""
     if m <= 16:
-        return 16, 64
+        return 16, 64 if INTERPRETED else 32
     if m <= 32:
         return 32, 64
     return 64, 64

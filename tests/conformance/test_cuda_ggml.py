@@ -40,13 +40,14 @@ def cuda():
 
 
 def random_weight(type_name: str, out_features: int, in_features: int, seed: int = 0) -> GGMLWeight:
-    """Random blocks of a type: random bytes, with each float16 field a positive finite scale."""
+    """Random blocks of a type: random bytes, with each float16 field (0.5 .. 1.5) / CODE_RANGE, either sign."""
     t = BLOCK_TYPES[type_name]
     g = torch.Generator().manual_seed(seed)
     nblocks = in_features // t.elements
     blocks = torch.randint(0, 256, (out_features, nblocks, t.nbytes), generator=g, dtype=torch.uint8)
     for offset in HALF_FIELDS[type_name]:
-        d = ((torch.rand(out_features, nblocks, generator=g) + 0.5) / CODE_RANGE[type_name]).half()
+        sign = torch.randint(0, 2, (out_features, nblocks), generator=g) * 2 - 1
+        d = (sign * (torch.rand(out_features, nblocks, generator=g) + 0.5) / CODE_RANGE[type_name]).half()
         blocks[:, :, offset:offset + 2] = d.view(torch.uint8).reshape(out_features, nblocks, 2)
     return GGMLWeight(blocks.reshape(out_features, -1), type_name, in_features).check()
 
@@ -97,6 +98,17 @@ def test_ggml_linear_keeps_leading_dims(cuda):
     weight = random_weight("q4_k", 40, 256, seed=2)
     weight = GGMLWeight(weight.blocks.to(backend.device), "q4_k", 256)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(3)).to(backend.device)
+    check(backend.ggml_linear(x, weight), x, weight, None, mode == "native")
+
+
+def test_gpu_decode_tile(cuda, monkeypatch):
+    """The tile a GPU takes for decode (32 weight rows a program), run here too."""
+    backend, mode = cuda
+    from lmport.backends.cuda import ggml_linear
+    monkeypatch.setattr(ggml_linear, "tiles", lambda m: (16, 32))
+    weight = random_weight("q6_k", 70, 256, seed=5)
+    weight = GGMLWeight(weight.blocks.to(backend.device), "q6_k", 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6)).to(backend.device)
     check(backend.ggml_linear(x, weight), x, weight, None, mode == "native")
 
 
