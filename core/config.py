@@ -172,6 +172,7 @@ class GenerationConfig:
     logprobs: int | None = None         # number of top logprobs to return per token
     skip_special_tokens: bool = True
     response_format: dict | None = None  # structured output (JSON schema, regex, grammar): see lmport.guided
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit before sampling
 
     def __post_init__(self):
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -194,6 +195,9 @@ class GenerationConfig:
                f"stop_words must be a list of non-empty strings, got {self.stop_words!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_number(b) and abs(b) < float("inf") for t, b in self.logit_bias.items())),
+               f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
         if self.response_format is not None:
             from lmport.guided import GuidedDecodingError, grammar_key
             try:

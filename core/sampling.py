@@ -1,5 +1,5 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence and frequency
-penalties, token masks of structured outputs, seeds, logprobs.
+penalties, logit bias, token masks of structured outputs, seeds, logprobs.
 
 Numerically safe for any valid GenerationConfig: temperatures below TEMPERATURE_FLOOR act
 as greedy, filtered rows are renormalised in float32, and a row left with no finite
@@ -27,6 +27,19 @@ def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         penalty = seqs[i].gen_config.repetition_penalty
         values = logits[i, seen]
         logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit gets its bias added (-100 bans it, 100 forces it)."""
+    rows = [i for i, s in enumerate(seqs) if s.gen_config.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        bias = seqs[i].gen_config.logit_bias or {}
+        logits[i, torch.tensor(list(bias), device=logits.device)] += torch.tensor(
+            list(bias.values()), dtype=logits.dtype, device=logits.device)
     return logits
 
 
@@ -82,6 +95,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], t
     raw = logits.float()
     # NaN would win argmax and poison softmax: it counts as "never this token".
     logits = raw.nan_to_num(nan=float("-inf"))
+    logits = apply_logit_bias(logits, seqs)
     if masks is not None:
         logits = apply_bitmask(logits, *masks)
     logits = apply_repetition_penalty(logits, seqs)

@@ -69,3 +69,15 @@ def test_sampled_penalties_equal_openai_formula_per_seed(seed):
 def test_penalty_range_is_checked(field, value):
     with pytest.raises(ConfigError, match=f"{field} must be a number in \\[-2, 2\\]"):
         GenerationConfig(**{field: value})
+
+
+def test_logit_bias_is_added_before_sampling_and_checked():
+    from lmport.sampling import sample
+    from lmport.sequence import Sequence
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]])
+    seqs = [Sequence("a", [0], GenerationConfig(logit_bias={1: -100, 3: 4}), frozenset()),
+            Sequence("b", [0], GenerationConfig(), frozenset())]
+    assert sample(logits, seqs)[0] == [3, 1]
+    for bad in ({1: float("nan")}, {-1: 1.0}, {"1": 1.0}, [1]):
+        with pytest.raises(ConfigError, match="logit_bias"):
+            GenerationConfig(logit_bias=bad)

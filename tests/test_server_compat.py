@@ -122,3 +122,24 @@ def test_openapi_describes_every_route_and_the_replies_conform(server):
     _conforms(doc, "ErrorResponse", post(server, "/v1/completions", {"model": "tiny", "prompt": []}).json())
     with pytest.raises(jsonschema.ValidationError):
         _conforms(doc, "Completion", {**completion, "choices": [{**completion["choices"][0], "text": 5}]})
+
+
+def test_logit_bias_steers_decoding_within_openai_bounds(server):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_tool_model_dir())
+
+    def text(bias: dict, **kw) -> str:
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 4, "ignore_eos": True,
+                                             "logit_bias": bias, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text({"1000": 90, "2000": 100}, temperature=0) == tok.decode([2000] * 4)
+    assert text({"1000": 90, "2000": -100}, temperature=0) == tok.decode([1000] * 4)   # 2000 is banned
+    assert text({"1000": 100}, temperature=1.5, seed=3) == tok.decode([1000] * 4)
+    for body, param in (({"1000": 101}, "logit_bias.1000"), ({"x": 1}, "logit_bias.x"),
+                        ({str(i): 1 for i in range(301)}, "logit_bias"), ({"49152000": 1}, "logit_bias"),
+                        ({"5": "1"}, "logit_bias.5")):
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": "the", "logit_bias": body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert "logit_bias" in r.json()["error"]["message"]

@@ -164,7 +164,7 @@ WHY = [
     ("stop ''", "chat", J, chat(stop=""), 400, "stop"),
     ("17 stop strings", "chat", J, chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
     ("100 KB model name", "chat", J, chat(model="m" * 100_000), 404, "model"),
-    ("logit_bias", "chat", J, chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("logit_bias id outside the vocabulary", "chat", J, chat(logit_bias={"99999999": 10}), 400, "logit_bias"),
     ("best_of 3", "completions", J, {"model": "tiny", "prompt": "a", "best_of": 3}, 400, "best_of"),
     ("functions", "chat", J, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
     ("text/plain POST", "chat", {"Content-Type": "text/plain"}, json.dumps(chat()).encode(), 415, None),

@@ -7,13 +7,14 @@ not change generation. Responses are plain dicts built in ``app.py``.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # each stop string is matched against the text's end at every token
 REPETITION_PENALTY_RANGE = (0.01, 100.0)   # beyond it logits over- or underflow float32
+MAX_LOGIT_BIAS, LOGIT_BIAS_LIMIT = 300, 100   # OpenAI's: at most 300 tokens, each biased by -100..100
 
 
 class APIError(Exception):
@@ -105,15 +106,15 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                      # extension: generate exactly max_tokens
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)          # OpenAI's bounds; the ids are checked against the vocabulary
     # OpenAI fields lmport does not implement: refused (unsupported_problem) rather than silently ignored.
-    logit_bias: dict | None = None
     best_of: int | None = None
     functions: list | None = None
     function_call: str | dict | None = None
 
     def unsupported_problem(self) -> APIError | None:
-        if self.logit_bias:
-            return APIError(400, "logit_bias: not supported by lmport; leave it out", param="logit_bias")
         if self.best_of is not None and self.best_of != 1:
             return APIError(400, "best_of: not supported by lmport (only 1); use n for several choices",
                             param="best_of")
@@ -121,6 +122,17 @@ class _Sampling(_Request):
             if getattr(self, name) is not None:
                 return APIError(400, f"{name}: not supported by lmport; leave it out", param=name)
         return None
+
+    def token_bias(self, vocab: int) -> dict[int, float] | None:
+        """logit_bias with int token ids; a 400 naming the entry for an id outside the vocabulary."""
+        if not self.logit_bias:
+            return None
+        bias = {int(token): value for token, value in self.logit_bias.items()}
+        for token in bias:
+            if token >= vocab:
+                raise APIError(400, f"logit_bias.{token}: token id {token} is outside the vocabulary (ids 0 to "
+                                    f"{vocab - 1})", param="logit_bias")
+        return bias
 
     def stop_problem(self) -> APIError | None:
         words = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -164,6 +164,7 @@ class Server:
             if problem is not None:
                 raise problem
         vocab = self.engine.model_config.vocab_size
+        req.token_bias(vocab)
         if req.top_k > vocab:
             raise APIError(400, f"top_k: {brief(req.top_k)} is more than the vocabulary ({vocab} tokens); give "
                                 f"at most {vocab}, or 0 for no top-k", param="top_k")
@@ -173,6 +174,7 @@ class Server:
             logprobs: int | None, received: float, response_format: dict | None = None) -> Job:
         """Check every prompt against the engine and build one GenerationConfig per choice."""
         configs = []
+        logit_bias = req.token_bias(self.engine.model_config.vocab_size)
         for ids in prompts:
             try:
                 # validate() reads only fixed facts (vocab, session_len): safe without the engine lock.
@@ -193,7 +195,7 @@ class Server:
                         # n choices from one seed differ from each other yet repeat run to run.
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                        response_format=response_format))
+                        response_format=response_format, logit_bias=logit_bias))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
         return Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
