@@ -24,8 +24,7 @@ class CpuBackend(Backend):
         torch_device="cpu",
         kv_quant_policies=frozenset({0, 4, 8}),
         weight_formats=frozenset({"int4", "int8"}),
-        # The GGUF block types csrc/ggml_linear.h runs (its ggml_types() lists the same).
-        ggml_types=frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"}),
+        ggml_types=kernels.GGML_TYPES,
         default_block_size=16,
         dist_backend="gloo",
         priority=0,

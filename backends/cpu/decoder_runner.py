@@ -44,7 +44,10 @@ def _fits(spec: ops.DecoderLayerSpec) -> bool:
     floats = [spec.input_norm, spec.post_attention_norm]
     for lw in (spec.qkv, spec.o, spec.gate_up, spec.down):
         floats += [] if lw.bias is None else [lw.bias]
-        if not isinstance(lw.weight, ops.QuantizedWeight):
+        if isinstance(lw.weight, ops.GGMLWeight):
+            if lw.weight.type_name not in kernels.GGML_TYPES or lw.weight.blocks.device.type != "cpu":
+                return False
+        elif not isinstance(lw.weight, ops.QuantizedWeight):
             floats.append(lw.weight)
             if not kernels.small_linear_takes(lw.weight.shape[1]):
                 return False
@@ -58,6 +61,9 @@ def _bind_linear(lw: ops.LinearWeights, compiled) -> Callable[[torch.Tensor], to
         qweight, scales, mins, bits, group_size = (weight.qweight, weight.scales, weight.mins, weight.bits,
                                                    weight.group_size)
         return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias)
+    if isinstance(weight, ops.GGMLWeight):
+        blocks, type_name, in_features = weight.blocks, weight.type_name, weight.in_features
+        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias)
     return lambda x: compiled.small_linear(x, weight, bias)
 
 

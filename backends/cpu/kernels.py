@@ -24,6 +24,10 @@ def small_linear_takes(in_features: int) -> bool:
     return in_features % 8 == 0
 
 
+# The GGUF block types csrc/ggml_linear.h runs (the compiled module's ggml_types() lists the same).
+GGML_TYPES = frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"})
+
+
 def attention_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 
