@@ -1,10 +1,11 @@
 """The cuda backend's GGUF block kernel (backends/cuda/ggml_linear.py) against the reference op.
 
 Every type the backend declares in ``Capabilities.ggml_types``, x of 1, 3 and 17 rows in float32,
-float16 and bfloat16, with and without bias, on weights of random blocks: every byte random except
-the float16 super-scales, which are set to finite values. 70 output rows cross a 64-row tile; the
-K-quants get two 256-input blocks, the 32-input types four. Without a GPU the kernel runs under
-the Triton interpreter (tests/conftest.py); with one, natively, and on larger shapes too.
+float16 and bfloat16, with and without bias, on weights of random blocks (ggml_cases.py: every byte
+random except the float16 scales, which are set to finite values of either sign). 70 output rows
+cross a 64-row tile; the K-quants get two 256-input blocks, the 32-input types four. Without a GPU
+the kernel runs under the Triton interpreter (tests/conftest.py); with one, natively, and on larger
+shapes too.
 
 Tolerance, derived: the kernel rounds each weight to x's dtype as the reference does, sums exact
 products in fp32 in another order and rounds the result once. So against the exact sum of
@@ -18,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ggml_cases import random_blocks
 from harness import op_backend
 from lmport import ops
 from lmport.backends.cuda import CudaBackend
@@ -25,31 +27,12 @@ from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
 
 TYPES = sorted(CudaBackend.capabilities.ggml_types)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Byte offsets of each block's float16 fields (super-scale d, and dmin / m), llama.cpp's ggml-common.h.
-HALF_FIELDS = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
-               "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
-# Largest |code * sub-scale| of each type, so that d = 1 / CODE_RANGE gives weights of order 1.
-CODE_RANGE = {"q5_0": 16, "q5_1": 31, "q2_k": 45, "q3_k": 128, "q4_k": 945, "q5_k": 1953, "q6_k": 4096,
-              "iq4_nl": 127, "iq4_xs": 4064}
 
 
 @pytest.fixture(scope="module")
 def cuda():
     """(backend, mode): mode "native" on a GPU, "interpreter" otherwise."""
     return op_backend("cuda")
-
-
-def random_weight(type_name: str, out_features: int, in_features: int, seed: int = 0) -> GGMLWeight:
-    """Random blocks of a type: random bytes, with each float16 field (0.5 .. 1.5) / CODE_RANGE, either sign."""
-    t = BLOCK_TYPES[type_name]
-    g = torch.Generator().manual_seed(seed)
-    nblocks = in_features // t.elements
-    blocks = torch.randint(0, 256, (out_features, nblocks, t.nbytes), generator=g, dtype=torch.uint8)
-    for offset in HALF_FIELDS[type_name]:
-        sign = torch.randint(0, 2, (out_features, nblocks), generator=g) * 2 - 1
-        d = (sign * (torch.rand(out_features, nblocks, generator=g) + 0.5) / CODE_RANGE[type_name]).half()
-        blocks[:, :, offset:offset + 2] = d.view(torch.uint8).reshape(out_features, nblocks, 2)
-    return GGMLWeight(blocks.reshape(out_features, -1), type_name, in_features).check()
 
 
 def ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +66,7 @@ def check(got: torch.Tensor, x: torch.Tensor, weight: GGMLWeight, bias: torch.Te
 def test_ggml_linear_matches_the_reference(cuda, type_name, dtype):
     backend, mode = cuda
     k = 512 if BLOCK_TYPES[type_name].elements == 256 else 128
-    weight = random_weight(type_name, 70, k)
+    weight = random_blocks(type_name, 70, k)
     weight = GGMLWeight(weight.blocks.to(backend.device), type_name, k)
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(70, generator=g).to(dtype).to(backend.device)
@@ -95,7 +78,7 @@ def test_ggml_linear_matches_the_reference(cuda, type_name, dtype):
 def test_ggml_linear_keeps_leading_dims(cuda):
     """A [batch, tokens, in] x (a module's input) comes back [batch, tokens, out]."""
     backend, mode = cuda
-    weight = random_weight("q4_k", 40, 256, seed=2)
+    weight = random_blocks("q4_k", 40, 256, seed=2)
     weight = GGMLWeight(weight.blocks.to(backend.device), "q4_k", 256)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(3)).to(backend.device)
     check(backend.ggml_linear(x, weight), x, weight, None, mode == "native")
@@ -106,7 +89,7 @@ def test_gpu_decode_tile(cuda, monkeypatch):
     backend, mode = cuda
     from lmport.backends.cuda import ggml_linear
     monkeypatch.setattr(ggml_linear, "tiles", lambda m: (16, 32))
-    weight = random_weight("q6_k", 70, 256, seed=5)
+    weight = random_blocks("q6_k", 70, 256, seed=5)
     weight = GGMLWeight(weight.blocks.to(backend.device), "q6_k", 256)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6)).to(backend.device)
     check(backend.ggml_linear(x, weight), x, weight, None, mode == "native")
@@ -131,7 +114,7 @@ def test_ggml_linear_native_shapes(cuda, type_name, dtype):
         pytest.skip("GPU shapes: too slow for the Triton interpreter (the small cases above run it)")
     g = torch.Generator().manual_seed(4)
     for rows, k, n in NATIVE_SHAPES:
-        weight = random_weight(type_name, n, k, seed=rows)
+        weight = random_blocks(type_name, n, k, seed=rows)
         weight = GGMLWeight(weight.blocks.to(backend.device), type_name, k)
         x = torch.randn(rows, k, generator=g).to(dtype).to(backend.device)
         bias = torch.randn(n, generator=g).to(dtype).to(backend.device)
