@@ -143,3 +143,48 @@ def test_logit_bias_steers_decoding_within_openai_bounds(server):
         r = post(server, "/v1/completions", {"model": "tiny", "prompt": "the", "logit_bias": body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert "logit_bias" in r.json()["error"]["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}}, "required": ["city"]}}}
+
+
+def test_chat_stream_shape(server):
+    """The role alone first (content null), no empty content deltas, a last chunk with an empty delta and the
+    finish reason, system_fingerprint on every chunk (llama.cpp's server tests check each of these)."""
+    cases = [{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "n": 2},
+             {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 40, "tools": [TOOL],
+              "tool_choice": "required", "logprobs": True, "top_logprobs": 1}]
+    for body in cases:
+        chunks = events(server, "/v1/chat/completions", {"model": "tiny", **body})[:-1]
+        for c in range(body.get("n", 1)):
+            mine = [ch for ch in chunks if ch["choices"][0]["index"] == c]
+            assert mine[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+            assert mine[-1]["choices"][0]["delta"] == {} and mine[-1]["choices"][0]["finish_reason"]
+            for ch in mine[1:-1]:
+                delta = ch["choices"][0]["delta"]
+                assert "role" not in delta and ch["choices"][0]["finish_reason"] is None
+                assert delta.get("content") or delta.get("tool_calls"), delta
+        assert all(ch["system_fingerprint"] for ch in chunks)
+        if body.get("tools"):
+            assert any(ch["choices"][0]["delta"].get("tool_calls") for ch in chunks)
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 2}).json()
+    assert r["system_fingerprint"] and r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_stream_options_continuous_usage_stats(server):
+    """vLLM's extension (guidellm sends it): every chunk carries the usage so far."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        chunks = events(server, path, {"model": "tiny", **body, "max_tokens": 5, "ignore_eos": True,
+                                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        chunks = chunks[:-1]
+        assert all(ch.get("usage") for ch in chunks), chunks
+        completion = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert completion == sorted(completion) and completion[-1] == 5
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5 + chunks[-1]["usage"][
+            "prompt_tokens"]
+        plain = events(server, path, {"model": "tiny", **body, "max_tokens": 3,
+                                      "stream_options": {"include_usage": True}})[:-1]
+        assert all(ch.get("usage") is None for ch in plain[:-1]) and plain[-1]["usage"]

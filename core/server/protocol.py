@@ -87,6 +87,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False          # vLLM's extension: every chunk carries the usage so far
 
 
 class _Sampling(_Request):

@@ -25,8 +25,8 @@ def _too_long(server: Server, param: str, chars: int) -> APIError:
 
 async def _respond(server: Server, request: Request, job: Job, chunk: Callable[..., dict],
                    body: Callable[[list[RequestOutput]], dict], *, stream: bool):
-    """An admitted job's reply: ``chunk(choice, out, delta, first, logprobs_from)`` as server-sent events, or
-    ``body(final outputs)`` once all are done; 499 when the client left first."""
+    """An admitted job's reply: ``chunk(choice, out, delta, logprobs_from)`` (a list of chunks) as server-sent
+    events, or ``body(final outputs)`` once all are done; 499 when the client left first."""
     if stream:
         return EventStream(event_lines(server, job, chunk), on_close=job.release,
                            headers={"Cache-Control": "no-cache"})
@@ -67,26 +67,39 @@ async def chat_completions(server: Server, request: Request):
     job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
                      response_format)
     job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
-                  "model": server.model_name}
-    job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                  "model": server.model_name, "system_fingerprint": server.fingerprint}
+    job.stream_usage(req.stream_options)
     server.admit(job)
 
     parsers = [tools.StreamParser(setup) for _ in job.configs] if setup and req.stream else None
     called = [False] * len(job.configs)
+    started = [False] * len(job.configs)
 
-    def chunk(choice, out, text, first, lp_from):
+    def chunk(choice, out, text, lp_from) -> list[dict]:
+        """OpenAI's stream: the role alone first, then only non-empty deltas, then an empty delta with the
+        finish reason. Logprobs go with the text they are of (text held back keeps them back too)."""
+        def one(delta, finish, logprobs):
+            return {**job.header, "choices": [{"index": choice, "delta": delta, "finish_reason": finish,
+                                               "logprobs": logprobs}]}
+        chunks = []
+        if not started[choice]:
+            started[choice] = True
+            chunks.append(one({"role": "assistant", "content": None}, None, None))
         calls = []
         if parsers:
             text, calls = parsers[choice].feed(text, out.finished)
             called[choice] |= bool(calls)
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta = {"content": text} if text else {}
         if calls:
             delta["tool_calls"] = calls
-        finish = finish_reason(out)
-        return {**job.header, "choices": [{
-            "index": choice, "delta": delta,
-            "finish_reason": "tool_calls" if finish == "stop" and called[choice] else finish,
-            "logprobs": server.chat_logprobs(out, lp_from, top) if top is not None else None}]}
+        logprobs = server.chat_logprobs(out, lp_from, top) if top is not None and (delta or out.finished) else None
+        if delta:
+            chunks.append(one(delta, None, logprobs))
+        if out.finished:
+            finish = finish_reason(out)
+            chunks.append(one({}, "tool_calls" if finish == "stop" and called[choice] else finish,
+                              None if delta else logprobs))
+        return chunks
 
     def body(outs: list[RequestOutput]) -> dict:
         choices = []
@@ -133,8 +146,8 @@ async def completions(server: Server, request: Request):
     structured.check_format(server.engine, response_format, format_param)
     job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format)
     job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                  "model": server.model_name}
-    job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                  "model": server.model_name, "system_fingerprint": server.fingerprint}
+    job.stream_usage(req.stream_options)
     top = req.logprobs
     server.admit(job)
     if req.echo:
@@ -144,10 +157,12 @@ async def completions(server: Server, request: Request):
         finally:
             job.release()
 
-    def chunk(choice, out, text, first, lp_from):
-        return {**job.header, "choices": [{
+    def chunk(choice, out, text, lp_from) -> list[dict]:
+        if not text and not out.finished:
+            return []
+        return [{**job.header, "choices": [{
             "index": choice, "text": text, "finish_reason": finish_reason(out),
-            "logprobs": server.completion_logprobs(out, lp_from, top) if top is not None else None}]}
+            "logprobs": server.completion_logprobs(out, lp_from, top) if top is not None else None}]}]
 
     def body(outs: list[RequestOutput]) -> dict:
         return {**job.header, "usage": server.usage(job, outs), "choices": [
@@ -179,4 +194,5 @@ async def _echo_completion(server: Server, req: CompletionRequest, job: Job, top
     completion = sum(len(o.token_ids) for o in outs if o)
     prompt_tokens = sum(len(p) for p in job.prompts)
     return {**job.header, "choices": choices, "usage": {
-        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}}
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs if o)}}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import cast
 
 from fastapi import Request
@@ -45,7 +47,12 @@ class Job:
     received: float                   # perf_counter() when the request arrived, for time to first token
     header: dict = field(default_factory=dict)   # id, object, created, model: the start of every response
     include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
+    continuous_usage: bool = False    # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     release: object = None            # gives its engine requests back to Admission (idempotent)
+
+    def stream_usage(self, options) -> None:
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
 
     def prompt_of(self, choice: int) -> list[int]:
         return self.prompts[choice // self.n]
@@ -97,6 +104,11 @@ class Server:
         Gauge("lmport_requests_admitted", "Engine requests admitted by the server and not yet finished",
               registry=self.metrics.registry).set_function(lambda: self.admission.active)
         self.created = int(time.time())
+        # Identifies the configuration answering (OpenAI's system_fingerprint): lmport's version and the engine's
+        # settings that change outputs.
+        self.fingerprint = "fp_lmport_" + hashlib.sha256(repr((
+            lmport_version(), self.model_name, engine.config.device_type, engine.config.dtype,
+            engine.config.quant_policy)).encode()).hexdigest()[:12]
         self.live: set[asyncio.Queue] = set()   # the output queues of jobs in flight (see abort_all)
 
     def engine_problem(self) -> str | None:
@@ -310,7 +322,8 @@ class Server:
     def usage(self, job: Job, outs: list[RequestOutput]) -> dict:
         prompt = sum(len(p) for p in job.prompts)
         completion = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -331,15 +344,22 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def lmport_version() -> str:
+    try:
+        return version("lmport")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 async def event_lines(server: Server, job: Job, chunk) -> AsyncIterator[str]:
-    """SSE lines: ``chunk(choice, out, delta, first, logprobs_from)`` per output, usage when asked, [DONE].
+    """SSE lines: the chunks ``chunk(choice, out, delta, logprobs_from)`` makes of each output (none when it
+    holds the text back), usage when asked, [DONE].
 
     ``out.text`` never shows what may still turn out to be a stop string: the engine holds it back.
     """
     finals: list[RequestOutput] = []
     sent_text = [0] * len(job.configs)
     sent_logprobs = [0] * len(job.configs)
-    started = [False] * len(job.configs)
     stream = server.outputs(job)
     try:
         try:
@@ -351,11 +371,16 @@ async def event_lines(server: Server, job: Job, chunk) -> AsyncIterator[str]:
                                         type="server_error").body())
                     continue
                 delta = out.text[sent_text[choice]:]
-                new_logprobs = len(out.logprobs) > sent_logprobs[choice]
-                if delta or out.finished or new_logprobs:
-                    yield _sse(chunk(choice, out, delta, not started[choice], sent_logprobs[choice]))
-                    started[choice], sent_logprobs[choice] = True, len(out.logprobs)
-                    sent_text[choice] += len(delta)
+                sent_text[choice] += len(delta)
+                pieces = chunk(choice, out, delta, sent_logprobs[choice])
+                if pieces:
+                    sent_logprobs[choice] = len(out.logprobs)
+                for piece in pieces:
+                    if job.continuous_usage:
+                        prompt = len(job.prompt_of(choice))
+                        piece["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(out.token_ids),
+                                          "total_tokens": prompt + len(out.token_ids)}
+                    yield _sse(piece)
         except APIError as exc:  # timeout, shutdown, engine stopped: the stream still ends properly
             yield _sse(exc.body())
             yield _sse("[DONE]")
