@@ -72,6 +72,13 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         server.metrics.rejected.labels(str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        # A bug must still answer in OpenAI's shape (JSON, not Starlette's plain text), and leave a traceback.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {brief(str(exc), 200)}",
+                                                 type="server_error", code="internal_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         # 405 keeps Starlette's Allow header (RFC 9110); the code is a name, as in every other error.

@@ -80,7 +80,8 @@ def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
         if name not in names:
             raise APIError(400, f"tool_choice.function.name: {name!r} is not one of the tools ({', '.join(names)})"
                            if name else 'tool_choice: give {"type": "function", "function": {"name": ...}}',
@@ -102,12 +103,25 @@ def call_grammar(functions: list[dict]) -> str:
     """EBNF for one call block of any of ``functions``, its arguments matching the function's parameters."""
     grammars = []
     for fn in functions:
-        schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
-                  "required": ["name", "arguments"]}
+        schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},
+                  "required": ["name", "arguments"], "$defs": {ARGS.rsplit("/", 1)[1]: _rebase(fn["parameters"])}}
         grammars.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= {json.dumps(OPEN + chr(10))}'),
                                            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
                                            xgr.Grammar.from_ebnf(f'root ::= {json.dumps(chr(10) + CLOSE)}')))
     return str(grammars[0] if len(grammars) == 1 else xgr.Grammar.union(*grammars))
+
+
+ARGS = "#/$defs/arguments"   # where call_grammar puts a function's parameters, so their own references resolve
+
+
+def _rebase(node):
+    """A schema's local references (``#/$defs/x``, ``#``) made to point into it at ARGS."""
+    if isinstance(node, dict):
+        return {k: (ARGS + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase(v) for v in node]
+    return node
 
 
 def template_messages(req: ChatCompletionRequest, native: bool) -> list[dict]:
