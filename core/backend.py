@@ -7,8 +7,9 @@ reference in ``lmport.ops``; a backend overrides only what it accelerates.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import psutil
 import torch
@@ -42,6 +43,9 @@ class Capabilities:
     # GGUF block types (lmport.weights.ggml.BLOCK_TYPES: "q4_k", "q6_k", ...) whose blocks the kernels
     # read as the file stores them. Empty: none.
     ggml_types: frozenset[str] = frozenset()
+    # Whether ``Backend.decode_graphs`` captures decode steps (EngineConfig.eager_mode=False). Where it is False,
+    # EngineConfig.resolve records an Adjustment (eager_mode False -> True) and every step runs eagerly.
+    decode_graphs: bool = False
 
     def weight_format_problem(self, bits: int, group_size: int) -> str | None:
         """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""
@@ -76,6 +80,25 @@ class Capabilities:
         if self.block_size_power_of_two and block_size & (block_size - 1):
             return "must be a power of two"
         return None
+
+
+class DecodeGraphs(Protocol):
+    """Captured decode steps (``Backend.decode_graphs``): a batch of n sequences runs as the smallest captured
+    batch size >= n, its extra rows padded (they write no cache slot and their output is dropped)."""
+
+    batch_sizes: tuple[int, ...]
+
+    def takes(self, num_seqs: int, max_blocks: int) -> bool:
+        """Whether a decode batch of ``num_seqs`` sequences, the longest holding ``max_blocks`` blocks, replays."""
+        ...
+
+    def run(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata) -> torch.Tensor:
+        """The step's output rows for the batch's sequences (a view, valid until the next run)."""
+        ...
+
+
+# A decode forward: token ids [B] and the step's metadata -> logits [B, vocab].
+DecodeStep = Callable[[torch.Tensor, ops.AttentionMetadata], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -172,6 +195,14 @@ class Backend:
                   ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' gated MLPs summed with their routing weights (lmport.ops.moe)."""
         return ops.fused_moe(x, gate_up, down, weights, ids)
+
+    def decode_graphs(self, step: DecodeStep, max_batch_size: int, max_blocks_per_seq: int,
+                      block_size: int) -> DecodeGraphs | None:
+        """Decode steps of up to ``max_batch_size`` sequences of up to ``max_blocks_per_seq`` blocks, captured
+        once the model and the KV cache exist (EngineConfig.eager_mode=False; ``capabilities.decode_graphs``
+        says whether a backend does). ``step`` reads its inputs only through its arguments. None: every step
+        runs eagerly."""
+        return None
 
     def decoder_runner(self, layers: list[ops.DecoderLayerSpec]) -> ops.DecoderRunner | None:
         """A function that runs a step through all of ``layers`` at once (lmport.ops.decoder), or None:

@@ -52,7 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     host_cache_gib: float = 0.0
     tp: int = 1
-    eager_mode: bool = True                  # False: backends that can capture graphs do
+    eager_mode: bool = True                  # False: decode steps replay captured graphs where the backend can
     # "auto": a quantized checkpoint keeps its 4-/8-bit weights (docs/weight-quantization.md);
     # "dequantize": its weights are dequantized to dtype at load (for a backend without its format).
     weight_format: str = "auto"
@@ -95,6 +95,7 @@ class EngineConfig:
                f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         _check(_is_number(self.dist_timeout) and self.dist_timeout > 0,
                f"dist_timeout must be a number of seconds > 0, got {self.dist_timeout!r}")
+        _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.device_type != "auto":
@@ -135,10 +136,16 @@ class EngineConfig:
                 adjustments.append(Adjustment("block_size", self.block_size, caps.block_size_forced,
                                               f"{caps.device_type} requires block size {caps.block_size_forced}"))
             block_size = caps.block_size_forced
+        eager_mode = self.eager_mode
+        if not eager_mode and (not caps.decode_graphs or self.tp > 1):
+            why = (f"{caps.device_type} does not capture decode steps" if not caps.decode_graphs
+                   else f"decode steps are captured at tp=1 only (tp={self.tp})")
+            adjustments.append(Adjustment("eager_mode", False, True, why + "; every step runs eagerly"))
+            eager_mode = True
         for a in adjustments:
             log.warning("config adjusted: %s %r -> %r (%s)", *a)
         return dataclasses.replace(
-            self, device_type=caps.device_type, block_size=block_size,
+            self, device_type=caps.device_type, block_size=block_size, eager_mode=eager_mode,
             dtype=caps.default_dtype if self.dtype == "auto" else self.dtype,
             cache_max_entry_count=(caps.default_cache_max_entry_count if self.cache_max_entry_count is None
                                    else self.cache_max_entry_count),

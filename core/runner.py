@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmport import memory
-from lmport.backend import Backend
+from lmport.backend import Backend, DecodeGraphs
 from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.models.loader import load_model
@@ -52,6 +52,7 @@ class ModelRunner:
         self.host_caches: list = []
         self.memory_inputs: memory.MemoryInputs | None = None
         self.plan: memory.CachePlan | None = None
+        self.graphs: DecodeGraphs | None = None   # captured decode steps (eager_mode=False), once allocated
 
     # -- memory (docs/memory.md) --------------------------------------------
     def plan_memory(self) -> int:
@@ -75,6 +76,11 @@ class ModelRunner:
         pin = self.backend.pin_host_memory()
         self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
+        if not self.config.eager_mode:
+            # The resolved config keeps eager_mode=False only where the backend captures (EngineConfig.resolve).
+            self.graphs = self.backend.decode_graphs(
+                self.decode_step, self.config.max_batch_size,
+                ceil_div(self.plan.session_len, self.layout.block_size), self.layout.block_size)
 
     # -- a step -------------------------------------------------------------
     def copy_blocks(self, copies: list) -> None:
@@ -89,7 +95,17 @@ class ModelRunner:
         self.copy_blocks(step.copies)
         if not step.q_lens:
             return None
+        if (self.graphs is not None and max(step.q_lens) == 1 and step.logits_rows
+                and self.graphs.takes(len(step.q_lens), max(map(len, step.block_tables)))):
+            meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size,
+                                            self.backend.device)
+            logits = self.graphs.run(torch.tensor(step.token_ids, dtype=torch.long).to(self.backend.device), meta)
+            return logits[step.logits_rows]   # a copy: the replayed output is overwritten by the next run
         return self.forward(step, self.caches)
+
+    def decode_step(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+        """One decode forward over this rank's cache, every row's logits: what ``Backend.decode_graphs`` captures."""
+        return self.model.logits(self.model(input_ids, meta, self.caches))
 
     def forward(self, step: StepInput, caches: list) -> torch.Tensor | None:
         device = self.backend.device
@@ -110,7 +126,7 @@ class ModelRunner:
         return dict(self.tp.stats)
 
     def close(self) -> None:
-        self.caches, self.host_caches = [], []
+        self.caches, self.host_caches, self.graphs = [], [], None
 
 
 def measure_activation_reserve(runner) -> int | None:

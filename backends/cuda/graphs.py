@@ -10,11 +10,14 @@ is padded up to the next captured size: padded rows have slot -1 (the fill
 kernel skips them), a KV length of 1 and block 0 (they read one finite value
 and their output is dropped).
 
-Interface (for the engine)::
+The engine reaches it through ``CudaBackend.decode_graphs`` (``Backend.decode_graphs``), which the model
+runner (``lmport.runner``) calls once the KV cache is allocated when the resolved config has
+``eager_mode=False``; each step that ``takes`` replays, any other (prefill, a larger batch, a longer block
+table) runs eagerly::
 
-    runner = DecodeGraphRunner(step, max_blocks_per_seq, block_size, device)
+    runner = DecodeGraphRunner(step, max_blocks_per_seq, block_size, device, graph_batch_sizes(max_batch_size))
     runner.capture()                      # after the model and the KV cache exist
-    if runner.batch_size_for(n) is not None:
+    if runner.takes(n, max_blocks):
         out = runner.run(input_ids, meta)  # meta: a decode AttentionMetadata of n sequences
     else:
         out = step(input_ids, meta)       # eager
@@ -41,6 +44,11 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 Step = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
+def graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes captured for an engine of ``max_batch_size``: the defaults up to it, and it."""
+    return tuple(sorted({b for b in DEFAULT_BATCH_SIZES if b < max_batch_size} | {max_batch_size}))
+
+
 class DecodeGraphRunner:
     def __init__(self, step: Step, max_blocks_per_seq: int, block_size: int,
                  device: torch.device | str, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> None:
@@ -58,8 +66,10 @@ class DecodeGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
         self.q_start_loc = torch.arange(n + 1, **i32)
         self.q_lens = torch.ones(n, **i32)
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.max_kv_len = max_blocks_per_seq * block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.runs = 0   # batches run through ``run`` (replayed, or padded and run eagerly off a GPU)
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
@@ -93,6 +103,16 @@ class DecodeGraphRunner:
         """The captured size a batch of n runs as (None: too large, run eagerly)."""
         return next((b for b in self.batch_sizes if b >= n), None)
 
+    def takes(self, num_seqs: int, max_blocks: int) -> bool:
+        """Whether a decode batch of ``num_seqs`` sequences whose longest block table has ``max_blocks``
+        blocks runs here (else the caller runs it eagerly)."""
+        return self.batch_size_for(num_seqs) is not None and max_blocks <= self.max_blocks_per_seq
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The batch sizes with a captured graph (none off a GPU, where ``run`` pads and runs eagerly)."""
+        return tuple(sorted(self.graphs))
+
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = meta.num_seqs
         b = self.batch_size_for(n)
@@ -112,6 +132,7 @@ class DecodeGraphRunner:
         self.kv_lens[n:b].fill_(1)
         self.block_tables[n:b].zero_()
         self.positions[n:b].zero_()
+        self.runs += 1
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]
