@@ -57,6 +57,7 @@ class CudaBackend(Backend):
         dist_backend="nccl",
         priority=100,
         default_dtype="bfloat16",
+        decode_graphs=True,
     )
 
     @classmethod
@@ -122,3 +123,12 @@ class CudaBackend(Backend):
         return self.kernels.fused_moe(x, gate_up, down, weights, ids)
 
     # copy_blocks, rms_norm, apply_rotary: the reference torch ops (docs/cuda.md says why).
+
+    def decode_graphs(self, step, max_batch_size: int, max_blocks_per_seq: int, block_size: int):
+        """CUDA graphs of the decode step (backends/cuda/graphs.py); off a GPU (device "cpu", the interpreter)
+        nothing is captured and each step runs eagerly on the same padded buffers."""
+        from lmport.backends.cuda.graphs import DecodeGraphRunner, graph_batch_sizes
+        runner = DecodeGraphRunner(step, max_blocks_per_seq, block_size, self.device,
+                                   graph_batch_sizes(max_batch_size))
+        runner.capture()
+        return runner
