@@ -167,16 +167,68 @@ def template_knows_tools(tokenizer) -> bool:
 
 
 def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> list[int]:
-    """Token ids of the conversation with its tools, through the chat template."""
+    """Token ids of the conversation with its tools, through the chat template.
+
+    Only the template's own markup becomes special tokens: a special token's text inside a message,
+    a tool call or a tool (``<|im_end|>`` typed by a user) is tokenized as plain text, so content
+    cannot open or close turns.
+    """
     native = template_knows_tools(tokenizer)
     messages = template_messages(req, native)
+    tools = setup.tools if setup is not None else None
     if setup is not None and not native:
         prompt = GENERIC_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in setup.tools))
         if messages and messages[0]["role"] in ("system", "developer"):
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
-    return encode_prompt(tokenizer, messages, setup.tools if setup is not None and native else None)
+        tools = None
+    special = _special_texts(tokenizer)
+    found = special.search(json.dumps([messages, tools], ensure_ascii=False)) if special else None
+    if found is None:
+        return encode_prompt(tokenizer, messages, tools)
+    # Each special token's text in the input becomes a placeholder the template passes through; the
+    # rendered prompt is tokenized with the template's specials, each placeholder as the plain text it stands for.
+    nonce = f"lmportliteral{uuid.uuid4().hex}x"
+    texts: list[str] = []
+
+    def hide(value):
+        if isinstance(value, str):
+            def sub(m):
+                texts.append(m.group(0))
+                return f"{nonce}{len(texts) - 1}x"
+            return special.sub(sub, value)
+        if isinstance(value, dict):
+            return {k: hide(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [hide(v) for v in value]
+        return value
+    messages, tools = hide(messages), hide(tools)
+    if tokenizer.chat_template is None:
+        rendered = "\n".join(m["content"] for m in messages)
+    else:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **({"tools": tools} if tools else {}))
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(f"{nonce}([0-9]+)x", rendered)):
+        if i % 2:
+            ids += tokenizer.encode(texts[int(piece)], add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def _special_texts(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of any of the tokenizer's special tokens (cached on the tokenizer)."""
+    cached = getattr(tokenizer, "_lmport_special_texts", False)
+    if cached is not False:
+        return cached
+    words = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    words.update(tokenizer.all_special_tokens)
+    words.discard("")
+    pattern = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))) if words else None
+    tokenizer._lmport_special_texts = pattern
+    return pattern
 
 
 def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
