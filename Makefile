@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: run test test-all bench setup lint
+.PHONY: run test test-all bench setup lint gpu-dry-run
 
 setup: $(STAMP)
 
@@ -37,3 +37,11 @@ test-all: lint
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+
+# The GPU kit (benchmarks/gpu/, docs/cuda.md "Verifying on a GPU") without a GPU: the cuda backend under the Triton
+# interpreter, each GPU-only step run at toy size and recorded as skipped with its reason. tests/test_gpu_kit.py runs
+# the same in `make test-all`.
+gpu-dry-run: $(STAMP)
+	$(PY) benchmarks/gpu/run.py --dry-run --out benchmarks/gpu/out/dry-run --work build/gpu-dry-run/work \
+		--site build/gpu-dry-run/site --cache build/gpu-dry-run/cache --budget 1200
+	$(PY) benchmarks/gpu/summary.py benchmarks/gpu/out/dry-run
