@@ -62,7 +62,22 @@ def grammar_key(response_format: dict | None) -> tuple[str, str] | None:
     text = response_format.get(kind)
     if not isinstance(text, str) or not text:
         raise GuidedDecodingError(f"response_format.{kind} must be a non-empty string, got {_short(text)}")
+    if kind == "regex_schema":
+        check_repeats(text, f"response_format.{kind}")
     return (kind, text)
+
+
+MAX_REPEAT = 10_000   # a regex count above it would be expanded into that many grammar states (and xgrammar
+                      # reads counts as 32-bit: a{4294967297} silently became a{1})
+REPEAT = re.compile(r"(?<!\\)\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}")
+
+
+def check_repeats(regex: str, where: str) -> None:
+    for m in REPEAT.finditer(regex):
+        for count in m.groups():
+            if count and int(count) > MAX_REPEAT:
+                raise GuidedDecodingError(f"{where}: the repetition {_short(m.group(0))} counts beyond "
+                                          f"{MAX_REPEAT}; use * or + for an unbounded count")
 
 
 # Keywords xgrammar would silently ignore (its output could then break the schema): refused instead.
@@ -79,6 +94,16 @@ def check_schema(schema) -> None:
         raise GuidedDecodingError(f"response_format.json_schema.schema is not a valid JSON schema"
                                   f"{f' at {where}' if where else ''}: {exc.message}") from None
     for path, node in _walk(schema, ""):
+        where = f"response_format.json_schema.schema{path}"
+        if isinstance(node.get("pattern"), str):
+            check_repeats(node["pattern"], f"{where}/pattern")
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if node.get("additionalProperties") is False and not node.get("patternProperties"):
+            missing = [n for n in node.get("required", []) if n not in props]
+            if missing:
+                raise GuidedDecodingError(f"{where}: required {', '.join(map(repr, missing[:5]))} is not among "
+                                          f"the properties and additionalProperties is false, so no object can "
+                                          f"match; add it to properties or drop it from required")
         used = [k for k in UNSUPPORTED_KEYWORDS if k in node]
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
@@ -131,9 +156,20 @@ class Grammars:
             compiled = self._compile(*key)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
             raise GuidedDecodingError(f"response_format: the {key[0]} cannot be compiled: {_reason(exc)}") from None
+        if not self._can_start(compiled):
+            raise GuidedDecodingError(f"response_format: the {key[0]} matches no output at all (every rule "
+                                      f"needs itself, or a reference never reaches a value): fix the {key[0]}")
         with self._lock:
             self.compiles += key not in self._cache
             return self._cache.setdefault(key, compiled)
+
+    def _can_start(self, compiled: xgr.CompiledGrammar) -> bool:
+        """Whether any first token is allowed (an unsatisfiable format allows none, and would emit end tokens
+        to the length limit)."""
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any()) or matcher.is_terminated()
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         if kind == "json_schema":

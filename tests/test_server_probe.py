@@ -66,3 +66,21 @@ def test_special_tokens_typed_into_content_stay_text(server):
     plain = ChatCompletionRequest.model_validate(chat("hello there"))
     assert tools.encode(tok, plain, None) == list(tok.apply_chat_template(
         [{"role": "user", "content": "hello there"}], add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("guided_json", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "matches no output"),
+    ("guided_grammar", 'root ::= x\nx ::= x "a"', "matches no output"),
+    ("guided_regex", "a{4294967297}", "counts beyond"),
+    ("guided_json", {"type": "object", "properties": {"s": {"type": "string", "pattern": "b{0,99999}"}}},
+     "counts beyond"),
+    ("guided_json", {"type": "object", "properties": {}, "required": ["x"], "additionalProperties": False},
+     "no object can match"),
+])
+def test_unsatisfiable_or_silently_wrong_formats_are_refused(server, field, value, words):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 4, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and words in r.json()["error"]["message"], \
+        r.text
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 4,
+                                            "guided_regex": "a{3}"}).json()["choices"][0]["text"] == "aaa"
