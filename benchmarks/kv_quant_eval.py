@@ -150,9 +150,8 @@ def main(argv=None) -> int:
         ap.error("policy 0 is needed: agreement and the changes are measured against it")
 
     # Tokenize with the model's tokenizer (the same for every policy); no BOS, as SmolLM2 has none.
-    from lmport.models.loader import hf_directory
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(hf_directory(args.model))
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer(args.model)
     ids = tokenizer.encode(load_text(), add_special_tokens=False)
     n_chunks = len(ids) // args.chunk
     if args.quick:

@@ -142,9 +142,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/prefix_cache.json")
     args = parser.parse_args()
 
-    from lmport.models.loader import hf_directory
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(hf_directory(args.model))
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer(args.model)
     requests = workload(tokenizer, args)
     per_prompt_blocks = -(-args.prompt_len // args.block_size)
     if args.blocks is None:

@@ -137,16 +137,17 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import hf_directory
-    directory = hf_directory(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    from lmport.models.loader import load_tokenizer, resolve_model_path
+    tokenizer = load_tokenizer(args.model)
     requests = workload(tokenizer, args.requests, args.seed)
     results = [run_lmport(args.model, requests, args)]
     if "dequantized" not in args.skip:   # the same GGUF dequantized to float32 at load (the path before int4/int8)
         results.append(run_lmport(args.model, requests, args, "dequantize") | {"engine": "lmport (float32 weights)"})
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    path = resolve_model_path(args.model)   # transformers dequantizes a GGUF to float32
+    hf = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if path.is_dir() else
+          AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)).eval()
     if "generate" not in args.skip:
         results.append(run_hf_generate(hf, tokenizer, requests, args.hf_batch))
     if "generate_batch" not in args.skip:

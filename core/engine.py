@@ -30,7 +30,7 @@ from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
 from lmport.units import fmt_bytes
-from lmport.weights.checkpoint import check_backend, checkpoint_formats
+from lmport.weights.checkpoint import check_backend, is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Engine:
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
         path = resolve_model_path(model)
-        if self.config.tp > 1 and self.config.weight_format == "auto" and checkpoint_formats(path):
+        if self.config.tp > 1 and self.config.weight_format == "auto" and is_quantized(path):
             # Quantized weights are not sharded: under tensor parallelism the checkpoint loads float.
             log.warning("tp=%d: %s is dequantized to %s at load (quantized weights run at tp=1 only)",
                         self.config.tp, path.name, self.config.dtype)

@@ -56,16 +56,16 @@ def _tiny_config(arch: str):
 @functools.cache
 def tiny_model_dir(arch: str) -> str:
     """A directory with a random-weight ``arch`` model and the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import cache_root, hf_directory
+    from lmport.models.loader import cache_root, load_tokenizer
     target = cache_root() / "test-models" / f"tiny-{arch}-v1"
     if not (target / "config.json").exists():
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(hf_directory("smollm2")).save_pretrained(tmp)
+        load_tokenizer("smollm2").save_pretrained(tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -74,12 +74,42 @@ def tiny_model_dir(arch: str) -> str:
 
 
 @functools.cache
-def hf_model(model: str):
-    """transformers' own model (float32, eval) for a short name or a directory."""
+def transformers_dir(model: str) -> Path:
+    """A transformers directory for a short name, a directory or a GGUF: a GGUF is converted once by
+    transformers (dequantized to float32) into the test cache, the reference the tests compare with."""
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import hf_directory
-    return AutoModelForCausalLM.from_pretrained(hf_directory(model), dtype=torch.float32).eval()
+    from lmport.models.loader import cache_root, load_tokenizer, resolve_model_path
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path
+    stat = path.stat()
+    target = cache_root() / "test-models" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not (target / "config.json").exists():
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        # transformers refuses save_pretrained on a GGUF-loaded model; its weights are plain tensors by now.
+        tmp.mkdir(parents=True)
+        save_model(hf, str(tmp / "model.safetensors"))
+        if hasattr(hf.config, "quantization_config"):
+            del hf.config.quantization_config
+        hf.config.save_pretrained(tmp)
+        if hf.generation_config is not None:
+            hf.generation_config.save_pretrained(tmp)
+        load_tokenizer(model).save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@functools.cache
+def hf_model(model: str):
+    """transformers' own model (float32, eval) for a short name, a directory or a GGUF."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(transformers_dir(model), dtype=torch.float32).eval()
 
 
 def hf_greedy(model: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -95,8 +125,8 @@ def hf_greedy(model: str, prompts: list[list[int]], max_new_tokens: int) -> list
 
 
 def default_model_path() -> Path:
-    from lmport.models.loader import hf_directory
-    return hf_directory("smollm2")
+    """The default model as a float32 transformers directory (read fast; the same config)."""
+    return transformers_dir("smollm2")
 
 
 @functools.cache

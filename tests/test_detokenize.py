@@ -5,10 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import AutoTokenizer
-
 from lmport.detokenize import IncrementalDecoder
-from lmport.models.loader import hf_directory
+from lmport.models.loader import load_tokenizer
 
 TEXT = ("Paged attention keeps keys and values in fixed-size blocks. Ünïcödé: naïve café, 日本語のテキスト, "
         "emoji 🚀🧪👩‍💻, math ∑∫√, tabs\tand  double  spaces, newlines\n\n  indented, code: `x = {'a': [1, 2]}`.")
@@ -16,7 +14,7 @@ TEXT = ("Paged attention keeps keys and values in fixed-size blocks. Ünïcödé
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(hf_directory("smollm2"))
+    return load_tokenizer("smollm2")
 
 
 def check_streams_like_whole(tokenizer, ids: list[int], skip_special_tokens: bool) -> None:

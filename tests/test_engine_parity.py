@@ -33,10 +33,8 @@ NEW_TOKENS = 12
 
 @functools.cache
 def prompt_ids() -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from lmport.models.loader import hf_directory
-    tok = AutoTokenizer.from_pretrained(hf_directory("smollm2"))
+    from lmport.models.loader import load_tokenizer
+    tok = load_tokenizer("smollm2")
     return [tok.encode(p) for p in PROMPTS]
 
 

@@ -13,6 +13,7 @@ from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import Engine
 from lmport.models import loader
+from lmport.weights import gguf as gguf_weights
 from models import default_model_path, tiny_model_dir
 from test_get_ppl import CONFIG, FREE, smollm2_pipeline
 
@@ -39,8 +40,8 @@ def test_smollm2_plan_reads_no_weights_and_matches_the_engine(monkeypatch):
         raise AssertionError("lmport plan must not load or convert weights")
 
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", metadata_only)
-    monkeypatch.setattr(loader, "hf_directory", no_weights)
     monkeypatch.setattr(loader, "load_model", no_weights)
+    monkeypatch.setattr(gguf_weights, "load_tensors", no_weights)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     misses = plan.read_model_config.cache_info().misses
     report = plan.build_plan("smollm2", CONFIG, device_memory=FREE + engine.weight_bytes)

@@ -5,21 +5,19 @@ A decode step at batch 1 is a string of small matmuls, each paying a fixed cost 
 of weight it reads (the call, the threads, a quantized kernel's pass over the activations); merging
 leaves 4 calls a layer instead of 7. The merged weight stacks the parts' rows in order
 (under tensor parallelism, this rank's rows of each), so its output splits back into theirs exactly.
-Parts of different kinds (float beside quantized, int4 beside int8, other group sizes, dtypes or
-biases) stay separate.
+Parts of different kinds (float beside quantized, int4 beside int8, other group sizes or GGUF block
+types, dtypes or biases) stay separate.
 """
 from __future__ import annotations
-
-import ctypes
-import mmap
-import sys
 
 import torch
 from torch import nn
 
 from lmport.models.llama import MLP, Attention, Linear, RowParallelLinear
-from lmport.models.quantized import QuantLinear
+from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.weights.format import QuantizedWeight
+from lmport.weights.ggml import GGMLWeight
+from lmport.weights.residency import page_out
 
 
 def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
@@ -35,6 +33,12 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
         merged = QuantizedWeight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("qweight", "scales", "mins")),
                                  weights[0].bits, weights[0].group_size)
         return QuantLinear(merged, bias, parts[0].backend)
+    if all(isinstance(p, GGMLLinear) for p in parts):
+        blocks = [p.quantized for p in parts]
+        if len({(w.type_name, w.in_features) for w in blocks}) != 1:
+            return None
+        merged = GGMLWeight(torch.cat([w.blocks for w in blocks]), blocks[0].type_name, blocks[0].in_features)
+        return GGMLLinear(merged, bias, parts[0].backend)
     if all(type(p) is not RowParallelLinear and isinstance(p, Linear) for p in parts):
         weights = [p.weight.detach() for p in parts]
         if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
@@ -46,26 +50,6 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
             fused.bias = nn.Parameter(bias, requires_grad=False)
         return fused
     return None
-
-
-MADV_PAGEOUT = 21   # Linux 5.4+ (asm-generic/mman-common.h); Python's mmap module may not name it
-
-
-def page_out(tensors: list[torch.Tensor]) -> None:
-    """Ask the OS to reclaim the whole pages under these host tensors (Linux ``MADV_PAGEOUT``, which
-    keeps their contents: a later read faults them back in). On cpu the merged parts are typically
-    pages of the checkpoint file that transformers maps; the file's other tensors keep the mapping
-    alive, so without this the copied-from pages stay resident beside their merged copy."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc, page = ctypes.CDLL(None, use_errno=True), mmap.PAGESIZE
-    for t in tensors:
-        if t.device.type != "cpu":
-            continue
-        start = -(-t.data_ptr() // page) * page
-        end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-        if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)   # a hint: errors ignored
 
 
 # Module class: (the merged linear's attribute, its parts' attributes in row order).

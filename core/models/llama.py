@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from lmport import ops
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
-from lmport.models.quantized import QuantLinear
+from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.models.rope_table import RopeTable
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
@@ -204,7 +204,7 @@ class DecoderLayer(nn.Module):
 def linear_weights(module: nn.Module | None) -> ops.LinearWeights | None:
     """A float or quantized linear's weight and bias; None for any other module (a row-parallel
     linear sums over ranks, which the spec does not)."""
-    if isinstance(module, QuantLinear):
+    if isinstance(module, QuantLinear | GGMLLinear):
         return ops.LinearWeights(module.quantized, module.bias)
     if isinstance(module, Linear) and not (isinstance(module, RowParallelLinear) and module.tp.size > 1):
         return ops.LinearWeights(module.weight, module.bias)

@@ -1,18 +1,15 @@
-"""Find a model, convert a GGUF once into a local safetensors cache, load it through transformers."""
+"""Find a model and load it: a GGUF straight from the file (config, tokenizer and tensors from it), a
+transformers directory through transformers or, for AWQ / GPTQ, lmport's own reader."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
 from tqdm import tqdm
 
 from lmport import ops
@@ -62,40 +59,6 @@ def resolve_model_path(model: str) -> Path:
                         f"a .gguf file nor a directory with config.json")
 
 
-def hf_directory(model: str) -> Path:
-    """A transformers directory for ``model``; a GGUF is converted once and cached."""
-    path = resolve_model_path(model)
-    if path.is_dir():
-        return path
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"{path.stem}-{key}"
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    log.info("converting %s once into %s (dequantizing the GGUF)", path, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        # transformers refuses save_pretrained on a GGUF-loaded model; the weights are
-        # plain dequantized tensors by now, so save them and the config directly.
-        save_model(hf, str(tmp / "model.safetensors"))
-        if hasattr(hf.config, "quantization_config"):
-            del hf.config.quantization_config
-        hf.config.save_pretrained(tmp)
-        if hf.generation_config is not None:
-            hf.generation_config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process converted it first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 @functools.cache
 def read_model_config(model: str):
     """The transformers config of a short name, a HF directory or a .gguf (its metadata only: no tensor is
@@ -104,7 +67,24 @@ def read_model_config(model: str):
     path = resolve_model_path(model)
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    arch = gguf.architecture(path)   # ConfigError for an architecture lmport does not run
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    experts = gguf.field(gguf.read(path), f"{arch}.expert_count", 0)
+    if arch == "llama" and experts:   # Mixtral: llama.cpp writes it as llama with experts
+        from transformers import MixtralConfig
+        fields = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")}
+        cfg = MixtralConfig(**fields | {"num_local_experts": experts,
+                                        "num_experts_per_tok": gguf.field(gguf.read(path), "llama.expert_used_count")})
+    return cfg
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of a short name, a HF directory, or a .gguf (built from its metadata)."""
+    from transformers import AutoTokenizer
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @dataclass
@@ -120,45 +100,82 @@ class LoadedModel:
 def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None,
                weight_format: str = "auto") -> LoadedModel:
     """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config.
-    A GGUF whose tensors map onto the internal quantized format, or an AWQ / GPTQ directory, keeps
-    them quantized (unless ``weight_format="dequantize"``), refused before any tensor loads when the
-    backend cannot run them."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    A GGUF's quantized tensors, or an AWQ / GPTQ directory's, stay quantized (unless
+    ``weight_format="dequantize"``), refused before any tensor loads when the backend cannot run them."""
+    from transformers import AutoModelForCausalLM
     path = resolve_model_path(model)
-    keep_quantized = bool(check_backend(path, backend.capabilities, weight_format))
+    keep_quantized = check_backend(path, backend.capabilities, weight_format)
     packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
     if (keep_quantized or packed) and tp is not None and tp.size > 1:
         raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (its weights are not "
                           f"sharded in their quantized layout); use tp=1, or weight_format='dequantize' for a GGUF")
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
-        directory = hf_directory(model)
+        tokenizer, cfg = load_tokenizer(model), read_model_config(model)
         bar.update()
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        if keep_quantized or packed:
-            cfg = AutoConfig.from_pretrained(directory)
-            generation_config = _generation_config(directory)
-            quantized, floats = (packed_int.load_tensors(path, dtype) if packed
-                                 else gguf.load_tensors(path, cfg, dtype))
+        if path.suffix == ".gguf":
+            paged = _paged_from_gguf(path, cfg, backend, dtype, tp, keep_quantized)
+            eos = _gguf_eos_ids(path, cfg)
+        elif packed:
+            quantized, floats = packed_int.load_tensors(path, dtype)
             if not keep_quantized:   # weight_format="dequantize"
                 floats |= {name: ops.dequantize(w, dtype) for name, w in quantized.items()}
                 quantized = {}
             paged = _paged_from_tensors(path, cfg, quantized, floats, backend, dtype)
+            paged.rotary = rotary_for(cfg)
+            eos = _eos_ids(_generation_config(path))
         else:
-            hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-            cfg, generation_config = hf.config, hf.generation_config
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            cfg = hf.config
             with torch.device("meta"):
                 paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
             # Share transformers' tensors instead of copying them (tied embeddings stay tied).
             paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
             paged.rotary = hf.model.rotary_emb
+            eos = _eos_ids(hf.generation_config)
         fuse_projections(paged)
         bar.update()
         paged.to(backend.device).eval()
         bar.update()
-    eos = generation_config.eos_token_id if generation_config is not None else None
-    eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos_ids = eos | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), resident_bytes(paged), parameter_count(paged))
+
+
+def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: TPGroup | None,
+                     keep_quantized: bool) -> PagedCausalLM:
+    """The paged model over a GGUF's tensors, read from the mapped file (this rank's shard under ``tp``,
+    where they load float)."""
+    with torch.device("meta"):
+        paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    names = [n for n, _ in paged.named_parameters(remove_duplicate=False) if not (tied and n == "lm_head.weight")]
+    quantized, floats = gguf.load_tensors(path, cfg, dtype, names, keep_quantized)
+    if tied:
+        embed = "model.embed_tokens.weight"
+        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
+    paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
+    paged.rotary = rotary_for(cfg)
+    return paged
+
+
+def rotary_for(cfg) -> torch.nn.Module:
+    """transformers' own rotary module for ``cfg``'s model type (its rope scaling, Gemma 3's per layer type)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    return type(skeleton.model.rotary_emb)(config=cfg)
+
+
+def _gguf_eos_ids(path: Path, cfg) -> set[int]:
+    """End-of-generation tokens a GGUF names: eos, end-of-turn and end-of-message, and the config's."""
+    reader = gguf.read(path)
+    ids = {gguf.field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")}
+    eos = getattr(cfg, "eos_token_id", None)
+    return {i for i in ids | set(eos if isinstance(eos, list) else [eos]) if i is not None}
+
+
+def _eos_ids(generation_config) -> set[int]:
+    eos = generation_config.eos_token_id if generation_config is not None else None
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -176,6 +193,9 @@ def parameter_count(model: torch.nn.Module) -> int:
         if isinstance(module, quantized_layers.QuantLinear | quantized_layers.QuantEmbedding):
             q = module.quantized
             counts[q.qweight.data_ptr()] = q.out_features * q.in_features
+        elif isinstance(module, quantized_layers.GGMLLinear | quantized_layers.GGMLEmbedding):
+            w = module.quantized
+            counts[w.blocks.data_ptr()] = w.out_features * w.in_features
     return sum(counts.values())
 
 
@@ -188,21 +208,21 @@ def _generation_config(directory: Path):
 
 
 def _paged_from_tensors(path: Path, cfg, quantized: dict, floats: dict, backend: Backend,
-                        dtype: torch.dtype) -> PagedCausalLM:
-    """The paged model over a loader's quantized weights and float tensors (transformers' names)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+                        dtype: torch.dtype, paged: PagedCausalLM | None = None) -> PagedCausalLM:
+    """The paged model (``paged``: one built on the meta device) over a loader's quantized weights and
+    float tensors (transformers' names); its rotary module is the caller's to set."""
     if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in quantized | floats:
         embed = "model.embed_tokens.weight"
         (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
-    with torch.device("meta"):
-        paged = model_class(cfg)(cfg, backend, rotary=None)
+    if paged is None:
+        with torch.device("meta"):
+            paged = model_class(cfg)(cfg, backend, rotary=None)
     quantized_layers.install(paged, quantized, floats, backend, dtype)
     missing, unexpected = paged.load_state_dict(floats, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"{path.name}: tensors missing for {missing[:4]} / without a place in the model "
                          f"{unexpected[:4]} (config: {cfg.model_type}, {cfg.num_hidden_layers} layers)")
     for name, p in [*paged.named_parameters(), *paged.named_buffers()]:
-        if p.is_meta:
+        if p.is_meta and not name.startswith("rotary."):
             raise ValueError(f"{path.name}: no tensor for {name}")
-    paged.rotary = LlamaRotaryEmbedding(config=cfg)
     return paged

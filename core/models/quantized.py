@@ -1,8 +1,9 @@
-"""Model layers over weights kept in the internal quantized format (lmport.weights.format).
+"""Model layers over quantized weights: the internal int4 / int8 format (lmport.weights.format) and
+GGUF blocks held as the file stores them (lmport.weights.ggml).
 
-``QuantLinear`` and ``QuantEmbedding`` replace a float ``Linear`` / ``nn.Embedding`` of the
-paged model by name when a loader hands a QuantizedWeight for it; float and quantized layers
-mix freely. A tied LM head shares its embedding's buffers.
+``QuantLinear`` / ``QuantEmbedding`` and ``GGMLLinear`` / ``GGMLEmbedding`` replace a float ``Linear`` /
+``nn.Embedding`` of the paged model by name when a loader hands a quantized weight for it; float and
+quantized layers mix freely. A tied LM head shares its embedding's buffers.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from lmport import ops
 from lmport.backend import Backend
 from lmport.weights.format import QuantizedWeight
+from lmport.weights.ggml import GGMLWeight
 
 
 class _Quantized(nn.Module):
@@ -58,7 +60,48 @@ class QuantEmbedding(_Quantized):
         return ops.quant_embedding(ids, self.quantized, self.dtype)
 
 
-def install(model: nn.Module, quantized: dict[str, QuantizedWeight], floats: dict[str, torch.Tensor],
+class _Blocks(nn.Module):
+    def __init__(self, weight: GGMLWeight):
+        super().__init__()
+        # Not in the state dict, as for _Quantized.
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.type_name, self.in_features = weight.type_name, weight.in_features
+        self._weight: GGMLWeight | None = None
+
+    @property
+    def quantized(self) -> GGMLWeight:
+        if self._weight is None:
+            self._weight = GGMLWeight(self.blocks, self.type_name, self.in_features)
+        return self._weight
+
+    def _apply(self, fn, recurse=True):
+        self._weight = None
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.blocks.shape[0]}, {self.type_name}"
+
+
+class GGMLLinear(_Blocks):
+    def __init__(self, weight: GGMLWeight, bias: torch.Tensor | None, backend: Backend):
+        super().__init__(weight)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.ggml_linear(x, self.quantized, self.bias)
+
+
+class GGMLEmbedding(_Blocks):
+    def __init__(self, weight: GGMLWeight, dtype: torch.dtype):
+        super().__init__(weight)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.ggml_embedding(ids, self.quantized, self.dtype)
+
+
+def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight], floats: dict[str, torch.Tensor],
             backend: Backend, dtype: torch.dtype) -> None:
     """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
     the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias."""
@@ -71,9 +114,11 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight], floats: dic
         if (weight.out_features, weight.in_features) != want:
             raise ValueError(f"{name}: quantized weight is [{weight.out_features}, {weight.in_features}] "
                              f"but the model config makes it {list(want)}")
+        blocks = isinstance(weight, GGMLWeight)
         if isinstance(old, nn.Embedding):
-            new = QuantEmbedding(weight, dtype)
+            new = GGMLEmbedding(weight, dtype) if blocks else QuantEmbedding(weight, dtype)
         else:
             bias = floats.get(f"{module_name}.bias")   # also loaded by name with the other floats
-            new = QuantLinear(weight, None if bias is None else bias.to(dtype), backend)
+            bias = None if bias is None else bias.to(dtype)
+            new = GGMLLinear(weight, bias, backend) if blocks else QuantLinear(weight, bias, backend)
         setattr(parent, attr, new)

@@ -26,11 +26,12 @@ import torch
 from lmport.kv.layout import LayerCache
 from lmport.ops.metadata import AttentionMetadata
 from lmport.weights.format import QuantizedWeight
+from lmport.weights.ggml import GGMLWeight
 
 
 @dataclass(frozen=True)
 class LinearWeights:
-    weight: torch.Tensor | QuantizedWeight    # [out, in] float, or the internal quantized format
+    weight: torch.Tensor | QuantizedWeight | GGMLWeight   # [out, in] float, the int4/int8 format, or GGUF blocks
     bias: torch.Tensor | None
 
 

@@ -1,88 +1,153 @@
-"""GGUF tensors -> lmport's weights, kept quantized where the internal format holds them exactly.
+"""GGUF files loaded as they are: tensors read from the memory-mapped file under transformers' names.
 
-Q4_0, Q4_1 and Q8_0 blocks (32 inputs, a float16 scale, Q4_1 also a float16 min) map onto the
-internal format bit for bit (docs/weight-quantization.md). Every other quantized type (the
-K-quants among them) is dequantized with gguf's reference dequantizer to the compute dtype,
-and one log line names the types that were. Float tensors (norms) load as they are.
+- Q4_0, Q4_1 and Q8_0 blocks map bit for bit onto the internal int4 / int8 format
+  (lmport.weights.format); the other quantized types lmport runs (lmport.weights.ggml.BLOCK_TYPES:
+  the K-quants, Q5_0, Q5_1, IQ4) stay in their blocks, viewed straight from the mapped file.
+- Float tensors (norms) load in the compute dtype.
+- Names: gguf's own ``TensorNameMap`` for the architecture, asked for each tensor the model has.
+- What llama.cpp's ``convert_hf_to_gguf.py`` changed is undone: Llama's q/k rows interleaved for its
+  rotary (on whole rows, so quantized rows too), Gemma's norm weights stored as ``1 + w``, experts
+  stacked into ``ffn_{gate,up,down}_exps``. Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate, then up)
+  are split by rows into the projections the model has.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import re
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from lmport.config import ConfigError
 from lmport.weights.format import QuantizedWeight
+from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
+from lmport.weights.residency import page_out
 
 log = logging.getLogger(__name__)
 
-# GGUF tensor names -> transformers' (Llama / Qwen2 / Qwen3 / Mistral in llama.cpp's naming).
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+# GGUF architectures lmport runs -> what they hold (llama.cpp writes Mistral and Mixtral as "llama").
+SUPPORTED_ARCHITECTURES = {
+    "llama": "Llama, Mistral, Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
+    "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3",
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors a converter may write that the model computes from its config instead.
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Phi-3's checkpoint fusions: the fused projection -> its parts, in row order.
+_PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def hf_name(name: str) -> str:
-    base, _, suffix = name.rpartition(".")
-    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", base):
-        if m.group(2) in _LAYER_NAMES:
-            return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
-    elif base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} has no place in the model (known: token_embd, output, output_norm "
-                     f"and blk.N.{{{', '.join(_LAYER_NAMES)}}})")
-
-
-def _kept_types():
+def _types():
     from gguf import GGMLQuantizationType as T
-    return {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}
+    return {T.Q4_0: "int4", T.Q4_1: "int4", T.Q8_0: "int8"}, {T.F32, T.F16, T.BF16}
 
 
-def _float_types():
-    from gguf import GGMLQuantizationType as T
-    return {T.F32, T.F16, T.BF16}
+def read(path: Path):
+    """The file's ``gguf.GGUFReader`` (the header parsed, the tensor data memory-mapped, none of it read),
+    parsed once for the checks, the config and the tensors."""
+    stat = path.stat()
+    return _read(path, stat.st_size, stat.st_mtime_ns)
 
 
-def weight_formats(path: Path) -> set[tuple[int, int]]:
-    """The (bits, group size) pairs the GGUF's kept tensors take, from its header (no tensor data read)."""
+@functools.lru_cache(maxsize=4)
+def _read(path: Path, size: int, mtime_ns: int):
     import gguf
-    kept = _kept_types()
-    reader = gguf.GGUFReader(path)
-    return {(kept[t.tensor_type], 32) for t in reader.tensors if t.tensor_type in kept}
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError) as exc:
+        raise ConfigError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                          f"check that it was fully downloaded") from None
 
 
-def _blocks(t, bytes_per_block: int) -> np.ndarray:
-    rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
-    return np.asarray(t.data).reshape(rows, -1, bytes_per_block)
+def field(reader, key: str, default=None):
+    """A scalar or string metadata value (``general.architecture``, ``llama.expert_count``)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.parts[f.data[0]]
+    return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value.item()
 
 
-def _quantized(t) -> QuantizedWeight:
-    """One Q4_0 / Q4_1 / Q8_0 tensor in the internal format (copies the bytes out of the mapped file)."""
+def architecture(path: Path) -> str:
+    """``general.architecture``; ConfigError naming it and the supported list when lmport does not run it."""
+    arch = field(read(path), "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(f"{a} ({what})" for a, what in SUPPORTED_ARCHITECTURES.items())
+        raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {supported}")
+    return arch
+
+
+def tensor_formats(path: Path) -> tuple[set[tuple[int, int]], set[str], dict[str, str]]:
+    """From the header alone: the (bits, 32) int formats its Q4_0/Q4_1/Q8_0 tensors map onto, the block
+    types kept as they are, and {tensor: type} of quantized tensors lmport has no kernel form for."""
+    int_types, float_types = _types()
+    formats, blocks, other = set(), set(), {}
+    for t in read(path).tensors:
+        if t.tensor_type in int_types:
+            formats.add((int(int_types[t.tensor_type][3:]), 32))
+        elif t.tensor_type.name.lower() in BLOCK_TYPES:
+            blocks.add(t.tensor_type.name.lower())
+        elif t.tensor_type not in float_types:
+            other[t.name] = t.tensor_type.name
+    return formats, blocks, other
+
+
+def _int_weight(t) -> QuantizedWeight:
+    """One Q4_0 / Q4_1 / Q8_0 tensor in the internal format (its bytes copied out of the mapped file)."""
     from gguf import GGMLQuantizationType as T
-    f16 = lambda b: torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0])  # noqa: E731
+    rows = t.data.reshape(-1, t.data.shape[-1])
     if t.tensor_type == T.Q8_0:              # d: f16, qs: 32 x int8;           w = d * q
-        b = _blocks(t, 34)
-        scales = f16(b[..., 0:2])
-        mins = torch.zeros_like(scales)
+        b = rows.reshape(rows.shape[0], -1, 34)
+        scales = _f16(b[..., 0:2])
         codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)).flatten(1)
-        return QuantizedWeight(codes, scales, mins, 8, 32)
+        return QuantizedWeight(codes, scales, torch.zeros_like(scales), 8, 32)
     if t.tensor_type == T.Q4_0:              # d: f16, qs: 16 bytes;            w = d * (q - 8)
-        b = _blocks(t, 18)
-        scales = f16(b[..., 0:2])
+        b = rows.reshape(rows.shape[0], -1, 18)
+        scales = _f16(b[..., 0:2])
         mins = scales * -8                   # exact: a power-of-two multiple
         packed = b[..., 2:]
     else:                                    # Q4_1 -- d, m: f16, qs: 16 bytes; w = d * q + m
-        b = _blocks(t, 20)
-        scales, mins = f16(b[..., 0:2]), f16(b[..., 2:4])
+        b = rows.reshape(rows.shape[0], -1, 20)
+        scales, mins = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         packed = b[..., 4:]
-    codes = torch.from_numpy(np.ascontiguousarray(packed)).flatten(1)
-    return QuantizedWeight(codes, scales, mins, 4, 32)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(packed)).flatten(1), scales, mins, 4, 32)
+
+
+def _f16(b: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0])
+
+
+def _mapped(array: np.ndarray) -> torch.Tensor:
+    """A tensor over the read-only mapped file, not a copy; nothing writes to weights."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch's warning on a non-writable array
+        return torch.from_numpy(array)
+
+
+def _read_tensor(t, dtype: torch.dtype, keep: bool):
+    """A tensor's value: QuantizedWeight or GGMLWeight (quantized, ``keep``), else a float tensor."""
+    import gguf
+    int_types, float_types = _types()
+    shape = tuple(reversed(t.shape.tolist()))          # GGUF lists dimensions innermost first
+    name = t.tensor_type.name.lower()
+    if t.tensor_type in float_types:
+        value = torch.from_numpy(np.array(t.data)).to(dtype).reshape(shape)
+        page_out([_mapped(t.data)])
+        return value
+    if keep and t.tensor_type in int_types and len(shape) == 2:
+        weight = _int_weight(t).check(f"{t.name} ({t.tensor_type.name})")
+        page_out([_mapped(t.data)])   # copied: the file's pages need not stay resident beside the copy
+        return weight
+    if keep and name in BLOCK_TYPES and len(shape) == 2:
+        return GGMLWeight(_mapped(t.data), name, shape[1]).check(f"{t.name} ({t.tensor_type.name})")
+    try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ConfigError(f"{t.name}: GGUF tensor type {t.tensor_type.name} cannot be read (gguf has no "
+                          f"dequantizer for it); requantize the file to a type lmport runs") from None
+    return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(dtype).reshape(shape)
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -91,49 +156,120 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def load_tensors(path: Path, cfg, dtype: torch.dtype) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
-    """(quantized weights, float tensors) of a GGUF under transformers' parameter names."""
+def _rows(value, start: int, end: int):
+    index = torch.arange(start, end)
+    return value[index] if isinstance(value, torch.Tensor) else value.rows(index)
+
+
+def _out_features(value) -> int:
+    return value.shape[0] if isinstance(value, torch.Tensor) else value.out_features
+
+
+def checkpoint_names(model_names: list[str], model_type: str) -> list[str]:
+    """The tensor names a converted checkpoint holds for a model with these parameter names: Phi-3's
+    projections fused, MoE experts' gate_up as gate and up."""
+    names = []
+    for name in model_names:
+        base = name.removesuffix(".weight")
+        if model_type == "phi3":
+            fused = [f for f, parts in _PHI3_FUSED.items() if base.endswith(parts[0])]
+            if fused:
+                names.append(base[:-len(_PHI3_FUSED[fused[0]][0])] + fused[0] + ".weight")
+            if any(base.endswith(p) for parts in _PHI3_FUSED.values() for p in parts):
+                continue
+        if base.endswith("mlp.experts.gate_up_proj"):
+            names += [name.replace("gate_up_proj", "gate_proj"), name.replace("gate_up_proj", "up_proj")]
+            continue
+        names.append(name)
+    return names
+
+
+def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
+                 keep_quantized: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(quantized weights, float tensors) under the names of ``model_names`` (the model's parameters,
+    transformers' names). Quantized tensors are dequantized to ``dtype`` unless ``keep_quantized``.
+    ValueError naming the tensor when one has no place in the model or the model misses one."""
     import gguf
-    reader = gguf.GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    kept, floats_types = _kept_types(), _float_types()
-    quantized, floats, dequantized_types = {}, {}, set()
+    reader, arch = read(path), architecture(path)
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    wanted = {}
+    for hf in checkpoint_names(model_names, cfg.model_type):
+        base, _, suffix = hf.rpartition(".")
+        g = name_map.get_name(base)
+        if g is not None:
+            wanted[f"{g}.{suffix}"] = hf
+    values, dequantized = {}, set()
     for t in reader.tensors:
-        name = hf_name(t.name)
-        if t.tensor_type in kept:
-            value = _quantized(t)
-        elif t.tensor_type in floats_types:
-            value = torch.from_numpy(np.array(t.data)).to(dtype).reshape(tuple(reversed(t.shape.tolist())))
-        else:
-            dequantized_types.add(t.tensor_type.name)
-            value = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).to(dtype)
-        if arch == "llama" and re.search(r"\.(q|k)_proj\.weight$", name):
+        if t.name in _CONFIG_TENSORS:
+            continue
+        hf = wanted.get(t.name)
+        if hf is None:
+            raise ValueError(f"{path.name}: GGUF tensor {t.name!r} has no place in the {cfg.model_type} model "
+                             f"built from the file's metadata ({cfg.num_hidden_layers} layers)")
+        value = _read_tensor(t, dtype, keep_quantized)
+        if isinstance(value, torch.Tensor) and t.tensor_type not in _types()[1]:
+            dequantized.add(t.tensor_type.name)
+        want = tuple(reversed(t.shape.tolist()))
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else (value.out_features, value.in_features)
+        if got != want:
+            raise ValueError(f"{path.name}: tensor {t.name!r} reads as {list(got)}, its header says {list(want)}")
+        values[hf] = value
+    missing = sorted(set(wanted.values()) - set(values))
+    if missing:
+        raise ValueError(f"{path.name}: no tensor for {', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''} ({cfg.model_type}, {cfg.num_hidden_layers} layers)")
+    _undo_conversion(values, arch, cfg)
+    if dequantized and keep_quantized:
+        log.info("%s: %s dequantized to %s (%s)", path.name, ", ".join(sorted(dequantized)),
+                 str(dtype).removeprefix("torch."), "expert tensors run float" if cfg.model_type in
+                 ("qwen3_moe", "mixtral") else "no kernel form")
+    quantized = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    return quantized, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+
+
+def _undo_conversion(values: dict, arch: str, cfg) -> None:
+    """Undo, in place, what llama.cpp's converter changed in the tensors of ``arch``."""
+    from lmport.models.llama import head_dim_of
+    for name in list(values):
+        value = values[name]
+        if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
-            index = _unpermute_rows(value.out_features if isinstance(value, QuantizedWeight) else value.shape[0],
-                                    heads)
-            value = value.rows(index) if isinstance(value, QuantizedWeight) else value[index]
-        if isinstance(value, QuantizedWeight):
-            quantized[name] = value.check(f"{t.name} ({t.tensor_type.name})")
-        else:
-            floats[name] = value
-    if dequantized_types:
-        log.info("%s: tensor types %s have no exact internal form and were dequantized to %s",
-                 path.name, ", ".join(sorted(dequantized_types)), str(dtype).removeprefix("torch."))
-    return quantized, floats
+            index = _unpermute_rows(_out_features(value), heads)
+            values[name] = value[index] if isinstance(value, torch.Tensor) else value.rows(index)
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            values[name] = value - 1
+        elif name.endswith("mlp.experts.gate_proj"):
+            values[name.replace("gate_proj", "gate_up_proj")] = torch.cat([value, values.pop(
+                name.replace("gate_proj", "up_proj"))], dim=1)
+            del values[name]
+        elif arch == "phi3" and name.removesuffix(".weight").endswith(tuple(_PHI3_FUSED)):
+            fused = next(f for f in _PHI3_FUSED if name.removesuffix(".weight").endswith(f))
+            d = head_dim_of(cfg)
+            sizes = ([cfg.num_attention_heads * d] + [cfg.num_key_value_heads * d] * 2 if "qkv" in fused
+                     else [_out_features(value) // 2] * 2)
+            prefix, start = name[:-len(fused + ".weight")], 0
+            for part, size in zip(_PHI3_FUSED[fused], sizes, strict=True):
+                values[f"{prefix}{part}.weight"] = _rows(value, start, start + size)
+                start += size
+            del values[name]
 
 
 def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes the loaded weights will take, by format ("int4", "int8", or the compute dtype's name), from
-    the GGUF header alone: what ``load_tensors`` keeps (a tied LM head shares its embedding's tensors)."""
-    import gguf
-    kept = _kept_types()
+    """Bytes the loaded weights will take, by format ("int4", "int8", a block type such as "q4_k", or the
+    compute dtype's name), from the GGUF header alone: what ``load_tensors`` keeps."""
+    int_types, _ = _types()
     by_format: dict[str, int] = {}
     float_name = str(dtype).removeprefix("torch.")
-    for t in gguf.GGUFReader(path).tensors:
-        numel = int(np.prod(t.shape))
-        if t.tensor_type in kept:
-            bits = kept[t.tensor_type]
-            key, size = f"int{bits}", numel * bits // 8 + numel // 32 * 2 * 2   # codes + float16 scale and min a run
+    for t in read(path).tensors:
+        numel, name = int(np.prod(t.shape)), t.tensor_type.name.lower()
+        if t.name in _CONFIG_TENSORS:
+            continue
+        if t.tensor_type in int_types and len(t.shape) == 2:
+            key = int_types[t.tensor_type]
+            size = numel * int(key[3:]) // 8 + numel // 32 * 2 * 2   # codes + float16 scale and min a run
+        elif name in BLOCK_TYPES and len(t.shape) == 2:
+            key, size = name, int(t.n_bytes)
         else:
             key, size = float_name, numel * dtype.itemsize
         by_format[key] = by_format.get(key, 0) + size
