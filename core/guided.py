@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jsonschema
@@ -41,6 +42,46 @@ def grammar_key(response_format: dict | None) -> tuple[str, str] | None:
     """
     if response_format is None:
         return None
+    key = _grammar_key(response_format)
+    if key is not None:
+        check_budget(*key)
+    return key
+
+
+# What one format may ask of the compiler: xgrammar's time and memory grow faster than linearly with
+# these (thousands of optional properties took a minute and GBs; 60k EBNF rules 5 GB).
+MAX_FORMAT_CHARS = 64 * 1024    # the schema's JSON, the regex or the grammar
+MAX_GRAMMAR_RULES = 1000
+MAX_PROPERTIES = 512            # properties of all objects in a schema together
+MAX_ENUM_VALUES = 1000          # enum values of a schema together; guided_choice entries
+
+
+def check_budget(kind: str, text: str) -> None:
+    where = f"response_format.{'json_schema.schema' if kind == 'json_schema' else kind}"
+    if len(text) > MAX_FORMAT_CHARS:
+        raise GuidedDecodingError(f"{where}: {len(text)} characters is more than the {MAX_FORMAT_CHARS} the server "
+                                  f"compiles; simplify it")
+    if kind == "grammar" and (rules := len(re.findall(r"::=", text))) > MAX_GRAMMAR_RULES:
+        raise GuidedDecodingError(f"{where}: {rules} rules is more than the {MAX_GRAMMAR_RULES} the server compiles; "
+                                  f"simplify the grammar")
+    if kind == "regex_schema" and (choices := text.count("|") + 1) > MAX_ENUM_VALUES:
+        raise GuidedDecodingError(f"{where}: {choices} alternatives is more than the {MAX_ENUM_VALUES} the server "
+                                  f"compiles; give fewer")
+    if kind == "json_schema":
+        properties = enums = 0
+        for _, node in _walk(json.loads(text), ""):
+            if isinstance(node.get("properties"), dict):
+                properties += len(node["properties"])
+            if isinstance(node.get("enum"), list):
+                enums += len(node["enum"])
+        for count, limit, what in ((properties, MAX_PROPERTIES, "properties"), (enums, MAX_ENUM_VALUES,
+                                                                              "enum values")):
+            if count > limit:
+                raise GuidedDecodingError(f"{where}: {count} {what} is more than the {limit} the server compiles; "
+                                          f"simplify the schema")
+
+
+def _grammar_key(response_format: dict) -> tuple[str, str] | None:
     if not isinstance(response_format, dict) or response_format.get("type") not in FORMAT_TYPES:
         raise GuidedDecodingError(f"response_format must be an object whose type is one of {', '.join(FORMAT_TYPES)}"
                                   f", got {_short(response_format)}")
@@ -135,13 +176,15 @@ class Grammars:
     own thread while the engine thread compiles for add_request.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_cached: int = 256):
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # ours below is keyed by format
-        self._cache: dict[tuple[str, str], xgr.CompiledGrammar] = {}
+        # Least recently used first; at most max_cached grammars are kept.
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self.max_cached = max_cached
         self._lock = threading.Lock()
         self.compiles = 0   # grammars compiled so far (the rest were cache hits)
 
@@ -151,6 +194,7 @@ class Grammars:
             return None
         with self._lock:
             if key in self._cache:
+                self._cache.move_to_end(key)
                 return self._cache[key]
         try:
             compiled = self._compile(*key)
@@ -161,7 +205,12 @@ class Grammars:
                                       f"needs itself, or a reference never reaches a value): fix the {key[0]}")
         with self._lock:
             self.compiles += key not in self._cache
-            return self._cache.setdefault(key, compiled)
+            compiled = self._cache.setdefault(key, compiled)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+            return compiled
+
 
     def _can_start(self, compiled: xgr.CompiledGrammar) -> bool:
         """Whether any first token is allowed (an unsatisfiable format allows none, and would emit end tokens

@@ -84,3 +84,53 @@ def test_unsatisfiable_or_silently_wrong_formats_are_refused(server, field, valu
         r.text
     assert post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 4,
                                             "guided_regex": "a{3}"}).json()["choices"][0]["text"] == "aaa"
+
+
+def _health_latency_during(server, request) -> tuple[httpx.Response, float]:
+    """Send ``request`` (a callable) in a thread; the slowest /health answer while it runs."""
+    import threading
+    import time
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=request()))
+    worker.start()
+    slowest = 0.0
+    while worker.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.05)
+    worker.join()
+    return result["r"], slowest
+
+
+def test_big_formats_are_refused_and_compiles_leave_the_event_loop_free(server):
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "guided_json": many})
+    assert r.status_code == 400 and "1000 properties" in r.json()["error"]["message"], r.text
+    for body, words in (({"guided_choice": [f"c{i}" for i in range(100_000)]}, "100000 choices"),
+                        ({"guided_json": {"enum": list(range(5000))}}, "5000 enum values"),
+                        ({"guided_grammar": "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(5000))},
+                         "characters")):
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": "a", **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(500)]
+    r = post(server, "/v1/chat/completions", chat(tools=tools, tool_choice="required"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    # Within the budget but slow to compile (seconds): /health answers meanwhile.
+    slow = {"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(500)}}
+    r, slowest = _health_latency_during(server, lambda: post(server, "/v1/completions", {
+        "model": "tiny", "prompt": "a", "max_tokens": 2, "guided_json": slow}))
+    assert r.status_code == 200, r.text
+    assert slowest < 1.0
+
+
+def test_the_compiled_grammar_cache_is_bounded():
+    from transformers import AutoTokenizer
+    from lmport.guided import Grammars
+    tok = AutoTokenizer.from_pretrained(tiny_tool_model_dir())
+    grammars = Grammars(tok, 49152, [tok.eos_token_id], max_cached=3)
+    for i in range(10):
+        grammars.compile({"type": "regex_schema", "regex_schema": f"a{i}b"})
+    assert len(grammars._cache) == 3 and grammars.compiles == 10
+    grammars.compile({"type": "regex_schema", "regex_schema": "a9b"})
+    assert grammars.compiles == 10

@@ -53,6 +53,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         yield
         server.loop.shutdown()
         server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        server.compile_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="lmport", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

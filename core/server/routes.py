@@ -47,7 +47,8 @@ async def chat_completions(server: Server, request: Request):
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
     if (chars := sum(len(m.text()) for m in req.messages)) > server.max_prompt_chars:
         raise _too_long(server, "messages", chars)
-    setup = tools.check(req, server.engine)
+    setup = await structured.off_loop(server, tools.check, req, server.engine) if req.tools or req.tool_choice \
+        else None
     try:
         ids = await server.tokenize(tools.encode, server.tokenizer, req, setup)
     except APIError:
@@ -56,13 +57,13 @@ async def chat_completions(server: Server, request: Request):
         raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
                        param="messages") from None
     response_format = req.response_format
-    structured.check_format(server.engine, response_format, "response_format")
+    await structured.check_format(server, response_format, "response_format")
     if setup is not None and setup.response_format is not None:
         if structured.constrains(response_format):
             raise APIError(400, "response_format: cannot be combined with a tool_choice that forces a call",
                            param="response_format")
         response_format = setup.response_format
-        structured.check_format(server.engine, response_format, "tools")
+        await structured.check_format(server, response_format, "tools")
     top = (req.top_logprobs or 0) if req.logprobs else None
     job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
                      response_format)
@@ -143,7 +144,7 @@ async def completions(server: Server, request: Request):
     if req.echo and req.stream:
         raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
     response_format, format_param = structured.completion_format(req)
-    structured.check_format(server.engine, response_format, format_param)
+    await structured.check_format(server, response_format, format_param)
     job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format)
     job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                   "model": server.model_name, "system_fingerprint": server.fingerprint}

@@ -98,6 +98,8 @@ class Server:
         # chat templates run in this one worker thread (in order), never in the event loop.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="lmport-tokenize")
+        # Grammar compiles (structured outputs, forced tool calls), off the event loop (lmport.server.structured).
+        self.compile_pool = ThreadPoolExecutor(2, thread_name_prefix="lmport-compile")
         self.loop = EngineLoop(engine)
         # /metrics reads what the engine thread publishes after each step: a scrape never waits for a step.
         self.metrics = Metrics(lambda: self.loop.snapshot)

@@ -1,15 +1,16 @@
 """Structured outputs on the routes: a request's response_format (or vLLM's guided_* fields), checked up front.
 
-The format is compiled here, on the server's thread, so a schema the grammar engine refuses is a 400
+The format is compiled here, in the server's compile thread (off the event loop, within COMPILE_TIMEOUT), so a schema the grammar engine refuses is a 400
 naming the field before anything is queued; the engine then finds it in the compiled-grammar cache.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 from lmport.engine import Engine
-from lmport.guided import GuidedDecodingError
+from lmport.guided import MAX_ENUM_VALUES, GuidedDecodingError
 from lmport.server.protocol import APIError, CompletionRequest
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
@@ -38,6 +39,9 @@ def completion_format(req: CompletionRequest) -> tuple[dict | None, str]:
         return {"type": "grammar", "grammar": value}, name
     if not value or not all(value):
         raise APIError(400, "guided_choice: give a list of non-empty strings", param=name)
+    if len(value) > MAX_ENUM_VALUES:
+        raise APIError(400, f"guided_choice: {len(value)} choices is more than the {MAX_ENUM_VALUES} the server "
+                            f"compiles; give fewer", param=name)
     return {"type": "regex_schema", "regex_schema": "|".join(f"({re.escape(c)})" for c in value)}, name
 
 
@@ -45,8 +49,27 @@ def constrains(response_format: dict | None) -> bool:
     return response_format is not None and response_format.get("type") != "text"
 
 
-def check_format(engine: Engine, response_format: dict | None, param: str) -> None:
-    """Compile (and cache) the format now; a bad one is a 400 that names ``param``."""
+COMPILE_TIMEOUT = 10.0   # seconds a request's formats may take to compile before it is refused
+
+
+async def off_loop(server, fn, *args):
+    """``fn(*args)`` in the server's compile thread (xgrammar releases the GIL), never on the event loop; a 400
+    when it takes longer than COMPILE_TIMEOUT (it finishes in the background, its result cached)."""
+    future = server.compile_pool.submit(fn, *args)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), COMPILE_TIMEOUT)
+    except TimeoutError:
+        raise APIError(400, f"the structured-output format or tools took more than {COMPILE_TIMEOUT:g} s to "
+                            f"compile: simplify them", code="format_too_complex") from None
+
+
+async def check_format(server, response_format: dict | None, param: str) -> None:
+    """Compile (and cache) the format now, off the event loop; a bad one is a 400 that names ``param``."""
+    if response_format is not None:
+        await off_loop(server, check_format_now, server.engine, response_format, param)
+
+
+def check_format_now(engine: Engine, response_format: dict | None, param: str) -> None:
     try:
         engine.grammars.compile(response_format)
     except GuidedDecodingError as exc:

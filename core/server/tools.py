@@ -26,6 +26,7 @@ from lmport.guided import GuidedDecodingError
 from lmport.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128
 CALL_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 GENERIC_PROMPT = """You can call functions. The functions, as JSON schemas:
@@ -54,6 +55,9 @@ def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
             raise APIError(400, "tool_choice: there are no tools to choose from; give tools or leave tool_choice "
                                 "out", param="tool_choice")
         return None
+    if len(req.tools) > MAX_TOOLS:
+        raise APIError(400, f"tools: {len(req.tools)} tools is more than {MAX_TOOLS} (OpenAI's limit too); give fewer",
+                       param="tools")
     tools, names = [], []
     for i, tool in enumerate(req.tools):
         if tool.get("type") != "function":
