@@ -42,19 +42,67 @@ inline float f16(const uint8_t* p) {
 
 // ---- The block types: layouts as ggml-common.h, values as gguf.quants dequantizes them. ----
 // kSub: inputs per scale (and min); kMin: whether the type has mins (w = scale * q otherwise).
+// The codes are worked on 16 or 32 bytes at a time as GCC vector types (bytewise shifts and masks).
 
-// d, qh (32 high bits), qs (16 bytes: input j low nibble, j + 16 high); w = d (q - 16).
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef uint8_t u8x32 __attribute__((vector_size(32), aligned(1)));
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(1)));
+
+inline u8x32 load32(const uint8_t* p) { return *reinterpret_cast<const u8x32*>(p); }
+inline u8x16 load16(const uint8_t* p) { return *reinterpret_cast<const u8x16*>(p); }
+inline void store(int8_t* q, u8x32 v) { *reinterpret_cast<u8x32*>(q) = v; }
+inline void store(int8_t* q, u8x16 v) { *reinterpret_cast<u8x16*>(q) = v; }
+
+// Bit ``from`` of each byte moved to bit ``to`` (the other bits cleared), in 16-bit lanes: GCC shifts
+// bytes left by repeated adds otherwise.
+inline u8x32 bit_to(u8x32 v, int from, int to) {
+  const u16x16 w = reinterpret_cast<u16x16>(v);
+  return reinterpret_cast<u8x32>(from >= to ? w >> (from - to) : w << (to - from)) & static_cast<uint8_t>(1 << to);
+}
+
+// Bits ``from`` .. ``from + n`` of each byte moved to ``to`` .. ``to + n``, the others cleared.
+inline u8x32 bits_to(u8x32 v, int from, int to, int n) {
+  const u16x16 w = reinterpret_cast<u16x16>(v);
+  return reinterpret_cast<u8x32>(from >= to ? w >> (from - to) : w << (to - from)) &
+         static_cast<uint8_t>(((1 << n) - 1) << to);
+}
+
+// out[i] = mul * v[i] for 8 unsigned or signed bytes.
+inline void scale_bytes(const uint8_t* v, float mul, float* out) {
+  const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v)));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(mul), _mm256_cvtepi32_ps(i)));
+}
+inline void scale_bytes(const int8_t* v, float mul, float* out) {
+  const __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v)));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(mul), _mm256_cvtepi32_ps(i)));
+}
+
+// Byte i of the result is 16 where bit i of ``bits`` is set, else 0 (Q5_0 / Q5_1's fifth bits).
+inline u8x32 fifth_bits(uint32_t bits) {
+  const u8x32 b = reinterpret_cast<u8x32>(_mm256_set1_epi32(static_cast<int>(bits)));
+  const u8x32 spread = __builtin_shufflevector(b, b, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2,
+                                               2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const u8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                     1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  return reinterpret_cast<u8x32>((spread & bit) == bit) & 16;
+}
+
+// A 32-input run packed as Q4_0's nibbles (byte j: input j low, j + 16 high), as 32 bytes in input order.
+inline u8x32 run_nibbles(const uint8_t* qs) {
+  const u8x16 v = load16(qs);
+  return __builtin_shufflevector(v & 0xF, v >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
+                                 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// d, qh (32 fifth bits), qs (16 bytes of nibbles); w = d (q - 16).
 struct Q5_0 {
   static constexpr int kElements = 32, kBytes = 22, kSub = 32;
   static constexpr bool kMin = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
-    const uint8_t* qs = b + 6;
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<int8_t>(((qs[j] & 0xF) | ((qh >> j) & 1) << 4) - 16);
-      q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
-    }
+    store(q, (run_nibbles(b + 6) | fifth_bits(qh)) - 16);
     scale[0] = f16(b);
   }
 };
@@ -66,11 +114,7 @@ struct Q5_1 {
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
-    const uint8_t* qs = b + 8;
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<int8_t>((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
-      q[j + 16] = static_cast<int8_t>((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
-    }
+    store(q, run_nibbles(b + 8) | fifth_bits(qh));
     scale[0] = f16(b);
     min[0] = f16(b + 2);
   }
@@ -82,15 +126,17 @@ struct Q2_K {
   static constexpr int kElements = 256, kBytes = 84, kSub = 16;
   static constexpr bool kMin = true;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
-    const uint8_t* sc = b;
-    const uint8_t* qs = b + 16;
     const float d = f16(b + 80), dmin = f16(b + 82);
-    for (int h = 0; h < 2; ++h)
-      for (int s = 0; s < 4; ++s)
-        for (int j = 0; j < 32; ++j) q[h * 128 + s * 32 + j] = static_cast<int8_t>((qs[h * 32 + j] >> (2 * s)) & 3);
-    for (int i = 0; i < 16; ++i) {
-      scale[i] = d * static_cast<float>(sc[i] & 0xF);
-      min[i] = -(dmin * static_cast<float>(sc[i] >> 4));
+    for (int h = 0; h < 2; ++h) {
+      const u8x32 v = load32(b + 16 + 32 * h);
+      for (int s = 0; s < 4; ++s) store(q + 128 * h + 32 * s, bits_to(v, 2 * s, 0, 2));
+    }
+    uint8_t sc[16], m[16];
+    *reinterpret_cast<u8x16*>(sc) = load16(b) & 0xF;
+    *reinterpret_cast<u8x16*>(m) = load16(b) >> 4;
+    for (int i = 0; i < 16; i += 8) {
+      scale_bytes(sc + i, d, scale + i);
+      scale_bytes(m + i, -dmin, min + i);
     }
   }
 };
@@ -101,31 +147,37 @@ struct Q3_K {
   static constexpr int kElements = 256, kBytes = 110, kSub = 16;
   static constexpr bool kMin = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
-    const uint8_t* hmask = b;
-    const uint8_t* qs = b + 32;
+    const u8x32 hmask = load32(b);
     const uint8_t* sc = b + 96;
-    const float d = f16(b + 108);
-    for (int h = 0; h < 2; ++h)
-      for (int s = 0; s < 4; ++s)
-        for (int j = 0; j < 32; ++j) {
-          const int low = (qs[h * 32 + j] >> (2 * s)) & 3, high = (hmask[j] >> (4 * h + s)) & 1;
-          q[h * 128 + s * 32 + j] = static_cast<int8_t>(low - (high ? 0 : 4));
-        }
+    for (int h = 0; h < 2; ++h) {
+      const u8x32 v = load32(b + 32 + 32 * h);
+      for (int s = 0; s < 4; ++s)   // low - 4 where the high bit is clear
+        store(q + 128 * h + 32 * s, bits_to(v, 2 * s, 0, 2) - (bit_to(hmask, 4 * h + s, 2) ^ 4));
+    }
+    int8_t scales[16];
     for (int i = 0; i < 16; ++i) {
       const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-      scale[i] = d * static_cast<float>((low | high << 4) - 32);
+      scales[i] = static_cast<int8_t>((low | high << 4) - 32);
     }
+    const float d = f16(b + 108);
+    scale_bytes(scales, d, scale);
+    scale_bytes(scales + 8, d, scale + 8);
   }
 };
 
-// The 8 6-bit scales and mins of Q4_K and Q5_K (12 bytes), times d and dmin.
+// The 8 6-bit scales and mins of Q4_K and Q5_K (12 bytes), times d and -dmin: the 32-bit word
+// shuffle of llama.cpp's q4_K dot product, leaving 8 scales then 8 mins a byte each.
 inline void k4_scales(const uint8_t* s, float d, float dmin, float* scale, float* min) {
-  for (int j = 0; j < 8; ++j) {
-    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
-    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    scale[j] = d * static_cast<float>(sc);
-    min[j] = -(dmin * static_cast<float>(m));
-  }
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins_low = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins_low;
+  u[0] &= low6;
+  scale_bytes(reinterpret_cast<const uint8_t*>(u), d, scale);
+  scale_bytes(reinterpret_cast<const uint8_t*>(u + 2), -dmin, min);
 }
 
 // d, dmin, scales (12 bytes), qs (128 bytes: byte 32 c + j holds input 64 c + j low, 64 c + 32 + j
@@ -134,12 +186,11 @@ struct Q4_K {
   static constexpr int kElements = 256, kBytes = 144, kSub = 32;
   static constexpr bool kMin = true;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
-    const uint8_t* qs = b + 16;
-    for (int c = 0; c < 4; ++c)
-      for (int j = 0; j < 32; ++j) {
-        q[c * 64 + j] = static_cast<int8_t>(qs[c * 32 + j] & 0xF);
-        q[c * 64 + 32 + j] = static_cast<int8_t>(qs[c * 32 + j] >> 4);
-      }
+    for (int c = 0; c < 4; ++c) {
+      const u8x32 v = load32(b + 16 + 32 * c);
+      store(q + 64 * c, v & 0xF);
+      store(q + 64 * c + 32, bits_to(v, 4, 0, 4));
+    }
     k4_scales(b + 4, f16(b), f16(b + 2), scale, min);
   }
 };
@@ -149,13 +200,12 @@ struct Q5_K {
   static constexpr int kElements = 256, kBytes = 176, kSub = 32;
   static constexpr bool kMin = true;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
-    for (int c = 0; c < 4; ++c)
-      for (int j = 0; j < 32; ++j) {
-        q[c * 64 + j] = static_cast<int8_t>((qs[c * 32 + j] & 0xF) | ((qh[j] >> (2 * c)) & 1) << 4);
-        q[c * 64 + 32 + j] = static_cast<int8_t>((qs[c * 32 + j] >> 4) | ((qh[j] >> (2 * c + 1)) & 1) << 4);
-      }
+    const u8x32 qh = load32(b + 16);
+    for (int c = 0; c < 4; ++c) {
+      const u8x32 v = load32(b + 48 + 32 * c);
+      store(q + 64 * c, (v & 0xF) | bit_to(qh, 2 * c, 4));
+      store(q + 64 * c + 32, bits_to(v, 4, 0, 4) | bit_to(qh, 2 * c + 1, 4));
+    }
     k4_scales(b + 4, f16(b), f16(b + 2), scale, min);
   }
 };
@@ -167,34 +217,35 @@ struct Q6_K {
   static constexpr int kElements = 256, kBytes = 210, kSub = 16;
   static constexpr bool kMin = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; ++h) {
+      const u8x32 lo0 = load32(b + 64 * h), lo1 = load32(b + 64 * h + 32), hi = load32(b + 128 + 32 * h);
+      int8_t* out = q + 128 * h;
+      store(out, ((lo0 & 0xF) | bits_to(hi, 0, 4, 2)) - 32);
+      store(out + 32, ((lo1 & 0xF) | bits_to(hi, 2, 4, 2)) - 32);
+      store(out + 64, (bits_to(lo0, 4, 0, 4) | (hi & 0x30)) - 32);
+      store(out + 96, (bits_to(lo1, 4, 0, 4) | bits_to(hi, 6, 4, 2)) - 32);
+    }
     const float d = f16(b + 208);
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < 4; ++t)
-        for (int j = 0; j < 32; ++j) {
-          const int low = (ql[h * 64 + (t % 2) * 32 + j] >> (4 * (t / 2))) & 0xF;
-          const int high = (qh[h * 32 + j] >> (2 * t)) & 3;
-          q[h * 128 + t * 32 + j] = static_cast<int8_t>((low | high << 4) - 32);
-        }
-    for (int i = 0; i < 16; ++i) scale[i] = d * static_cast<float>(sc[i]);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    scale_bytes(sc, d, scale);
+    scale_bytes(sc + 8, d, scale + 8);
   }
 };
 
-// IQ4's 16 non-linear levels (llama.cpp's kvalues_iq4nl).
-constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// IQ4's 16 non-linear levels (llama.cpp's kvalues_iq4nl), looked up 16 nibbles at a time.
+inline u8x16 iq4_levels(u8x16 nibbles) {
+  const i8x16 levels = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  return reinterpret_cast<u8x16>(_mm_shuffle_epi8(reinterpret_cast<__m128i>(levels), reinterpret_cast<__m128i>(nibbles)));
+}
 
-// d, qs (16 bytes: nibbles as Q4_0's); w = d level[q].
+// d, qs (16 bytes of nibbles as Q4_0's); w = d level[q].
 struct IQ4_NL {
   static constexpr int kElements = 32, kBytes = 18, kSub = 32;
   static constexpr bool kMin = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
-    const uint8_t* qs = b + 2;
-    for (int j = 0; j < 16; ++j) {
-      q[j] = kIQ4Levels[qs[j] & 0xF];
-      q[j + 16] = kIQ4Levels[qs[j] >> 4];
-    }
+    const u8x16 v = load16(b + 2);
+    store(q, iq4_levels(v & 0xF));
+    store(q + 16, iq4_levels(v >> 4));
     scale[0] = f16(b);
   }
 };
@@ -208,14 +259,11 @@ struct IQ4_XS {
     const float d = f16(b);
     uint16_t high;
     std::memcpy(&high, b + 2, 2);
-    const uint8_t* low = b + 4;
-    const uint8_t* qs = b + 8;
     for (int r = 0; r < 8; ++r) {
-      for (int j = 0; j < 16; ++j) {
-        q[r * 32 + j] = kIQ4Levels[qs[r * 16 + j] & 0xF];
-        q[r * 32 + 16 + j] = kIQ4Levels[qs[r * 16 + j] >> 4];
-      }
-      const int ls = ((low[r / 2] >> (4 * (r % 2))) & 0xF) | ((high >> (2 * r)) & 3) << 4;
+      const u8x16 v = load16(b + 8 + 16 * r);
+      store(q + 32 * r, iq4_levels(v & 0xF));
+      store(q + 32 * r + 16, iq4_levels(v >> 4));
+      const int ls = ((b[4 + r / 2] >> (4 * (r % 2))) & 0xF) | ((high >> (2 * r)) & 3) << 4;
       scale[r] = d * static_cast<float>(ls - 32);
     }
   }
@@ -335,10 +383,9 @@ inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float
   // A run's 32 codes widened to int16 in one register; dpwssd leaves inputs 0..15 in lanes 0..7 and
   // 16..31 in lanes 8..15, the halves of a run that 16-input sub-blocks scale apart.
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[2][MT];   // two per row: consecutive runs do not wait on each other's FMA
-  for (auto& row : acc)
-    for (auto& v : row) v = _mm512_setzero_ps();
-  for (int64_t b = 0; b < runs; ++b) {
+  __m512 acc0[MT], acc1[MT];   // even and odd runs: consecutive runs do not wait on each other's FMA
+  for (int j = 0; j < MT; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+  const auto run = [&](int64_t b, __m512* acc) {
     const __m512i wq = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kRun)));
     for (int j = 0; j < MT; ++j) {
       const __m512i xq = _mm512_loadu_si512(a.codes.data() + (m0 + j) * K + b * kRun);
@@ -351,11 +398,17 @@ inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float
         std::memcpy(&pair, folded + j * subs + 2 * b, 8);
         s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
       }
-      acc[b & 1][j] = _mm512_fmadd_ps(d, s, acc[b & 1][j]);
+      acc[j] = _mm512_fmadd_ps(d, s, acc[j]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 1 < runs; b += 2) {
+    run(b, acc0);
+    run(b + 1, acc1);
   }
+  if (b < runs) run(b, acc0);
   for (int j = 0; j < MT; ++j) {
-    __m512 v = _mm512_add_ps(acc[0][j], acc[1][j]);
+    __m512 v = _mm512_add_ps(acc0[j], acc1[j]);
     if constexpr (MIN) {   // the mins meet the sums of x over their sub-blocks
       const float* xs = a.sum<SUB>(m0 + j);
       for (int64_t s = 0; s < subs; s += 16) {
@@ -366,10 +419,9 @@ inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float
     out[j] = _mm512_reduce_add_ps(v);
   }
 #else
-  __m256 acc[2][MT];
-  for (auto& row : acc)
-    for (auto& v : row) v = _mm256_setzero_ps();
-  for (int64_t b = 0; b < runs; ++b) {
+  __m256 acc0[MT], acc1[MT];
+  for (int j = 0; j < MT; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps();
+  const auto run = [&](int64_t b, __m256* acc, __m256* other) {
     const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kRun)));
     const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kRun + 16)));
     for (int j = 0; j < MT; ++j) {
@@ -379,17 +431,23 @@ inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float
       const float* f = folded + j * subs;
       if constexpr (SUB == 32) {
         const __m256i d = quant_detail::dot_s16(quant_detail::dot_s16(_mm256_setzero_si256(), lo, xlo), hi, xhi);
-        acc[b & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(f[b]), acc[b & 1][j]);
-      } else {
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(f[b]), acc[j]);
+      } else {   // a scale each half
         const __m256i d0 = quant_detail::dot_s16(_mm256_setzero_si256(), lo, xlo);
         const __m256i d1 = quant_detail::dot_s16(_mm256_setzero_si256(), hi, xhi);
-        acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(f[2 * b]), acc[0][j]);
-        acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(f[2 * b + 1]), acc[1][j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(f[2 * b]), acc[j]);
+        other[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(f[2 * b + 1]), other[j]);
       }
     }
+  };
+  int64_t b = 0;
+  for (; b + 1 < runs; b += 2) {
+    run(b, acc0, acc1);
+    run(b + 1, acc1, acc0);
   }
+  if (b < runs) run(b, acc0, acc1);
   for (int j = 0; j < MT; ++j) {
-    float v = quant_detail::hsum(_mm256_add_ps(acc[0][j], acc[1][j]));
+    float v = quant_detail::hsum(_mm256_add_ps(acc0[j], acc1[j]));
     if constexpr (MIN) {
       const float* xs = a.sum<SUB>(m0 + j);
       for (int64_t s = 0; s < subs; ++s) v += w.mins[s] * xs[s];
