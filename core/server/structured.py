@@ -1,7 +1,8 @@
 """Structured outputs on the routes: a request's response_format (or vLLM's guided_* fields), checked up front.
 
-The format is compiled here, in the server's compile thread (off the event loop, within COMPILE_TIMEOUT), so a schema the grammar engine refuses is a 400
-naming the field before anything is queued; the engine then finds it in the compiled-grammar cache.
+The format is compiled here, in the server's compile thread (off the event loop, within COMPILE_TIMEOUT),
+so a schema the grammar engine refuses is a 400 naming the field before anything is queued; the engine
+then finds it in the compiled-grammar cache.
 """
 from __future__ import annotations
 
