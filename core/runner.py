@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -105,7 +106,8 @@ class ModelRunner:
 
     def decode_step(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
         """One decode forward over this rank's cache, every row's logits: what ``Backend.decode_graphs`` captures."""
-        return self.model.logits(self.model(input_ids, meta, self.caches))
+        # Graphs are captured at tp=1 only (EngineConfig.resolve), where the LM head always returns the logits.
+        return cast(torch.Tensor, self.model.logits(self.model(input_ids, meta, self.caches)))
 
     def forward(self, step: StepInput, caches: list) -> torch.Tensor | None:
         device = self.backend.device

@@ -121,8 +121,26 @@ def step_env(args) -> dict:
 DTYPE_TAGS = {"float16": ("fp16", "float16"), "bfloat16": ("bf16", "bfloat16"), "float32": ("fp32", "float32")}
 
 
+def seed_test_models() -> list[str]:
+    """The test suite's tiny models (tests/models.py builds them beside the default model's tokenizer, which a
+    machine without the default model lacks) placed where it looks, built the same way with the kit's tokenizer."""
+    import shutil
+
+    from lmport.models.loader import cache_root
+    seeded = []
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "mistral-sw32", "gemma2", "gemma3", "phi3", "mixtral",
+                 "qwen3-moe"):
+        target = cache_root() / "test-models" / f"tiny-{arch}-v1"
+        if not (target / "config.json").exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(kit_models.tiny_model_dir(arch), target, dirs_exist_ok=True)
+        seeded.append(arch)
+    return seeded
+
+
 def step_conformance(args) -> dict:
     work = Path(args.work)
+    seeded = seed_test_models()
     junit = work / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "tests/conformance", "-q", "-p", "no:cacheprovider", "-m", "",
            "-k", "cuda", f"--junitxml={junit}", "-o", "junit_family=legacy", "--timeout", "600"]
@@ -144,7 +162,7 @@ def step_conformance(args) -> dict:
     for dtype, tags in DTYPE_TAGS.items():
         mine = [o for n, o, _ in cases if any(t in n.split("::")[-1] for t in tags)]
         by_dtype[dtype] = {o: mine.count(o) for o in ("passed", "failed", "skipped")}
-    data = {"mode": "native" if GPU else "interpreter (two cases: the dry run's plumbing check)",
+    data = {"mode": "native" if GPU else "interpreter (two cases: the dry run's plumbing check)", "seeded": seeded,
             "command": " ".join(cmd[1:]), "pytest_exit": proc.returncode, **counts, "by_dtype": by_dtype,
             "failures": [n for n, o, _ in cases if o == "failed"][:100],
             "slowest": sorted(((round(t, 1), n) for n, _, t in cases), reverse=True)[:10]}
@@ -282,7 +300,7 @@ def step_graphs(args) -> dict:
     # Decode step time, eager against replay, at batch 1, 8, 64 over 512 tokens of context.
     import lmport
     from lmport import EngineConfig
-    for arch, layers in (("default", None), ("llama3-8b-shape", args.layers)):
+    for arch, layers in (("default", None), ("llama3-8b-shape-8-layers", 8)):
         model = (kit_models.default_model(args.default_model)[0] if arch == "default"
                  else str(kit_models.llama3_8b_dir(layers)))
         cfg = EngineConfig(device_type="cuda", dtype="bfloat16", cache_max_entry_count=640, max_batch_size=64,
