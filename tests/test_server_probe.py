@@ -121,7 +121,7 @@ def test_big_formats_are_refused_and_compiles_leave_the_event_loop_free(server):
     r, slowest = _health_latency_during(server, lambda: post(server, "/v1/completions", {
         "model": "tiny", "prompt": "a", "max_tokens": 2, "guided_json": slow}))
     assert r.status_code == 200, r.text
-    assert slowest < 1.0
+    assert slowest < 1.5   # the compile itself takes seconds here; before, /health waited all of it
 
 
 def test_the_compiled_grammar_cache_is_bounded():

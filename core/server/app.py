@@ -91,7 +91,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
         async def openapi():
             if app.openapi_schema is None:
-                app.openapi_schema = openapi_doc.build(app, server.model_name, server.api_key is not None)
+                app.openapi_schema = openapi_doc.build(app, server.model_name, server.api_key is not None,
+                                                        engine.model_config.vocab_size)
             return app.openapi_schema
 
         @app.get("/docs", dependencies=auth, include_in_schema=False)
@@ -141,7 +142,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guards, allowed_hosts=allowed_hosts)
+    app.add_middleware(Guards, allowed_hosts=allowed_hosts,
+                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
     return app
 
 

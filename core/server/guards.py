@@ -42,9 +42,11 @@ def allowed_host_names(bind_host: str, allowed_hosts: list[str] | None) -> set[s
 
 
 class Guards:
-    def __init__(self, app, allowed_hosts: set[str] | None):
+    def __init__(self, app, allowed_hosts: set[str] | None, json_paths: frozenset[str] | None = None):
         self.app = app
         self.allowed_hosts = allowed_hosts
+        # The routes that take a JSON body; a POST elsewhere goes on to the router (404 or 405 with Allow).
+        self.json_paths = json_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -57,7 +59,7 @@ class Guards:
                 return await _error(send, 421, f"Host {shown!r} is not served here; allowed: "
                                                f"{', '.join(sorted(self.allowed_hosts))} (add names with "
                                                f"--allowed-hosts)", "invalid_host")
-        if scope["method"] == "POST":
+        if scope["method"] == "POST" and (self.json_paths is None or scope["path"] in self.json_paths):
             media_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
             if media_type != "application/json":
                 shown = media_type or "none"

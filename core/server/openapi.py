@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from lmport.server.protocol import ChatCompletionRequest, CompletionRequest
+from lmport.guided import MAX_ENUM_VALUES
+from lmport.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -154,7 +155,20 @@ def _errors(*statuses: int) -> dict:
     return {str(s): {"description": ERRORS[s], "content": _json("ErrorResponse")} for s in statuses}
 
 
-def build(app: FastAPI, model_name: str, api_key: bool) -> dict:
+def below(n: int) -> str:
+    """A regex of the decimal numbers 0 .. n - 1, without leading zeros."""
+    digits = str(n - 1)
+    parts = [f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):   # numbers of len(digits) digits up to n - 1: a prefix, then a smaller digit
+        low = "1" if i == 0 else "0"
+        if int(d) > int(low):
+            rest = len(digits) - i - 1
+            parts.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    parts.append(digits)
+    return "^(0|" + "|".join(parts) + ")$"
+
+
+def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
     """The OpenAPI document of ``app``."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="lmport's OpenAI-compatible API (docs/server.md)")
@@ -165,8 +179,26 @@ def build(app: FastAPI, model_name: str, api_key: bool) -> dict:
         schemas.update(schema.pop("$defs", {}))
         schemas[cls.__name__] = schema
     for name in ("ChatCompletionRequest", "CompletionRequest"):
-        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
-                                                "description": "the served model (GET /v1/models)"}
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [model_name], "description": "the served model (GET /v1/models)"}
+        # What the routes check beyond the models' types (each a 400 naming the field).
+        props["stop"]["anyOf"] = [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                                  {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                                   "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+                                  {"type": "null"}]
+        props["top_k"]["anyOf"][0]["maximum"] = vocab
+        bias = props["logit_bias"]["anyOf"][0]
+        bias["propertyNames"] = {"pattern": below(vocab)}
+    schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
+    props = schemas["CompletionRequest"]["properties"]
+    token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    props["prompt"]["anyOf"] = [{"type": "string", "minLength": 1},
+                                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                                {"type": "array", "minItems": 1, "items": token},
+                                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                                           "items": token}}]
+    props["guided_choice"]["anyOf"][0].update(minItems=1, maxItems=MAX_ENUM_VALUES)
+    props["guided_choice"]["anyOf"][0]["items"]["minLength"] = 1
     auth = (401,) if api_key else ()
     common = (*auth, 400, 404, 408, 413, 415, 421, 500, 503, 504)
     paths = doc["paths"]

@@ -57,6 +57,19 @@ def _is_union_tag(part) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed", "logprobs", "top_logprobs", "best_of",
+              "prompt")
+
+
+def _integral(value):
+    """A float with no fraction as an int, in nested lists too (token-id prompts); anything else unchanged."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, list) and any(isinstance(v, (float, list)) for v in value):
+        return [_integral(v) for v in value]
+    return value
+
+
 def _nullable_in_schema(schema: dict, cls) -> None:
     """The JSON schema says what the validator accepts: null wherever a field has a default."""
     for name, prop in schema.get("properties", {}).items():
@@ -82,6 +95,11 @@ class _Request(BaseModel):
             fields = cls.model_fields
             data = {k: v for k, v in data.items()
                     if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        if isinstance(data, dict):
+            # JSON has one number type: 2.0 is the integer 2 (JSON Schema's "integer" says so too), 2.5 stays an error.
+            ints = [k for k in INT_FIELDS if isinstance(data.get(k), (float, list))]
+            if ints:
+                data = {**data, **{k: _integral(data[k]) for k in ints}}
         return data
 
 
@@ -107,7 +125,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                      # extension: generate exactly max_tokens
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+    logit_bias: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")],
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS)          # OpenAI's bounds; the ids are checked against the vocabulary
     # OpenAI fields lmport does not implement: refused (unsupported_problem) rather than silently ignored.
