@@ -17,6 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 import xgrammar as xgr
 
@@ -224,9 +225,8 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
 
 def _special_texts(tokenizer) -> re.Pattern | None:
     """A pattern matching the text of any of the tokenizer's special tokens (cached on the tokenizer)."""
-    cached = getattr(tokenizer, "_lmport_special_texts", False)
-    if cached is not False:
-        return cached
+    if hasattr(tokenizer, "_lmport_special_texts"):
+        return cast("re.Pattern | None", tokenizer._lmport_special_texts)
     words = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
     words.update(tokenizer.all_special_tokens)
     words.discard("")
