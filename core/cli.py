@@ -90,6 +90,8 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 4 x max_batch_size)")
     g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a request not finished this long after it arrived (default: none)")
+    g.add_argument("--cache-salt-by-api-key", action="store_true",
+                   help="share prefix-cache blocks only between requests sent with the same API key")
     g = p.add_argument_group("connections")
     g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="close a connection whose request headers are incomplete after this long (default: 10)")
@@ -169,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="smollm2")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=23333)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set LMPORT_API_KEY)")
+    p.add_argument("--api-key", default=None, action="append",
+                   help="require `Authorization: Bearer KEY` (or set LMPORT_API_KEY); repeat for several keys")
     _add_server_flags(p)
     add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_serve)

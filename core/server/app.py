@@ -40,13 +40,15 @@ log = logging.getLogger(__name__)
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
-               docs: bool = True) -> FastAPI:
+               docs: bool = True, cache_salt_by_api_key: bool = False) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
-    for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``)."""
-    server = Server(engine, model_name, api_key, max_body_bytes, limits)
+    for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
+    ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
+    shared only between requests sent with the same key."""
+    server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -59,12 +61,16 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     app.state.server = server
 
     def require_key(request: Request) -> None:
-        if server.api_key is None:
+        if not server.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
+        token = token.strip().encode()
+        # Every key is compared (in constant time), so the time taken does not tell which one nearly matched.
+        matches = [hmac.compare_digest(token, key.encode()) for key in server.api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
                            type="authentication_error", code="invalid_api_key")
+        request.state.api_key = server.api_keys[matches.index(True)]
 
     auth = [Depends(require_key)]
 
@@ -157,9 +163,13 @@ def serve(args) -> int:
     from lmport.server.shutdown import GracefulServer
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("LMPORT_API_KEY")
-    if api_key is not None and not api_key.strip():
+    if isinstance(api_key, str):
+        api_key = [api_key]
+    if api_key is not None and any(not key.strip() for key in api_key):
         raise ConfigError("the API key is empty (--api-key or LMPORT_API_KEY): give a key, or leave both out "
                           "to serve without one")
+    if args.cache_salt_by_api_key and not api_key:
+        raise ConfigError("--cache-salt-by-api-key needs --api-key (or LMPORT_API_KEY)")
     limits = Limits(max_engine_requests=args.max_engine_requests_per_request, max_prompt_chars=args.max_prompt_chars,
                     max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
                     body_timeout=args.body_timeout)
@@ -168,7 +178,8 @@ def serve(args) -> int:
     engine = Engine(args.model, engine_config(args))
     app = create_app(engine, model_name=args.model, api_key=api_key, limits=limits,
                      allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
-                     cors_origins=args.cors_origins, docs=args.docs)
+                     cors_origins=args.cors_origins, docs=args.docs,
+                     cache_salt_by_api_key=args.cache_salt_by_api_key)
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "

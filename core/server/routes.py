@@ -66,7 +66,7 @@ async def chat_completions(server: Server, request: Request):
         await structured.check_format(server, response_format, "tools")
     top = (req.top_logprobs or 0) if req.logprobs else None
     job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
-                     response_format)
+                     response_format, key=getattr(request.state, "api_key", None))
     job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
                   "model": server.model_name, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)
@@ -145,7 +145,8 @@ async def completions(server: Server, request: Request):
         raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
     response_format, format_param = structured.completion_format(req)
     await structured.check_format(server, response_format, format_param)
-    job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format)
+    job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
+                     key=getattr(request.state, "api_key", None))
     job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                   "model": server.model_name, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)

@@ -49,6 +49,7 @@ class Job:
     include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
     continuous_usage: bool = False    # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     release: object = None            # gives its engine requests back to Admission (idempotent)
+    cache_salt: str | None = None     # prefix-cache isolation: the request's cache_salt and/or its API key's
 
     def stream_usage(self, options) -> None:
         self.include_usage = bool(options and options.include_usage)
@@ -83,13 +84,18 @@ class EventStream(StreamingResponse):
 
 
 class Server:
-    def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None):
+    def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
+                 cache_salt_by_api_key: bool = False):
         self.engine = engine
         self.model_name = model_name or engine.model_name
-        if api_key == "":
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        if any(not k.strip() for k in keys):
             raise ConfigError("the API key is empty: give a key, or leave it out to serve without one")
-        self.api_key = api_key
+        self.api_keys = tuple(keys)   # any of them is accepted
+        self.api_key = keys[0] if keys else None
+        # Prefix-cache blocks are shared only between requests sent with the same key (and cache_salt).
+        self.cache_salt_by_api_key = cache_salt_by_api_key
         self.max_body_bytes = max_body_bytes
         self.limits = limits or Limits()
         self.max_prompt_chars = self.limits.prompt_chars(engine.session_len)
@@ -185,7 +191,8 @@ class Server:
         return req
 
     def job(self, req, prompts: list[list[int]], param: str, max_tokens: int | None,
-            logprobs: int | None, received: float, response_format: dict | None = None) -> Job:
+            logprobs: int | None, received: float, response_format: dict | None = None,
+            key: str | None = None) -> Job:
         """Check every prompt against the engine and build one GenerationConfig per choice."""
         configs = []
         logit_bias = req.token_bias(self.engine.model_config.vocab_size)
@@ -212,7 +219,17 @@ class Server:
                         response_format=response_format, logit_bias=logit_bias))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
-        return Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
+        job = Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
+        job.cache_salt = self.cache_salt(req.cache_salt, key)
+        return job
+
+    def cache_salt(self, salt: str | None, key: str | None) -> str | None:
+        """The prefix-cache salt: the request's ``cache_salt``, under a digest of its API key when the server
+        salts by key (so one key's requests can never hit, or time, another key's cached prefixes)."""
+        if not self.cache_salt_by_api_key or key is None:
+            return salt
+        digest = hashlib.sha256(b"lmport-cache-salt:" + key.encode()).hexdigest()[:32]
+        return digest if salt is None else f"{digest}:{salt}"
 
     # -- generation -----------------------------------------------------------------------------
     async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -224,7 +241,8 @@ class Server:
 
         async def pump(choice: int, config: GenerationConfig):
             try:
-                async for out in self.loop.generate(job.prompt_of(choice), config, f"{job.id}-{choice}"):
+                async for out in self.loop.generate(job.prompt_of(choice), config, f"{job.id}-{choice}",
+                                                    cache_salt=job.cache_salt):
                     queue.put_nowait((choice, out))
             except Exception as exc:  # reaches the consumer instead of dying in this task
                 queue.put_nowait((choice, exc))
