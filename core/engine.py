@@ -51,6 +51,7 @@ class RequestOutput:
     cached_tokens: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     error: str | None = None
+    delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
 
 
 class Engine:
@@ -87,6 +88,9 @@ class Engine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        # True: an unfinished request's outputs carry only their deltas (token_ids and logprobs empty), so a
+        # step costs no copy of every token so far; the finished output still has everything (the server).
+        self.output_deltas = False
         # Structured outputs (docs/engine.md): grammars compiled once per format, masks built beside the forward.
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.masks = MaskBuilder(self.model_config.vocab_size)
@@ -313,11 +317,13 @@ class Engine:
         self.seqs.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, new_tokens: list[int], delta: str) -> RequestOutput:
+        full = seq.is_finished or not self.output_deltas
         return RequestOutput(
-            request_id=seq.request_id, token_ids=list(seq.output_ids), text=seq.text,
+            request_id=seq.request_id, token_ids=list(seq.output_ids) if full else [], text=seq.text,
             delta_token_ids=new_tokens, delta_text=delta, finished=seq.is_finished,
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs), error=seq.error)
+            cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs) if full else [], error=seq.error,
+            delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [])
 
     # -- introspection ----------------------------------------------------
     def usage(self) -> dict:
