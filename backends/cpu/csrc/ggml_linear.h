@@ -98,19 +98,32 @@ inline u8x32 run_nibbles(const uint8_t* qs) {
 // d, qh (32 fifth bits), qs (16 bytes of nibbles); w = d (q - 16).
 struct Q5_0 {
   static constexpr int kElements = 32, kBytes = 22, kSub = 32;
-  static constexpr bool kMin = false;
-  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+  static constexpr bool kMin = false, kCodes512 = true;
+  static void scales(const uint8_t* b, float* scale, float*) { scale[0] = f16(b); }
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     store(q, (run_nibbles(b + 6) | fifth_bits(qh)) - 16);
-    scale[0] = f16(b);
+    scales(b, scale, min);
   }
+#ifdef LMPORT_QUANT_AVX512
+  // The block's 32 codes as int16, straight from its bytes: the nibbles, less 16 where the fifth bit is clear.
+  static __m512i codes512(const uint8_t* b, int) {
+    const __m512i both = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(b + 6))));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // 0 x 16, 4 x 16
+    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), _mm512_set1_epi16(0xF));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    return _mm512_mask_sub_epi16(nibbles, _cvtu32_mask32(~qh), nibbles, _mm512_set1_epi16(16));
+  }
+#endif
 };
 
 // d, m, qh, qs as Q5_0; w = d q + m.
 struct Q5_1 {
   static constexpr int kElements = 32, kBytes = 24, kSub = 32;
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
@@ -124,7 +137,7 @@ struct Q5_1 {
 // byte 32 h + j), d, dmin; w = d sc q - dmin m per 16 inputs.
 struct Q2_K {
   static constexpr int kElements = 256, kBytes = 84, kSub = 16;
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     const float d = f16(b + 80), dmin = f16(b + 82);
     for (int h = 0; h < 2; ++h) {
@@ -145,7 +158,7 @@ struct Q2_K {
 // scales (12 bytes: 16 6-bit scales), d; w = d (sc - 32) q, q = low - 4 where the high bit is 0.
 struct Q3_K {
   static constexpr int kElements = 256, kBytes = 110, kSub = 16;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
     const u8x32 hmask = load32(b);
     const uint8_t* sc = b + 96;
@@ -184,21 +197,29 @@ inline void k4_scales(const uint8_t* s, float d, float dmin, float* scale, float
 // high); w = d sc q - dmin m per 32 inputs.
 struct Q4_K {
   static constexpr int kElements = 256, kBytes = 144, kSub = 32;
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kCodes512 = true;
+  static void scales(const uint8_t* b, float* scale, float* min) { k4_scales(b + 4, f16(b), f16(b + 2), scale, min); }
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     for (int c = 0; c < 4; ++c) {
       const u8x32 v = load32(b + 16 + 32 * c);
       store(q + 64 * c, v & 0xF);
       store(q + 64 * c + 32, bits_to(v, 4, 0, 4));
     }
-    k4_scales(b + 4, f16(b), f16(b + 2), scale, min);
+    scales(b, scale, min);
   }
+#ifdef LMPORT_QUANT_AVX512
+  // Run r's 32 codes as int16: the low (r even) or high (r odd) nibbles of qs bytes 32 (r / 2) .. + 31.
+  static __m512i codes512(const uint8_t* b, int r) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (r / 2))));
+    return r % 2 ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+  }
+#endif
 };
 
 // Q4_K plus qh (32 bytes: input 32 k + j's fifth bit is bit k of byte j).
 struct Q5_K {
   static constexpr int kElements = 256, kBytes = 176, kSub = 32;
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     const u8x32 qh = load32(b + 16);
     for (int c = 0; c < 4; ++c) {
@@ -215,7 +236,7 @@ struct Q5_K {
 // qh[32 h + j] >> 2 t; w = d sc (q - 32) per 16 inputs.
 struct Q6_K {
   static constexpr int kElements = 256, kBytes = 210, kSub = 16;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
     for (int h = 0; h < 2; ++h) {
       const u8x32 lo0 = load32(b + 64 * h), lo1 = load32(b + 64 * h + 32), hi = load32(b + 128 + 32 * h);
@@ -241,7 +262,7 @@ inline u8x16 iq4_levels(u8x16 nibbles) {
 // d, qs (16 bytes of nibbles as Q4_0's); w = d level[q].
 struct IQ4_NL {
   static constexpr int kElements = 32, kBytes = 18, kSub = 32;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
     const u8x16 v = load16(b + 2);
     store(q, iq4_levels(v & 0xF));
@@ -254,7 +275,7 @@ struct IQ4_NL {
 // runs of 32 as IQ4_NL's); w = d (sc - 32) level[q] per 32 inputs.
 struct IQ4_XS {
   static constexpr int kElements = 256, kBytes = 136, kSub = 32;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kCodes512 = false;
   static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
     const float d = f16(b);
     uint16_t high;
@@ -301,6 +322,13 @@ inline void decode_row(const uint8_t* row, int64_t K, RowBuffer& buf) {
   for (int64_t i = 0; i < K / T::kElements; ++i)
     T::decode(row + i * T::kBytes, buf.codes.data() + i * T::kElements, buf.scales.data() + i * subs,
               buf.mins.data() + i * subs);
+}
+
+template <class T>
+inline void decode_row_scales(const uint8_t* row, int64_t K, RowBuffer& buf) {
+  constexpr int subs = T::kElements / T::kSub;
+  for (int64_t i = 0; i < K / T::kElements; ++i)
+    T::scales(row + i * T::kBytes, buf.scales.data() + i * subs, buf.mins.data() + i * subs);
 }
 
 // A decoded row as float32: w = scale * q (+ min), as the reference computes it.
@@ -369,36 +397,51 @@ inline Activations quantize(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
-// Rows m0 .. m0 + MT of x against one decoded weight row: out[j] = sum_k x[m0 + j, k] w[k].
-// ``folded`` is scratch for MT * K / SUB floats: each sub-block's scale times x's step there.
-template <int SUB, bool MIN, int MT>
-inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float* folded, float* out) {
+// A tile of MT rows of x (from m0) against RT weight rows (``rows``: their blocks; ``w``: their scales and
+// mins, and their codes unless the type unpacks them from the blocks itself):
+// out[j * RT + r] = sum_k x[m0 + j, k] w_r[k]. ``folded`` is scratch for MT * RT * K / kSub floats: each
+// sub-block's scale times x's step there.
+template <class T, int MT, int RT>
+inline void dot_tile(const uint8_t* const* rows, const RowBuffer* w, const Activations& a, int64_t m0, float* folded,
+                     float* out) {
+  constexpr int SUB = T::kSub, kAcc = MT * RT;
   const int64_t K = a.K, runs = K / kRun, subs = K / SUB;
-  for (int j = 0; j < MT; ++j) {
-    const float* step = a.step<SUB>(m0 + j);
-    for (int64_t s = 0; s < subs; ++s) folded[j * subs + s] = w.scales[s] * step[s];
-  }
-  const int8_t* q = w.codes.data();
+  for (int j = 0; j < MT; ++j)
+    for (int r = 0; r < RT; ++r) {
+      const float* step = a.step<SUB>(m0 + j);
+      float* f = folded + (j * RT + r) * subs;
+      for (int64_t s = 0; s < subs; ++s) f[s] = w[r].scales[s] * step[s];
+    }
 #ifdef LMPORT_QUANT_AVX512
   // A run's 32 codes widened to int16 in one register; dpwssd leaves inputs 0..15 in lanes 0..7 and
   // 16..31 in lanes 8..15, the halves of a run that 16-input sub-blocks scale apart.
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc0[MT], acc1[MT];   // even and odd runs: consecutive runs do not wait on each other's FMA
-  for (int j = 0; j < MT; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+  __m512 acc0[kAcc], acc1[kAcc];   // even and odd runs: consecutive runs do not wait on each other's FMA
+  for (int i = 0; i < kAcc; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  constexpr int runs_per_block = T::kElements / kRun;
   const auto run = [&](int64_t b, __m512* acc) {
-    const __m512i wq = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kRun)));
+    __m512i wq[RT];
+    for (int r = 0; r < RT; ++r) {
+      if constexpr (T::kCodes512)
+        wq[r] = T::codes512(rows[r] + b / runs_per_block * T::kBytes, static_cast<int>(b % runs_per_block));
+      else
+        wq[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r].codes.data() + b * kRun)));
+    }
     for (int j = 0; j < MT; ++j) {
       const __m512i xq = _mm512_loadu_si512(a.codes.data() + (m0 + j) * K + b * kRun);
-      const __m512 d = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wq, xq));
-      __m512 s;
-      if constexpr (SUB == 32) {
-        s = _mm512_set1_ps(folded[j * subs + b]);
-      } else {
-        double pair;   // the two sub-blocks' scales, spread over their lanes
-        std::memcpy(&pair, folded + j * subs + 2 * b, 8);
-        s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+      for (int r = 0; r < RT; ++r) {
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wq[r], xq));
+        const float* f = folded + (j * RT + r) * subs;
+        __m512 s;
+        if constexpr (SUB == 32) {
+          s = _mm512_set1_ps(f[b]);
+        } else {
+          double pair;   // the two sub-blocks' scales, spread over their lanes
+          std::memcpy(&pair, f + 2 * b, 8);
+          s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+        }
+        acc[j * RT + r] = _mm512_fmadd_ps(d, s, acc[j * RT + r]);
       }
-      acc[j] = _mm512_fmadd_ps(d, s, acc[j]);
     }
   };
   int64_t b = 0;
@@ -407,18 +450,21 @@ inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float
     run(b + 1, acc1);
   }
   if (b < runs) run(b, acc0);
-  for (int j = 0; j < MT; ++j) {
-    __m512 v = _mm512_add_ps(acc0[j], acc1[j]);
-    if constexpr (MIN) {   // the mins meet the sums of x over their sub-blocks
-      const float* xs = a.sum<SUB>(m0 + j);
-      for (int64_t s = 0; s < subs; s += 16) {
-        const __mmask16 k = quant512::tail_mask(subs - s);
-        v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w.mins.data() + s), _mm512_maskz_loadu_ps(k, xs + s), v);
+  for (int j = 0; j < MT; ++j)
+    for (int r = 0; r < RT; ++r) {
+      __m512 v = _mm512_add_ps(acc0[j * RT + r], acc1[j * RT + r]);
+      if constexpr (T::kMin) {   // the mins meet the sums of x over their sub-blocks
+        const float* xs = a.sum<SUB>(m0 + j);
+        for (int64_t s = 0; s < subs; s += 16) {
+          const __mmask16 k = quant512::tail_mask(subs - s);
+          v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w[r].mins.data() + s), _mm512_maskz_loadu_ps(k, xs + s), v);
+        }
       }
+      out[j * RT + r] = _mm512_reduce_add_ps(v);
     }
-    out[j] = _mm512_reduce_add_ps(v);
-  }
 #else
+  static_assert(RT == 1, "the AVX2 path takes one weight row at a time (16 registers)");
+  const int8_t* q = w[0].codes.data();
   __m256 acc0[MT], acc1[MT];
   for (int j = 0; j < MT; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps();
   const auto run = [&](int64_t b, __m256* acc, __m256* other) {
@@ -448,38 +494,64 @@ inline void dot_tile(const RowBuffer& w, const Activations& a, int64_t m0, float
   if (b < runs) run(b, acc0, acc1);
   for (int j = 0; j < MT; ++j) {
     float v = quant_detail::hsum(_mm256_add_ps(acc0[j], acc1[j]));
-    if constexpr (MIN) {
+    if constexpr (T::kMin) {
       const float* xs = a.sum<SUB>(m0 + j);
-      for (int64_t s = 0; s < subs; ++s) v += w.mins[s] * xs[s];
+      for (int64_t s = 0; s < subs; ++s) v += w[0].mins[s] * xs[s];
     }
     out[j] = v;
   }
 #endif
 }
 
+// One row of x (single-stream decode) takes the weight rows kRowBlock at a time: x's runs are loaded
+// once for them and their sums are independent. More rows of x take one weight row at a time against
+// up to kTile rows of x.
+#ifdef LMPORT_QUANT_AVX512
+constexpr int kRowBlock = 4;
+#else
+constexpr int kRowBlock = 1;
+#endif
+constexpr int kTile = 4;
+
 template <class T>
 inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, float* y) {
   const int64_t K = a.K, row_bytes = K / T::kElements * T::kBytes;
-  constexpr int kTile = 4;   // rows of x dotted with each decoded weight row at a time
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  const int RT = M == 1 ? kRowBlock : 1;
+  at::parallel_for(0, (N + RT - 1) / RT, 16 / RT, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * RT, last = std::min(N, end * RT);   // this thread's weight rows
     // The first rows are asked for at once rather than missed one after another.
-    for (int64_t off = 0; off < std::min(end - begin, kAhead) * row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + begin * row_bytes + off), _MM_HINT_T1);
-    RowBuffer buf(K);
-    std::vector<float> folded(kTile * K / 16 + 16);
-    float out[kTile];
-    for (int64_t n = begin; n < end; ++n) {
-      if (n + kAhead < end)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (n + kAhead) * row_bytes + off), _MM_HINT_T1);
-      decode_row<T>(w + n * row_bytes, K, buf);
+    for (int64_t off = 0; off < std::min(last - first, kAhead) * row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + first * row_bytes + off), _MM_HINT_T1);
+    std::vector<RowBuffer> bufs(RT, RowBuffer(K));
+    std::vector<float> folded(kTile * kRowBlock * K / 16 + 16);
+    float out[kTile * kRowBlock];
+    for (int64_t n = first; n < last; n += RT) {
+      const int64_t ahead = n + RT + kAhead - 1;   // the rows kAhead ahead of this block's
+      for (int64_t off = 0; ahead < last && off < RT * row_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (ahead - RT + 1) * row_bytes + off), _MM_HINT_T1);
+      const int valid = static_cast<int>(std::min<int64_t>(RT, N - n));
+      const uint8_t* rows[kRowBlock];
+      for (int r = 0; r < RT; ++r) {   // past the weight's end the last row again, its sums not stored
+        rows[r] = w + (n + std::min(r, valid - 1)) * row_bytes;
+#ifdef LMPORT_QUANT_AVX512
+        if constexpr (T::kCodes512)   // the codes are unpacked from the blocks as the dot products need them
+          decode_row_scales<T>(rows[r], K, bufs[r]);
+        else
+#endif
+          decode_row<T>(rows[r], K, bufs[r]);
+      }
+      if (RT > 1) {
+        dot_tile<T, 1, kRowBlock>(rows, bufs.data(), a, 0, folded.data(), out);
+        for (int r = 0; r < valid; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.f);
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int64_t mt = std::min<int64_t>(kTile, M - m0);
         switch (mt) {
-          case 4: dot_tile<T::kSub, T::kMin, 4>(buf, a, m0, folded.data(), out); break;
-          case 3: dot_tile<T::kSub, T::kMin, 3>(buf, a, m0, folded.data(), out); break;
-          case 2: dot_tile<T::kSub, T::kMin, 2>(buf, a, m0, folded.data(), out); break;
-          default: dot_tile<T::kSub, T::kMin, 1>(buf, a, m0, folded.data(), out); break;
+          case 4: dot_tile<T, 4, 1>(rows, bufs.data(), a, m0, folded.data(), out); break;
+          case 3: dot_tile<T, 3, 1>(rows, bufs.data(), a, m0, folded.data(), out); break;
+          case 2: dot_tile<T, 2, 1>(rows, bufs.data(), a, m0, folded.data(), out); break;
+          default: dot_tile<T, 1, 1>(rows, bufs.data(), a, m0, folded.data(), out); break;
         }
         for (int64_t j = 0; j < mt; ++j) y[(m0 + j) * N + n] = out[j] + (bias ? bias[n] : 0.f);
       }
