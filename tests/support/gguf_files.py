@@ -14,12 +14,13 @@ one of the architectures lmport runs and writes what a user downloading a GGUF o
 - the default model's tokenizer (its ``tokenizer.*`` fields copied; a byte-level BPE vocabulary of
   49,152 tokens, which transformers' GGUF tokenizer builder accepts for every architecture here);
 - tensors quantized per ``tensor_types``: a preset named as llama-quantize's (``"Q4_K_M"``, ``"Q5_K_M"``,
-  ``"Q6_K"``, ``"Q8_0"``), ``"EVERY"`` (the quantized types in turn, for coverage) or a dict from GGUF
+  ``"Q6_K"``, ``"Q8_0"``), ``"EVERY"`` (the quantized types in turn over the layers' weights, for
+  coverage; the embedding and output as Q4_K_M has them) or a dict from GGUF
   tensor name to type. Norms, biases and the MoE router stay float32, as llama-quantize leaves them.
 
 Mistral and Mixtral are architecture ``llama`` in GGUF (the converter registers MistralForCausalLM
-and MixtralForCausalLM under LlamaModel); ``general.name`` says "mistral" for Mistral, which is how
-transformers tells them apart.
+and MixtralForCausalLM under LlamaModel): transformers loads a Mistral file as a Llama (the same model
+without a sliding window) and does not map a Mixtral file's experts.
 """
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ def _head_dim(cfg) -> int:
 def _write_metadata(w: gguf.GGUFWriter, cfg, file_type) -> None:
     mt = cfg.model_type
     w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(f"tiny-{mt.replace('_', '-')}")      # "mistral" in the name: transformers reads Mistral
+    # One name for every file: llama.cpp keys per-token attributes on it (a name with "phi3" in it must have
+    # Phi-3's own SentencePiece tokens, which the copied vocabulary has not), and transformers on "mistral".
+    w.add_name("tiny-random")
     if mt == "gemma2":                                # Gemma2Model.set_gguf_parameters (not TextModel's)
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
@@ -211,14 +214,14 @@ def tensor_types_for(preset: str, tensors: dict[str, tuple[int, ...]], n_layer: 
         if stays_float(name, shape):
             types[name] = "f32"
             continue
-        if preset == "EVERY":
+        if preset == "EVERY" and name not in ("token_embd.weight", "output.weight"):
             t = cycle[index % len(cycle)]
             types[name] = t if shape[-1] % ggml_quantize.block_elements(t) == 0 else _fits(t, shape)
             continue
         if preset == "F32":
             types[name] = "f32"
             continue
-        default = {"Q4_K_M": "q4_k", "Q5_K_M": "q5_k", "Q6_K": "q6_k", "Q8_0": "q8_0"}[preset]
+        default = {"Q4_K_M": "q4_k", "Q5_K_M": "q5_k", "Q6_K": "q6_k", "Q8_0": "q8_0", "EVERY": "q4_k"}[preset]
         t = default
         if name == "output.weight" or (tied and name == "token_embd.weight"):
             t = "q8_0" if shape[-1] % 256 or default == "q8_0" else "q6_k"

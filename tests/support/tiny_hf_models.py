@@ -25,6 +25,7 @@ K-quant would fit); these are built alike (seeded, ``from_config``) with GGUF-fr
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -97,14 +98,16 @@ def tiny_model(arch: str):
 def tiny_model_dir(arch: str) -> str:
     """``tiny_model(arch)`` saved as a transformers directory with the default model's tokenizer (the input
     llama.cpp's convert_hf_to_gguf.py takes)."""
-    from transformers import AutoTokenizer
-
-    from lmport.models.loader import cache_root, hf_directory
+    from lmport.models.loader import cache_root, load_tokenizer
     target = cache_root() / "test-models" / f"gguf-tiny-{arch}-{_version()}"
     if not (target / "config.json").exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         tiny_model(arch).save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(hf_directory("smollm2")).save_pretrained(tmp)
+        load_tokenizer("smollm2").save_pretrained(tmp)
+        # The default model's tokenizer is byte-level BPE: say so (Phi-3's converter reads a SentencePiece
+        # tokenizer.model unless the class is GPT2Tokenizer, as Phi-4's is).
+        config = tmp / "tokenizer_config.json"
+        config.write_text(json.dumps(dict(json.loads(config.read_text()), tokenizer_class="GPT2Tokenizer"), indent=2))
         try:
             tmp.rename(target)
         except OSError:
