@@ -67,15 +67,7 @@ def read_model_config(model: str):
     path = resolve_model_path(model)
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    arch = gguf.architecture(path)   # ConfigError for an architecture lmport does not run
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    experts = gguf.field(gguf.read(path), f"{arch}.expert_count", 0)
-    if arch == "llama" and experts:   # Mixtral: llama.cpp writes it as llama with experts
-        from transformers import MixtralConfig
-        fields = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")}
-        cfg = MixtralConfig(**fields | {"num_local_experts": experts,
-                                        "num_experts_per_tok": gguf.field(gguf.read(path), "llama.expert_used_count")})
-    return cfg
+    return gguf.transformers_config(path)
 
 
 def load_tokenizer(model: str):
@@ -167,8 +159,8 @@ def rotary_for(cfg) -> torch.nn.Module:
 
 def _gguf_eos_ids(path: Path, cfg) -> set[int]:
     """End-of-generation tokens a GGUF names: eos, end-of-turn and end-of-message, and the config's."""
-    reader = gguf.read(path)
-    ids = {gguf.field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")}
+    meta = gguf.read(path).metadata
+    ids = {meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")}
     eos = getattr(cfg, "eos_token_id", None)
     return {i for i in ids | set(eos if isinstance(eos, list) else [eos]) if i is not None}
 

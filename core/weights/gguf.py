@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from lmport.config import ConfigError
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
+from lmport.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from lmport.weights.residency import page_out
 
 log = logging.getLogger(__name__)
@@ -44,35 +46,24 @@ def _types():
     return {T.Q4_0: "int4", T.Q4_1: "int4", T.Q8_0: "int8"}, {T.F32, T.F16, T.BF16}
 
 
-def read(path: Path):
-    """The file's ``gguf.GGUFReader`` (the header parsed, the tensor data memory-mapped, none of it read),
-    parsed once for the checks, the config and the tensors."""
+def read(path: Path) -> GGUFHeader:
+    """The file's header (the tensor data memory-mapped, none of it read), parsed once for the checks,
+    the config and the tensors."""
     stat = path.stat()
     return _read(path, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _read(path: Path, size: int, mtime_ns: int):
-    import gguf
+def _read(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, KeyError, IndexError, OSError) as exc:
-        raise ConfigError(f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
-                          f"check that it was fully downloaded") from None
-
-
-def field(reader, key: str, default=None):
-    """A scalar or string metadata value (``general.architecture``, ``llama.expert_count``)."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.parts[f.data[0]]
-    return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value.item()
+        return read_header(path)
+    except (ValueError, struct.error, OSError) as exc:
+        raise ConfigError(f"{path.name} is not a readable GGUF file: {exc}") from None
 
 
 def architecture(path: Path) -> str:
     """``general.architecture``; ConfigError naming it and the supported list when lmport does not run it."""
-    arch = field(read(path), "general.architecture")
+    arch = read(path).metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(f"{a} ({what})" for a, what in SUPPORTED_ARCHITECTURES.items())
         raise ConfigError(f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {supported}")
@@ -85,25 +76,55 @@ def tensor_formats(path: Path) -> tuple[set[tuple[int, int]], set[str], dict[str
     int_types, float_types = _types()
     formats, blocks, other = set(), set(), {}
     for t in read(path).tensors:
-        if t.tensor_type in int_types:
-            formats.add((int(int_types[t.tensor_type][3:]), 32))
-        elif t.tensor_type.name.lower() in BLOCK_TYPES:
-            blocks.add(t.tensor_type.name.lower())
-        elif t.tensor_type not in float_types:
-            other[t.name] = t.tensor_type.name
+        qtype = _qtype(t)
+        if qtype in int_types:
+            formats.add((int(int_types[qtype][3:]), 32))
+        elif qtype.name.lower() in BLOCK_TYPES:
+            blocks.add(qtype.name.lower())
+        elif qtype not in float_types:
+            other[t.name] = qtype.name
     return formats, blocks, other
 
 
-def _int_weight(t) -> QuantizedWeight:
+def _qtype(t: TensorInfo):
+    from gguf import GGMLQuantizationType
+    return GGMLQuantizationType(t.ggml_type)
+
+
+def transformers_config(path: Path):
+    """The transformers config of a GGUF, from its metadata as transformers' own GGUF loader maps it (its
+    key table and defaults), with llama.cpp's renamings undone: Mistral and Mixtral are written as llama
+    (Mixtral: with experts), Qwen3-MoE as qwen3moe, Gemma 3's text model as gemma3."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    header, arch = read(path), architecture(path)
+    meta = header.metadata
+    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
+    if arch == "llama" and meta.get("llama.expert_count"):
+        model_type = "mixtral"
+    elif arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        model_type = "mistral"
+    config = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
+    table = GGUF_CONFIG_MAPPING[{"gemma3_text": "gemma3", "mixtral": "llama"}.get(model_type, model_type)]
+    for prefix, keys in ((arch, table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
+        config |= {hf: meta[f"{prefix}.{key}"] for key, hf in keys.items() if hf and f"{prefix}.{key}" in meta}
+    if model_type == "mixtral":
+        config |= {"num_local_experts": meta["llama.expert_count"],
+                   "num_experts_per_tok": meta["llama.expert_used_count"]}
+    config.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))   # a string array: its length
+    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
+    return AutoConfig.for_model(model_type, **config)
+
+
+def _int_weight(rows: np.ndarray, qtype) -> QuantizedWeight:
     """One Q4_0 / Q4_1 / Q8_0 tensor in the internal format (its bytes copied out of the mapped file)."""
     from gguf import GGMLQuantizationType as T
-    rows = t.data.reshape(-1, t.data.shape[-1])
-    if t.tensor_type == T.Q8_0:              # d: f16, qs: 32 x int8;           w = d * q
+    if qtype == T.Q8_0:              # d: f16, qs: 32 x int8;           w = d * q
         b = rows.reshape(rows.shape[0], -1, 34)
         scales = _f16(b[..., 0:2])
         codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)).flatten(1)
         return QuantizedWeight(codes, scales, torch.zeros_like(scales), 8, 32)
-    if t.tensor_type == T.Q4_0:              # d: f16, qs: 16 bytes;            w = d * (q - 8)
+    if qtype == T.Q4_0:                      # d: f16, qs: 16 bytes;            w = d * (q - 8)
         b = rows.reshape(rows.shape[0], -1, 18)
         scales = _f16(b[..., 0:2])
         mins = scales * -8                   # exact: a power-of-two multiple
@@ -126,28 +147,29 @@ def _mapped(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-def _read_tensor(t, dtype: torch.dtype, keep: bool):
+def _read_tensor(header: GGUFHeader, t: TensorInfo, dtype: torch.dtype, keep: bool):
     """A tensor's value: QuantizedWeight or GGMLWeight (quantized, ``keep``), else a float tensor."""
     import gguf
     int_types, float_types = _types()
-    shape = tuple(reversed(t.shape.tolist()))          # GGUF lists dimensions innermost first
-    name = t.tensor_type.name.lower()
-    if t.tensor_type in float_types:
-        value = torch.from_numpy(np.array(t.data)).to(dtype).reshape(shape)
-        page_out([_mapped(t.data)])
+    qtype, data = _qtype(t), header.data(t)
+    label = f"{t.name} ({qtype.name})"
+    if qtype in float_types:
+        value = torch.from_numpy(np.array(data))
+        value = (value.view(torch.bfloat16) if qtype == gguf.GGMLQuantizationType.BF16 else value).to(dtype)
+        page_out([_mapped(data)])
         return value
-    if keep and t.tensor_type in int_types and len(shape) == 2:
-        weight = _int_weight(t).check(f"{t.name} ({t.tensor_type.name})")
-        page_out([_mapped(t.data)])   # copied: the file's pages need not stay resident beside the copy
+    if keep and qtype in int_types and len(t.shape) == 2:
+        weight = _int_weight(data, qtype).check(label)
+        page_out([_mapped(data)])   # copied: the file's pages need not stay resident beside the copy
         return weight
-    if keep and name in BLOCK_TYPES and len(shape) == 2:
-        return GGMLWeight(_mapped(t.data), name, shape[1]).check(f"{t.name} ({t.tensor_type.name})")
+    if keep and qtype.name.lower() in BLOCK_TYPES and len(t.shape) == 2:
+        return GGMLWeight(_mapped(data), qtype.name.lower(), t.shape[1]).check(label)
     try:
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = gguf.quants.dequantize(np.asarray(data), qtype)
     except NotImplementedError:
-        raise ConfigError(f"{t.name}: GGUF tensor type {t.tensor_type.name} cannot be read (gguf has no "
+        raise ConfigError(f"{t.name}: GGUF tensor type {qtype.name} cannot be read (gguf has no "
                           f"dequantizer for it); requantize the file to a type lmport runs") from None
-    return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(dtype).reshape(shape)
+    return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(dtype).reshape(t.shape)
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -190,7 +212,7 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
     transformers' names). Quantized tensors are dequantized to ``dtype`` unless ``keep_quantized``.
     ValueError naming the tensor when one has no place in the model or the model misses one."""
     import gguf
-    reader, arch = read(path), architecture(path)
+    header, arch = read(path), architecture(path)
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     wanted = {}
@@ -200,17 +222,17 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
         if g is not None:
             wanted[f"{g}.{suffix}"] = hf
     values, dequantized = {}, set()
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
         hf = wanted.get(t.name)
         if hf is None:
             raise ValueError(f"{path.name}: GGUF tensor {t.name!r} has no place in the {cfg.model_type} model "
                              f"built from the file's metadata ({cfg.num_hidden_layers} layers)")
-        value = _read_tensor(t, dtype, keep_quantized)
-        if isinstance(value, torch.Tensor) and t.tensor_type not in _types()[1]:
-            dequantized.add(t.tensor_type.name)
-        want = tuple(reversed(t.shape.tolist()))
+        value = _read_tensor(header, t, dtype, keep_quantized)
+        if isinstance(value, torch.Tensor) and _qtype(t) not in _types()[1]:
+            dequantized.add(_qtype(t).name)
+        want = t.shape
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else (value.out_features, value.in_features)
         if got != want:
             raise ValueError(f"{path.name}: tensor {t.name!r} reads as {list(got)}, its header says {list(want)}")
@@ -262,14 +284,15 @@ def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
     by_format: dict[str, int] = {}
     float_name = str(dtype).removeprefix("torch.")
     for t in read(path).tensors:
-        numel, name = int(np.prod(t.shape)), t.tensor_type.name.lower()
+        numel, qtype = int(np.prod(t.shape)), _qtype(t)
+        name = qtype.name.lower()
         if t.name in _CONFIG_TENSORS:
             continue
-        if t.tensor_type in int_types and len(t.shape) == 2:
-            key = int_types[t.tensor_type]
+        if qtype in int_types and len(t.shape) == 2:
+            key = int_types[qtype]
             size = numel * int(key[3:]) // 8 + numel // 32 * 2 * 2   # codes + float16 scale and min a run
         elif name in BLOCK_TYPES and len(t.shape) == 2:
-            key, size = name, int(t.n_bytes)
+            key, size = name, t.nbytes
         else:
             key, size = float_name, numel * dtype.itemsize
         by_format[key] = by_format.get(key, 0) + size

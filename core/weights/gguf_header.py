@@ -1,0 +1,116 @@
+"""A GGUF file's header: its metadata and tensor table, read in one pass; tensor data memory-mapped.
+
+gguf's own ``GGUFReader`` builds a numpy view for every element of every metadata array (a
+vocabulary of 50k tokens and its merges: seconds); this reads scalars and strings, keeps string
+arrays only where asked (the tokenizer reads its own) and counts the rest. Layout: llama.cpp's
+``docs/gguf.md`` (versions 2 and 3: magic, version, tensor count, metadata count, metadata
+key/type/values, the tensor table, the data section at the next multiple of ``general.alignment``).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Fixed-size metadata value types: struct format by GGUF type id (8 = string, 9 = array are read apart).
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_FLOATS = {0: np.float32, 1: np.float16, 30: np.uint16}   # F32, F16, BF16 (read as raw 16-bit words)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]    # torch order (outermost first)
+    ggml_type: int
+    offset: int               # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: Path
+    metadata: dict            # key -> value; a string array not asked for is its length
+    tensors: tuple[TensorInfo, ...]
+    data_start: int
+
+    def data(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes in the mapped file (uint8 [rows, row bytes]; float types as their values)."""
+        raw = _mapped(self.path)[self.data_start + info.offset:self.data_start + info.offset + info.nbytes]
+        if info.ggml_type in _FLOATS:
+            return raw.view(_FLOATS[info.ggml_type]).reshape(info.shape)
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return raw.reshape(rows, -1)
+
+
+def _mapped(path: Path) -> np.memmap:
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def read_header(path: Path, string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
+    """ValueError naming the problem for a file that is not a GGUF, a version this does not read, or a
+    tensor table that points past the end of the file (a truncated download)."""
+    import gguf
+    blob = _mapped(path)
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError("it does not start with the GGUF magic bytes")
+    version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (lmport reads versions 2 and 3)")
+    pos, metadata = 24, {}
+    for _ in range(metadata_count):
+        key, pos = _string(blob, pos)
+        (kind,) = struct.unpack_from("<I", blob, pos)
+        metadata[key], pos = _value(blob, pos + 4, kind, key in string_arrays)
+    tensors = []
+    for _ in range(tensor_count):
+        name, pos = _string(blob, pos)
+        (dims,) = struct.unpack_from("<I", blob, pos)
+        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+        pos += 4 + 8 * dims + 12
+        try:
+            elements, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has GGML type {ggml_type}, which no GGUF reader knows") from None
+        numel = int(np.prod(shape))
+        if shape and shape[-1] % elements:
+            raise ValueError(f"tensor {name!r}: {shape[-1]} inputs are not whole blocks of its type")
+        tensors.append(TensorInfo(name, shape, ggml_type, offset, numel // elements * nbytes))
+    alignment = metadata.get("general.alignment", 32)
+    data_start = -(-pos // alignment) * alignment
+    for t in tensors:
+        if data_start + t.offset + t.nbytes > len(blob):
+            raise ValueError(f"tensor {t.name!r} ends at byte {data_start + t.offset + t.nbytes}, past the end of "
+                             f"the file ({len(blob)} bytes): the file is truncated")
+    return GGUFHeader(path, metadata, tuple(tensors), data_start)
+
+
+def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    return bytes(blob[pos + 8:pos + 8 + length]).decode("utf-8", errors="replace"), pos + 8 + length
+
+
+def _value(blob: np.ndarray, pos: int, kind: int, keep_strings: bool):
+    if kind in _SCALARS:
+        (value,) = struct.unpack_from(_SCALARS[kind], blob, pos)
+        return value, pos + struct.calcsize(_SCALARS[kind])
+    if kind == 8:
+        return _string(blob, pos)
+    if kind != 9:
+        raise ValueError(f"metadata value of unknown type {kind}")
+    element, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if element in _SCALARS:
+        width = struct.calcsize(_SCALARS[element])
+        return list(struct.unpack_from(f"<{count}{_SCALARS[element][1]}", blob, pos)), pos + count * width
+    if element != 8:
+        raise ValueError(f"metadata array of type {element}")
+    values = []
+    for _ in range(count):   # strings are of varying length: walk them
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        if keep_strings:
+            values.append(bytes(blob[pos + 8:pos + 8 + length]).decode("utf-8", errors="replace"))
+        pos += 8 + length
+    return (values if keep_strings else count), pos
