@@ -97,6 +97,8 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="close a connection whose request headers are incomplete after this long (default: 10)")
     g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="answer 408 when a request body takes longer than this to arrive (default: 30)")
+    g.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="close a stream whose client has not taken a write for this long (default: 30)")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="close idle keep-alive connections after this long (default: 5)")
     g.add_argument("--max-connections", type=int, default=1024, metavar="N",

@@ -43,6 +43,7 @@ class EngineLoop:
         self._state = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._adding: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._runs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}   # run() calls waiting
         self._inbox: collections.deque = collections.deque()  # calls for the engine thread (see _submit)
         self._thread = threading.Thread(target=self._run, name="lmport-engine", daemon=True)
         self._thread.start()
@@ -103,10 +104,43 @@ class EngineLoop:
         """Abort at the engine thread's next turn; its last output still reaches an open stream."""
         self._submit(lambda engine: engine.abort(request_id))
 
+    def submit(self, fn) -> None:
+        """Run ``fn(engine)`` on the engine thread before its next step; never waits."""
+        self._submit(fn)
+
     def _submit(self, fn) -> None:
         """Run ``fn(engine)`` on the engine thread before its next step, in submission order."""
         self._inbox.append(fn)
         self._work.set()
+
+    async def run(self, fn):
+        """``fn(engine)`` on the engine thread between steps (as adds and aborts are); its result or exception.
+
+        Unlike call(), no thread waits for the lock; a caller that stops waiting leaves ``fn`` to run anyway.
+        """
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def work(engine):
+            try:
+                result = (fn(engine), None)
+            except Exception as exc:
+                result = (None, exc)
+            _call_soon(loop, _settle, done, result)
+
+        with self._state:
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
+            self._runs[id(done)] = (loop, done)
+        self._submit(work)
+        try:
+            value, error = await done
+        finally:
+            with self._state:
+                self._runs.pop(id(done), None)
+        if error is not None:
+            raise error
+        return value
 
     def call(self, fn, *args, **kwargs):
         """Run ``fn(engine, ...)`` under the engine's lock (stats, tokenizer-free queries)."""
@@ -147,12 +181,15 @@ class EngineLoop:
             self.failure = reason
             streams, self._streams = self._streams, {}
             adding, self._adding = self._adding, {}
+            runs, self._runs = self._runs, {}
         for request_id, (loop, queue) in streams.items():
             out = RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error", prompt_tokens=0,
                                 error=reason)
             _call_soon(loop, queue.put_nowait, out)
         for loop, future in adding.values():
             _call_soon(loop, _resolve, future, EngineStopped(reason))
+        for loop, future in runs.values():
+            _call_soon(loop, _settle, future, (None, EngineStopped(reason)))
         if self.on_failure is not None:
             try:
                 self.on_failure(reason)
@@ -178,3 +215,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 def _resolve(future: asyncio.Future, error: Exception | None) -> None:
     if not future.done():  # the waiting generator may have been closed meanwhile
         future.set_result(error)
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)

@@ -60,3 +60,141 @@ def test_cache_salt_alone_separates_requests():
         assert server.cache_salt("s", "key-a") != server.cache_salt(None, "key-a")
     finally:
         server.loop.shutdown()
+
+
+def _silent_stream(url: str, body: dict):
+    """Sends a streamed request on a socket whose client never reads (and receives into a tiny buffer)."""
+    import json
+    import socket
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+class SmallBufferServer(ServerThread):
+    """ServerThread whose connections have small kernel send buffers (inherited from the listening socket), so
+    that a client that does not read blocks the server's writes after about 100 KB rather than megabytes."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("limits", [{"send_timeout": 1.0}, {"request_timeout": 3.0, "send_timeout": 600.0}])
+def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
+    import time
+    from lmport.server.limits import Limits
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=4096))
+    app = create_app(engine, model_name="tiny", limits=Limits(**limits))
+    server, state = SmallBufferServer(app), app.state.server
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 16, "stream": True,
+                "logprobs": 5}
+        socks = [_silent_stream(server.url, body) for _ in range(2)]
+        start = time.monotonic()
+        while state.admission.active < 32 and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        assert state.admission.active == 32
+        while state.admission.active and time.monotonic() - start < 40:
+            time.sleep(0.1)
+        cut = time.monotonic() - start
+        assert state.admission.active == 0, state.admission.active
+        assert cut < 15, cut
+        while engine.seqs and time.monotonic() - start < 45:
+            time.sleep(0.1)
+        assert not engine.seqs   # aborted, not left to run to max_tokens
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+        for sock in socks:
+            sock.close()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    from lmport.server.limits import Limits
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048))
+    app = create_app(engine, model_name="tiny", limits=Limits(request_timeout=4.0))
+    server = ServerThread(app)
+    server.engine, server.state = engine, app.state.server
+    yield server
+    server.stop()
+
+
+def test_echo_scoring_is_chunked_and_matches_the_pipeline(plain):
+    from lmport import scoring
+    from lmport.server import echo
+    assert echo.chunk_tokens(49152, 4096) * 49152 * 4 <= echo.LOGITS_BUDGET   # SmolLM2: 341 positions a chunk
+    ids = plain.engine.tokenizer.encode(PROMPT)
+    want_lps, want_tops = plain.state.loop.call(lambda e: scoring.token_logprobs(e, ids, 64, 3))
+    r = httpx.post(plain.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want_lps, abs=1e-4)
+    assert plain.engine.block_manager.num_free == plain.engine.block_manager.num_blocks
+
+
+def _slow_chunks(monkeypatch, counter: list):
+    import time
+    from lmport.server import echo
+    monkeypatch.setattr(echo, "MAX_CHUNK", 4)
+    step = echo.Scorer.step
+
+    def slow(self, engine):
+        counter.append(1)
+        time.sleep(0.02)
+        step(self, engine)
+    monkeypatch.setattr(echo.Scorer, "step", slow)
+
+
+def test_echo_scoring_stops_when_the_client_leaves(plain, monkeypatch):
+    import time
+    counter: list = []
+    _slow_chunks(monkeypatch, counter)
+    ids = plain.engine.tokenizer.encode(PROMPT * 4)[:1500]   # 375 chunks, about 8 s
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(plain.url + "/v1/completions", timeout=1.0, json={
+            "model": "tiny", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0})
+    time.sleep(0.5)
+    left = len(counter)
+    time.sleep(1.5)
+    assert len(counter) == left < 200, (left, len(counter))   # stopped at the next chunk after the client left
+    assert plain.engine.block_manager.num_free == plain.engine.block_manager.num_blocks
+    assert httpx.get(plain.url + "/health").status_code == 200
+
+
+def test_echo_scoring_ends_at_the_request_timeout(plain, monkeypatch):
+    import time
+    counter: list = []
+    _slow_chunks(monkeypatch, counter)
+    ids = plain.engine.tokenizer.encode(PROMPT * 8)[:2000]   # 500 chunks, about 10 s; the timeout is 4 s
+    start = time.monotonic()
+    r = httpx.post(plain.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+    assert time.monotonic() - start < 6
+    time.sleep(0.3)
+    assert plain.engine.block_manager.num_free == plain.engine.block_manager.num_blocks

@@ -172,7 +172,7 @@ def serve(args) -> int:
         raise ConfigError("--cache-salt-by-api-key needs --api-key (or LMPORT_API_KEY)")
     limits = Limits(max_engine_requests=args.max_engine_requests_per_request, max_prompt_chars=args.max_prompt_chars,
                     max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
-                    body_timeout=args.body_timeout)
+                    body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections)
     engine = Engine(args.model, engine_config(args))

@@ -24,6 +24,7 @@ class Limits:
     max_waiting_requests: int | None = None  # engine requests queued beyond the running batch; None: 4 x batch
     request_timeout: float | None = None     # seconds from arrival to the last token; None: no deadline
     body_timeout: float = 30.0               # seconds to receive the whole request body
+    send_timeout: float = 30.0               # seconds one write to a client that does not read may wait
 
     def __post_init__(self):
         def positive(name, value, kind=int):
@@ -34,6 +35,7 @@ class Limits:
         positive("max_prompt_chars", self.max_prompt_chars)
         positive("request_timeout", self.request_timeout, float)
         positive("body_timeout", self.body_timeout, float)
+        positive("send_timeout", self.send_timeout, float)
         if self.max_waiting_requests is not None and (not isinstance(self.max_waiting_requests, int)
                                                       or self.max_waiting_requests < 0):
             raise ConfigError(f"max_waiting_requests must be an int >= 0, got {self.max_waiting_requests!r}")

@@ -28,8 +28,10 @@ async def _respond(server: Server, request: Request, job: Job, chunk: Callable[.
     """An admitted job's reply: ``chunk(choice, out, delta, logprobs_from)`` (a list of chunks) as server-sent
     events, or ``body(final outputs)`` once all are done; 499 when the client left first."""
     if stream:
-        return EventStream(event_lines(server, job, chunk), on_close=job.release,
-                           headers={"Cache-Control": "no-cache"})
+        timeout = server.limits.request_timeout
+        return EventStream(event_lines(server, job, chunk), on_close=job.release, headers={"Cache-Control": "no-cache"},
+                           send_timeout=server.limits.send_timeout,
+                           deadline=None if timeout is None else job.received + timeout)
     try:
         outs = await server.until_done_or_gone(request, job)
     finally:
@@ -178,8 +180,15 @@ async def completions(server: Server, request: Request):
 async def _echo_completion(server: Server, req: CompletionRequest, job: Job, top: int | None, request: Request,
                            prompt_texts: list[str]):
     """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
-    scores = [await echo.prompt_logprobs(server, ids, top or 0) if top is not None else None
-              for ids in job.prompts]
+    timeout = server.limits.request_timeout
+    deadline = None if timeout is None else job.received + timeout
+
+    async def score_all():
+        return [await echo.prompt_logprobs(server, ids, top or 0, deadline) if top is not None else None
+                for ids in job.prompts]
+    scores = await server.unless_gone(request, score_all())
+    if scores is None:
+        return Response(status_code=499)   # the client left: scoring stopped at the next chunk
     if req.max_tokens == 0:
         outs = [None] * len(job.configs)
     else:

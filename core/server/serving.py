@@ -65,22 +65,52 @@ class EventStream(StreamingResponse):
     Starlette cancels the streaming task when the client disconnects, but a
     generator paused at ``yield`` would only be closed by the garbage
     collector; closing it here aborts the engine requests right away.
+
+    A client that stops reading fills the socket's buffers, and then a send waits. No send may wait longer
+    than ``send_timeout`` seconds, nor past ``deadline`` (time.perf_counter(); the request timeout) plus
+    ``DEADLINE_GRACE`` for the final error event: the connection is then closed, which aborts the engine
+    requests and gives their admission slots back.
     """
     media_type = "text/event-stream"
+    DEADLINE_GRACE = 1.0
 
-    def __init__(self, content, on_close=None, **kwargs):
+    def __init__(self, content, on_close=None, send_timeout: float | None = None, deadline: float | None = None,
+                 **kwargs):
         super().__init__(content, **kwargs)
         self.on_close = on_close
+        self.send_timeout, self.deadline = send_timeout, deadline
+        self.cut = False   # a send waited too long and the connection was closed
+
+    def _send_limit(self) -> float | None:
+        limits = [t for t in (self.send_timeout, None if self.deadline is None else max(
+            0.0, self.deadline - time.perf_counter()) + self.DEADLINE_GRACE) if t is not None]
+        return min(limits) if limits else None
 
     async def __call__(self, scope, receive, send):
+        async def timed_send(message):
+            try:
+                async with asyncio.timeout(self._send_limit()):
+                    await send(message)
+            except TimeoutError:
+                self.cut = True
+                raise _SendTimeout from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except BaseException as exc:
+            if not self.cut:
+                raise
+            log.warning("closed a stream whose client stopped reading (%s)", type(exc).__name__)
         finally:
             try:
                 await self.body_iterator.aclose()
             finally:
                 if self.on_close is not None:
                     self.on_close()
+
+
+class _SendTimeout(Exception):
+    """A send to a client that does not read waited past its limit."""
 
 
 class Server:
@@ -233,22 +263,55 @@ class Server:
 
     # -- generation -----------------------------------------------------------------------------
     async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every choice at once; yield (choice index, output) as outputs arrive.
+        """Run every choice at once; yield (choice index, output so far) as outputs arrive.
 
-        Closing this iterator (or cancelling its consumer) aborts every unfinished choice.
+        The engine sends deltas; each choice's output so far is one RequestOutput that grows in place (read it
+        before the next ``await``). A consumer that falls behind (a client that does not read) holds at most one
+        pending entry a choice, never a copy of the output per step. A timeout or shutdown error overtakes the
+        pending outputs. Closing this iterator (or cancelling its consumer) aborts every unfinished choice.
         """
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()   # choice indices with news (once each), or (None, error)
+        state: list[RequestOutput | None] = [None] * len(job.configs)
+        pending = [False] * len(job.configs)
+        last: list[float | None] = [None] * len(job.configs)  # when each choice last produced a token
+
+        def merge(choice: int, out: RequestOutput) -> None:
+            acc = state[choice]
+            if acc is None:
+                acc = state[choice] = RequestOutput(out.request_id, [], "", [], "", False, None, out.prompt_tokens,
+                                                    out.cached_tokens)
+            if out.finished:
+                acc.token_ids, acc.logprobs, acc.text = out.token_ids, out.logprobs, out.text
+            else:
+                acc.token_ids.extend(out.delta_token_ids)
+                acc.logprobs.extend(out.delta_logprobs)
+                acc.text += out.delta_text
+            acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
+            acc.cached_tokens = out.cached_tokens
+            now = time.perf_counter()
+            if out.delta_token_ids:
+                if last[choice] is None:
+                    self.metrics.ttft.observe(now - job.received)
+                else:
+                    self.metrics.itl.observe(now - last[choice])
+                last[choice] = now
+            if out.finished:
+                self.metrics.finished.labels(out.finish_reason).inc()
+                self.metrics.e2e.observe(now - job.received)
+            if not pending[choice]:
+                pending[choice] = True
+                queue.put_nowait(choice)
 
         async def pump(choice: int, config: GenerationConfig):
             try:
                 async for out in self.loop.generate(job.prompt_of(choice), config, f"{job.id}-{choice}",
                                                     cache_salt=job.cache_salt):
-                    queue.put_nowait((choice, out))
+                    merge(choice, out)
             except Exception as exc:  # reaches the consumer instead of dying in this task
-                queue.put_nowait((choice, exc))
+                queue.put_nowait((None, exc))
 
+        self.engine.output_deltas = True
         tasks = [asyncio.create_task(pump(c, cfg)) for c, cfg in enumerate(job.configs)]
-        last = [None] * len(tasks)  # when each choice last produced a token
         remaining = len(tasks)
         self.live.add(queue)
         timeout = self.limits.request_timeout
@@ -258,31 +321,26 @@ class Server:
                                  f"(--request-timeout) and was aborted", type="server_error", code="timeout")))
         try:
             while remaining:
-                choice, out = await queue.get()
-                if isinstance(out, EngineStopped) or (isinstance(out, RequestError) and self.engine_problem()):
-                    # RequestError too: the engine failed between admit() and add_request()
-                    raise APIError(503, f"the server cannot generate: {out}", type="server_error",
-                                   code="engine_stopped")
-                if isinstance(out, Exception):
+                item = await queue.get()
+                if isinstance(item, tuple):
+                    out = item[1]
+                    if isinstance(out, EngineStopped) or (isinstance(out, RequestError) and self.engine_problem()):
+                        # RequestError too: the engine failed between admit() and add_request()
+                        raise APIError(503, f"the server cannot generate: {out}", type="server_error",
+                                       code="engine_stopped")
                     raise out
-                now = time.perf_counter()
-                if out.delta_token_ids:
-                    if last[choice] is None:
-                        self.metrics.ttft.observe(now - job.received)
-                    else:
-                        self.metrics.itl.observe(now - last[choice])
-                    last[choice] = now
+                pending[item] = False
+                out = state[item]
+                assert out is not None
                 if out.finished:
                     remaining -= 1
-                    self.metrics.finished.labels(out.finish_reason).inc()
-                    self.metrics.e2e.observe(now - job.received)
-                yield choice, out
+                yield item, out
         finally:
             self.live.discard(queue)
             if timer is not None:
                 timer.cancel()
             if remaining:  # the consumer left early (a client that went away): those choices are aborted
-                self.metrics.finished.labels("abort").inc(remaining)
+                self.metrics.finished.labels("abort").inc(sum(1 for o in state if o is None or not o.finished))
             for task in tasks:
                 task.cancel()  # a cancelled pump closes its generate(), which aborts the request
             # Last: inside a cancelled anyio scope (Starlette's disconnect handling) this await raises again.
@@ -298,16 +356,20 @@ class Server:
 
     async def until_done_or_gone(self, request: Request, job: Job) -> list[RequestOutput] | None:
         """collect(), or None when the client disconnects first (its requests are then aborted)."""
-        work = asyncio.ensure_future(self.collect(job))
+        return await self.unless_gone(request, self.collect(job))
+
+    async def unless_gone(self, request: Request, work):
+        """Await the coroutine ``work``, or cancel it and return None when the client disconnects first."""
+        task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():
-                work.cancel()  # the client left (or this handler was cancelled): abort the choices
-                await asyncio.gather(work, return_exceptions=True)
-        return None if work.cancelled() else work.result()
+            if not task.done():
+                task.cancel()  # the client left (or this handler was cancelled): stop the work
+                await asyncio.gather(task, return_exceptions=True)
+        return None if task.cancelled() else task.result()
 
     # -- response pieces ------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
