@@ -415,7 +415,6 @@ inline void dot_tile(const uint8_t* const* rows, const RowBuffer* w, const Activ
 #ifdef LMPORT_QUANT_AVX512
   // A run's 32 codes widened to int16 in one register; dpwssd leaves inputs 0..15 in lanes 0..7 and
   // 16..31 in lanes 8..15, the halves of a run that 16-input sub-blocks scale apart.
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc0[kAcc], acc1[kAcc];   // even and odd runs: consecutive runs do not wait on each other's FMA
   for (int i = 0; i < kAcc; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   constexpr int runs_per_block = T::kElements / kRun;
@@ -432,15 +431,13 @@ inline void dot_tile(const uint8_t* const* rows, const RowBuffer* w, const Activ
       for (int r = 0; r < RT; ++r) {
         const __m512 d = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wq[r], xq));
         const float* f = folded + (j * RT + r) * subs;
-        __m512 s;
+        __m512& sum = acc[j * RT + r];
         if constexpr (SUB == 32) {
-          s = _mm512_set1_ps(f[b]);
-        } else {
-          double pair;   // the two sub-blocks' scales, spread over their lanes
-          std::memcpy(&pair, f + 2 * b, 8);
-          s = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+          sum = _mm512_fmadd_ps(d, _mm512_set1_ps(f[b]), sum);
+        } else {   // each half of the lanes with its sub-block's scale
+          sum = _mm512_mask3_fmadd_ps(d, _mm512_set1_ps(f[2 * b]), sum, 0x00FF);
+          sum = _mm512_mask3_fmadd_ps(d, _mm512_set1_ps(f[2 * b + 1]), sum, 0xFF00);
         }
-        acc[j * RT + r] = _mm512_fmadd_ps(d, s, acc[j * RT + r]);
       }
     }
   };
