@@ -9,6 +9,10 @@ from memory as in a real step; the best of five passes is kept.
 - linear: the decode step's projections and LM head (q, k, v, o, gate, up,
   down per layer) for 1-128 tokens: the backend's ``linear`` against
   ``F.linear`` (the BLAS torch ships, MKL on x86).
+- ggml_linear: the same projections (q/k/v and gate/up merged, as the model runs them) over
+  GGUF block weights of each type the backend runs, for 1 and 16 tokens, in GB/s of blocks read,
+  against the int4 kernel (quant_linear, group 32) on the same shapes. The inputs are rounded up to
+  the type's block (SmolLM2's 576 to 768 for the 256-input K-quants), for both.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
@@ -31,9 +35,12 @@ import torch.nn.functional as F
 from lmport import ops
 from lmport.backends.cpu import CpuBackend, kernels
 from lmport.kv.layout import KVLayout
+from lmport.weights.format import from_codes
+from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
 
 BLOCK_SIZE = 16
 TOKENS = (1, 16, 32, 64, 128)
+GGML_TOKENS = (1, 16)
 # name: (query lengths, context lengths) for one step's sequences.
 ATTENTION_BATCHES = {
     "decode 64 seqs, context 140-300": lambda g: ([1] * 64, torch.randint(140, 300, (64,), generator=g).tolist()),
@@ -74,6 +81,35 @@ def linear_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     return rows
 
 
+def ggml_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q_out = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
+    kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
+    per_layer = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)]
+    rows = []
+    for name in sorted(backend.capabilities.ggml_types, key=list(BLOCK_TYPES).index):
+        t = BLOCK_TYPES[name]
+        shapes = [(n, -(-k // t.elements) * t.elements) for n, k in per_layer] * cfg.num_hidden_layers
+        # Random bytes are valid blocks once the float16 fields are finite: every byte below 0x78 keeps them so.
+        weights = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen,
+                                            dtype=torch.uint8), name, k) for n, k in shapes]
+        int4 = [from_codes(torch.randint(0, 16, (n, k), generator=gen), torch.rand(n, k // 32, generator=gen) * 0.01,
+                           torch.zeros(n, k // 32), 4, 32) for n, k in shapes]
+        ggml_bytes = sum(w.blocks.numel() for w in weights)
+        int4_bytes = sum(q.qweight.numel() + 2 * q.scales.numel() + 2 * q.mins.numel() for q in int4)
+        for tokens in GGML_TOKENS:
+            xs = {k: torch.randn(tokens, k, generator=gen) for k in {k for _, k in shapes}}
+            err = max(((backend.ggml_linear(xs[w.in_features], w) - ops.ggml_linear(xs[w.in_features], w)).abs().max()
+                       / ops.ggml_linear(xs[w.in_features], w).abs().max()).item() for w in weights[:4])
+            ours = best_pass(lambda: [backend.ggml_linear(xs[w.in_features], w) for w in weights])
+            peer = best_pass(lambda: [backend.quant_linear(xs[q.in_features], q) for q in int4])
+            rows.append({"kernel": "ggml_linear", "case": f"{name}, {tokens} tokens, all layers", "ms": ours * 1e3,
+                         "peer": "int4 g32 quant_linear", "peer_ms": peer * 1e3, "speedup": peer / ours,
+                         "gbs": ggml_bytes / ours / 1e9, "peer_gbs": int4_bytes / peer / 1e9,
+                         "bytes": ggml_bytes, "peer_bytes": int4_bytes, "max_abs_diff": err})
+    return rows
+
+
 def attention_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(1, cfg.num_key_value_heads, head_dim, BLOCK_SIZE, torch.float32, 0)
@@ -105,23 +141,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default="benchmarks/results/cpu_kernels.json")
+    parser.add_argument("--only", choices=["linear", "ggml", "attention"], help="run one group of cases")
     args = parser.parse_args()
     if kernels.load() is None:
         raise SystemExit("the cpu kernels did not build (see the warning above); nothing to measure")
 
-    from transformers import AutoConfig
-
-    from lmport.models.loader import hf_directory
-    cfg = AutoConfig.from_pretrained(hf_directory(args.model))
+    from lmport.models.loader import read_model_config
+    cfg = read_model_config(args.model)
     backend, gen = CpuBackend(), torch.Generator().manual_seed(0)
-    rows = linear_rows(cfg, backend, gen) + attention_rows(cfg, backend, gen)
+    groups = {"linear": linear_rows, "ggml": ggml_rows, "attention": attention_rows}
+    rows = [r for name, fn in groups.items() if args.only in (None, name) for r in fn(cfg, backend, gen)]
 
     print(f"\n{args.model}: {cfg.num_hidden_layers} layers; one pass over all of them; "
           f"torch threads {torch.get_num_threads()}\n")
-    print("| kernel | case | lmport ms | peer | peer ms | speedup | GFLOP/s lmport / peer | max abs diff |")
+    print("| kernel | case | lmport ms | peer | peer ms | speedup | GFLOP/s or GB/s lmport / peer | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        rate = f"{r['gflops']:.0f} / {r['peer_gflops']:.0f}" if "gflops" in r else "-"
+        rate = (f"{r['gflops']:.0f} / {r['peer_gflops']:.0f} GFLOP/s" if "gflops" in r
+                else f"{r['gbs']:.1f} / {r['peer_gbs']:.1f} GB/s" if "gbs" in r else "-")
         print(f"| {r['kernel']} | {r['case']} | {r['ms']:.1f} | {r['peer']} | {r['peer_ms']:.1f} | "
               f"{r['speedup']:.2f}x | {rate} | {r['max_abs_diff']:.1e} |")
     out = Path(args.out)
