@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
-from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder
+from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.windows import kv_window
 from lmport.paging import host_tier
@@ -219,7 +220,20 @@ class Engine:
         ready = [s for s in batch.seqs if s.num_uncomputed == 0]
         if not ready:
             return outputs
-        for seq, token, lp in self._sample(logits, ready, masks):
+        mask = None
+        if masks is not None:
+            rows, bitmask, overdue = masks.result()   # waits at most the mask budget for a row (lmport.guided)
+            if overdue:   # those requests end with the reason; the batch goes on without them
+                for i, why in overdue.items():
+                    outputs.append(self._fail(ready[i], "grammar", MaskTimeout(why)))
+                keep = [i for i in range(len(ready)) if i not in overdue]
+                index = {old: new for new, old in enumerate(keep)}
+                logits, ready, bitmask = logits[keep], [ready[i] for i in keep], bitmask[keep]
+                rows = [index[r] for r in rows if r in index]
+                if not ready:
+                    return outputs
+            mask = (rows, bitmask) if rows else None
+        for seq, token, lp in self._sample(logits, ready, mask):
             if isinstance(token, Exception):
                 outputs.append(self._fail(seq, "sampling", token))
                 continue
@@ -229,22 +243,22 @@ class Engine:
                 outputs.append(self._fail(seq, "decoding", exc))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, ready: list[Sequence], masks=None):
+    def _sample(self, logits: torch.Tensor, ready: list[Sequence], mask=None):
         """(seq, token, logprobs) for each ready sequence; token is the exception when sampling it failed.
 
         The batch is sampled at once; when that raises, each sequence is sampled alone so
-        that only the one whose input made it fail gets the error. ``masks``: the future of the
-        constrained rows' token masks (lmport.guided.MaskBuilder), or None.
+        that only the one whose input made it fail gets the error. ``mask``: the constrained rows and
+        their token bitmask (lmport.guided.Masks.result()), or None.
         """
         try:
-            tokens, logprobs = sample(logits, ready, masks.result() if masks else None)
+            tokens, logprobs = sample(logits, ready, mask)
             return list(zip(ready, tokens, logprobs))
         except Exception:
             log.exception("sampling a batch of %d failed; sampling each request alone", len(ready))
         results = []
         for i, seq in enumerate(ready):
             try:
-                rows, bitmask = masks.result() if masks else ([], None)
+                rows, bitmask = mask if mask else ([], None)
                 mask = ([0], bitmask[i:i + 1]) if bitmask is not None and i in rows else None
                 (token,), (lp,) = sample(logits[i:i + 1], [seq], mask)
                 results.append((seq, token, lp))
@@ -293,7 +307,11 @@ class Engine:
         text = seq.decoder.update(seq.output_ids)
         reason = cut = None
         if seq.grammar is not None:
+            started = time.perf_counter()
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
+            if (took := time.perf_counter() - started) > self.masks.budget:   # on this thread: bounded too
+                raise MaskTimeout(f"the grammar took {took * 1000:.0f} ms to accept one token, over the "
+                                  f"{self.masks.budget * 1000:.0f} ms budget: simplify it")
         if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
             reason = "stop"
         elif cfg.stop_words and (cut := detokenize.first_stop(text, cfg.stop_words, len(old_text))) is not None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 
 import jsonschema
 import torch
@@ -233,26 +234,69 @@ class Grammars:
         return None if compiled is None else xgr.GrammarMatcher(compiled)
 
 
+MASK_BUDGET_S = 0.1   # seconds a row's token mask (or one accept_token) may take in a step
+
+
+class MaskTimeout(GuidedDecodingError):
+    """A grammar took longer than its budget to build a token mask (an ambiguous grammar's cost grows)."""
+
+
+class Masks:
+    """One step's masks: each constrained row filled by its own task, so a slow row cannot hold the others."""
+
+    def __init__(self, num_rows: int, rows: list[int], futures: list[Future], started: list[float | None],
+                 bitmask: torch.Tensor, budget: float):
+        self.num_rows, self.rows, self.futures, self.started = num_rows, rows, futures, started
+        self.bitmask, self.budget = bitmask, budget
+
+    def result(self) -> tuple[list[int], torch.Tensor, dict[int, str]]:
+        """(constrained rows, bitmask [B, ceil(V / 32)] int32, {row: why it has no mask}).
+
+        Waits for each row's fill until it has run ``budget`` seconds; a row still filling then is given up
+        (its request ends with the reason) and the step goes on without it. xgrammar releases the GIL while
+        it fills, so a fill given up on only keeps one worker busy until it returns.
+        """
+        overdue: dict[int, str] = {}
+        for i, (row, future) in enumerate(zip(self.rows, self.futures)):
+            while True:
+                started = self.started[i]   # None: queued behind other rows' fills
+                wait = 0.005 if started is None else max(started + self.budget - time.perf_counter(), 0.0)
+                try:
+                    future.result(timeout=wait)
+                    break
+                except TimeoutError:
+                    if started is not None:
+                        overdue[row] = (f"the grammar took over {self.budget * 1000:.0f} ms to build one token "
+                                        f"mask (an ambiguous grammar's cost grows with the output): simplify it")
+                        break
+                except Exception as exc:  # a matcher that raises ends its own request
+                    overdue[row] = f"the grammar failed to build a token mask: {type(exc).__name__}: {exc}"
+                    break
+        return self.rows, self.bitmask, overdue
+
+
 class MaskBuilder:
-    """Fills the allowed-token bitmasks of a step's constrained sequences on a host thread."""
+    """Fills the allowed-token bitmasks of a step's constrained sequences on host threads, one task a row."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, budget: float = MASK_BUDGET_S, workers: int = 4):
         self.vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lmport-grammar")
+        self.budget = budget
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="lmport-grammar")
 
-    def start(self, matchers: list[xgr.GrammarMatcher | None]) -> Future | None:
+    def start(self, matchers: list[xgr.GrammarMatcher | None]) -> Masks | None:
         """Begin filling masks for rows whose matcher is not None; None when no row is constrained."""
         if all(m is None for m in matchers):
             return None
-        return self._pool.submit(self._fill, matchers)
-
-    def _fill(self, matchers) -> tuple[list[int], torch.Tensor]:
-        """(constrained rows, bitmask [B, ceil(V / 32)] int32); unconstrained rows stay all-allowed."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
-        return rows, bitmask
+        started: list[float | None] = [None] * len(rows)
+
+        def fill(k: int, row: int, matcher: xgr.GrammarMatcher) -> None:
+            started[k] = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, row)
+
+        futures = [self._pool.submit(fill, k, row, matchers[row]) for k, row in enumerate(rows)]
+        return Masks(len(matchers), rows, futures, started, bitmask, self.budget)
 
 
 # Devices xgrammar has a masking kernel for; on any other, its pure-torch implementation.

@@ -198,3 +198,51 @@ def test_echo_scoring_ends_at_the_request_timeout(plain, monkeypatch):
     assert time.monotonic() - start < 6
     time.sleep(0.3)
     assert plain.engine.block_manager.num_free == plain.engine.block_manager.num_blocks
+
+
+AMBIGUOUS = 'root ::= x\nx ::= x x x | x x | "a" | "b" | ""'
+
+
+def test_an_ambiguous_grammar_ends_with_an_error_and_never_slows_the_batch(plain):
+    import threading
+    import time
+    result = {}
+
+    def other():
+        start = time.perf_counter()
+        r = httpx.post(plain.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "b", "max_tokens": 300, "ignore_eos": True, "temperature": 0})
+        result["other"] = (r, time.perf_counter() - start)
+    start = time.perf_counter()
+    thread = threading.Thread(target=other)
+    thread.start()
+    r = httpx.post(plain.url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "a", "max_tokens": 1500, "temperature": 1.0, "seed": 1,
+        "guided_grammar": AMBIGUOUS, "logit_bias": {str(t): -100 for t in plain.engine.eos_token_ids}})
+    took = time.perf_counter() - start
+    thread.join()
+    assert r.status_code == 500 and "ms" in r.json()["error"]["message"], r.text
+    assert took < 60, took
+    other_r, other_took = result["other"]
+    assert other_r.status_code == 200 and other_r.json()["usage"]["completion_tokens"] == 300
+    assert httpx.get(plain.url + "/health").status_code == 200
+
+
+def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
+    import time
+    from lmport.guided import MaskBuilder
+
+    class Slow:
+        def fill_next_token_bitmask(self, bitmask, row):
+            time.sleep(1.0)
+
+    class Fast:
+        def fill_next_token_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+
+    builder = MaskBuilder(100, budget=0.05)
+    start = time.perf_counter()
+    rows, bitmask, overdue = builder.start([Fast(), None, Slow(), Fast()]).result()
+    assert time.perf_counter() - start < 0.5
+    assert rows == [0, 2, 3] and list(overdue) == [2] and "ms" in overdue[2]
+    assert bitmask[0].eq(0).all() and bitmask[3].eq(0).all()
