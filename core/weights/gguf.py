@@ -218,9 +218,10 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
     wanted = {}
     for hf in checkpoint_names(model_names, cfg.model_type):
         base, _, suffix = hf.rpartition(".")
-        g = name_map.get_name(base)
-        if g is not None:
+        if suffix in ("weight", "bias") and (g := name_map.get_name(base)) is not None:
             wanted[f"{g}.{suffix}"] = hf
+        elif (g := name_map.get_name(hf)) is not None:   # a parameter without a suffix (stacked experts)
+            wanted[f"{g}.weight"] = hf
     values, dequantized = {}, set()
     for t in header.tensors:
         if t.name in _CONFIG_TENSORS:
@@ -254,6 +255,8 @@ def _undo_conversion(values: dict, arch: str, cfg) -> None:
     """Undo, in place, what llama.cpp's converter changed in the tensors of ``arch``."""
     from lmport.models.llama import head_dim_of
     for name in list(values):
+        if name not in values:   # consumed with its partner (an expert's up beside its gate)
+            continue
         value = values[name]
         if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
