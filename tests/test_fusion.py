@@ -7,7 +7,7 @@ import torch
 
 from lmport import ops
 from lmport.backends.cpu import CpuBackend
-from lmport.models.fusion import merge_linears
+from lmport.models.fusion import ConcatLinear, merge_linears
 from lmport.models.llama import Linear
 from lmport.models.quantized import QuantLinear
 from lmport.weights.format import from_codes
@@ -53,10 +53,20 @@ def test_merged_quantized_linear_is_its_parts_side_by_side(bits):
     lambda: [float_linear(32, False, 0), quant_linear(32, 4, 32, 1)],        # float beside quantized
     lambda: [quant_linear(32, 4, 32, 0), quant_linear(32, 8, 32, 1)],        # int4 beside int8
     lambda: [quant_linear(32, 4, 32, 0), quant_linear(32, 4, 64, 1)],        # other group sizes
+], ids=["float+int4", "int4+int8", "group32+group64"])
+def test_parts_of_different_kinds_are_concatenated(parts):
+    parts = parts()
+    merged = merge_linears(parts)
+    assert isinstance(merged, ConcatLinear)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(merged(x), torch.cat([p(x) for p in parts], -1), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("parts", [
     lambda: [float_linear(32, True, 0), float_linear(32, False, 1)],         # a bias on one part only
     lambda: [float_linear(32, False, 0), float_linear(32, False, 1).to(torch.bfloat16)],   # other dtypes
-], ids=["float+int4", "int4+int8", "group32+group64", "bias+none", "float32+bfloat16"])
-def test_parts_of_different_kinds_stay_apart(parts):
+], ids=["bias+none", "float32+bfloat16"])
+def test_parts_that_cannot_be_one_linear_stay_apart(parts):
     assert merge_linears(parts()) is None
 
 

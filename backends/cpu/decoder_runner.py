@@ -40,9 +40,13 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int)
     return run
 
 
+def _parts(linears: ops.Linears) -> tuple[ops.LinearWeights, ...]:
+    return linears if isinstance(linears, tuple) else (linears,)
+
+
 def _fits(spec: ops.DecoderLayerSpec) -> bool:
     floats = [spec.input_norm, spec.post_attention_norm]
-    for lw in (spec.qkv, spec.o, spec.gate_up, spec.down):
+    for lw in (part for linears in (spec.qkv, spec.o, spec.gate_up, spec.down) for part in _parts(linears)):
         floats += [] if lw.bias is None else [lw.bias]
         if isinstance(lw.weight, ops.GGMLWeight):
             if lw.weight.type_name not in kernels.GGML_TYPES or lw.weight.blocks.device.type != "cpu":
@@ -55,8 +59,11 @@ def _fits(spec: ops.DecoderLayerSpec) -> bool:
     return on_cpu and kernels.attention_takes(spec.head_dim)
 
 
-def _bind_linear(lw: ops.LinearWeights, compiled) -> Callable[[torch.Tensor], torch.Tensor]:
-    weight, bias = lw.weight, lw.bias
+def _bind_linear(linears: ops.Linears, compiled) -> Callable[[torch.Tensor], torch.Tensor]:
+    if isinstance(linears, tuple):   # parts of different formats, outputs concatenated
+        parts = [_bind_linear(part, compiled) for part in linears]
+        return lambda x: torch.cat([part(x) for part in parts], -1)
+    weight, bias = linears.weight, linears.bias
     if isinstance(weight, ops.QuantizedWeight):
         qweight, scales, mins, bits, group_size = (weight.qweight, weight.scales, weight.mins, weight.bits,
                                                    weight.group_size)

@@ -6,14 +6,14 @@ of weight it reads (the call, the threads, a quantized kernel's pass over the ac
 leaves 4 calls a layer instead of 7. The merged weight stacks the parts' rows in order
 (under tensor parallelism, this rank's rows of each), so its output splits back into theirs exactly.
 Parts of different kinds (float beside quantized, int4 beside int8, other group sizes or GGUF block
-types, dtypes or biases) stay separate.
+types) become a ``ConcatLinear`` that calls each; parts with and without a bias stay separate.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lmport.models.llama import MLP, Attention, Linear, RowParallelLinear
+from lmport.models.llama import MLP, Attention, Linear, RowParallelLinear, linear_weights
 from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
@@ -21,11 +21,23 @@ from lmport.weights.residency import page_out
 
 
 def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
-    """One linear computing ``torch.cat([p(x) for p in parts], -1)``, or None where the parts differ in kind."""
+    """One linear computing ``torch.cat([p(x) for p in parts], -1)``: one weight where the parts are of one
+    kind, else a ConcatLinear; None where some parts have a bias and others not, or float dtypes differ."""
     biases = [p.bias for p in parts]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    merged = _one_weight(parts, bias)
+    if merged is not None:
+        return merged
+    float_dtypes = {p.weight.dtype for p in parts if isinstance(p, Linear)}
+    if len(float_dtypes) <= 1 and all(linear_weights(p) is not None for p in parts):
+        return ConcatLinear(parts)
+    return None
+
+
+def _one_weight(parts: list[nn.Module], bias: torch.Tensor | None) -> nn.Module | None:
+    """The parts' weights stacked into one linear of their kind, or None where they differ in kind."""
     if all(isinstance(p, QuantLinear) for p in parts):
         weights = [p.quantized for p in parts]
         if len({(w.bits, w.group_size, w.in_features) for w in weights}) != 1:
@@ -50,6 +62,18 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
             fused.bias = nn.Parameter(bias, requires_grad=False)
         return fused
     return None
+
+
+class ConcatLinear(nn.Module):
+    """Parts of different kinds (a Q4_K_M file's q and k in one block type, v in another) as one linear:
+    still one module to call, and one entry in a decoder runner's layer spec, each part in its own format."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.forward(x) for p in self.parts], -1)
 
 
 # Module class: (the merged linear's attribute, its parts' attributes in row order).

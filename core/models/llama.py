@@ -201,9 +201,13 @@ class DecoderLayer(nn.Module):
             post_attention_norm=norms[1].weight, post_attention_norm_eps=norms[1].eps, gate_up=gate_up, down=down)
 
 
-def linear_weights(module: nn.Module | None) -> ops.LinearWeights | None:
-    """A float or quantized linear's weight and bias; None for any other module (a row-parallel
-    linear sums over ranks, which the spec does not)."""
+def linear_weights(module: nn.Module | None) -> ops.Linears | None:
+    """A float or quantized linear's weight and bias (a tuple of them for parts concatenated: ``parts``);
+    None for any other module (a row-parallel linear sums over ranks, which the spec does not)."""
+    parts = getattr(module, "parts", None)
+    if isinstance(parts, nn.ModuleList):
+        weights = [linear_weights(p) for p in parts]
+        return None if any(w is None or isinstance(w, tuple) for w in weights) else tuple(weights)
     if isinstance(module, QuantLinear | GGMLLinear):
         return ops.LinearWeights(module.quantized, module.bias)
     if isinstance(module, Linear) and not (isinstance(module, RowParallelLinear) and module.tp.size > 1):

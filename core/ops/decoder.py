@@ -35,20 +35,24 @@ class LinearWeights:
     bias: torch.Tensor | None
 
 
+# One projection: a linear, or linears of different formats whose outputs are concatenated.
+Linears = LinearWeights | tuple[LinearWeights, ...]
+
+
 @dataclass(frozen=True)
 class DecoderLayerSpec:
     input_norm: torch.Tensor
     input_norm_eps: float
-    qkv: LinearWeights               # q's rows, then k's, then v's
+    qkv: Linears               # q's rows, then k's, then v's
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float                     # the attention's softmax scale
-    o: LinearWeights
+    o: Linears
     post_attention_norm: torch.Tensor
     post_attention_norm_eps: float
-    gate_up: LinearWeights           # gate's rows, then up's
-    down: LinearWeights
+    gate_up: Linears           # gate's rows, then up's
+    down: Linears
 
 
 # (x, cos, sin, each layer's cache, each layer's metadata) -> x after every layer, or None where
