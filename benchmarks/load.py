@@ -36,8 +36,10 @@ import sys
 from lmport import EngineConfig, GenerationConfig
 from lmport.engine import Engine
 engine = Engine(sys.argv[1], EngineConfig(device_type="cpu", cache_max_entry_count=16))
-engine.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=1, ignore_eos=True))
-print("kv_bytes", engine.layout.bytes_per_block * 16, "weight_bytes", engine.weight_bytes, flush=True)
+engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=1, ignore_eos=True))
+while not any(out.finished for out in engine.step()):
+    pass
+print("kv_bytes", engine.plan.cache_bytes, "weight_bytes", engine.weight_bytes, flush=True)
 """
 FLOOR_CHILD = "import torch, transformers, lmport.engine"
 
