@@ -1,5 +1,9 @@
 """Continuous batching: decode first, then new prompts, within a per-step token budget.
 
+While any running sequence is decoding, a step computes at most ``decode_prefill_tokens`` prompt tokens
+(256 by default) besides one token per decoding sequence, so a long prompt cannot stall the running streams
+for a whole ``max_prefill_token_num`` chunk; with nothing decoding, prompts get the whole budget.
+
 A long prompt is prefilled in chunks across steps. When blocks run out, the
 most recently admitted running sequence is preempted: its blocks are freed,
 its token ids kept, and it goes back to the front of the waiting queue. On
@@ -28,11 +32,16 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+DECODE_PREFILL_TOKENS = 256   # prompt tokens a step may compute while other sequences decode
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int):
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int,
+                 decode_prefill_tokens: int = DECODE_PREFILL_TOKENS):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.token_budget = max_prefill_token_num
+        self.decode_prefill_tokens = max(1, min(decode_prefill_tokens, max_prefill_token_num))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.num_preemptions = 0
@@ -48,12 +57,17 @@ class Scheduler:
         budget = self.token_budget
         for seq in self.running:    # last step's full blocks become visible to this step's lookups
             self.block_manager.cache_computed(seq)
+        decoding = any(seq.num_uncomputed == 1 for seq in self.running)
+        prefill = self.decode_prefill_tokens if decoding else budget   # prompt tokens this step may compute
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget) if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget,
+                                                                                      prefill)
+            if n == 0:
+                continue   # a prompt chunk waits for the next step; decoding sequences further on still run
             self.block_manager.release_outside_window(seq)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
@@ -66,10 +80,12 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
+            if seq.num_uncomputed > 1:   # a prompt chunk (num_computed moves after the forward)
+                prefill -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = self.block_manager.admit(seq, budget)
+            n = self.block_manager.admit(seq, min(budget, prefill))
             if n is None:
                 break
             self.waiting.popleft()
@@ -79,6 +95,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
+            prefill -= n
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

@@ -246,3 +246,42 @@ def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
     assert time.perf_counter() - start < 0.5
     assert rows == [0, 2, 3] and list(overdue) == [2] and "ms" in overdue[2]
     assert bitmask[0].eq(0).all() and bitmask[3].eq(0).all()
+
+
+def test_a_long_prompt_is_prefilled_in_bounded_chunks_while_others_decode():
+    from lmport.config import GenerationConfig
+    from lmport.scheduler import DECODE_PREFILL_TOKENS
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048))
+    try:
+        engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=40, ignore_eos=True), "stream")
+        engine.step()
+        engine.step()   # "stream" is decoding now
+        engine.add_request(list(range(5, 1205)), GenerationConfig(max_new_tokens=2, ignore_eos=True), "long")
+        steps = []
+        schedule = engine.scheduler.schedule
+
+        def record():
+            batch = schedule()
+            steps.append(dict(zip((s.request_id for s in batch.seqs), batch.num_new)))
+            return batch
+        engine.scheduler.schedule = record
+        while "long" in engine.seqs and len(steps) < 50:
+            engine.step()
+        prefill = [s["long"] for s in steps if "long" in s]
+        assert sum(prefill) >= 1200 and max(prefill) <= DECODE_PREFILL_TOKENS, prefill
+        assert all(s.get("stream") == 1 for s in steps if "long" in s and "stream" in engine.seqs)
+    finally:
+        engine.close()
+
+
+def test_admission_counts_choices():
+    from lmport.server.limits import Admission
+    from lmport.server.protocol import APIError
+    admission = Admission(64)
+    releases = [admission.admit(16) for _ in range(4)]   # n = 16: each request takes 16 of the 64
+    assert admission.active == 64
+    with pytest.raises(APIError) as exc:
+        admission.admit(1)
+    assert exc.value.status == 503
+    releases[0]()
+    assert admission.active == 48
