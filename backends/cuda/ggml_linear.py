@@ -182,7 +182,7 @@ def _ggml_linear_kernel(x_ptr, w_ptr, lut, b_ptr, y_ptr, M, N, K,
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is itself jitted: see reductions.py
     for b in range(0, K // ELEMENTS):
         blk = w_rows + b * NBYTES
-        for s in tl.static_range(ELEMENTS // RUN):
+        for s in tl.static_range(ELEMENTS // RUN):   # pyright: ignore[reportGeneralTypeIssues] (Triton's stub)
             k0 = b * ELEMENTS + s * RUN
             x = tl.load(x_rows + k0 + j, mask=row_ok[:, None], other=0.0)
             w = DEQUANT(blk, s, j, lut)                     # [BLOCK_N, RUN] fp32

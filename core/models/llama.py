@@ -207,7 +207,8 @@ def linear_weights(module: nn.Module | None) -> ops.Linears | None:
     parts = getattr(module, "parts", None)
     if isinstance(parts, nn.ModuleList):
         weights = [linear_weights(p) for p in parts]
-        return None if any(w is None or isinstance(w, tuple) for w in weights) else tuple(weights)
+        singles = [w for w in weights if isinstance(w, ops.LinearWeights)]
+        return tuple(singles) if len(singles) == len(weights) else None
     if isinstance(module, QuantLinear | GGMLLinear):
         return ops.LinearWeights(module.quantized, module.bias)
     if isinstance(module, Linear) and not (isinstance(module, RowParallelLinear) and module.tp.size > 1):

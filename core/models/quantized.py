@@ -79,7 +79,7 @@ class _Blocks(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.blocks.shape[0]}, {self.type_name}"
+        return f"in={self.in_features}, out={self.quantized.out_features}, {self.type_name}"
 
 
 class GGMLLinear(_Blocks):

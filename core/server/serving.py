@@ -290,10 +290,11 @@ class Server:
             acc.cached_tokens = out.cached_tokens
             now = time.perf_counter()
             if out.delta_token_ids:
-                if last[choice] is None:
+                previous = last[choice]
+                if previous is None:
                     self.metrics.ttft.observe(now - job.received)
                 else:
-                    self.metrics.itl.observe(now - last[choice])
+                    self.metrics.itl.observe(now - previous)
                 last[choice] = now
             if out.finished:
                 self.metrics.finished.labels(out.finish_reason).inc()
