@@ -47,7 +47,13 @@ def test_greedy_tokens_match_transformers_on_the_same_file(arch, preset):
     assert same == len(ids), diverged
 
 
-@pytest.mark.parametrize(("arch", "preset"), CASES)
+# Expert tensors load float: the fused MoE op runs float experts (docs/weight-quantization.md, "Left out").
+FLOAT_EXPERTS = pytest.mark.xfail(strict=True, reason="expert tensors are dequantized: no quantized MoE op yet")
+WEIGHT_CASES = [pytest.param(arch, preset, marks=FLOAT_EXPERTS) if arch in ("qwen3-moe", "mixtral")
+                else (arch, preset) for arch, preset in CASES]
+
+
+@pytest.mark.parametrize(("arch", "preset"), WEIGHT_CASES)
 def test_weights_held_within_1_1x_of_the_file(arch, preset):
     engine = pipeline(arch, preset).engine
     file_bytes = tensor_bytes(gguf_file(arch, preset))
