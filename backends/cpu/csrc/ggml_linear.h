@@ -413,8 +413,8 @@ inline void dot_tile(const uint8_t* const* rows, const RowBuffer* w, const Activ
       for (int64_t s = 0; s < subs; ++s) f[s] = w[r].scales[s] * step[s];
     }
 #ifdef LMPORT_QUANT_AVX512
-  // A run's 32 codes widened to int16 in one register; dpwssd leaves inputs 0..15 in lanes 0..7 and
-  // 16..31 in lanes 8..15, the halves of a run that 16-input sub-blocks scale apart.
+  // A run's 32 codes widened to int16 in one register; the products summed in pairs leave inputs 0..15
+  // in lanes 0..7 and 16..31 in lanes 8..15, the halves of a run that 16-input sub-blocks scale apart.
   __m512 acc0[kAcc], acc1[kAcc];   // even and odd runs: consecutive runs do not wait on each other's FMA
   for (int i = 0; i < kAcc; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   constexpr int runs_per_block = T::kElements / kRun;
@@ -429,7 +429,7 @@ inline void dot_tile(const uint8_t* const* rows, const RowBuffer* w, const Activ
     for (int j = 0; j < MT; ++j) {
       const __m512i xq = _mm512_loadu_si512(a.codes.data() + (m0 + j) * K + b * kRun);
       for (int r = 0; r < RT; ++r) {
-        const __m512 d = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wq[r], xq));
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_madd_epi16(wq[r], xq));   // a run's sums, nothing to add to
         const float* f = folded + (j * RT + r) * subs;
         __m512& sum = acc[j * RT + r];
         if constexpr (SUB == 32) {
