@@ -331,8 +331,7 @@ class Server:
                                        code="engine_stopped")
                     raise out
                 pending[item] = False
-                out = state[item]
-                assert out is not None
+                out = cast(RequestOutput, state[item])   # set before the item was marked pending
                 if out.finished:
                     remaining -= 1
                 yield item, out

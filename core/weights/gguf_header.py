@@ -2,9 +2,10 @@
 
 gguf's own ``GGUFReader`` builds a numpy view for every element of every metadata array (a
 vocabulary of 50k tokens and its merges: seconds); this reads scalars and strings, keeps string
-arrays only where asked (the tokenizer reads its own) and counts the rest. Layout: llama.cpp's
-``docs/gguf.md`` (versions 2 and 3: magic, version, tensor count, metadata count, metadata
-key/type/values, the tensor table, the data section at the next multiple of ``general.alignment``).
+arrays only where asked (the tokenizer reads its own) and counts the rest. Layout: the GGUF
+specification in llama.cpp's repository (versions 2 and 3: magic, version, tensor count, metadata
+count, metadata key/type/values, the tensor table, the data section at the next multiple of
+``general.alignment``).
 """
 from __future__ import annotations
 
