@@ -188,3 +188,33 @@ def test_stream_options_continuous_usage_stats(server):
         plain = events(server, path, {"model": "tiny", **body, "max_tokens": 3,
                                       "stream_options": {"include_usage": True}})[:-1]
         assert all(ch.get("usage") is None for ch in plain[:-1]) and plain[-1]["usage"]
+
+
+def test_openapi_states_stream_events_and_the_rules_schemas_can_state(server):
+    import json
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    for path, chunk, body in (
+            ("/v1/chat/completions", "ChatCompletionChunk", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/completions", "CompletionChunk", {"prompt": "hi"})):
+        event = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        data = event["properties"]["data"]["anyOf"][1]
+        assert data["contentSchema"]["anyOf"][0]["$ref"].endswith(chunk)
+        with httpx.stream("POST", server.url + path, timeout=60, json={
+                "model": "tiny", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+                **body}) as r:
+            lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        for line in lines:
+            jsonschema.validate({"data": line, "event": "message"}, {**doc, **event})
+        for line in lines[:-1]:
+            _conforms(doc, chunk, json.loads(line))
+    request = {"model": "tiny", "messages": [{"role": "tool", "content": "4"}]}
+    with pytest.raises(jsonschema.ValidationError):   # a tool message names its call
+        _conforms(doc, "ChatCompletionRequest", request)
+    _conforms(doc, "ChatCompletionRequest", {**request, "messages": [{**request["messages"][0], "tool_call_id": "c"}]})
+    with pytest.raises(jsonschema.ValidationError):   # only assistant messages carry tool calls
+        _conforms(doc, "ChatCompletionRequest", {"model": "tiny", "messages": [{"role": "user", "content": "x",
+                                                 "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]})
+    for field, value in (("guided_grammar", ""), ("functions", [{"name": "f"}]), ("best_of", 2)):
+        with pytest.raises(jsonschema.ValidationError):
+            _conforms(doc, "CompletionRequest", {"model": "tiny", "prompt": "a", field: value})

@@ -107,6 +107,29 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -131,6 +154,23 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
 ERRORS = {
     400: "invalid request: the message names the field and the fix",
     401: "missing or wrong API key",
@@ -143,8 +183,20 @@ ERRORS = {
     503: "the server is busy (Retry-After), shutting down, or its engine has stopped",
     504: "not finished within --request-timeout",
 }
-STREAM = {"schema": {"type": "string", "description": "server-sent events: `data: {chunk}` lines, then "
-                                                      "`data: [DONE]`"}}
+
+
+def _stream(chunk: str) -> dict:
+    """text/event-stream: OpenAPI before 3.2 has ``schema`` describe one event, as a client parses it."""
+    return {"schema": {
+        "type": "object", "required": ["data"],
+        "description": "server-sent events: one `data: {chunk}` event per piece, an error object if the request "
+                       "fails midway, then `data: [DONE]`",
+        "properties": {
+            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+            "data": {"anyOf": [{"const": "[DONE]"}, {
+                "type": "string", "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk)},
+                                            {"$ref": REF.format(model="ErrorResponse")}]}}]}}}}
 
 
 def _json(name: str) -> dict:
@@ -174,7 +226,7 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
                       description="lmport's OpenAI-compatible API (docs/server.md)")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for cls in (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Health,
-                ChatCompletion, Completion):
+                ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk):
         schema = cls.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[cls.__name__] = schema
@@ -189,7 +241,17 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
         props["top_k"]["anyOf"][0]["maximum"] = vocab
         bias = props["logit_bias"]["anyOf"][0]
         bias["propertyNames"] = {"pattern": below(vocab)}
+        # Refused unless absent (unsupported_problem): the document says so instead of offering any value.
+        for name in ("functions", "function_call"):
+            props[name] = {"type": "null", "description": "not supported; leave it out"}
+        props["best_of"] = {"anyOf": [{"const": 1}, {"type": "null"}], "description": "only 1 (use n)"}
     schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
+    # Only assistant messages carry tool_calls; a tool message names the call it answers.
+    schemas["ChatMessage"]["anyOf"] = [
+        {"properties": {"role": {"enum": ["system", "developer", "user"]}, "tool_calls": {"type": "null"}}},
+        {"properties": {"role": {"const": "assistant"}}},
+        {"properties": {"role": {"const": "tool"}, "tool_calls": {"type": "null"}, "tool_call_id": {"type": "string"}},
+         "required": ["tool_call_id"]}]
     props = schemas["CompletionRequest"]["properties"]
     token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     props["prompt"]["anyOf"] = [{"type": "string", "minLength": 1},
@@ -197,6 +259,7 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
                                 {"type": "array", "minItems": 1, "items": token},
                                 {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
                                                                            "items": token}}]
+    props["guided_grammar"]["anyOf"][0]["minLength"] = 1
     props["guided_choice"]["anyOf"][0].update(minItems=1, maxItems=MAX_ENUM_VALUES)
     props["guided_choice"]["anyOf"][0]["items"]["minLength"] = 1
     auth = (401,) if api_key else ()
@@ -207,7 +270,7 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
         op = paths[path]["post"]
         op["requestBody"] = {"required": True, "content": _json(request)}
         op["responses"] = {"200": {"description": "the completion, or with stream: true its chunks as events",
-                                   "content": {**_json(response), "text/event-stream": STREAM}},
+                                   "content": {**_json(response), "text/event-stream": _stream(response + "Chunk")}},
                            **_errors(*common)}
     paths["/v1/models"]["get"]["responses"] = {"200": {"description": "the served model",
                                                        "content": _json("ModelList")}, **_errors(*auth)}
