@@ -250,7 +250,8 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
     schemas["ChatMessage"]["anyOf"] = [
         {"properties": {"role": {"enum": ["system", "developer", "user"]}, "tool_calls": {"type": "null"}}},
         {"properties": {"role": {"const": "assistant"}}},
-        {"properties": {"role": {"const": "tool"}, "tool_calls": {"type": "null"}, "tool_call_id": {"type": "string"}},
+        {"properties": {"role": {"const": "tool"}, "tool_calls": {"type": "null"},
+                        "tool_call_id": {"type": "string", "minLength": 1}},
          "required": ["tool_call_id"]}]
     props = schemas["CompletionRequest"]["properties"]
     token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
