@@ -76,36 +76,14 @@ def _silent_stream(url: str, body: dict):
     return sock
 
 
-class SmallBufferServer(ServerThread):
-    """ServerThread whose connections have small kernel send buffers (inherited from the listening socket), so
-    that a client that does not read blocks the server's writes after about 100 KB rather than megabytes."""
-
-    def __init__(self, app):
-        import socket
-        import threading
-        import time
-
-        import uvicorn
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-
 @pytest.mark.parametrize("limits", [{"send_timeout": 1.0}, {"request_timeout": 3.0, "send_timeout": 600.0}])
 def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
     import time
     from lmport.server.limits import Limits
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=4096))
     app = create_app(engine, model_name="tiny", limits=Limits(**limits))
-    server, state = SmallBufferServer(app), app.state.server
+    # Small send buffers: a client that does not read blocks the server's writes after about 100 KB, not megabytes.
+    server, state = ServerThread(app, send_buffer=4096), app.state.server
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 16, "stream": True,
                 "logprobs": 5}

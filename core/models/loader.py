@@ -141,9 +141,7 @@ def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: 
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     names = [n for n, _ in paged.named_parameters(remove_duplicate=False) if not (tied and n == "lm_head.weight")]
     quantized, floats = gguf.load_tensors(path, cfg, dtype, names, keep_quantized)
-    if tied:
-        embed = "model.embed_tokens.weight"
-        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
+    _tie_lm_head(cfg, quantized, floats)   # before sharding, so the head is sliced as the embedding is
     paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
     paged.rotary = rotary_for(cfg)
     return paged
@@ -203,9 +201,7 @@ def _paged_from_tensors(path: Path, cfg, quantized: dict, floats: dict, backend:
                         dtype: torch.dtype, paged: PagedCausalLM | None = None) -> PagedCausalLM:
     """The paged model (``paged``: one built on the meta device) over a loader's quantized weights and
     float tensors (transformers' names); its rotary module is the caller's to set."""
-    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in quantized | floats:
-        embed = "model.embed_tokens.weight"
-        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]
+    _tie_lm_head(cfg, quantized, floats)
     if paged is None:
         with torch.device("meta"):
             paged = model_class(cfg)(cfg, backend, rotary=None)
@@ -218,3 +214,10 @@ def _paged_from_tensors(path: Path, cfg, quantized: dict, floats: dict, backend:
         if p.is_meta and not name.startswith("rotary."):
             raise ValueError(f"{path.name}: no tensor for {name}")
     return paged
+
+
+def _tie_lm_head(cfg, quantized: dict, floats: dict) -> None:
+    """A tied LM head is its embedding's weight (quantized or float), added under its own name when missing."""
+    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in quantized | floats:
+        embed = "model.embed_tokens.weight"
+        (quantized if embed in quantized else floats)["lm_head.weight"] = (quantized | floats)[embed]

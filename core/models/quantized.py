@@ -7,6 +7,9 @@ quantized layers mix freely. A tied LM head shares its embedding's buffers.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Generic, TypeVar
+
 import torch
 from torch import nn
 
@@ -15,21 +18,29 @@ from lmport.backend import Backend
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
 
+W = TypeVar("W", QuantizedWeight, GGMLWeight)
 
-class _Quantized(nn.Module):
-    def __init__(self, weight: QuantizedWeight):
+
+class _HoldsWeight(nn.Module, Generic[W]):
+    """A quantized weight's tensors as buffers (named after its fields) and its other fields as attributes;
+    ``quantized`` rebuilds the weight from them once (a decode step asks for it a few hundred times)."""
+
+    def __init__(self, weight: W):
         super().__init__()
-        # Not in the state dict: the loaders fill these, and float state dicts load around them.
-        self.register_buffer("qweight", weight.qweight, persistent=False)
-        self.register_buffer("scales", weight.scales, persistent=False)
-        self.register_buffer("mins", weight.mins, persistent=False)
-        self.bits, self.group_size = weight.bits, weight.group_size
-        self._weight: QuantizedWeight | None = None
+        self._kind = type(weight)
+        for f in dataclasses.fields(weight):
+            value = getattr(weight, f.name)
+            if isinstance(value, torch.Tensor):
+                # Not in the state dict: the loaders fill these, and float state dicts load around them.
+                self.register_buffer(f.name, value, persistent=False)
+            else:
+                setattr(self, f.name, value)
+        self._weight: W | None = None
 
     @property
-    def quantized(self) -> QuantizedWeight:
-        if self._weight is None:   # built once: a decode step asks for it a few hundred times
-            self._weight = QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size)
+    def quantized(self) -> W:
+        if self._weight is None:
+            self._weight = self._kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self._kind)})
         return self._weight
 
     def _apply(self, fn, recurse=True):
@@ -37,66 +48,40 @@ class _Quantized(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        q = self.quantized
-        return f"in={q.in_features}, out={q.out_features}, int{self.bits}, group={self.group_size}"
+        w = self.quantized
+        kind = (f"{w.type_name}" if isinstance(w, GGMLWeight) else f"int{w.bits}, group={w.group_size}")
+        return f"in={w.in_features}, out={w.out_features}, {kind}"
 
 
-class QuantLinear(_Quantized):
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, backend: Backend):
+class _Linear(_HoldsWeight[W]):
+    def __init__(self, weight: W, bias: torch.Tensor | None, backend: Backend):
         super().__init__(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.backend = backend
 
+
+class QuantLinear(_Linear[QuantizedWeight]):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.quant_linear(x, self.quantized, self.bias)
 
 
-class QuantEmbedding(_Quantized):
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
-        super().__init__(weight)
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ops.quant_embedding(ids, self.quantized, self.dtype)
-
-
-class _Blocks(nn.Module):
-    def __init__(self, weight: GGMLWeight):
-        super().__init__()
-        # Not in the state dict, as for _Quantized.
-        self.register_buffer("blocks", weight.blocks, persistent=False)
-        self.type_name, self.in_features = weight.type_name, weight.in_features
-        self._weight: GGMLWeight | None = None
-
-    @property
-    def quantized(self) -> GGMLWeight:
-        if self._weight is None:
-            self._weight = GGMLWeight(self.blocks, self.type_name, self.in_features)
-        return self._weight
-
-    def _apply(self, fn, recurse=True):
-        self._weight = None
-        return super()._apply(fn, recurse)
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.quantized.out_features}, {self.type_name}"
-
-
-class GGMLLinear(_Blocks):
-    def __init__(self, weight: GGMLWeight, bias: torch.Tensor | None, backend: Backend):
-        super().__init__(weight)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.backend = backend
-
+class GGMLLinear(_Linear[GGMLWeight]):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.ggml_linear(x, self.quantized, self.bias)
 
 
-class GGMLEmbedding(_Blocks):
-    def __init__(self, weight: GGMLWeight, dtype: torch.dtype):
+class _Embedding(_HoldsWeight[W]):
+    def __init__(self, weight: W, dtype: torch.dtype):
         super().__init__(weight)
         self.dtype = dtype
 
+
+class QuantEmbedding(_Embedding[QuantizedWeight]):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.quant_embedding(ids, self.quantized, self.dtype)
+
+
+class GGMLEmbedding(_Embedding[GGMLWeight]):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return ops.ggml_embedding(ids, self.quantized, self.dtype)
 

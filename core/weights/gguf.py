@@ -140,7 +140,7 @@ def _f16(b: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0])
 
 
-def _mapped(array: np.ndarray) -> torch.Tensor:
+def _tensor_view(array: np.ndarray) -> torch.Tensor:
     """A tensor over the read-only mapped file, not a copy; nothing writes to weights."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)   # torch's warning on a non-writable array
@@ -156,14 +156,14 @@ def _read_tensor(header: GGUFHeader, t: TensorInfo, dtype: torch.dtype, keep: bo
     if qtype in float_types:
         value = torch.from_numpy(np.array(data))
         value = (value.view(torch.bfloat16) if qtype == gguf.GGMLQuantizationType.BF16 else value).to(dtype)
-        page_out([_mapped(data)])
+        page_out([_tensor_view(data)])
         return value
     if keep and qtype in int_types and len(t.shape) == 2:
         weight = _int_weight(data, qtype).check(label)
-        page_out([_mapped(data)])   # copied: the file's pages need not stay resident beside the copy
+        page_out([_tensor_view(data)])   # copied: the file's pages need not stay resident beside the copy
         return weight
     if keep and qtype.name.lower() in BLOCK_TYPES and len(t.shape) == 2:
-        return GGMLWeight(_mapped(data), qtype.name.lower(), t.shape[1]).check(label)
+        return GGMLWeight(_tensor_view(data), qtype.name.lower(), t.shape[1]).check(label)
     try:
         w = gguf.quants.dequantize(np.asarray(data), qtype)
     except NotImplementedError:
@@ -178,8 +178,8 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _rows(value, start: int, end: int):
-    index = torch.arange(start, end)
+def _rows(value, index: torch.Tensor):
+    """The output rows ``index`` of a float tensor or a quantized weight."""
     return value[index] if isinstance(value, torch.Tensor) else value.rows(index)
 
 
@@ -222,7 +222,7 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
             wanted[f"{g}.{suffix}"] = hf
         elif (g := name_map.get_name(hf)) is not None:   # a parameter without a suffix (stacked experts)
             wanted[f"{g}.weight"] = hf
-    values, dequantized = {}, set()
+    values, dequantized, float_types = {}, set(), _types()[1]
     for t in header.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
@@ -230,9 +230,9 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
         if hf is None:
             raise ValueError(f"{path.name}: GGUF tensor {t.name!r} has no place in the {cfg.model_type} model "
                              f"built from the file's metadata ({cfg.num_hidden_layers} layers)")
-        value = _read_tensor(header, t, dtype, keep_quantized)
-        if isinstance(value, torch.Tensor) and _qtype(t) not in _types()[1]:
-            dequantized.add(_qtype(t).name)
+        value, qtype = _read_tensor(header, t, dtype, keep_quantized), _qtype(t)
+        if isinstance(value, torch.Tensor) and qtype not in float_types:
+            dequantized.add(qtype.name)
         want = t.shape
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else (value.out_features, value.in_features)
         if got != want:
@@ -260,8 +260,7 @@ def _undo_conversion(values: dict, arch: str, cfg) -> None:
         value = values[name]
         if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
-            index = _unpermute_rows(_out_features(value), heads)
-            values[name] = value[index] if isinstance(value, torch.Tensor) else value.rows(index)
+            values[name] = _rows(value, _unpermute_rows(_out_features(value), heads))
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             values[name] = value - 1
         elif name.endswith("mlp.experts.gate_proj"):
@@ -275,7 +274,7 @@ def _undo_conversion(values: dict, arch: str, cfg) -> None:
                      else [_out_features(value) // 2] * 2)
             prefix, start = name[:-len(fused + ".weight")], 0
             for part, size in zip(_PHI3_FUSED[fused], sizes, strict=True):
-                values[f"{prefix}{part}.weight"] = _rows(value, start, start + size)
+                values[f"{prefix}{part}.weight"] = _rows(value, torch.arange(start, start + size))
                 start += size
             del values[name]
 

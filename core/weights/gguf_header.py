@@ -10,7 +10,7 @@ count, metadata key/type/values, the tensor table, the data section at the next 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,25 +35,22 @@ class GGUFHeader:
     metadata: dict            # key -> value; a string array not asked for is its length
     tensors: tuple[TensorInfo, ...]
     data_start: int
+    mapped: np.memmap = field(repr=False, compare=False)   # the whole file, mapped once
 
     def data(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes in the mapped file (uint8 [rows, row bytes]; float types as their values)."""
-        raw = _mapped(self.path)[self.data_start + info.offset:self.data_start + info.offset + info.nbytes]
+        raw = self.mapped[self.data_start + info.offset:self.data_start + info.offset + info.nbytes]
         if info.ggml_type in _FLOATS:
             return raw.view(_FLOATS[info.ggml_type]).reshape(info.shape)
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return raw.reshape(rows, -1)
 
 
-def _mapped(path: Path) -> np.memmap:
-    return np.memmap(path, dtype=np.uint8, mode="r")
-
-
 def read_header(path: Path, string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
     """ValueError naming the problem for a file that is not a GGUF, a version this does not read, or a
     tensor table that points past the end of the file (a truncated download)."""
     import gguf
-    blob = _mapped(path)
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError("it does not start with the GGUF magic bytes")
     version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)
@@ -85,7 +82,7 @@ def read_header(path: Path, string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
         if data_start + t.offset + t.nbytes > len(blob):
             raise ValueError(f"tensor {t.name!r} ends at byte {data_start + t.offset + t.nbytes}, past the end of "
                              f"the file ({len(blob)} bytes): the file is truncated")
-    return GGUFHeader(path, metadata, tuple(tensors), data_start)
+    return GGUFHeader(path, metadata, tuple(tensors), data_start, blob)
 
 
 def _string(blob: np.ndarray, pos: int) -> tuple[str, int]:
