@@ -14,7 +14,8 @@ NOT_IN_REPO = {
     "docs/context/": "a folder of Ascend's op-plugin repository",
     "plugins/your-plugin": "the reader's own plugin",
 }
-WRITTEN_BY_SCRIPTS = "benchmarks/results/"   # git-ignored; the benchmark scripts write it
+# Git-ignored folders the scripts write: the benchmarks' results, the GPU kit's wheels (benchmarks/gpu/wheels.py).
+WRITTEN_BY_SCRIPTS = ("benchmarks/results/", "benchmarks/gpu/carry")
 
 
 def _docs() -> list[Path]:
