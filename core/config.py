@@ -180,10 +180,16 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     response_format: dict | None = None  # structured output (JSON schema, regex, grammar): see lmport.guided
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit before sampling
+    # The prompt's own log-probabilities (each token given those before it) and the top N alternatives at each
+    # position, computed as the prompt is prefilled (completions echo, get_ppl); with it, max_new_tokens may be 0.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-               f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be an int in [0, 20] or None, got {self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1   # scoring a prompt alone generates nothing
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= least,
+               f"max_new_tokens must be an int >= {least}, got {self.max_new_tokens!r}")
         _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be a number >= 0, got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0, got {self.top_k!r}")

@@ -35,6 +35,9 @@ from lmport.weights.checkpoint import check_backend, is_quantized
 
 log = logging.getLogger(__name__)
 
+SCORING_LOGITS_BUDGET = 64 * 2**20   # bytes of float32 logits one step may hold for a prompt's logprobs
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the problem and the fix."""
 
@@ -53,6 +56,20 @@ class RequestOutput:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     error: str | None = None
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
+    # gen_config.prompt_logprobs: on the finished output, log p(prompt[i]) with alternatives for i = 1 .. n-1
+    prompt_logprobs: list[dict[int, float]] | None = None
+
+
+def check_prompt(prompt_ids, vocab_size: int, session_len: int) -> None:
+    """RequestError when the engine cannot take these prompt token ids (the front end checks them too)."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be ints in [0, {vocab_size})")
+    if len(prompt_ids) >= session_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but session_len is {session_len} "
+            f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
 
 
 class Engine:
@@ -95,6 +112,9 @@ class Engine:
         # Structured outputs (docs/engine.md): grammars compiled once per format, masks built beside the forward.
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.masks = MaskBuilder(self.model_config.vocab_size)
+        # Prompt positions a step may score: their float32 logits stay within SCORING_LOGITS_BUDGET.
+        self.scoring_chunk = max(1, min(SCORING_LOGITS_BUDGET // (4 * self.model_config.vocab_size),
+                                        self.config.max_prefill_token_num))
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -159,7 +179,7 @@ class Engine:
         except GuidedDecodingError as exc:
             raise RequestError(str(exc)) from None
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt, grammar=grammar)
+                       cache_salt=cache_salt, grammar=grammar, max_scoring_tokens=self.scoring_chunk)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -168,15 +188,7 @@ class Engine:
     def validate(self, prompt_ids) -> None:
         if self.failure:
             raise RequestError(f"the engine cannot run the model: {self.failure}")
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-            raise RequestError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(prompt_ids) >= self.session_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens but session_len is {self.session_len} "
-                f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+        check_prompt(prompt_ids, self.model_config.vocab_size, self.session_len)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
@@ -204,7 +216,8 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
-        completing = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        completing = [s for s, n in zip(batch.seqs, batch.num_new)
+                      if s.num_computed + n == s.num_tokens and s.gen_config.max_new_tokens > 0]
         masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
             logits = self._forward(batch.seqs, batch.num_new)
@@ -218,6 +231,10 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
         ready = [s for s in batch.seqs if s.num_uncomputed == 0]
+        for seq in [s for s in ready if s.gen_config.max_new_tokens == 0]:   # a prompt scored, nothing to generate
+            self._end(seq, "length")
+            outputs.append(self._output(seq, [], ""))
+        ready = [s for s in ready if s.gen_config.max_new_tokens > 0]
         if not ready:
             return outputs
         mask = None
@@ -284,16 +301,30 @@ class Engine:
             self.executor.execute(StepInput([], [], [], [], [], copies))
 
     def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
-        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes."""
+        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes (and that
+        generate), after recording the log-probabilities of the prompt positions scored this step."""
         ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        ends, rows = 0, []
+        ends, rows, sampled, scored = 0, [], [], []
         for s, n in zip(seqs, num_new):
-            ends += n
-            if s.num_computed + n == s.num_tokens:
+            start, ends = ends, ends + n
+            if s.scoring:   # positions first .. last-1 predict prompt tokens first+1 .. last
+                first = max(s.num_computed, len(s.prompt_logprobs))
+                last = min(s.num_computed + n, len(s.prompt_ids) - 1)
+                if last > first:
+                    scored.append((s, len(rows), first, last))
+                    rows.extend(range(start + first - s.num_computed, start + last - s.num_computed))
+            if s.num_computed + n == s.num_tokens and s.gen_config.max_new_tokens > 0:
+                sampled.append(len(rows))
                 rows.append(ends - 1)
         step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
                          [s.block_table for s in seqs], rows, self.block_manager.take_copies())
-        return self.executor.execute(step)
+        logits = self.executor.execute(step)
+        if not scored:
+            return logits
+        for s, row, first, last in scored:
+            s.prompt_logprobs += _prompt_logprobs(logits[row:row + last - first], s.prompt_ids[first + 1:last + 1],
+                                                  s.gen_config.prompt_logprobs or 0)
+        return logits[sampled]
 
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
         seq.output_ids.append(token)
@@ -341,7 +372,9 @@ class Engine:
             delta_token_ids=new_tokens, delta_text=delta, finished=seq.is_finished,
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs) if full else [], error=seq.error,
-            delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [])
+            delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [],
+            prompt_logprobs=seq.prompt_logprobs if seq.is_finished and seq.gen_config.prompt_logprobs is not None
+            else None)
 
     # -- introspection ----------------------------------------------------
     def usage(self) -> dict:
@@ -363,3 +396,16 @@ class Engine:
     def close(self) -> None:
         self.executor.close()
         self.seqs.clear()
+
+
+def _prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[dict[int, float]]:
+    """{target: log p(target), and the ``top`` most likely tokens'} for each row; the log-softmax is taken through
+    logsumexp, never as a second [rows x vocab] array."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen = (logits.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0] - lse).tolist()
+    if not top:
+        return [{t: lp} for t, lp in zip(targets, chosen)]
+    best = logits.topk(top, dim=-1)
+    values = (best.values - lse[:, None]).tolist()
+    return [{**dict(zip(i, v)), t: lp} for t, lp, i, v in zip(targets, chosen, best.indices.tolist(), values)]

@@ -64,8 +64,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget) if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget,
-                                                                                      prefill)
+            n = min(seq.num_uncomputed, budget) if seq.num_uncomputed == 1 else seq.step_limit(min(
+                seq.num_uncomputed, budget, prefill))
             if n == 0:
                 continue   # a prompt chunk waits for the next step; decoding sequences further on still run
             self.block_manager.release_outside_window(seq)
@@ -85,7 +85,7 @@ class Scheduler:
 
         while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = self.block_manager.admit(seq, min(budget, prefill))
+            n = self.block_manager.admit(seq, seq.step_limit(min(budget, prefill)))
             if n is None:
                 break
             self.waiting.popleft()

@@ -37,6 +37,10 @@ class Sequence:
     decoder: IncrementalDecoder | None = None   # the engine's, made at the first output token
     generator: torch.Generator | None = None
     grammar: object | None = None   # xgrammar matcher of a structured output (lmport.guided), advanced per token
+    # gen_config.prompt_logprobs: position i's entry is log p(prompt[i + 1] | prompt[:i + 1]) with the top
+    # alternatives, {token id: logprob}; filled chunk by chunk as the prompt is prefilled.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    max_scoring_tokens: int = 0     # positions a step may score (their float32 logits stay within a budget)
 
     @property
     def token_ids(self) -> list[int]:
@@ -49,6 +53,16 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt positions remain whose log-probabilities were asked for and not computed yet."""
+        return (self.gen_config.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_ids) - 1)
+
+    def step_limit(self, tokens: int) -> int:
+        """``tokens`` bounded by what a step may compute for this sequence (a scoring chunk's logits budget)."""
+        return min(tokens, self.max_scoring_tokens) if self.scoring and self.max_scoring_tokens else tokens
 
     @property
     def is_finished(self) -> bool:

@@ -156,6 +156,8 @@ class BlockManager(Eviction, UsageStats, Invariants):
             st = self._state(seq)
             # The last token is always recomputed: its logits give the next token.
             limit = swap.num_cached_blocks if swap else (seq.num_tokens - 1) // bs
+            if seq.scoring:   # positions whose logprobs are wanted are computed, not taken from the cache
+                limit = min(limit, len(seq.prompt_logprobs) // bs)
             tokens = seq.token_ids
             hits = self.cache.match(tokens, st.extra, self.cache.chain(tokens, st.extra, st.hashes, limit)[:limit])
         if swap is not None and len(hits) < swap.num_cached_blocks:

@@ -4,16 +4,17 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (``stream: true`` gives server-sent events ending in ``data: [DONE]``),
 GET /health (never needs the API key) and GET /metrics (Prometheus).
 
-The Engine runs in an EngineLoop thread (``lmport.server.serving.Server``); each
-HTTP request becomes one engine request per choice (``n``). A client that goes
-away, streaming or not, aborts its engine requests, which frees their KV blocks
-at once. Bad input is refused before anything is queued, with an OpenAI-style
-error that names the field; see docs/server.md. The completion routes are in
-``lmport.server.routes``.
+The engine core runs in its own process under `lmport serve` (``lmport.engine_core``), joined to this
+front end by a request queue and an output queue (``lmport.engine_client``); tests may run it in a thread
+over an Engine they built. Each HTTP request becomes one engine request per choice (``n``). A client that
+goes away, streaming or not, aborts its engine requests, which frees their KV blocks at once. Bad input is
+refused before anything is queued, with an OpenAI-style error that names the field; see docs/server.md. The
+completion routes are in ``lmport.server.routes``.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import hmac
 import logging
 import os
@@ -28,32 +29,44 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
 from lmport.engine import Engine
+from lmport.engine_client import EngineClient
+from lmport.guided import Grammars
 from lmport.server import openapi as openapi_doc
 from lmport.server import routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
 from lmport.server.protocol import APIError, brief
-from lmport.server.serving import MAX_BODY_BYTES, Server
+from lmport.server.serving import MAX_BODY_BYTES, Frontend
 
 log = logging.getLogger(__name__)
 
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def create_app(engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
+def create_app(engine: Engine | EngineClient, model_name: str | None = None, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
-               docs: bool = True, cache_salt_by_api_key: bool = False) -> FastAPI:
+               docs: bool = True, cache_salt_by_api_key: bool = False, tokenizer=None) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
-    ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
-    shared only between requests sent with the same key."""
-    server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
+    ``engine``: an engine core already started (then ``tokenizer`` is the model's), or an Engine, whose core
+    then runs in a thread of this process. ``api_key``: one key or several (any is accepted);
+    ``cache_salt_by_api_key``: prefix-cache blocks are shared only between requests sent with the same key."""
+    if isinstance(engine, Engine):
+        # A private tokenizer: the core's thread decodes with the engine's at the same time.
+        core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
+    else:
+        if tokenizer is None:
+            raise TypeError("create_app: give the model's tokenizer with an engine core client")
+        core = engine
+        grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
+    server = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
+    info = core.info
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        server.loop.shutdown()
+        server.core.shutdown()
         server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         server.compile_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -98,7 +111,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
         async def openapi():
             if app.openapi_schema is None:
                 app.openapi_schema = openapi_doc.build(app, server.model_name, server.api_key is not None,
-                                                        engine.model_config.vocab_size)
+                                                        info.vocab_size)
             return app.openapi_schema
 
         @app.get("/docs", dependencies=auth, include_in_schema=False)
@@ -124,7 +137,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "lmport",
-                "max_model_len": engine.session_len}
+                "max_model_len": info.session_len}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
@@ -158,6 +171,7 @@ def serve(args) -> int:
     import uvicorn
 
     from lmport.flags import engine_config
+    from lmport.models.loader import load_tokenizer
     from lmport.server.connections import ConnectionLimits
     from lmport.server.guards import allowed_host_names, is_loopback
     from lmport.server.shutdown import GracefulServer
@@ -175,15 +189,20 @@ def serve(args) -> int:
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections)
-    engine = Engine(args.model, engine_config(args))
-    app = create_app(engine, model_name=args.model, api_key=api_key, limits=limits,
-                     allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
-                     cors_origins=args.cors_origins, docs=args.docs,
-                     cache_salt_by_api_key=args.cache_salt_by_api_key)
+    # The engine core in its own process (started first, before this process starts a thread), the tokenizer here.
+    core = EngineClient.start_process(args.model, engine_config(args))
+    try:
+        app = create_app(core, model_name=args.model, api_key=api_key, limits=limits,
+                         allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
+                         cors_origins=args.cors_origins, docs=args.docs,
+                         cache_salt_by_api_key=args.cache_salt_by_api_key, tokenizer=load_tokenizer(args.model))
+    except BaseException:
+        core.shutdown()
+        raise
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
-    print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "
-          f"{engine.plan.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
+    print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {core.info.session_len}, "
+          f"{core.info.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
         logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
     server = GracefulServer(config, app.state.server, shutdown_timeout=args.shutdown_timeout,

@@ -14,16 +14,16 @@ from fastapi.responses import Response
 from lmport.engine import RequestOutput
 from lmport.server import echo, structured, tools
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief
-from lmport.server.serving import EventStream, Job, Server, event_lines, finish_reason
+from lmport.server.serving import EventStream, Frontend, Job, event_lines, finish_reason
 
 
-def _too_long(server: Server, param: str, chars: int) -> APIError:
+def _too_long(server: Frontend, param: str, chars: int) -> APIError:
     return APIError(400, f"{param}: {chars} characters is more than the server's limit of {server.max_prompt_chars} "
-                         f"(--max-prompt-chars; the session holds {server.engine.session_len} tokens): shorten it",
+                         f"(--max-prompt-chars; the session holds {server.info.session_len} tokens): shorten it",
                     param=param)
 
 
-async def _respond(server: Server, request: Request, job: Job, chunk: Callable[..., dict],
+async def _respond(server: Frontend, request: Request, job: Job, chunk: Callable[..., dict],
                    body: Callable[[list[RequestOutput]], dict], *, stream: bool):
     """An admitted job's reply: ``chunk(choice, out, delta, logprobs_from)`` (a list of chunks) as server-sent
     events, or ``body(final outputs)`` once all are done; 499 when the client left first."""
@@ -41,7 +41,7 @@ async def _respond(server: Server, request: Request, job: Job, chunk: Callable[.
     return body(outs)
 
 
-async def chat_completions(server: Server, request: Request):
+async def chat_completions(server: Frontend, request: Request):
     """POST /v1/chat/completions."""
     received = time.perf_counter()
     req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
@@ -49,7 +49,7 @@ async def chat_completions(server: Server, request: Request):
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
     if (chars := sum(len(m.text()) for m in req.messages)) > server.max_prompt_chars:
         raise _too_long(server, "messages", chars)
-    setup = await structured.off_loop(server, tools.check, req, server.engine) if req.tools or req.tool_choice \
+    setup = await structured.off_loop(server, tools.check, req, server.grammars) if req.tools or req.tool_choice \
         else None
     try:
         ids = await server.tokenize(tools.encode, server.tokenizer, req, setup)
@@ -120,7 +120,7 @@ async def chat_completions(server: Server, request: Request):
     return await _respond(server, request, job, chunk, body, stream=req.stream)
 
 
-async def completions(server: Server, request: Request):
+async def completions(server: Frontend, request: Request):
     """POST /v1/completions."""
     received = time.perf_counter()
     req: CompletionRequest = await server.parse(request, CompletionRequest)
@@ -147,8 +147,10 @@ async def completions(server: Server, request: Request):
         raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
     response_format, format_param = structured.completion_format(req)
     await structured.check_format(server, response_format, format_param)
+    # echo with logprobs scores each prompt as the engine prefills it; with max_tokens 0 that is all it does.
+    scoring = (req.logprobs or 0) if req.echo and (req.logprobs is not None or req.max_tokens == 0) else None
     job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
-                     key=getattr(request.state, "api_key", None))
+                     key=getattr(request.state, "api_key", None), prompt_logprobs=scoring)
     job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                   "model": server.model_name, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)
@@ -177,33 +179,17 @@ async def completions(server: Server, request: Request):
     return await _respond(server, request, job, chunk, body, stream=req.stream)
 
 
-async def _echo_completion(server: Server, req: CompletionRequest, job: Job, top: int | None, request: Request,
+async def _echo_completion(server: Frontend, req: CompletionRequest, job: Job, top: int | None, request: Request,
                            prompt_texts: list[str]):
     """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
-    timeout = server.limits.request_timeout
-    deadline = None if timeout is None else job.received + timeout
-
-    async def score_all():
-        return [await echo.prompt_logprobs(server, ids, top or 0, deadline) if top is not None else None
-                for ids in job.prompts]
-    scores = await server.unless_gone(request, score_all())
-    if scores is None:
-        return Response(status_code=499)   # the client left: scoring stopped at the next chunk
-    if req.max_tokens == 0:
-        outs = [None] * len(job.configs)
-    else:
-        outs = await server.until_done_or_gone(request, job)
-        if outs is None:
-            return Response(status_code=499)
+    outs = await server.until_done_or_gone(request, job)
+    if outs is None:
+        return Response(status_code=499)
     choices = []
     for c, o in enumerate(outs):
         ids = job.prompt_of(c)
-        generated = None if o is None or top is None else server.completion_logprobs(o, 0, top)
-        choices.append({"index": c, "text": prompt_texts[c // job.n] + (o.text if o else ""),
-                        "finish_reason": finish_reason(o) if o else "length",
-                        "logprobs": echo.merge(server, ids, scores[c // job.n], top, generated)})
-    completion = sum(len(o.token_ids) for o in outs if o)
-    prompt_tokens = sum(len(p) for p in job.prompts)
-    return {**job.header, "choices": choices, "usage": {
-        "prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs if o)}}}
+        generated = None if top is None else server.completion_logprobs(o, 0, top)
+        scores = None if top is None else echo.prompt_scores(ids, o.prompt_logprobs or [])
+        choices.append({"index": c, "text": prompt_texts[c // job.n] + o.text, "finish_reason": finish_reason(o),
+                        "logprobs": echo.merge(server, ids, scores, top, generated)})
+    return {**job.header, "choices": choices, "usage": server.usage(job, outs)}

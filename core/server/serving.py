@@ -1,13 +1,13 @@
-"""The server's side of one Engine: request parsing, admission, jobs, outputs as they arrive, response pieces.
+"""The HTTP front end's side of the engine core: request parsing, admission, jobs, outputs as they arrive,
+response pieces.
 
-``Server`` is shared by the routes (``lmport.server.routes``) and the app (``lmport.server.app``):
-the engine runs in an EngineLoop thread, each HTTP request becomes a ``Job`` with one engine request
-per choice, and a client that goes away aborts its engine requests.
+``Frontend`` is shared by the routes (``lmport.server.routes``) and the app (``lmport.server.app``): the
+engine core runs behind an ``EngineClient`` (its own process under `lmport serve`), each HTTP request
+becomes a ``Job`` with one engine request per choice, and a client that goes away aborts its engine requests.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import json
 import logging
@@ -25,8 +25,10 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from lmport.config import ConfigError, GenerationConfig
-from lmport.engine import Engine, RequestError, RequestOutput
-from lmport.engine_loop import EngineLoop, EngineStopped
+from lmport.engine import RequestError, RequestOutput, check_prompt
+from lmport.engine_client import EngineClient, EngineStopped
+from lmport.engine_messages import EngineRequest
+from lmport.guided import Grammars
 from lmport.server.limits import Admission, Limits
 from lmport.server.metrics import Metrics
 from lmport.server.protocol import APIError, brief, validation_error
@@ -113,12 +115,16 @@ class _SendTimeout(Exception):
     """A send to a client that does not read waited past its limit."""
 
 
-class Server:
-    def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
-                 cache_salt_by_api_key: bool = False):
-        self.engine = engine
-        self.model_name = model_name or engine.model_name
+class Frontend:
+    def __init__(self, core: EngineClient, tokenizer, grammars: Grammars, model_name: str | None = None,
+                 api_key: str | list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 limits: Limits | None = None, cache_salt_by_api_key: bool = False):
+        """``tokenizer``: the front end's own (tokenizing and chat templates run here, never in the core);
+        ``grammars``: compiles structured-output formats to check them before a request is queued."""
+        self.core = core
+        self.info = info = core.info
+        self.grammars = grammars
+        self.model_name = model_name or info.model_name
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         if any(not k.strip() for k in keys):
             raise ConfigError("the API key is empty: give a key, or leave it out to serve without one")
@@ -128,36 +134,28 @@ class Server:
         self.cache_salt_by_api_key = cache_salt_by_api_key
         self.max_body_bytes = max_body_bytes
         self.limits = limits or Limits()
-        self.max_prompt_chars = self.limits.prompt_chars(engine.session_len)
-        self.admission = Admission(engine.config.max_batch_size + self.limits.waiting(engine.config.max_batch_size))
-        # A private tokenizer: the engine thread decodes with its own at the same time. Tokenizing and
-        # chat templates run in this one worker thread (in order), never in the event loop.
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_prompt_chars = self.limits.prompt_chars(info.session_len)
+        self.admission = Admission(info.max_batch_size + self.limits.waiting(info.max_batch_size))
+        # Tokenizing and chat templates run in this one worker thread (in order), never in the event loop.
+        self.tokenizer = tokenizer
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="lmport-tokenize")
         # Grammar compiles (structured outputs, forced tool calls), off the event loop (lmport.server.structured).
         self.compile_pool = ThreadPoolExecutor(2, thread_name_prefix="lmport-compile")
-        self.loop = EngineLoop(engine)
-        # /metrics reads what the engine thread publishes after each step: a scrape never waits for a step.
-        self.metrics = Metrics(lambda: self.loop.snapshot)
+        # /metrics reads what the engine core publishes after each step: a scrape never waits for a step.
+        self.metrics = Metrics(lambda: self.core.snapshot)
         Gauge("lmport_requests_admitted", "Engine requests admitted by the server and not yet finished",
               registry=self.metrics.registry).set_function(lambda: self.admission.active)
         self.created = int(time.time())
         # Identifies the configuration answering (OpenAI's system_fingerprint): lmport's version and the engine's
         # settings that change outputs.
         self.fingerprint = "fp_lmport_" + hashlib.sha256(repr((
-            lmport_version(), self.model_name, engine.config.device_type, engine.config.dtype,
-            engine.config.quant_policy)).encode()).hexdigest()[:12]
+            lmport_version(), self.model_name, info.device_type, info.dtype,
+            info.quant_policy)).encode()).hexdigest()[:12]
         self.live: set[asyncio.Queue] = set()   # the output queues of jobs in flight (see abort_all)
 
     def engine_problem(self) -> str | None:
         """Why no request can be served now, or None."""
-        if self.loop.failure is not None:
-            return self.loop.failure
-        if not self.loop._thread.is_alive():
-            return "the engine thread has stopped"
-        if self.engine.failure:  # a tensor-parallel rank is gone: nothing can be generated
-            return f"engine failed: {self.engine.failure}"
-        return None
+        return self.core.problem()
 
     async def tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -213,7 +211,7 @@ class Server:
         for problem in (req.unsupported_problem(), req.stop_problem()):
             if problem is not None:
                 raise problem
-        vocab = self.engine.model_config.vocab_size
+        vocab = self.info.vocab_size
         req.token_bias(vocab)
         if req.top_k > vocab:
             raise APIError(400, f"top_k: {brief(req.top_k)} is more than the vocabulary ({vocab} tokens); give "
@@ -222,23 +220,24 @@ class Server:
 
     def job(self, req, prompts: list[list[int]], param: str, max_tokens: int | None,
             logprobs: int | None, received: float, response_format: dict | None = None,
-            key: str | None = None) -> Job:
-        """Check every prompt against the engine and build one GenerationConfig per choice."""
+            key: str | None = None, prompt_logprobs: int | None = None) -> Job:
+        """Check every prompt against the engine's facts and build one GenerationConfig per choice.
+        ``prompt_logprobs``: each choice also scores its prompt with that many alternatives (echo)."""
         configs = []
-        logit_bias = req.token_bias(self.engine.model_config.vocab_size)
+        info = self.info
+        logit_bias = req.token_bias(info.vocab_size)
         for ids in prompts:
             try:
-                # validate() reads only fixed facts (vocab, session_len): safe without the engine lock.
-                self.engine.validate(ids)
+                check_prompt(ids, info.vocab_size, info.session_len)
             except RequestError as exc:
                 # OpenAI's clients look for this code to tell "shorten the prompt" from other errors.
-                code = "context_length_exceeded" if len(ids) >= self.engine.session_len else None
+                code = "context_length_exceeded" if len(ids) >= info.session_len else None
                 raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
             for i in range(req.n):
                 try:
                     configs.append(GenerationConfig(
                         # No max_tokens: up to the session length, as OpenAI does up to the context.
-                        max_new_tokens=max_tokens or self.engine.session_len - len(ids),
+                        max_new_tokens=info.session_len - len(ids) if max_tokens is None else max_tokens,
                         temperature=req.temperature, do_sample=req.temperature > 0,
                         top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
                         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
@@ -246,7 +245,8 @@ class Server:
                         # n choices from one seed differ from each other yet repeat run to run.
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                        response_format=response_format, logit_bias=logit_bias))
+                        response_format=response_format, logit_bias=logit_bias,
+                        prompt_logprobs=prompt_logprobs))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
         job = Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
@@ -265,7 +265,7 @@ class Server:
     async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every choice at once; yield (choice index, output so far) as outputs arrive.
 
-        The engine sends deltas; each choice's output so far is one RequestOutput that grows in place (read it
+        The core sends deltas; each choice's output so far is one RequestOutput that grows in place (read it
         before the next ``await``). A consumer that falls behind (a client that does not read) holds at most one
         pending entry a choice, never a copy of the output per step. A timeout or shutdown error overtakes the
         pending outputs. Closing this iterator (or cancelling its consumer) aborts every unfinished choice.
@@ -280,14 +280,12 @@ class Server:
             if acc is None:
                 acc = state[choice] = RequestOutput(out.request_id, [], "", [], "", False, None, out.prompt_tokens,
                                                     out.cached_tokens)
-            if out.finished:
-                acc.token_ids, acc.logprobs, acc.text = out.token_ids, out.logprobs, out.text
-            else:
-                acc.token_ids.extend(out.delta_token_ids)
-                acc.logprobs.extend(out.delta_logprobs)
-                acc.text += out.delta_text
+            acc.token_ids.extend(out.delta_token_ids)
+            acc.logprobs.extend(out.delta_logprobs)
+            # A finished output carries its whole text (decoded once at the end); what was streamed is its start.
+            acc.text = out.text if out.finished else acc.text + out.delta_text
             acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
-            acc.cached_tokens = out.cached_tokens
+            acc.cached_tokens, acc.prompt_logprobs = out.cached_tokens, out.prompt_logprobs
             now = time.perf_counter()
             if out.delta_token_ids:
                 previous = last[choice]
@@ -305,13 +303,12 @@ class Server:
 
         async def pump(choice: int, config: GenerationConfig):
             try:
-                async for out in self.loop.generate(job.prompt_of(choice), config, f"{job.id}-{choice}",
-                                                    cache_salt=job.cache_salt):
+                request = EngineRequest(f"{job.id}-{choice}", job.prompt_of(choice), config, job.cache_salt)
+                async for out in self.core.generate(request):
                     merge(choice, out)
             except Exception as exc:  # reaches the consumer instead of dying in this task
                 queue.put_nowait((None, exc))
 
-        self.engine.output_deltas = True
         tasks = [asyncio.create_task(pump(c, cfg)) for c, cfg in enumerate(job.configs)]
         remaining = len(tasks)
         self.live.add(queue)
@@ -433,7 +430,7 @@ def lmport_version() -> str:
         return "unknown"
 
 
-async def event_lines(server: Server, job: Job, chunk) -> AsyncIterator[str]:
+async def event_lines(server: Frontend, job: Job, chunk) -> AsyncIterator[str]:
     """SSE lines: the chunks ``chunk(choice, out, delta, logprobs_from)`` makes of each output (none when it
     holds the text back), usage when asked, [DONE].
 

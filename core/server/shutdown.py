@@ -6,7 +6,7 @@ requests on open connections get 503, and in-flight requests have
 gets a final error event and ``[DONE]``, a waiting request an error
 response. The process then exits 0. A second SIGINT forces an exit.
 
-When the engine thread stops and ``exit_on_engine_failure`` is set, the
+When the engine core stops and ``exit_on_engine_failure`` is set, the
 server shuts down the same way and the process exits non-zero, so a
 supervisor restarts it.
 """
@@ -35,7 +35,7 @@ class GracefulServer(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         if exit_on_engine_failure:
-            app_server.loop.on_failure = self.engine_failed
+            app_server.core.on_failure = self.engine_failed
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -61,7 +61,7 @@ class GracefulServer(uvicorn.Server):
         asyncio.ensure_future(self.app_server.drain(self.shutdown_timeout))
 
     def engine_failed(self, reason: str) -> None:
-        """Called on the engine thread when it stops: shut down and exit non-zero."""
+        """Called (on the engine client's reader thread) when the engine core stops: shut down, exit non-zero."""
         log.critical("exiting because %s (--no-exit-on-engine-failure keeps the process up)", reason)
         self.exit_code = ENGINE_FAILURE_EXIT_CODE
         self.should_exit = True

@@ -1,8 +1,7 @@
 """Structured outputs on the routes: a request's response_format (or vLLM's guided_* fields), checked up front.
 
 The format is compiled here, in the server's compile thread (off the event loop, within COMPILE_TIMEOUT),
-so a schema the grammar engine refuses is a 400 naming the field before anything is queued; the engine
-then finds it in the compiled-grammar cache.
+so a schema the grammar engine refuses is a 400 naming the field before anything is queued.
 """
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ import asyncio
 import json
 import re
 
-from lmport.engine import Engine
-from lmport.guided import MAX_ENUM_VALUES, GuidedDecodingError
+from lmport.guided import MAX_ENUM_VALUES, GuidedDecodingError, Grammars
 from lmport.server.protocol import APIError, CompletionRequest
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
@@ -67,12 +65,12 @@ async def off_loop(server, fn, *args):
 async def check_format(server, response_format: dict | None, param: str) -> None:
     """Compile (and cache) the format now, off the event loop; a bad one is a 400 that names ``param``."""
     if response_format is not None:
-        await off_loop(server, check_format_now, server.engine, response_format, param)
+        await off_loop(server, check_format_now, server.grammars, response_format, param)
 
 
-def check_format_now(engine: Engine, response_format: dict | None, param: str) -> None:
+def check_format_now(grammars: Grammars, response_format: dict | None, param: str) -> None:
     try:
-        engine.grammars.compile(response_format)
+        grammars.compile(response_format)
     except GuidedDecodingError as exc:
         message = str(exc)
         if param != "response_format":

@@ -22,8 +22,7 @@ from typing import cast
 import xgrammar as xgr
 
 from lmport.api import encode_prompt
-from lmport.engine import Engine
-from lmport.guided import GuidedDecodingError
+from lmport.guided import Grammars, GuidedDecodingError
 from lmport.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -48,7 +47,7 @@ class ToolSetup:
     response_format: dict | None       # the grammar forcing a call ("required" or a named function)
 
 
-def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
+def check(req: ChatCompletionRequest, grammars: Grammars) -> ToolSetup | None:
     """The request's tools and tool_choice, each checked (a 400 naming the field); None when no tool may be called."""
     choice = req.tool_choice
     if not req.tools:
@@ -73,7 +72,7 @@ def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
             raise APIError(400, f"tools.{i}.function.parameters: must be a JSON schema object",
                            param=f"tools.{i}.function.parameters")
         try:   # a schema the grammar engine refuses is refused now, whatever tool_choice says
-            engine.grammars.compile({"type": "json_schema", "json_schema": {"schema": params}})
+            grammars.compile({"type": "json_schema", "json_schema": {"schema": params}})
         except GuidedDecodingError as exc:
             param = f"tools.{i}.function.parameters"
             message = re.sub(r"^response_format(\.json_schema\.schema)?", param, str(exc))

@@ -1,0 +1,228 @@
+"""The front end's handle on the engine core: send requests, stream their outputs into asyncio.
+
+``EngineClient.start_process(model, config)`` runs the core in its own process (``lmport serve``);
+``EngineClient.start_thread(engine)`` runs it in a thread over an Engine the caller built (tests reach into
+that Engine). Either way the two sides exchange the msgpack messages of ``lmport.engine_messages``: one
+request queue, one output queue.
+
+One reader thread receives the core's messages; a step's outputs reach the event loop in one call, which
+puts each into its request's asyncio queue. If the core stops for any reason (an exception, the process
+killed), every open request gets an error output at once, new requests raise EngineStopped, and
+``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``Engine.usage()`` after its
+last step, which /metrics reads without waiting for the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import wait
+
+from lmport import engine_core
+from lmport.config import ConfigError, EngineConfig
+from lmport.engine import Engine, RequestError, RequestOutput
+from lmport.engine_messages import EngineInfo, EngineRequest, output_from_wire, pack, unpack
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_WAIT = 10.0   # seconds the core may take to stop before it is killed
+
+
+class EngineStopped(RuntimeError):
+    """The engine core is no longer running; no request can be served."""
+
+
+class EngineClient:
+    def __init__(self, info: EngineInfo, usage: dict, send: Callable[[bytes], None],
+                 receive: Callable[[], bytes], stop: Callable[[float], None], is_alive: Callable[[], bool]):
+        """``receive`` blocks for the core's next message and raises EOFError once the core is gone;
+        ``stop(timeout)`` waits for the core to end after the shutdown message, and ends it when it does not."""
+        self.info = info
+        self.snapshot = usage
+        self.failure: str | None = None          # why the core stopped, once it has
+        self.engine_failure: str | None = None   # what the core reports it cannot run (a tensor-parallel rank)
+        self.on_failure: Callable[[str], None] | None = None   # called on the reader thread with the reason
+        self._send, self._receive, self._stop, self._is_alive = send, receive, stop, is_alive
+        self._streams: dict[str, asyncio.Queue] = {}   # touched on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self.process: multiprocessing.process.BaseProcess | None = None   # the core's, when it has its own
+        self._reader = threading.Thread(target=self._read, name="lmport-engine-outputs", daemon=True)
+        self._reader.start()
+
+    # -- starting the core ---------------------------------------------------------------------------------
+    @classmethod
+    def start_thread(cls, engine: Engine) -> EngineClient:
+        requests: queue.Queue = queue.Queue()
+        outputs: queue.Queue = queue.Queue()
+
+        def run():
+            engine_core.thread_main(engine, requests, outputs.put)
+            outputs.put(None)   # the end: the reader stops
+
+        def receive() -> bytes:
+            message = outputs.get()
+            if message is None:
+                raise EOFError
+            return message
+
+        thread = threading.Thread(target=run, name="lmport-engine", daemon=True)
+        thread.start()
+        return cls(EngineInfo.of(engine), engine.usage(), requests.put, receive, thread.join, thread.is_alive)
+
+    @classmethod
+    def start_process(cls, model: str, config: EngineConfig) -> EngineClient:
+        """Start the core process and wait until its engine is built. A configuration the engine refuses raises
+        ConfigError; any other failure to build it, RuntimeError with the core's reason."""
+        # fork: the core inherits the front end's imports (and any patches applied to them) without importing
+        # again; the front end has started no thread and touched no device yet.
+        context = multiprocessing.get_context("fork")
+        core_requests, requests = context.Pipe(duplex=False)   # (reader, writer)
+        outputs, core_outputs = context.Pipe(duplex=False)
+        process = context.Process(target=engine_core.process_main, name="lmport-engine-core",
+                                  args=(model, config, core_requests, core_outputs, (requests, outputs)))
+        process.start()
+        core_requests.close()   # the core holds these ends now: its exit closes the output pipe
+        core_outputs.close()
+
+        def receive() -> bytes:
+            ready = wait([outputs, process.sentinel])
+            if outputs in ready:
+                try:
+                    return outputs.recv_bytes()
+                except (EOFError, OSError):
+                    pass
+            raise EOFError
+
+        first = unpack(receive())
+        if first[0] != "ready":
+            process.join(SHUTDOWN_WAIT)
+            raise (ConfigError if first[2:] == ["config"] else RuntimeError)(first[1])
+        info, usage = EngineInfo.from_wire(first[1]), first[2]
+
+        def send(data: bytes) -> None:
+            try:
+                requests.send_bytes(data)
+            except OSError:   # the core is gone; the reader reports why
+                pass
+
+        def stop(timeout: float) -> None:
+            process.join(timeout)
+            if process.is_alive():
+                log.warning("the engine core did not stop within %.0f s; killing it", timeout)
+                process.kill()
+                process.join(5)
+
+        client = cls(info, usage, send, receive, stop, process.is_alive)
+        client.process = process
+        return client
+
+    # -- requests --------------------------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request (each carries its new tokens and text). A request the core refuses
+        raises RequestError. Closing the iterator early (a client that went away) aborts the request."""
+        self._loop = asyncio.get_running_loop()
+        if self.failure is not None:
+            raise EngineStopped(self.failure)
+        if request.request_id in self._streams:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._send(pack(["add", request.to_wire()]))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, Exception):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished and self.failure is None:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort at the core's next turn; its last output still reaches an open stream."""
+        self._send(pack(["abort", request_id]))
+
+    def problem(self) -> str | None:
+        """Why no request can be served now, or None."""
+        if self.failure is not None:
+            return self.failure
+        if not self._is_alive():
+            return "the engine core has stopped"
+        if self.engine_failure:
+            return f"engine failed: {self.engine_failure}"
+        return None
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._send(pack(["shutdown"]))
+        self._stop(SHUTDOWN_WAIT)
+
+    # -- the reader thread -----------------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                message = unpack(self._receive())
+                kind = message[0]
+                if kind == "outputs":
+                    self.snapshot, self.engine_failure = message[2], message[3]
+                    if message[1]:
+                        self._post(self._deliver, [output_from_wire(o) for o in message[1]])
+                elif kind == "rejected":
+                    self._post(self._put, message[1], RequestError(message[2]))
+                elif kind == "failed":
+                    self._fail(message[1])
+                    return
+        except EOFError:
+            if not self._closing:
+                self._fail("the engine core process exited" if self.process is not None else
+                           "the engine core has stopped")
+        except Exception as exc:  # a message this side cannot read: nothing more can be trusted
+            log.exception("reading the engine core's outputs failed")
+            self._fail(f"reading the engine core's outputs failed: {type(exc).__name__}: {exc}")
+
+    def _post(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None:   # no request was ever sent: nobody waits for anything
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:   # the event loop is closed: nobody is waiting
+            pass
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._put(out.request_id, out)
+
+    def _put(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _fail(self, reason: str) -> None:
+        """Every open request ends with an error now; later requests raise EngineStopped."""
+        if self.process is not None:
+            self.process.join(1)   # its pipe closes just before it exits
+            if self.process.exitcode is not None:
+                reason = f"{reason} (exit code {self.process.exitcode})"
+        log.critical("%s", reason)
+        self.failure = reason
+        self._post(self._fail_streams, reason)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:
+                log.exception("the engine failure handler failed")
+
+    def _fail_streams(self, reason: str) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put_nowait(RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error",
+                                            prompt_tokens=0, error=reason))

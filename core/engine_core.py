@@ -1,0 +1,138 @@
+"""The engine core's loop: requests in from one queue, one batch of outputs out a step on another.
+
+``serve`` runs an Engine (scheduler, block manager, executor, sampling) for the HTTP front end, either in
+its own process (``lmport serve``: ``process_main``, so that the engine's Python and the front end's event
+loop, tokenizing and SSE formatting do not share one interpreter lock) or in a thread of the front end's
+process (tests that reach into the Engine). The messages are ``lmport.engine_messages``: msgpack bytes,
+the same in both.
+
+Between steps the core takes every message waiting (adds, aborts) in arrival order; it steps while any
+request is unfinished, and waits for a message otherwise. An exception out of a step stops the core: the
+front end is told why (``["failed", reason]``) and fails every open request with that reason.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from lmport.config import ConfigError, EngineConfig
+from lmport.engine import Engine, RequestError
+from lmport.engine_messages import EngineInfo, EngineRequest, output_to_wire, pack, unpack
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT = 0.5   # seconds the idle core waits for a message before looking again
+
+Receive = Callable[[float | None], "bytes | None"]   # a message, or None when none came within the timeout
+Send = Callable[[bytes], None]
+
+
+class Shutdown(Exception):
+    """The front end asked the core to stop, or went away."""
+
+
+def serve(engine: Engine, receive: Receive, send: Send) -> None:
+    """Run ``engine`` for the front end until it asks for shutdown (or its queue closes)."""
+    engine.output_deltas = True   # a step's outputs carry their new tokens, never every token so far
+    usage_sent = None
+    try:
+        while True:
+            wait = None if engine.has_unfinished() else IDLE_WAIT
+            message = receive(0.0 if wait is None else wait)
+            while message is not None:
+                _handle(engine, unpack(message), send)
+                message = receive(0.0)
+            if not engine.has_unfinished():
+                usage = engine.usage()
+                if usage != usage_sent:   # the last step's counters, once the core goes idle
+                    send(pack(["outputs", [], usage, engine.failure]))
+                    usage_sent = usage
+                continue
+            outputs = engine.step()
+            usage_sent = engine.usage()
+            send(pack(["outputs", [output_to_wire(o) for o in outputs], usage_sent, engine.failure]))
+    except Shutdown:
+        for request_id in list(engine.seqs):
+            engine.abort(request_id)
+
+
+def _handle(engine: Engine, message: list, send: Send) -> None:
+    kind = message[0]
+    if kind == "add":
+        request = EngineRequest.from_wire(message[1])
+        try:
+            engine.add_request(request.prompt_ids, request.gen_config, request.request_id,
+                               cache_salt=request.cache_salt)
+        except Exception as exc:   # refused (RequestError) or unexpected: that request fails, not the core
+            if not isinstance(exc, RequestError):
+                log.exception("adding request %s failed", request.request_id)
+            send(pack(["rejected", request.request_id, str(exc)]))
+    elif kind == "abort":
+        engine.abort(message[1])
+    elif kind == "shutdown":
+        raise Shutdown
+    else:
+        log.error("unknown message %r from the front end", kind)
+
+
+def failure_reason(exc: BaseException) -> str:
+    return f"the engine stopped: {type(exc).__name__}: {exc}"
+
+
+# -- in a thread of the front end's process --------------------------------------------------------------
+def thread_main(engine: Engine, requests: queue.Queue, send: Send) -> None:
+    def receive(timeout: float | None) -> bytes | None:
+        try:
+            return requests.get(timeout=timeout) if timeout else requests.get_nowait()
+        except queue.Empty:
+            return None
+
+    try:
+        serve(engine, receive, send)
+    except BaseException as exc:  # noqa: BLE001 - whatever stops the core must reach every caller
+        log.critical("%s", failure_reason(exc), exc_info=True)
+        send(pack(["failed", failure_reason(exc)]))
+
+
+# -- in its own process ------------------------------------------------------------------------------------
+def process_main(model: str, config: EngineConfig, requests: Connection, outputs: Connection,
+                 parent_ends: tuple[Connection, ...]) -> None:
+    """The engine core process: build the engine, say it is ready (or why not), serve until told to stop."""
+    for end in parent_ends:   # inherited from the front end; only its own copies may keep the pipes open
+        end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which shuts the core down
+
+    def send(data: bytes) -> None:
+        outputs.send_bytes(data)
+
+    def receive(timeout: float | None) -> bytes | None:
+        try:
+            if not requests.poll(timeout):
+                return None
+            return requests.recv_bytes()
+        except (EOFError, OSError):   # the front end is gone
+            raise Shutdown from None
+
+    try:
+        engine = Engine(model, config)
+    except BaseException as exc:  # noqa: BLE001 - the front end reports it and exits
+        if isinstance(exc, ConfigError):   # the front end reports it as it would its own
+            send(pack(["failed", str(exc), "config"]))
+        else:
+            log.critical("the engine could not start: %s: %s", type(exc).__name__, exc, exc_info=True)
+            send(pack(["failed", f"the engine could not start: {type(exc).__name__}: {exc}"]))
+        return
+    try:
+        send(pack(["ready", EngineInfo.of(engine).to_wire(), engine.usage()]))
+        serve(engine, receive, send)
+    except BaseException as exc:  # noqa: BLE001
+        log.critical("%s", failure_reason(exc), exc_info=True)
+        try:
+            send(pack(["failed", failure_reason(exc)]))
+        except OSError:
+            pass
+    finally:
+        engine.close()

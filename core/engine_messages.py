@@ -1,0 +1,89 @@
+"""What crosses between the HTTP front end and the engine core: plain values, packed with msgpack.
+
+Front end to core (the request queue): ``["add", EngineRequest.to_wire()]``, ``["abort", request_id]``,
+``["shutdown"]``. Core to front end (the output queue): ``["ready", EngineInfo.to_wire(), usage]`` once,
+``["outputs", [wire output, ...], usage, failure]`` once a step (every output of the step in one message),
+``["rejected", request_id, message]`` for a request ``add_request`` refused, and ``["failed", reason]``
+when the core stops. No pickled objects: a message is lists, dicts, strings and numbers.
+
+A new request field is one field on ``EngineRequest`` (or on ``GenerationConfig``, which travels as its
+dict); both sides read it by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from lmport.config import GenerationConfig
+from lmport.engine import Engine, RequestOutput
+
+
+@dataclass
+class EngineRequest:
+    """One generation as the engine core receives it."""
+    request_id: str
+    prompt_ids: list[int]
+    gen_config: GenerationConfig = field(default_factory=GenerationConfig)
+    cache_salt: str | None = None   # only requests with the same salt share prefix-cache blocks
+
+    def to_wire(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "gen_config": dataclasses.asdict(self.gen_config)}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> EngineRequest:
+        return cls(**{**data, "gen_config": GenerationConfig(**data["gen_config"])})
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The facts about the loaded engine that the front end checks requests against and reports."""
+    model_name: str
+    vocab_size: int
+    session_len: int
+    eos_token_ids: list[int]
+    max_batch_size: int
+    max_prefill_token_num: int
+    num_blocks: int
+    device_type: str
+    dtype: str
+    quant_policy: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        cfg = engine.config
+        return cls(engine.model_name, engine.model_config.vocab_size, engine.session_len,
+                   list(engine.eos_token_ids), cfg.max_batch_size, cfg.max_prefill_token_num,
+                   engine.plan.num_blocks, cfg.device_type, cfg.dtype, cfg.quant_policy)
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict) -> EngineInfo:
+        return cls(**data)
+
+
+def output_to_wire(out: RequestOutput) -> list:
+    """A step's output as its deltas; a finished one also carries its whole text (decoded once at the end)."""
+    return [out.request_id, out.delta_token_ids, out.delta_text, out.delta_logprobs, out.finished,
+            out.finish_reason, out.error, out.prompt_tokens, out.cached_tokens,
+            out.text if out.finished else None, out.prompt_logprobs]
+
+
+def output_from_wire(data: list) -> RequestOutput:
+    (request_id, tokens, delta, logprobs, finished, reason, error, prompt_tokens, cached, text,
+     prompt_logprobs) = data
+    return RequestOutput(request_id, [], text or "", tokens, delta, finished, reason, prompt_tokens, cached,
+                         error=error, delta_logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def pack(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    # Logprobs are maps keyed by token id: integer keys are allowed.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
