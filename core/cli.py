@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` (or set LMPORT_API_KEY); repeat for several keys")
     _add_server_flags(p)
     add_dataclass_flags(p, EngineConfig, "engine")
-    p.set_defaults(func=cmd_serve)
+    # A server sees the same system prompts and chat histories again and again: prefix caching is on unless
+    # --no-enable-prefix-caching (docs/server.md, "Prefix caching by default").
+    p.set_defaults(func=cmd_serve, **{"EngineConfig.enable_prefix_caching": True})
 
     p = sub.add_parser("worker", help="the tensor-parallel ranks of one more node for an engine on node 0")
     p.add_argument("model", nargs="?", default="smollm2")

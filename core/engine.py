@@ -1,7 +1,7 @@
 """The engine: requests in, one batched forward a step, outputs out.
 
 ``Engine`` is synchronous (``add_request`` / ``step`` / ``abort``); the
-background loop for async streaming is ``lmport.engine_loop.EngineLoop``.
+engine core loop that serves it to the HTTP front end is ``lmport.engine_core``.
 Every request ends finished ("stop" / "length"), aborted, or with an error.
 """
 from __future__ import annotations

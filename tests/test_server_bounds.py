@@ -50,16 +50,17 @@ def test_cache_salt_and_api_key_key_the_prefix_cache(cached):
 
 
 def test_cache_salt_alone_separates_requests():
-    from lmport.server.serving import Server
+    from lmport.engine_client import EngineClient
+    from lmport.server.serving import Frontend
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=64, session_len=512))
-    server = Server(engine, "tiny")
+    server = Frontend(EngineClient.start_thread(engine), engine.tokenizer, engine.grammars, "tiny")
     try:
         assert server.cache_salt("s", "key-a") == "s" and server.cache_salt(None, None) is None
         server.cache_salt_by_api_key = True
         assert server.cache_salt("s", "key-a") != server.cache_salt("s", "key-b")
         assert server.cache_salt("s", "key-a") != server.cache_salt(None, "key-a")
     finally:
-        server.loop.shutdown()
+        server.core.shutdown()
 
 
 def _silent_stream(url: str, body: dict):
@@ -122,10 +123,14 @@ def plain():
 
 def test_echo_scoring_is_chunked_and_matches_the_pipeline(plain):
     from lmport import scoring
-    from lmport.server import echo
-    assert echo.chunk_tokens(49152, 4096) * 49152 * 4 <= echo.LOGITS_BUDGET   # SmolLM2: 341 positions a chunk
+    from lmport.engine import SCORING_LOGITS_BUDGET
+    vocab = plain.engine.model_config.vocab_size
+    assert plain.engine.scoring_chunk * vocab * 4 <= SCORING_LOGITS_BUDGET
     ids = plain.engine.tokenizer.encode(PROMPT)
-    want_lps, want_tops = plain.state.loop.call(lambda e: scoring.token_logprobs(e, ids, 64, 3))
+    # The pipeline's scoring, on an engine of its own (the served one belongs to the server's core thread).
+    reference = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048))
+    want_lps, want_tops = scoring.token_logprobs(reference, ids, 64, 3)
+    reference.close()
     r = httpx.post(plain.url + "/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0})
     assert r.status_code == 200, r.text
@@ -135,23 +140,23 @@ def test_echo_scoring_is_chunked_and_matches_the_pipeline(plain):
     assert plain.engine.block_manager.num_free == plain.engine.block_manager.num_blocks
 
 
-def _slow_chunks(monkeypatch, counter: list):
+def _slow_chunks(monkeypatch, engine, counter: list):
+    """Scoring in chunks of 4 positions, each step 20 ms slower."""
     import time
-    from lmport.server import echo
-    monkeypatch.setattr(echo, "MAX_CHUNK", 4)
-    step = echo.Scorer.step
+    monkeypatch.setattr(engine, "scoring_chunk", 4)
+    step = engine.step
 
-    def slow(self, engine):
+    def slow():
         counter.append(1)
         time.sleep(0.02)
-        step(self, engine)
-    monkeypatch.setattr(echo.Scorer, "step", slow)
+        return step()
+    monkeypatch.setattr(engine, "step", slow)
 
 
 def test_echo_scoring_stops_when_the_client_leaves(plain, monkeypatch):
     import time
     counter: list = []
-    _slow_chunks(monkeypatch, counter)
+    _slow_chunks(monkeypatch, plain.engine, counter)
     ids = plain.engine.tokenizer.encode(PROMPT * 4)[:1500]   # 375 chunks, about 8 s
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(plain.url + "/v1/completions", timeout=1.0, json={
@@ -167,7 +172,7 @@ def test_echo_scoring_stops_when_the_client_leaves(plain, monkeypatch):
 def test_echo_scoring_ends_at_the_request_timeout(plain, monkeypatch):
     import time
     counter: list = []
-    _slow_chunks(monkeypatch, counter)
+    _slow_chunks(monkeypatch, plain.engine, counter)
     ids = plain.engine.tokenizer.encode(PROMPT * 8)[:2000]   # 500 chunks, about 10 s; the timeout is 4 s
     start = time.monotonic()
     r = httpx.post(plain.url + "/v1/completions", timeout=60, json={

@@ -81,7 +81,7 @@ def _fuzz(server, examples: int):
     run()
     assert server.http.get("/health").status_code == 200
     deadline = time.monotonic() + 20
-    while server.server.config.app.state.server.loop.snapshot["blocks_used"]:
+    while server.server.config.app.state.server.core.snapshot["blocks_used"]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
@@ -131,7 +131,7 @@ def test_a_dead_engine_thread_errors_every_caller_and_turns_the_server_away():
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while app_server.loop.snapshot["running"] + app_server.loop.snapshot["waiting"] < 6:
+        while app_server.core.snapshot["running"] + app_server.core.snapshot["waiting"] < 6:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         fail.set()

@@ -4,9 +4,10 @@ One shared server (tiny random-weight model, API key, max_batch_size 1,
 max_waiting_requests 4, short header/body timeouts) takes every "bad
 request" case in turn; after each, a normal request must succeed within
 NORMAL_WITHIN seconds and /metrics must be back to 0 running, 0 waiting and
-0 KV blocks. Two more subprocesses are shut down on purpose: one by SIGTERM
+0 KV blocks. Three more subprocesses are shut down on purpose: one by SIGTERM
 with 20 streams in flight, one by a fault injected into Engine.step (it
-must exit non-zero). All three start together, so their start-ups overlap.
+must exit non-zero), and one whose engine core process is killed mid-stream.
+All four start together, so their start-ups overlap.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ def servers(tmp_path_factory):
                         "--header-timeout", "1", "--body-timeout", "2"),
         "sigterm": Serve(tmp, "sigterm", "--max-batch-size", "32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)),
         "fault": Serve(tmp, "fault", script=FAULT_SCRIPT, env={"LMPORT_TEST_FAULT_FILE": str(fault_file)}),
+        "killed": Serve(tmp, "killed", "--no-exit-on-engine-failure"),
     }
     started["fault"].fault_file = fault_file
     yield started
@@ -344,3 +346,29 @@ def test_an_engine_fault_errors_every_stream_within_5_s_and_exits_non_zero(serve
         assert "injected engine fault" in events[-1]["error"]["message"]
     assert server.proc.wait(timeout=30) not in (0, None)
     assert "injected engine fault" in server.log.read_text()
+
+
+def test_killing_the_engine_core_process_errors_every_stream_and_health_turns_503_within_5_s(servers):
+    import psutil
+    server = servers["killed"].ready()
+    results, threads = _streams_in_flight(server.url, 5)
+    front_end = psutil.Process(server.proc.pid)
+    (core,) = [p for p in front_end.children() if p.cmdline() == front_end.cmdline()]   # forked from it
+    core.kill()
+    start = time.monotonic()
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - start < 5 and len(results) == 5
+    for events, done, error in results:
+        assert error is None and done and "error" in events[-1], (error, done, events[-1:])
+        assert "engine core process exited" in events[-1]["error"]["message"], events[-1]
+    while True:
+        health = httpx.get(server.url + "/health", timeout=5)
+        if health.status_code == 503 or time.monotonic() - start > 5:
+            break
+        time.sleep(0.05)
+    assert health.status_code == 503 and "engine core process exited" in health.json()["reason"], health.text
+    assert time.monotonic() - start < 5
+    r = httpx.post(server.url + "/v1/completions", json={"model": _model(server.url), "prompt": "a"}, timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped", r.text
+    assert server.proc.poll() is None   # --no-exit-on-engine-failure: it stays up to say why
