@@ -1,0 +1,164 @@
+"""guidellm against `lmport serve` and llama-server, one after the other, on the same model and machine.
+
+For each server: start it fresh, run guidellm synchronous and then at concurrency 16 (POST /v1/completions,
+streamed, synthetic prompts of --prompt-tokens tokens, --output-tokens out, fixed seed), then the same two
+runs again with the same prompts, so that a prefix cache (lmport's, on by default in `lmport serve`;
+llama-server's prompt reuse) can answer; stop it. Prints output tok/s and time-to-first-token p50 side by
+side with lmport / llama-server ratios, and writes JSON.
+
+guidellm lives in its own environment (its dependencies are not lmport's):
+
+    python3 -m venv /root/.venvs/guidellm
+    /root/.venvs/guidellm/bin/pip install torch==2.13.0 && /root/.venvs/guidellm/bin/pip install guidellm==0.8.1
+    .venv/bin/python benchmarks/guidellm_compare.py --llama-server /root/.cache/llamacpp/build/bin/llama-server
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
+from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from serve_throughput import start_llama_server, stop  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = (("synchronous", {"kind": "synchronous"}), ("concurrency 16", {"kind": "concurrent", "streams": [16]}))
+
+
+def scenario(url: str, model: str, tokenizer_dir: str, profile: dict, args, out: Path) -> dict:
+    return {
+        "metadata": {"name": "lmport-compare", "description": "benchmarks/guidellm_compare.py"},
+        "spec": {
+            "backend": {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
+                        "stream": True, "max_tokens": args.output_tokens, "timeout": 600},
+            "profile": profile,
+            "data": [{"kind": "synthetic_text", "prompt_tokens": args.prompt_tokens,
+                      "output_tokens": args.output_tokens}],
+            "tokenizer": {"kind": "huggingface_auto", "model": tokenizer_dir},
+            "constraints": [{"kind": "max_requests", "count": args.requests}],
+            "seed": {"kind": "static", "value": args.seed},
+            "outputs": [{"kind": "json", "path": str(out)}],
+        },
+        "benchmarks": [None],
+    }
+
+
+def run_guidellm(args, url: str, model: str, tokenizer_dir: str, profile: dict, work: Path, name: str) -> dict:
+    out = work / f"{name}.json"
+    config = work / f"{name}.scenario.json"
+    config.write_text(json.dumps(scenario(url, model, tokenizer_dir, profile, args, out), indent=2))
+    cmd = [args.guidellm, "run", "--scenario", str(config), "--disable-console-interactive"]
+    with (work / f"{name}.log").open("w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": f"guidellm exited {proc.returncode}; see {work / (name + '.log')}"}
+    return read_report(json.loads(out.read_text()))
+
+
+def read_report(report: dict) -> dict:
+    """Output tok/s (mean over the run) and TTFT p50 (ms) of the report's one benchmark."""
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+
+    def stat(name: str, field: str):
+        entry = metrics[name]["successful"]
+        return entry["percentiles"]["p50"] if field == "p50" else entry[field]
+    return {"output_tokens_per_s": stat("output_tokens_per_second", "mean"),
+            "ttft_p50_ms": stat("time_to_first_token_ms", "p50"),
+            "itl_p50_ms": stat("inter_token_latency_ms", "p50"),
+            "requests": metrics["request_totals"]["successful"], "errored": metrics["request_totals"]["errored"]}
+
+
+async def ready(url: str, proc: subprocess.Popen) -> None:
+    await wait_ready(url, proc, time.monotonic() + 600)
+
+
+def run_server(args, name: str, work: Path, tokenizer_dir: str) -> dict:
+    port = free_loopback_port()
+    url = f"http://127.0.0.1:{port}"
+    if name == "lmport":
+        proc = start_server(args.model, port, args.serve_args.split(), work / "lmport.log", args.threads)
+        model = args.model
+    else:
+        from lmport.models.loader import resolve_model_path
+        gguf = str(resolve_model_path(args.model))
+        proc = start_llama_server(args.llama_server, gguf, port, args.threads, 16, work / "llama-server.log")
+        model = Path(gguf).name
+    results = {}
+    try:
+        asyncio.run(ready(url, proc))
+        for setting in ("fresh", "repeated"):
+            for label, profile in PROFILES:
+                key = f"{setting}, {label}"
+                print(f"{name}: {key}", file=sys.stderr)
+                results[key] = run_guidellm(args, url, model, tokenizer_dir, profile, work,
+                                            f"{name}-{setting}-{label.replace(' ', '')}")
+    finally:
+        stop(proc)
+    return results
+
+
+def table(results: dict) -> str:
+    names = list(results)
+    keys = list(results[names[0]])
+    lines = ["| run | " + " | ".join(f"{n} tok/s | {n} TTFT p50 ms" for n in names) +
+             (" | lmport / llama-server tok/s |" if len(names) == 2 else " |"),
+             "|---|" + "---|---|" * len(names) + ("---|" if len(names) == 2 else "")]
+    for key in keys:
+        cells = []
+        for n in names:
+            r = results[n][key]
+            cells += ([f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_ms']:.0f}"] if "error" not in r
+                      else [r["error"], "-"])
+        ratio = ""
+        if len(names) == 2 and all("error" not in results[n][key] for n in names):
+            ours, theirs = (results[n][key]["output_tokens_per_s"] for n in names)
+            ratio = f" | {ours / theirs:.2f}x"
+        lines.append(f"| {key} | " + " | ".join(cells) + ratio + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--guidellm", default="/root/.venvs/guidellm/bin/guidellm")
+    p.add_argument("--llama-server", default=None, help="llama-server binary: adds its column")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64, help="requests per guidellm run")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of lmport serve; llama-server -t")
+    p.add_argument("--serve-args", default="", help="more `lmport serve` flags")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one guidellm run may take")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "guidellm_compare.json"))
+    args = p.parse_args()
+
+    from lmport.models.loader import load_tokenizer
+    work = Path(tempfile.mkdtemp(prefix="lmport-guidellm-"))
+    print(f"work directory: {work}", file=sys.stderr)
+    tokenizer_dir = str(work / "tokenizer")
+    load_tokenizer(args.model).save_pretrained(tokenizer_dir)   # guidellm counts synthetic prompts with it
+
+    results = {"lmport": run_server(args, "lmport", work, tokenizer_dir)}
+    if args.llama_server:
+        results["llama-server"] = run_server(args, "llama-server", work, tokenizer_dir)
+    info = machine.describe()
+    print(f"\nguidellm, /v1/completions streamed, {args.prompt_tokens} prompt tokens, {args.output_tokens} output, "
+          f"{args.requests} requests a run; {machine.line(info)}\n")
+    print(table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"results": results, "machine": info, "args": vars(args)}, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
