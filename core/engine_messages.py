@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgpack
 
@@ -81,7 +82,7 @@ def output_from_wire(data: list) -> RequestOutput:
 
 
 def pack(message: list) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    return cast(bytes, msgpack.packb(message, use_bin_type=True))   # None only with a file-like `stream`
 
 
 def unpack(data: bytes) -> list:
