@@ -1,0 +1,28 @@
+"""The messages between the front end and the engine core: plain msgpack that round-trips every field."""
+from __future__ import annotations
+
+from lmport.config import GenerationConfig
+from lmport.engine import RequestOutput
+from lmport.engine_messages import EngineRequest, output_from_wire, output_to_wire, pack, unpack
+
+
+def test_a_request_round_trips_with_every_generation_field():
+    config = GenerationConfig(max_new_tokens=7, temperature=0.5, do_sample=True, random_seed=3, stop_words=["x"],
+                              logprobs=2, logit_bias={5: -100.0, 17: 2.5}, prompt_logprobs=1,
+                              response_format={"type": "json_object"}, stop_token_ids=[1, 2])
+    request = EngineRequest("r-1", [1, 2, 3], config, cache_salt="s")
+    data = pack(["add", request.to_wire()])
+    assert isinstance(data, bytes)
+    kind, wire = unpack(data)
+    assert kind == "add" and EngineRequest.from_wire(wire) == request
+
+
+def test_an_output_round_trips_as_its_deltas_and_a_finished_one_with_its_text():
+    out = RequestOutput("r-1", [4, 5], "ab", [5], "b", True, "stop", 3, cached_tokens=2, logprobs=[{4: -0.1}],
+                        error=None, delta_logprobs=[{5: -0.25, 9: -2.0}], prompt_logprobs=[{2: -1.5}, {3: -0.5}])
+    back = output_from_wire(unpack(pack(output_to_wire(out))))
+    assert (back.request_id, back.delta_token_ids, back.delta_text, back.delta_logprobs, back.finished,
+            back.finish_reason, back.prompt_tokens, back.cached_tokens, back.text, back.prompt_logprobs) == (
+        "r-1", [5], "b", [{5: -0.25, 9: -2.0}], True, "stop", 3, 2, "ab", [{2: -1.5}, {3: -0.5}])
+    running = RequestOutput("r-2", [], "", [7], "c", False, None, 1)
+    assert output_from_wire(unpack(pack(output_to_wire(running)))).text == ""   # deltas only until it ends
