@@ -5,7 +5,7 @@
 that Engine). Either way the two sides exchange the msgpack messages of ``lmport.engine_messages``: one
 request queue, one output queue.
 
-One reader thread receives the core's messages; a step's outputs reach the event loop in one call, which
+One reader thread receives the core's messages; a step's outputs reach each event loop in one call, which
 puts each into its request's asyncio queue. If the core stops for any reason (an exception, the process
 killed), every open request gets an error output at once, new requests raise EngineStopped, and
 ``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``Engine.usage()`` after its
@@ -46,8 +46,9 @@ class EngineClient:
         self.engine_failure: str | None = None   # what the core reports it cannot run (a tensor-parallel rank)
         self.on_failure: Callable[[str], None] | None = None   # called on the reader thread with the reason
         self._send, self._receive, self._stop, self._is_alive = send, receive, stop, is_alive
-        self._streams: dict[str, asyncio.Queue] = {}   # touched on the event loop only
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # Each open request's event loop and queue (callers may run different event loops: test clients do).
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
         self._closing = False
         self.process: multiprocessing.process.BaseProcess | None = None   # the core's, when it has its own
         self._reader = threading.Thread(target=self._read, name="lmport-engine-outputs", daemon=True)
@@ -124,13 +125,13 @@ class EngineClient:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (each carries its new tokens and text). A request the core refuses
         raises RequestError. Closing the iterator early (a client that went away) aborts the request."""
-        self._loop = asyncio.get_running_loop()
-        if self.failure is not None:
-            raise EngineStopped(self.failure)
-        if request.request_id in self._streams:
-            raise RequestError(f"request id {request.request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = stream
+        with self._lock:
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
+            if request.request_id in self._streams:
+                raise RequestError(f"request id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
         self._send(pack(["add", request.to_wire()]))
         finished = False
         try:
@@ -142,7 +143,8 @@ class EngineClient:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(request.request_id, None)
+            with self._lock:
+                self._streams.pop(request.request_id, None)
             if not finished and self.failure is None:
                 self.abort(request.request_id)
 
@@ -174,9 +176,9 @@ class EngineClient:
                 if kind == "outputs":
                     self.snapshot, self.engine_failure = message[2], message[3]
                     if message[1]:
-                        self._post(self._deliver, [output_from_wire(o) for o in message[1]])
+                        self._deliver([(o.request_id, o) for o in map(output_from_wire, message[1])])
                 elif kind == "rejected":
-                    self._post(self._put, message[1], RequestError(message[2]))
+                    self._deliver([(message[1], RequestError(message[2]))])
                 elif kind == "failed":
                     self._fail(message[1])
                     return
@@ -188,23 +190,18 @@ class EngineClient:
             log.exception("reading the engine core's outputs failed")
             self._fail(f"reading the engine core's outputs failed: {type(exc).__name__}: {exc}")
 
-    def _post(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is None:   # no request was ever sent: nobody waits for anything
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:   # the event loop is closed: nobody is waiting
-            pass
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._put(out.request_id, out)
-
-    def _put(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(item)
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Put each (request id, output or exception) into its request's queue: one call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for request_id, item in items:
+                if (target := self._streams.get(request_id)) is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:   # that event loop is closed: nobody is waiting
+                pass
 
     def _fail(self, reason: str) -> None:
         """Every open request ends with an error now; later requests raise EngineStopped."""
@@ -213,16 +210,18 @@ class EngineClient:
             if self.process.exitcode is not None:
                 reason = f"{reason} (exit code {self.process.exitcode})"
         log.critical("%s", reason)
-        self.failure = reason
-        self._post(self._fail_streams, reason)
+        with self._lock:
+            self.failure = reason
+            request_ids = list(self._streams)
+        self._deliver([(request_id, RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error",
+                                                  prompt_tokens=0, error=reason)) for request_id in request_ids])
         if self.on_failure is not None:
             try:
                 self.on_failure(reason)
             except Exception:
                 log.exception("the engine failure handler failed")
 
-    def _fail_streams(self, reason: str) -> None:
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
-            stream.put_nowait(RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error",
-                                            prompt_tokens=0, error=reason))
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in puts:
+        stream.put_nowait(item)
