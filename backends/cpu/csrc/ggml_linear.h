@@ -25,6 +25,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "linear.h"
@@ -556,6 +557,52 @@ inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, in
   });
 }
 
+#ifdef LMPORT_QUANT_AVX512
+// One row of x over Q5_0 (most of a Q4_K_M file where rows are not a multiple of 256): the int4 path's
+// loop (quant_linear.h's dot_rows: blocks of 8 weight rows, x in run pairs) with the codes read from
+// the blocks. A pair of blocks' nibbles unpack as a pair of int4 runs do; the fifth bits then take 16
+// off where they are clear, leaving the signed codes q - 16 of w = d (q - 16), so there is no min.
+struct Q5_0Pairs {
+  static constexpr int64_t kPairBytes = 2 * Q5_0::kBytes;
+  static uint32_t fifth(const uint8_t* block) {
+    uint32_t qh;
+    std::memcpy(&qh, block + 2, 4);
+    return qh;
+  }
+  static void pair(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
+    const uint8_t* first = row + b * Q5_0::kBytes;
+    const uint8_t* second = first + Q5_0::kBytes;
+    const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second + 6),
+                                            reinterpret_cast<const __m128i*>(first + 6));
+    const __m256i mask = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    const uint32_t h0 = fifth(first), h1 = fifth(second);   // lo holds inputs 0..15 of each, hi 16..31
+    const __mmask32 clear_lo = _cvtu32_mask32(~((h0 & 0xFFFF) | (h1 << 16)));
+    const __mmask32 clear_hi = _cvtu32_mask32(~((h0 >> 16) | (h1 & 0xFFFF0000u)));
+    w0 = _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(lo, clear_lo, lo, sixteen));
+    w1 = _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(hi, clear_hi, hi, sixteen));
+  }
+  static void last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
+    w0 = Q5_0::codes512(row + b * Q5_0::kBytes, 0);
+    w1 = _mm512_setzero_si512();
+  }
+};
+
+inline void q5_0_one_row(const float* x, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y) {
+  using quant512::kRowBlock;
+  const quant512::Activations a = quant512::quantize(x, 1, K, kRun);
+  const quant512::BlockPlan plan = quant512::plan_blocks(a);
+  const int64_t runs = K / kRun, row_bytes = runs * Q5_0::kBytes;
+  const auto fold = [&](int64_t n, int valid, int64_t, float* folded) {   // the scales are in the rows fetched
+    for (int r = 0; r < kRowBlock; ++r) {
+      const uint8_t* row = w + (n + r) * row_bytes;
+      for (int64_t i = 0; i < runs; ++i) folded[r * runs + i] = r < valid ? f16(row + i * Q5_0::kBytes) * a.run_steps[i] : 0.f;
+    }
+  };
+  quant512::linear_row_blocks<Q5_0Pairs>(a, plan, w, row_bytes, nullptr, N, fold, bias, y);
+}
+#endif
+
 // Rows of x beyond kIntegerRows: tiles of weight rows expanded to float32 in cache, as quant_linear.h's
 // linear_by_tiles does.
 template <class T>
@@ -612,6 +659,10 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
     using T = decltype(t);
     if (M > kIntegerRows) {
       linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
+#ifdef LMPORT_QUANT_AVX512
+    } else if (std::is_same_v<T, Q5_0> && M == 1) {
+      q5_0_one_row(x.data_ptr<float>(), K, w, N, bp, y.data_ptr<float>());
+#endif
     } else {
       const Activations a = quantize(x.data_ptr<float>(), M, K);
       linear_integer<T>(a, M, w, N, bp, y.data_ptr<float>());
