@@ -7,6 +7,10 @@ around the forward (scheduling, sampling, detokenizing) is timed with a clock ar
 time in the layer loop not inside a kernel is Python between the ops. The clocks cost a little: the
 untimed step (same engine, clocks off, measured before and after) is printed beside their sum.
 
+The engine runs a step's layers in one C++ call (backends/cpu/decoder_runner.py); the op by op times
+come from the runner's Python loop, which makes the same kernel calls one by one. Both loops' untimed
+steps are printed: their difference is what the Python between the ops costs.
+
 On a machine others are loading, --clock cpu with --threads 1 counts the thread's own CPU time
 (time.thread_time) instead of the wall clock: with one thread every kernel runs on the calling
 thread, so the time it was descheduled drops out (memory traffic from others still counts).
@@ -16,6 +20,9 @@ this depth) over the machine's read bandwidth measured in the same run with the 
 decode can beat it, and the gap to it is what is left to win.
 
     .venv/bin/python benchmarks/decode_profile.py [--file Q4_1|Q8_0|Q4_K_M|PATH] [--depth 0] [--threads 2]
+
+--kernels PATH.so runs another build of the cpu kernels (an older commit's, from the torch extensions
+cache) in place of this checkout's, for a before / after table from one checkout.
 
 Prints a markdown table, writes JSON (default benchmarks/results/decode_profile_<file>_d<depth>.json).
 """
@@ -115,6 +122,19 @@ def linear_roles(specs) -> dict[int, tuple[str, int]]:
     return roles
 
 
+def use_kernels(path: Path) -> None:
+    """Every caller of lmport.backends.cpu.kernels.load() gets the build at ``path`` instead."""
+    import importlib.util
+
+    from lmport.backends.cpu import kernels
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path}: not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernels.load = lambda: module
+
+
 def instrument(engine, clock: Clock) -> None:
     """Clocks around the step, the forward's parts and every kernel of the decoder runner."""
     import lmport.runner as runner_module
@@ -122,7 +142,7 @@ def instrument(engine, clock: Clock) -> None:
     from lmport.backends.cpu.decoder_runner import build
     model, runner = engine.model, engine.runner
     specs = [layer.spec() for layer in model.model.layers]
-    layers = build(specs, TimedKernels(kernels.load(), clock, linear_roles(specs)), SMALL_BATCH_TOKENS)
+    layers = build(specs, TimedKernels(kernels.load(), clock, linear_roles(specs)), SMALL_BATCH_TOKENS, "python")
     assert layers is not None, "the decoder runner does not cover this model"
     model._runner = (clock.wrap("layers (all)", layers),)
     lm_head = model.lm_head.quantized if hasattr(model.lm_head, "quantized") else model.lm_head.weight
@@ -155,7 +175,16 @@ def decode(engine, prompt: list[int], tokens: int, clock: Clock | None = None, n
     return steps
 
 
-def table(clock: Clock, tokens: int, untimed_ms: float, gbs: float) -> list[dict]:
+def python_loop(engine) -> None:
+    """The engine's decoder runner replaced by its Python loop (no clocks)."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
+    from lmport.backends.cpu.decoder_runner import build
+    model = engine.model
+    model._runner = (build([layer.spec() for layer in model.model.layers], kernels.load(), SMALL_BATCH_TOKENS,
+                           "python"),)
+
+
+def table(clock: Clock, tokens: int, untimed: dict[str, float], gbs: float) -> list[dict]:
     ms = {k: v * 1e3 / tokens for k, v in clock.seconds.items()}
     kernel_labels = [k for k in ms if not k.endswith("(all)") and k not in
                      ("embedding", "rotary table", "final norm", "attention metadata") and not k.startswith("LM head")]
@@ -174,8 +203,9 @@ def table(clock: Clock, tokens: int, untimed_ms: float, gbs: float) -> list[dict
     out = [{"part": k, "ms": v, "calls": c, "mb": b / 1e6, "limit_ms": b / (gbs * 1e9) * 1e3} for k, v, c, b in rows]
     out.append({"part": "total (clocked)", "ms": ms["engine step (all)"], "calls": 0,
                 "mb": sum(r["mb"] for r in out), "limit_ms": sum(r["limit_ms"] for r in out)})
-    out.append({"part": "total (no clocks)", "ms": untimed_ms, "calls": 0, "mb": out[-1]["mb"],
-                "limit_ms": out[-1]["limit_ms"]})
+    for loop, ms_step in untimed.items():
+        out.append({"part": f"total (no clocks, {loop} layer loop)", "ms": ms_step, "calls": 0, "mb": out[-1]["mb"],
+                    "limit_ms": out[-1]["limit_ms"]})
     return out
 
 
@@ -190,12 +220,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, for --threads 1 on a loaded machine")
+    ap.add_argument("--kernels", type=Path, help="a build of the cpu kernels (.so) to run instead of this checkout's")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu counts the calling thread's time only: use it with --threads 1")
     torch.set_num_threads(args.threads)
     now = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.kernels:
+        use_kernels(args.kernels)
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig
     from lmport.engine import Engine
@@ -206,13 +239,17 @@ def main() -> None:
               * 8)[:max(args.depth, 1)]
     bandwidth = memory_bandwidth(args.threads, now=now)
     decode(engine, prompt, 8)   # warm-up
-    untimed = decode(engine, prompt, args.tokens, now=now)
+    native = decode(engine, prompt, args.tokens, now=now)
+    python_loop(engine)
+    python = decode(engine, prompt, args.tokens, now=now)
     clock = Clock(now)
     instrument(engine, clock)
     decode(engine, prompt, args.tokens, clock, now)
-    untimed += decode(engine, prompt, args.tokens, now=now)
-    untimed_ms = statistics.median(untimed) * 1e3
-    rows = table(clock, args.tokens, untimed_ms, bandwidth["best_gbs"])
+    engine.model._runner = None   # the engine's own runner again
+    native += decode(engine, prompt, args.tokens, now=now)
+    untimed = {"C++": statistics.median(native) * 1e3, "Python": statistics.median(python) * 1e3}
+    untimed_ms = untimed["C++"]
+    rows = table(clock, args.tokens, untimed, bandwidth["best_gbs"])
     machine = cpu_info()
     kernel_isa = os.environ.get("LMPORT_CPU_ISA", "native")
     print(f"\n{path.name}, decode at depth {args.depth}, {args.tokens} tokens, {args.threads} threads; "
@@ -222,7 +259,7 @@ def main() -> None:
           f"({1e3 / untimed_ms:.1f} tok/s)\n")
     print("| part | calls / token | ms / token | share | MB read / token | byte limit ms | limit / time |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    total = rows[-2]["ms"]
+    total = next(r["ms"] for r in rows if r["part"] == "total (clocked)")
     for r in rows:
         share = "" if r["part"].startswith("total") else f"{r['ms'] / total:.1%}"
         ratio = f"{r['limit_ms'] / r['ms']:.0%}" if r["limit_ms"] and r["ms"] > 0 else ""
@@ -232,7 +269,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"file": str(path), "depth": args.depth, "tokens": args.tokens, "threads": args.threads, "clock": args.clock,
                                "kernels": kernel_isa, "machine": machine, "bandwidth": bandwidth,
-                               "untimed_step_ms": untimed_ms, "kernel_build": kernels.load().__name__, "rows": rows},
+                               "untimed_step_ms": untimed, "kernel_build": kernels.load().__name__, "rows": rows},
                               indent=2))
     print(f"\nwrote {out}")
 
