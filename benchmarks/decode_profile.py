@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import DEFAULT_DIR, TYPES, gguf_file
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
 from machine import cpu_info, memory_bandwidth
 
 LINEAR_KERNELS = ("quant_linear", "ggml_linear", "small_linear")
@@ -213,7 +213,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", default="Q4_1", help=f"one of {', '.join(TYPES)}, or a GGUF path")
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
-    ap.add_argument("--llama-bin", type=Path, default=os.environ.get("LMPORT_LLAMA_CPP_BIN"),
+    ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN,
                     help="llama.cpp's bin directory, for llama-quantize when a file is missing")
     ap.add_argument("--depth", type=int, default=0, help="context tokens before the decode")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed")

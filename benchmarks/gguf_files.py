@@ -2,10 +2,13 @@
 requantized by llama.cpp's `llama-quantize --allow-requantize IN OUT TYPE` (made once, then reused)."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 DEFAULT_DIR = Path.home() / ".cache" / "lmport-files"
+# Where a llama.cpp build's bin directory is looked for unless LMPORT_LLAMA_CPP_BIN or --llama-bin says.
+DEFAULT_LLAMA_BIN = Path(os.environ.get("LMPORT_LLAMA_CPP_BIN", Path.home() / ".cache" / "llamacpp" / "build" / "bin"))
 TYPES = ("Q4_1", "Q8_0", "Q4_K_M")
 
 

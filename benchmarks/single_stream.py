@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import DEFAULT_DIR, TYPES, gguf_file
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
 from machine import cpu_info, memory_bandwidth
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
@@ -164,8 +164,7 @@ def summary(rounds: list[dict], engine: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-bin", type=Path,
-                    default=os.environ.get("LMPORT_LLAMA_CPP_BIN", Path.home() / ".cache/llamacpp/build/bin"))
+    ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN)
     ap.add_argument("--llama-src", type=Path, help="build llama.cpp from this source tree instead of --llama-bin")
     ap.add_argument("--llama-cmake-args", default=NATIVE_CMAKE_ARGS,
                     help="cmake flags for --llama-src (a VM that misreports AMX: name the ISA flags, see above)")
