@@ -220,7 +220,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, for --threads 1 on a loaded machine")
-    ap.add_argument("--kernels", type=Path, help="a build of the cpu kernels (.so) to run instead of this checkout's")
+    ap.add_argument("--kernels", type=Path,
+                    help="a build of the cpu kernels (.so) to run instead of this checkout's")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
@@ -268,7 +269,8 @@ def main() -> None:
               f"{r['limit_ms']:.3f} | {ratio} |")
     out = Path(args.out or f"benchmarks/results/decode_profile_{path.stem}_d{args.depth}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"file": str(path), "depth": args.depth, "tokens": args.tokens, "threads": args.threads, "clock": args.clock,
+    out.write_text(json.dumps({"file": str(path), "depth": args.depth, "tokens": args.tokens, "threads": args.threads,
+                               "clock": args.clock,
                                "kernels": kernel_isa, "machine": machine, "bandwidth": bandwidth,
                                "untimed_step_ms": untimed, "kernel_build": kernels.load().__name__, "rows": rows},
                               indent=2))

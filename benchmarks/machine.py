@@ -27,8 +27,8 @@ def cpu_info() -> dict:
                 flags = set(value.split())
     except OSError:
         pass
-    return {"model": model, "cores": len(os.sched_getaffinity(0)), "kernel_flags": [f for f in KERNEL_FLAGS if f in flags],
-            "load_average": os.getloadavg()}
+    return {"model": model, "cores": len(os.sched_getaffinity(0)),
+            "kernel_flags": [f for f in KERNEL_FLAGS if f in flags], "load_average": os.getloadavg()}
 
 
 def memory_bandwidth(threads: int, gib: float = 1.0, rounds: int = 7, now=time.perf_counter) -> dict:

@@ -189,9 +189,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown --paths {sorted(unknown)}: among {', '.join(LMPORT_PATHS)}")
     import gguf
+    cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
-               "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir),
-                             "cmake_args": args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"},
+               "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
     for label in [f for f in args.files.split(",") if f]:
         path = gguf_file(label, args.files_dir, bin_dir)
