@@ -110,6 +110,19 @@ def test_kernels_off_by_environment():
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
 
 
+def test_instruction_sets_chosen_by_environment(monkeypatch):
+    """LMPORT_CPU_ISA=avx2 builds without AVX-512 (a build of its own); an unknown value is an error
+    naming it, not a silent fallback to the reference ops. (The AVX2 build itself is tested by running
+    these tests under LMPORT_CPU_ISA=avx2.)"""
+    monkeypatch.delenv("LMPORT_CPU_ISA", raising=False)
+    assert kernels.isa_flags() == ["-march=native"]
+    monkeypatch.setenv("LMPORT_CPU_ISA", "avx2")
+    assert kernels.isa_flags() == ["-march=native", "-mno-avx512f"]
+    monkeypatch.setenv("LMPORT_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="LMPORT_CPU_ISA='sse2'"):
+        kernels.isa_flags()
+
+
 @pytest.mark.parametrize("rows", (1, 2, 3, 4, 7, 16, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300))
 @pytest.mark.parametrize("out_features", (160, 163))  # 163: rows left over from the four-row tiles
 @pytest.mark.parametrize("bias", (False, True))
