@@ -32,7 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");
 
-  py::class_<lmport::BoundLinear>(m, "BoundLinear", "one linear of a layer, bound for DecoderLayers")
+  // module_local: two builds of these kernels (another commit's, another instruction set) can be loaded
+  // into one process side by side, as benchmarks that compare them do.
+  py::class_<lmport::BoundLinear>(m, "BoundLinear", "one linear of a layer, bound for DecoderLayers",
+                                  py::module_local())
       .def(py::init([](std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins, int64_t bits,
                        int64_t group_size, std::string type, int64_t in_features) {
@@ -48,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("scales") = py::none(),
            py::arg("mins") = py::none(), py::arg("bits") = 0, py::arg("group_size") = 0, py::arg("type") = "",
            py::arg("in_features") = 0);
-  py::class_<lmport::BoundLayer>(m, "BoundLayer", "one decoder layer's weights and shape (lmport.ops.decoder)")
+  py::class_<lmport::BoundLayer>(m, "BoundLayer", "one decoder layer's weights and shape (lmport.ops.decoder)",
+                                 py::module_local())
       .def(py::init([](torch::Tensor input_norm, double input_norm_eps, std::vector<lmport::BoundLinear> qkv,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                        std::vector<lmport::BoundLinear> o, torch::Tensor post_attention_norm,
@@ -57,7 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return lmport::BoundLayer{input_norm, post_attention_norm, input_norm_eps, post_attention_norm_eps,
                                   qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale};
       }));
-  py::class_<lmport::DecoderLayers>(m, "DecoderLayers", "a step's decoder layers in one call")
+  py::class_<lmport::DecoderLayers>(m, "DecoderLayers", "a step's decoder layers in one call", py::module_local())
       .def(py::init<std::vector<lmport::BoundLayer>>())
       .def("run", &lmport::DecoderLayers::run, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("q_start_loc"),

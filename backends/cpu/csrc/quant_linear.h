@@ -324,24 +324,14 @@ inline __m128 sum4(const __m512* acc) {
   return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q));
 }
 
-// How dot_rows reads a weight row's codes (a policy, so GGUF's blocks share the loop): ``pair`` gives
-// the int16 codes of runs b and b + 1 in the activations' pair order, ``last`` those of an odd last run
-// b in input order (w1 zero); kPairBytes is a run pair's share of a row's bytes (what is fetched ahead).
-template <int BITS>
-struct PackedCodes {
-  static constexpr int64_t kPairBytes = 2 * kRun * BITS / 8;
-  static void pair(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) { unpack_pair<BITS>(row, b, w0, w1); }
-  static void last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) { unpack_last<BITS>(row, b, w0, w1); }
-};
-
 // ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
-// x's step for the run; ``mins`` the block's mins (null for a type without), ``valid`` rows of them
-// (past the weight's end the rows repeat the last one and their mins are not read).
-template <class Codes>
+// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
+// rows repeat the last one and their mins are not read).
+template <int BITS>
 inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
                      const Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
   const int64_t runs = a.K / kRun;
-  constexpr int64_t pair_bytes = Codes::kPairBytes;
+  constexpr int64_t pair_bytes = 2 * kRun * BITS / 8;
   __m512 acc[kRowBlock];
   for (auto& v : acc) v = _mm512_setzero_ps();
   int64_t p = 0;
@@ -352,7 +342,7 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
     const __m512i x1 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun + 32);
     for (int r = 0; r < kRowBlock; ++r) {
       __m512i w0, w1;
-      Codes::pair(rows[r], 2 * p, w0, w1);
+      unpack_pair<BITS>(rows[r], 2 * p, w0, w1);
       const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
       const float* s = folded + r * runs + 2 * p;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), pair_scales(s[0], s[1]), acc[r]);
@@ -362,14 +352,14 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
     const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
     for (int r = 0; r < kRowBlock; ++r) {
       __m512i w0, w1;
-      Codes::last(rows[r], 2 * p, w0, w1);
+      unpack_last<BITS>(rows[r], 2 * p, w0, w1);
       const __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(folded[r * runs + 2 * p]), acc[r]);
     }
   }
   // The mins meet x's group sums: the block's products a vector at a time, each lane added to its row.
   const int64_t groups = a.groups;
-  for (int64_t v = 0; mins && 16 * v < valid * groups; ++v) {
+  for (int64_t v = 0; 16 * v < valid * groups; ++v) {
     const __mmask16 k = tail_mask(valid * groups - 16 * v);
     const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 16 * v)),
                                    _mm512_loadu_ps(plan.sums.data() + 16 * v));
@@ -378,14 +368,13 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
   for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
-// y [1, N] for one row of x: threads take blocks of kRowBlock weight rows (dot_rows), each row
-// ``row_bytes`` long. ``fold(n, valid, later, folded)`` writes rows n .. n + valid's run scales times x's
-// steps (zeros past the weight's end) and may fetch the block from row ``later`` ahead; ``mins`` (null
-// for none) holds ``a.groups`` mins a row.
-template <class Codes, class Fold>
-inline void linear_row_blocks(const Activations& a, const BlockPlan& plan, const uint8_t* w, int64_t row_bytes,
-                              const at::Half* mins, int64_t N, Fold fold, const float* bias, float* y) {
-  const int64_t runs = a.K / kRun, blocks = (N + kRowBlock - 1) / kRowBlock;
+// y [1, N] for one row of x: blocks of kRowBlock weight rows (dot_rows).
+template <int BITS>
+inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
+                           int rpg_shift, const float* bias, float* y) {
+  const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun, groups = a.groups;
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  const BlockPlan plan = plan_blocks(a);
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     // The first blocks are asked for at once rather than missed one after another.
     const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
@@ -398,38 +387,26 @@ inline void linear_row_blocks(const Activations& a, const BlockPlan& plan, const
       const uint8_t* rows[kRowBlock];
       for (int r = 0; r < kRowBlock; ++r) rows[r] = w + (n + std::min(r, valid - 1)) * row_bytes;
       const int64_t later = std::max<int64_t>(0, std::min(n + kAhead, N - kRowBlock));   // the block ahead
-      fold(n, valid, later, folded.data());
+      for (int64_t off = 0; off < kRowBlock * groups * 2; off += 64) {   // the scales and mins ahead, too
+        _mm_prefetch(reinterpret_cast<const char*>(sp + later * groups) + off, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
+      }
+      // Each run's weight scale times x's step (zeros for the rows past the weight's end).
+      const at::Half* bs = sp + n * groups;
+      if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32): the block's scales in whole vectors
+        for (int64_t i = 0; i < kRowBlock * runs; i += 16)
+          _mm512_storeu_ps(folded.data() + i,
+                           _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * runs - i), bs + i)),
+                                         _mm512_loadu_ps(plan.steps.data() + i)));
+      else
+        for (int r = 0; r < kRowBlock; ++r)
+          for (int64_t i = 0; i < runs; ++i)
+            folded[r * runs + i] = r < valid ? _cvtsh_ss(bs[r * groups + (i >> rpg_shift)].x) * a.run_steps[i] : 0.f;
       float out[kRowBlock];
-      dot_rows<Codes>(rows, folded.data(), mins ? mins + n * a.groups : nullptr, valid, a, plan,
-                      w + later * row_bytes, out);
+      dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, plan, w + later * row_bytes, out);
       for (int r = 0; r < valid; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.f);
     }
   });
-}
-
-// y [1, N] for one row of x over lmport's int4 / int8 format.
-template <int BITS>
-inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
-                           int rpg_shift, const float* bias, float* y) {
-  const int64_t runs = a.K / kRun, groups = a.groups;
-  const BlockPlan plan = plan_blocks(a);
-  const auto fold = [&](int64_t n, int valid, int64_t later, float* folded) {
-    for (int64_t off = 0; off < kRowBlock * groups * 2; off += 64) {   // the scales and mins ahead, too
-      _mm_prefetch(reinterpret_cast<const char*>(sp + later * groups) + off, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
-    }
-    const at::Half* bs = sp + n * groups;
-    if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32): the block's scales in whole vectors
-      for (int64_t i = 0; i < kRowBlock * runs; i += 16)
-        _mm512_storeu_ps(folded + i,
-                         _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * runs - i), bs + i)),
-                                       _mm512_loadu_ps(plan.steps.data() + i)));
-    else
-      for (int r = 0; r < kRowBlock; ++r)
-        for (int64_t i = 0; i < runs; ++i)
-          folded[r * runs + i] = r < valid ? _cvtsh_ss(bs[r * groups + (i >> rpg_shift)].x) * a.run_steps[i] : 0.f;
-  };
-  linear_row_blocks<PackedCodes<BITS>>(a, plan, w, a.K * BITS / 8, mp, N, fold, bias, y);
 }
 
 template <int BITS>
