@@ -56,6 +56,12 @@ def isa_flags() -> list[str]:
     return ["-march=native"] + (["-mno-avx512f"] if isa == "avx2" else [])
 
 
+def build_name() -> str:
+    """The build's name: this CPU, these sources, and _avx2 for the AVX2 build (LMPORT_CPU_ISA)."""
+    avx2 = len(isa_flags()) > 1
+    return f"lmport_cpu_kernels_{machine_tag()}_{source_tag()}" + ("_avx2" if avx2 else "")
+
+
 def source_tag() -> str:
     """A short hash of the kernel sources (every csrc file): the build directory is named after it, so
     checkouts with different sources sharing one extensions cache never load each other's build."""
@@ -75,8 +81,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
         log.info("loading the cpu kernels (built on first use, once per kind of CPU)")
-        name = f"lmport_cpu_kernels_{machine_tag()}_{source_tag()}" + ("_avx2" if len(isa) > 1 else "")
-        return build(name, [str(s) for s in SOURCES], extra_cflags=["-O3", *isa, "-fopenmp"],
+        return build(build_name(), [str(s) for s in SOURCES], extra_cflags=["-O3", *isa, "-fopenmp"],
                      extra_ldflags=["-fopenmp"])
     except Exception as exc:  # any build failure leaves the reference ops in place
         log.warning("cpu kernels unavailable, using the reference ops: %s: %s", type(exc).__name__,
