@@ -1,45 +1,64 @@
-"""The machine a benchmark ran on: CPU model and flags, measured memory bandwidth, load average."""
+"""What a CPU benchmark reports about the machine it ran on: the CPU's model and the instruction sets
+that matter to the kernels, the load, and the memory read bandwidth measured in the same run (a
+decode step reads every weight once, so bytes / bandwidth is the fastest a token can be)."""
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
-FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+import torch
+
+# The flags the kernels (ours and llama.cpp's) pick their paths by.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_int8", "amx_bf16")
 
 
-def cpu() -> dict:
+def cpu_info() -> dict:
     model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in (platform.processor(), platform.machine()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
     except OSError:
         pass
-    return {"cpu": model, "cpus": os.cpu_count(), "flags": [f for f in FLAGS if f in flags]}
+    return {"model": model, "cores": len(os.sched_getaffinity(0)),
+            "kernel_flags": [f for f in KERNEL_FLAGS if f in flags], "load_average": os.getloadavg()}
 
 
-def memory_bandwidth_gbs(mib: int = 256, rounds: int = 5) -> float:
-    """GB/s of the best of ``rounds`` copies of a ``mib`` MiB buffer (read + write counted)."""
-    import torch
-    src = torch.ones(mib * 2**20 // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return round(2 * src.numel() * 4 / best / 1e9, 1)
+def memory_bandwidth(threads: int, gib: float = 1.0, rounds: int = 7, now=time.perf_counter) -> dict:
+    """Read bandwidth in GB/s with ``threads`` threads: torch's float32 sum over a buffer far larger
+    than the caches (a streaming read, vectorized and split over the threads), best and median of
+    ``rounds``; ``now`` the clock (time.thread_time counts one thread's own time)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4)
+        x.sum()
+        rates = []
+        for _ in range(rounds):
+            start = now()
+            x.sum()
+            rates.append(x.numel() * 4 / (now() - start) / 1e9)
+    finally:
+        torch.set_num_threads(before)
+    return {"threads": threads, "best_gbs": max(rates), "median_gbs": statistics.median(rates),
+            "method": f"torch.sum over {gib:g} GiB of float32, {rounds} rounds"}
 
 
-def describe() -> dict:
-    return {**cpu(), "memory_bandwidth_gbs": memory_bandwidth_gbs(), "load_average": list(os.getloadavg()),
-            "python": platform.python_version(), "host": platform.node()}
+def describe(threads: int = 2) -> dict:
+    """cpu_info() with the read bandwidth at ``threads`` threads, for a benchmark's JSON."""
+    return {**cpu_info(), "memory_bandwidth": memory_bandwidth(threads), "python": platform.python_version(),
+            "host": platform.node()}
 
 
 def line(info: dict) -> str:
-    return (f"{info['cpu']} ({info['cpus']} CPUs; {' '.join(info['flags']) or 'no AVX2'}), memory copy "
-            f"{info['memory_bandwidth_gbs']} GB/s, load average {' '.join(f'{x:.1f}' for x in info['load_average'])}")
+    """describe() in one line for a benchmark's printed table."""
+    return (f"{info['model']} ({info['cores']} cores; {' '.join(info['kernel_flags']) or 'no AVX2'}), memory read "
+            f"{info['memory_bandwidth']['best_gbs']:.1f} GB/s, load average "
+            f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
