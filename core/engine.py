@@ -20,6 +20,8 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
+from lmport.lora.peft import read_peft_adapter
+from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.windows import kv_window
 from lmport.paging import host_tier
@@ -95,6 +97,7 @@ class Engine:
         # Structured outputs (docs/engine.md): grammars compiled once per format, masks built beside the forward.
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.masks = MaskBuilder(self.model_config.vocab_size)
+        self.adapters = AdapterTable(self.config.max_loras)   # LoRA adapters (docs/lora.md)
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -139,8 +142,9 @@ class Engine:
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve."""
+                    request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None) -> str:
+        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
+        ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so)."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -158,8 +162,9 @@ class Engine:
             grammar = self.grammars.matcher(gen_config.response_format)
         except GuidedDecodingError as exc:
             raise RequestError(str(exc)) from None
+        adapter_id = self.adapters.acquire(adapter).id if adapter is not None else 0
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt, grammar=grammar)
+                       cache_salt=cache_salt, grammar=grammar, adapter_id=adapter_id)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -184,6 +189,7 @@ class Engine:
             return False
         self.scheduler.finish(seq)
         seq.finish("abort")
+        self.adapters.release(seq.adapter_id)
         self._pending_outputs.append(self._output(seq, [], ""))
         del self.seqs[request_id]
         return True
@@ -291,8 +297,9 @@ class Engine:
             ends += n
             if s.num_computed + n == s.num_tokens:
                 rows.append(ends - 1)
+        slots = [self.adapters.slot(s.adapter_id) for s in seqs] if self.config.max_loras else []
         step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
-                         [s.block_table for s in seqs], rows, self.block_manager.take_copies())
+                         [s.block_table for s in seqs], rows, self.block_manager.take_copies(), slots)
         return self.executor.execute(step)
 
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
@@ -331,6 +338,8 @@ class Engine:
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq)
+        if not seq.is_finished:
+            self.adapters.release(seq.adapter_id)
         seq.finish(reason, error)
         self.seqs.pop(seq.request_id, None)
 
@@ -342,6 +351,32 @@ class Engine:
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs) if full else [], error=seq.error,
             delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [])
+
+    # -- LoRA adapters (docs/lora.md) ---------------------------------------
+    def read_adapter(self, path: str):
+        """The peft adapter at ``path``, checked against this model (lmport.lora.peft); touches no engine state,
+        so a server reads it off the engine thread. AdapterError for one that cannot be served."""
+        self.adapters.free_slot()   # max_loras=0: refused before reading anything
+        lora = self.runner.lora
+        assert lora is not None   # max_loras >= 1 here
+        return read_peft_adapter(path, lora.shapes, self.config.max_lora_rank, self.dtype)
+
+    def load_adapter(self, name: str, path: str, adapter=None) -> LoadedAdapter:
+        """Serve the peft adapter at ``path`` as ``name`` (``adapter``: already read by ``read_adapter``)."""
+        self.adapters.check_name(name)
+        slot = self.adapters.free_slot()
+        adapter = adapter if adapter is not None else self.read_adapter(path)
+        self.executor.run_all("load_adapter", slot, adapter.weights)
+        loaded = self.adapters.add(name, slot, adapter.path, adapter.rank)
+        log.info("LoRA adapter %r loaded from %s (rank %d, slot %d)", name, adapter.path, adapter.rank, slot)
+        return loaded
+
+    def unload_adapter(self, name: str) -> LoadedAdapter:
+        """Stop serving ``name``: new requests are refused at once; those running finish with it."""
+        adapter = self.adapters.remove(name)
+        log.info("LoRA adapter %r unloaded (%d requests still finishing with it)", name,
+                 self.adapters.in_use(adapter.id))
+        return adapter
 
     # -- introspection ----------------------------------------------------
     def usage(self) -> dict:
