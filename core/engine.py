@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -23,6 +24,7 @@ from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder, MaskTimeou
 from lmport.lora.peft import read_peft_adapter
 from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.lora import LoraLayers
 from lmport.models.windows import kv_window
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
@@ -357,8 +359,7 @@ class Engine:
         """The peft adapter at ``path``, checked against this model (lmport.lora.peft); touches no engine state,
         so a server reads it off the engine thread. AdapterError for one that cannot be served."""
         self.adapters.free_slot()   # max_loras=0: refused before reading anything
-        lora = self.runner.lora
-        assert lora is not None   # max_loras >= 1 here
+        lora = cast(LoraLayers, self.runner.lora)   # max_loras >= 1 here: the runner made them
         return read_peft_adapter(path, lora.shapes, self.config.max_lora_rank, self.dtype)
 
     def load_adapter(self, name: str, path: str, adapter=None) -> LoadedAdapter:

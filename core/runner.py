@@ -141,7 +141,8 @@ class ModelRunner:
     def allocation(self) -> dict:
         """What this rank really holds: weight bytes, KV-cache blocks and bytes (compared with `lmport plan`)."""
         tensors = [t for c in self.caches for t in (c.k, c.v, c.k_qparams, c.v_qparams) if t is not None]
-        return {"weight_bytes": self.loaded.weight_bytes, "lora_bytes": self.lora_bytes, "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
+        return {"weight_bytes": self.loaded.weight_bytes, "lora_bytes": self.lora_bytes,
+                "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
                 "cache_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
     def collective_stats(self) -> dict:

@@ -71,6 +71,9 @@ class LoraState:
 class LoraLinear(nn.Module):
     """A linear (of any kind, merged or not) plus each row's adapter update."""
 
+    lora_a: torch.Tensor   # buffers (registered in __init__)
+    lora_b: torch.Tensor
+
     def __init__(self, base: nn.Module, shape: TargetShape, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device, backend: Backend, state: LoraState):
         super().__init__()
