@@ -175,3 +175,21 @@ def test_config():
             eng.load_adapter("a", adapter_dir(tiny_model_dir("llama"), 8, seed=1))
     finally:
         eng.close()
+
+
+def test_plan_counts_adapter_memory():
+    from lmport.plan import build_plan
+    from lmport.plan_format import format_plan
+    model_dir = tiny_model_dir("llama")
+    config = dict(device_type="cpu", dtype="float32", cache_max_entry_count=0.5)
+    without = build_plan(model_dir, EngineConfig(**config), device_memory=2**30)
+    with_lora = build_plan(model_dir, EngineConfig(**config, max_loras=3, max_lora_rank=16), device_memory=2**30)
+    eng = engine(model_dir, max_loras=3)
+    try:
+        held = eng.runner.allocation()["lora_bytes"]
+        measured = sum(b.nbytes for name, b in eng.model.named_buffers() if name.endswith(("lora_a", "lora_b")))
+    finally:
+        eng.close()
+    assert without["lora"]["bytes"] == 0 and with_lora["lora"]["bytes"] == held == measured > 0
+    assert without["free_after_weights_bytes"] - with_lora["free_after_weights_bytes"] == held
+    assert "3 adapter slots of rank <= 16" in format_plan(with_lora)
