@@ -30,6 +30,7 @@ from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
+from lmport.pooling import POOLING_MODES
 from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
@@ -57,6 +58,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     error: str | None = None
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
+    embedding: list[float] | None = None   # an embedding request's pooled hidden state (lmport.pooling), once done
 
 
 class Engine:
@@ -100,6 +102,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.masks = MaskBuilder(self.model_config.vocab_size)
         self.adapters = AdapterTable(self.config.max_loras)   # LoRA adapters (docs/lora.md)
+        self._pooled: dict[str, torch.Tensor] = {}   # embedding requests' pooled sums so far (lmport.pooling)
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -144,14 +147,21 @@ class Engine:
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None,
+                    pooling: str | None = None) -> str:
         """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
-        ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so)."""
+        ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so).
+        ``pooling``: an embedding request ("mean" or "last", lmport.pooling): the prompt is prefilled with the
+        other requests' steps, nothing is generated, and its final output carries the pooled hidden state."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids)
+        if pooling not in (None, *POOLING_MODES):
+            raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
+        if pooling == "mean":   # every position's hidden state is needed: no prefix-cache hit may skip one
+            cache_salt = f"\0mean-pooling:{request_id}"
         stop = set(gen_config.stop_token_ids if gen_config.stop_token_ids is not None else self.eos_token_ids)
         if gen_config.ignore_eos:
             stop -= set(self.eos_token_ids)
@@ -166,7 +176,7 @@ class Engine:
             raise RequestError(str(exc)) from None
         adapter_id = self.adapters.acquire(adapter).id if adapter is not None else 0
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt, grammar=grammar, adapter_id=adapter_id)
+                       cache_salt=cache_salt, grammar=grammar, adapter_id=adapter_id, pooling=pooling)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -191,6 +201,7 @@ class Engine:
             return False
         self.scheduler.finish(seq)
         seq.finish("abort")
+        self._pooled.pop(request_id, None)
         self.adapters.release(seq.adapter_id)
         self._pending_outputs.append(self._output(seq, [], ""))
         del self.seqs[request_id]
@@ -212,7 +223,8 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
-        completing = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        completing = [s for s, n in zip(batch.seqs, batch.num_new)
+                      if s.num_computed + n == s.num_tokens and s.pooling is None]
         masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
             logits = self._forward(batch.seqs, batch.num_new)
@@ -225,7 +237,10 @@ class Engine:
 
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
-        ready = [s for s in batch.seqs if s.num_uncomputed == 0]
+        if isinstance(logits, tuple):   # embedding requests in the batch
+            logits, pooled = logits
+            outputs += self._pool(batch.seqs, batch.num_new, pooled)
+        ready = [s for s in batch.seqs if s.num_uncomputed == 0 and s.pooling is None]
         if not ready:
             return outputs
         mask = None
@@ -291,18 +306,43 @@ class Engine:
         if copies:
             self.executor.execute(StepInput([], [], [], [], [], copies))
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
-        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes."""
+    def _forward(self, seqs: list[Sequence], num_new: list[int]):
+        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes, with the
+        sums of the embedding requests' pooled rows (lmport.pooling) beside them when the batch has any."""
         ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        ends, rows = 0, []
+        ends, rows, pool = 0, [], []
         for s, n in zip(seqs, num_new):
             ends += n
-            if s.num_computed + n == s.num_tokens:
+            completes = s.num_computed + n == s.num_tokens
+            if s.pooling is not None:
+                if s.pooling == "mean" or completes:
+                    pool.append((ends - n, ends) if s.pooling == "mean" else (ends - 1, ends))
+            elif completes:
                 rows.append(ends - 1)
         slots = [self.adapters.slot(s.adapter_id) for s in seqs] if self.config.max_loras else []
         step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
-                         [s.block_table for s in seqs], rows, self.block_manager.take_copies(), slots)
+                         [s.block_table for s in seqs], rows, self.block_manager.take_copies(), slots, pool)
+        if pool:
+            return self.executor.run_all("execute_pooled", step)[0]
         return self.executor.execute(step)
+
+    def _pool(self, seqs: list[Sequence], num_new: list[int], pooled: torch.Tensor) -> list[RequestOutput]:
+        """Adds this step's pooled sums to each embedding request's; ends those now complete with their vector."""
+        outputs, i = [], 0
+        for seq, n in zip(seqs, num_new):
+            if seq.pooling is None or (seq.pooling == "last" and seq.num_uncomputed):
+                continue
+            if seq.pooling == "mean" and seq.num_computed == n:   # its first chunk (again, after a preemption)
+                self._pooled[seq.request_id] = torch.zeros_like(pooled[i])
+            total = self._pooled.pop(seq.request_id, 0) + pooled[i]
+            i += 1
+            if seq.num_uncomputed:
+                self._pooled[seq.request_id] = total
+                continue
+            vector = total / seq.num_tokens if seq.pooling == "mean" else total
+            self._end(seq, "stop")
+            outputs.append(dataclasses.replace(self._output(seq, [], ""), embedding=vector.tolist()))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
         seq.output_ids.append(token)
@@ -340,6 +380,7 @@ class Engine:
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq)
+        self._pooled.pop(seq.request_id, None)
         if not seq.is_finished:
             self.adapters.release(seq.adapter_id)
         seq.finish(reason, error)

@@ -39,6 +39,7 @@ class StepInput:
     logits_rows: list[int]            # rows of token_ids whose logits are wanted
     copies: list = field(default_factory=list)   # device<->host block copies (CopyBatch) to run first
     adapter_slots: list[int] = field(default_factory=list)   # each sequence's LoRA slot, -1 for none; [] for none
+    pool_ranges: list[tuple[int, int]] = field(default_factory=list)   # rows whose final hidden states are summed
 
 
 class ModelRunner:
@@ -115,7 +116,23 @@ class ModelRunner:
         # Graphs are captured at tp=1 only (EngineConfig.resolve), where the LM head always returns the logits.
         return cast(torch.Tensor, self.model.logits(self.model(input_ids, meta, self.caches)))
 
+    def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``execute`` that also returns, for each of ``step.pool_ranges``, the float32 sum of the final hidden
+        states (after the last norm) of those rows [ranges, hidden] (embeddings: lmport.pooling)."""
+        self.copy_blocks(step.copies)
+        hidden = self.hidden_states(step, self.caches)
+        sums = torch.stack([hidden[a:b].float().sum(0) for a, b in step.pool_ranges])
+        logits = self.model.logits(hidden[step.logits_rows]) if step.logits_rows else hidden.new_empty(0)
+        return logits, sums
+
     def forward(self, step: StepInput, caches: list) -> torch.Tensor | None:
+        hidden = self.hidden_states(step, caches)
+        if not step.logits_rows:
+            return hidden.new_empty(0) if self.tp.rank == 0 else None
+        return self.model.logits(hidden[step.logits_rows])
+
+    def hidden_states(self, step: StepInput, caches: list) -> torch.Tensor:
+        """The step's final hidden states [tokens, hidden], its K/V written to ``caches``."""
         device = self.backend.device
         meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size, device)
         input_ids = torch.tensor(step.token_ids, dtype=torch.long).to(device)
@@ -128,9 +145,7 @@ class ModelRunner:
                 hidden = self.model(input_ids, meta, caches)
             finally:
                 self.lora.state.batch = None
-        if not step.logits_rows:
-            return hidden.new_empty(0) if self.tp.rank == 0 else None
-        return self.model.logits(hidden[step.logits_rows])
+        return hidden
 
     # -- LoRA adapters (docs/lora.md) ------------------------------------------
     def load_adapter(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

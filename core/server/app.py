@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
 from lmport.engine import Engine
-from lmport.server import adapters
+from lmport.server import adapters, embeddings
 from lmport.server import openapi as openapi_doc
 from lmport.server import routes
 from lmport.server.guards import Guards
@@ -126,6 +126,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     adapters.register(app, server, auth, enable_lora_loading)
+    embeddings.register(app, server, auth)
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "lmport",
@@ -156,7 +157,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(Guards, allowed_hosts=allowed_hosts,
-                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
+                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                                             "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}))
     return app
 
 
