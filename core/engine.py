@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -161,7 +162,7 @@ class Engine:
         if pooling not in (None, *POOLING_MODES):
             raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
         if pooling == "mean":   # every position's hidden state is needed: no prefix-cache hit may skip one
-            cache_salt = f"\0mean-pooling:{request_id}"
+            cache_salt = f"\0mean-pooling:{uuid.uuid4().hex}"
         stop = set(gen_config.stop_token_ids if gen_config.stop_token_ids is not None else self.eos_token_ids)
         if gen_config.ignore_eos:
             stop -= set(self.eos_token_ids)

@@ -101,3 +101,33 @@ def test_default_model_matches_sentence_transformers():
     finally:
         engine.close()
     check_close(got, want)
+
+
+def test_server_embeddings_with_the_openai_client():
+    import openai
+    from test_server import ServerThread
+
+    from lmport.server.app import create_app
+    path = tiny_st_dir("mean", True)
+    want = [st_model(path).encode(t, convert_to_numpy=True) for t in TEXTS]
+    engine = Engine(path, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=64))
+    srv = ServerThread(create_app(engine, model_name="tiny-st"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        floats = client.embeddings.create(model="tiny-st", input=TEXTS, encoding_format="float")
+        packed = client.embeddings.create(model="tiny-st", input=TEXTS)   # the client asks for base64, decodes it
+        ids = client.embeddings.create(model="tiny-st", input=[engine.tokenizer.encode(t) for t in TEXTS])
+        check_close([d.embedding for d in floats.data], want)
+        check_close([d.embedding for d in packed.data], want)
+        check_close([d.embedding for d in ids.data], want)
+        assert floats.model == "tiny-st" and [d.index for d in floats.data] == [0, 1, 2, 3]
+        assert floats.usage.prompt_tokens == sum(len(engine.tokenizer.encode(t)) for t in TEXTS)
+        for bad, param in (({"dimensions": 7}, "dimensions"), ({"input": []}, "input"), ({"input": ""}, "input")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.embeddings.create(**{"model": "tiny-st", "input": "hi", **bad})
+            assert err.value.body["param"] == param
+        with pytest.raises(openai.NotFoundError) as err:
+            client.embeddings.create(model="other", input="hi")
+        assert err.value.body["param"] == "model"
+    finally:
+        srv.stop()
