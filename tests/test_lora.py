@@ -86,6 +86,7 @@ def test_prefix_cache_keys_carry_the_adapter():
     assert with_adapter.token_ids == greedy(merged_model(model_dir, path), [prompt], NEW_TOKENS)[0]
 
 
+@pytest.mark.slow   # tests/test_server_lora.py unloads under load too, in the quick set
 def test_unload_under_load_loses_no_request():
     model_dir = tiny_model_dir("llama")
     r8, r16 = adapter_dir(model_dir, 8, seed=1), adapter_dir(model_dir, 16, seed=2)
