@@ -46,6 +46,9 @@ class Capabilities:
     # Whether ``Backend.decode_graphs`` captures decode steps (EngineConfig.eager_mode=False). Where it is False,
     # EngineConfig.resolve records an Adjustment (eager_mode False -> True) and every step runs eagerly.
     decode_graphs: bool = False
+    # The Ray resource one tensor-parallel rank reserves in its placement-group bundle (docs/distributed.md):
+    # "GPU" for cuda, a custom resource the cluster's nodes declare ("NPU", "MLU"), "CPU" for host memory.
+    ray_resource: str = "CPU"
 
     def weight_format_problem(self, bits: int, group_size: int) -> str | None:
         """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""

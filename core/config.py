@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("auto", "dequantize")
+EXECUTORS = ("mp", "ray")
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,10 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None        # HOST:PORT of the rendezvous (node 0); None: a free local port
     dist_timeout: float = 300.0              # seconds any collective may wait before it fails
+    # Where ranks 1..tp-1 run (docs/distributed.md): "mp" worker processes of this node (and `lmport worker` on
+    # others), "ray" Ray actors placed by a placement group. At tp=1 the runner is in the engine's process.
+    executor: str = "mp"
+    ray_address: str | None = None           # an existing Ray cluster ("auto", "HOST:PORT"); None: RAY_ADDRESS or local
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -95,6 +100,12 @@ class EngineConfig:
                f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         _check(_is_number(self.dist_timeout) and self.dist_timeout > 0,
                f"dist_timeout must be a number of seconds > 0, got {self.dist_timeout!r}")
+        _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        _check(self.executor != "ray" or self.nnodes == 1,
+               f"executor='ray' places the {self.tp} ranks on the Ray cluster's nodes itself: leave nnodes at 1 "
+               f"(nnodes={self.nnodes} is for the 'mp' executor with `lmport worker` on each node)")
+        _check(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address),
+               f"ray_address must be 'auto', HOST:PORT or ray://HOST:PORT of a Ray cluster, got {self.ray_address!r}")
         _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
