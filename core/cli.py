@@ -109,6 +109,16 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 30)")
     g.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="exit non-zero when the engine thread stops, for a supervisor to restart (default: on)")
+    g = p.add_argument_group("data parallelism (docs/distributed.md)")
+    g.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="engine replicas, each with --tp ranks, as Ray actors behind one front end (default: 1, "
+                        "one engine in this process; > 1 needs `pip install 'lmport[ray]'`)")
+    g.add_argument("--dp-routing", choices=("prefix", "round_robin"), default="prefix",
+                   help="prefix: a request goes to the replica that got its first blocks before, else to the "
+                        "least loaded; round_robin: in turn (default: prefix)")
+    g.add_argument("--dp-balance-threshold", type=int, default=16, metavar="N",
+                   help="leave prefix affinity when that replica has N more requests in flight than the least "
+                        "loaded one (default: 16)")
     g = p.add_argument_group("cross-site")
     g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
                    help="Host header names to accept besides the bound address and localhost (always checked "

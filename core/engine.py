@@ -55,6 +55,18 @@ class RequestOutput:
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
 
 
+def check_prompt(prompt_ids, vocab: int, session_len: int) -> None:
+    """RequestError naming the problem when an engine of this vocabulary and session_len cannot take the prompt."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
+    if len(prompt_ids) >= session_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but session_len is {session_len} "
+            f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+
+
 class Engine:
     def __init__(self, model: str = "smollm2", config: EngineConfig | None = None, backend: Backend | None = None):
         """``backend`` injects an instance of the configured backend, e.g. one whose
@@ -168,15 +180,7 @@ class Engine:
     def validate(self, prompt_ids) -> None:
         if self.failure:
             raise RequestError(f"the engine cannot run the model: {self.failure}")
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-            raise RequestError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(prompt_ids) >= self.session_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens but session_len is {self.session_len} "
-                f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+        check_prompt(prompt_ids, self.model_config.vocab_size, self.session_len)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)

@@ -32,6 +32,7 @@ from lmport.server import openapi as openapi_doc
 from lmport.server import routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
+from lmport.server.metrics import ReplicaCollector
 from lmport.server.protocol import APIError, brief
 from lmport.server.serving import MAX_BODY_BYTES, Server
 
@@ -43,12 +44,17 @@ HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
-               docs: bool = True, cache_salt_by_api_key: bool = False) -> FastAPI:
+               docs: bool = True, cache_salt_by_api_key: bool = False, loop=None) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
     ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
-    shared only between requests sent with the same key."""
-    server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
+    shared only between requests sent with the same key. ``loop``: data-parallel replicas' front end
+    (``lmport.dp.frontend.DataParallel``) with ``engine`` its view of the model; /health and /metrics then
+    report each replica."""
+    server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key, loop)
+    replicas = getattr(server.loop, "status", None)   # data-parallel replicas, each with its health and usage
+    if replicas is not None:
+        server.metrics.registry.register(ReplicaCollector(replicas))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -116,6 +122,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
             return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
         if server.admission.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if replicas is not None:
+            return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=auth)
@@ -175,15 +183,25 @@ def serve(args) -> int:
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections)
-    engine = Engine(args.model, engine_config(args))
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be >= 1 (engine replicas), got {args.dp}")
+    loop = None
+    if args.dp > 1:   # replicas as Ray actors behind a routing front end (docs/distributed.md)
+        from lmport.dp import cluster
+        loop, engine = cluster.start(args.model, engine_config(args), args.dp, policy=args.dp_routing,
+                                     balance_threshold=args.dp_balance_threshold)
+        blocks, where = engine.num_blocks, f"KV blocks on each of {args.dp} replicas ({args.dp_routing} routing)"
+    else:
+        engine = Engine(args.model, engine_config(args))
+        blocks, where = engine.plan.num_blocks, "KV blocks"
     app = create_app(engine, model_name=args.model, api_key=api_key, limits=limits,
                      allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
                      cors_origins=args.cors_origins, docs=args.docs,
-                     cache_salt_by_api_key=args.cache_salt_by_api_key)
+                     cache_salt_by_api_key=args.cache_salt_by_api_key, loop=loop)
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "
-          f"{engine.plan.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
+          f"{blocks} {where}){'; API key required' if api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
         logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
     server = GracefulServer(config, app.state.server, shutdown_timeout=args.shutdown_timeout,
