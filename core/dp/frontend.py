@@ -47,6 +47,12 @@ class ReplicaState:
     routed: int = 0                # requests sent to it, ever
 
 
+def _brief(exc: BaseException) -> str:
+    """The exception's type and first line (Ray's errors carry whole tracebacks)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def sum_usage(usages: list[dict]) -> dict:
     """The replicas' usage added up, with the prefix-cache hit rates recomputed from the summed counts."""
     total: dict = {}
@@ -173,7 +179,7 @@ class DataParallel:
         try:
             await replica.handle.submit(request_id, prompt_ids, gen_config, cache_salt)
         except Exception as exc:
-            self._replica_failed(replica, f"{type(exc).__name__}: {exc}")
+            self._replica_failed(replica, _brief(exc))
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self.streams.get(out.request_id)
@@ -213,8 +219,7 @@ class DataParallel:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                problem, outputs, usage = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", \
-                    [], None
+                problem, outputs, usage = _brief(exc), [], None
             for out in outputs:
                 self._deliver(out)
             if usage is not None:
@@ -247,8 +252,8 @@ class DataParallel:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("data-parallel replica %d is not back yet (%s: %s); trying again in %.1f s",
-                            replica.index, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", delay)
+                log.info("data-parallel replica %d is not back yet (%s); trying again in %.1f s",
+                         replica.index, _brief(exc), delay)
                 await asyncio.sleep(delay)
                 delay = min(RESTART_BACKOFF[1], delay * 2)
         else:
