@@ -36,6 +36,14 @@ def test_new_prefixes_spread_by_load_and_repeat_prefixes_stick():
         assert route.replica == first[p] and route.matched_blocks == 3
 
 
+def test_one_at_a_time_new_prefixes_still_spread():
+    """Every request finishes before the next arrives (equal load): a new prefix goes to the replica that
+    owns the fewest, not always to the first."""
+    router = PrefixRouter(3, BS)
+    assert [router.choose(prompt(p, 0)).replica for p in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [router.choose(prompt(p, 1)).replica for p in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
 def test_the_longest_known_prefix_wins():
     router = PrefixRouter(2, BS)
     short = [5] * BS + [6] * BS
@@ -92,7 +100,7 @@ def test_the_table_is_bounded():
     router = PrefixRouter(2, BS, capacity=5)
     for p in range(10):
         router.choose(prompt(p, 0))
-    assert len(router.owner) == 5
+    assert len(router.owner) == 5 and sum(router.owned) == 5
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_replicas=0), dict(block_size=0), dict(policy="random"),

@@ -221,6 +221,8 @@ class DataParallel:
             except Exception as exc:
                 problem, outputs, usage = _brief(exc), [], None
             for out in outputs:
+                if out.error is not None:   # the caller learns which replica failed its request
+                    out.error = f"data-parallel replica {replica.index}: {out.error}"
                 self._deliver(out)
             if usage is not None:
                 replica.usage = usage

@@ -6,7 +6,8 @@ prefix exactly when they share those blocks of KV. The router remembers, for eve
 the replica it sent it to (a bounded LRU table). A new request goes to the replica that got the longest
 prefix of its chain, unless that replica is unhealthy or busier than the least-loaded one by more than
 ``balance_threshold`` requests in flight; then, and for a request with no known prefix, it goes to the
-least-loaded healthy replica (ties: the lowest index). Either way its chain is then recorded for the
+least-loaded healthy replica (ties: the one owning the fewest remembered prefixes, so new prefixes spread
+even when requests come one at a time; then the lowest index). Either way its chain is then recorded for the
 chosen replica, so the replicas' caches partition the prefixes instead of each holding all of them.
 
 The table is the router's belief, not the replicas' cache contents: a replica may have evicted a prefix,
@@ -51,6 +52,7 @@ class PrefixRouter:
         self.capacity = capacity
         self.seed = seed
         self.owner: OrderedDict[bytes, int] = OrderedDict()   # chain hash -> replica, least recently used first
+        self.owned = [0] * num_replicas                      # chain hashes each replica owns in the table
         self.load = [0] * num_replicas                       # requests in flight on each replica
         self.healthy = [True] * num_replicas
 
@@ -74,7 +76,7 @@ class PrefixRouter:
                            if self.healthy[r % self.num_replicas])
             self.turn = replica + 1
             return Route(replica, 0)
-        least = min(up, key=lambda r: (self.load[r], r))
+        least = min(up, key=lambda r: (self.load[r], self.owned[r], r))
         chain = self.chain(prompt_ids, cache_salt)
         route = Route(least, 0)
         for depth in range(len(chain), 0, -1):
@@ -88,10 +90,14 @@ class PrefixRouter:
 
     def _remember(self, chain: list[bytes], replica: int) -> None:
         for h in chain:
+            previous = self.owner.get(h)
+            if previous is not None:
+                self.owned[previous] -= 1
             self.owner[h] = replica
+            self.owned[replica] += 1
             self.owner.move_to_end(h)
         while len(self.owner) > self.capacity:
-            self.owner.popitem(last=False)
+            self.owned[self.owner.popitem(last=False)[1]] -= 1
 
     def started(self, replica: int) -> None:
         self.load[replica] += 1
@@ -108,3 +114,4 @@ class PrefixRouter:
         """Drops what the table says ``replica`` holds (it restarted, or was taken out of rotation)."""
         for h in [h for h, r in self.owner.items() if r == replica]:
             del self.owner[h]
+        self.owned[replica] = 0
