@@ -70,7 +70,7 @@ def cmd_plan(args) -> int:
     from lmport.plan_format import format_plan
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     try:
-        report = build_plan(args.model, engine_config(args), device_memory)
+        report = build_plan(args.model, engine_config(args), device_memory, dp=args.dp)
     except ModelNotFound as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="smollm2")
     p.add_argument("--device-memory", default=None, help="plan for a device of this size, e.g. 24GiB")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="plan N data-parallel replicas (each with --tp ranks and its own cache), as `serve --dp`")
     add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_plan)
     return parser
