@@ -24,7 +24,7 @@ NO_VISIBILITY_ENV = {"GPU": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
 def require_ray():
     """The ``ray`` module, or a ConfigError that says how to install it."""
     try:
-        import ray
+        import ray  # pyright: ignore[reportMissingImports] - an optional extra; `make lint` runs without it
     except ImportError as exc:
         raise ConfigError("this needs Ray (executor='ray' or --dp > 1), which is not installed here: "
                           "pip install 'lmport[ray]'") from exc
@@ -59,7 +59,7 @@ def rank_bundle(resource: str) -> dict[str, float]:
 
 def actor_options(resource: str, pg, bundle: int) -> dict:
     """Ray ``.options()`` that put an actor in bundle ``bundle`` of ``pg``, holding that bundle's resources."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pyright: ignore[reportMissingImports]
     resources = {"num_cpus": 1.0}
     if resource == "GPU":
         resources["num_gpus"] = 1.0
@@ -74,12 +74,25 @@ def actor_options(resource: str, pg, bundle: int) -> dict:
 def reserve(ray, bundles: list[dict[str, float]], what: str, timeout: float):
     """A placement group of ``bundles``, ready; a ConfigError saying what is missing when the cluster cannot
     hold it within ``timeout`` seconds."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-    pg = placement_group(bundles, strategy="PACK")
+    pg = ray.util.placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
-        remove_placement_group(pg)
+        release(pg)
         raise ConfigError(f"the Ray cluster cannot place {what}: it needs {bundles} and has "
                           f"{ray.available_resources()} free of {ray.cluster_resources()} (waited {timeout:g}s); "
                           f"add nodes with those resources, or ask for fewer ranks")
     return pg
+
+
+def release(pg) -> None:
+    """Gives a placement group's resources back to the cluster."""
+    require_ray().util.remove_placement_group(pg)
+
+
+def current_group():
+    """The placement group this process (a Ray actor) was placed in, or None."""
+    return require_ray().util.get_current_placement_group()
+
+
+def node_id() -> str:
+    return require_ray().get_runtime_context().get_node_id()

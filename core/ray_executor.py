@@ -30,8 +30,7 @@ class _Rank:
     """The body of a rank actor (wrapped by ``ray.remote`` when the executor starts)."""
 
     def node(self) -> str:
-        import ray
-        return ray.get_runtime_context().get_node_id()
+        return ray_cluster.node_id()
 
     def run(self, model: str, config: EngineConfig, backend_cls: type[Backend], rank: int, addr: str,
             local: tuple[int, int]) -> int:
@@ -54,8 +53,7 @@ class RayExecutor(DistributedExecutor):
     def _start_workers(self, model: str, backend_cls: type[Backend]) -> int:
         ray, tp = self.ray, self.config.tp
         resource = backend_cls.capabilities.ray_resource
-        from ray.util import get_current_placement_group
-        self.pg = get_current_placement_group()
+        self.pg = ray_cluster.current_group()
         if self.pg is not None and len(self.pg.bundle_specs) < tp:
             raise ValueError(f"this engine runs in a Ray placement group of {len(self.pg.bundle_specs)} bundles "
                              f"but tp={tp} needs one bundle a rank")
@@ -67,7 +65,7 @@ class RayExecutor(DistributedExecutor):
         remote = ray.remote(max_restarts=0)(_Rank)
         self.actors = {r: remote.options(**ray_cluster.actor_options(resource, self.pg, r)).remote()
                        for r in range(1, tp)}
-        nodes = {0: ray.get_runtime_context().get_node_id()}
+        nodes = {0: ray_cluster.node_id()}
         nodes.update(zip(self.actors, ray.get([a.node.remote() for a in self.actors.values()])))
         local = {r: ([s for s in range(tp) if nodes[s] == nodes[r]].index(r),
                      sum(1 for s in range(tp) if nodes[s] == nodes[r])) for r in range(tp)}
@@ -102,8 +100,7 @@ class RayExecutor(DistributedExecutor):
         for actor in self.actors.values():
             self.ray.kill(actor)
         if self.own_pg and self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self.pg)
+            ray_cluster.release(self.pg)
         self.actors, self.calls, self.pg = {}, {}, None
 
     def kill_rank(self, rank: int) -> None:

@@ -86,8 +86,7 @@ class RayHandle:
             await asyncio.wait_for(self.actor.close.remote(), 30)
         finally:
             self.ray.kill(self.actor)
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self.pg)
+            ray_cluster.release(self.pg)
 
 
 def start(model: str, config: EngineConfig, dp: int, *, policy: str = "prefix", balance_threshold: int = 16,
@@ -111,8 +110,7 @@ def start(model: str, config: EngineConfig, dp: int, *, policy: str = "prefix", 
     except BaseException:
         for h in handles:
             ray.kill(h.actor)
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(h.pg)
+            ray_cluster.release(h.pg)
         raise
     usages = ray.get([h.actor.usage.remote() for h in handles])
     info = infos[0]

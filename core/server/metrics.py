@@ -62,7 +62,8 @@ class ReplicaCollector:
                                      labels=["replica"])
         restarts = CounterMetricFamily("lmport_replica_restarts", "Times the replica was restarted",
                                        labels=["replica"])
-        stat = GaugeMetricFamily("lmport_replica_stat", "The replica's engine.usage() numbers", labels=["replica", "key"])
+        stat = GaugeMetricFamily("lmport_replica_stat", "The replica's engine.usage() numbers",
+                                 labels=["replica", "key"])
         for r in replicas:
             label = [str(r["replica"])]
             healthy.add_metric(label, 1.0 if r["healthy"] else 0.0)
