@@ -125,8 +125,12 @@ def main() -> None:
                           enable_prefix_caching=True, max_batch_size=args.concurrency, ray_address=args.ray_address)
     tokenizer = load_tokenizer(args.model)
 
+    import ray
+
     from lmport.dp import cluster
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")   # see docs/distributed.md (shared machines)
+    if args.ray_address is None:   # room for both dp2 setups' replicas, however few the cores
+        ray.init(num_cpus=4, include_dashboard=False)
     setups = {"dp1": ("dp1", EngineLoop(Engine(args.model, config))),
               "dp2 prefix": ("dp2", cluster.start(args.model, config, 2, policy="prefix")[0]),
               "dp2 round robin": ("dp2", cluster.start(args.model, config, 2, policy="round_robin")[0])}
@@ -146,7 +150,6 @@ def main() -> None:
     finally:
         for _, loop in setups.values():
             loop.shutdown()
-        import ray
         ray.shutdown()
 
     host = machine()
