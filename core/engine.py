@@ -91,7 +91,11 @@ class Engine:
                               f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
         check_tp(read_model_config(model), self.config.tp)   # before any weight loads
         # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
-        self.executor = make_executor(model, self.config, self.backend)
+        if self.config.executor == "ray" and self.config.tp > 1:
+            from lmport.ray_executor import RayExecutor
+            self.executor = RayExecutor(model, self.config, self.backend)
+        else:
+            self.executor = make_executor(model, self.config, self.backend)
         try:
             self._plan_and_allocate(model)
         except BaseException:

@@ -305,10 +305,8 @@ class DistributedExecutor:
 
 def make_executor(model: str, config: EngineConfig, backend: Backend):
     """tp=1: in this process (whatever ``config.executor`` says: there is no other rank to place); beyond,
-    worker ranks as processes of this node and ``lmport worker`` ("mp"), or as Ray actors ("ray")."""
+    worker ranks as processes of this node and ``lmport worker`` ("mp"). The Ray executor ("ray") lives in
+    ``lmport.ray_executor``, which builds on this module; ``lmport.engine`` picks it."""
     if config.tp == 1:
         return LocalExecutor(model, config, backend)
-    if config.executor == "ray":
-        from lmport.ray_executor import RayExecutor
-        return RayExecutor(model, config, backend)
     return DistributedExecutor(model, config, backend)
