@@ -1,7 +1,7 @@
 """Data parallelism on a prefix-heavy workload: --dp 1, --dp 2 with prefix-affinity routing, --dp 2 round robin.
 
-Workload: K long system prompts (a fixed text under a distinct header), N requests cycling through them, each
-with its own short question; sent closed-loop, C in flight. Every replica gets the same KV pool (--blocks), sized
+Workload: K long system prompts (a fixed text under a distinct header), N requests spread evenly over them in a
+seeded random order, each with its own short question; sent closed-loop, C in flight. Every replica gets the same KV pool (--blocks), sized
 so that one replica cannot hold all K prompts but each of two can hold its half: prefix affinity should then keep
 the hit rate high, while round robin and a single replica keep evicting. Greedy decoding, EOS ignored.
 
@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -45,8 +46,11 @@ def workload(tokenizer, args, round_: int) -> list[list[int]]:
     body = tokenizer.encode(TEXT * (args.prompt_len // 30 + 2))
     systems = [(tokenizer.encode(f"Round {round_}. You are assistant {k}, the expert on topic {k * 7 + 3}. ")
                 + body)[:args.prompt_len] for k in range(args.prompts)]
-    return [systems[i % args.prompts] + tokenizer.encode(f" Question {i}: what is {i} times {i % 13 + 7}?")
-            for i in range(args.requests)]
+    requests = [systems[i % args.prompts] + tokenizer.encode(f" Question {i}: what is {i} times {i % 13 + 7}?")
+                for i in range(args.requests)]
+    # Shuffled (seeded): in a fixed cycle, round robin would send each prompt to the same replica every time.
+    random.Random(round_).shuffle(requests)
+    return requests
 
 
 async def drive(loop, requests: list[list[int]], args) -> dict:

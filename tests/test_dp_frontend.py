@@ -105,3 +105,10 @@ def test_a_failed_replica_ends_its_requests_with_an_error_and_comes_back(served)
 def served_prompt_ids(front, text: str) -> list[int]:
     """The prompt's token ids as the server makes them (a completion prompt is tokenized as it is)."""
     return front.replicas[0].handle.replica.engine.tokenizer.encode(text)
+
+
+def test_echo_with_logprobs_is_refused_saying_why(served):
+    server, _ = served
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a b c", "max_tokens": 2,
+                                                         "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and "--dp > 1" in r.json()["error"]["message"]
