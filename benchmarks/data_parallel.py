@@ -1,9 +1,10 @@
 """Data parallelism on a prefix-heavy workload: --dp 1, --dp 2 with prefix-affinity routing, --dp 2 round robin.
 
 Workload: K long system prompts (a fixed text under a distinct header), N requests spread evenly over them in a
-seeded random order, each with its own short question; sent closed-loop, C in flight. Every replica gets the same KV pool (--blocks), sized
-so that one replica cannot hold all K prompts but each of two can hold its half: prefix affinity should then keep
-the hit rate high, while round robin and a single replica keep evicting. Greedy decoding, EOS ignored.
+seeded random order, each with its own short question; sent closed-loop, C in flight. Every replica gets the
+same KV pool (--blocks), sized so that one replica cannot hold all K prompts but each of two can hold its half:
+prefix affinity should then keep the hit rate high, while round robin and a single replica keep evicting.
+Greedy decoding, EOS ignored.
 
 The three setups stay up for the whole run and take turns, round by round (>= 5 rounds); each round uses its own
 system prompts, so every round starts with cold caches. Reported: medians with min-max over the rounds of
