@@ -48,6 +48,9 @@ class Capabilities:
     decode_graphs: bool = False
     # Whether ``Backend.add_lora`` runs here: LoRA adapters served over the base model (EngineConfig.max_loras).
     lora: bool = False
+    # The Ray resource one tensor-parallel rank reserves in its placement-group bundle (docs/distributed.md):
+    # "GPU" for cuda, a custom resource the cluster's nodes declare ("NPU", "MLU"), "CPU" for host memory.
+    ray_resource: str = "CPU"
 
     def weight_format_problem(self, bits: int, group_size: int) -> str | None:
         """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("auto", "dequantize")
 MAX_LORA_RANK = 256
+EXECUTORS = ("mp", "ray")
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,10 @@ class EngineConfig:
     # adapter weights held) and the highest adapter rank they may have; both size the adapter memory.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # Where ranks 1..tp-1 run (docs/distributed.md): "mp" worker processes of this node (and `lmport worker` on
+    # others), "ray" Ray actors placed by a placement group. At tp=1 the runner is in the engine's process.
+    executor: str = "mp"
+    ray_address: str | None = None           # an existing Ray cluster ("auto", "HOST:PORT"); None: RAY_ADDRESS or local
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -106,6 +111,12 @@ class EngineConfig:
                f"max_lora_rank must be an int in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         _check(self.max_loras == 0 or self.tp == 1,
                f"max_loras={self.max_loras} with tp={self.tp}: LoRA adapters run at tp=1 only; use tp=1 or max_loras=0")
+        _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        _check(self.executor != "ray" or self.nnodes == 1,
+               f"executor='ray' places the {self.tp} ranks on the Ray cluster's nodes itself: leave nnodes at 1 "
+               f"(nnodes={self.nnodes} is for the 'mp' executor with `lmport worker` on each node)")
+        _check(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address),
+               f"ray_address must be 'auto', HOST:PORT or ray://HOST:PORT of a Ray cluster, got {self.ray_address!r}")
         _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")

@@ -62,6 +62,18 @@ class RequestOutput:
     embedding: list[float] | None = None   # an embedding request's pooled hidden state (lmport.pooling), once done
 
 
+def check_prompt(prompt_ids, vocab: int, session_len: int) -> None:
+    """RequestError naming the problem when an engine of this vocabulary and session_len cannot take the prompt."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
+    if len(prompt_ids) >= session_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but session_len is {session_len} "
+            f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+
+
 class Engine:
     def __init__(self, model: str = "smollm2", config: EngineConfig | None = None, backend: Backend | None = None):
         """``backend`` injects an instance of the configured backend, e.g. one whose
@@ -86,7 +98,11 @@ class Engine:
                               f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
         check_tp(read_model_config(model), self.config.tp)   # before any weight loads
         # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
-        self.executor = make_executor(model, self.config, self.backend)
+        if self.config.executor == "ray" and self.config.tp > 1:
+            from lmport.ray_executor import RayExecutor
+            self.executor = RayExecutor(model, self.config, self.backend)
+        else:
+            self.executor = make_executor(model, self.config, self.backend)
         try:
             self._plan_and_allocate(model)
         except BaseException:
@@ -186,15 +202,7 @@ class Engine:
     def validate(self, prompt_ids) -> None:
         if self.failure:
             raise RequestError(f"the engine cannot run the model: {self.failure}")
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-            raise RequestError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(prompt_ids) >= self.session_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens but session_len is {self.session_len} "
-                f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+        check_prompt(prompt_ids, self.model_config.vocab_size, self.session_len)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)

@@ -31,6 +31,8 @@ class EngineStopped(RuntimeError):
 
 
 class EngineLoop:
+    scores_prompts = True   # run() gives callers the engine itself (prompt scoring, lmport.server.echo)
+
     def __init__(self, engine: Engine, on_failure=None):
         self.engine = engine
         self.on_failure = on_failure       # called (on the engine thread) with the reason it stopped
@@ -103,6 +105,10 @@ class EngineLoop:
         with self._state:
             self._streams.pop(request_id, None)
             self._adding.pop(request_id, None)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         """Abort at the engine thread's next turn; its last output still reaches an open stream."""

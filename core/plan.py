@@ -24,9 +24,12 @@ from lmport.parallel import TPGroup
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend
 
-def build_plan(model: str, config: EngineConfig, device_memory: int | None = None) -> dict:
+def build_plan(model: str, config: EngineConfig, device_memory: int | None = None, dp: int = 1) -> dict:
     """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free
-    before the weights load (default: the chosen device's free memory on this machine)."""
+    before the weights load (default: the chosen device's free memory on this machine); ``dp``: data-parallel
+    replicas, each with its own tp devices and its own cache (``lmport serve --dp``)."""
+    if not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"dp must be an int >= 1 (engine replicas), got {dp!r}")
     resolved = config.resolve()
     backend_cls = resolved.backend_class()
     caps = backend_cls.capabilities
@@ -84,6 +87,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token},
         "cache": None,
         "ranks": None,
+        "placement": None,
         "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "adjustments"},
         "adjustments": [a._asdict() for a in resolved.adjustments],
         "error": None,
@@ -96,6 +100,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     report["ranks"] = [{"rank": r, "weight_bytes": inp.weight_bytes, "reserve_bytes": inp.reserve_bytes,
                         "free_after_weights_bytes": inp.free_bytes, "num_blocks": plan.num_blocks,
                         "cache_bytes": plan.cache_bytes} for r, inp in enumerate(rank_inputs)]
+    report["placement"] = placement(resolved, caps, dp, plan.num_blocks, plan.cache_bytes, plan.num_tokens)
     report["cache"] = {
         "cache_max_entry_count": resolved.cache_max_entry_count,
         "meaning": ("exact number of blocks" if isinstance(resolved.cache_max_entry_count, int)
@@ -107,3 +112,22 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def placement(config: EngineConfig, caps, dp: int, num_blocks: int, cache_bytes: int, num_tokens: int) -> dict:
+    """What runs where: dp replicas of tp ranks, each rank one placement-group bundle of the backend's device
+    resource (docs/distributed.md); every replica plans and holds its own cache."""
+    from lmport.ray_cluster import rank_bundle
+    ray = dp > 1 or config.executor == "ray"
+    bundle = rank_bundle(caps.ray_resource)
+    replicas = []
+    for i in range(dp):
+        ranks = [{"rank": r, "runs_in": ("the replica's actor" if dp > 1 else "the engine's process") if r == 0
+                  else ("a Ray actor" if ray else "a worker process"), "bundle": bundle if ray else None}
+                 for r in range(config.tp)]
+        replicas.append({"replica": i, "ranks": ranks, "num_blocks": num_blocks, "cache_bytes": cache_bytes,
+                         "num_tokens": num_tokens})
+    return {"dp": dp, "tp": config.tp, "executor": "ray" if ray else config.executor,
+            "devices": dp * config.tp, "bundles": [bundle] * (dp * config.tp) if ray else None,
+            "router": "prefix affinity over the first blocks' chained hashes, then the least loaded" if dp > 1
+            else None, "replicas": replicas}

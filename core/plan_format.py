@@ -53,6 +53,17 @@ def format_plan(r: dict) -> str:
         rows += [(f"rank {x['rank']}", f"weights {fmt_bytes(x['weight_bytes'])} ({x['weight_bytes']:,} B), reserve "
                                        f"{fmt_bytes(x['reserve_bytes'])}, cache {x['num_blocks']:,} blocks = "
                                        f"{fmt_bytes(x['cache_bytes'])} ({x['cache_bytes']:,} B)") for x in r["ranks"]]
+    place = r.get("placement")
+    if place and (place["dp"] > 1 or place["executor"] == "ray"):
+        rows.append(("placement", f"{place['dp']} replica(s) x tp={place['tp']} = {place['devices']} devices, "
+                                  f"executor {place['executor']}, one placement-group bundle a rank "
+                                  f"{place['bundles'][0]}" + (f"; router: {place['router']}" if place["router"]
+                                                              else "")))
+        for rep in place["replicas"]:
+            ranks = ", ".join(f"rank {x['rank']} in {x['runs_in']}" for x in rep["ranks"])
+            rows.append((f"replica {rep['replica']}", f"{ranks}; cache {rep['num_blocks']:,} blocks = "
+                                                       f"{fmt_bytes(rep['cache_bytes'])} = {rep['num_tokens']:,} "
+                                                       f"tokens of its own"))
     rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
              ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"
                                        for a in r["adjustments"]) or "none")]

@@ -57,6 +57,7 @@ class CudaBackend(Backend):
         block_size_min=16,
         block_size_power_of_two=True,
         dist_backend="nccl",
+        ray_resource="GPU",
         priority=100,
         default_dtype="bfloat16",
         decode_graphs=True,

@@ -34,6 +34,7 @@ from lmport.server import openapi as openapi_doc
 from lmport.server import routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
+from lmport.server.metrics import ReplicaCollector
 from lmport.server.protocol import APIError, brief
 from lmport.server.serving import MAX_BODY_BYTES, Server
 
@@ -45,13 +46,19 @@ HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
-               docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False) -> FastAPI:
+               docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
+               loop=None) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
     ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
     shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
-    answer (lmport.server.adapters)."""
-    server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
+    answer (lmport.server.adapters). ``loop``: data-parallel replicas' front end
+    (``lmport.dp.frontend.DataParallel``) with ``engine`` its view of the model; /health and /metrics then
+    report each replica."""
+    server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key, loop)
+    replicas = getattr(server.loop, "status", None)   # data-parallel replicas, each with its health and usage
+    if replicas is not None:
+        server.metrics.registry.register(ReplicaCollector(replicas))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -119,6 +126,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
             return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
         if server.admission.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if replicas is not None:
+            return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=auth)
@@ -184,23 +193,36 @@ def serve(args) -> int:
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections)
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be >= 1 (engine replicas), got {args.dp}")
     loras = adapters.parse_loras(args.lora)
-    config = engine_config(args)
-    config = dataclasses.replace(config, max_loras=adapters.max_loras_for(config.max_loras, loras,
-                                                                          args.enable_lora_loading))
-    engine = Engine(args.model, config)
-    adapters.load_startup_adapters(engine, loras, args.model)
+    settings = engine_config(args)
+    settings = dataclasses.replace(settings, max_loras=adapters.max_loras_for(settings.max_loras, loras,
+                                                                              args.enable_lora_loading))
+    loop = None
+    if args.dp > 1:   # replicas as Ray actors behind a routing front end (docs/distributed.md)
+        if settings.max_loras:
+            raise ConfigError("LoRA adapters (--lora, --enable-lora-loading) run with --dp 1 only")
+        from lmport.dp import cluster
+        loop, engine = cluster.start(args.model, settings, args.dp, policy=args.dp_routing,
+                                     balance_threshold=args.dp_balance_threshold)
+        blocks, where = engine.num_blocks, f"KV blocks on each of {args.dp} replicas ({args.dp_routing} routing)"
+    else:
+        engine = Engine(args.model, settings)
+        adapters.load_startup_adapters(engine, loras, args.model)
+        blocks, where = engine.plan.num_blocks, "KV blocks"
     app = create_app(engine, model_name=args.model, api_key=api_key, limits=limits,
                      allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
                      cors_origins=args.cors_origins, docs=args.docs,
-                     cache_salt_by_api_key=args.cache_salt_by_api_key, enable_lora_loading=args.enable_lora_loading)
+                     cache_salt_by_api_key=args.cache_salt_by_api_key, enable_lora_loading=args.enable_lora_loading,
+                     loop=loop)
     if args.enable_lora_loading and api_key is None:
         log.warning("--enable-lora-loading without an API key: anyone who can reach the server can make it read "
                     "adapter directories on this machine")
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "
-          f"{engine.plan.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
+          f"{blocks} {where}){'; API key required' if api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
         logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
     server = GracefulServer(config, app.state.server, shutdown_timeout=args.shutdown_timeout,

@@ -82,6 +82,9 @@ async def prompt_logprobs(server, ids: list[int], top: int, deadline: float | No
     ``deadline`` (time.perf_counter()) ends the scoring with a 504 at the next chunk; cancelling the caller
     (a client that left) stops it there too. Either way its KV blocks are freed.
     """
+    if not server.loop.scores_prompts:
+        raise APIError(400, "logprobs with echo scores the prompt on one engine, which a server of data-parallel "
+                            "replicas (--dp > 1) does not have: leave logprobs or echo out", param="logprobs")
     if len(ids) < 2:
         return [None], [None]
     engine = server.engine

@@ -47,6 +47,35 @@ class _EngineCollector:
         yield other
 
 
+class ReplicaCollector:
+    """Each data-parallel replica's health, requests in flight, restarts and usage, labelled by replica."""
+
+    def __init__(self, status_fn):
+        self.status_fn = status_fn
+
+    def collect(self):
+        replicas = self.status_fn()
+        healthy = GaugeMetricFamily("lmport_replica_healthy", "1 while the replica is in rotation", labels=["replica"])
+        flight = GaugeMetricFamily("lmport_replica_requests_in_flight", "Requests routed to the replica and not "
+                                   "finished", labels=["replica"])
+        routed = CounterMetricFamily("lmport_replica_requests_routed", "Requests routed to the replica",
+                                     labels=["replica"])
+        restarts = CounterMetricFamily("lmport_replica_restarts", "Times the replica was restarted",
+                                       labels=["replica"])
+        stat = GaugeMetricFamily("lmport_replica_stat", "The replica's engine.usage() numbers",
+                                 labels=["replica", "key"])
+        for r in replicas:
+            label = [str(r["replica"])]
+            healthy.add_metric(label, 1.0 if r["healthy"] else 0.0)
+            flight.add_metric(label, r["in_flight"])
+            routed.add_metric(label, r["routed"])
+            restarts.add_metric(label, r["restarts"])
+            for key, value in sorted(r["usage"].items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    stat.add_metric(label + [key], value)
+        yield from (healthy, flight, routed, restarts, stat)
+
+
 class Metrics:
     def __init__(self, usage_fn):
         self.registry = CollectorRegistry()

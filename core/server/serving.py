@@ -119,7 +119,10 @@ class _SendTimeout(Exception):
 class Server:
     def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
-                 cache_salt_by_api_key: bool = False):
+                 cache_salt_by_api_key: bool = False, loop: EngineLoop | None = None):
+        """``loop``: what runs the requests; default an EngineLoop over ``engine``. With data-parallel
+        replicas it is their front end (``lmport.dp.frontend.DataParallel``) and ``engine`` a view of the
+        model (``lmport.dp.served.ServedModel``)."""
         self.engine = engine
         self.model_name = model_name or engine.model_name
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -139,7 +142,7 @@ class Server:
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="lmport-tokenize")
         # Grammar compiles (structured outputs, forced tool calls), off the event loop (lmport.server.structured).
         self.compile_pool = ThreadPoolExecutor(2, thread_name_prefix="lmport-compile")
-        self.loop = EngineLoop(engine)
+        self.loop = loop if loop is not None else EngineLoop(engine)
         # /metrics reads what the engine thread publishes after each step: a scrape never waits for a step.
         self.metrics = Metrics(lambda: self.loop.snapshot)
         Gauge("lmport_requests_admitted", "Engine requests admitted by the server and not yet finished",
@@ -156,7 +159,7 @@ class Server:
         """Why no request can be served now, or None."""
         if self.loop.failure is not None:
             return self.loop.failure
-        if not self.loop._thread.is_alive():
+        if not self.loop.running:
             return "the engine thread has stopped"
         if self.engine.failure:  # a tensor-parallel rank is gone: nothing can be generated
             return f"engine failed: {self.engine.failure}"
