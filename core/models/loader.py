@@ -22,6 +22,7 @@ from lmport.models.llama import PagedCausalLM
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend
+from lmport.weights.ggml import GGMLWeight
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +181,10 @@ def parameter_count(model: torch.nn.Module) -> int:
     """Weights of the model, each once (a tied head shares its embedding's), quantized ones as [out, in]."""
     counts = {p.data_ptr(): p.numel() for name, p in model.named_parameters() if not name.startswith("rotary.")}
     for module in model.modules():
-        if isinstance(module, quantized_layers.QuantLinear | quantized_layers.QuantEmbedding):
-            q = module.quantized
-            counts[q.qweight.data_ptr()] = q.out_features * q.in_features
-        elif isinstance(module, quantized_layers.GGMLLinear | quantized_layers.GGMLEmbedding):
+        if isinstance(module, quantized_layers.HoldsWeight):   # quantized layers and stacked experts
             w = module.quantized
-            counts[w.blocks.data_ptr()] = w.out_features * w.in_features
+            codes = w.blocks if isinstance(w, GGMLWeight) else w.qweight
+            counts[codes.data_ptr()] = w.out_features * w.in_features
     return sum(counts.values())
 
 
