@@ -77,7 +77,21 @@ def load_tokenizer(model: str):
     path = resolve_model_path(model)
     if path.is_dir():
         return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return gguf_tokenizer(path)
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` makes of a GGUF: the class it picks
+    for the file's config, built by transformers' GGUF tokenizer converter from the file's metadata. Without
+    AutoTokenizer's own pass over the file for the config (gguf's GGUFReader over every metadata array: seconds
+    for a 50k-token vocabulary); the config is lmport's, read from the header. AutoTokenizer also reads a
+    tokenizer_config.json lying beside the file; a GGUF carries its tokenizer, so this does not."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    cls = TOKENIZER_MAPPING.get(type(read_model_config(str(path))), TokenizersBackend)
+    if cls is None or cls.__name__ == "MistralCommonBackend":   # its format needs files a GGUF does not have
+        cls = TokenizersBackend
+    return cls.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @dataclass
