@@ -114,8 +114,8 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
     keep_quantized = check_backend(path, backend.capabilities, weight_format)
     packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
     if (keep_quantized or packed) and tp is not None and tp.size > 1:
-        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (its weights are not "
-                          f"sharded in their quantized layout); use tp=1, or weight_format='dequantize' for a GGUF")
+        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (lmport does not shard "
+                          f"quantized weights); use tp=1, or weight_format='dequantize' for a GGUF")
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         tokenizer, cfg = load_tokenizer(model), read_model_config(model)
         bar.update()
