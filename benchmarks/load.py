@@ -244,8 +244,10 @@ def main() -> None:
                 for when in ("cold", "warm"):
                     if when == "cold":
                         evict(path)
-                    runs[f"{engine} {when}"].append(llama_round(bin_dir, path, args.threads) if engine == "llama.cpp"
-                                                    else lmport_round(path))
+                    r = llama_round(bin_dir, path, args.threads) if engine == "llama.cpp" else lmport_round(path)
+                    runs[f"{engine} {when}"].append(r)
+                    print(f"{path.name} {engine} {when}: {r['seconds']:.2f} s, peak RSS {r['peak_rss'] / 2 ** 20:.0f} "
+                          f"MiB, written {r['written'] / 2 ** 20:.1f} MiB", flush=True)   # a cut-short run keeps these
         results["files"].append({"file": path.name, "file_bytes": path.stat().st_size, "tensor_bytes": tensor_bytes,
                                  "runs": runs})
 
