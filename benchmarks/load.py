@@ -13,8 +13,9 @@ alternating for --repeats rounds, each round twice:
 A round is one fresh process from start to its first generated token: lmport is a Python process
 that builds an Engine (cpu backend, a 16-block KV cache) and generates one token; llama.cpp is
 `llama-server -m FILE -t THREADS -c 512`, asked for one token as soon as /health answers. Measured by
-the parent: wall seconds to the first token, the child's peak RSS and the bytes it wrote to disk
-(``os.wait4``'s ru_maxrss and ru_oublock). The Python process's own floor (interpreter, torch and
+the parent: wall seconds to the first token, the child's peak RSS (its own VmHWM: read by the
+parent from /proc before ending llama-server, printed by the lmport child as it ends) and the bytes it
+wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (interpreter, torch and
 transformers imported, no model) is measured too and printed beside lmport's RSS. Targets checked
 in the table: peak RSS at most 1.3x the file's tensor bytes plus the KV cache, nothing written, cold
 first token within 3x llama.cpp's. The machine is named in the output (CPU model, the SIMD flags that
@@ -49,8 +50,20 @@ engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=1, ignore_eos=True
 while not any(out.finished for out in engine.step()):
     pass
 print("kv_bytes", engine.plan.cache_bytes, "weight_bytes", engine.weight_bytes, flush=True)
+print("peak_rss_bytes", {VMHWM})
 """
-FLOOR_CHILD = "import torch, transformers, lmport.engine"
+FLOOR_CHILD = "import torch, transformers, lmport.engine\nprint('peak_rss_bytes', {VMHWM})"
+
+
+# A process's own peak RSS (VmHWM, kB). Not ``wait4``'s ru_maxrss: Linux carries the forking parent's RSS into
+# the child's maximum across exec, and this parent has torch imported.
+VMHWM = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024"
+LMPORT_CHILD, FLOOR_CHILD = LMPORT_CHILD.replace("{VMHWM}", VMHWM), FLOOR_CHILD.replace("{VMHWM}", VMHWM)
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
 
 
 def evict(path: Path) -> None:
@@ -71,14 +84,17 @@ def measured(cmd: list[str], until=None) -> dict:
     else:
         until(proc)
     seconds = time.perf_counter() - start
+    peak = None
     if until is not None:
+        peak = peak_rss(proc.pid)
         proc.terminate()
     _, status, usage = os.wait4(proc.pid, 0)
     if until is None and status != 0:
         raise RuntimeError(f"{cmd[:3]} exited with {status}")
     words = out.split()
     extra = {words[i]: int(words[i + 1]) for i in range(0, len(words) - 1, 2) if words[i].endswith("_bytes")}
-    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024, "written": usage.ru_oublock * 512, **extra}
+    peak = extra.pop("peak_rss_bytes", peak)
+    return {"seconds": seconds, "peak_rss": peak, "written": usage.ru_oublock * 512, **extra}
 
 
 def lmport_round(path: Path) -> dict:
