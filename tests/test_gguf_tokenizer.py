@@ -15,7 +15,8 @@ import pytest
 from lmport.models.loader import gguf_tokenizer, resolve_model_path
 from support.tiny_hf_models import ARCHS, gguf_file
 
-TEXTS = ["Hello world! <|im_start|>user\n  naïve 123 你好", "  leading spaces\tand tabs\n\n", "<|endoftext|>x<|im_end|>"]
+TEXTS = ["Hello world! <|im_start|>user\n  naïve 123 你好", "  leading spaces\tand tabs\n\n",
+         "<|endoftext|>x<|im_end|>"]
 QUICK = ("smollm2", "gemma3")
 CASES = [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in ("smollm2", *ARCHS)]
 
