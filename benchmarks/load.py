@@ -19,7 +19,7 @@ wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (inter
 transformers imported, no model) is measured too and printed beside lmport's RSS. Targets checked
 in the table: peak RSS at most 1.3x the file's tensor bytes plus the KV cache, nothing written, cold
 first token within 3x llama.cpp's. The machine is named in the output (CPU model, the SIMD flags that
-matter, cores, memory, a measured copy bandwidth, the load average before and after): on a shared
+matter, cores, memory, a measured read bandwidth: benchmarks/machine.py; the load average before and after): on a shared
 machine timings drift, so only one run's ratios mean much.
 
 llama.cpp is not vendored: pass its bin directory (--llama-bin or LMPORT_LLAMA_CPP_BIN).
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/machine.py
 
 LMPORT_CHILD = r"""
 import sys
@@ -187,32 +188,17 @@ def random_llama_1b(bin_dir: Path, tokenizer_source: Path, cache: Path) -> Path:
     return target
 
 
-def machine(bin_dir: Path) -> dict:
-    """What the figures were taken on: CPU model and flags, cores, memory, a measured copy bandwidth."""
-    import numpy as np
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_tile")
-    src = np.ones(64 << 20, dtype=np.float64)   # 512 MiB, far beyond any cache
-    dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+def machine(bin_dir: Path, threads: int) -> dict:
+    """What the figures were taken on (benchmarks/machine.py): CPU model and flags, cores, load, memory and a
+    measured read bandwidth; and llama.cpp's version."""
+    from machine import cpu_info, memory_bandwidth
     try:
         version = subprocess.run([str(bin_dir / "llama-server"), "--version"], capture_output=True, text=True,
                                  timeout=30).stderr.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         version = "unknown"
-    return {"cpu": model, "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "copy_bandwidth_gb_s": 2 * src.nbytes / best / 1e9, "llama_cpp": version,
-            "load_average_before": os.getloadavg()}
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return {**cpu_info(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "bandwidth": memory_bandwidth(threads), "llama_cpp": version}
 
 
 def requantize(bin_dir: Path, source: Path, kind: str, cache: Path) -> Path:
@@ -249,7 +235,7 @@ def main() -> None:
              *([] if args.skip_1b else [random_llama_1b(bin_dir, shipped, cache)]), *map(Path, args.files)]
     if args.only is not None:
         files = [f for f in files if f.name in args.only]
-    results = {"machine": machine(bin_dir), "python_floor": measured([sys.executable, "-c", FLOOR_CHILD]),
+    results = {"machine": machine(bin_dir, args.threads), "python_floor": measured([sys.executable, "-c", FLOOR_CHILD]),
                "repeats": args.repeats, "threads": args.threads, "files": []}
     floor = results["python_floor"]
     for path in files:
@@ -273,9 +259,10 @@ def main() -> None:
 
     mib = 2 ** 20
     m = results["machine"]
-    print(f"machine: {m['cpu']} ({', '.join(m['flags'])}), {m['cores']} cores, {m['memory_bytes'] / 2 ** 30:.0f} GiB, "
-          f"copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s; llama.cpp {m['llama_cpp']}; load average before "
-          f"{m['load_average_before']}, after {results['load_average_after']}")
+    print(f"machine: {m['model']} ({', '.join(m['kernel_flags'])}), {m['cores']} cores, "
+          f"{m['memory_bytes'] / 2 ** 30:.0f} GiB, read bandwidth {m['bandwidth']['median_gbs']:.1f} GB/s "
+          f"({m['bandwidth']['threads']} threads); llama.cpp {m['llama_cpp']}; load average before "
+          f"{m['load_average']}, after {results['load_average_after']}")
     print(f"python floor (torch, transformers, lmport imported): {floor['seconds']:.2f} s, "
           f"peak RSS {floor['peak_rss'] / mib:.0f} MiB")
     print("| file | tensor MiB | engine | first token s, median (min-max) | peak RSS MiB, median (min-max) | "
