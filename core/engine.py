@@ -6,6 +6,7 @@ Every request ends finished ("stop" / "length"), aborted, or with an error.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
