@@ -37,7 +37,7 @@ from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
 from lmport.units import fmt_bytes
-from lmport.weights.checkpoint import check_backend, is_quantized
+from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,6 @@ class Engine:
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
         path = resolve_model_path(model)
-        if self.config.tp > 1 and self.config.weight_format == "auto" and is_quantized(path):
-            # Quantized weights are not sharded: under tensor parallelism the checkpoint loads float.
-            log.warning("tp=%d: %s is dequantized to %s at load (quantized weights run at tp=1 only)",
-                        self.config.tp, path.name, self.config.dtype)
-            self.config = dataclasses.replace(self.config, weight_format="dequantize")
         check_backend(path, backend_cls.capabilities, self.config.weight_format)
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
@@ -97,6 +92,7 @@ class Engine:
             raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
                               f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
         check_tp(read_model_config(model), self.config.tp)   # before any weight loads
+        check_tensor_parallel(path, self.config.tp, self.config.weight_format)
         # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
         if self.config.executor == "ray" and self.config.tp > 1:
             from lmport.ray_executor import RayExecutor

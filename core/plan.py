@@ -22,7 +22,7 @@ from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
 from lmport.weights import gguf
-from lmport.weights.checkpoint import check_backend
+from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
 def build_plan(model: str, config: EngineConfig, device_memory: int | None = None, dp: int = 1) -> dict:
     """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free
@@ -42,8 +42,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     weight_bytes = max(rank_bytes)
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
-    weight_format = resolved.weight_format if resolved.tp == 1 else "dequantize"   # as the engine does
-    if check_backend(path, caps, weight_format) and path.suffix == ".gguf":
+    check_tensor_parallel(path, resolved.tp, resolved.weight_format)   # as the engine does
+    if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
         # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
         weight_bytes = sum(bytes_by_format.values())
