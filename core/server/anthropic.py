@@ -11,6 +11,7 @@ reason and usage), message_stop. Errors have Anthropic's shape, ``{"type": "erro
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Annotated, ClassVar, Literal
@@ -107,6 +108,16 @@ class ToolChoice(_Request):
     disable_parallel_tool_use: bool = False       # accepted; a forced call is one call
 
 
+class JSONOutputFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: dict = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    format: JSONOutputFormat | None = None        # structured output: the reply is JSON valid against the schema
+    effort: str | None = None                     # accepted; changes nothing here
+
+
 class _Conversation(JSONPathRequest):
     """What a messages and a count_tokens request share."""
     model: str
@@ -140,6 +151,7 @@ class MessagesRequest(_Conversation):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)                   # 0: off
     metadata: dict | None = None                  # accepted (user_id), changes nothing
+    output_config: OutputConfig | None = None
 
     def stop_problem(self) -> APIError | None:
         words = self.stop_sequences or []
@@ -235,11 +247,15 @@ def to_chat(req: _Conversation) -> tuple[ChatCompletionRequest, str]:
     if isinstance(req, MessagesRequest):
         chat.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     stop=req.stop_sequences or None)
+        if req.output_config is not None and req.output_config.format is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": req.output_config.format.json_schema}}
     return ChatCompletionRequest.model_validate(chat), prefill
 
 
 def _field(param: str) -> str:
     """A chat request's field as Anthropic names it."""
+    param = re.sub(r"^response_format(\.json_schema)?", "output_config.format", param)
     param = param.replace("tool_choice.function.name", "tool_choice.name").replace(".function.parameters",
                                                                                    ".input_schema")
     return param.replace(".function", ".name") if param.startswith("tools.") else param

@@ -8,6 +8,7 @@ with a name, the stop sequence that ended an output, and an error renamed to the
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -81,8 +82,11 @@ def stop_sequence(tokenizer, out: RequestOutput, stop_words: list[str] | None) -
 
 
 def renamed(exc: APIError, rename: Callable[[str], str]) -> APIError:
-    """``exc`` with its field (``param`` and the start of the message) renamed to the API's own."""
+    """``exc`` with its field (``param`` and the field path the message starts with) renamed to the API's own."""
     if exc.param is None or (param := rename(exc.param)) == exc.param:
         return exc
-    message = param + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+    head = re.match(r"[\w.]+", exc.message)
+    message = exc.message
+    if head and head.group().startswith(exc.param):
+        message = rename(head.group()) + message[head.end():]
     return APIError(exc.status, message, param, exc.type, exc.code, exc.headers)

@@ -327,8 +327,8 @@ class _Reply:
                     "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
         return self.response(status, output, out)
 
-    def _event(self, name: str, **data) -> str:
-        line = event(name, {"type": name, "sequence_number": self.sequence, **data})
+    def _event(self, kind: str, **data) -> str:
+        line = event(kind, {"type": kind, "sequence_number": self.sequence, **data})
         self.sequence += 1
         return line
 
