@@ -89,8 +89,9 @@ def test_stream_events_in_order_and_equal_to_the_reply(tiny_server, tiny):
     final = events[-1][1]["response"]
     assert text == reply.output_text == final["output"][0]["content"][0]["text"]
     assert final["status"] == reply.status == "incomplete" and final["usage"]["output_tokens"] == 10
-    with tiny.responses.stream(**body) as stream:
-        assert stream.get_final_response().output_text == reply.output_text
+    with tiny.responses.stream(**body) as stream:   # the client's own accumulation of the events
+        last = list(stream)[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == reply.output_text
 
 
 def test_function_call_round_trip(tiny_server, tiny):
@@ -109,6 +110,9 @@ def test_function_call_round_trip(tiny_server, tiny):
     assert [n for n, _ in events if n.startswith("response.output_item")] == [
         "response.output_item.added", "response.output_item.done"]
     assert events[-1][0] == "response.completed"
+    with tiny.responses.stream(model="tiny", input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=80,
+                               temperature=0) as stream:
+        assert stream.get_final_response().output[0].arguments == call.arguments
     # The result goes back as items; the prompt is the chat route's for the same conversation.
     items = [*ask, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
              {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"}]
