@@ -53,7 +53,7 @@ def raw_events(server, body: dict) -> list[tuple[str, dict]]:
     """(event name, data) of a streamed /v1/messages reply, read off the wire."""
     events, name = [], None
     with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True},
-                      headers={"x-api-key": KEY}, timeout=120) as r:
+                      headers={"x-api-key": KEY}, timeout=600) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("event: "):
@@ -205,7 +205,7 @@ def _body(**fields) -> dict:
     (_body(model="claude-sonnet-4-5"), 404, "not_found_error", "model: 'claude-sonnet-4-5' does not exist"),
 ])
 def test_bad_input_names_the_field_in_anthropics_shape(tiny_server, body, status, kind, field):
-    r = httpx.post(tiny_server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    r = httpx.post(tiny_server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=600)
     assert r.status_code == status, r.text
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == kind, error
@@ -213,7 +213,7 @@ def test_bad_input_names_the_field_in_anthropics_shape(tiny_server, body, status
 
 
 def test_errors_before_the_route_have_anthropics_shape_too(tiny_server, tiny):
-    r = httpx.post(tiny_server.url + "/v1/messages", json=_body(), timeout=60)   # no key
+    r = httpx.post(tiny_server.url + "/v1/messages", json=_body(), timeout=600)   # no key
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(tiny_server.url + "/v1/messages", content=b"{}", timeout=60,
                    headers={"x-api-key": KEY, "content-type": "text/plain"})
@@ -272,3 +272,26 @@ def test_default_model_messages_stream_and_tool_round_trip(smol_server):
                                  "name": use.name, "arguments": json.dumps(use.input)}}]},
                   {"role": "tool", "tool_call_id": use.id, "content": "21 degrees"}])
     assert answer.content[0].text == reference.choices[0].message.content
+
+
+def test_openapi_describes_the_routes_and_the_replies_conform(tiny_server):
+    doc = httpx.get(tiny_server.url + "/openapi.json", headers={"x-api-key": KEY}, timeout=600).json()
+
+    def conforms(name, instance):
+        jsonschema.validate(instance, {**doc, "$ref": f"#/components/schemas/{name}"})
+    for path, request in (("/v1/messages", "MessagesRequest"), ("/v1/messages/count_tokens", "CountTokensRequest")):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(request)
+        assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("AnthropicError")
+    body = {"model": "tiny", "max_tokens": 60, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
+            "tool_choice": {"type": "any"}}
+    conforms("MessagesRequest", body)
+    headers = {"x-api-key": KEY}
+    conforms("AnthropicMessage", httpx.post(tiny_server.url + "/v1/messages", json=body, headers=headers,
+                                            timeout=600).json())
+    conforms("MessageTokensCount", httpx.post(tiny_server.url + "/v1/messages/count_tokens", json=body,
+                                              headers=headers, timeout=600).json())
+    conforms("AnthropicError", httpx.post(tiny_server.url + "/v1/messages", json={**body, "max_tokens": 0},
+                                          headers=headers, timeout=600).json())
+    for _, data in raw_events(tiny_server, body):
+        conforms("AnthropicStreamEvent", data)

@@ -45,7 +45,7 @@ def tiny(tiny_server):
 
 def raw_events(server, body: dict) -> list[tuple[str, dict]]:
     events, name = [], None
-    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=600) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("event: "):
@@ -117,9 +117,9 @@ def test_function_call_round_trip(tiny_server, tiny):
     items = [*ask, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
              {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees"}]
     again = tiny.responses.create(model="tiny", input=items, tools=[WEATHER], max_output_tokens=4, temperature=0)
+    calls = [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
     chat = tiny.chat.completions.create(model="tiny", max_tokens=1, temperature=0, tools=[CHAT_WEATHER], messages=[
-        *ask, {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-            "name": call.name, "arguments": call.arguments}}]},
+        *ask, {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees"}])
     assert again.usage.input_tokens == chat.usage.prompt_tokens
 
@@ -161,7 +161,7 @@ def test_text_format_json_schema(tiny):
     ({"background": True}, "background", "not supported"),
 ])
 def test_bad_input_names_the_field(tiny_server, fields, field, fragment):
-    r = httpx.post(tiny_server.url + "/v1/responses", json={"model": "tiny", "input": "Hi", **fields}, timeout=60)
+    r = httpx.post(tiny_server.url + "/v1/responses", json={"model": "tiny", "input": "Hi", **fields}, timeout=600)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and error["message"].startswith(field) and fragment in error["message"], error
@@ -205,13 +205,34 @@ def test_default_model_responses_stream_tools_and_json_schema(smol):
         *weather, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees"}])
     # The same conversation through chat completions gives the same reply (the model's wording is its own).
+    calls = [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
     reference = smol.chat.completions.create(model="smollm2", max_tokens=30, temperature=0, tools=[CHAT_WEATHER],
-                                             messages=[*weather, {"role": "assistant", "content": None, "tool_calls": [{
-                                                 "id": call.call_id, "type": "function", "function": {
-                                                     "name": call.name, "arguments": call.arguments}}]},
-                                                 {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees"}])
+                                             messages=[*weather, {"role": "assistant", "content": None,
+                                                                  "tool_calls": calls},
+                                                       {"role": "tool", "tool_call_id": call.call_id,
+                                                        "content": "21 degrees"}])
     assert answer.output_text == reference.choices[0].message.content
     parsed = smol.responses.parse(model="smollm2", input="Give the capital of Japan as JSON.", temperature=0,
                                   max_output_tokens=60, text_format=Capital)
     assert parsed.status == "completed" and isinstance(parsed.output_parsed, Capital)
     jsonschema.validate(json.loads(parsed.output_text), Capital.model_json_schema())
+
+
+def test_openapi_describes_the_route_and_the_replies_conform(tiny_server):
+    doc = httpx.get(tiny_server.url + "/openapi.json", timeout=600).json()
+
+    def conforms(name, instance):
+        jsonschema.validate(instance, {**doc, "$ref": f"#/components/schemas/{name}"})
+    op = doc["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("ResponsesRequest")
+    body = {"model": "tiny", "input": "Hi", "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 80}
+    conforms("ResponsesRequest", body)
+    with pytest.raises(jsonschema.ValidationError):
+        conforms("ResponsesRequest", {**body, "previous_response_id": "resp_1"})
+    conforms("ResponseObject", httpx.post(tiny_server.url + "/v1/responses", json=body, timeout=600).json())
+    conforms("ErrorResponse", httpx.post(tiny_server.url + "/v1/responses", json={**body, "max_output_tokens": 0},
+                                         timeout=600).json())
+    for _, data in raw_events(tiny_server, body):
+        conforms("ResponseStreamEvent", data)
+        if "response" in data:
+            conforms("ResponseObject", data["response"])
