@@ -169,7 +169,8 @@ def test_output_config_json_schema(tiny):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}}, "required": ["city"],
               "additionalProperties": False}
     m = tiny.messages.create(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "A city?"}],
-                             output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+                             extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}},
+                                         **GREEDY})
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), schema)
 
