@@ -378,14 +378,15 @@ class _Reply:
                             "arguments": "", "status": "in_progress"}, ""
                         for line in self._open(item, output):
                             yield line
+                    current = output[-1]   # the open item (it was just opened if need be)
                     if piece.kind == "text":
                         text += piece.text
-                        yield self._event("response.output_text.delta", item_id=item["id"],
+                        yield self._event("response.output_text.delta", item_id=current["id"],
                                           output_index=len(output) - 1, content_index=0, delta=piece.text,
                                           logprobs=[])
                     elif piece.kind == "arguments":
-                        item["arguments"] += piece.text
-                        yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                        current["arguments"] += piece.text
+                        yield self._event("response.function_call_arguments.delta", item_id=current["id"],
                                           output_index=len(output) - 1, delta=piece.text)
                 if out.finished:
                     final = out
