@@ -387,6 +387,7 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
     for name in ("MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
         schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
                                                 "description": "the served model (GET /v1/models)"}
+    schemas["MessageItem"]["required"].remove("type")   # an input message may leave its type out
     props = schemas["ResponsesRequest"]["properties"]
     for name in ("previous_response_id", "conversation", "prompt"):   # refused: nothing is stored
         props[name] = {"type": "null", "description": "not supported (this server stores nothing); leave it out"}
