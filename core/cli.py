@@ -117,6 +117,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="origins browsers may call the API from (default: none)")
     g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)")
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--lora", nargs="+", default=[], metavar="NAME=PATH",
+                   help="peft adapter directories to serve from the start, each chosen by requests whose model is "
+                        "NAME (max_loras defaults to their number)")
+    g.add_argument("--enable-lora-loading", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read paths on this "
+                        "machine: use with --api-key; max_loras defaults to at least 1)")
 
 
 def cmd_worker(args) -> int:

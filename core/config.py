@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("auto", "dequantize")
+MAX_LORA_RANK = 256
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,10 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None        # HOST:PORT of the rendezvous (node 0); None: a free local port
     dist_timeout: float = 300.0              # seconds any collective may wait before it fails
+    # LoRA adapters served over the base model (docs/lora.md): how many can be loaded at once (0: off, no
+    # adapter weights held) and the highest adapter rank they may have; both size the adapter memory.
+    max_loras: int = 0
+    max_lora_rank: int = 16
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -95,6 +100,12 @@ class EngineConfig:
                f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         _check(_is_number(self.dist_timeout) and self.dist_timeout > 0,
                f"dist_timeout must be a number of seconds > 0, got {self.dist_timeout!r}")
+        _check(_is_int(self.max_loras) and self.max_loras >= 0,
+               f"max_loras must be an int >= 0 (0: no LoRA adapters), got {self.max_loras!r}")
+        _check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= MAX_LORA_RANK,
+               f"max_lora_rank must be an int in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
+        _check(self.max_loras == 0 or self.tp == 1,
+               f"max_loras={self.max_loras} with tp={self.tp}: LoRA adapters run at tp=1 only; use tp=1 or max_loras=0")
         _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
@@ -121,6 +132,10 @@ class EngineConfig:
             problem = caps.block_size_problem(self.block_size)
             _check(problem is None, f"block_size={self.block_size} on device {caps.device_type!r}: {problem} "
                                     f"(rule: {caps.block_size_rule()}; default {caps.default_block_size})")
+        if self.max_loras and not caps.lora:
+            raise ConfigError(
+                f"max_loras={self.max_loras}: device {caps.device_type!r} does not run LoRA adapters; they run on "
+                f"{', '.join(_devices_with_lora()) or 'no installed device'}; use max_loras=0 on {caps.device_type}")
         if self.dtype != "auto":
             _check(self.dtype in caps.dtypes, f"dtype={self.dtype!r} is not supported on device "
                                               f"{caps.device_type!r}; use one of {', '.join(caps.dtypes)}")
@@ -137,9 +152,10 @@ class EngineConfig:
                                               f"{caps.device_type} requires block size {caps.block_size_forced}"))
             block_size = caps.block_size_forced
         eager_mode = self.eager_mode
-        if not eager_mode and (not caps.decode_graphs or self.tp > 1):
+        if not eager_mode and (not caps.decode_graphs or self.tp > 1 or self.max_loras):
             why = (f"{caps.device_type} does not capture decode steps" if not caps.decode_graphs
-                   else f"decode steps are captured at tp=1 only (tp={self.tp})")
+                   else f"decode steps are captured at tp=1 only (tp={self.tp})" if self.tp > 1
+                   else f"captured decode steps take no LoRA adapters (max_loras={self.max_loras})")
             adjustments.append(Adjustment("eager_mode", False, True, why + "; every step runs eagerly"))
             eager_mode = True
         for a in adjustments:
@@ -150,6 +166,11 @@ class EngineConfig:
             cache_max_entry_count=(caps.default_cache_max_entry_count if self.cache_max_entry_count is None
                                    else self.cache_max_entry_count),
             adjustments=tuple(adjustments))
+
+
+def _devices_with_lora() -> list[str]:
+    from lmport import registry
+    return [r.name for r in registry.describe_backends() if r.capabilities and r.capabilities.lora]
 
 
 def _devices_supporting(policy: int) -> list[str]:

@@ -10,7 +10,9 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -20,12 +22,16 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
+from lmport.lora.peft import read_peft_adapter
+from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.lora import LoraLayers
 from lmport.models.windows import kv_window
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
+from lmport.pooling import POOLING_MODES
 from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
@@ -53,6 +59,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     error: str | None = None
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
+    embedding: list[float] | None = None   # an embedding request's pooled hidden state (lmport.pooling), once done
 
 
 class Engine:
@@ -95,6 +102,8 @@ class Engine:
         # Structured outputs (docs/engine.md): grammars compiled once per format, masks built beside the forward.
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.masks = MaskBuilder(self.model_config.vocab_size)
+        self.adapters = AdapterTable(self.config.max_loras)   # LoRA adapters (docs/lora.md)
+        self._pooled: dict[str, torch.Tensor] = {}   # embedding requests' pooled sums so far (lmport.pooling)
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -139,13 +148,21 @@ class Engine:
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve."""
+                    request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None,
+                    pooling: str | None = None) -> str:
+        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
+        ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so).
+        ``pooling``: an embedding request ("mean" or "last", lmport.pooling): the prompt is prefilled with the
+        other requests' steps, nothing is generated, and its final output carries the pooled hidden state."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids)
+        if pooling not in (None, *POOLING_MODES):
+            raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
+        if pooling == "mean":   # every position's hidden state is needed: no prefix-cache hit may skip one
+            cache_salt = f"\0mean-pooling:{uuid.uuid4().hex}"
         stop = set(gen_config.stop_token_ids if gen_config.stop_token_ids is not None else self.eos_token_ids)
         if gen_config.ignore_eos:
             stop -= set(self.eos_token_ids)
@@ -158,8 +175,9 @@ class Engine:
             grammar = self.grammars.matcher(gen_config.response_format)
         except GuidedDecodingError as exc:
             raise RequestError(str(exc)) from None
+        adapter_id = self.adapters.acquire(adapter).id if adapter is not None else 0
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt, grammar=grammar)
+                       cache_salt=cache_salt, grammar=grammar, adapter_id=adapter_id, pooling=pooling)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -184,6 +202,8 @@ class Engine:
             return False
         self.scheduler.finish(seq)
         seq.finish("abort")
+        self._pooled.pop(request_id, None)
+        self.adapters.release(seq.adapter_id)
         self._pending_outputs.append(self._output(seq, [], ""))
         del self.seqs[request_id]
         return True
@@ -204,7 +224,8 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
-        completing = [s for s, n in zip(batch.seqs, batch.num_new) if s.num_computed + n == s.num_tokens]
+        completing = [s for s, n in zip(batch.seqs, batch.num_new)
+                      if s.num_computed + n == s.num_tokens and s.pooling is None]
         masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
             logits = self._forward(batch.seqs, batch.num_new)
@@ -217,7 +238,10 @@ class Engine:
 
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
-        ready = [s for s in batch.seqs if s.num_uncomputed == 0]
+        if isinstance(logits, tuple):   # embedding requests in the batch
+            logits, pooled = logits
+            outputs += self._pool(batch.seqs, batch.num_new, pooled)
+        ready = [s for s in batch.seqs if s.num_uncomputed == 0 and s.pooling is None]
         if not ready:
             return outputs
         mask = None
@@ -283,17 +307,43 @@ class Engine:
         if copies:
             self.executor.execute(StepInput([], [], [], [], [], copies))
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
-        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes."""
+    def _forward(self, seqs: list[Sequence], num_new: list[int]):
+        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes, with the
+        sums of the embedding requests' pooled rows (lmport.pooling) beside them when the batch has any."""
         ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        ends, rows = 0, []
+        ends, rows, pool = 0, [], []
         for s, n in zip(seqs, num_new):
             ends += n
-            if s.num_computed + n == s.num_tokens:
+            completes = s.num_computed + n == s.num_tokens
+            if s.pooling is not None:
+                if s.pooling == "mean" or completes:
+                    pool.append((ends - n, ends) if s.pooling == "mean" else (ends - 1, ends))
+            elif completes:
                 rows.append(ends - 1)
+        slots = [self.adapters.slot(s.adapter_id) for s in seqs] if self.config.max_loras else []
         step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
-                         [s.block_table for s in seqs], rows, self.block_manager.take_copies())
+                         [s.block_table for s in seqs], rows, self.block_manager.take_copies(), slots, pool)
+        if pool:
+            return self.executor.run_all("execute_pooled", step)[0]
         return self.executor.execute(step)
+
+    def _pool(self, seqs: list[Sequence], num_new: list[int], pooled: torch.Tensor) -> list[RequestOutput]:
+        """Adds this step's pooled sums to each embedding request's; ends those now complete with their vector."""
+        outputs, i = [], 0
+        for seq, n in zip(seqs, num_new):
+            if seq.pooling is None or (seq.pooling == "last" and seq.num_uncomputed):
+                continue
+            if seq.pooling == "mean" and seq.num_computed == n:   # its first chunk (again, after a preemption)
+                self._pooled[seq.request_id] = torch.zeros_like(pooled[i])
+            total = self._pooled.pop(seq.request_id, 0) + pooled[i]
+            i += 1
+            if seq.num_uncomputed:
+                self._pooled[seq.request_id] = total
+                continue
+            vector = total / seq.num_tokens if seq.pooling == "mean" else total
+            self._end(seq, "stop")
+            outputs.append(dataclasses.replace(self._output(seq, [], ""), embedding=vector.tolist()))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
         seq.output_ids.append(token)
@@ -331,6 +381,9 @@ class Engine:
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq)
+        self._pooled.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.adapters.release(seq.adapter_id)
         seq.finish(reason, error)
         self.seqs.pop(seq.request_id, None)
 
@@ -342,6 +395,31 @@ class Engine:
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs) if full else [], error=seq.error,
             delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [])
+
+    # -- LoRA adapters (docs/lora.md) ---------------------------------------
+    def read_adapter(self, path: str):
+        """The peft adapter at ``path``, checked against this model (lmport.lora.peft); touches no engine state,
+        so a server reads it off the engine thread. AdapterError for one that cannot be served."""
+        self.adapters.free_slot()   # max_loras=0: refused before reading anything
+        lora = cast(LoraLayers, self.runner.lora)   # max_loras >= 1 here: the runner made them
+        return read_peft_adapter(path, lora.shapes, self.config.max_lora_rank, self.dtype)
+
+    def load_adapter(self, name: str, path: str, adapter=None) -> LoadedAdapter:
+        """Serve the peft adapter at ``path`` as ``name`` (``adapter``: already read by ``read_adapter``)."""
+        self.adapters.check_name(name)
+        slot = self.adapters.free_slot()
+        adapter = adapter if adapter is not None else self.read_adapter(path)
+        self.executor.run_all("load_adapter", slot, adapter.weights)
+        loaded = self.adapters.add(name, slot, adapter.path, adapter.rank)
+        log.info("LoRA adapter %r loaded from %s (rank %d, slot %d)", name, adapter.path, adapter.rank, slot)
+        return loaded
+
+    def unload_adapter(self, name: str) -> LoadedAdapter:
+        """Stop serving ``name``: new requests are refused at once; those running finish with it."""
+        adapter = self.adapters.remove(name)
+        log.info("LoRA adapter %r unloaded (%d requests still finishing with it)", name,
+                 self.adapters.in_use(adapter.id))
+        return adapter
 
     # -- introspection ----------------------------------------------------
     def usage(self) -> dict:

@@ -49,9 +49,12 @@ class EngineLoop:
         self._thread.start()
 
     async def generate(self, prompt_ids: list[int], gen_config: GenerationConfig,
-                       request_id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, cache_salt: str | None = None,
+                       adapter: str | None = None, pooling: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Invalid input raises RequestError before anything is queued.
-        ``cache_salt``: only requests with the same salt share prefix-cache blocks.
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks; ``adapter``: the LoRA
+        adapter to run it with (AdapterError when none of that name is loaded); ``pooling``: an embedding request
+        (Engine.add_request).
 
         Closing the iterator early (a client that went away) aborts the request and frees its blocks.
         """
@@ -62,7 +65,8 @@ class EngineLoop:
 
         def add(engine):
             try:
-                engine.add_request(prompt_ids, gen_config, request_id, cache_salt=cache_salt)
+                engine.add_request(prompt_ids, gen_config, request_id, cache_salt=cache_salt, adapter=adapter,
+                                   pooling=pooling)
                 error = None
             except Exception as exc:
                 error = exc

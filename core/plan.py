@@ -17,6 +17,7 @@ from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv
                            plan_cache)
 from lmport.models.llama import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.lora import lora_bytes
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
@@ -55,8 +56,11 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     else:
         source = "--device-memory"
     measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
-    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w, max(0, device_memory - w),
-                                activation_reserve(model_cfg, resolved), reserve_measured=False) for w in rank_bytes]
+    # The LoRA adapters' slots sit beside the weights (lmport.models.lora), allocated whether or not one is loaded.
+    adapter_bytes = lora_bytes(model_cfg, resolved.max_loras, resolved.max_lora_rank, dtype)
+    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes,
+                                max(0, device_memory - w - adapter_bytes), activation_reserve(model_cfg, resolved),
+                                reserve_measured=False) for w in rank_bytes]
     inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
 
     report = {
@@ -68,6 +72,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                   "layer_windows": list(layer_windows(model_cfg))},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
         "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
+        "lora": {"max_loras": resolved.max_loras, "max_lora_rank": resolved.max_lora_rank, "bytes": adapter_bytes},
         "activation_reserve": {
             "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
             "source": "estimate",

@@ -25,9 +25,12 @@ def format_plan(r: dict) -> str:
         ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
                     + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())
                     + (f" on each of {cfg['tp']} devices" if cfg["tp"] > 1 else "")),
+        *([("LoRA", f"{r['lora']['max_loras']} adapter slots of rank <= {r['lora']['max_lora_rank']}: "
+                    f"{fmt_bytes(r['lora']['bytes'])} ({r['lora']['bytes']:,} B)")] if r["lora"]["bytes"] else []),
         ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
                        f"({a['source']}; {a['note']})"),
-        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights, "
+        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights"
+                 f"{' and LoRA slots' if r['lora']['bytes'] else ''}, "
                  f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
         ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
                      f"tokens = {kv['bytes_per_token']:,.6g} B a token"),

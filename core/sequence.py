@@ -37,6 +37,8 @@ class Sequence:
     decoder: IncrementalDecoder | None = None   # the engine's, made at the first output token
     generator: torch.Generator | None = None
     grammar: object | None = None   # xgrammar matcher of a structured output (lmport.guided), advanced per token
+    adapter_id: int = 0             # the LoRA adapter it runs with (lmport.lora.table), 0: the base model
+    pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.pooling); it generates nothing
 
     @property
     def token_ids(self) -> list[int]:

@@ -233,6 +233,8 @@ class BlockManager(Eviction, UsageStats, Invariants):
         st = self._seqs.get(seq)
         if st is None:
             extra = (("cache_salt", seq.cache_salt),) if seq.cache_salt is not None else ()
+            if seq.adapter_id:   # K/V computed under a LoRA adapter are that adapter's own
+                extra += (("adapter", str(seq.adapter_id)),)
             st = self._seqs[seq] = _SeqCache(extra)
         return st
 

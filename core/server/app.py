@@ -16,6 +16,7 @@ error that names the field; see docs/server.md. The completion routes are in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
 from lmport.engine import Engine
+from lmport.server import adapters, embeddings
 from lmport.server import openapi as openapi_doc
 from lmport.server import anthropic, responses, routes
 from lmport.server.guards import Guards
@@ -45,11 +47,12 @@ HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
-               docs: bool = True, cache_salt_by_api_key: bool = False) -> FastAPI:
+               docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
     ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
-    shared only between requests sent with the same key."""
+    shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
+    answer (lmport.server.adapters)."""
     server = Server(engine, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
 
     @contextlib.asynccontextmanager
@@ -127,17 +130,22 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    adapters.register(app, server, auth, enable_lora_loading)
+    embeddings.register(app, server, auth)
+
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "lmport",
                 "max_model_len": engine.session_len}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapters.model_cards(server)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str):
         if model_id != server.model_name:
+            if (card := next((c for c in adapters.model_cards(server) if c["id"] == model_id), None)) is not None:
+                return card
             raise APIError(404, f"model: {brief(model_id)} does not exist; this server serves "
                                 f"{server.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
         return model_card()
@@ -166,7 +174,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(Guards, allowed_hosts=allowed_hosts, error_body=error_body,
-                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                                             "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
                                              *anthropic.PATHS}))
     return app
 
@@ -198,11 +207,19 @@ def serve(args) -> int:
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections)
-    engine = Engine(args.model, engine_config(args))
+    loras = adapters.parse_loras(args.lora)
+    config = engine_config(args)
+    config = dataclasses.replace(config, max_loras=adapters.max_loras_for(config.max_loras, loras,
+                                                                          args.enable_lora_loading))
+    engine = Engine(args.model, config)
+    adapters.load_startup_adapters(engine, loras, args.model)
     app = create_app(engine, model_name=args.model, api_key=api_key, limits=limits,
                      allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
                      cors_origins=args.cors_origins, docs=args.docs,
-                     cache_salt_by_api_key=args.cache_salt_by_api_key)
+                     cache_salt_by_api_key=args.cache_salt_by_api_key, enable_lora_loading=args.enable_lora_loading)
+    if args.enable_lora_loading and api_key is None:
+        log.warning("--enable-lora-loading without an API key: anyone who can reach the server can make it read "
+                    "adapter directories on this machine")
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {engine.session_len}, "

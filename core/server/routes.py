@@ -88,7 +88,7 @@ async def chat_completions(server: Server, request: Request):
     job = server.job(req, [prompt.ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
                      prompt.response_format, key=getattr(request.state, "api_key", None))
     job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
-                  "model": server.model_name, "system_fingerprint": server.fingerprint}
+                  "model": req.model, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)
     server.admit(job)
 
@@ -168,8 +168,11 @@ async def completions(server: Server, request: Request):
     await structured.check_format(server, response_format, format_param)
     job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
                      key=getattr(request.state, "api_key", None))
+    if req.echo and job.adapter is not None:   # the prompt is scored outside the engine's batches (server/echo.py)
+        raise APIError(400, f"echo: not supported with the LoRA adapter {req.model!r}; send it without echo",
+                       param="echo")
     job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                  "model": server.model_name, "system_fingerprint": server.fingerprint}
+                  "model": req.model, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)
     top = req.logprobs
     server.admit(job)

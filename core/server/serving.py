@@ -27,6 +27,8 @@ from pydantic import ValidationError
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import Engine, RequestError, RequestOutput
 from lmport.engine_loop import EngineLoop, EngineStopped
+from lmport.lora import AdapterError
+from lmport.server import adapters
 from lmport.server.limits import Admission, Limits
 from lmport.server.metrics import Metrics
 from lmport.server.protocol import APIError, brief, validation_error
@@ -50,6 +52,7 @@ class Job:
     continuous_usage: bool = False    # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     release: object = None            # gives its engine requests back to Admission (idempotent)
     cache_salt: str | None = None     # prefix-cache isolation: the request's cache_salt and/or its API key's
+    adapter: str | None = None        # the LoRA adapter its model names (lmport.server.adapters), None: the base
 
     def stream_usage(self, options) -> None:
         self.include_usage = bool(options and options.include_usage)
@@ -207,9 +210,7 @@ class Server:
             req = cls.model_validate_json(bytes(body))
         except ValidationError as exc:
             raise validation_error(exc) from None
-        if req.model != self.model_name:
-            raise APIError(404, f"model: {brief(req.model)} does not exist; this server serves "
-                                f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        adapters.adapter_for(self, req.model)   # the base model or a loaded LoRA adapter, else a 404
         for problem in (req.unsupported_problem(), req.stop_problem()):
             if problem is not None:
                 raise problem
@@ -251,6 +252,7 @@ class Server:
                     raise APIError(400, str(exc)) from None
         job = Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
         job.cache_salt = self.cache_salt(req.cache_salt, key)
+        job.adapter = adapters.adapter_for(self, req.model)
         return job
 
     def cache_salt(self, salt: str | None, key: str | None) -> str | None:
@@ -306,7 +308,7 @@ class Server:
         async def pump(choice: int, config: GenerationConfig):
             try:
                 async for out in self.loop.generate(job.prompt_of(choice), config, f"{job.id}-{choice}",
-                                                    cache_salt=job.cache_salt):
+                                                    cache_salt=job.cache_salt, adapter=job.adapter):
                     merge(choice, out)
             except Exception as exc:  # reaches the consumer instead of dying in this task
                 queue.put_nowait((None, exc))
@@ -329,6 +331,8 @@ class Server:
                         # RequestError too: the engine failed between admit() and add_request()
                         raise APIError(503, f"the server cannot generate: {out}", type="server_error",
                                        code="engine_stopped")
+                    if isinstance(out, AdapterError):   # unloaded between the request's check and its start
+                        raise adapters.adapter_error(out)
                     raise out
                 pending[item] = False
                 out = cast(RequestOutput, state[item])   # set before the item was marked pending
