@@ -2,6 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (``stream: true`` gives server-sent events ending in ``data: [DONE]``),
+Anthropic's POST /v1/messages and /v1/messages/count_tokens (``lmport.server.anthropic``),
+OpenAI's POST /v1/responses (``lmport.server.responses``),
 GET /health (never needs the API key) and GET /metrics (Prometheus).
 
 The Engine runs in an EngineLoop thread (``lmport.server.serving.Server``); each
@@ -31,7 +33,7 @@ from lmport.config import ConfigError
 from lmport.engine import Engine
 from lmport.server import adapters, embeddings
 from lmport.server import openapi as openapi_doc
-from lmport.server import routes
+from lmport.server import anthropic, responses, routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
 from lmport.server.metrics import ReplicaCollector
@@ -74,11 +76,14 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
         if not server.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not scheme and "x-api-key" in request.headers:   # where Anthropic's clients send the key
+            scheme, token = "bearer", request.headers["x-api-key"]
         token = token.strip().encode()
         # Every key is compared (in constant time), so the time taken does not tell which one nearly matched.
         matches = [hmac.compare_digest(token, key.encode()) for key in server.api_keys]
         if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>` (or "
+                                "`X-Api-Key: <key>`)",
                            type="authentication_error", code="invalid_api_key")
         request.state.api_key = server.api_keys[matches.index(True)]
 
@@ -87,7 +92,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         server.metrics.rejected.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception):
@@ -162,13 +167,31 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | lis
     async def completions(request: Request):
         return await routes.completions(server, request)
 
+    @app.post("/v1/messages", dependencies=auth)
+    async def messages(request: Request):
+        return await anthropic.messages(server, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(server, request)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request):
+        return await responses.create(server, request)
+
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guards, allowed_hosts=allowed_hosts,
+    app.add_middleware(Guards, allowed_hosts=allowed_hosts, error_body=error_body,
                        json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                                             "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}))
+                                             "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
+                                             *anthropic.PATHS}))
     return app
+
+
+def error_body(path: str, exc: APIError) -> dict:
+    """An error in the shape of the API the route belongs to: Anthropic's on its routes, else OpenAI's."""
+    return anthropic.error_body(exc) if path in anthropic.PATHS else exc.body()
 
 
 def serve(args) -> int:

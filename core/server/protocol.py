@@ -7,6 +7,7 @@ not change generation. Responses are plain dicts built in ``app.py``.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -30,9 +31,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """The first problem pydantic found, as a 400 that names the field."""
+def validation_error(exc: ValidationError, body=None) -> APIError:
+    """The first problem pydantic found, as a 400 that names the field. With the parsed ``body``, the names of
+    tagged-union members (a content block's ``type``) are left out of the path, so it reads like the JSON."""
     errors = exc.errors(include_url=False)
+    if body is not None:
+        errors = [{**e, "loc": _json_path(e["loc"], body)} for e in errors]
     # A union field reports one error per member: the deepest one is the most specific.
     err = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     if err["type"] == "json_invalid":
@@ -51,6 +55,23 @@ def brief(value, limit: int = 80) -> str:
     """repr(value), cut to ``limit`` characters: an error message never echoes a huge input back."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+def _json_path(loc: tuple, body) -> tuple:
+    """``loc`` without the tags pydantic adds for a discriminated union's member (the member's ``type``)."""
+    path, node = [], body
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and node.get("type") == part:
+            continue
+        path.append(part)
+        if _is_union_tag(part):   # a union member's name ("str", "list[...]"): not in the JSON
+            continue
+        if isinstance(node, dict) and isinstance(part, str) or isinstance(node, list) and isinstance(part, int) \
+                and -len(node) <= part < len(node):
+            node = node.get(part) if isinstance(node, dict) else node[part]
+        else:
+            node = None
+    return tuple(path)
 
 
 def _is_union_tag(part) -> bool:
@@ -101,6 +122,22 @@ class _Request(BaseModel):
             if ints:
                 data = {**data, **{k: _integral(data[k]) for k in ints}}
         return data
+
+
+class JSONPathRequest(_Request):
+    """A request body whose errors name a field by its JSON path: a tagged union's member (a content block's
+    ``type``, as Anthropic's and the Responses API's bodies have them) is not part of it."""
+
+    @classmethod
+    def model_validate_json(cls, json_data, **kwargs):
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            try:
+                body = json.loads(json_data)
+            except ValueError:
+                body = None
+            raise validation_error(exc, body) from None
 
 
 class StreamOptions(_Request):
