@@ -63,6 +63,10 @@ class Engine:
         """``backend`` injects an instance of the configured backend, e.g. one whose
         ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
         self.config = (config or EngineConfig()).resolve()
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft":
+            raise ConfigError(f"speculative.method='draft' (model {spec.model!r}) is not available yet: draft-model "
+                              f"proposals are not implemented; use method='ngram' (docs/speculative.md)")
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
         path = resolve_model_path(model)

@@ -2,7 +2,8 @@
 
 For n from ``max_n`` down to ``min_n``, the sequence's last n tokens (prompt and output so far) are
 searched for earlier in the sequence; at the latest earlier occurrence, the up to ``k`` tokens that
-followed it are the proposal. Output that repeats spans of its prompt (extraction, editing, code
+followed it are the proposal. A continuation that reaches the end of the sequence goes on into the
+proposal itself, as an overlapping copy does: a loop of period p is proposed k tokens ahead, not p. Output that repeats spans of its prompt (extraction, editing, code
 rewrites) or of itself is proposed whole; anything else finds no match and costs one search.
 """
 from __future__ import annotations
@@ -24,5 +25,8 @@ def propose(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return token_ids[start:start + k]
+            proposal = token_ids[start:start + k]
+            while len(proposal) < k:   # position total + j holds proposal[j]
+                proposal.append(proposal[start + len(proposal) - total])
+            return proposal
     return []
