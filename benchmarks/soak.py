@@ -4,9 +4,13 @@ Starts `lmport serve MODEL` on a free 127.0.0.1 port and sends --requests
 requests, paced over at least --min-minutes, at most --concurrency at once.
 The mix: streamed chats that finish, non-streamed completions, streams the
 client drops after a few chunks (disconnect), non-streamed requests the client
-gives up on (abort), and bad requests (each must get a 4xx, or a 200 where
-the input is valid but extreme). After --warmup requests the server's RSS is
-read; at the end, once it is idle, RSS, KV blocks used and requests left
+gives up on (abort), structured outputs (a JSON schema, a regex, a choice; the
+answer must match), tool calls (tool_choice required: the call's arguments
+must parse), echo scoring (logprobs of the prompt), slow readers (a stream
+read one chunk at a time with pauses, sometimes left unread), and bad requests
+(each must get a 4xx, or a 200 where the input is valid but extreme). After
+--warmup requests the server's RSS (with its child processes) is read; at the
+end, once it is idle, RSS, KV blocks used and requests left
 (running + waiting + admitted) are read again. Prints a table; writes JSON
 to --out. Pass: RSS within 10% of the warm-up reading, 0 blocks used, 0
 requests left, no 5xx, no request without an answer.
@@ -23,6 +27,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -32,10 +37,16 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe import tree_rss  # noqa: E402
 from serve_load import _metric, free_loopback_port, percentile, start_server, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = {"stream": 0.35, "complete": 0.2, "disconnect": 0.15, "abort": 0.1, "bad": 0.2}
+KINDS = {"stream": 0.2, "complete": 0.12, "disconnect": 0.1, "abort": 0.06, "structured": 0.12, "tools": 0.08,
+         "echo": 0.06, "slow_reader": 0.06, "bad": 0.2}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}}
 
 
 def bad_requests(model: str) -> list[tuple[str, dict, object, set[int]]]:
@@ -50,7 +61,15 @@ def bad_requests(model: str) -> list[tuple[str, dict, object, set[int]]]:
         ("stop ''", json_type, {**chat, "stop": ""}, {400}),
         ("17 stop strings", json_type, {**chat, "stop": [f"s{i}" for i in range(17)]}, {400}),
         ("100 KB model name", json_type, {**chat, "model": "m" * 100_000}, {404}),
-        ("logit_bias", json_type, {**chat, "logit_bias": {"1": 5}}, {400}),
+        ("logit_bias out of range", json_type, {**chat, "logit_bias": {"1": 500}}, {400}),
+        ("logit_bias id out of vocab", json_type, {**chat, "logit_bias": {str(10**9): 5}}, {400}),
+        ("unsatisfiable schema", json_type,
+         {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "type": "object", "properties": {}, "required": ["x"], "additionalProperties": False}}}}, {400}),
+        ("tool_choice function as a string", json_type,
+         {**chat, "tools": [TOOL], "tool_choice": {"type": "function", "function": "get_weather"}}, {400}),
+        ("echo past the context", json_type,
+         {"model": model, "prompt": "word " * 20_000, "echo": True, "logprobs": 1, "max_tokens": 0}, {400}),
         ("best_of 2", json_type, {**chat, "best_of": 2}, {400}),
         ("malformed JSON", json_type, b'{"model": ', {400}),
         ("text/plain POST", {"Content-Type": "text/plain"}, json.dumps(chat).encode(), {415}),
@@ -140,6 +159,84 @@ class Soak:
             return "aborted"
         return "done" if r.status_code == 200 else self._status(r)
 
+    async def structured(self, http, i):
+        kind = self.rng.choice(["json", "regex", "choice"])
+        body = {"model": self.model, "prompt": f"Record {i}:", "max_tokens": 48,
+                "temperature": self.rng.choice([0, 0.8])}
+        if kind == "json":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+        elif kind == "regex":
+            body["guided_regex"] = r"[a-z]{2,6}-[0-9]{3}"
+        else:
+            body["guided_choice"] = ["red", "green", "blue"]
+        r = await http.post(self.url + "/v1/completions", json=body)
+        if r.status_code != 200:
+            return self._status(r)
+        choice = r.json()["choices"][0]
+        text = choice["text"]
+        if choice["finish_reason"] == "length":
+            return "cut at max_tokens"
+        ok = {"json": lambda: set(json.loads(text)) == {"name", "age"},
+              "regex": lambda: re.fullmatch(r"[a-z]{2,6}-[0-9]{3}", text) is not None,
+              "choice": lambda: text in ("red", "green", "blue")}[kind]
+        try:
+            matched = ok()
+        except ValueError:
+            matched = False
+        if not matched:
+            self.problem(f"{kind} output does not match its format: {text!r}")
+            return f"{kind} mismatch"
+        return f"{kind} matched"
+
+    async def tools(self, http, i):
+        body = {"model": self.model, "max_tokens": 64, "tools": [TOOL], "tool_choice": "required",
+                "messages": [{"role": "user", "content": f"Weather in city {i}?"}]}
+        r = await http.post(self.url + "/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return self._status(r)
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "length":
+            return "cut at max_tokens"
+        calls = choice["message"].get("tool_calls") or []
+        try:
+            if calls and "city" in json.loads(calls[0]["function"]["arguments"]):
+                return "called"
+        except ValueError:
+            pass
+        self.problem(f"tool_choice required gave no parseable call: {choice['message']}")
+        return "no call"
+
+    async def echo(self, http, i):
+        body = {"model": self.model, "prompt": f"Score this text {i} " * self.rng.randint(1, 30), "echo": True,
+                "logprobs": 1, "max_tokens": self.rng.choice([0, 4])}
+        r = await http.post(self.url + "/v1/completions", json=body)
+        if r.status_code != 200:
+            return self._status(r)
+        logprobs = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+        if logprobs[0] is not None or any(lp is None for lp in logprobs[1:]):
+            self.problem(f"echo logprobs malformed: {logprobs[:4]}")
+            return "bad logprobs"
+        return "scored"
+
+    async def slow_reader(self, http, i):
+        """Reads a stream a chunk at a time with pauses; one in four stops reading and leaves the socket open a
+        while before going (the server's send timeout, not the client, should end that one)."""
+        body = {**self._chat(i, True), "max_tokens": 64, "ignore_eos": True}
+        stall = self.rng.random() < 0.25
+        async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return self._status(r)
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return "done"
+                await asyncio.sleep(0.05)
+                if stall:
+                    await asyncio.sleep(self.rng.uniform(2, 8))
+                    return "stalled, then left"
+            self.problem("a slow reader's stream ended without [DONE]")
+            return "no [DONE]"
+
     async def bad(self, http, i):
         name, headers, body, ok = self.rng.choice(self.bad_cases)
         kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
@@ -151,14 +248,6 @@ class Soak:
             return "503 busy"
         self.problem(f"bad request {name!r}: HTTP {r.status_code} (expected {sorted(ok)}): {r.text[:200]}")
         return f"{name}: HTTP {r.status_code}"
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 async def idle_metrics(http: httpx.AsyncClient, url: str, timeout: float = 60) -> dict:
@@ -195,15 +284,15 @@ async def run(args, url: str, pid: int) -> dict:
             tasks.append(asyncio.create_task(task(i)))
             if i == args.warmup:
                 await asyncio.gather(*tasks)          # a quiet moment, like the end
-                rss["after_warmup"] = rss_bytes(pid)
+                rss["after_warmup"] = tree_rss(pid)
             if i % 500 == 0:
-                rss["samples"].append((round(time.monotonic() - start, 1), rss_bytes(pid)))
+                rss["samples"].append((round(time.monotonic() - start, 1), tree_rss(pid)))
                 print(f"{i} requests sent, {time.monotonic() - start:.0f} s, RSS "
                       f"{rss['samples'][-1][1] / 2**20:.0f} MiB, problems {soak.counts['problem']}", file=sys.stderr)
         await asyncio.gather(*tasks)
         wall = time.monotonic() - start
         after = await idle_metrics(http, url)
-        rss["end"] = rss_bytes(pid)
+        rss["end"] = tree_rss(pid)
         health = (await http.get(url + "/health")).status_code
     outcomes = collections.defaultdict(dict)
     for key, n in soak.counts.items():

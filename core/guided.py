@@ -241,6 +241,11 @@ class MaskTimeout(GuidedDecodingError):
     """A grammar took longer than its budget to build a token mask (an ambiguous grammar's cost grows)."""
 
 
+class FormatDeadEnd(GuidedDecodingError):
+    """The output so far can be neither continued nor ended by any token in the vocabulary (a format that
+    xgrammar could not tell was unsatisfiable before generation, e.g. a character no token spells)."""
+
+
 class Masks:
     """One step's masks: each constrained row filled by its own task, so a slow row cannot hold the others."""
 
@@ -263,6 +268,9 @@ class Masks:
                 wait = 0.005 if started is None else max(started + self.budget - time.perf_counter(), 0.0)
                 try:
                     future.result(timeout=wait)
+                    break
+                except FormatDeadEnd as exc:
+                    overdue[row] = str(exc)
                     break
                 except TimeoutError:
                     if started is not None:
@@ -294,6 +302,10 @@ class MaskBuilder:
         def fill(k: int, row: int, matcher: xgr.GrammarMatcher) -> None:
             started[k] = time.perf_counter()
             matcher.fill_next_token_bitmask(bitmask, row)
+            if not bitmask[row].any():   # sampling would pick among -inf logits: end the request instead
+                raise FormatDeadEnd("the format reached a dead end: no token can continue the output and the "
+                                    "format cannot end here; check the schema, regex or grammar against what the "
+                                    "model's vocabulary can spell")
 
         futures = [self._pool.submit(fill, k, row, matchers[row]) for k, row in enumerate(rows)]
         return Masks(len(matchers), rows, futures, started, bitmask, self.budget)

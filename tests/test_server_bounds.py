@@ -217,13 +217,30 @@ def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
     class Fast:
         def fill_next_token_bitmask(self, bitmask, row):
             bitmask[row] = 0
+            bitmask[row, 0] = 1   # token 0 only
 
     builder = MaskBuilder(100, budget=0.05)
     start = time.perf_counter()
     rows, bitmask, overdue = builder.start([Fast(), None, Slow(), Fast()]).result()
     assert time.perf_counter() - start < 0.5
     assert rows == [0, 2, 3] and list(overdue) == [2] and "ms" in overdue[2]
-    assert bitmask[0].eq(0).all() and bitmask[3].eq(0).all()
+    assert bitmask[0].tolist() == [1, 0, 0, 0] and bitmask[3].tolist() == [1, 0, 0, 0]
+
+
+def test_a_format_at_a_dead_end_ends_its_request_not_the_batch():
+    from lmport.guided import MaskBuilder
+
+    class DeadEnd:   # what xgrammar fills when no token can continue or end the output
+        def fill_next_token_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+
+    class Open:
+        def fill_next_token_bitmask(self, bitmask, row):
+            bitmask[row] = -1
+
+    rows, bitmask, overdue = MaskBuilder(100).start([Open(), DeadEnd()]).result()
+    assert rows == [0, 1] and list(overdue) == [1] and "dead end" in overdue[1]
+    assert bitmask[0].eq(-1).all()
 
 
 def test_a_long_prompt_is_prefilled_in_bounded_chunks_while_others_decode():
