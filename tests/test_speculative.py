@@ -67,7 +67,7 @@ def repeating_prompts(count: int, seed: int = 3) -> list[list[int]]:
     """Random prompts that repeat a span of themselves (what prompt lookup finds), of varied lengths."""
     rng = random.Random(seed)
     prompts = []
-    for i in range(count):
+    for _ in range(count):
         span = [rng.randrange(3, 40000) for _ in range(rng.randrange(8, 40))]
         head = [rng.randrange(3, 40000) for _ in range(rng.randrange(1, 30))]
         prompts.append(head + span + [rng.randrange(3, 40000)] + span[:rng.randrange(2, len(span))])

@@ -64,11 +64,11 @@ def judge(p: list[torch.Tensor | None], greedy: list[int], proposal: list[int], 
     the position is greedy; ``greedy[j]``: its argmax; ``q``: the draft's probabilities, None for a point mass."""
     out = []
     for j, d in enumerate(proposal):
-        if p[j] is None:
+        target = p[j]
+        if target is None:
             if greedy[j] != d:
                 return out + [greedy[j]]
         else:
-            target = p[j]
             q_d = 1.0 if q is None else float(q[j, d])
             if not accepts(float(target[d]), q_d, generator):
                 return out + [draw(residual(target, d if q is None else q[j]), generator)]

@@ -3,8 +3,9 @@
 For n from ``max_n`` down to ``min_n``, the sequence's last n tokens (prompt and output so far) are
 searched for earlier in the sequence; at the latest earlier occurrence, the up to ``k`` tokens that
 followed it are the proposal. A continuation that reaches the end of the sequence goes on into the
-proposal itself, as an overlapping copy does: a loop of period p is proposed k tokens ahead, not p. Output that repeats spans of its prompt (extraction, editing, code
-rewrites) or of itself is proposed whole; anything else finds no match and costs one search.
+proposal itself, as an overlapping copy does: a loop of period p is proposed k tokens ahead, not p.
+Output that repeats spans of its prompt (extraction, editing, code rewrites) or of itself is proposed
+whole; anything else finds no match and costs one search.
 """
 from __future__ import annotations
 
