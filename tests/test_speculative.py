@@ -203,12 +203,12 @@ def test_low_acceptance_pauses_a_sequence():
     from lmport.sequence import Sequence
     spec = Speculator(SpeculativeConfig(min_acceptance=0.5), session_len=1000, num_running=lambda: 1)
     seq = Sequence("a", [1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=100))
-    assert spec.lookahead(seq) == 2           # 1 2 -> 3 1 2... capped by what follows
+    assert spec.lookahead(seq) == 4           # 1 2 -> 3 1 2 3, the default num_speculative_tokens
     for _ in range(2):                        # 1.0 -> 0.7 -> 0.49: under min_acceptance
         spec.record(seq, 2, 0)
     assert spec.usage()["spec_pauses"] == 1
     assert [spec.lookahead(seq) for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
-    assert spec.lookahead(seq) == 2
+    assert spec.lookahead(seq) == 4
     busy = Speculator(SpeculativeConfig(disable_by_batch_size=2), session_len=1000, num_running=lambda: 3)
     assert busy.lookahead(seq) == 0
     short = Speculator(SpeculativeConfig(), session_len=1000, num_running=lambda: 1)
@@ -230,3 +230,14 @@ def test_default_model_greedy_identical():
                                   speculative=NGRAM, check_blocks=True)
         assert usage["spec_accepted_tokens"] > 0
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain], weights
+
+
+def test_metrics_show_acceptance():
+    from lmport.server.metrics import Metrics
+    spec = Speculator(SpeculativeConfig(), session_len=1000, num_running=lambda: 1)
+    spec.stats.update(verifications=4, proposed_tokens=10, accepted_tokens=6)
+    usage = {"running": 1, "waiting": 0, "blocks_used": 1, "blocks_total": 8, **spec.usage()}
+    samples = {s.name: s.value for m in Metrics(lambda: usage).registry.collect() for s in m.samples}
+    assert samples["lmport_spec_decode_acceptance_rate"] == 0.6
+    assert samples["lmport_spec_decode_mean_acceptance_length"] == 2.5
+    assert samples["lmport_spec_decode_accepted_tokens_total"] == 6
