@@ -163,7 +163,11 @@ def test_request_options_work_as_without_speculation():
     bias = {t: 8.0 for t in (101, 202, 303, 404)}
     biased = GenerationConfig(max_new_tokens=40, ignore_eos=True, logit_bias=bias)
     plain_tokens, _, _ = generate(model, prompts, biased, cache_max_entry_count=100)
-    stop = load_tokenizer(model).decode(plain_tokens[0].token_ids[30:32])   # a stop string the output reaches
+    # A stop string the first output reaches late (after proposals have been verified): two tokens whose text
+    # first appears at or after its 12th token.
+    tok, out = load_tokenizer(model), plain_tokens[0].token_ids
+    stop = next(text for i in range(12, 38)
+                if (text := tok.decode(out[i:i + 2])).strip() and text not in tok.decode(out[:i + 1]))
     configs = [dataclasses.replace(biased, **fields) for fields in (
         {"repetition_penalty": 1.3}, {"frequency_penalty": 0.1, "presence_penalty": 0.5}, {"logprobs": 3},
         {"stop_words": [stop]}, {"max_new_tokens": 21})]
