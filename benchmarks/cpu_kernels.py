@@ -13,6 +13,12 @@ from memory as in a real step; the best of five passes is kept.
   GGUF block weights of each type the backend runs, for 1 and 16 tokens, in GB/s of blocks read,
   against the int4 kernel (quant_linear, group 32) on the same shapes. The inputs are rounded up to
   the type's block (SmolLM2's 576 to 768 for the 256-input K-quants), for both.
+- gemv: single-stream decode's linears (one row of x) in each weight format the benchmark GGUF files
+  hold (int4 for Q4_1, int8 for Q8_0 and every file's LM head, q5_0 / q4_k / q6_k for Q4_K_M), at the
+  model's shapes over all layers, and the LM head alone: GB/s of weight read, each interleaved with a
+  plain streaming read of as many bytes (torch.sum over float32) in the same rounds, so the ratio
+  kernel / stream survives a loaded machine better than either figure. Run it with --threads 1 to
+  see each kernel's inner loop; with more threads, how it scales.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
@@ -123,6 +129,41 @@ def ggml_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     return rows
 
 
+def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q_out = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
+    kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
+    layers = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)] * cfg.num_hidden_layers
+    cases = {"layers": layers, "LM head": [(cfg.vocab_size, h)]}
+    formats = ["int4", "int8", "q5_0", "q4_k", "q6_k"]
+    rows = []
+    for case, shapes in cases.items():
+        for fmt in formats if case == "layers" else ["int8", "int4"]:
+            if fmt in BLOCK_TYPES:
+                t = BLOCK_TYPES[fmt]
+                weights = [GGMLWeight(torch.randint(0, 0x78, (n, -(-k // t.elements) * t.nbytes), generator=gen,
+                                                    dtype=torch.uint8), fmt, -(-k // t.elements) * t.elements)
+                           for n, k in shapes]
+                calls = [(w, w.in_features, backend.ggml_linear) for w in weights]
+                nbytes = sum(w.blocks.numel() for w in weights)
+            else:
+                bits = int(fmt[3:])
+                low, high = (0, 16) if bits == 4 else (-128, 128)
+                weights = [from_codes(torch.randint(low, high, (n, k), generator=gen),
+                                      torch.rand(n, k // 32, generator=gen) * 0.01, torch.zeros(n, k // 32), bits, 32)
+                           for n, k in shapes]
+                calls = [(q, q.in_features, backend.quant_linear) for q in weights]
+                nbytes = sum(q.nbytes() for q in weights)
+            xs = {k: torch.randn(1, k, generator=gen) for _, k, _ in calls}
+            stream = torch.ones(nbytes // 4)
+            ours, peer = best_passes([lambda: [fn(xs[k], w) for w, k, fn in calls], lambda: stream.sum()], passes=9)
+            rows.append({"kernel": "gemv", "case": f"{fmt}, 1 token, {case}", "ms": ours * 1e3,
+                         "peer": "streaming read", "peer_ms": peer * 1e3, "speedup": peer / ours,
+                         "gbs": nbytes / ours / 1e9, "peer_gbs": nbytes / peer / 1e9, "bytes": nbytes,
+                         "max_abs_diff": float("nan")})
+    return rows
+
+
 def attention_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(1, cfg.num_key_value_heads, head_dim, BLOCK_SIZE, torch.float32, 0)
@@ -154,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default="benchmarks/results/cpu_kernels.json")
-    parser.add_argument("--only", choices=["linear", "ggml", "attention"], help="run one group of cases")
+    parser.add_argument("--only", choices=["linear", "ggml", "gemv", "attention"], help="run one group of cases")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -165,7 +206,7 @@ def main() -> None:
     from lmport.models.loader import read_model_config
     cfg = read_model_config(args.model)
     backend, gen = CpuBackend(), torch.Generator().manual_seed(0)
-    groups = {"linear": linear_rows, "ggml": ggml_rows, "attention": attention_rows}
+    groups = {"linear": linear_rows, "ggml": ggml_rows, "gemv": gemv_rows, "attention": attention_rows}
     rows = [r for name, fn in groups.items() if args.only in (None, name) for r in fn(cfg, backend, gen)]
 
     print(f"\n{args.model}: {cfg.num_hidden_layers} layers; one pass over all of them; "

@@ -1,189 +1,253 @@
-"""Single-stream prefill and decode of lmport against llama.cpp on the same GGUF files, one run.
+"""Single-stream prefill and decode of lmport against llama.cpp on the same GGUF files, in one run.
 
-Files: the default model's shipped Q4_1 GGUF and a Q8_0 made from it with
-`llama-quantize --allow-requantize IN OUT Q8_0` (cached beside this script's results).
-Per file, with the same thread count on both sides (default 2), alternating engines for
---repeats rounds:
+Files: the default model as shipped (Q4_1) and requantized by llama.cpp to Q8_0 and Q4_K_M
+(benchmarks/gguf_files.py: `llama-quantize --allow-requantize`, made once when missing). Per file,
+with the same thread count on both sides (default 2), the engines take turns for --repeats rounds
+(default 5), so a load from elsewhere falls on all of them alike; the table gives the median and the
+min-max of the rounds, and every round is kept in the JSON.
 
-- prefill: 256 tokens. llama.cpp: `llama-bench -m FILE -p 256 -n 0 -t THREADS -r 1 -o json`; a
-  prefill that crashes is retried with `-ub 1` and marked "(ubatch 1)" (see llama_bench below).
-  lmport: one engine step of a 256-token prompt.
-- decode: 128 tokens, at two context depths, because attention over the context is part of a
-  decode step's cost (llama.cpp's own decode drops by about a fifth from depth 0 to 256 here):
-  - depth 256, the 128 tokens that follow the 256-token prompt: llama.cpp `-p 0 -n 128 -d 256`;
-    lmport generates them after the prompt above (EOS ignored).
-  - depth 0, from an empty context: llama.cpp `-p 0 -n 128`; lmport generates them after a
-    one-token prompt.
-- lmport runs on the cpu backend with the weights kept quantized, and the float32 path (the GGUF
-  dequantized at load, as before quantized weights) runs the prefill for comparison.
+- prefill: 256 tokens. llama.cpp: `llama-bench -p 256 -n 0`; lmport: one engine step of the prompt.
+- decode: 128 tokens at context depth 0 (llama-bench `-n 128`; lmport after a one-token prompt) and
+  at depth 256 (`-n 128 -d 256`; lmport after the 256-token prompt): attention over the context is
+  part of a decode step.
+- lmport twice: its kernels built for this CPU (AVX-512 where it has it) and with LMPORT_CPU_ISA=avx2
+  (the AVX2 path a CPU without AVX-512 runs). Each runs in a worker process of its own, kept across
+  rounds.
+- The memory read bandwidth is measured in the same run with the same threads (machine.py); a
+  decode step reads every weight once, so bandwidth / weight bytes is the fastest decode can be
+  (the "limit" row).
 
-llama.cpp is not vendored: pass its bin directory (--llama-bin or LMPORT_LLAMA_CPP_BIN; default
-/work/cache/llama.cpp/build/bin). The figures in docs/weight-quantization.md come from llama.cpp
-as vendored in the llama-cpp-python sdist (`pip download --no-binary :all: llama-cpp-python`),
-built with `cmake -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF` and the
-AVX, AVX2, FMA, F16C, AVX512 and VNNI flags switched on by hand (a virtual machine may report AMX
-yet fault on its tile instructions, which -DGGML_NATIVE=ON would use), targets llama-bench and
-llama-quantize; the script prints `llama-bench --version`. The machine may be shared: both
-engines run interleaved in one process tree so they see the same load, and every round is kept
-in the JSON.
+llama.cpp, as its users build it: `cmake -B build -DGGML_NATIVE=ON && cmake --build build --config
+Release --target llama-bench llama-quantize` (its README's build). Either pass the bin directory of
+such a build (--llama-bin, or LMPORT_LLAMA_CPP_BIN; default ~/.cache/llamacpp/build/bin), or pass its
+source (--llama-src, e.g. the llama.cpp vendored in the llama-cpp-python sdist) and the script builds
+it so. A virtual machine may report AMX and fault on its tile instructions, which GGML_NATIVE=ON
+would then use: there, pass --llama-cmake-args "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" (the flags this CPU has, without AMX).
 
-Run: python benchmarks/single_stream.py [--threads 2] [--repeats 3] [--out benchmarks/results/single_stream.json]
+Run: python benchmarks/single_stream.py [--threads 2] [--repeats 5] [--files Q4_1,Q8_0,Q4_K_M]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
-DEFAULT_BIN = "/work/cache/llama.cpp/build/bin"
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
+from machine import cpu_info, memory_bandwidth
+
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
-DEPTHS = (0, PROMPT_TOKENS)   # context depths the decode is measured at
+DEPTHS = (0, PROMPT_TOKENS)
 MEASURES = ("prefill", *(f"decode@{d}" for d in DEPTHS))
+NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON"
+LMPORT_PATHS = {"lmport": "native", "lmport avx2": "avx2"}
+
+
+# ---- llama.cpp ----
+
+def build_llama(src: Path, cmake_args: str) -> Path:
+    """llama-bench and llama-quantize built from ``src`` into src/build-lmport-bench (reused when there)."""
+    build = src / "build-lmport-bench"
+    if not (build / "bin" / "llama-bench").exists():
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *cmake_args.split()],
+                       check=True)
+        subprocess.run(["cmake", "--build", str(build), "--config", "Release", "-j", str(os.cpu_count() or 1),
+                        "--target", "llama-bench", "llama-quantize"], check=True)
+    return build / "bin"
 
 
 def llama_version(bin_dir: Path) -> str:
     out = subprocess.run([str(bin_dir / "llama-bench"), "--version"], capture_output=True, text=True)
-    return (out.stdout + out.stderr).strip().splitlines()[0] if (out.stdout + out.stderr).strip() else "?"
+    text = (out.stdout + out.stderr).strip()
+    return " ".join(text.splitlines()[:2]) if text else "?"
 
 
-def make_q8_0(bin_dir: Path, source: Path, cache: Path) -> Path:
-    target = cache / f"{source.stem.rsplit('.', 1)[0]}.Q8_0.gguf"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f"{target.stem}.partial.gguf")
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), "Q8_0"],
-                       check=True, capture_output=True)
-        tmp.rename(target)
-    return target
-
-
-def _llama_bench_run(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int, ubatch: int = 512,
-                     depth: int = 0) -> float | None:
-    """tok/s of one llama-bench test, None when it crashed."""
+def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int, depth: int = 0) -> dict:
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(prompt), "-n", str(gen),
-                          "-d", str(depth), "-t", str(threads), "-r", "1", "-ub", str(ubatch), "-o", "json"],
+                          "-d", str(depth), "-t", str(threads), "-r", "1", "-o", "json"],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        return None
-    return json.loads(out.stdout)[0]["avg_ts"]
+        raise SystemExit(f"llama-bench failed on {model.name}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)[0]
 
 
-def llama_bench(bin_dir: Path, model: Path, threads: int) -> dict:
-    """Decode of 128 tokens at depths 0 and 256, and prefill of 256 tokens in ubatches of 512 (llama.cpp's
-    default). Where the batched prefill crashes (the build on this machine faults in batched matmuls),
-    the prefill is retried with ubatch 1 (token by token) and marked so: a lower bound, not llama.cpp's
-    real prefill."""
-    result = {f"decode@{d}": _llama_bench_run(bin_dir, model, threads, 0, DECODE_TOKENS, depth=d) for d in DEPTHS}
-    prefill = _llama_bench_run(bin_dir, model, threads, PROMPT_TOKENS, 0)
-    result["prefill_ubatch"] = 512
-    if prefill is None:
-        prefill, result["prefill_ubatch"] = _llama_bench_run(bin_dir, model, threads, PROMPT_TOKENS, 0, 1), 1
-    result["prefill"] = prefill
-    return result
+def llama_round(bin_dir: Path, model: Path, threads: int) -> dict:
+    runs = {f"decode@{d}": llama_bench(bin_dir, model, threads, 0, DECODE_TOKENS, d) for d in DEPTHS}
+    runs["prefill"] = llama_bench(bin_dir, model, threads, PROMPT_TOKENS, 0)
+    out = {k: r["avg_ts"] for k, r in runs.items()}
+    out["threads"] = runs["prefill"]["n_threads"]
+    return out
 
 
-class LmportRunner:
-    def __init__(self, model: Path, weight_format: str):
-        from lmport.config import EngineConfig
-        from lmport.engine import Engine
-        rss_before = psutil.Process().memory_info().rss
-        # A fixed small cache: the RSS reported is the weights', not a share of free memory.
-        self.engine = Engine(str(model), EngineConfig(device_type="cpu", cache_max_entry_count=40,
-                                                      max_prefill_token_num=PROMPT_TOKENS,
-                                                      weight_format=weight_format))
-        self.rss_growth = psutil.Process().memory_info().rss - rss_before
-        base = self.engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks. " * 40)
-        self.prompt = base[:PROMPT_TOKENS]
+# ---- lmport, one worker process per kernel path ----
 
-    def run(self, decode: bool = True) -> dict:
-        out = {"prefill": PROMPT_TOKENS / self._generate(self.prompt, 1)}
-        if decode:
-            for depth in DEPTHS:
-                seconds = self._generate(self.prompt[:max(depth, 1)], 1 + DECODE_TOKENS, decode_only=True)
-                out[f"decode@{depth}"] = DECODE_TOKENS / seconds
+class Worker:
+    """This script run as ``--worker FILE`` under LMPORT_CPU_ISA=``isa``: one engine, a round per request."""
+
+    def __init__(self, model: Path, isa: str, threads: int):
+        env = dict(os.environ, LMPORT_CPU_ISA=isa)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(model), "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()   # sent once the engine is loaded and warm
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"an lmport worker died (exit {self.proc.wait()}); its error is above")
+        return json.loads(line)
+
+    def round(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def worker_main(model: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    from lmport.backends.cpu import kernels
+    from lmport.config import EngineConfig, GenerationConfig
+    from lmport.engine import Engine
+    engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=40,
+                                        max_prefill_token_num=PROMPT_TOKENS))
+    text = "Paged attention keeps keys and values in fixed-size blocks. " * 40
+    prompt = engine.tokenizer.encode(text)[:PROMPT_TOKENS]
+
+    def generate(tokens: list[int], new: int, decode_only: bool) -> float:
+        """Seconds to generate ``new`` tokens after ``tokens`` (EOS ignored); with ``decode_only`` the
+        first step (the prompt's prefill, which gives the first token) left out."""
+        engine.add_request(tokens, GenerationConfig(max_new_tokens=new, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - (t1 if decode_only else t0)
+
+    def one_round() -> dict:
+        out = {"prefill": PROMPT_TOKENS / generate(prompt, 1, False)}
+        for depth in DEPTHS:
+            out[f"decode@{depth}"] = DECODE_TOKENS / generate(prompt[:max(depth, 1)], 1 + DECODE_TOKENS, True)
+        out["threads"] = torch.get_num_threads()
         return out
 
-    def _generate(self, prompt: list[int], tokens: int, decode_only: bool = False) -> float:
-        """Seconds to generate ``tokens`` after ``prompt`` (EOS ignored); with ``decode_only`` the first
-        step, which runs the whole prompt and gives the first token, is left out."""
-        from lmport.config import GenerationConfig
-        e = self.engine
-        e.add_request(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))
-        t0 = time.perf_counter()
-        e.step()
-        t1 = time.perf_counter()
-        while e.has_unfinished():
-            e.step()
-        return time.perf_counter() - (t1 if decode_only else t0)
+    compiled = kernels.load()
+    one_round()   # warm-up: kernels built, caches touched
+    print(json.dumps({"weight_bytes": engine.weight_bytes, "kernels": None if compiled is None else compiled.__name__,
+                      "isa": os.environ.get("LMPORT_CPU_ISA", "native")}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(one_round()), flush=True)
+
+
+# ---- the run ----
+
+def summary(rounds: list[dict], engine: str) -> dict:
+    out = {}
+    for k in MEASURES:
+        values = [r[engine][k] for r in rounds]
+        out[k] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-bin", default=os.environ.get("LMPORT_LLAMA_CPP_BIN", DEFAULT_BIN))
+    ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN)
+    ap.add_argument("--llama-src", type=Path, help="build llama.cpp from this source tree instead of --llama-bin")
+    ap.add_argument("--llama-cmake-args", default=NATIVE_CMAKE_ARGS,
+                    help="cmake flags for --llama-src (a VM that misreports AMX: name the ISA flags, see above)")
+    ap.add_argument("--files", default=",".join(TYPES), help=f"among {', '.join(TYPES)}")
+    ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--paths", default=",".join(LMPORT_PATHS), help=f"lmport's kernel paths: {', '.join(LMPORT_PATHS)}")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/single_stream.json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    bin_dir = Path(args.llama_bin)
+    if args.worker:
+        return worker_main(args.worker, args.threads)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    bin_dir = build_llama(args.llama_src, args.llama_cmake_args) if args.llama_src else Path(args.llama_bin)
     if not (bin_dir / "llama-bench").exists():
-        raise SystemExit(f"no llama-bench in {bin_dir}: build llama.cpp (see this script's docstring) and pass "
-                         f"--llama-bin or set LMPORT_LLAMA_CPP_BIN")
-    from lmport.models.loader import cache_root, resolve_model_path
-    q4_1 = resolve_model_path("smollm2")
-    q8_0 = make_q8_0(bin_dir, q4_1, cache_root() / "benchmark-models")
+        raise SystemExit(f"no llama-bench in {bin_dir}: pass --llama-bin (a llama.cpp build's bin directory) or "
+                         f"--llama-src (its source, built here with {NATIVE_CMAKE_ARGS})")
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = set(paths) - set(LMPORT_PATHS)
+    if unknown:
+        raise SystemExit(f"unknown --paths {sorted(unknown)}: among {', '.join(LMPORT_PATHS)}")
     import gguf
-    results = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                           "load_average": os.getloadavg()},
-               "threads": args.threads, "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir)},
-               "files": {}}
-    for label, path in (("Q4_1", q4_1), ("Q8_0", q8_0)):
-        quantized = LmportRunner(path, "auto")
-        float32 = LmportRunner(path, "dequantize")
-        quantized.run(), float32.run(decode=False)         # warm-up: kernels built, caches touched
+    cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
+    results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
+               "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
+               "bandwidth": memory_bandwidth(args.threads), "files": {}}
+    for label in [f for f in args.files.split(",") if f]:
+        path = gguf_file(label, args.files_dir, bin_dir)
+        workers = {name: Worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
         rounds = []
         for _ in range(args.repeats):
-            rounds.append({"llama.cpp": llama_bench(bin_dir, path, args.threads),
-                           "lmport": quantized.run(), "lmport float32": float32.run(decode=False)})
+            rounds.append({"llama.cpp": llama_round(bin_dir, path, args.threads),
+                           **{name: w.round() for name, w in workers.items()}})
             print(f"{label} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
-        gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
         results["files"][label] = {
-            "path": str(path), "gguf_tensor_bytes": gguf_bytes, "lmport_weight_bytes": quantized.engine.weight_bytes,
-            "lmport_float32_weight_bytes": float32.engine.weight_bytes, "rounds": rounds,
-            "median": {engine: {k: statistics.median(r[engine][k] for r in rounds) for k in MEASURES
-                                if k in rounds[0][engine] and all(r[engine][k] is not None for r in rounds)}
-                       for engine in rounds[0]}}
-        quantized.engine.close(), float32.engine.close()
+            "path": str(path), "gguf_tensor_bytes": file_bytes, "rounds": rounds,
+            "lmport": {name: w.info for name, w in workers.items()},
+            "summary": {engine: summary(rounds, engine) for engine in rounds[0]}}
+        for w in workers.values():
+            w.close()
+    results["bandwidth_after"] = memory_bandwidth(args.threads)
     results["load_average_after"] = os.getloadavg()
-    print(f"llama.cpp: {results['llama_cpp']['version']} ({bin_dir}); threads {args.threads}; "
-          f"load average before {results['machine']['load_average']}, after {results['load_average_after']}")
-    print("\n| file | engine | prefill 256 tok/s | decode 128 @ depth 0 tok/s | decode 128 @ depth 256 tok/s "
-          "| weight bytes |")
-    print("|---|---|---:|---:|---:|---:|")
-    for label, f in results["files"].items():
-        for engine, m in f["median"].items():
-            weights = {"llama.cpp": f["gguf_tensor_bytes"], "lmport": f["lmport_weight_bytes"],
-                       "lmport float32": f["lmport_float32_weight_bytes"]}[engine]
-            ubatch_1 = engine == "llama.cpp" and any(r[engine]["prefill_ubatch"] == 1 for r in f["rounds"])
-            note = " (ubatch 1)" if ubatch_1 else ""
-            decodes = " | ".join(f"{m.get(f'decode@{d}', float('nan')):.1f}" for d in DEPTHS)
-            print(f"| {label} | {engine} | {m.get('prefill', float('nan')):.1f}{note} | {decodes} | {weights:,} |")
-        ratios = {f"decode@{d}": f["median"]["lmport"][f"decode@{d}"] / f["median"]["llama.cpp"][f"decode@{d}"]
-                  for d in DEPTHS}
-        f["decode_ratio_lmport_over_llama_cpp"] = ratios
-        print(f"| {label} | lmport / llama.cpp decode | | {' | '.join(f'{r:.2f}x' for r in ratios.values())} | |")
+    print_table(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")
+
+
+def print_table(results: dict) -> None:
+    m, bw = results["machine"], results["bandwidth"]
+    gbs = bw["best_gbs"]
+    print(f"\n{m['model']}, {m['cores']} cores ({' '.join(m['kernel_flags'])}); load average {m['load_average']} "
+          f"before, {results['load_average_after']} after")
+    print(f"llama.cpp {results['llama_cpp']['version']} ({results['llama_cpp']['bin']}, "
+          f"cmake {results['llama_cpp']['cmake_args']})")
+    print(f"read bandwidth {gbs:.1f} GB/s ({results['bandwidth_after']['best_gbs']:.1f} after; "
+          f"{bw['method']}, {bw['threads']} threads); medians of {results['repeats']} interleaved rounds, min-max\n")
+    print("| file | engine | threads | prefill 256 tok/s | decode @0 tok/s | decode @256 tok/s | weight bytes |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
+    for label, f in results["files"].items():
+        for engine, s in f["summary"].items():
+            weights = f["gguf_tensor_bytes"] if engine == "llama.cpp" else f["lmport"][engine]["weight_bytes"]
+            threads = f["rounds"][0][engine]["threads"]
+            print(f"| {label} | {engine} | {threads} | {cell(s['prefill'])} | {cell(s['decode@0'])} | "
+                  f"{cell(s['decode@256'])} | {weights:,} |")
+        limit = gbs * 1e9 / f["gguf_tensor_bytes"]
+        print(f"| {label} | byte limit (bandwidth / file bytes) | | | {limit:.0f} | {limit:.0f} | |")
+        ratios = {}
+        for engine in f["summary"]:
+            if engine == "llama.cpp":
+                continue
+            ratios[engine] = {k: f["summary"][engine][k]["median"] / f["summary"]["llama.cpp"][k]["median"]
+                              for k in MEASURES}
+            r = ratios[engine]
+            print(f"| {label} | {engine} / llama.cpp | | {r['prefill']:.2f}x | {r['decode@0']:.2f}x | "
+                  f"{r['decode@256']:.2f}x | |")
+        f["ratios_over_llama_cpp"] = ratios
+        f["byte_limit_tok_s"] = limit
 
 
 if __name__ == "__main__":

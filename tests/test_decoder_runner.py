@@ -112,3 +112,21 @@ def test_steps_the_kernels_do_not_cover_go_to_the_modules():
                   metas) is None
     # And the engine still generates, through the modules.
     assert pipe("hello", GenerationConfig(max_new_tokens=3, ignore_eos=True)).generate_token_len == 3
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_python_loop_gives_the_native_loops_hidden_states(weights):
+    """The Python loop over the kernels (what benchmarks/decode_profile.py times op by op) and the C++
+    loop (what the engine runs) make the same calls: the same hidden states, bit for bit."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
+    from lmport.backends.cpu.decoder_runner import build
+    engine = engine_for("mistral-sw32", cache_max_entry_count=16)
+    if weights != "float32":
+        quantize_layers(engine.model, 4, 32)
+    model = engine.model
+    native = hidden_states(engine, PROMPTS, 4, use_runner=True)
+    specs = [layer.spec() for layer in model.model.layers]
+    model._runner = (build(specs, kernels.load(), SMALL_BATCH_TOKENS, loop="python"),)
+    python = hidden_states(engine, PROMPTS, 4, use_runner=True)
+    for a, b in zip(python, native, strict=True):
+        assert torch.equal(a, b)

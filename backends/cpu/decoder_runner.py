@@ -1,12 +1,14 @@
-"""The cpu backend's decoder runner (lmport.ops.decoder): a step's layers in one Python loop over
-the compiled kernels, each layer's weights bound once.
+"""The cpu backend's decoder runner (lmport.ops.decoder): a step's layers in one loop over the
+compiled kernels, each layer's weights bound once.
 
 Through the model's modules, a decode step of the default model makes about 400 op calls, each
 through a module's forward, a backend method and its checks. At batch 1 that Python is a large
 share of the step: the weights streaming through the caches between calls leave it running cold.
-This loop makes the same kernel calls with nothing in between; it covers the steps the kernels
-cover as the backend's methods would pick them (float32, an unquantized cache, up to
-SMALL_BATCH_TOKENS tokens) and hands the others back to the modules.
+The runner makes the same kernel calls with nothing in between, in C++ (csrc/decoder_layers.h: one
+call a step) or, with ``loop="python"``, in a Python loop over the kernels one by one (what
+benchmarks/decode_profile.py times op by op). It covers the steps the kernels cover as the
+backend's methods would pick them (float32, an unquantized cache, up to SMALL_BATCH_TOKENS tokens)
+and hands the others back to the modules.
 """
 from __future__ import annotations
 
@@ -21,21 +23,41 @@ from lmport.kv.layout import LayerCache
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LayerCache, ops.AttentionMetadata], torch.Tensor]
 
 
-def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int) -> ops.DecoderRunner | None:
+def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
+          loop: str = "native") -> ops.DecoderRunner | None:
     """The runner over ``layers`` with the compiled kernels, or None where a layer has a tensor
-    they do not take."""
+    they do not take. ``loop``: "native" (the layers in C++, one call a step; the Python loop with a
+    build of the kernels from before it, as benchmarks/decode_profile.py --kernels may load) or "python"."""
     if not layers or not all(_fits(spec) for spec in layers):
         return None
-    bound = [_bind_layer(spec, compiled) for spec in layers]
     head_dim = layers[0].head_dim
 
+    def covers(x, cos, caches) -> bool:
+        return not (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
+                    or cos.shape[-1] != head_dim or caches[0].quant_policy != 0 or caches[0].k.dtype != torch.float32)
+
+    if loop == "python" or not hasattr(compiled, "DecoderLayers"):
+        bound = [_bind_layer(spec, compiled) for spec in layers]
+
+        def run_python(x, cos, sin, caches, metas):
+            if not covers(x, cos, caches):
+                return None
+            for layer, cache, meta in zip(bound, caches, metas, strict=True):
+                x = layer(x, cos, sin, cache, meta)
+            return x
+
+        return run_python
+    if loop != "native":
+        raise ValueError(f"decoder runner loop {loop!r}: 'native' or 'python'")
+    native = compiled.DecoderLayers([_bind_layer_native(spec, compiled) for spec in layers])
+
     def run(x, cos, sin, caches, metas):
-        if (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
-                or cos.shape[-1] != head_dim or caches[0].quant_policy != 0 or caches[0].k.dtype != torch.float32):
+        if not covers(x, cos, caches):
             return None
-        for layer, cache, meta in zip(bound, caches, metas, strict=True):
-            x = layer(x, cos, sin, cache, meta)
-        return x
+        meta = metas[0]   # the layers share the metadata's tensors; only the window and soft cap differ
+        return native.run(x, cos, sin, [c.k for c in caches], [c.v for c in caches], meta.slot_mapping,
+                          meta.block_tables, meta.q_start_loc, meta.kv_lens, [m.window or 0 for m in metas],
+                          [m.softcap or 0.0 for m in metas])
 
     return run
 
@@ -72,6 +94,29 @@ def _bind_linear(linears: ops.Linears, compiled) -> Callable[[torch.Tensor], tor
         blocks, type_name, in_features = weight.blocks, weight.type_name, weight.in_features
         return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias)
     return lambda x: compiled.small_linear(x, weight, bias)
+
+
+def _bind_linear_native(linears: ops.Linears, compiled) -> list:
+    """A projection's parts as the C++ loop takes them (csrc/decoder_layers.h's BoundLinear)."""
+    bound = []
+    for part in _parts(linears):
+        weight, bias = part.weight, part.bias
+        if isinstance(weight, ops.QuantizedWeight):
+            bound.append(compiled.BoundLinear("quant", weight.qweight, bias, weight.scales, weight.mins, weight.bits,
+                                              weight.group_size))
+        elif isinstance(weight, ops.GGMLWeight):
+            bound.append(compiled.BoundLinear("ggml", weight.blocks, bias, type=weight.type_name,
+                                              in_features=weight.in_features))
+        else:
+            bound.append(compiled.BoundLinear("float", weight, bias))
+    return bound
+
+
+def _bind_layer_native(spec: ops.DecoderLayerSpec, compiled):
+    linear = [_bind_linear_native(lw, compiled) for lw in (spec.qkv, spec.o, spec.gate_up, spec.down)]
+    return compiled.BoundLayer(spec.input_norm, spec.input_norm_eps, linear[0], spec.num_heads, spec.num_kv_heads,
+                               spec.head_dim, spec.scale, linear[1], spec.post_attention_norm,
+                               spec.post_attention_norm_eps, linear[2], linear[3])
 
 
 def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:

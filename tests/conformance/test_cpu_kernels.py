@@ -47,8 +47,9 @@ def _case(block_size, head_dim, group, q_lens, kv_lens, dtype=torch.float32, pol
 
 def test_kernel_builds_here():
     assert kernels.load() is not None, "the cpu kernels failed to build; see the warning logged by kernels.load"
-    # Built for this CPU (-march=native): the build is named after it.
-    assert kernels.load().__name__ == f"lmport_cpu_kernels_{kernels.machine_tag()}_{kernels.source_tag()}"
+    # Built for this CPU (-march=native): the build is named after it (and the instruction sets asked for).
+    assert kernels.load().__name__ == kernels.build_name()
+    assert kernels.build_name().startswith(f"lmport_cpu_kernels_{kernels.machine_tag()}_{kernels.source_tag()}")
 
 
 @pytest.mark.parametrize("kind", BATCHES)
@@ -108,6 +109,19 @@ def test_kernels_off_by_environment():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "LMPORT_CPU_KERNELS": "0"})
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
+
+
+def test_instruction_sets_chosen_by_environment(monkeypatch):
+    """LMPORT_CPU_ISA=avx2 builds without AVX-512 (a build of its own); an unknown value is an error
+    naming it, not a silent fallback to the reference ops. (The AVX2 build itself is tested by running
+    these tests under LMPORT_CPU_ISA=avx2.)"""
+    monkeypatch.delenv("LMPORT_CPU_ISA", raising=False)
+    assert kernels.isa_flags() == ["-march=native"]
+    monkeypatch.setenv("LMPORT_CPU_ISA", "avx2")
+    assert kernels.isa_flags() == ["-march=native", "-mno-avx512f"]
+    monkeypatch.setenv("LMPORT_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="LMPORT_CPU_ISA='sse2'"):
+        kernels.isa_flags()
 
 
 @pytest.mark.parametrize("rows", (1, 2, 3, 4, 7, 16, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300))

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "activation.h"
+#include "decoder_layers.h"
 #include "ggml_linear.h"
 #include "kv_fill.h"
 #include "linear.h"
@@ -30,4 +31,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");
+
+  // module_local: two builds of these kernels (another commit's, another instruction set) can be loaded
+  // into one process side by side, as benchmarks that compare them do.
+  py::class_<lmport::BoundLinear>(m, "BoundLinear", "one linear of a layer, bound for DecoderLayers",
+                                  py::module_local())
+      .def(py::init([](std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                       c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins, int64_t bits,
+                       int64_t group_size, std::string type, int64_t in_features) {
+             TORCH_CHECK(kind == "float" || kind == "quant" || kind == "ggml", "BoundLinear: unknown kind '", kind,
+                         "' (float, quant or ggml)");
+             TORCH_CHECK(kind != "quant" || (scales && mins), "BoundLinear: a quant linear needs scales and mins");
+             lmport::BoundLinear l;
+             l.kind = kind, l.type = type, l.weight = weight, l.bias = bias;
+             l.scales = scales ? *scales : torch::Tensor(), l.mins = mins ? *mins : torch::Tensor();
+             l.bits = bits, l.group_size = group_size, l.in_features = in_features;
+             return l;
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("scales") = py::none(),
+           py::arg("mins") = py::none(), py::arg("bits") = 0, py::arg("group_size") = 0, py::arg("type") = "",
+           py::arg("in_features") = 0);
+  py::class_<lmport::BoundLayer>(m, "BoundLayer", "one decoder layer's weights and shape (lmport.ops.decoder)",
+                                 py::module_local())
+      .def(py::init([](torch::Tensor input_norm, double input_norm_eps, std::vector<lmport::BoundLinear> qkv,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                       std::vector<lmport::BoundLinear> o, torch::Tensor post_attention_norm,
+                       double post_attention_norm_eps, std::vector<lmport::BoundLinear> gate_up,
+                       std::vector<lmport::BoundLinear> down) {
+        return lmport::BoundLayer{input_norm, post_attention_norm, input_norm_eps, post_attention_norm_eps,
+                                  qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale};
+      }));
+  py::class_<lmport::DecoderLayers>(m, "DecoderLayers", "a step's decoder layers in one call", py::module_local())
+      .def(py::init<std::vector<lmport::BoundLayer>>())
+      .def("run", &lmport::DecoderLayers::run, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
+           py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("q_start_loc"),
+           py::arg("kv_lens"), py::arg("windows"), py::arg("softcaps"));
 }

@@ -1,0 +1,94 @@
+// A step's decoder layers in one call, for the cpu backend's decoder runner (decoder_runner.py):
+// the same kernels, in the same order, with the same arguments as the runner's Python loop made them
+// (lmport.ops.decoder describes one layer), so the hidden states are the same bit for bit; what goes
+// is the Python between them: about 25 calls a layer through pybind11 and torch's Python bindings,
+// which at batch 1 cost as much as a good share of the weight reads.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "activation.h"
+#include "ggml_linear.h"
+#include "kv_fill.h"
+#include "linear.h"
+#include "paged_attention.h"
+#include "quant_linear.h"
+#include "rms_norm.h"
+#include "rotary.h"
+
+namespace lmport {
+
+// One linear as the runner binds it: float32 ("float": weight), lmport's int4 / int8 format ("quant":
+// weight = qweight, scales, mins, bits, group_size) or GGUF blocks ("ggml": weight = blocks, type,
+// in_features).
+struct BoundLinear {
+  std::string kind, type;
+  torch::Tensor weight, scales, mins;
+  int64_t bits = 0, group_size = 0, in_features = 0;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == "quant") return quant_linear(x, weight, scales, mins, bits, group_size, bias);
+    if (kind == "ggml") return ggml_linear(x, weight, type, in_features, bias);
+    return small_linear(x, weight, bias);
+  }
+};
+
+// Parts of different formats reading one input: their outputs side by side.
+inline torch::Tensor run_parts(const std::vector<BoundLinear>& parts, const torch::Tensor& x) {
+  if (parts.size() == 1) return parts[0](x);
+  std::vector<torch::Tensor> outs;
+  outs.reserve(parts.size());
+  for (const auto& part : parts) outs.push_back(part(x));
+  return torch::cat(outs, -1);
+}
+
+struct BoundLayer {
+  torch::Tensor input_norm, post_attention_norm;
+  double input_norm_eps = 0, post_attention_norm_eps = 0;
+  std::vector<BoundLinear> qkv, o, gate_up, down;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  double scale = 0;
+};
+
+// The layers, bound once; ``run`` takes a step's hidden states through all of them.
+class DecoderLayers {
+ public:
+  explicit DecoderLayers(std::vector<BoundLayer> layers) : layers_(std::move(layers)) {}
+
+  // x [T, hidden]; each layer's cache and attention window / soft cap (0 for none); the metadata
+  // tensors every layer shares (lmport.ops.AttentionMetadata).
+  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                    const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, const std::vector<int64_t>& windows,
+                    const std::vector<double>& softcaps) const {
+    const size_t n = layers_.size();
+    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && windows.size() == n && softcaps.size() == n,
+                "decoder layers: ", n, " layers, got ", k_caches.size(), " K caches, ", v_caches.size(),
+                " V caches, ", windows.size(), " windows and ", softcaps.size(), " soft caps");
+    const int64_t t = x.size(0);
+    for (size_t i = 0; i < n; ++i) {
+      const BoundLayer& l = layers_[i];
+      auto qkv = run_parts(l.qkv, rms_norm(x, l.input_norm, l.input_norm_eps))
+                     .view({t, -1, l.head_dim})
+                     .split_with_sizes({l.num_heads, l.num_kv_heads, l.num_kv_heads}, 1);
+      auto [q, k] = apply_rotary(qkv[0], qkv[1], cos, sin);
+      fill_kv_cache(k, qkv[2], k_caches[i], v_caches[i], slot_mapping);
+      const torch::Tensor out = paged_attention(q, k_caches[i], v_caches[i], block_tables, q_start_loc, kv_lens,
+                                                l.scale, windows[i], softcaps[i]);
+      x = x + run_parts(l.o, out.view({t, -1}));
+      auto gate_up = run_parts(l.gate_up, rms_norm(x, l.post_attention_norm, l.post_attention_norm_eps)).chunk(2, -1);
+      x = x + run_parts(l.down, silu_and_mul(gate_up[0], gate_up[1]));
+    }
+    return x;
+  }
+
+ private:
+  std::vector<BoundLayer> layers_;
+};
+
+}  // namespace lmport

@@ -1,0 +1,35 @@
+"""The default model's GGUF files the CPU benchmarks run: the shipped Q4_1, and the same weights
+requantized by llama.cpp's `llama-quantize --allow-requantize IN OUT TYPE` (made once, then reused)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+DEFAULT_DIR = Path.home() / ".cache" / "lmport-files"
+# Where a llama.cpp build's bin directory is looked for unless LMPORT_LLAMA_CPP_BIN or --llama-bin says.
+DEFAULT_LLAMA_BIN = Path(os.environ.get("LMPORT_LLAMA_CPP_BIN", Path.home() / ".cache" / "llamacpp" / "build" / "bin"))
+TYPES = ("Q4_1", "Q8_0", "Q4_K_M")
+
+
+def gguf_file(kind: str, files_dir: Path = DEFAULT_DIR, llama_bin: Path | None = None) -> Path:
+    """The default model as ``kind`` (one of TYPES): the shipped file for Q4_1, else
+    ``files_dir/smollm2-KIND.gguf``, made with llama-quantize from ``llama_bin`` when missing."""
+    from lmport.models.loader import resolve_model_path
+    shipped = resolve_model_path("smollm2")
+    if kind == "Q4_1":
+        return shipped
+    if kind not in TYPES:
+        raise SystemExit(f"unknown file type {kind!r}: one of {', '.join(TYPES)}")
+    target = files_dir / f"smollm2-{kind}.gguf"
+    if target.exists():
+        return target
+    quantize = None if llama_bin is None else llama_bin / "llama-quantize"
+    if quantize is None or not quantize.exists():
+        raise SystemExit(f"{target} is missing and no llama-quantize to make it with: pass --llama-bin")
+    files_dir.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.stem}.partial.gguf")
+    subprocess.run([str(quantize), "--allow-requantize", str(shipped), str(partial), kind], check=True,
+                   capture_output=True)
+    partial.rename(target)
+    return target

@@ -1,0 +1,51 @@
+"""What a CPU benchmark reports about the machine it ran on: the CPU's model and the instruction sets
+that matter to the kernels, the load, and the memory read bandwidth measured in the same run (a
+decode step reads every weight once, so bytes / bandwidth is the fastest a token can be)."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+# The flags the kernels (ours and llama.cpp's) pick their paths by.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_info() -> dict:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "cores": len(os.sched_getaffinity(0)),
+            "kernel_flags": [f for f in KERNEL_FLAGS if f in flags], "load_average": os.getloadavg()}
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0, rounds: int = 7, now=time.perf_counter) -> dict:
+    """Read bandwidth in GB/s with ``threads`` threads: torch's float32 sum over a buffer far larger
+    than the caches (a streaming read, vectorized and split over the threads), best and median of
+    ``rounds``; ``now`` the clock (time.thread_time counts one thread's own time)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4)
+        x.sum()
+        rates = []
+        for _ in range(rounds):
+            start = now()
+            x.sum()
+            rates.append(x.numel() * 4 / (now() - start) / 1e9)
+    finally:
+        torch.set_num_threads(before)
+    return {"threads": threads, "best_gbs": max(rates), "median_gbs": statistics.median(rates),
+            "method": f"torch.sum over {gib:g} GiB of float32, {rounds} rounds"}
