@@ -83,7 +83,8 @@ def _timed(fn) -> float:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer.encode(chat, add_special_tokens=False)
 
 
