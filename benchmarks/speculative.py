@@ -21,7 +21,7 @@ batch fills (disable_by_batch_size), so on should be no slower than off.
 llama.cpp peer: its `llama-lookup` (n-gram) or `llama-speculative` binary from --llama-bin
 (default /root/.cache/llamacpp/build/bin) when present; otherwise the JSON says which binaries were
 looked for and none is run. The header gives the CPU model and flags, the thread count and a
-measured memory bandwidth (a 256 MiB tensor copy, best of 5). On a shared machine, say so beside
+measured read bandwidth (benchmarks/machine.py). On a shared machine, say so beside
 any figure: other processes change every column, which is why the rounds interleave.
 
 Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--batch] [--out benchmarks/results/speculative.json]
@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -59,27 +59,11 @@ PEER_BINARIES = ("llama-lookup", "llama-speculative")
 
 
 def machine() -> dict:
-    flags, model = [], platform.processor()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), model)
-        line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-        flags = sorted(f for f in line.split(":", 1)[-1].split()
-                       if f in {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "amx_tile"})
-    except OSError:
-        pass
-    x = torch.empty(64 * 2**20, dtype=torch.float32)   # 256 MiB
-    y = torch.empty_like(x)
-    best = min(_timed(lambda: y.copy_(x)) for _ in range(5))
-    return {"cpu": model, "flags": flags, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "copy_bandwidth_gb_s": round(2 * x.numel() * 4 / best / 1e9, 1),   # read + write
-            "load_average": os.getloadavg(), "torch": torch.__version__}
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    """CPU model and kernel flags, threads, load and measured read bandwidth (benchmarks/machine.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from machine import cpu_info, memory_bandwidth
+    threads = torch.get_num_threads()
+    return {**cpu_info(), "threads": threads, "bandwidth": memory_bandwidth(threads), "torch": torch.__version__}
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -153,7 +137,6 @@ def single_stream(rounds: int, tokens: int) -> dict:
 
 def batch(rounds: int) -> dict:
     """The `make bench` workload (benchmarks/throughput.py), speculation off and on, alternating."""
-    import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from throughput import workload
 
@@ -213,8 +196,8 @@ def main() -> None:
         results["batch"] = batch(args.rounds)
     results["machine"]["load_average_after"] = os.getloadavg()
     m = results["machine"]
-    print(f"CPU: {m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads, copy bandwidth "
-          f"{m['copy_bandwidth_gb_s']} GB/s, load average {m['load_average'][0]:.1f}")
+    print(f"CPU: {m['model']} ({', '.join(m['kernel_flags'])}), {m['threads']} threads, read bandwidth "
+          f"{m['bandwidth']['median_gbs']:.1f} GB/s (median), load average {m['load_average'][0]:.1f}")
     print(table(results))
     print(f"llama.cpp peer: {results['llama_cpp']['reason']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
