@@ -41,6 +41,70 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``; docs/speculative.md).
+
+    ``ngram`` proposes the tokens that followed the latest earlier occurrence of the last n tokens
+    (prompt lookup, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``); ``draft`` runs ``model``,
+    a smaller model sharing the target's tokenizer. The target verifies every proposal in one batched
+    forward; the output distribution is the target's own.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None                # the draft model (a path or short name) for method "draft"
+    # No speculation while more than this many sequences run: a full batch already streams the weights once
+    # for many tokens, and verifying rejected proposals would only add work.
+    disable_by_batch_size: int = 4
+    # A sequence whose recent proposals are accepted less than this share of the time stops proposing for a
+    # while (its verification costs more than the accepted tokens save).
+    min_acceptance: float = 0.25
+
+    def __post_init__(self):
+        _check(self.method in SPECULATIVE_METHODS,
+               f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        _check(_is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+               f"speculative.num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"speculative.{name} must be an int >= 1, got {value!r}")
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"speculative.prompt_lookup_min={self.prompt_lookup_min} is more than prompt_lookup_max="
+               f"{self.prompt_lookup_max}: give min <= max")
+        if self.method == "draft":
+            _check(isinstance(self.model, str) and bool(self.model),
+                   "speculative.method='draft' needs speculative.model: the path or short name of a smaller "
+                   "model with the same tokenizer")
+        else:
+            _check(self.model is None, f"speculative.model={self.model!r} is only read by method 'draft'; drop it "
+                                       f"or use method='draft'")
+        _check(_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
+               f"speculative.disable_by_batch_size must be an int >= 1, got {self.disable_by_batch_size!r}")
+        _check(_is_number(self.min_acceptance) and 0 <= self.min_acceptance < 1,
+               f"speculative.min_acceptance must be a number in [0, 1), got {self.min_acceptance!r}")
+
+    @classmethod
+    def of(cls, value) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from itself, a dict of its fields, or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        _check(isinstance(value, dict), f"speculative must be a dict of SpeculativeConfig fields (or None), "
+                                        f"got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        _check(not unknown, f"speculative: unknown field(s) {', '.join(map(str, unknown))}; the fields are "
+                            f"{', '.join(sorted(names))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     device_type: str = "auto"
@@ -71,6 +135,8 @@ class EngineConfig:
     # others), "ray" Ray actors placed by a placement group. At tp=1 the runner is in the engine's process.
     executor: str = "mp"
     ray_address: str | None = None           # an existing Ray cluster ("auto", "HOST:PORT"); None: RAY_ADDRESS or local
+    # Speculative decoding: a SpeculativeConfig or a dict of its fields ({"method": "ngram"}); None: off.
+    speculative: dict | SpeculativeConfig | None = None
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -120,6 +186,7 @@ class EngineConfig:
         _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        self.speculative = SpeculativeConfig.of(self.speculative)
         if self.device_type != "auto":
             self._check_against(self.backend_class().capabilities)
 
@@ -212,6 +279,7 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     response_format: dict | None = None  # structured output (JSON schema, regex, grammar): see lmport.guided
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to a token's logit before sampling
+    speculate: bool = True              # False: this request never speculates (EngineConfig.speculative)
 
     def __post_init__(self):
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -237,6 +305,7 @@ class GenerationConfig:
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_number(b) and abs(b) < float("inf") for t, b in self.logit_bias.items())),
                f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+        _check(isinstance(self.speculate, bool), f"speculate must be True or False, got {self.speculate!r}")
         if self.response_format is not None:
             from lmport.guided import GuidedDecodingError, grammar_key
             try:

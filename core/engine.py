@@ -36,6 +36,8 @@ from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
+from lmport.speculative.acceptance import Verdict, verify
+from lmport.speculative.speculator import Speculator
 from lmport.units import fmt_bytes
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
@@ -79,6 +81,10 @@ class Engine:
         """``backend`` injects an instance of the configured backend, e.g. one whose
         ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
         self.config = (config or EngineConfig()).resolve()
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft":
+            raise ConfigError(f"speculative.method='draft' (model {spec.model!r}) is not available yet: draft-model "
+                              f"proposals are not implemented; use method='ngram' (docs/speculative.md)")
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
         path = resolve_model_path(model)
@@ -116,6 +122,12 @@ class Engine:
         self.masks = MaskBuilder(self.model_config.vocab_size)
         self.adapters = AdapterTable(self.config.max_loras)   # LoRA adapters (docs/lora.md)
         self._pooled: dict[str, torch.Tensor] = {}   # embedding requests' pooled sums so far (lmport.pooling)
+        # Speculative decoding (docs/speculative.md): the scheduler reserves slots for each proposal.
+        self.speculator = None
+        if self.config.speculative is not None:
+            self.speculator = Speculator(self.config.speculative, self.session_len,
+                                         lambda: len(self.scheduler.running))
+            self.scheduler.lookahead = self.speculator.lookahead
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -204,6 +216,8 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.scheduler.finish(seq)
         seq.finish("abort")
         self._pooled.pop(request_id, None)
@@ -228,11 +242,14 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
+        proposals = self._proposals(batch.seqs, batch.num_new)
+        # Sequences sampling their next token (a proposal's sequence verifies instead: it computes past its end;
+        # an embedding request samples nothing).
         completing = [s for s, n in zip(batch.seqs, batch.num_new)
                       if s.num_computed + n == s.num_tokens and s.pooling is None]
         masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
-            logits = self._forward(batch.seqs, batch.num_new)
+            logits = self._forward(batch.seqs, batch.num_new, proposals)
         except Exception as exc:  # a failing forward ends this batch's requests, not the engine
             log.exception("forward failed")
             for seq in batch.seqs:
@@ -241,11 +258,17 @@ class Engine:
             return outputs + self.step() if self.failure else outputs
 
         for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
+            seq.num_computed += n - len(proposals.get(seq, ()))   # proposed tokens count once accepted
         if isinstance(logits, tuple):   # embedding requests in the batch
             logits, pooled = logits
             outputs += self._pool(batch.seqs, batch.num_new, pooled)
-        ready = [s for s in batch.seqs if s.num_uncomputed == 0 and s.pooling is None]
+        ready = completing
+        if proposals:   # the verifying sequences' rows come out; the others' stay in batch order
+            sampling = set(ready)
+            counts = [len(proposals[s]) + 1 if s in proposals else int(s in sampling) for s in batch.seqs]
+            parts = dict(zip(batch.seqs, logits.split(counts)))
+            logits = torch.cat([parts[s] for s in ready]) if ready else logits[:0]
+            outputs += self._verify({s: parts[s] for s in proposals}, proposals)
         if not ready:
             return outputs
         mask = None
@@ -311,10 +334,26 @@ class Engine:
         if copies:
             self.executor.execute(StepInput([], [], [], [], [], copies))
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int]):
-        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes, with the
-        sums of the embedding requests' pooled rows (lmport.pooling) beside them when the batch has any."""
-        ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
+    def _proposals(self, seqs: list[Sequence], num_new: list[int]) -> dict[Sequence, list[int]]:
+        """The tokens each decoding sequence with reserved slots verifies this step; ``num_new`` shrinks to
+        what was proposed."""
+        if self.speculator is None:
+            return {}
+        proposals = {}
+        for i, seq in enumerate(seqs):
+            if num_new[i] > 1 and seq.num_uncomputed == 1 and seq.pooling is None:
+                proposals[seq] = self.speculator.proposal(seq, num_new[i] - 1)
+                num_new[i] = 1 + len(proposals[seq])
+        return {s: p for s, p in proposals.items() if p}
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int],
+                 proposals: dict[Sequence, list[int]] | None = None):
+        """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes and of
+        every token of a sequence verifying a proposal (its last token, then the proposed ones), with the sums of
+        the embedding requests' pooled rows (lmport.pooling) beside them when the batch has any."""
+        proposals = proposals or {}
+        ids = [t for s, n in zip(seqs, num_new)
+               for t in s.token_ids[s.num_computed:s.num_computed + n] + proposals.get(s, [])]
         ends, rows, pool = 0, [], []
         for s, n in zip(seqs, num_new):
             ends += n
@@ -322,6 +361,8 @@ class Engine:
             if s.pooling is not None:
                 if s.pooling == "mean" or completes:
                     pool.append((ends - n, ends) if s.pooling == "mean" else (ends - 1, ends))
+            elif s in proposals:
+                rows.extend(range(ends - n, ends))
             elif completes:
                 rows.append(ends - 1)
         slots = [self.adapters.slot(s.adapter_id) for s in seqs] if self.config.max_loras else []
@@ -349,7 +390,52 @@ class Engine:
             outputs.append(dataclasses.replace(self._output(seq, [], ""), embedding=vector.tolist()))
         return outputs
 
+    def _verify(self, logits: dict[Sequence, torch.Tensor], proposals: dict[Sequence, list[int]]
+                ) -> list[RequestOutput]:
+        """Judge each sequence's proposal on its rows of logits, append what it emits, give back the KV slots
+        of its rejected tokens. A failure ends only the sequence it belongs to."""
+        seqs = list(proposals)
+        try:
+            verdicts: list[Verdict | Exception] = list(verify(
+                torch.cat([logits[s] for s in seqs]), seqs, [proposals[s] for s in seqs], [None] * len(seqs)))
+        except Exception:
+            log.exception("verifying a batch of %d proposals failed; verifying each alone", len(seqs))
+            verdicts = []
+            for s in seqs:
+                try:
+                    verdicts.extend(verify(logits[s], [s], [proposals[s]], [None]))
+                except Exception as exc:
+                    verdicts.append(exc)
+        outputs = []
+        for seq, verdict in zip(seqs, verdicts):
+            if isinstance(verdict, Exception):
+                outputs.append(self._fail(seq, "sampling", verdict))
+                continue
+            cast(Speculator, self.speculator).record(seq, len(proposals[seq]), verdict.accepted)
+            seq.num_computed += verdict.accepted   # the accepted proposed tokens' KV is in the cache
+            try:
+                outputs.append(self._append_all(seq, verdict.tokens, verdict.logprobs))
+            except Exception as exc:
+                outputs.append(self._fail(seq, "decoding", exc))
+            if not seq.is_finished:
+                self.block_manager.rollback(seq)
+        return outputs
+
+    def _append_all(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append tokens in order until one ends the request; one output for them all."""
+        appended, delta = [], ""
+        for token, lp in zip(tokens, logprobs):
+            delta += self._push(seq, token, lp)
+            appended.append(token)
+            if seq.is_finished:
+                break
+        return self._output(seq, appended, delta)
+
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+        return self._output(seq, [token], self._push(seq, token, logprobs))
+
+    def _push(self, seq: Sequence, token: int, logprobs) -> str:
+        """Append one token: detokenize, advance the grammar, check stops; returns the text it adds."""
         seq.output_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
@@ -381,9 +467,11 @@ class Engine:
         else:
             delta = detokenize.streamable_delta(text, old_text, cfg.stop_words)
             seq.text = old_text + delta
-        return self._output(seq, [token], delta)
+        return delta
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.scheduler.finish(seq)
         self._pooled.pop(seq.request_id, None)
         if not seq.is_finished:
@@ -434,6 +522,7 @@ class Engine:
             "blocks_used": self.block_manager.num_blocks - self.block_manager.num_free,
             "preemptions": self.scheduler.num_preemptions,
             **self.block_manager.usage(),
+            **(self.speculator.usage() if self.speculator is not None else {}),
             **self.stats,
         }
 

@@ -39,6 +39,18 @@ class _EngineCollector:
         if "prefix_cache_hit_rate" in usage:   # Engine.usage() has it (lmport.paging.usage)
             yield GaugeMetricFamily("lmport_prefix_cache_hit_rate", "Prefix cache hit rate",
                                     value=float(usage["prefix_cache_hit_rate"]))
+        if "spec_verifications" in usage:   # speculative decoding is on (lmport.speculative)
+            for name, key, doc in (
+                    ("lmport_spec_decode_proposed_tokens", "spec_proposed_tokens", "Proposed tokens verified"),
+                    ("lmport_spec_decode_accepted_tokens", "spec_accepted_tokens", "Proposed tokens accepted"),
+                    ("lmport_spec_decode_verifications", "spec_verifications",
+                     "Sequence steps that verified a proposal")):
+                yield CounterMetricFamily(name, doc, value=usage[key])
+            yield GaugeMetricFamily("lmport_spec_decode_acceptance_rate", "Accepted / proposed tokens",
+                                    value=float(usage["spec_acceptance_rate"]))
+            yield GaugeMetricFamily("lmport_spec_decode_mean_acceptance_length",
+                                    "Tokens a sequence gains per verifying step, its own token included",
+                                    value=float(usage["spec_mean_acceptance_length"]))
         # Everything else the engine reports (prefix cache, host tier, ...), under its own key.
         other = GaugeMetricFamily("lmport_engine_stat", "Other numbers from engine.usage()", labels=["key"])
         for key, value in sorted(usage.items()):

@@ -162,6 +162,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                      # extension: generate exactly max_tokens
+    speculate: bool = True                        # extension: False opts out of the server's speculative decoding
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: keys the prefix-cache hash
     logit_bias: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")],
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(

@@ -250,7 +250,7 @@ class Server:
                         # n choices from one seed differ from each other yet repeat run to run.
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                        response_format=response_format, logit_bias=logit_bias))
+                        response_format=response_format, logit_bias=logit_bias, speculate=req.speculate))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
         job = Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
