@@ -243,25 +243,31 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class _Structured(_Sampling):
+    """Structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields, or llama.cpp's
+    ``grammar`` / ``json_schema`` (the same as guided_grammar / guided_json); lmport.server.structured checks
+    that at most one is given."""
+    response_format: dict | None = None           # checked by lmport.guided: text, json_object, json_schema
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    grammar: str | None = None
+    json_schema: dict | None = None
+
+
+class ChatCompletionRequest(_Structured):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None           # checked by lmport.guided: text, json_object, json_schema
     tools: list[dict] | None = None               # checked by lmport.server.tools
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Structured):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)      # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False                            # the prompt (and its logprobs) before the completion
-    response_format: dict | None = None
-    # vLLM's structured-output extension; at most one of these or response_format.
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_grammar: str | None = None
-    guided_choice: list[str] | None = None

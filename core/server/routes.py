@@ -67,12 +67,12 @@ async def chat_prompt(server: Server, req: ChatCompletionRequest) -> ChatPrompt:
     except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
         raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
                        param="messages") from None
-    response_format = req.response_format
-    await structured.check_format(server, response_format, "response_format")
+    response_format, format_param = structured.request_format(req)
+    await structured.check_format(server, response_format, format_param)
     if setup is not None and setup.response_format is not None:
         if structured.constrains(response_format):
-            raise APIError(400, "response_format: cannot be combined with a tool_choice that forces a call",
-                           param="response_format")
+            raise APIError(400, f"{format_param}: cannot be combined with a tool_choice that forces a call",
+                           param=format_param)
         response_format = setup.response_format
         await structured.check_format(server, response_format, "tools")
     return ChatPrompt(ids, setup, response_format)
@@ -164,7 +164,7 @@ async def completions(server: Server, request: Request):
                             "prompt)", param="max_tokens")
     if req.echo and req.stream:
         raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
-    response_format, format_param = structured.completion_format(req)
+    response_format, format_param = structured.request_format(req)
     await structured.check_format(server, response_format, format_param)
     job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
                      key=getattr(request.state, "api_key", None))
