@@ -244,7 +244,7 @@ BAD_INPUT = [
 
 
 def test_bad_input_gets_a_4xx_naming_the_field_while_a_normal_request_completes(tiny):
-    normal = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=600,
+    normal = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=1800,
                   temperature=0, extra_body={"ignore_eos": True})
     expected = client(tiny).chat.completions.create(**normal).choices[0].message.content
 

@@ -395,7 +395,8 @@ class _Reply:
             yield self._event("response.failed", response=self.response(
                 "failed", output, error={"code": exc.code or exc.type, "message": exc.message}))
             return
-        assert final is not None   # outputs() ends only once the choice has finished
+        if final is None:   # outputs() ends only once the choice has finished
+            raise RuntimeError("the engine's output stream ended before the response's choice finished")
         status = self._status(final)
         if item is None:   # nothing was said: one empty message, as the reply body has
             item = self._message("", "in_progress")
