@@ -16,15 +16,14 @@ import logging
 from lmport import ray_cluster
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.dp.frontend import DataParallel
-from lmport.dp.replica import InProcessHandle, Replica
+from lmport.dp.replica import InProcessHandle, Replica, ReplicaCalls
 from lmport.dp.router import PrefixRouter
 from lmport.dp.served import ServedModel
-from lmport.engine import RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaActor:
+class ReplicaActor(ReplicaCalls):
     """The body of a replica's Ray actor: a Replica whose every method is async (Ray runs them on the
     actor's one event loop, where the Replica's tasks live)."""
 
@@ -35,24 +34,11 @@ class ReplicaActor:
     async def info(self) -> dict:
         return self.replica.info()
 
-    async def submit(self, request_id: str, prompt_ids: list[int], gen_config: GenerationConfig,
-                     cache_salt: str | None = None) -> None:
-        await self.replica.submit(request_id, prompt_ids, gen_config, cache_salt)
-
-    async def abort(self, request_id: str) -> None:
-        await self.replica.abort(request_id)
-
-    async def poll(self, timeout: float) -> tuple[list[RequestOutput], str | None, dict]:
-        return await self.replica.poll(timeout)
-
     async def health(self) -> str | None:
         return self.replica.health()
 
     async def usage(self) -> dict:
         return self.replica.usage()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.replica.close)
 
 
 class RayHandle:

@@ -106,13 +106,10 @@ class Replica:
         self.engine.close()
 
 
-class InProcessHandle:
-    """A front end's handle on a Replica in its own process (tests, and a cluster-free way to try routing):
-    ``restart`` builds the replica anew with ``make``."""
-
-    def __init__(self, make):
-        self.make = make
-        self.replica: Replica = make()
+class ReplicaCalls:
+    """A Replica's calls as coroutines, forwarded to ``self.replica``: what the in-process handle and the body of
+    a replica's Ray actor (lmport.dp.cluster.ReplicaActor) both offer."""
+    replica: Replica
 
     async def submit(self, request_id: str, prompt_ids: list[int], gen_config: GenerationConfig,
                      cache_salt: str | None = None) -> None:
@@ -124,11 +121,20 @@ class InProcessHandle:
     async def poll(self, timeout: float) -> tuple[list[RequestOutput], str | None, dict]:
         return await self.replica.poll(timeout)
 
+    async def close(self) -> None:
+        await asyncio.to_thread(self.replica.close)
+
+
+class InProcessHandle(ReplicaCalls):
+    """A front end's handle on a Replica in its own process (tests, and a cluster-free way to try routing):
+    ``restart`` builds the replica anew with ``make``."""
+
+    def __init__(self, make):
+        self.make = make
+        self.replica = make()
+
     async def restart(self) -> dict:
         old = self.replica
         await asyncio.to_thread(old.close)
         self.replica = await asyncio.to_thread(self.make)
         return self.replica.usage()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.replica.close)
