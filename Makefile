@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
 
-.PHONY: run test test-all bench setup lint gpu-dry-run
+.PHONY: run test test-all test-ray bench setup lint gpu-dry-run
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ test: lint
 
 test-all: lint
 	$(PY) -m pytest -q
+
+# The Ray executor and data-parallel replicas on a local Ray cluster: installs the optional extra first
+# (without it, tests/test_ray.py skips and says why).
+test-ray: $(STAMP)
+	$(PY) -m pip install -q -e '.[ray]'
+	$(PY) -m pytest -q tests/test_ray.py tests/test_dp_router.py tests/test_dp_frontend.py tests/test_dp_plan.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -89,8 +89,11 @@ class Soak:
         self.latencies: dict[str, list[float]] = collections.defaultdict(list)
 
     def problem(self, text: str) -> None:
+        """Counts a problem; keeps the first few examples of each kind (its text up to the first colon), so a
+        burst of one kind does not hide the others."""
         self.counts["problem"] += 1
-        if len(self.problems) < 20:
+        kind = text.split(":")[0]
+        if sum(p.split(":")[0] == kind for p in self.problems) < 5:
             self.problems.append(text)
 
     async def one(self, http: httpx.AsyncClient, i: int) -> None:

@@ -46,6 +46,11 @@ class Capabilities:
     # Whether ``Backend.decode_graphs`` captures decode steps (EngineConfig.eager_mode=False). Where it is False,
     # EngineConfig.resolve records an Adjustment (eager_mode False -> True) and every step runs eagerly.
     decode_graphs: bool = False
+    # Whether ``Backend.add_lora`` runs here: LoRA adapters served over the base model (EngineConfig.max_loras).
+    lora: bool = False
+    # The Ray resource one tensor-parallel rank reserves in its placement-group bundle (docs/distributed.md):
+    # "GPU" for cuda, a custom resource the cluster's nodes declare ("NPU", "MLU"), "CPU" for host memory.
+    ray_resource: str = "CPU"
 
     def weight_format_problem(self, bits: int, group_size: int) -> str | None:
         """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""
@@ -195,6 +200,12 @@ class Backend:
                   ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' gated MLPs summed with their routing weights (lmport.ops.moe)."""
         return ops.fused_moe(x, gate_up, down, weights, ids)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 batch: ops.LoraBatch) -> torch.Tensor:
+        """``y`` plus each row's own adapter update (lmport.ops.lora): rows of several adapters and of the base
+        model in one batch."""
+        return ops.add_lora(y, x, lora_a, lora_b, batch)
 
     def decode_graphs(self, step: DecodeStep, max_batch_size: int, max_blocks_per_seq: int,
                       block_size: int) -> DecodeGraphs | None:

@@ -70,7 +70,7 @@ def cmd_plan(args) -> int:
     from lmport.plan_format import format_plan
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     try:
-        report = build_plan(args.model, engine_config(args), device_memory)
+        report = build_plan(args.model, engine_config(args), device_memory, dp=args.dp)
     except ModelNotFound as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -109,6 +109,16 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 30)")
     g.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="exit non-zero when the engine thread stops, for a supervisor to restart (default: on)")
+    g = p.add_argument_group("data parallelism (docs/distributed.md)")
+    g.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="engine replicas, each with --tp ranks, as Ray actors behind one front end (default: 1, "
+                        "one engine in this process; > 1 needs `pip install 'lmport[ray]'`)")
+    g.add_argument("--dp-routing", choices=("prefix", "round_robin"), default="prefix",
+                   help="prefix: a request goes to the replica that got its first blocks before, else to the "
+                        "least loaded; round_robin: in turn (default: prefix)")
+    g.add_argument("--dp-balance-threshold", type=int, default=16, metavar="N",
+                   help="leave prefix affinity when that replica has N more requests in flight than the least "
+                        "loaded one (default: 16)")
     g = p.add_argument_group("cross-site")
     g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
                    help="Host header names to accept besides the bound address and localhost (always checked "
@@ -117,6 +127,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="origins browsers may call the API from (default: none)")
     g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)")
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--lora", nargs="+", default=[], metavar="NAME=PATH",
+                   help="peft adapter directories to serve from the start, each chosen by requests whose model is "
+                        "NAME (max_loras defaults to their number)")
+    g.add_argument("--enable-lora-loading", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read paths on this "
+                        "machine: use with --api-key; max_loras defaults to at least 1)")
 
 
 def cmd_worker(args) -> int:
@@ -190,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="smollm2")
     p.add_argument("--device-memory", default=None, help="plan for a device of this size, e.g. 24GiB")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="plan N data-parallel replicas (each with --tp ranks and its own cache), as `serve --dp`")
     add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_plan)
     return parser

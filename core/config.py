@@ -13,6 +13,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("auto", "dequantize")
+MAX_LORA_RANK = 256
+EXECUTORS = ("mp", "ray")
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,70 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``; docs/speculative.md).
+
+    ``ngram`` proposes the tokens that followed the latest earlier occurrence of the last n tokens
+    (prompt lookup, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``); ``draft`` runs ``model``,
+    a smaller model sharing the target's tokenizer. The target verifies every proposal in one batched
+    forward; the output distribution is the target's own.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None                # the draft model (a path or short name) for method "draft"
+    # No speculation while more than this many sequences run: a full batch already streams the weights once
+    # for many tokens, and verifying rejected proposals would only add work.
+    disable_by_batch_size: int = 4
+    # A sequence whose recent proposals are accepted less than this share of the time stops proposing for a
+    # while (its verification costs more than the accepted tokens save).
+    min_acceptance: float = 0.25
+
+    def __post_init__(self):
+        _check(self.method in SPECULATIVE_METHODS,
+               f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        _check(_is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+               f"speculative.num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"speculative.{name} must be an int >= 1, got {value!r}")
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"speculative.prompt_lookup_min={self.prompt_lookup_min} is more than prompt_lookup_max="
+               f"{self.prompt_lookup_max}: give min <= max")
+        if self.method == "draft":
+            _check(isinstance(self.model, str) and bool(self.model),
+                   "speculative.method='draft' needs speculative.model: the path or short name of a smaller "
+                   "model with the same tokenizer")
+        else:
+            _check(self.model is None, f"speculative.model={self.model!r} is only read by method 'draft'; drop it "
+                                       f"or use method='draft'")
+        _check(_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
+               f"speculative.disable_by_batch_size must be an int >= 1, got {self.disable_by_batch_size!r}")
+        _check(_is_number(self.min_acceptance) and 0 <= self.min_acceptance < 1,
+               f"speculative.min_acceptance must be a number in [0, 1), got {self.min_acceptance!r}")
+
+    @classmethod
+    def of(cls, value) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from itself, a dict of its fields, or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        _check(isinstance(value, dict), f"speculative must be a dict of SpeculativeConfig fields (or None), "
+                                        f"got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        _check(not unknown, f"speculative: unknown field(s) {', '.join(map(str, unknown))}; the fields are "
+                            f"{', '.join(sorted(names))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     device_type: str = "auto"
@@ -61,6 +127,16 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None        # HOST:PORT of the rendezvous (node 0); None: a free local port
     dist_timeout: float = 300.0              # seconds any collective may wait before it fails
+    # LoRA adapters served over the base model (docs/lora.md): how many can be loaded at once (0: off, no
+    # adapter weights held) and the highest adapter rank they may have; both size the adapter memory.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    # Where ranks 1..tp-1 run (docs/distributed.md): "mp" worker processes of this node (and `lmport worker` on
+    # others), "ray" Ray actors placed by a placement group. At tp=1 the runner is in the engine's process.
+    executor: str = "mp"
+    ray_address: str | None = None           # an existing Ray cluster ("auto", "HOST:PORT"); None: RAY_ADDRESS or local
+    # Speculative decoding: a SpeculativeConfig or a dict of its fields ({"method": "ngram"}); None: off.
+    speculative: dict | SpeculativeConfig | None = None
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -95,9 +171,22 @@ class EngineConfig:
                f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         _check(_is_number(self.dist_timeout) and self.dist_timeout > 0,
                f"dist_timeout must be a number of seconds > 0, got {self.dist_timeout!r}")
+        _check(_is_int(self.max_loras) and self.max_loras >= 0,
+               f"max_loras must be an int >= 0 (0: no LoRA adapters), got {self.max_loras!r}")
+        _check(_is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= MAX_LORA_RANK,
+               f"max_lora_rank must be an int in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
+        _check(self.max_loras == 0 or self.tp == 1,
+               f"max_loras={self.max_loras} with tp={self.tp}: LoRA adapters run at tp=1 only; use tp=1 or max_loras=0")
+        _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        _check(self.executor != "ray" or self.nnodes == 1,
+               f"executor='ray' places the {self.tp} ranks on the Ray cluster's nodes itself: leave nnodes at 1 "
+               f"(nnodes={self.nnodes} is for the 'mp' executor with `lmport worker` on each node)")
+        _check(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address),
+               f"ray_address must be 'auto', HOST:PORT or ray://HOST:PORT of a Ray cluster, got {self.ray_address!r}")
         _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        self.speculative = SpeculativeConfig.of(self.speculative)
         if self.device_type != "auto":
             self._check_against(self.backend_class().capabilities)
 
@@ -121,6 +210,10 @@ class EngineConfig:
             problem = caps.block_size_problem(self.block_size)
             _check(problem is None, f"block_size={self.block_size} on device {caps.device_type!r}: {problem} "
                                     f"(rule: {caps.block_size_rule()}; default {caps.default_block_size})")
+        if self.max_loras and not caps.lora:
+            raise ConfigError(
+                f"max_loras={self.max_loras}: device {caps.device_type!r} does not run LoRA adapters; they run on "
+                f"{', '.join(_devices_with_lora()) or 'no installed device'}; use max_loras=0 on {caps.device_type}")
         if self.dtype != "auto":
             _check(self.dtype in caps.dtypes, f"dtype={self.dtype!r} is not supported on device "
                                               f"{caps.device_type!r}; use one of {', '.join(caps.dtypes)}")
@@ -137,9 +230,10 @@ class EngineConfig:
                                               f"{caps.device_type} requires block size {caps.block_size_forced}"))
             block_size = caps.block_size_forced
         eager_mode = self.eager_mode
-        if not eager_mode and (not caps.decode_graphs or self.tp > 1):
+        if not eager_mode and (not caps.decode_graphs or self.tp > 1 or self.max_loras):
             why = (f"{caps.device_type} does not capture decode steps" if not caps.decode_graphs
-                   else f"decode steps are captured at tp=1 only (tp={self.tp})")
+                   else f"decode steps are captured at tp=1 only (tp={self.tp})" if self.tp > 1
+                   else f"captured decode steps take no LoRA adapters (max_loras={self.max_loras})")
             adjustments.append(Adjustment("eager_mode", False, True, why + "; every step runs eagerly"))
             eager_mode = True
         for a in adjustments:
@@ -150,6 +244,11 @@ class EngineConfig:
             cache_max_entry_count=(caps.default_cache_max_entry_count if self.cache_max_entry_count is None
                                    else self.cache_max_entry_count),
             adjustments=tuple(adjustments))
+
+
+def _devices_with_lora() -> list[str]:
+    from lmport import registry
+    return [r.name for r in registry.describe_backends() if r.capabilities and r.capabilities.lora]
 
 
 def _devices_supporting(policy: int) -> list[str]:
@@ -183,6 +282,7 @@ class GenerationConfig:
     # The prompt's own log-probabilities (each token given those before it) and the top N alternatives at each
     # position, computed as the prompt is prefilled (completions echo, get_ppl); with it, max_new_tokens may be 0.
     prompt_logprobs: int | None = None
+    speculate: bool = True              # False: this request never speculates (EngineConfig.speculative)
 
     def __post_init__(self):
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
@@ -211,6 +311,7 @@ class GenerationConfig:
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_number(b) and abs(b) < float("inf") for t, b in self.logit_bias.items())),
                f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+        _check(isinstance(self.speculate, bool), f"speculate must be True or False, got {self.speculate!r}")
         if self.response_format is not None:
             from lmport.guided import GuidedDecodingError, grammar_key
             try:

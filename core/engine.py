@@ -10,7 +10,9 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -20,18 +22,24 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
+from lmport.lora.peft import read_peft_adapter
+from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.lora import LoraLayers
 from lmport.models.windows import kv_window
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
+from lmport.pooling import POOLING_MODES
 from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
+from lmport.speculative.acceptance import Verdict, verify
+from lmport.speculative.speculator import Speculator
 from lmport.units import fmt_bytes
-from lmport.weights.checkpoint import check_backend, is_quantized
+from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +66,15 @@ class RequestOutput:
     delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
     # gen_config.prompt_logprobs: on the finished output, log p(prompt[i]) with alternatives for i = 1 .. n-1
     prompt_logprobs: list[dict[int, float]] | None = None
+    embedding: list[float] | None = None   # an embedding request's pooled hidden state (lmport.pooling), once done
 
 
-def check_prompt(prompt_ids, vocab_size: int, session_len: int) -> None:
-    """RequestError when the engine cannot take these prompt token ids (the front end checks them too)."""
+def check_prompt(prompt_ids, vocab: int, session_len: int) -> None:
+    """RequestError naming the problem when an engine of this vocabulary and session_len cannot take the prompt."""
     if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be ints in [0, {vocab_size})")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
     if len(prompt_ids) >= session_len:
         raise RequestError(
             f"the prompt has {len(prompt_ids)} tokens but session_len is {session_len} "
@@ -77,14 +86,13 @@ class Engine:
         """``backend`` injects an instance of the configured backend, e.g. one whose
         ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
         self.config = (config or EngineConfig()).resolve()
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft":
+            raise ConfigError(f"speculative.method='draft' (model {spec.model!r}) is not available yet: draft-model "
+                              f"proposals are not implemented; use method='ngram' (docs/speculative.md)")
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
         path = resolve_model_path(model)
-        if self.config.tp > 1 and self.config.weight_format == "auto" and is_quantized(path):
-            # Quantized weights are not sharded: under tensor parallelism the checkpoint loads float.
-            log.warning("tp=%d: %s is dequantized to %s at load (quantized weights run at tp=1 only)",
-                        self.config.tp, path.name, self.config.dtype)
-            self.config = dataclasses.replace(self.config, weight_format="dequantize")
         check_backend(path, backend_cls.capabilities, self.config.weight_format)
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
@@ -95,8 +103,13 @@ class Engine:
             raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
                               f"`lmport worker MODEL` with the same flags (docs/distributed.md)")
         check_tp(read_model_config(model), self.config.tp)   # before any weight loads
+        check_tensor_parallel(path, self.config.tp, self.config.weight_format)
         # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
-        self.executor = make_executor(model, self.config, self.backend)
+        if self.config.executor == "ray" and self.config.tp > 1:
+            from lmport.ray_executor import RayExecutor
+            self.executor = RayExecutor(model, self.config, self.backend)
+        else:
+            self.executor = make_executor(model, self.config, self.backend)
         try:
             self._plan_and_allocate(model)
         except BaseException:
@@ -115,6 +128,14 @@ class Engine:
         # Prompt positions a step may score: their float32 logits stay within SCORING_LOGITS_BUDGET.
         self.scoring_chunk = max(1, min(SCORING_LOGITS_BUDGET // (4 * self.model_config.vocab_size),
                                         self.config.max_prefill_token_num))
+        self.adapters = AdapterTable(self.config.max_loras)   # LoRA adapters (docs/lora.md)
+        self._pooled: dict[str, torch.Tensor] = {}   # embedding requests' pooled sums so far (lmport.pooling)
+        # Speculative decoding (docs/speculative.md): the scheduler reserves slots for each proposal.
+        self.speculator = None
+        if self.config.speculative is not None:
+            self.speculator = Speculator(self.config.speculative, self.session_len,
+                                         lambda: len(self.scheduler.running))
+            self.scheduler.lookahead = self.speculator.lookahead
 
     def _plan_and_allocate(self, model: str) -> None:
         self.runner = self.executor.runner
@@ -159,13 +180,21 @@ class Engine:
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve."""
+                    request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None,
+                    pooling: str | None = None) -> str:
+        """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
+        ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so).
+        ``pooling``: an embedding request ("mean" or "last", lmport.pooling): the prompt is prefilled with the
+        other requests' steps, nothing is generated, and its final output carries the pooled hidden state."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids)
+        if pooling not in (None, *POOLING_MODES):
+            raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
+        if pooling == "mean":   # every position's hidden state is needed: no prefix-cache hit may skip one
+            cache_salt = f"\0mean-pooling:{uuid.uuid4().hex}"
         stop = set(gen_config.stop_token_ids if gen_config.stop_token_ids is not None else self.eos_token_ids)
         if gen_config.ignore_eos:
             stop -= set(self.eos_token_ids)
@@ -178,8 +207,10 @@ class Engine:
             grammar = self.grammars.matcher(gen_config.response_format)
         except GuidedDecodingError as exc:
             raise RequestError(str(exc)) from None
+        adapter_id = self.adapters.acquire(adapter).id if adapter is not None else 0
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt, grammar=grammar, max_scoring_tokens=self.scoring_chunk)
+                       cache_salt=cache_salt, grammar=grammar, max_scoring_tokens=self.scoring_chunk,
+                       adapter_id=adapter_id, pooling=pooling)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -194,8 +225,12 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.scheduler.finish(seq)
         seq.finish("abort")
+        self._pooled.pop(request_id, None)
+        self.adapters.release(seq.adapter_id)
         self._pending_outputs.append(self._output(seq, [], ""))
         del self.seqs[request_id]
         return True
@@ -216,11 +251,14 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
+        proposals = self._proposals(batch.seqs, batch.num_new)
+        # Sequences sampling their next token (a proposal's sequence verifies instead: it computes past its end;
+        # an embedding request, or a prompt scored with nothing to generate, samples nothing).
         completing = [s for s, n in zip(batch.seqs, batch.num_new)
-                      if s.num_computed + n == s.num_tokens and s.gen_config.max_new_tokens > 0]
+                      if s.num_computed + n == s.num_tokens and _generates(s)]
         masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
         try:
-            logits = self._forward(batch.seqs, batch.num_new)
+            logits = self._forward(batch.seqs, batch.num_new, proposals)
         except Exception as exc:  # a failing forward ends this batch's requests, not the engine
             log.exception("forward failed")
             for seq in batch.seqs:
@@ -229,12 +267,21 @@ class Engine:
             return outputs + self.step() if self.failure else outputs
 
         for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-        ready = [s for s in batch.seqs if s.num_uncomputed == 0]
-        for seq in [s for s in ready if s.gen_config.max_new_tokens == 0]:   # a prompt scored, nothing to generate
-            self._end(seq, "length")
-            outputs.append(self._output(seq, [], ""))
-        ready = [s for s in ready if s.gen_config.max_new_tokens > 0]
+            seq.num_computed += n - len(proposals.get(seq, ()))   # proposed tokens count once accepted
+        for seq in batch.seqs:   # a prompt scored, nothing to generate
+            if seq.pooling is None and seq.gen_config.max_new_tokens == 0 and seq.num_uncomputed == 0:
+                self._end(seq, "length")
+                outputs.append(self._output(seq, [], ""))
+        if isinstance(logits, tuple):   # embedding requests in the batch
+            logits, pooled = logits
+            outputs += self._pool(batch.seqs, batch.num_new, pooled)
+        ready = completing
+        if proposals:   # the verifying sequences' rows come out; the others' stay in batch order
+            sampling = set(ready)
+            counts = [len(proposals[s]) + 1 if s in proposals else int(s in sampling) for s in batch.seqs]
+            parts = dict(zip(batch.seqs, logits.split(counts)))
+            logits = torch.cat([parts[s] for s in ready]) if ready else logits[:0]
+            outputs += self._verify({s: parts[s] for s in proposals}, proposals)
         if not ready:
             return outputs
         mask = None
@@ -300,33 +347,125 @@ class Engine:
         if copies:
             self.executor.execute(StepInput([], [], [], [], [], copies))
 
-    def _forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+    def _proposals(self, seqs: list[Sequence], num_new: list[int]) -> dict[Sequence, list[int]]:
+        """The tokens each decoding sequence with reserved slots verifies this step; ``num_new`` shrinks to
+        what was proposed."""
+        if self.speculator is None:
+            return {}
+        proposals = {}
+        for i, seq in enumerate(seqs):
+            if num_new[i] > 1 and seq.num_uncomputed == 1 and seq.pooling is None:
+                proposals[seq] = self.speculator.proposal(seq, num_new[i] - 1)
+                num_new[i] = 1 + len(proposals[seq])
+        return {s: p for s, p in proposals.items() if p}
+
+    def _forward(self, seqs: list[Sequence], num_new: list[int],
+                 proposals: dict[Sequence, list[int]] | None = None):
         """Runs the model; returns logits of the sequences whose uncomputed tokens this step completes (and that
-        generate), after recording the log-probabilities of the prompt positions scored this step."""
-        ids = [t for s, n in zip(seqs, num_new) for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        ends, rows, sampled, scored = 0, [], [], []
+        generate) and of every token of a sequence verifying a proposal (its last token, then the proposed ones),
+        with the sums of the embedding requests' pooled rows (lmport.pooling) beside them when the batch has any.
+        The log-probabilities of the prompt positions scored this step (gen_config.prompt_logprobs) are recorded
+        on their sequences."""
+        proposals = proposals or {}
+        ids = [t for s, n in zip(seqs, num_new)
+               for t in s.token_ids[s.num_computed:s.num_computed + n] + proposals.get(s, [])]
+        ends, rows, kept, scored, pool = 0, [], [], [], []
         for s, n in zip(seqs, num_new):
             start, ends = ends, ends + n
+            completes = s.num_computed + n == s.num_tokens
             if s.scoring:   # positions first .. last-1 predict prompt tokens first+1 .. last
                 first = max(s.num_computed, len(s.prompt_logprobs))
                 last = min(s.num_computed + n, len(s.prompt_ids) - 1)
                 if last > first:
                     scored.append((s, len(rows), first, last))
                     rows.extend(range(start + first - s.num_computed, start + last - s.num_computed))
-            if s.num_computed + n == s.num_tokens and s.gen_config.max_new_tokens > 0:
-                sampled.append(len(rows))
+            if s.pooling is not None:
+                if s.pooling == "mean" or completes:
+                    pool.append((start, ends) if s.pooling == "mean" else (ends - 1, ends))
+            elif s in proposals:
+                kept.extend(range(len(rows), len(rows) + n))
+                rows.extend(range(start, ends))
+            elif completes and _generates(s):
+                kept.append(len(rows))
                 rows.append(ends - 1)
+        slots = [self.adapters.slot(s.adapter_id) for s in seqs] if self.config.max_loras else []
         step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
-                         [s.block_table for s in seqs], rows, self.block_manager.take_copies())
-        logits = self.executor.execute(step)
-        if not scored:
-            return logits
+                         [s.block_table for s in seqs], rows, self.block_manager.take_copies(), slots, pool)
+        if pool:
+            logits, pooled = self.executor.run_all("execute_pooled", step)[0]
+        else:
+            logits, pooled = self.executor.execute(step), None
         for s, row, first, last in scored:
             s.prompt_logprobs += _prompt_logprobs(logits[row:row + last - first], s.prompt_ids[first + 1:last + 1],
                                                   s.gen_config.prompt_logprobs or 0)
-        return logits[sampled]
+        if scored:
+            logits = logits[kept]
+        return (logits, pooled) if pool else logits
+
+    def _pool(self, seqs: list[Sequence], num_new: list[int], pooled: torch.Tensor) -> list[RequestOutput]:
+        """Adds this step's pooled sums to each embedding request's; ends those now complete with their vector."""
+        outputs, i = [], 0
+        for seq, n in zip(seqs, num_new):
+            if seq.pooling is None or (seq.pooling == "last" and seq.num_uncomputed):
+                continue
+            if seq.pooling == "mean" and seq.num_computed == n:   # its first chunk (again, after a preemption)
+                self._pooled[seq.request_id] = torch.zeros_like(pooled[i])
+            total = self._pooled.pop(seq.request_id, 0) + pooled[i]
+            i += 1
+            if seq.num_uncomputed:
+                self._pooled[seq.request_id] = total
+                continue
+            vector = total / seq.num_tokens if seq.pooling == "mean" else total
+            self._end(seq, "stop")
+            outputs.append(dataclasses.replace(self._output(seq, [], ""), embedding=vector.tolist()))
+        return outputs
+
+    def _verify(self, logits: dict[Sequence, torch.Tensor], proposals: dict[Sequence, list[int]]
+                ) -> list[RequestOutput]:
+        """Judge each sequence's proposal on its rows of logits, append what it emits, give back the KV slots
+        of its rejected tokens. A failure ends only the sequence it belongs to."""
+        seqs = list(proposals)
+        try:
+            verdicts: list[Verdict | Exception] = list(verify(
+                torch.cat([logits[s] for s in seqs]), seqs, [proposals[s] for s in seqs], [None] * len(seqs)))
+        except Exception:
+            log.exception("verifying a batch of %d proposals failed; verifying each alone", len(seqs))
+            verdicts = []
+            for s in seqs:
+                try:
+                    verdicts.extend(verify(logits[s], [s], [proposals[s]], [None]))
+                except Exception as exc:
+                    verdicts.append(exc)
+        outputs = []
+        for seq, verdict in zip(seqs, verdicts):
+            if isinstance(verdict, Exception):
+                outputs.append(self._fail(seq, "sampling", verdict))
+                continue
+            cast(Speculator, self.speculator).record(seq, len(proposals[seq]), verdict.accepted)
+            seq.num_computed += verdict.accepted   # the accepted proposed tokens' KV is in the cache
+            try:
+                outputs.append(self._append_all(seq, verdict.tokens, verdict.logprobs))
+            except Exception as exc:
+                outputs.append(self._fail(seq, "decoding", exc))
+            if not seq.is_finished:
+                self.block_manager.rollback(seq)
+        return outputs
+
+    def _append_all(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Append tokens in order until one ends the request; one output for them all."""
+        appended, delta = [], ""
+        for token, lp in zip(tokens, logprobs):
+            delta += self._push(seq, token, lp)
+            appended.append(token)
+            if seq.is_finished:
+                break
+        return self._output(seq, appended, delta)
 
     def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+        return self._output(seq, [token], self._push(seq, token, logprobs))
+
+    def _push(self, seq: Sequence, token: int, logprobs) -> str:
+        """Append one token: detokenize, advance the grammar, check stops; returns the text it adds."""
         seq.output_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
@@ -358,10 +497,15 @@ class Engine:
         else:
             delta = detokenize.streamable_delta(text, old_text, cfg.stop_words)
             seq.text = old_text + delta
-        return self._output(seq, [token], delta)
+        return delta
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.scheduler.finish(seq)
+        self._pooled.pop(seq.request_id, None)
+        if not seq.is_finished:
+            self.adapters.release(seq.adapter_id)
         seq.finish(reason, error)
         self.seqs.pop(seq.request_id, None)
 
@@ -376,6 +520,31 @@ class Engine:
             prompt_logprobs=seq.prompt_logprobs if seq.is_finished and seq.gen_config.prompt_logprobs is not None
             else None)
 
+    # -- LoRA adapters (docs/lora.md) ---------------------------------------
+    def read_adapter(self, path: str):
+        """The peft adapter at ``path``, checked against this model (lmport.lora.peft); touches no engine state,
+        so a server reads it off the engine thread. AdapterError for one that cannot be served."""
+        self.adapters.free_slot()   # max_loras=0: refused before reading anything
+        lora = cast(LoraLayers, self.runner.lora)   # max_loras >= 1 here: the runner made them
+        return read_peft_adapter(path, lora.shapes, self.config.max_lora_rank, self.dtype)
+
+    def load_adapter(self, name: str, path: str, adapter=None) -> LoadedAdapter:
+        """Serve the peft adapter at ``path`` as ``name`` (``adapter``: already read by ``read_adapter``)."""
+        self.adapters.check_name(name)
+        slot = self.adapters.free_slot()
+        adapter = adapter if adapter is not None else self.read_adapter(path)
+        self.executor.run_all("load_adapter", slot, adapter.weights)
+        loaded = self.adapters.add(name, slot, adapter.path, adapter.rank)
+        log.info("LoRA adapter %r loaded from %s (rank %d, slot %d)", name, adapter.path, adapter.rank, slot)
+        return loaded
+
+    def unload_adapter(self, name: str) -> LoadedAdapter:
+        """Stop serving ``name``: new requests are refused at once; those running finish with it."""
+        adapter = self.adapters.remove(name)
+        log.info("LoRA adapter %r unloaded (%d requests still finishing with it)", name,
+                 self.adapters.in_use(adapter.id))
+        return adapter
+
     # -- introspection ----------------------------------------------------
     def usage(self) -> dict:
         return {
@@ -385,6 +554,7 @@ class Engine:
             "blocks_used": self.block_manager.num_blocks - self.block_manager.num_free,
             "preemptions": self.scheduler.num_preemptions,
             **self.block_manager.usage(),
+            **(self.speculator.usage() if self.speculator is not None else {}),
             **self.stats,
         }
 
@@ -409,3 +579,8 @@ def _prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list
     best = logits.topk(top, dim=-1)
     values = (best.values - lse[:, None]).tolist()
     return [{**dict(zip(i, v)), t: lp} for t, lp, i, v in zip(targets, chosen, best.indices.tolist(), values)]
+
+
+def _generates(seq: Sequence) -> bool:
+    """Whether the sequence samples tokens: not an embedding request, nor a prompt scored alone."""
+    return seq.pooling is None and seq.gen_config.max_new_tokens > 0

@@ -9,22 +9,29 @@ One reader thread receives the core's messages; a step's outputs reach each even
 puts each into its request's asyncio queue. If the core stops for any reason (an exception, the process
 killed), every open request gets an error output at once, new requests raise EngineStopped, and
 ``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``Engine.usage()`` after its
-last step, which /metrics reads without waiting for the engine.
+last step, which /metrics reads without waiting for the engine; ``adapters`` the LoRA adapters it serves,
+as the core's replies to ``load_adapter`` and ``unload_adapter`` left them.
+
+The data-parallel front end (``lmport.dp.frontend.DataParallel``) offers the server the same calls.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import wait
+from typing import Protocol
 
 from lmport import engine_core
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine, RequestError, RequestOutput
-from lmport.engine_messages import EngineInfo, EngineRequest, output_from_wire, pack, unpack
+from lmport.engine_messages import (EngineInfo, EngineRequest, adapter_from_wire, error_from_wire, output_from_wire,
+                                    pack, unpack)
+from lmport.lora.table import LoadedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +42,43 @@ class EngineStopped(RuntimeError):
     """The engine core is no longer running; no request can be served."""
 
 
+class EngineHandle(Protocol):
+    """What the HTTP front end calls on whatever runs its requests: an EngineClient, or the data-parallel front
+    end over several engine cores (lmport.dp.frontend.DataParallel)."""
+    info: EngineInfo
+    snapshot: dict
+    adapters: dict[str, LoadedAdapter]
+    on_failure: Callable[[str], None] | None
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def load_adapter(self, name: str, path: str) -> LoadedAdapter: ...
+
+    async def unload_adapter(self, name: str) -> LoadedAdapter: ...
+
+    def problem(self) -> str | None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class EngineClient:
-    def __init__(self, info: EngineInfo, usage: dict, send: Callable[[bytes], None],
+    def __init__(self, info: EngineInfo, usage: dict, adapters: list[LoadedAdapter], send: Callable[[bytes], None],
                  receive: Callable[[], bytes], stop: Callable[[float], None], is_alive: Callable[[], bool]):
         """``receive`` blocks for the core's next message and raises EOFError once the core is gone;
         ``stop(timeout)`` waits for the core to end after the shutdown message, and ends it when it does not."""
         self.info = info
         self.snapshot = usage
+        self.adapters: dict[str, LoadedAdapter] = {a.name: a for a in adapters}
         self.failure: str | None = None          # why the core stopped, once it has
         self.engine_failure: str | None = None   # what the core reports it cannot run (a tensor-parallel rank)
         self.on_failure: Callable[[str], None] | None = None   # called on the reader thread with the reason
         self._send, self._receive, self._stop, self._is_alive = send, receive, stop, is_alive
         # Each open request's event loop and queue (callers may run different event loops: test clients do).
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}   # control calls waiting
+        self._call_ids = itertools.count()
         self._lock = threading.Lock()
         self._closing = False
         self.process: multiprocessing.process.BaseProcess | None = None   # the core's, when it has its own
@@ -72,19 +103,22 @@ class EngineClient:
 
         thread = threading.Thread(target=run, name="lmport-engine", daemon=True)
         thread.start()
-        return cls(EngineInfo.of(engine), engine.usage(), requests.put, receive, thread.join, thread.is_alive)
+        return cls(EngineInfo.of(engine), engine.usage(), list(engine.adapters.by_name.values()), requests.put,
+                   receive, thread.join, thread.is_alive)
 
     @classmethod
-    def start_process(cls, model: str, config: EngineConfig) -> EngineClient:
-        """Start the core process and wait until its engine is built. A configuration the engine refuses raises
-        ConfigError; any other failure to build it, RuntimeError with the core's reason."""
+    def start_process(cls, model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> EngineClient:
+        """Start the core process and wait until its engine is built and the LoRA adapters ``loras`` (name ->
+        peft directory) are loaded. A configuration the engine refuses raises ConfigError; any other failure to
+        build it, RuntimeError with the core's reason."""
         # fork: the core inherits the front end's imports (and any patches applied to them) without importing
         # again; the front end has started no thread and touched no device yet.
         context = multiprocessing.get_context("fork")
         core_requests, requests = context.Pipe(duplex=False)   # (reader, writer)
         outputs, core_outputs = context.Pipe(duplex=False)
         process = context.Process(target=engine_core.process_main, name="lmport-engine-core",
-                                  args=(model, config, core_requests, core_outputs, (requests, outputs)))
+                                  args=(model, config, dict(loras or {}), core_requests, core_outputs,
+                                        (requests, outputs)))
         process.start()
         core_requests.close()   # the core holds these ends now: its exit closes the output pipe
         core_outputs.close()
@@ -102,7 +136,7 @@ class EngineClient:
         if first[0] != "ready":
             process.join(SHUTDOWN_WAIT)
             raise (ConfigError if first[2:] == ["config"] else RuntimeError)(first[1])
-        info, usage = EngineInfo.from_wire(first[1]), first[2]
+        info, usage, adapters = EngineInfo.from_wire(first[1]), first[2], [adapter_from_wire(a) for a in first[3]]
 
         def send(data: bytes) -> None:
             try:
@@ -117,14 +151,15 @@ class EngineClient:
                 process.kill()
                 process.join(5)
 
-        client = cls(info, usage, send, receive, stop, process.is_alive)
+        client = cls(info, usage, adapters, send, receive, stop, process.is_alive)
         client.process = process
         return client
 
     # -- requests --------------------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (each carries its new tokens and text). A request the core refuses
-        raises RequestError. Closing the iterator early (a client that went away) aborts the request."""
+        raises RequestError (AdapterError for an adapter it does not serve). Closing the iterator early (a client
+        that went away) aborts the request."""
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.failure is not None:
@@ -152,6 +187,36 @@ class EngineClient:
         """Abort at the core's next turn; its last output still reaches an open stream."""
         self._send(pack(["abort", request_id]))
 
+    async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """Serve the peft adapter at ``path`` (on the core's disk) as ``name``; AdapterError naming the problem."""
+        adapter = adapter_from_wire(await self._call("load_adapter", name, path))
+        self.adapters[adapter.name] = adapter
+        return adapter
+
+    async def unload_adapter(self, name: str) -> LoadedAdapter:
+        """New requests for ``name`` are refused from now on; those running finish with it."""
+        adapter = adapter_from_wire(await self._call("unload_adapter", name))
+        self.adapters.pop(adapter.name, None)
+        return adapter
+
+    async def _call(self, name: str, *args):
+        """The core runs ``name`` between steps; its reply's value, or its error raised here."""
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (asyncio.get_running_loop(), done)
+        self._send(pack(["call", call_id, name, list(args)]))
+        try:
+            value, error = await done
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+        if error is not None:
+            raise error
+        return value
+
     def problem(self) -> str | None:
         """Why no request can be served now, or None."""
         if self.failure is not None:
@@ -178,7 +243,9 @@ class EngineClient:
                     if message[1]:
                         self._deliver([(o.request_id, o) for o in map(output_from_wire, message[1])])
                 elif kind == "rejected":
-                    self._deliver([(message[1], RequestError(message[2]))])
+                    self._deliver([(message[1], error_from_wire(message[2]))])
+                elif kind == "reply":
+                    self._settle(message[1], (message[2], None if message[3] is None else error_from_wire(message[3])))
                 elif kind == "failed":
                     self._fail(message[1])
                     return
@@ -203,6 +270,12 @@ class EngineClient:
             except RuntimeError:   # that event loop is closed: nobody is waiting
                 pass
 
+    def _settle(self, call_id: int, result: tuple) -> None:
+        with self._lock:
+            target = self._calls.get(call_id)
+        if target is not None:
+            _call_soon(target[0], _resolve, target[1], result)
+
     def _fail(self, reason: str) -> None:
         """Every open request ends with an error now; later requests raise EngineStopped."""
         if self.process is not None:
@@ -213,6 +286,9 @@ class EngineClient:
         with self._lock:
             self.failure = reason
             request_ids = list(self._streams)
+            calls = list(self._calls)
+        for call_id in calls:
+            self._settle(call_id, (None, EngineStopped(reason)))
         self._deliver([(request_id, RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error",
                                                   prompt_tokens=0, error=reason)) for request_id in request_ids])
         if self.on_failure is not None:
@@ -225,3 +301,15 @@ class EngineClient:
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
     for stream, item in puts:
         stream.put_nowait(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:   # that event loop is closed: nobody is waiting
+        pass
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():   # the caller may have stopped waiting
+        future.set_result(result)

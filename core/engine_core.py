@@ -6,8 +6,8 @@ loop, tokenizing and SSE formatting do not share one interpreter lock) or in a t
 process (tests that reach into the Engine). The messages are ``lmport.engine_messages``: msgpack bytes,
 the same in both.
 
-Between steps the core takes every message waiting (adds, aborts) in arrival order; it steps while any
-request is unfinished, and waits for a message otherwise. An exception out of a step stops the core: the
+Between steps the core takes every message waiting (adds, aborts, control calls such as loading a LoRA
+adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. An exception out of a step stops the core: the
 front end is told why (``["failed", reason]``) and fails every open request with that reason.
 """
 from __future__ import annotations
@@ -20,7 +20,9 @@ from multiprocessing.connection import Connection
 
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine, RequestError
-from lmport.engine_messages import EngineInfo, EngineRequest, output_to_wire, pack, unpack
+from lmport.engine_messages import (CALLS, EngineInfo, EngineRequest, adapter_to_wire, error_to_wire, output_to_wire,
+                                    pack, unpack)
+from lmport.lora import AdapterError
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +67,23 @@ def _handle(engine: Engine, message: list, send: Send) -> None:
         request = EngineRequest.from_wire(message[1])
         try:
             engine.add_request(request.prompt_ids, request.gen_config, request.request_id,
-                               cache_salt=request.cache_salt)
-        except Exception as exc:   # refused (RequestError) or unexpected: that request fails, not the core
-            if not isinstance(exc, RequestError):
+                               cache_salt=request.cache_salt, adapter=request.adapter, pooling=request.pooling)
+        except Exception as exc:   # refused (RequestError, AdapterError) or unexpected: that request fails
+            if not isinstance(exc, (RequestError, AdapterError)):
                 log.exception("adding request %s failed", request.request_id)
-            send(pack(["rejected", request.request_id, str(exc)]))
+            send(pack(["rejected", request.request_id, error_to_wire(exc)]))
     elif kind == "abort":
         engine.abort(message[1])
+    elif kind == "call":
+        call_id, name, args = message[1:]
+        try:
+            if name not in CALLS:
+                raise RequestError(f"unknown engine call {name!r}")
+            send(pack(["reply", call_id, adapter_to_wire(getattr(engine, name)(*args)), None]))
+        except Exception as exc:   # the caller's error, never the core's
+            if not isinstance(exc, (RequestError, AdapterError)):
+                log.exception("engine call %s failed", name)
+            send(pack(["reply", call_id, None, error_to_wire(exc)]))
     elif kind == "shutdown":
         raise Shutdown
     else:
@@ -98,9 +110,26 @@ def thread_main(engine: Engine, requests: queue.Queue, send: Send) -> None:
 
 
 # -- in its own process ------------------------------------------------------------------------------------
-def process_main(model: str, config: EngineConfig, requests: Connection, outputs: Connection,
-                 parent_ends: tuple[Connection, ...]) -> None:
-    """The engine core process: build the engine, say it is ready (or why not), serve until told to stop."""
+def load_adapters(engine: Engine, loras: dict[str, str]) -> None:
+    """The LoRA adapters named at start (NAME -> peft directory); ConfigError naming the one that fails."""
+    for name, path in loras.items():
+        if name == engine.model_name:
+            raise ConfigError(f"--lora {name}={path}: the name is the base model's; choose another")
+        try:
+            engine.load_adapter(name, path)
+        except AdapterError as exc:
+            raise ConfigError(f"--lora {name}={path}: {exc}") from None
+
+
+def ready_message(engine: Engine) -> bytes:
+    return pack(["ready", EngineInfo.of(engine).to_wire(), engine.usage(),
+                 [adapter_to_wire(a) for a in engine.adapters.by_name.values()]])
+
+
+def process_main(model: str, config: EngineConfig, loras: dict[str, str], requests: Connection,
+                 outputs: Connection, parent_ends: tuple[Connection, ...]) -> None:
+    """The engine core process: build the engine (and load ``loras``), say it is ready (or why not), serve
+    until told to stop."""
     for end in parent_ends:   # inherited from the front end; only its own copies may keep the pipes open
         end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which shuts the core down
@@ -116,17 +145,21 @@ def process_main(model: str, config: EngineConfig, requests: Connection, outputs
         except (EOFError, OSError):   # the front end is gone
             raise Shutdown from None
 
+    engine = None
     try:
         engine = Engine(model, config)
+        load_adapters(engine, loras)
     except BaseException as exc:  # noqa: BLE001 - the front end reports it and exits
         if isinstance(exc, ConfigError):   # the front end reports it as it would its own
             send(pack(["failed", str(exc), "config"]))
         else:
             log.critical("the engine could not start: %s: %s", type(exc).__name__, exc, exc_info=True)
             send(pack(["failed", f"the engine could not start: {type(exc).__name__}: {exc}"]))
+        if engine is not None:
+            engine.close()
         return
     try:
-        send(pack(["ready", EngineInfo.of(engine).to_wire(), engine.usage()]))
+        send(ready_message(engine))
         serve(engine, receive, send)
     except BaseException as exc:  # noqa: BLE001
         log.critical("%s", failure_reason(exc), exc_info=True)

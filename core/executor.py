@@ -105,15 +105,17 @@ def _make_backend(backend_cls: type[Backend], local_rank: int, local_world: int)
     return backend_cls(device=backend_cls.setup_rank(local_rank, local_world))
 
 
-def run_worker(model: str, config: EngineConfig, backend_cls: type[Backend], rank: int, addr: str) -> int:
+def run_worker(model: str, config: EngineConfig, backend_cls: type[Backend], rank: int, addr: str,
+               local: tuple[int, int] | None = None) -> int:
     """One worker rank: joins the group, loads its shard, then runs the driver's calls until told to stop.
+    ``local``: (this rank's index among its host's ranks, their number); default: from ``nnodes``.
     A failure is reported to rank 0 through the rendezvous store, then the process exits (code 1)."""
     store = _connect(config, addr, rank)
     try:
         store.set(_joined_key(rank), "1")
         tp, control = _join(config, backend_cls, store, rank)
-        local = rank % ranks_per_node(config)
-        runner = ModelRunner(model, config, _make_backend(backend_cls, local, ranks_per_node(config)), tp)
+        local_rank, local_world = local or (rank % ranks_per_node(config), ranks_per_node(config))
+        runner = ModelRunner(model, config, _make_backend(backend_cls, local_rank, local_world), tp)
         while True:
             box: list = [None]
             dist.broadcast_object_list(box, src=0, group=control)
@@ -173,17 +175,17 @@ class DistributedExecutor:
                               f"torch.distributed group); close it first, or run the engines in separate processes")
         self.failure: str | None = None
         self.config = config
-        self.addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+        self.addr = config.dist_init_addr or f"{self._host()}:{free_port()}"
         backend_cls = type(backend)
         self.procs: dict[int, subprocess.Popen] = {}
         self.runner = None
         atexit.register(self.close)
         try:
             self.store = _connect(config, self.addr, 0)
-            self.procs = start_workers(model, config, backend_cls, self.addr, range(1, ranks_per_node(config)))
+            local_world = self._start_workers(model, backend_cls)
             self._wait_for_ranks()
             tp, self.control = _join(config, backend_cls, self.store, 0)
-            rank0 = _make_backend(backend_cls, 0, ranks_per_node(config))
+            rank0 = _make_backend(backend_cls, 0, local_world)
             self.runner = ModelRunner(model, config, rank0, tp)
             self.run_all("collective_stats")   # every rank has loaded its shard
         except BaseException as exc:
@@ -194,6 +196,28 @@ class DistributedExecutor:
                 raise
             raise WorkerFailed(self.failure) from exc
 
+    # -- how workers start, end and are seen to fail (RayExecutor overrides these) --------------------
+    def _host(self) -> str:
+        """The address the other ranks reach rank 0's rendezvous at."""
+        return "127.0.0.1"
+
+    def _start_workers(self, model: str, backend_cls: type[Backend]) -> int:
+        """Starts this node's worker ranks; returns how many ranks (rank 0 included) share rank 0's host."""
+        self.procs = start_workers(model, self.config, backend_cls, self.addr, range(1, ranks_per_node(self.config)))
+        return ranks_per_node(self.config)
+
+    def _worker_exited(self) -> bool:
+        return any(p.poll() is not None for p in self.procs.values())
+
+    def _worker_exits(self) -> list[str]:
+        """How each worker that ended abnormally ended ("rank 2 exited with code -9 (signal 9)")."""
+        return [f"rank {r} exited with code {p.returncode}" + (f" (signal {-p.returncode})" if p.returncode < 0
+                                                               else "")
+                for r, p in self.procs.items() if p.poll() is not None and p.returncode != 0]
+
+    def _stop_workers(self, grace: float) -> None:
+        stop_workers(self.procs, grace)
+
     @property
     def worker_pids(self) -> dict[int, int]:
         return {rank: p.pid for rank, p in self.procs.items()}
@@ -203,7 +227,7 @@ class DistributedExecutor:
         keys = [_joined_key(r) for r in range(1, self.config.tp)]
         deadline = time.monotonic() + self.config.dist_timeout
         while not self.store.check(keys):
-            if any(p.poll() is not None for p in self.procs.values()) or time.monotonic() > deadline:
+            if self._worker_exited() or time.monotonic() > deadline:
                 missing = [r for r in range(1, self.config.tp) if not self.store.check([_joined_key(r)])]
                 self.failure = self._dead_ranks() or (
                     f"tensor-parallel ranks {missing} did not reach the rendezvous at {self.addr} within "
@@ -253,9 +277,7 @@ class DistributedExecutor:
         """What the failed ranks reported through the store, else which local workers exited and how."""
         reports = [f"rank {r} failed: {self.store.get(_error_key(r)).decode()}" for r in range(1, self.config.tp)
                    if self.store.check([_error_key(r)])]
-        exits = [f"rank {r} exited with code {p.returncode}" + (f" (signal {-p.returncode})" if p.returncode < 0
-                                                                else "")
-                 for r, p in self.procs.items() if p.poll() is not None and p.returncode != 0]
+        exits = self._worker_exits()
         return "tensor-parallel " + "; ".join(reports or exits) if reports or exits else None
 
     def _fail(self, exc: BaseException) -> None:
@@ -276,12 +298,15 @@ class DistributedExecutor:
                 pass
         if dist.is_initialized():
             dist.destroy_process_group()   # workers still waiting on a collective see the closed connections
-        stop_workers(self.procs, grace=10.0 if not self.failure else 5.0)
+        self._stop_workers(grace=10.0 if not self.failure else 5.0)
         if self.runner is not None:
             self.runner.close()
 
 
 def make_executor(model: str, config: EngineConfig, backend: Backend):
+    """tp=1: in this process (whatever ``config.executor`` says: there is no other rank to place); beyond,
+    worker ranks as processes of this node and ``lmport worker`` ("mp"). The Ray executor ("ray") lives in
+    ``lmport.ray_executor``, which builds on this module; ``lmport.engine`` picks it."""
     if config.tp == 1:
         return LocalExecutor(model, config, backend)
     return DistributedExecutor(model, config, backend)

@@ -90,7 +90,12 @@ def _grammar_key(response_format: dict) -> tuple[str, str] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ("json_schema", '{"type": "object"}')
+        # llama.cpp's extension: a schema beside json_object constrains like json_schema does.
+        schema = response_format.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise GuidedDecodingError(f"response_format.schema must be a JSON schema object, got {_short(schema)}")
+        check_schema(schema)
+        return ("json_schema", json.dumps(schema))
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):

@@ -17,15 +17,19 @@ from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv
                            plan_cache)
 from lmport.models.llama import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.lora import lora_bytes
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
 from lmport.weights import gguf
-from lmport.weights.checkpoint import check_backend
+from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
-def build_plan(model: str, config: EngineConfig, device_memory: int | None = None) -> dict:
+def build_plan(model: str, config: EngineConfig, device_memory: int | None = None, dp: int = 1) -> dict:
     """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free
-    before the weights load (default: the chosen device's free memory on this machine)."""
+    before the weights load (default: the chosen device's free memory on this machine); ``dp``: data-parallel
+    replicas, each with its own tp devices and its own cache (``lmport serve --dp``)."""
+    if not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"dp must be an int >= 1 (engine replicas), got {dp!r}")
     resolved = config.resolve()
     backend_cls = resolved.backend_class()
     caps = backend_cls.capabilities
@@ -38,8 +42,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     weight_bytes = max(rank_bytes)
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
-    weight_format = resolved.weight_format if resolved.tp == 1 else "dequantize"   # as the engine does
-    if check_backend(path, caps, weight_format) and path.suffix == ".gguf":
+    check_tensor_parallel(path, resolved.tp, resolved.weight_format)   # as the engine does
+    if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
         # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
         weight_bytes = sum(bytes_by_format.values())
@@ -55,8 +59,11 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     else:
         source = "--device-memory"
     measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
-    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w, max(0, device_memory - w),
-                                activation_reserve(model_cfg, resolved), reserve_measured=False) for w in rank_bytes]
+    # The LoRA adapters' slots sit beside the weights (lmport.models.lora), allocated whether or not one is loaded.
+    adapter_bytes = lora_bytes(model_cfg, resolved.max_loras, resolved.max_lora_rank, dtype)
+    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes,
+                                max(0, device_memory - w - adapter_bytes), activation_reserve(model_cfg, resolved),
+                                reserve_measured=False) for w in rank_bytes]
     inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
 
     report = {
@@ -68,6 +75,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                   "layer_windows": list(layer_windows(model_cfg))},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
         "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
+        "lora": {"max_loras": resolved.max_loras, "max_lora_rank": resolved.max_lora_rank, "bytes": adapter_bytes},
         "activation_reserve": {
             "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
             "source": "estimate",
@@ -79,6 +87,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token},
         "cache": None,
         "ranks": None,
+        "placement": None,
         "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "adjustments"},
         "adjustments": [a._asdict() for a in resolved.adjustments],
         "error": None,
@@ -91,6 +100,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     report["ranks"] = [{"rank": r, "weight_bytes": inp.weight_bytes, "reserve_bytes": inp.reserve_bytes,
                         "free_after_weights_bytes": inp.free_bytes, "num_blocks": plan.num_blocks,
                         "cache_bytes": plan.cache_bytes} for r, inp in enumerate(rank_inputs)]
+    report["placement"] = placement(resolved, caps, dp, plan.num_blocks, plan.cache_bytes, plan.num_tokens)
     report["cache"] = {
         "cache_max_entry_count": resolved.cache_max_entry_count,
         "meaning": ("exact number of blocks" if isinstance(resolved.cache_max_entry_count, int)
@@ -102,3 +112,22 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def placement(config: EngineConfig, caps, dp: int, num_blocks: int, cache_bytes: int, num_tokens: int) -> dict:
+    """What runs where: dp replicas of tp ranks, each rank one placement-group bundle of the backend's device
+    resource (docs/distributed.md); every replica plans and holds its own cache."""
+    from lmport.ray_cluster import rank_bundle
+    ray = dp > 1 or config.executor == "ray"
+    bundle = rank_bundle(caps.ray_resource)
+    replicas = []
+    for i in range(dp):
+        ranks = [{"rank": r, "runs_in": ("the replica's actor" if dp > 1 else "the engine's process") if r == 0
+                  else ("a Ray actor" if ray else "a worker process"), "bundle": bundle if ray else None}
+                 for r in range(config.tp)]
+        replicas.append({"replica": i, "ranks": ranks, "num_blocks": num_blocks, "cache_bytes": cache_bytes,
+                         "num_tokens": num_tokens})
+    return {"dp": dp, "tp": config.tp, "executor": "ray" if ray else config.executor,
+            "devices": dp * config.tp, "bundles": [bundle] * (dp * config.tp) if ray else None,
+            "router": "prefix affinity over the first blocks' chained hashes, then the least loaded" if dp > 1
+            else None, "replicas": replicas}

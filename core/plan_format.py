@@ -25,9 +25,12 @@ def format_plan(r: dict) -> str:
         ("weights", f"{w['parameters'] / 1e6:.2f}M parameters: "
                     + ", ".join(f"{dt} {fmt_bytes(n)} ({n:,} B)" for dt, n in w["bytes_by_dtype"].items())
                     + (f" on each of {cfg['tp']} devices" if cfg["tp"] > 1 else "")),
+        *([("LoRA", f"{r['lora']['max_loras']} adapter slots of rank <= {r['lora']['max_lora_rank']}: "
+                    f"{fmt_bytes(r['lora']['bytes'])} ({r['lora']['bytes']:,} B)")] if r["lora"]["bytes"] else []),
         ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
                        f"({a['source']}; {a['note']})"),
-        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights, "
+        ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights"
+                 f"{' and LoRA slots' if r['lora']['bytes'] else ''}, "
                  f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
         ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
                      f"tokens = {kv['bytes_per_token']:,.6g} B a token"),
@@ -50,6 +53,17 @@ def format_plan(r: dict) -> str:
         rows += [(f"rank {x['rank']}", f"weights {fmt_bytes(x['weight_bytes'])} ({x['weight_bytes']:,} B), reserve "
                                        f"{fmt_bytes(x['reserve_bytes'])}, cache {x['num_blocks']:,} blocks = "
                                        f"{fmt_bytes(x['cache_bytes'])} ({x['cache_bytes']:,} B)") for x in r["ranks"]]
+    place = r.get("placement")
+    if place and (place["dp"] > 1 or place["executor"] == "ray"):
+        rows.append(("placement", f"{place['dp']} replica(s) x tp={place['tp']} = {place['devices']} devices, "
+                                  f"executor {place['executor']}, one placement-group bundle a rank "
+                                  f"{place['bundles'][0]}" + (f"; router: {place['router']}" if place["router"]
+                                                              else "")))
+        for rep in place["replicas"]:
+            ranks = ", ".join(f"rank {x['rank']} in {x['runs_in']}" for x in rep["ranks"])
+            rows.append((f"replica {rep['replica']}", f"{ranks}; cache {rep['num_blocks']:,} blocks = "
+                                                       f"{fmt_bytes(rep['cache_bytes'])} = {rep['num_tokens']:,} "
+                                                       f"tokens of its own"))
     rows += [("config", " ".join(f"{k}={v}" for k, v in cfg.items())),
              ("adjustments", "; ".join(f"{a['field']}: {a['asked']!r} -> {a['used']!r} ({a['reason']})"
                                        for a in r["adjustments"]) or "none")]

@@ -19,7 +19,8 @@ from lmport.backend import Backend, DecodeGraphs
 from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.models.loader import load_model
-from lmport.ops import build_attention_metadata
+from lmport.models.lora import LoraLayers
+from lmport.ops import build_attention_metadata, build_lora_batch
 from lmport.paging import host_tier
 from lmport.parallel import TPGroup, tp_choices
 from lmport.units import ceil_div, fmt_bytes
@@ -37,6 +38,8 @@ class StepInput:
     block_tables: list[list[int]]
     logits_rows: list[int]            # rows of token_ids whose logits are wanted
     copies: list = field(default_factory=list)   # device<->host block copies (CopyBatch) to run first
+    adapter_slots: list[int] = field(default_factory=list)   # each sequence's LoRA slot, -1 for none; [] for none
+    pool_ranges: list[tuple[int, int]] = field(default_factory=list)   # rows whose final hidden states are summed
 
 
 class ModelRunner:
@@ -48,6 +51,10 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
         self.model, self.model_config = self.loaded.model, self.loaded.config
+        # LoRA adapters' slots (docs/lora.md), wrapped around the projections before the first forward.
+        self.lora = (LoraLayers(self.model, config.max_loras, config.max_lora_rank, self.dtype)
+                     if config.max_loras else None)
+        self.lora_bytes = self.lora.bytes if self.lora is not None else 0
         self.layout = memory.kv_layout(self.model_config, config, backend.capabilities.kv_axis_order)
         self.caches: list = []
         self.host_caches: list = []
@@ -61,7 +68,7 @@ class ModelRunner:
         measured = measure_activation_reserve(self)
         free, _ = self.backend.memory_info()
         self.memory_inputs = memory.MemoryInputs(
-            self.model_config, self.config, self.backend.capabilities, self.loaded.weight_bytes, free,
+            self.model_config, self.config, self.backend.capabilities, self.loaded.weight_bytes + self.lora_bytes, free,
             measured if measured is not None else memory.activation_reserve(self.model_config, self.config),
             measured is not None)
         self.plan = memory.plan_cache(self.memory_inputs)
@@ -109,19 +116,48 @@ class ModelRunner:
         # Graphs are captured at tp=1 only (EngineConfig.resolve), where the LM head always returns the logits.
         return cast(torch.Tensor, self.model.logits(self.model(input_ids, meta, self.caches)))
 
+    def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``execute`` that also returns, for each of ``step.pool_ranges``, the float32 sum of the final hidden
+        states (after the last norm) of those rows [ranges, hidden] (embeddings: lmport.pooling)."""
+        self.copy_blocks(step.copies)
+        hidden = self.hidden_states(step, self.caches)
+        sums = torch.stack([hidden[a:b].float().sum(0) for a, b in step.pool_ranges])
+        logits = self.model.logits(hidden[step.logits_rows]) if step.logits_rows else hidden.new_empty(0)
+        return logits, sums
+
     def forward(self, step: StepInput, caches: list) -> torch.Tensor | None:
-        device = self.backend.device
-        meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size, device)
-        input_ids = torch.tensor(step.token_ids, dtype=torch.long).to(device)
-        hidden = self.model(input_ids, meta, caches)
+        hidden = self.hidden_states(step, caches)
         if not step.logits_rows:
             return hidden.new_empty(0) if self.tp.rank == 0 else None
         return self.model.logits(hidden[step.logits_rows])
 
+    def hidden_states(self, step: StepInput, caches: list) -> torch.Tensor:
+        """The step's final hidden states [tokens, hidden], its K/V written to ``caches``."""
+        device = self.backend.device
+        meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size, device)
+        input_ids = torch.tensor(step.token_ids, dtype=torch.long).to(device)
+        if self.lora is None:
+            hidden = self.model(input_ids, meta, caches)
+        else:
+            self.lora.state.batch = (build_lora_batch(step.q_lens, step.adapter_slots, device)
+                                     if step.adapter_slots else None)
+            try:
+                hidden = self.model(input_ids, meta, caches)
+            finally:
+                self.lora.state.batch = None
+        return hidden
+
+    # -- LoRA adapters (docs/lora.md) ------------------------------------------
+    def load_adapter(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot ``slot`` of every LoRA layer holds this adapter (module -> (A, B scaled)); its other modules zero."""
+        device = self.backend.device
+        cast(LoraLayers, self.lora).load(slot, {k: (a.to(device), b.to(device)) for k, (a, b) in weights.items()})
+
     def allocation(self) -> dict:
         """What this rank really holds: weight bytes, KV-cache blocks and bytes (compared with `lmport plan`)."""
         tensors = [t for c in self.caches for t in (c.k, c.v, c.k_qparams, c.v_qparams) if t is not None]
-        return {"weight_bytes": self.loaded.weight_bytes, "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
+        return {"weight_bytes": self.loaded.weight_bytes, "lora_bytes": self.lora_bytes,
+                "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
                 "cache_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
     def collective_stats(self) -> dict:

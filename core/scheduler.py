@@ -10,11 +10,15 @@ its token ids kept, and it goes back to the front of the waiting queue. On
 readmission it is recomputed, less what the prefix cache still holds, or its
 blocks come back from the host tier when the block manager swapped them out.
 Prefix-cache lookups happen at admission; a hit's tokens cost no budget.
+
+With speculative decoding, a decoding sequence also computes the tokens ``lookahead(seq)`` proposes
+(lmport.speculative); they are reserved only where the budget and free blocks allow without preempting.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmport.paging.block_manager import BlockManager
@@ -45,6 +49,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.num_preemptions = 0
+        # Speculative decoding: proposed tokens a decoding sequence verifies this step (None: no speculation).
+        self.lookahead: Callable[[Sequence], int] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,6 +75,10 @@ class Scheduler:
             if n == 0:
                 continue   # a prompt chunk waits for the next step; decoding sequences further on still run
             self.block_manager.release_outside_window(seq)
+            if seq.num_uncomputed == 1 and self.lookahead is not None:
+                extra = min(self.lookahead(seq), budget - 1)
+                if extra > 0 and self.block_manager.can_allocate(seq, 1 + extra):   # never preempt for a proposal
+                    n += extra
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -41,6 +41,8 @@ class Sequence:
     # alternatives, {token id: logprob}; filled chunk by chunk as the prompt is prefilled.
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     max_scoring_tokens: int = 0     # positions a step may score (their float32 logits stay within a budget)
+    adapter_id: int = 0             # the LoRA adapter it runs with (lmport.lora.table), 0: the base model
+    pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.pooling); it generates nothing
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,6 +1,7 @@
 """The cpu backend's decoder runner (backends/cpu/decoder_runner.py) against the model's modules, which
 stay the reference: the same steps give the same hidden states, bit for bit (the runner makes the same
-kernel calls), for float and quantized layers; steps and models it does not cover go to the modules."""
+kernel calls), for float and quantized layers (the int4 / int8 format, and GGUF blocks: a Q4_K_M file's mix of
+block types within one merged projection among them); steps and models it does not cover go to the modules."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,12 @@ import torch
 import lmport
 from lmport import ops
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.models.quantized import QuantLinear
+from lmport.models.fusion import ConcatLinear
+from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.weights.format import from_codes
+from lmport.weights.ggml import GGMLWeight
 from models import tiny_model_dir
+from support import ggml_quantize
 
 
 def engine_for(arch: str, **config):
@@ -39,6 +43,28 @@ def quantize_layers(model, bits: int, group: int) -> None:
         for parent, name in [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
                              (layer.mlp, "down_proj")]:
             setattr(parent, name, quantized(getattr(parent, name), bits, group))
+    model._runner = None   # the runner binds the weights: built again over the new ones
+
+
+def ggml_blocks(weight: torch.Tensor, bias, type_name: str, backend) -> GGMLLinear:
+    """``weight`` [out, in] as GGUF blocks of ``type_name`` (tests/support/ggml_quantize.py)."""
+    blocks = torch.from_numpy(ggml_quantize.quantize(weight.detach().numpy(), type_name))
+    return GGMLLinear(GGMLWeight(blocks, type_name, weight.shape[1]), bias, backend)
+
+
+def ggml_layers(model) -> None:
+    """Every layer's projections as GGUF blocks (the tiny models' 64-wide rows take the 32-weight types): q in
+    Q5_0 beside k and v in Q5_1 as one ConcatLinear (as a Q4_K_M file mixes types within qkv), o Q5_1, gate/up
+    Q5_0, down Q5_1."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        q = attn.num_heads * attn.head_dim
+        attn.qkv_proj = ConcatLinear([ggml_blocks(w[:q], None if b is None else b[:q], "q5_0", model.backend),
+                                      ggml_blocks(w[q:], None if b is None else b[q:], "q5_1", model.backend)])
+        for parent, name, kind in [(attn, "o_proj", "q5_1"), (mlp, "gate_up_proj", "q5_0"), (mlp, "down_proj", "q5_1")]:
+            linear = getattr(parent, name)
+            setattr(parent, name, ggml_blocks(linear.weight, linear.bias, kind, model.backend))
     model._runner = None   # the runner binds the weights: built again over the new ones
 
 
@@ -77,11 +103,20 @@ def hidden_states(engine, prompts: list[list[int]], decode_steps: int, use_runne
 PROMPTS = [list(range(5, 45)), list(range(100, 120))]   # 40 tokens: past mistral-sw32's window
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral-sw32", "phi3"])
-@pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
+# GGUF blocks on two architectures (Qwen2's q/k/v biases split with the rows): the runner binds them as it binds
+# int4 / int8 weights, so the other two add nothing but time.
+CASES = [(arch, weights) for arch in ("llama", "qwen2", "mistral-sw32", "phi3")
+         for weights in ("float32", "int4", "int8")]
+CASES += [("llama", "ggml"), ("qwen2", "ggml")]
+
+
+@pytest.mark.parametrize(("arch", "weights"), CASES)
 def test_runner_gives_the_modules_hidden_states(arch, weights):
     engine = engine_for(arch, cache_max_entry_count=16)
-    if weights != "float32":
+    if weights == "ggml":
+        ggml_layers(engine.model)
+        assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, ConcatLinear)
+    elif weights != "float32":
         quantize_layers(engine.model, int(weights[3]), 32)
     want = hidden_states(engine, PROMPTS, 4, use_runner=False)
     got = hidden_states(engine, PROMPTS, 4, use_runner=True)

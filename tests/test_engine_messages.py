@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from lmport.config import GenerationConfig
 from lmport.engine import RequestOutput
-from lmport.engine_messages import EngineRequest, output_from_wire, output_to_wire, pack, unpack
+from lmport.engine_messages import (EngineRequest, adapter_from_wire, adapter_to_wire, error_from_wire, error_to_wire,
+                                    output_from_wire, output_to_wire, pack, unpack)
+from lmport.lora import AdapterError
+from lmport.lora.table import LoadedAdapter
 
 
 def test_a_request_round_trips_with_every_generation_field():
     config = GenerationConfig(max_new_tokens=7, temperature=0.5, do_sample=True, random_seed=3, stop_words=["x"],
                               logprobs=2, logit_bias={5: -100.0, 17: 2.5}, prompt_logprobs=1,
-                              response_format={"type": "json_object"}, stop_token_ids=[1, 2])
-    request = EngineRequest("r-1", [1, 2, 3], config, cache_salt="s")
+                              response_format={"type": "json_object"}, stop_token_ids=[1, 2], speculate=False)
+    request = EngineRequest("r-1", [1, 2, 3], config, cache_salt="s", adapter="sql", pooling="mean")
     data = pack(["add", request.to_wire()])
     assert isinstance(data, bytes)
     kind, wire = unpack(data)
@@ -26,3 +29,16 @@ def test_an_output_round_trips_as_its_deltas_and_a_finished_one_with_its_text():
         "r-1", [5], "b", [{5: -0.25, 9: -2.0}], True, "stop", 3, 2, "ab", [{2: -1.5}, {3: -0.5}])
     running = RequestOutput("r-2", [], "", [7], "c", False, None, 1)
     assert output_from_wire(unpack(pack(output_to_wire(running)))).text == ""   # deltas only until it ends
+
+
+def test_an_embedding_output_carries_its_vector():
+    out = RequestOutput("e-1", [], "", [], "", True, "stop", 4, embedding=[0.25, -1.0, 3.5])
+    assert output_from_wire(unpack(pack(output_to_wire(out)))).embedding == [0.25, -1.0, 3.5]
+
+
+def test_adapters_and_errors_cross_as_plain_values():
+    adapter = LoadedAdapter("sql", 1, 0, "/adapters/sql", 8, created=1700000000)
+    assert adapter_from_wire(unpack(pack([adapter_to_wire(adapter)]))[0]) == adapter
+    error = error_from_wire(unpack(pack([error_to_wire(AdapterError("no room", "lora_name", 409))]))[0])
+    assert isinstance(error, AdapterError) and (str(error), error.param, error.status) == ("no room", "lora_name", 409)
+    assert str(error_from_wire(error_to_wire(KeyError("x")))) == "KeyError: 'x'"

@@ -218,3 +218,27 @@ def test_openapi_states_stream_events_and_the_rules_schemas_can_state(server):
     for field, value in (("guided_grammar", ""), ("functions", [{"name": "f"}]), ("best_of", 2)):
         with pytest.raises(jsonschema.ValidationError):
             _conforms(doc, "CompletionRequest", {"model": "tiny", "prompt": "a", field: value})
+
+
+@pytest.mark.parametrize("fields,pattern", [
+    ({"guided_regex": "a{3}"}, "aaa"),
+    ({"grammar": 'root ::= "b"{4}'}, "bbbb"),                          # llama.cpp's name for guided_grammar
+    ({"json_schema": {"const": "42"}}, '"42"'),                        # llama.cpp's name for guided_json
+    ({"response_format": {"type": "json_object", "schema": {"const": "42"}}}, '"42"'),   # llama.cpp's extension
+])
+def test_structured_fields_constrain_chat_as_they_do_completions(server, fields, pattern):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        r = post(server, path, {"model": "tiny", "max_tokens": 8, "temperature": 0, **body, **fields})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["message"]["content"] if "message" in choice else choice["text"]) == pattern
+
+
+def test_two_structured_fields_are_refused_naming_the_second(server):
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                              "response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                              "response_format": {"type": "json_object", "schema": 123}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text

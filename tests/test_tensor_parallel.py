@@ -169,6 +169,24 @@ def test_tp_the_model_cannot_split_is_refused_before_any_weight_loads(monkeypatc
         Engine("smollm2", EngineConfig(device_type="cpu", tp=2))
 
 
+def test_quantized_weights_at_tp_above_1_are_refused_before_any_weight_loads(monkeypatch):
+    """Quantized weights are not sharded (docs/weight-quantization.md): a GGUF that would keep them is refused by
+    the engine and by the plan, naming the two ways out; weight_format='dequantize' plans (and loads) float."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr("lmport.runner.load_model", no_load)
+    refusal = r"tp=3: .*Q4_1.gguf holds quantized weights, which lmport does not shard .* use tp=1 .* " \
+              r"weight_format='dequantize'"
+    with pytest.raises(ConfigError, match=refusal):
+        Engine("smollm2", EngineConfig(device_type="cpu", tp=3))
+    with pytest.raises(ConfigError, match=refusal):
+        plan.build_plan("smollm2", EngineConfig(device_type="cpu", tp=3), device_memory=8 << 30)
+    report = plan.build_plan("smollm2", EngineConfig(device_type="cpu", tp=3, weight_format="dequantize"),
+                             device_memory=8 << 30)
+    assert set(report["weights"]["bytes_by_dtype"]) == {"float32"}
+
+
 def test_plan_per_rank_figures_add_up_to_the_model():
     """Each rank's shard: the ranks' parameters add up to the model's, each KV head counted once a rank."""
     cfg = plan.read_model_config(tiny_model_dir("llama"))
@@ -186,13 +204,14 @@ def test_plan_per_rank_figures_add_up_to_the_model():
 def test_default_model_tp3_matches_tp1_on_8_prompts_of_32_tokens():
     prompts = [[1] + list(range(500 + 31 * i, 540 + 37 * i)) for i in range(8)]
     gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
-    engines = [Engine(str(default_model_path()), EngineConfig(device_type="cpu", tp=tp, cache_max_entry_count=200))
-               for tp in (1, 3)]
+    # Float weights at both tp (quantized weights are not sharded).
+    engines = [Engine(str(default_model_path()), EngineConfig(device_type="cpu", tp=tp, cache_max_entry_count=200,
+                                                              weight_format="dequantize")) for tp in (1, 3)]
     try:
         tp1, tp3 = (greedy(e, prompts, gen) for e in engines)
         # Each rank's real allocation equals what `lmport plan --tp 3` prints for it.
-        report = plan.build_plan("smollm2", EngineConfig(device_type="cpu", tp=3, cache_max_entry_count=200),
-                                 device_memory=8 << 30)
+        report = plan.build_plan("smollm2", EngineConfig(device_type="cpu", tp=3, cache_max_entry_count=200,
+                                                         weight_format="dequantize"), device_memory=8 << 30)
         real = engines[1].executor.run_all("allocation")
         assert [(x["weight_bytes"], x["num_blocks"], x["cache_bytes"]) for x in report["ranks"]] == \
             [(x["weight_bytes"], x["num_blocks"], x["cache_bytes"]) for x in real]
@@ -243,7 +262,7 @@ def test_server_with_tp3_streamed_and_whole_chat_agree_and_sigterm_leaves_no_wor
     import psutil
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "lmport.cli", "serve", "smollm2", "--device", "cpu", "--tp", "3",
-                               "--port", str(port), "--cache-max-entry-count", "200"])
+                               "--weight-format", "dequantize", "--port", str(port), "--cache-max-entry-count", "200"])
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         deadline = time.monotonic() + 300

@@ -89,6 +89,7 @@ class AscendBackend(Backend):
         block_size_min=16,
         block_size_power_of_two=True,
         dist_backend="hccl",
+        ray_resource="NPU",
         priority=90,
         default_dtype="float16",
     )

@@ -54,6 +54,7 @@ class CambBackend(Backend):
         default_block_size=16,
         block_size_forced=16,
         dist_backend="cncl",
+        ray_resource="MLU",
         priority=80,
         default_dtype="float16",
         kv_axis_order="bhsd",

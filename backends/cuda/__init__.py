@@ -8,8 +8,9 @@ the process that wants the interpreter sets it (the tests do, in tests/conftest.
 ``CudaBackend(device="cpu")`` without it fails on its first op, naming the fix.
 
 Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill),
-quant_linear, ggml_linear (GGUF blocks dequantized in registers) and
-fused_moe (a grouped GEMM over the experts) are Triton kernels; copy_blocks,
+quant_linear, ggml_linear (GGUF blocks dequantized in registers),
+fused_moe (a grouped GEMM over the experts) and add_lora (a grouped GEMM over the
+LoRA adapters of a batch) are Triton kernels; copy_blocks,
 rms_norm and apply_rotary are the reference
 torch ops (see docs/cuda.md for why).
 """
@@ -27,8 +28,8 @@ from lmport.kv.layout import LayerCache
 def _load_kernels(device: torch.device) -> SimpleNamespace:
     """The Triton kernel entry points, imported on first use."""
     try:
-        from lmport.backends.cuda import (decode_attention, ggml_linear, kv_fill, launch, moe, prefill_attention,
-                                          quant_linear)
+        from lmport.backends.cuda import (decode_attention, ggml_linear, kv_fill, launch, lora, moe,
+                                          prefill_attention, quant_linear)
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
@@ -40,7 +41,8 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            prefill_attention=prefill_attention.prefill_attention,
                            quant_linear=quant_linear.quant_linear,
                            ggml_linear=ggml_linear.ggml_linear,
-                           fused_moe=moe.fused_moe)
+                           fused_moe=moe.fused_moe,
+                           add_lora=lora.add_lora)
 
 
 class CudaBackend(Backend):
@@ -55,9 +57,11 @@ class CudaBackend(Backend):
         block_size_min=16,
         block_size_power_of_two=True,
         dist_backend="nccl",
+        ray_resource="GPU",
         priority=100,
         default_dtype="bfloat16",
         decode_graphs=True,
+        lora=True,
     )
 
     @classmethod
@@ -121,6 +125,10 @@ class CudaBackend(Backend):
     def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.fused_moe(x, gate_up, down, weights, ids)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 batch: ops.LoraBatch) -> torch.Tensor:
+        return self.kernels.add_lora(y, x, lora_a, lora_b, batch)
 
     # copy_blocks, rms_norm, apply_rotary: the reference torch ops (docs/cuda.md says why).
 

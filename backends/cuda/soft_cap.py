@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+# A constexpr: a jit function may read a module global only when it is one.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -385,6 +385,7 @@ def load_benchmark(name: str):
     spec = importlib.util.spec_from_file_location(f"lmport_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
 

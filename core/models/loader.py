@@ -22,6 +22,7 @@ from lmport.models.llama import PagedCausalLM
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend
+from lmport.weights.ggml import GGMLWeight
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,21 @@ def load_tokenizer(model: str):
     path = resolve_model_path(model)
     if path.is_dir():
         return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return gguf_tokenizer(path)
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` makes of a GGUF: the class it picks
+    for the file's config, built by transformers' GGUF tokenizer converter from the file's metadata. Without
+    AutoTokenizer's own pass over the file for the config (gguf's GGUFReader over every metadata array: seconds
+    for a 50k-token vocabulary); the config is lmport's, read from the header. AutoTokenizer also reads a
+    tokenizer_config.json lying beside the file; a GGUF carries its tokenizer, so this does not."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    cls = TOKENIZER_MAPPING.get(type(read_model_config(str(path))), TokenizersBackend)
+    if cls is None or cls.__name__ == "MistralCommonBackend":   # its format needs files a GGUF does not have
+        cls = TokenizersBackend
+    return cls.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @dataclass
@@ -99,8 +114,8 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
     keep_quantized = check_backend(path, backend.capabilities, weight_format)
     packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
     if (keep_quantized or packed) and tp is not None and tp.size > 1:
-        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (its weights are not "
-                          f"sharded in their quantized layout); use tp=1, or weight_format='dequantize' for a GGUF")
+        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (lmport does not shard "
+                          f"quantized weights); use tp=1, or weight_format='dequantize' for a GGUF")
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         tokenizer, cfg = load_tokenizer(model), read_model_config(model)
         bar.update()
@@ -180,12 +195,10 @@ def parameter_count(model: torch.nn.Module) -> int:
     """Weights of the model, each once (a tied head shares its embedding's), quantized ones as [out, in]."""
     counts = {p.data_ptr(): p.numel() for name, p in model.named_parameters() if not name.startswith("rotary.")}
     for module in model.modules():
-        if isinstance(module, quantized_layers.QuantLinear | quantized_layers.QuantEmbedding):
-            q = module.quantized
-            counts[q.qweight.data_ptr()] = q.out_features * q.in_features
-        elif isinstance(module, quantized_layers.GGMLLinear | quantized_layers.GGMLEmbedding):
+        if isinstance(module, quantized_layers.HoldsWeight):   # quantized layers and stacked experts
             w = module.quantized
-            counts[w.blocks.data_ptr()] = w.out_features * w.in_features
+            codes = w.blocks if isinstance(w, GGMLWeight) else w.qweight
+            counts[codes.data_ptr()] = w.out_features * w.in_features
     return sum(counts.values())
 
 

@@ -5,8 +5,9 @@ per-head q/k norm) whose MLP is, on its sparse layers, a router and a set of
 gated-MLP experts. Parameter names match transformers' (``mlp.gate.weight``
 [experts, hidden]; ``mlp.experts.gate_up_proj`` [experts, 2 * inter, hidden],
 ``mlp.experts.down_proj`` [experts, hidden, inter]). Routing: softmax in float32,
-top-k, renormalized always (Mixtral) or when ``norm_topk_prob`` (Qwen3-MoE); the
-experts run through ``Backend.fused_moe``. Qwen3-MoE's dense layers
+top-k, renormalized always (Mixtral) or when ``norm_topk_prob`` (Qwen3-MoE); float
+experts run through ``Backend.fused_moe``, quantized ones (a GGUF's, lmport.models.quantized.QuantExperts)
+expert by expert through the backend's quantized linear. Qwen3-MoE's dense layers
 (``mlp_only_layers``, ``decoder_sparse_step``) keep the ordinary MLP. The experts are
 not sharded: tensor parallelism is refused for these models.
 """
@@ -24,10 +25,17 @@ MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    """Float experts, run by ``Backend.fused_moe``; a loader replaces them by ``QuantExperts``
+    (lmport.models.quantized) where the checkpoint's experts are quantized."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, backend: Backend):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class Router(nn.Module):
@@ -42,7 +50,7 @@ class SparseMoeBlock(nn.Module):
         num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         self.gate = Router(num_experts, cfg.hidden_size)
-        self.experts = Experts(num_experts, cfg.hidden_size, inter)
+        self.experts: nn.Module = Experts(num_experts, cfg.hidden_size, inter, backend)
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
         self.backend = backend
@@ -50,7 +58,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.backend.linear(x, self.gate.weight)
         weights, ids = route(logits, self.top_k, self.renormalize)
-        return self.backend.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return self.experts.forward(x, weights, ids)
 
 
 def is_sparse_layer(cfg, index: int) -> bool:

@@ -3,7 +3,9 @@ GGUF blocks held as the file stores them (lmport.weights.ggml).
 
 ``QuantLinear`` / ``QuantEmbedding`` and ``GGMLLinear`` / ``GGMLEmbedding`` replace a float ``Linear`` /
 ``nn.Embedding`` of the paged model by name when a loader hands a quantized weight for it; float and
-quantized layers mix freely. A tied LM head shares its embedding's buffers.
+quantized layers mix freely. A tied LM head shares its embedding's buffers. ``QuantExperts`` replaces a
+mixture-of-experts block's float experts when their gate, up and down weights come quantized, each
+stacked over the experts as a GGUF's ``ffn_*_exps`` stores them.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from lmport.weights.ggml import GGMLWeight
 W = TypeVar("W", QuantizedWeight, GGMLWeight)
 
 
-class _HoldsWeight(nn.Module, Generic[W]):
+class HoldsWeight(nn.Module, Generic[W]):
     """A quantized weight's tensors as buffers (named after its fields) and its other fields as attributes;
     ``quantized`` rebuilds the weight from them once (a decode step asks for it a few hundred times)."""
 
@@ -53,7 +55,7 @@ class _HoldsWeight(nn.Module, Generic[W]):
         return f"in={w.in_features}, out={w.out_features}, {kind}"
 
 
-class _Linear(_HoldsWeight[W]):
+class _Linear(HoldsWeight[W]):
     def __init__(self, weight: W, bias: torch.Tensor | None, backend: Backend):
         super().__init__(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -70,7 +72,7 @@ class GGMLLinear(_Linear[GGMLWeight]):
         return self.backend.ggml_linear(x, self.quantized, self.bias)
 
 
-class _Embedding(_HoldsWeight[W]):
+class _Embedding(HoldsWeight[W]):
     def __init__(self, weight: W, dtype: torch.dtype):
         super().__init__(weight)
         self.dtype = dtype
@@ -86,11 +88,96 @@ class GGMLEmbedding(_Embedding[GGMLWeight]):
         return ops.ggml_embedding(ids, self.quantized, self.dtype)
 
 
+def quantized_linear(backend: Backend, x: torch.Tensor, weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
+    """x @ weight^T through the backend's kernel for the weight's kind."""
+    if isinstance(weight, GGMLWeight):
+        return backend.ggml_linear(x, weight)
+    return backend.quant_linear(x, weight)
+
+
+def row_range(weight: W, start: int, stop: int) -> W:
+    """The output rows [start, stop) of a quantized weight, as views of its tensors (no copy)."""
+    return dataclasses.replace(weight, **{f.name: getattr(weight, f.name)[start:stop]
+                                          for f in dataclasses.fields(weight)
+                                          if isinstance(getattr(weight, f.name), torch.Tensor)})
+
+
+# The names a loader hands a mixture-of-experts block's quantized experts under ("<block>.experts.gate_proj").
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantExperts(nn.Module):
+    """A mixture-of-experts block's experts over quantized weights: gate, up and down each one weight stacked
+    over the experts (``experts * rows`` output rows, the experts' rows in turn, as a GGUF's ``ffn_*_exps``
+    holds them), so the file's blocks load as they are. Each expert's weights are views of its rows, run
+    through the backend's linear for their kind (``Backend.ggml_linear`` / ``quant_linear``); gate, up and
+    down may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down)."""
+
+    def __init__(self, gate: QuantizedWeight | GGMLWeight, up: QuantizedWeight | GGMLWeight,
+                 down: QuantizedWeight | GGMLWeight, num_experts: int, backend: Backend):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (HoldsWeight(w) for w in (gate, up, down))
+        self.num_experts = num_experts
+        self.backend = backend
+        self._views: list[tuple] | None = None   # per expert: (gate, up, down) views, built at the first call
+
+    def experts(self) -> list[tuple]:
+        """(gate, up, down) of each expert: views of its rows in the stacked weights."""
+        if self._views is None:
+            stacked = [m.quantized for m in (self.gate_proj, self.up_proj, self.down_proj)]
+            rows = [w.out_features // self.num_experts for w in stacked]
+            self._views = [tuple(row_range(w, e * n, (e + 1) * n) for w, n in zip(stacked, rows, strict=True))
+                           for e in range(self.num_experts)]
+        return self._views
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.moe_by_expert(x, weights, ids, self.num_experts, self._expert_mlp)
+
+    def _expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.experts()[expert]
+        b = self.backend
+        return quantized_linear(b, b.silu_and_mul(quantized_linear(b, x, gate), quantized_linear(b, x, up)), down)
+
+    def _apply(self, fn, recurse=True):
+        self._views = None   # .to() and the like replace the stacked tensors
+        return super()._apply(fn, recurse)
+
+
+def _install_experts(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight],
+                     backend: Backend) -> set[str]:
+    """Swap each experts module named in ``quantized`` (its gate, up and down: "<block>.experts.gate_proj", ...)
+    for QuantExperts; the names consumed."""
+    consumed = set()
+    for module_name in sorted({n.rpartition(".")[0] for n in quantized if n.endswith(".experts.gate_proj")}):
+        names = [f"{module_name}.{part}" for part in EXPERT_PARTS]
+        missing = [n for n in names if n not in quantized]
+        if missing:
+            raise ValueError(f"{module_name}: quantized experts need gate, up and down quantized; "
+                             f"{', '.join(missing)} are not")
+        old = model.get_submodule(module_name)
+        num_experts, gate_up_rows, hidden = old.get_parameter("gate_up_proj").shape
+        inter = gate_up_rows // 2
+        gate, up, down = (quantized[n] for n in names)
+        for name, w, want in zip(names, (gate, up, down), ((inter, hidden), (inter, hidden), (hidden, inter)),
+                                 strict=True):
+            if (w.out_features, w.in_features) != (num_experts * want[0], want[1]):
+                raise ValueError(f"{name}: quantized experts are [{w.out_features}, {w.in_features}] but the model "
+                                 f"config makes them {num_experts} x {list(want)}")
+        parent_name, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, QuantExperts(gate, up, down, num_experts, backend))
+        consumed.update(names)
+    return consumed
+
+
 def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight], floats: dict[str, torch.Tensor],
             backend: Backend, dtype: torch.dtype) -> None:
     """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
-    the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias."""
+    the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias. A
+    mixture-of-experts block's experts come as "<block>.experts.gate_proj" / "up_proj" / "down_proj"."""
+    experts = _install_experts(model, quantized, backend)
     for name, weight in quantized.items():
+        if name in experts:
+            continue
         module_name = name.removesuffix(".weight")
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)

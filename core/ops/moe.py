@@ -7,6 +7,8 @@ softmax over the router logits in float32, the top k, renormalized to sum to 1 w
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,10 +27,21 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]: [T, hidden].
 
     One pass an expert that has tokens (a loop over experts, never over tokens), as transformers does."""
-    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(xs, gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down[expert])
+
+    return moe_by_expert(x, weights, ids, gate_up.shape[0], expert_mlp)
+
+
+def moe_by_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                  expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert_mlp(ids[t, k], x_t): each expert that has tokens called once on
+    all of them (``expert_mlp(e, x[tokens])`` -> [tokens, hidden]), the results summed in float32."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
@@ -36,7 +49,6 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         pairs = order[start:start + n]
         start += n
         tokens = pairs // ids.shape[1]
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert])
+        y = expert_mlp(expert, x[tokens])
         out.index_add_(0, tokens, y.float() * weights.flatten()[pairs, None])
     return out.to(x.dtype)

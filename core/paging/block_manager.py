@@ -96,6 +96,14 @@ class BlockManager(Eviction, UsageStats, Invariants):
             release_outside_window(self.allocator, self.cache, seq.block_table, seq.num_computed, self.window,
                                    self.block_size)
 
+    def rollback(self, seq: Sequence) -> None:
+        """Give back ``seq``'s blocks past its computed tokens: a verified proposal's rejected tokens had KV
+        slots there. No such block is in the prefix cache (it indexes full computed blocks only); the slots of
+        rejected tokens in the last kept block are overwritten by the next tokens computed."""
+        keep = self.blocks_for(seq.num_computed)
+        while len(seq.block_table) > keep:
+            self.allocator.decref(seq.block_table.pop())
+
     def free(self, seq: Sequence) -> None:
         self.cache_computed(seq)
         # Tail first: a sequence's later blocks become older in the LRU than its earlier ones.
@@ -235,6 +243,8 @@ class BlockManager(Eviction, UsageStats, Invariants):
         st = self._seqs.get(seq)
         if st is None:
             extra = (("cache_salt", seq.cache_salt),) if seq.cache_salt is not None else ()
+            if seq.adapter_id:   # K/V computed under a LoRA adapter are that adapter's own
+                extra += (("adapter", str(seq.adapter_id)),)
             st = self._seqs[seq] = _SeqCache(extra)
         return st
 

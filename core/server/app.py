@@ -2,6 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (``stream: true`` gives server-sent events ending in ``data: [DONE]``),
+Anthropic's POST /v1/messages and /v1/messages/count_tokens (``lmport.server.anthropic``),
+OpenAI's POST /v1/responses (``lmport.server.responses``),
 GET /health (never needs the API key) and GET /metrics (Prometheus).
 
 The engine core runs in its own process under `lmport serve` (``lmport.engine_core``), joined to this
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hmac
 import logging
 import os
@@ -29,12 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
 from lmport.engine import Engine
-from lmport.engine_client import EngineClient
+from lmport.engine_client import EngineClient, EngineHandle
 from lmport.guided import Grammars
+from lmport.server import adapters, embeddings
 from lmport.server import openapi as openapi_doc
-from lmport.server import routes
+from lmport.server import anthropic, responses, routes
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
+from lmport.server.metrics import ReplicaCollector
 from lmport.server.protocol import APIError, brief
 from lmport.server.serving import MAX_BODY_BYTES, Frontend
 
@@ -43,15 +48,19 @@ log = logging.getLogger(__name__)
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def create_app(engine: Engine | EngineClient, model_name: str | None = None, api_key: str | list[str] | None = None,
+def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
-               docs: bool = True, cache_salt_by_api_key: bool = False, tokenizer=None) -> FastAPI:
+               docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
+               tokenizer=None) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
-    ``engine``: an engine core already started (then ``tokenizer`` is the model's), or an Engine, whose core
-    then runs in a thread of this process. ``api_key``: one key or several (any is accepted);
-    ``cache_salt_by_api_key``: prefix-cache blocks are shared only between requests sent with the same key."""
+    ``engine``: what runs the requests, already started (an engine core's client, or data-parallel replicas'
+    front end, ``lmport.dp.frontend.DataParallel``, whose replicas /health and /metrics then report; with
+    either, ``tokenizer`` is the model's), or an Engine, whose core then runs in a thread of this process.
+    ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
+    shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
+    answer (lmport.server.adapters)."""
     if isinstance(engine, Engine):
         # A private tokenizer: the core's thread decodes with the engine's at the same time.
         core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
@@ -62,6 +71,9 @@ def create_app(engine: Engine | EngineClient, model_name: str | None = None, api
         grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
     server = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
     info = core.info
+    replicas = getattr(core, "status", None)   # data-parallel replicas, each with its health and usage
+    if replicas is not None:
+        server.metrics.registry.register(ReplicaCollector(replicas))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -77,11 +89,14 @@ def create_app(engine: Engine | EngineClient, model_name: str | None = None, api
         if not server.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not scheme and "x-api-key" in request.headers:   # where Anthropic's clients send the key
+            scheme, token = "bearer", request.headers["x-api-key"]
         token = token.strip().encode()
         # Every key is compared (in constant time), so the time taken does not tell which one nearly matched.
         matches = [hmac.compare_digest(token, key.encode()) for key in server.api_keys]
         if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>` (or "
+                                "`X-Api-Key: <key>`)",
                            type="authentication_error", code="invalid_api_key")
         request.state.api_key = server.api_keys[matches.index(True)]
 
@@ -90,7 +105,7 @@ def create_app(engine: Engine | EngineClient, model_name: str | None = None, api
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         server.metrics.rejected.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception):
@@ -129,11 +144,16 @@ def create_app(engine: Engine | EngineClient, model_name: str | None = None, api
             return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
         if server.admission.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if replicas is not None:
+            return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
         return {"status": "ok"}
 
     @app.get("/metrics", dependencies=auth)
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    adapters.register(app, server, auth, enable_lora_loading)
+    embeddings.register(app, server, auth)
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "lmport",
@@ -141,11 +161,13 @@ def create_app(engine: Engine | EngineClient, model_name: str | None = None, api
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapters.model_cards(server)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str):
         if model_id != server.model_name:
+            if (card := next((c for c in adapters.model_cards(server) if c["id"] == model_id), None)) is not None:
+                return card
             raise APIError(404, f"model: {brief(model_id)} does not exist; this server serves "
                                 f"{server.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
         return model_card()
@@ -158,12 +180,31 @@ def create_app(engine: Engine | EngineClient, model_name: str | None = None, api
     async def completions(request: Request):
         return await routes.completions(server, request)
 
+    @app.post("/v1/messages", dependencies=auth)
+    async def messages(request: Request):
+        return await anthropic.messages(server, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(server, request)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request):
+        return await responses.create(server, request)
+
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guards, allowed_hosts=allowed_hosts,
-                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions"}))
+    app.add_middleware(Guards, allowed_hosts=allowed_hosts, error_body=error_body,
+                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                                             "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
+                                             *anthropic.PATHS}))
     return app
+
+
+def error_body(path: str, exc: APIError) -> dict:
+    """An error in the shape of the API the route belongs to: Anthropic's on its routes, else OpenAI's."""
+    return anthropic.error_body(exc) if path in anthropic.PATHS else exc.body()
 
 
 def serve(args) -> int:
@@ -189,20 +230,41 @@ def serve(args) -> int:
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections)
-    # The engine core in its own process (started first, before this process starts a thread), the tokenizer here.
-    core = EngineClient.start_process(args.model, engine_config(args))
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be >= 1 (engine replicas), got {args.dp}")
+    loras = adapters.parse_loras(args.lora)
+    settings = engine_config(args)
+    settings = dataclasses.replace(settings, max_loras=adapters.max_loras_for(settings.max_loras, loras,
+                                                                              args.enable_lora_loading))
+    # The engine core in its own process (started first, before this process starts a thread), or data-parallel
+    # replicas as Ray actors behind a routing front end (docs/distributed.md); the tokenizer here.
+    core: EngineHandle
+    if args.dp > 1:
+        if settings.max_loras:
+            raise ConfigError("LoRA adapters (--lora, --enable-lora-loading) run with --dp 1 only")
+        from lmport.dp import cluster
+        core = cluster.start(args.model, settings, args.dp, policy=args.dp_routing,
+                             balance_threshold=args.dp_balance_threshold)
+        where = f"KV blocks on each of {args.dp} replicas ({args.dp_routing} routing)"
+    else:
+        core = EngineClient.start_process(args.model, settings, loras)
+        where = "KV blocks"
     try:
         app = create_app(core, model_name=args.model, api_key=api_key, limits=limits,
                          allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
                          cors_origins=args.cors_origins, docs=args.docs,
-                         cache_salt_by_api_key=args.cache_salt_by_api_key, tokenizer=load_tokenizer(args.model))
+                         cache_salt_by_api_key=args.cache_salt_by_api_key,
+                         enable_lora_loading=args.enable_lora_loading, tokenizer=load_tokenizer(args.model))
     except BaseException:
         core.shutdown()
         raise
+    if args.enable_lora_loading and api_key is None:
+        log.warning("--enable-lora-loading without an API key: anyone who can reach the server can make it read "
+                    "adapter directories on this machine")
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {core.info.session_len}, "
-          f"{core.info.num_blocks} KV blocks){'; API key required' if api_key else ''}", file=sys.stderr)
+          f"{core.info.num_blocks} {where}){'; API key required' if api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
         logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
     server = GracefulServer(config, app.state.server, shutdown_timeout=args.shutdown_timeout,

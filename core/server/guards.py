@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Callable
+
+from lmport.server.protocol import APIError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -42,9 +45,12 @@ def allowed_host_names(bind_host: str, allowed_hosts: list[str] | None) -> set[s
 
 
 class Guards:
-    def __init__(self, app, allowed_hosts: set[str] | None, json_paths: frozenset[str] | None = None):
+    def __init__(self, app, allowed_hosts: set[str] | None, json_paths: frozenset[str] | None = None,
+                 error_body: Callable[[str, APIError], dict] | None = None):
+        """``error_body(path, error)``: an error in the shape of the API that ``path`` belongs to."""
         self.app = app
         self.allowed_hosts = allowed_hosts
+        self.error_body = error_body or (lambda path, exc: exc.body())
         # The routes that take a JSON body; a POST elsewhere goes on to the router (404 or 405 with Allow).
         self.json_paths = json_paths
 
@@ -56,21 +62,20 @@ class Guards:
             host = headers.get(b"host", b"").decode("latin-1")
             if host_name(host) not in self.allowed_hosts:
                 shown = host if len(host) <= 80 else host[:77] + "..."
-                return await _error(send, 421, f"Host {shown!r} is not served here; allowed: "
-                                               f"{', '.join(sorted(self.allowed_hosts))} (add names with "
-                                               f"--allowed-hosts)", "invalid_host")
+                return await self._error(scope, send, 421, f"Host {shown!r} is not served here; allowed: "
+                                                           f"{', '.join(sorted(self.allowed_hosts))} (add names "
+                                                           f"with --allowed-hosts)", "invalid_host")
         if scope["method"] == "POST" and (self.json_paths is None or scope["path"] in self.json_paths):
             media_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
             if media_type != "application/json":
                 shown = media_type or "none"
-                return await _error(send, 415, f"Content-Type {shown[:80]!r}: send the body as application/json",
-                                    "unsupported_media_type")
+                return await self._error(scope, send, 415, f"Content-Type {shown[:80]!r}: send the body as "
+                                                           f"application/json", "unsupported_media_type")
         return await self.app(scope, receive, send)
 
-
-async def _error(send, status: int, message: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    async def _error(self, scope, send, status: int, message: str, code: str) -> None:
+        body = json.dumps(self.error_body(scope["path"], APIError(status, message, code=code))).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -39,12 +39,53 @@ class _EngineCollector:
         if "prefix_cache_hit_rate" in usage:   # Engine.usage() has it (lmport.paging.usage)
             yield GaugeMetricFamily("lmport_prefix_cache_hit_rate", "Prefix cache hit rate",
                                     value=float(usage["prefix_cache_hit_rate"]))
+        if "spec_verifications" in usage:   # speculative decoding is on (lmport.speculative)
+            for name, key, doc in (
+                    ("lmport_spec_decode_proposed_tokens", "spec_proposed_tokens", "Proposed tokens verified"),
+                    ("lmport_spec_decode_accepted_tokens", "spec_accepted_tokens", "Proposed tokens accepted"),
+                    ("lmport_spec_decode_verifications", "spec_verifications",
+                     "Sequence steps that verified a proposal")):
+                yield CounterMetricFamily(name, doc, value=usage[key])
+            yield GaugeMetricFamily("lmport_spec_decode_acceptance_rate", "Accepted / proposed tokens",
+                                    value=float(usage["spec_acceptance_rate"]))
+            yield GaugeMetricFamily("lmport_spec_decode_mean_acceptance_length",
+                                    "Tokens a sequence gains per verifying step, its own token included",
+                                    value=float(usage["spec_mean_acceptance_length"]))
         # Everything else the engine reports (prefix cache, host tier, ...), under its own key.
         other = GaugeMetricFamily("lmport_engine_stat", "Other numbers from engine.usage()", labels=["key"])
         for key, value in sorted(usage.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 other.add_metric([key], value)
         yield other
+
+
+class ReplicaCollector:
+    """Each data-parallel replica's health, requests in flight, restarts and usage, labelled by replica."""
+
+    def __init__(self, status_fn):
+        self.status_fn = status_fn
+
+    def collect(self):
+        replicas = self.status_fn()
+        healthy = GaugeMetricFamily("lmport_replica_healthy", "1 while the replica is in rotation", labels=["replica"])
+        flight = GaugeMetricFamily("lmport_replica_requests_in_flight", "Requests routed to the replica and not "
+                                   "finished", labels=["replica"])
+        routed = CounterMetricFamily("lmport_replica_requests_routed", "Requests routed to the replica",
+                                     labels=["replica"])
+        restarts = CounterMetricFamily("lmport_replica_restarts", "Times the replica was restarted",
+                                       labels=["replica"])
+        stat = GaugeMetricFamily("lmport_replica_stat", "The replica's engine.usage() numbers",
+                                 labels=["replica", "key"])
+        for r in replicas:
+            label = [str(r["replica"])]
+            healthy.add_metric(label, 1.0 if r["healthy"] else 0.0)
+            flight.add_metric(label, r["in_flight"])
+            routed.add_metric(label, r["routed"])
+            restarts.add_metric(label, r["restarts"])
+            for key, value in sorted(r["usage"].items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    stat.add_metric(label + [key], value)
+        yield from (healthy, flight, routed, restarts, stat)
 
 
 class Metrics:

@@ -14,7 +14,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from lmport.guided import MAX_ENUM_VALUES
+from lmport.server.anthropic import CountTokensRequest, MessagesRequest
 from lmport.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
+from lmport.server.responses import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -171,6 +173,101 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+# -- Anthropic's Messages API (lmport.server.anthropic) ----------------------------------------------------------
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorBody
+    request_id: str | None = None
+
+
+class AnthropicBlock(BaseModel):
+    """A text block (text) or a tool_use block (id, name, input)."""
+    type: Literal["text", "tool_use"]
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict | None = None
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class AnthropicMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class MessageTokensCount(BaseModel):
+    input_tokens: int
+
+
+class AnthropicStreamEvent(BaseModel):
+    """One event's data; ``type`` is also the event's name. message_start has ``message``; content_block_start
+    ``index`` and ``content_block``; content_block_delta ``index`` and ``delta`` (text_delta or input_json_delta);
+    content_block_stop ``index``; message_delta ``delta`` (stop_reason, stop_sequence) and ``usage``; error
+    ``error``."""
+    type: Literal["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+                  "message_delta", "message_stop", "error"]
+
+
+# -- OpenAI's Responses API (lmport.server.responses) --------------------------------------------------------------
+
+class OutputItem(BaseModel):
+    """A message (content: output_text parts) or a function_call (call_id, name, arguments)."""
+    type: Literal["message", "function_call"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] | None = None
+    content: list[dict] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict | None
+    incomplete_details: dict | None
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event's data; ``type`` is also the event's name. response.created, .in_progress, .completed,
+    .incomplete and .failed carry ``response``; the item, part, text and arguments events carry
+    ``output_index`` (and ``item_id``, ``content_index``, ``delta``, ``text``, ``arguments``, ``item``)."""
+    type: str
+    sequence_number: int
+
+
 ERRORS = {
     400: "invalid request: the message names the field and the fix",
     401: "missing or wrong API key",
@@ -199,6 +296,17 @@ def _stream(chunk: str) -> dict:
                                             {"$ref": REF.format(model="ErrorResponse")}]}}]}}}}
 
 
+def _named_stream(event: str, error: str | None = None) -> dict:
+    """text/event-stream of named events (``event: <type>``), as Anthropic's and the Responses API's streams."""
+    data = {"$ref": REF.format(model=event)} if error is None else {
+        "anyOf": [{"$ref": REF.format(model=event)}, {"$ref": REF.format(model=error)}]}
+    return {"schema": {
+        "type": "object", "required": ["event", "data"],
+        "description": "server-sent events, each `event: <type>` with `data: {json}` whose `type` is the same",
+        "properties": {"event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+                       "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data}}}}
+
+
 def _json(name: str) -> dict:
     return {"application/json": {"schema": {"$ref": REF.format(model=name)}}}
 
@@ -223,10 +331,13 @@ def below(n: int) -> str:
 def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
     """The OpenAPI document of ``app``."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                      description="lmport's OpenAI-compatible API (docs/server.md)")
+                      description="lmport's OpenAI-compatible API, Anthropic's Messages API and OpenAI's Responses API "
+                                  "(docs/server.md)")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for cls in (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Health,
-                ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk):
+                ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, MessagesRequest, CountTokensRequest,
+                ResponsesRequest, AnthropicError, AnthropicMessage, MessageTokensCount, AnthropicStreamEvent,
+                ResponseObject, ResponseStreamEvent):
         schema = cls.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[cls.__name__] = schema
@@ -273,6 +384,33 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
         op["responses"] = {"200": {"description": "the completion, or with stream: true its chunks as events",
                                    "content": {**_json(response), "text/event-stream": _stream(response + "Chunk")}},
                            **_errors(*common)}
+    for name in ("MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
+                                                "description": "the served model (GET /v1/models)"}
+    schemas["MessageItem"]["required"].remove("type")   # an input message may leave its type out
+    props = schemas["ResponsesRequest"]["properties"]
+    for name in ("previous_response_id", "conversation", "prompt"):   # refused: nothing is stored
+        props[name] = {"type": "null", "description": "not supported (this server stores nothing); leave it out"}
+    props["background"] = {"anyOf": [{"const": False}, {"type": "null"}], "description": "only false"}
+    props["truncation"] = {"anyOf": [{"const": "disabled"}, {"type": "null"}], "description": "only disabled"}
+    props["top_logprobs"] = {"anyOf": [{"const": 0}, {"type": "null"}], "description": "not supported"}
+    anthropic_errors = {str(s): {"description": ERRORS[s], "content": _json("AnthropicError")} for s in common}
+    paths["/v1/messages"]["post"].update(
+        requestBody={"required": True, "content": _json("MessagesRequest")},
+        responses={"200": {"description": "the message, or with stream: true its events",
+                           "content": {**_json("AnthropicMessage"),
+                                       "text/event-stream": _named_stream("AnthropicStreamEvent")}},
+                   **anthropic_errors})
+    paths["/v1/messages/count_tokens"]["post"].update(
+        requestBody={"required": True, "content": _json("CountTokensRequest")},
+        responses={"200": {"description": "the prompt's tokens", "content": _json("MessageTokensCount")},
+                   **anthropic_errors})
+    paths["/v1/responses"]["post"].update(
+        requestBody={"required": True, "content": _json("ResponsesRequest")},
+        responses={"200": {"description": "the response, or with stream: true its events",
+                           "content": {**_json("ResponseObject"), "text/event-stream": _named_stream(
+                               "ResponseStreamEvent")}},
+                   **_errors(*common)})
     paths["/v1/models"]["get"]["responses"] = {"200": {"description": "the served model",
                                                        "content": _json("ModelList")}, **_errors(*auth)}
     paths["/v1/models/{model_id}"]["get"]["responses"] = {"200": {"description": "the served model",

@@ -7,6 +7,7 @@ not change generation. Responses are plain dicts built in ``app.py``.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -30,9 +31,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """The first problem pydantic found, as a 400 that names the field."""
+def validation_error(exc: ValidationError, body=None) -> APIError:
+    """The first problem pydantic found, as a 400 that names the field. With the parsed ``body``, the names of
+    tagged-union members (a content block's ``type``) are left out of the path, so it reads like the JSON."""
     errors = exc.errors(include_url=False)
+    if body is not None:
+        errors = [{**e, "loc": _json_path(e["loc"], body)} for e in errors]
     # A union field reports one error per member: the deepest one is the most specific.
     err = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
     if err["type"] == "json_invalid":
@@ -51,6 +55,23 @@ def brief(value, limit: int = 80) -> str:
     """repr(value), cut to ``limit`` characters: an error message never echoes a huge input back."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+def _json_path(loc: tuple, body) -> tuple:
+    """``loc`` without the tags pydantic adds for a discriminated union's member (the member's ``type``)."""
+    path, node = [], body
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str) and node.get("type") == part:
+            continue
+        path.append(part)
+        if _is_union_tag(part):   # a union member's name ("str", "list[...]"): not in the JSON
+            continue
+        if isinstance(node, dict) and isinstance(part, str) or isinstance(node, list) and isinstance(part, int) \
+                and -len(node) <= part < len(node):
+            node = node.get(part) if isinstance(node, dict) else node[part]
+        else:
+            node = None
+    return tuple(path)
 
 
 def _is_union_tag(part) -> bool:
@@ -103,6 +124,22 @@ class _Request(BaseModel):
         return data
 
 
+class JSONPathRequest(_Request):
+    """A request body whose errors name a field by its JSON path: a tagged union's member (a content block's
+    ``type``, as Anthropic's and the Responses API's bodies have them) is not part of it."""
+
+    @classmethod
+    def model_validate_json(cls, json_data, **kwargs):
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            try:
+                body = json.loads(json_data)
+            except ValueError:
+                body = None
+            raise validation_error(exc, body) from None
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False          # vLLM's extension: every chunk carries the usage so far
@@ -125,6 +162,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                      # extension: generate exactly max_tokens
+    speculate: bool = True                        # extension: False opts out of the server's speculative decoding
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: keys the prefix-cache hash
     logit_bias: dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")],
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
@@ -205,25 +243,31 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class _Structured(_Sampling):
+    """Structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields, or llama.cpp's
+    ``grammar`` / ``json_schema`` (the same as guided_grammar / guided_json); lmport.server.structured checks
+    that at most one is given."""
+    response_format: dict | None = None           # checked by lmport.guided: text, json_object, json_schema
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    grammar: str | None = None
+    json_schema: dict | None = None
+
+
+class ChatCompletionRequest(_Structured):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None           # checked by lmport.guided: text, json_object, json_schema
     tools: list[dict] | None = None               # checked by lmport.server.tools
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Structured):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)      # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False                            # the prompt (and its logprobs) before the completion
-    response_format: dict | None = None
-    # vLLM's structured-output extension; at most one of these or response_format.
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_grammar: str | None = None
-    guided_choice: list[str] | None = None

@@ -1,12 +1,14 @@
 """The completion routes, POST /v1/chat/completions and POST /v1/completions (docs/server.md).
 
-Each parses and checks its request, builds a job and admits it; ``_respond`` then does what both share:
-stream the outputs as server-sent events, or wait for them and answer once.
+Each parses and checks its request, builds a job and admits it; ``respond`` then does what every route shares
+(Anthropic's messages and OpenAI's responses too): stream the outputs as server-sent events, or wait for them
+and answer once. ``chat_prompt`` is the chat request path those two translate into.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -23,13 +25,13 @@ def _too_long(server: Frontend, param: str, chars: int) -> APIError:
                     param=param)
 
 
-async def _respond(server: Frontend, request: Request, job: Job, chunk: Callable[..., dict],
-                   body: Callable[[list[RequestOutput]], dict], *, stream: bool):
-    """An admitted job's reply: ``chunk(choice, out, delta, logprobs_from)`` (a list of chunks) as server-sent
-    events, or ``body(final outputs)`` once all are done; 499 when the client left first."""
+async def respond(server: Frontend, request: Request, job: Job, events: Callable[[], AsyncIterator[str]],
+                  body: Callable[[list[RequestOutput]], dict], *, stream: bool):
+    """An admitted job's reply: ``events()`` (server-sent event lines) as a stream, or ``body(final outputs)``
+    once all are done; 499 when the client left first."""
     if stream:
         timeout = server.limits.request_timeout
-        return EventStream(event_lines(server, job, chunk), on_close=job.release, headers={"Cache-Control": "no-cache"},
+        return EventStream(events(), on_close=job.release, headers={"Cache-Control": "no-cache"},
                            send_timeout=server.limits.send_timeout,
                            deadline=None if timeout is None else job.received + timeout)
     try:
@@ -41,10 +43,17 @@ async def _respond(server: Frontend, request: Request, job: Job, chunk: Callable
     return body(outs)
 
 
-async def chat_completions(server: Frontend, request: Request):
-    """POST /v1/chat/completions."""
-    received = time.perf_counter()
-    req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+@dataclass
+class ChatPrompt:
+    """A checked chat request made ready for the engine: what chat completions, Anthropic's messages and
+    OpenAI's responses (which translate into a chat request) all hand the engine."""
+    ids: list[int]                       # the conversation through the chat template, with its tools
+    tools: tools.ToolSetup | None        # the callable tools (None: no call is parsed from the reply)
+    response_format: dict | None         # the structured-output format, or the grammar forcing a call
+
+
+async def chat_prompt(server: Frontend, req: ChatCompletionRequest) -> ChatPrompt:
+    """Check a chat request's messages, tools and response_format (a 400 naming the field) and tokenize it."""
     if not req.messages:
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
     if (chars := sum(len(m.text()) for m in req.messages)) > server.max_prompt_chars:
@@ -58,19 +67,28 @@ async def chat_completions(server: Frontend, request: Request):
     except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
         raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
                        param="messages") from None
-    response_format = req.response_format
-    await structured.check_format(server, response_format, "response_format")
+    response_format, format_param = structured.request_format(req)
+    await structured.check_format(server, response_format, format_param)
     if setup is not None and setup.response_format is not None:
         if structured.constrains(response_format):
-            raise APIError(400, "response_format: cannot be combined with a tool_choice that forces a call",
-                           param="response_format")
+            raise APIError(400, f"{format_param}: cannot be combined with a tool_choice that forces a call",
+                           param=format_param)
         response_format = setup.response_format
         await structured.check_format(server, response_format, "tools")
+    return ChatPrompt(ids, setup, response_format)
+
+
+async def chat_completions(server: Frontend, request: Request):
+    """POST /v1/chat/completions."""
+    received = time.perf_counter()
+    req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+    prompt = await chat_prompt(server, req)
+    setup = prompt.tools
     top = (req.top_logprobs or 0) if req.logprobs else None
-    job = server.job(req, [ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
-                     response_format, key=getattr(request.state, "api_key", None))
+    job = server.job(req, [prompt.ids], "messages", req.max_completion_tokens or req.max_tokens, top, received,
+                     prompt.response_format, key=getattr(request.state, "api_key", None))
     job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
-                  "model": server.model_name, "system_fingerprint": server.fingerprint}
+                  "model": req.model, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)
     server.admit(job)
 
@@ -117,7 +135,8 @@ async def chat_completions(server: Frontend, request: Request):
                             "logprobs": server.chat_logprobs(o, 0, top) if top is not None else None})
         return {**job.header, "object": "chat.completion", "usage": server.usage(job, outs), "choices": choices}
 
-    return await _respond(server, request, job, chunk, body, stream=req.stream)
+    return await respond(server, request, job, lambda: event_lines(server, job, chunk), body,
+                         stream=req.stream)
 
 
 async def completions(server: Frontend, request: Request):
@@ -145,14 +164,14 @@ async def completions(server: Frontend, request: Request):
                             "prompt)", param="max_tokens")
     if req.echo and req.stream:
         raise APIError(400, "echo: not supported with stream; send echo without stream", param="echo")
-    response_format, format_param = structured.completion_format(req)
+    response_format, format_param = structured.request_format(req)
     await structured.check_format(server, response_format, format_param)
     # echo with logprobs scores each prompt as the engine prefills it; with max_tokens 0 that is all it does.
     scoring = (req.logprobs or 0) if req.echo and (req.logprobs is not None or req.max_tokens == 0) else None
     job = server.job(req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
                      key=getattr(request.state, "api_key", None), prompt_logprobs=scoring)
     job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                  "model": server.model_name, "system_fingerprint": server.fingerprint}
+                  "model": req.model, "system_fingerprint": server.fingerprint}
     job.stream_usage(req.stream_options)
     top = req.logprobs
     server.admit(job)
@@ -176,7 +195,8 @@ async def completions(server: Frontend, request: Request):
              "logprobs": server.completion_logprobs(o, 0, top) if top is not None else None}
             for c, o in enumerate(outs)]}
 
-    return await _respond(server, request, job, chunk, body, stream=req.stream)
+    return await respond(server, request, job, lambda: event_lines(server, job, chunk), body,
+                         stream=req.stream)
 
 
 async def _echo_completion(server: Frontend, req: CompletionRequest, job: Job, top: int | None, request: Request,

@@ -26,9 +26,11 @@ from pydantic import ValidationError
 
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import RequestError, RequestOutput, check_prompt
-from lmport.engine_client import EngineClient, EngineStopped
+from lmport.engine_client import EngineHandle, EngineStopped
 from lmport.engine_messages import EngineRequest
 from lmport.guided import Grammars
+from lmport.lora import AdapterError
+from lmport.server import adapters
 from lmport.server.limits import Admission, Limits
 from lmport.server.metrics import Metrics
 from lmport.server.protocol import APIError, brief, validation_error
@@ -52,6 +54,7 @@ class Job:
     continuous_usage: bool = False    # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     release: object = None            # gives its engine requests back to Admission (idempotent)
     cache_salt: str | None = None     # prefix-cache isolation: the request's cache_salt and/or its API key's
+    adapter: str | None = None        # the LoRA adapter its model names (lmport.server.adapters), None: the base
 
     def stream_usage(self, options) -> None:
         self.include_usage = bool(options and options.include_usage)
@@ -116,11 +119,13 @@ class _SendTimeout(Exception):
 
 
 class Frontend:
-    def __init__(self, core: EngineClient, tokenizer, grammars: Grammars, model_name: str | None = None,
+    def __init__(self, core: EngineHandle, tokenizer, grammars: Grammars, model_name: str | None = None,
                  api_key: str | list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  limits: Limits | None = None, cache_salt_by_api_key: bool = False):
-        """``tokenizer``: the front end's own (tokenizing and chat templates run here, never in the core);
-        ``grammars``: compiles structured-output formats to check them before a request is queued."""
+        """``core``: what runs the requests, an engine core's client or, with data-parallel replicas, their front
+        end (``lmport.dp.frontend.DataParallel``); ``tokenizer``: the front end's own (tokenizing and chat
+        templates run here, never in the core); ``grammars``: compiles structured-output formats to check them
+        before a request is queued."""
         self.core = core
         self.info = info = core.info
         self.grammars = grammars
@@ -156,6 +161,10 @@ class Frontend:
     def engine_problem(self) -> str | None:
         """Why no request can be served now, or None."""
         return self.core.problem()
+
+    def check_prompt(self, prompt_ids) -> None:
+        """RequestError when the engine cannot take these prompt token ids."""
+        check_prompt(prompt_ids, self.info.vocab_size, self.info.session_len)
 
     async def tokenize(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -205,9 +214,7 @@ class Frontend:
             req = cls.model_validate_json(bytes(body))
         except ValidationError as exc:
             raise validation_error(exc) from None
-        if req.model != self.model_name:
-            raise APIError(404, f"model: {brief(req.model)} does not exist; this server serves "
-                                f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        adapters.adapter_for(self, req.model)   # the base model or a loaded LoRA adapter, else a 404
         for problem in (req.unsupported_problem(), req.stop_problem()):
             if problem is not None:
                 raise problem
@@ -228,7 +235,7 @@ class Frontend:
         logit_bias = req.token_bias(info.vocab_size)
         for ids in prompts:
             try:
-                check_prompt(ids, info.vocab_size, info.session_len)
+                self.check_prompt(ids)
             except RequestError as exc:
                 # OpenAI's clients look for this code to tell "shorten the prompt" from other errors.
                 code = "context_length_exceeded" if len(ids) >= info.session_len else None
@@ -246,11 +253,12 @@ class Frontend:
                         random_seed=None if req.seed is None else (req.seed + i) % 2**64,
                         stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
                         response_format=response_format, logit_bias=logit_bias,
-                        prompt_logprobs=prompt_logprobs))
+                        prompt_logprobs=prompt_logprobs, speculate=req.speculate))
                 except ConfigError as exc:
                     raise APIError(400, str(exc)) from None
         job = Job(f"{uuid.uuid4().hex}", int(time.time()), prompts, configs, req.n, received)
         job.cache_salt = self.cache_salt(req.cache_salt, key)
+        job.adapter = adapters.adapter_for(self, req.model)
         return job
 
     def cache_salt(self, salt: str | None, key: str | None) -> str | None:
@@ -303,7 +311,8 @@ class Frontend:
 
         async def pump(choice: int, config: GenerationConfig):
             try:
-                request = EngineRequest(f"{job.id}-{choice}", job.prompt_of(choice), config, job.cache_salt)
+                request = EngineRequest(f"{job.id}-{choice}", job.prompt_of(choice), config, job.cache_salt,
+                                        job.adapter)
                 async for out in self.core.generate(request):
                     merge(choice, out)
             except Exception as exc:  # reaches the consumer instead of dying in this task
@@ -326,6 +335,8 @@ class Frontend:
                         # RequestError too: the engine failed between admit() and add_request()
                         raise APIError(503, f"the server cannot generate: {out}", type="server_error",
                                        code="engine_stopped")
+                    if isinstance(out, AdapterError):   # unloaded between the request's check and its start
+                        raise adapters.adapter_error(out)
                     raise out
                 pending[item] = False
                 out = cast(RequestOutput, state[item])   # set before the item was marked pending

@@ -10,13 +10,14 @@ import json
 import re
 
 from lmport.guided import MAX_ENUM_VALUES, GuidedDecodingError, Grammars
-from lmport.server.protocol import APIError, CompletionRequest
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+# vLLM's fields, then llama.cpp's names for two of them.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "grammar", "json_schema")
 
 
-def completion_format(req: CompletionRequest) -> tuple[dict | None, str]:
-    """(response_format, the field it came from) of a completions request."""
+def request_format(req: ChatCompletionRequest | CompletionRequest) -> tuple[dict | None, str]:
+    """(response_format, the field it came from) of a request."""
     given = [name for name in ("response_format", *GUIDED_FIELDS) if getattr(req, name) is not None]
     if len(given) > 1:
         raise APIError(400, f"{given[1]}: give one of response_format, {', '.join(GUIDED_FIELDS)}, not "
@@ -25,16 +26,16 @@ def completion_format(req: CompletionRequest) -> tuple[dict | None, str]:
         return req.response_format, "response_format"
     name = given[0]
     value = getattr(req, name)
-    if name == "guided_json":
+    if name in ("guided_json", "json_schema"):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise APIError(400, f"guided_json: not valid JSON: {exc}", param=name) from None
-        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": value}}, name
+                raise APIError(400, f"{name}: not valid JSON: {exc}", param=name) from None
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": value}}, name
     if name == "guided_regex":
         return {"type": "regex_schema", "regex_schema": value}, name
-    if name == "guided_grammar":
+    if name in ("guided_grammar", "grammar"):
         return {"type": "grammar", "grammar": value}, name
     if not value or not all(value):
         raise APIError(400, "guided_choice: give a list of non-empty strings", param=name)

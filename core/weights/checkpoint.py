@@ -59,6 +59,16 @@ def check_backend(path: Path, caps, weight_format: str = "auto") -> bool:
     return bool(formats or blocks)
 
 
+def check_tensor_parallel(path: Path, tp: int, weight_format: str) -> None:
+    """ConfigError, before any weight loads, for a checkpoint whose weights would stay quantized under ``tp > 1``:
+    quantized weights are not sharded (docs/weight-quantization.md, "Tensor parallelism")."""
+    if tp > 1 and weight_format == "auto" and is_quantized(path):
+        raise ConfigError(
+            f"tp={tp}: {path.name} holds quantized weights, which lmport does not shard (they run at tp=1); "
+            f"use tp=1 to run them quantized, or weight_format='dequantize' (--weight-format dequantize) to load "
+            f"them in the compute dtype and shard those")
+
+
 def backends_running(runs) -> list[str]:
     """Names of the installed backends whose capabilities satisfy ``runs`` ('none installed' if none)."""
     from lmport import registry

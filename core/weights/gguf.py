@@ -7,7 +7,8 @@
 - Names: gguf's own ``TensorNameMap`` for the architecture, asked for each tensor the model has.
 - What llama.cpp's ``convert_hf_to_gguf.py`` changed is undone: Llama's q/k rows interleaved for its
   rotary (on whole rows, so quantized rows too), Gemma's norm weights stored as ``1 + w``, experts
-  stacked into ``ffn_{gate,up,down}_exps``. Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate, then up)
+  stacked into ``ffn_{gate,up,down}_exps`` (quantized: kept stacked, each one weight of all the experts'
+  rows, run by lmport.models.quantized.QuantExperts). Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate, then up)
   are split by rows into the projections the model has.
 """
 from __future__ import annotations
@@ -158,12 +159,12 @@ def _read_tensor(header: GGUFHeader, t: TensorInfo, dtype: torch.dtype, keep: bo
         value = (value.view(torch.bfloat16) if qtype == gguf.GGMLQuantizationType.BF16 else value).to(dtype)
         page_out([_tensor_view(data)])
         return value
-    if keep and qtype in int_types and len(t.shape) == 2:
+    if keep and qtype in int_types and len(t.shape) in (2, 3):
         weight = _int_weight(data, qtype).check(label)
         page_out([_tensor_view(data)])   # copied: the file's pages need not stay resident beside the copy
         return weight
-    if keep and qtype.name.lower() in BLOCK_TYPES and len(t.shape) == 2:
-        return GGMLWeight(_tensor_view(data), qtype.name.lower(), t.shape[1]).check(label)
+    if keep and qtype.name.lower() in BLOCK_TYPES and len(t.shape) in (2, 3):
+        return GGMLWeight(_tensor_view(data), qtype.name.lower(), t.shape[-1]).check(label)
     try:
         w = gguf.quants.dequantize(np.asarray(data), qtype)
     except NotImplementedError:
@@ -233,8 +234,10 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
         value, qtype = _read_tensor(header, t, dtype, keep_quantized), _qtype(t)
         if isinstance(value, torch.Tensor) and qtype not in float_types:
             dequantized.add(qtype.name)
-        want = t.shape
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else (value.out_features, value.in_features)
+        if isinstance(value, torch.Tensor):
+            want, got = t.shape, tuple(value.shape)
+        else:   # a stacked (experts') tensor is held as one weight of all its rows
+            want, got = (int(np.prod(t.shape[:-1])), t.shape[-1]), (value.out_features, value.in_features)
         if got != want:
             raise ValueError(f"{path.name}: tensor {t.name!r} reads as {list(got)}, its header says {list(want)}")
         values[hf] = value
@@ -242,16 +245,15 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
     if missing:
         raise ValueError(f"{path.name}: no tensor for {', '.join(missing[:4])}"
                          f"{' ...' if len(missing) > 4 else ''} ({cfg.model_type}, {cfg.num_hidden_layers} layers)")
-    _undo_conversion(values, arch, cfg)
+    _undo_conversion(values, arch, cfg, dtype)
     if dequantized and keep_quantized:
-        log.info("%s: %s dequantized to %s (%s)", path.name, ", ".join(sorted(dequantized)),
-                 str(dtype).removeprefix("torch."), "expert tensors run float" if cfg.model_type in
-                 ("qwen3_moe", "mixtral") else "no kernel form")
+        log.info("%s: %s dequantized to %s (no kernel form)", path.name, ", ".join(sorted(dequantized)),
+                 str(dtype).removeprefix("torch."))
     quantized = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
     return quantized, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
 
 
-def _undo_conversion(values: dict, arch: str, cfg) -> None:
+def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
     """Undo, in place, what llama.cpp's converter changed in the tensors of ``arch``."""
     from lmport.models.llama import head_dim_of
     for name in list(values):
@@ -264,9 +266,8 @@ def _undo_conversion(values: dict, arch: str, cfg) -> None:
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             values[name] = value - 1
         elif name.endswith("mlp.experts.gate_proj"):
-            values[name.replace("gate_proj", "gate_up_proj")] = torch.cat([value, values.pop(
-                name.replace("gate_proj", "up_proj"))], dim=1)
-            del values[name]
+            experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+            _experts(values, name.removesuffix(".gate_proj"), experts, dtype)
         elif arch == "phi3" and name.removesuffix(".weight").endswith(tuple(_PHI3_FUSED)):
             fused = next(f for f in _PHI3_FUSED if name.removesuffix(".weight").endswith(f))
             d = head_dim_of(cfg)
@@ -277,6 +278,23 @@ def _undo_conversion(values: dict, arch: str, cfg) -> None:
                 values[f"{prefix}{part}.weight"] = _rows(value, torch.arange(start, start + size))
                 start += size
             del values[name]
+
+
+def _experts(values: dict, prefix: str, num_experts: int, dtype: torch.dtype) -> None:
+    """A MoE block's stacked experts (``prefix``.gate_proj / up_proj / down_proj): kept as they are where all
+    three are quantized (lmport.models.quantized.QuantExperts runs them), else float with gate and up
+    concatenated into transformers' ``gate_up_proj`` [experts, 2 * inter, hidden] (a quantized part of a
+    mixed set dequantized: the float experts op takes float weights only)."""
+    from lmport import ops
+    parts = [f"{prefix}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    if not any(isinstance(values[p], torch.Tensor) for p in parts):
+        return
+    for p in parts:
+        if isinstance(w := values[p], GGMLWeight):
+            values[p] = ops.dequantize_ggml(w, dtype).reshape(num_experts, -1, w.in_features)
+        elif isinstance(w, QuantizedWeight):
+            values[p] = ops.dequantize(w, dtype).reshape(num_experts, -1, w.in_features)
+    values[f"{prefix}.gate_up_proj"] = torch.cat([values.pop(parts[0]), values.pop(parts[1])], dim=1)
 
 
 def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
@@ -290,10 +308,10 @@ def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
         name = qtype.name.lower()
         if t.name in _CONFIG_TENSORS:
             continue
-        if qtype in int_types and len(t.shape) == 2:
+        if qtype in int_types and len(t.shape) in (2, 3):
             key = int_types[qtype]
             size = numel * int(key[3:]) // 8 + numel // 32 * 2 * 2   # codes + float16 scale and min a run
-        elif name in BLOCK_TYPES and len(t.shape) == 2:
+        elif name in BLOCK_TYPES and len(t.shape) in (2, 3):
             key, size = name, t.nbytes
         else:
             key, size = float_name, numel * dtype.itemsize

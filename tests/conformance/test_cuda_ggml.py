@@ -57,7 +57,9 @@ def check(got: torch.Tensor, x: torch.Tensor, weight: GGMLWeight, bias: torch.Te
     assert torch.isfinite(got).all()
     assert (excess <= 0).all(), f"{weight.type_name} {dtype}: error exceeds the bound by {excess.max().item():.3g}"
     # And the reference op itself (the ground truth of every backend): within one more rounding of it.
-    want = ops.ggml_linear(x.to(dtype).cpu(), weight, None if bias is None else bias.cpu()).double()
+    # On the host: x is there already, and a GPU's blocks would make the reference a mixed-device matmul.
+    host_weight = GGMLWeight(weight.blocks.cpu(), weight.type_name, weight.in_features)
+    want = ops.ggml_linear(x.to(dtype), host_weight, None if bias is None else bias.cpu()).double()
     assert ((got - want).abs() <= 2 * bound + ulp(want, dtype)).all()
 
 

@@ -56,3 +56,43 @@ def test_backend_matches_reference(backend_name, tokens, record_property):
     weights, ids = ops.route(logits, TOP_K, True)
     out = backend.fused_moe(x, gate_up, down, weights, ids)
     torch.testing.assert_close(out, ops.fused_moe(x, gate_up, down, weights, ids), atol=2e-5, rtol=2e-5)
+
+
+# Quantized experts (a GGUF's ffn_*_exps): gate and up Q4_K, down int8 (Q8_0's form) stacked over the experts,
+# run expert by expert through the backend's ggml_linear / quant_linear (lmport.models.quantized.QuantExperts).
+Q_HIDDEN, Q_INTER = 256, 96
+
+
+def _quantized_experts(backend):
+    from ggml_cases import random_blocks
+    from lmport.models.quantized import QuantExperts
+    from lmport.weights.format import from_codes
+    g = torch.Generator().manual_seed(5)
+    gate = random_blocks("q4_k", EXPERTS * Q_INTER, Q_HIDDEN, seed=1)
+    up = random_blocks("q4_k", EXPERTS * Q_INTER, Q_HIDDEN, seed=2)
+    codes = torch.randint(-128, 128, (EXPERTS * Q_HIDDEN, Q_INTER), generator=g)
+    scales = torch.rand(EXPERTS * Q_HIDDEN, Q_INTER // 32, generator=g) / 1024
+    down = from_codes(codes, scales, torch.zeros_like(scales), 8, 32)
+    experts = QuantExperts(gate, up, down, EXPERTS, backend).to(backend.device)
+    float_gate_up = torch.cat([ops.dequantize_ggml(w).reshape(EXPERTS, Q_INTER, Q_HIDDEN) for w in (gate, up)], 1)
+    return experts, float_gate_up, ops.dequantize(down).reshape(EXPERTS, Q_HIDDEN, Q_INTER)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_quantized_experts_match_the_reference_on_their_dequantized_weights(backend_name, tokens, record_property):
+    backend, mode = op_backend(backend_name)
+    record_property("mode", mode)
+    if not {"q4_k"} <= backend.capabilities.ggml_types or "int8" not in backend.capabilities.weight_formats:
+        pytest.skip(f"{backend_name} does not run Q4_K blocks and int8 weights")
+    if mode == "interpreter" and tokens != 1:
+        pytest.skip("the Triton interpreter is slow: one shape keeps the run short")
+    experts, gate_up, down = _quantized_experts(backend)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, Q_HIDDEN, generator=g)
+    logits = torch.randn(tokens, EXPERTS, generator=g)
+    logits[:, 3] = -1e9          # expert 3 gets no token
+    weights, ids = ops.route(logits, TOP_K, True)
+    want = ops.fused_moe(x, gate_up, down, weights, ids)
+    got = experts.forward(x.to(backend.device), weights.to(backend.device), ids.to(backend.device)).cpu()
+    # The kernels round x to int16 (cpu decode) or sum in another order: within 1e-4 of the largest output.
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)

@@ -1,0 +1,209 @@
+"""Speculative decoding: single-stream decode tok/s and acceptance, speculation off vs n-gram, one run.
+
+Two workloads of a few chat prompts each, on the default model (its Q4_1 GGUF, weights kept quantized,
+cpu backend, greedy, EOS ignored so every run decodes the same number of tokens):
+
+- free: open-ended generation (stories, explanations), where the output rarely repeats its prompt;
+- repeat: the answer repeats the prompt (rewrite a given function with type hints, copy a list, fix
+  a typo in a paragraph): what prompt lookup is for.
+
+Columns: lmport without speculation, lmport with n-gram speculation (EngineConfig.speculative =
+{"method": "ngram"}, defaults otherwise), and the draft-model method, which is not implemented yet
+(reported as such). Decode tok/s is (generated tokens - 1) / (time from the first generated token
+to the last), one request at a time. Off and n-gram alternate request by request for --rounds
+rounds (at least 5), so both see the same machine load; each figure is the median over rounds
+with its min-max, and every round is kept in the JSON.
+
+--batch also runs the `make bench` workload (benchmarks/throughput.py: 64 requests at once) with
+speculation off and on, alternating, and reports output tok/s: speculation is to back off as the
+batch fills (disable_by_batch_size), so on should be no slower than off.
+
+llama.cpp peer: its `llama-lookup` (n-gram) or `llama-speculative` binary from --llama-bin
+(default /root/.cache/llamacpp/build/bin) when present; otherwise the JSON says which binaries were
+looked for and none is run. The header gives the CPU model and flags, the thread count and a
+measured read bandwidth (benchmarks/machine.py). On a shared machine, say so beside
+any figure: other processes change every column, which is why the rounds interleave.
+
+Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--batch] [--out benchmarks/results/speculative.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, for a ten-year-old.",
+    "Describe a walk through a forest in autumn.",
+]
+REPEAT = [
+    "Rewrite this Python function with type hints and keep everything else the same:\n\n"
+    "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n"
+    "            result.append(right[j])\n            j += 1\n    result.extend(left[i:])\n"
+    "    result.extend(right[j:])\n    return result\n",
+    "Copy this list exactly, one item per line: apples, pears, plums, cherries, figs, dates, limes, lemons, "
+    "oranges, grapes, melons, kiwis, mangos, papayas, peaches, apricots.",
+    "Fix the spelling in this paragraph and repeat it otherwise unchanged: The quick brown fox jumpd over the "
+    "lazy dog. Paged atention stores the key-value cache in fixed-size blocks that need not be contigous, so "
+    "many requests of diferent lengths can share one pool without fragmentation.",
+]
+PEER_BINARIES = ("llama-lookup", "llama-speculative")
+
+
+def machine() -> dict:
+    """CPU model and kernel flags, threads, load and measured read bandwidth (benchmarks/machine.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from machine import cpu_info, memory_bandwidth
+    threads = torch.get_num_threads()
+    return {**cpu_info(), "threads": threads, "bandwidth": memory_bandwidth(threads), "torch": torch.__version__}
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(chat, add_special_tokens=False)
+
+
+def decode_rate(engine, prompt: list[int], tokens: int) -> tuple[float, dict]:
+    """Decode tok/s of one request alone, and the engine's speculation counters it moved."""
+    from lmport import GenerationConfig
+    before = engine.usage()
+    engine.add_request(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))
+    first = last = None
+    generated = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.delta_token_ids:
+                generated += len(o.delta_token_ids)
+                first = first or now
+                last = now
+    after = engine.usage()
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("spec_proposed_tokens", "spec_accepted_tokens",
+                                                             "spec_verifications")}
+    return (generated - 1) / (last - first), moved
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2), "rounds": [round(v, 2) for v in values]}
+
+
+def single_stream(rounds: int, tokens: int) -> dict:
+    import lmport
+    from lmport import EngineConfig
+    engines = {"off": None, "ngram": {"method": "ngram"}}
+    pipes = {name: lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu", speculative=spec))
+             for name, spec in engines.items()}
+    tok = pipes["off"].engine.tokenizer
+    results = {}
+    for workload, texts in (("free", FREE), ("repeat", REPEAT)):
+        prompts = [chat_ids(tok, t) for t in texts]
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+        for _ in range(rounds):
+            per_round: dict[str, list[float]] = {name: [] for name in engines}
+            for prompt in prompts:
+                for name, pipe in pipes.items():   # interleaved request by request
+                    rate, moved = decode_rate(pipe.engine, prompt, tokens)
+                    per_round[name].append(rate)
+                    if name == "ngram":
+                        for k in counters:
+                            counters[k] += moved[k]
+            for name in engines:
+                rates[name].append(statistics.mean(per_round[name]))
+        proposed = counters["spec_proposed_tokens"]
+        results[workload] = {
+            **{name: summary(r) for name, r in rates.items()},
+            "speedup_median": round(statistics.median(rates["ngram"]) / statistics.median(rates["off"]), 2),
+            "ngram_acceptance_rate": round(counters["spec_accepted_tokens"] / proposed, 3) if proposed else 0.0,
+            "ngram_mean_acceptance_length": round(1 + counters["spec_accepted_tokens"] / counters["spec_verifications"],
+                                                  2) if counters["spec_verifications"] else 0.0,
+            "draft": "not implemented (docs/speculative.md)",
+        }
+    for pipe in pipes.values():
+        pipe.close()
+    return results
+
+
+def batch(rounds: int) -> dict:
+    """The `make bench` workload (benchmarks/throughput.py), speculation off and on, alternating."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import workload
+
+    import lmport
+    from lmport import EngineConfig, GenerationConfig
+    rates: dict[str, list[float]] = {"off": [], "ngram": []}
+    for _ in range(rounds):
+        for name, spec in (("off", None), ("ngram", {"method": "ngram"})):
+            with lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu", speculative=spec)) as pipe:
+                requests = workload(pipe.engine.tokenizer, 64, seed=0)
+                start = time.perf_counter()
+                for ids, n in requests:
+                    pipe.engine.add_request(ids, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+                while pipe.engine.has_unfinished():
+                    pipe.engine.step()
+                rates[name].append(sum(n for _, n in requests) / (time.perf_counter() - start))
+    return {name: summary(r) for name, r in rates.items()}
+
+
+def peer(bin_dir: Path) -> dict:
+    found = [b for b in PEER_BINARIES if (bin_dir / b).exists()]
+    if not found:
+        return {"ran": False, "looked_for": [str(bin_dir / b) for b in PEER_BINARIES],
+                "reason": "no llama.cpp speculative or lookup binary in that directory"}
+    return {"ran": False, "found": found, "reason": "present but not wired into this script yet"}
+
+
+def table(results: dict) -> str:
+    lines = ["| workload | off tok/s | n-gram tok/s | speedup | acceptance | mean acceptance length | draft |",
+             "|---|---|---|---|---|---|---|"]
+    for workload, r in results["single_stream"].items():
+        lines.append(f"| {workload} | {r['off']['median']} ({r['off']['min']}-{r['off']['max']}) | "
+                     f"{r['ngram']['median']} ({r['ngram']['min']}-{r['ngram']['max']}) | {r['speedup_median']}x | "
+                     f"{r['ngram_acceptance_rate']} | {r['ngram_mean_acceptance_length']} | {r['draft']} |")
+    if "batch" in results:
+        b = results["batch"]
+        lines += ["", "| make bench workload | off tok/s | n-gram tok/s |", "|---|---|---|",
+                  f"| 64 requests | {b['off']['median']} ({b['off']['min']}-{b['off']['max']}) | "
+                  f"{b['ngram']['median']} ({b['ngram']['min']}-{b['ngram']['max']}) |"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--batch", action="store_true", help="also the make bench workload, off vs on")
+    parser.add_argument("--llama-bin", type=Path, default=Path(os.environ.get(
+        "LMPORT_LLAMA_CPP_BIN", "/root/.cache/llamacpp/build/bin")))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
+    args = parser.parse_args()
+    if args.rounds < 5:
+        parser.error("--rounds must be at least 5 (medians with min-max of interleaved rounds)")
+    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds,
+               "single_stream": single_stream(args.rounds, args.tokens), "llama_cpp": peer(args.llama_bin)}
+    if args.batch:
+        results["batch"] = batch(args.rounds)
+    results["machine"]["load_average_after"] = os.getloadavg()
+    m = results["machine"]
+    print(f"CPU: {m['model']} ({', '.join(m['kernel_flags'])}), {m['threads']} threads, read bandwidth "
+          f"{m['bandwidth']['median_gbs']:.1f} GB/s (median), load average {m['load_average'][0]:.1f}")
+    print(table(results))
+    print(f"llama.cpp peer: {results['llama_cpp']['reason']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""LoRA adapters over HTTP (docs/lora.md): a request picks one by its ``model``; /v1/models lists them;
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them at run time.
+
+Loading reads a directory on the server's own disk, so the two routes are off unless the server starts
+with ``--enable-lora-loading``, and sit behind the API key like every other route. The engine core reads,
+checks and loads the adapter between two steps (``EngineClient.load_adapter``); its error comes back as the
+route's. The front end answers /v1/models and checks a request's ``model`` against the adapters the core's
+replies left (``EngineClient.adapters``).
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from lmport.config import ConfigError
+from lmport.lora import AdapterError
+from lmport.server.protocol import APIError, brief, validation_error
+
+log = logging.getLogger(__name__)
+
+
+class LoadLoraAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None   # vLLM's clients send it; the name decides here
+
+
+def parse_loras(specs: list[str]) -> dict[str, str]:
+    loras: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora {spec!r}: give NAME=PATH (a name and a peft adapter directory)")
+        if name in loras:
+            raise ConfigError(f"--lora: the name {name!r} is given twice")
+        loras[name] = path
+    return loras
+
+
+def max_loras_for(requested: int, loras: dict[str, str], loading: bool) -> int:
+    """max_loras for the server: what was asked, or the number of --lora adapters (at least 1 with loading on)
+    when it was left at 0; a number below the --lora count is refused."""
+    if requested == 0:
+        return max(len(loras), 1 if loading else 0)
+    if requested < len(loras):
+        raise ConfigError(f"--max-loras {requested} is less than the {len(loras)} --lora adapters; raise it")
+    return requested
+
+
+def adapter_error(exc: AdapterError) -> APIError:
+    code = {404: "model_not_found" if exc.param == "model" else "lora_adapter_not_found", 409: "conflict"}
+    return APIError(exc.status, str(exc), param=exc.param, code=code.get(exc.status))
+
+
+def adapter_for(server, model: str) -> str | None:
+    """The adapter a request's ``model`` names (None: the base model); a 404 naming ``model`` otherwise."""
+    if model == server.model_name:
+        return None
+    if model in server.core.adapters:
+        return model
+    served = [server.model_name, *sorted(server.core.adapters)]
+    raise APIError(404, f"model: {brief(model)} does not exist; this server serves {', '.join(map(repr, served))} "
+                        f"(see GET /v1/models)", param="model", code="model_not_found")
+
+
+def model_cards(server) -> list[dict]:
+    """/v1/models' entries for the loaded adapters (vLLM's shape: ``root`` the path, ``parent`` the base)."""
+    return [{"id": a.name, "object": "model", "created": a.created, "owned_by": "lmport", "root": a.path,
+             "parent": server.model_name, "max_model_len": server.info.session_len}
+            for a in list(server.core.adapters.values())]
+
+
+async def _body(server, request: Request, cls):
+    body = await request.body()
+    if len(body) > server.max_body_bytes:
+        raise APIError(413, f"the request body is larger than the server's limit of {server.max_body_bytes} bytes",
+                       code="request_too_large")
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def register(app: FastAPI, server, auth: list, enabled: bool) -> None:
+    """The load/unload routes (answering 403 unless ``enabled``)."""
+
+    def check_enabled() -> None:
+        if not enabled:
+            raise APIError(403, "loading LoRA adapters at run time is off: start the server with "
+                                "--enable-lora-loading (and an --api-key)", code="lora_loading_disabled")
+
+    @app.post("/v1/load_lora_adapter", dependencies=auth)
+    async def load_lora_adapter(request: Request):
+        check_enabled()
+        req = await _body(server, request, LoadLoraAdapter)
+        if req.lora_name == server.model_name:
+            raise APIError(400, f"lora_name: {brief(req.lora_name)} is the base model's name; choose another",
+                           param="lora_name")
+        try:
+            loaded = await server.core.load_adapter(req.lora_name, req.lora_path)
+        except AdapterError as exc:
+            raise adapter_error(exc) from None
+        return {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
+                "root": loaded.path, "parent": server.model_name}
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth)
+    async def unload_lora_adapter(request: Request):
+        check_enabled()
+        req = await _body(server, request, UnloadLoraAdapter)
+        try:
+            unloaded = await server.core.unload_adapter(req.lora_name)
+        except AdapterError as exc:
+            raise adapter_error(exc) from None
+        return {"id": unloaded.name, "object": "model", "deleted": True}

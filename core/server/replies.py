@@ -1,0 +1,92 @@
+"""The way back that Anthropic's messages and OpenAI's responses share (lmport.server.anthropic, .responses).
+
+Both translate a request into a chat completions request, run it through the chat path
+(lmport.server.routes.chat_prompt) and turn the engine's output into their own shapes. What they have in
+common on the way back is here: one choice's streamed output as text and tool-call pieces, server-sent events
+with a name, the stop sequence that ended an output, and an error renamed to the API's own field.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from lmport import detokenize
+from lmport.engine import RequestOutput
+from lmport.server import tools
+from lmport.server.protocol import APIError
+from lmport.server.serving import Frontend, Job, finish_reason
+
+
+@dataclass
+class Piece:
+    kind: Literal["text", "call", "arguments"]
+    text: str   # the text, the called function's name, or a piece of the call's arguments (JSON text)
+
+
+async def pieces(server: Frontend, job: Job, setup: tools.ToolSetup | None
+                 ) -> AsyncIterator[tuple[list[Piece], RequestOutput]]:
+    """The job's one choice as it is generated: (its new pieces, the output so far).
+
+    With tools, a call comes as a "call" piece (the function's name) and then its arguments' JSON text in
+    "arguments" pieces, which concatenate to the non-streamed call's arguments; text that may begin a call is
+    held back until it is known (lmport.server.tools.StreamParser). A failed generation raises APIError(500).
+    """
+    parser = tools.StreamParser(setup) if setup is not None else None
+    sent = 0
+    stream = server.outputs(job)
+    try:
+        async for _, out in stream:
+            finish_reason(out)   # raises for a generation that failed in the engine
+            delta = out.text[sent:]
+            sent += len(delta)
+            text, calls = parser.feed(delta, out.finished) if parser is not None else (delta, [])
+            new = [Piece("text", text)] if text else []
+            for call in calls:
+                function = call["function"]
+                if "id" in call:   # a call's first delta names the function
+                    new.append(Piece("call", function["name"]))
+                if function.get("arguments"):
+                    new.append(Piece("arguments", function["arguments"]))
+            yield new, out
+    finally:
+        await stream.aclose()
+
+
+def reply_calls(out: RequestOutput, setup: tools.ToolSetup | None) -> tuple[str, list[dict]]:
+    """A finished output's text and tool calls (OpenAI's chat shape: {"function": {"name", "arguments"}})."""
+    if setup is None:
+        return out.text, []
+    text, calls = tools.parse(out.text, setup)
+    return text or "", calls
+
+
+def event(name: str, data: dict) -> str:
+    """A server-sent event with a name (``event:``), as Anthropic's and the Responses API's streams send them."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def stop_sequence(tokenizer, out: RequestOutput, stop_words: list[str] | None) -> str | None:
+    """The stop string that ended ``out``, or None (it ended otherwise).
+
+    The engine cuts the text before the first stop string and says only "stop"; the whole output decoded again
+    holds the stop string where the text was cut (an output that did not end on one contains none at all).
+    """
+    if out.finish_reason != "stop" or not stop_words:
+        return None
+    full = detokenize.decode(tokenizer, out.token_ids, skip_special_tokens=True)
+    hits = sorted((full.find(word), -len(word), word) for word in stop_words if word in full)
+    return hits[0][2] if hits else None
+
+
+def renamed(exc: APIError, rename: Callable[[str], str]) -> APIError:
+    """``exc`` with its field (``param`` and the field path the message starts with) renamed to the API's own."""
+    if exc.param is None or (param := rename(exc.param)) == exc.param:
+        return exc
+    head = re.match(r"[\w.]+", exc.message)
+    message = exc.message
+    if head and head.group().startswith(exc.param):
+        message = rename(head.group()) + message[head.end():]
+    return APIError(exc.status, message, param, exc.type, exc.code, exc.headers)

@@ -1,0 +1,107 @@
+"""Speculative decoding's driver side: who speculates this step, their proposals, what was accepted.
+
+The scheduler asks ``lookahead(seq)`` for each decoding sequence and reserves that many extra KV slots
+(the proposal is verified in the same forward as the sequence's last token). After the forward,
+``lmport.speculative.acceptance.verify`` judges the proposals and the engine appends the emitted tokens;
+the KV slots of rejected tokens are given back (``BlockManager.rollback``).
+
+Speculation backs off where it does not pay:
+- while more than ``disable_by_batch_size`` sequences run: a full batch already reads the weights once
+  for many tokens, so verifying rejected proposals would only add work;
+- for a sequence whose recent proposals are mostly rejected (an exponential average of its acceptance
+  under ``min_acceptance``): it pauses for a number of steps that doubles each time (up to
+  ``MAX_PAUSE``) and is reset once its proposals pay again. An n-gram lookup that finds nothing costs
+  no verification at all;
+- for requests that opt out (``GenerationConfig.speculate=False``) and structured outputs (their
+  grammar would have to advance over unverified tokens; they decode one token a step).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lmport.config import SpeculativeConfig
+from lmport.sequence import Sequence
+from lmport.speculative import ngram
+
+EMA_WEIGHT = 0.3     # weight of the latest verification in a sequence's acceptance average
+FIRST_PAUSE = 4      # steps a sequence stops proposing after its acceptance falls under min_acceptance
+MAX_PAUSE = 64
+
+
+@dataclass
+class _SeqState:
+    acceptance: float = 1.0     # exponential average of accepted / proposed
+    pause: int = 0              # steps left without proposals
+    next_pause: int = FIRST_PAUSE
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, session_len: int, num_running: Callable[[], int]):
+        self.config = config
+        self.session_len = session_len
+        self.num_running = num_running      # sequences the scheduler runs now
+        self._proposals: dict[Sequence, list[int]] = {}
+        self._states: dict[Sequence, _SeqState] = {}
+        self.stats: Counter[str] = Counter()
+
+    # -- before the forward ------------------------------------------------
+    def lookahead(self, seq: Sequence) -> int:
+        """Proposed tokens ``seq`` verifies this step (KV slots the scheduler reserves besides its last token)."""
+        self._proposals.pop(seq, None)
+        cfg = self.config
+        if not seq.gen_config.speculate or seq.grammar is not None or self.num_running() > cfg.disable_by_batch_size:
+            return 0
+        state = self._states.setdefault(seq, _SeqState())
+        if state.pause:
+            state.pause -= 1
+            return 0
+        # Room: no position past session_len, and no more tokens than the request may still emit (the
+        # target adds one of its own after the accepted ones).
+        room = min(cfg.num_speculative_tokens, self.session_len - seq.num_tokens,
+                   seq.gen_config.max_new_tokens - len(seq.output_ids) - 1)
+        if room < 1:
+            return 0
+        proposal = ngram.propose(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if proposal:
+            self._proposals[seq] = proposal
+        return len(proposal)
+
+    def proposal(self, seq: Sequence, slots: int) -> list[int]:
+        """The proposal ``seq`` verifies in ``slots`` reserved slots (fewer than asked when the budget was short)."""
+        return self._proposals.pop(seq, [])[:slots]
+
+    # -- after verification ------------------------------------------------
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.stats["verifications"] += 1
+        self.stats["proposed_tokens"] += proposed
+        self.stats["accepted_tokens"] += accepted
+        state = self._states.setdefault(seq, _SeqState())
+        state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
+        if state.acceptance < self.config.min_acceptance:
+            state.pause, state.next_pause = state.next_pause, min(2 * state.next_pause, MAX_PAUSE)
+            state.acceptance = 1.0   # judged afresh after the pause
+            self.stats["pauses"] += 1
+        elif accepted == proposed:
+            state.next_pause = FIRST_PAUSE
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` ended: drop what is kept about it."""
+        self._proposals.pop(seq, None)
+        self._states.pop(seq, None)
+
+    def usage(self) -> dict:
+        s = self.stats
+        return {
+            "spec_method": self.config.method,
+            "spec_verifications": s["verifications"],
+            "spec_proposed_tokens": s["proposed_tokens"],
+            "spec_accepted_tokens": s["accepted_tokens"],
+            # accepted / proposed tokens
+            "spec_acceptance_rate": s["accepted_tokens"] / s["proposed_tokens"] if s["proposed_tokens"] else 0.0,
+            # tokens a sequence gained per verifying step, its own token included (vLLM's mean acceptance length)
+            "spec_mean_acceptance_length": (1 + s["accepted_tokens"] / s["verifications"]
+                                            if s["verifications"] else 0.0),
+            "spec_pauses": s["pauses"],
+        }

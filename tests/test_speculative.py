@@ -1,0 +1,247 @@
+"""Speculative decoding with n-gram (prompt lookup) proposals: configuration checks, proposals, greedy
+output token-identical to decoding without speculation (tiny Llama and Qwen3; under preemption, with
+prefix caching; the default model in a slow case), the block manager after every step, request options
+(penalties, logprobs, stop strings, max_tokens, n, the per-request opt-out) and the back-off rules.
+The distribution of sampled tokens is checked in test_speculative_distribution.py."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+import lmport
+from lmport.config import ConfigError, EngineConfig, GenerationConfig, SpeculativeConfig
+from lmport.speculative import ngram
+from lmport.speculative.speculator import FIRST_PAUSE, Speculator
+from models import tiny_model_dir
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields,message", [
+    ({"method": "eagle"}, "method must be one of ngram, draft"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int in [1, 16]"),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens must be an int in [1, 16]"),
+    ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an int"),
+    ({"prompt_lookup_min": 0}, "prompt_lookup_min must be an int >= 1"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min=5 is more than prompt_lookup_max=3"),
+    ({"method": "draft"}, "needs speculative.model"),
+    ({"model": "smollm2"}, "only read by method 'draft'"),
+    ({"disable_by_batch_size": 0}, "disable_by_batch_size must be an int >= 1"),
+    ({"min_acceptance": 1.0}, "min_acceptance must be a number in [0, 1)"),
+    ({"typo": 1}, "unknown field(s) typo"),
+])
+def test_bad_speculative_config_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(device_type="cpu", speculative=fields)
+
+
+def test_speculative_config_from_dict_and_opt_out_flag():
+    cfg = EngineConfig(device_type="cpu", speculative={"method": "ngram", "num_speculative_tokens": 3})
+    assert cfg.speculative == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(ConfigError, match="speculate must be True or False"):
+        GenerationConfig(speculate=1)   # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="speculative must be a dict"):
+        EngineConfig(device_type="cpu", speculative="ngram")   # type: ignore[arg-type]
+
+
+# -- proposals ----------------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert ngram.propose([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    assert ngram.propose([1, 2, 3, 4, 1, 2], 5, 1, 3) == [3, 4, 1, 2, 3]        # on into the proposal itself
+    assert ngram.propose([8, 7, 7, 7], 4, 1, 2) == [7, 7, 7, 7]
+    assert ngram.propose([5, 1, 2, 7, 9, 1, 2, 8, 0, 1, 2], 2, 2, 3) == [8, 0]   # latest occurrence
+    assert ngram.propose([3, 1, 2, 6, 4, 2, 7], 2, 2, 3) == []                  # no 2-gram match
+    assert ngram.propose([3, 1, 2, 6, 4, 2, 7, 5, 2], 2, 1, 3) == [7, 5]        # a 1-gram match
+    assert ngram.propose([9, 4, 1, 2, 5, 4, 1, 2, 6, 1, 2], 1, 2, 3) == [6]     # the 3-gram first: 4 1 2 -> 6
+    assert ngram.propose([1, 2], 4, 2, 2) == []
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+def repeating_prompts(count: int, seed: int = 3) -> list[list[int]]:
+    """Random prompts that repeat a span of themselves (what prompt lookup finds), of varied lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        span = [rng.randrange(3, 40000) for _ in range(rng.randrange(8, 40))]
+        head = [rng.randrange(3, 40000) for _ in range(rng.randrange(1, 30))]
+        prompts.append(head + span + [rng.randrange(3, 40000)] + span[:rng.randrange(2, len(span))])
+    return prompts
+
+
+def generate(model, prompts, gen: GenerationConfig, *, check_blocks=False, **config):
+    """Responses and usage() of one engine run; with ``check_blocks``, the block manager's accounting after
+    every step and every running sequence holding exactly the blocks of its computed tokens."""
+    cfg = EngineConfig(device_type="cpu", block_size=16, **config)
+    with lmport.pipeline(model, backend_config=cfg) as pipe:
+        engine = pipe.engine
+        if check_blocks:
+            step = engine.step
+
+            def checked_step():
+                outputs = step()
+                bm = engine.block_manager
+                bm.check_invariants(engine.seqs.values())
+                for seq in engine.scheduler.running:
+                    assert len(seq.block_table) == bm.blocks_for(seq.num_computed), seq.request_id
+                return outputs
+            engine.step = checked_step
+        responses = pipe.generate(prompts, gen)
+        usage = engine.usage()
+        cached = engine.block_manager.cache
+        entries = list(cached.device.values()) + list(cached.host.values()) if cached is not None else []
+    assert usage["blocks_used"] == 0, "every block must be free once all requests finished"
+    return responses, usage, entries
+
+
+def chain_tokens(entry) -> list[int]:
+    tokens = []
+    while entry is not None:
+        tokens[:0] = entry.tokens
+        entry = entry.parent
+    return tokens
+
+
+GREEDY = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_identical_to_no_speculation(arch):
+    model, prompts = tiny_model_dir(arch), repeating_prompts(16)
+    plain, _, _ = generate(model, prompts, GREEDY, cache_max_entry_count=200)
+    spec, usage, _ = generate(model, prompts, GREEDY, cache_max_entry_count=200, check_blocks=True,
+                              speculative=NGRAM)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert all(len(r.token_ids) == 64 for r in spec)
+    # The comparison means something only if proposals were made and some accepted, some rejected.
+    assert usage["spec_accepted_tokens"] > 0 and usage["spec_accepted_tokens"] < usage["spec_proposed_tokens"]
+    assert 1 < usage["spec_mean_acceptance_length"] <= 1 + NGRAM["num_speculative_tokens"]
+
+
+def test_greedy_identical_under_preemption():
+    model, prompts = tiny_model_dir("llama"), repeating_prompts(16, seed=5)
+    plain, _, _ = generate(model, prompts, GREEDY, cache_max_entry_count=200)
+    # 20 blocks of 16 tokens cannot hold 16 sequences of ~40-150 tokens: the scheduler must preempt.
+    spec, usage, _ = generate(model, prompts, GREEDY, cache_max_entry_count=20, max_prefill_token_num=128,
+                              check_blocks=True, speculative=NGRAM)
+    assert usage["preemptions"] > 0 and usage["spec_accepted_tokens"] > 0
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+def test_greedy_identical_with_prefix_caching_and_cache_holds_only_accepted_tokens():
+    model, rng = tiny_model_dir("llama"), random.Random(9)
+    shared = [rng.randrange(3, 40000) for _ in range(40)]
+    prompts = [shared + p for p in repeating_prompts(16, seed=7)]
+    plain, _, _ = generate(model, prompts, GREEDY, cache_max_entry_count=200)
+    # Four at a time: later requests find the shared prefix (and earlier outputs' blocks) cached.
+    spec, usage, entries = generate(model, prompts, GREEDY, cache_max_entry_count=200, check_blocks=True,
+                                    enable_prefix_caching=True, max_batch_size=4, speculative=NGRAM)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert usage["prefix_cache_hit_blocks_device"] > 0 and usage["spec_accepted_tokens"] > 0
+    # Every cached chain (prompt and generated blocks alike) is a prefix of a request's real tokens: no
+    # block holding a rejected proposal was ever indexed.
+    texts = [p + r.token_ids for p, r in zip(prompts, spec)]
+    assert entries and any(len(chain_tokens(e)) > len(p) for e in entries for p in prompts[:1])
+    for e in entries:
+        chain = chain_tokens(e)
+        assert any(t[:len(chain)] == chain for t in texts), e
+
+
+def test_request_options_work_as_without_speculation():
+    """Penalties, logprobs, stop strings, max_tokens and n: the same tokens, texts, logprobs and finish
+    reasons with speculation as without."""
+    from lmport.models.loader import load_tokenizer
+    model = tiny_model_dir("llama")
+    prompts = repeating_prompts(4, seed=11)
+    # A random model's output rarely repeats itself; biased towards four tokens, it writes in their alphabet,
+    # where proposals are frequent and often rejected, and the penalties decide what comes next.
+    bias = {t: 8.0 for t in (101, 202, 303, 404)}
+    biased = GenerationConfig(max_new_tokens=40, ignore_eos=True, logit_bias=bias)
+    plain_tokens, _, _ = generate(model, prompts, biased, cache_max_entry_count=100)
+    # A stop string the first output reaches late (after proposals have been verified): two tokens whose text
+    # first appears at or after its 12th token.
+    tok, out = load_tokenizer(model), plain_tokens[0].token_ids
+    stop = next(text for i in range(12, 38)
+                if (text := tok.decode(out[i:i + 2])).strip() and text not in tok.decode(out[:i + 1]))
+    configs = [dataclasses.replace(biased, **fields) for fields in (
+        {"repetition_penalty": 1.3}, {"frequency_penalty": 0.1, "presence_penalty": 0.5}, {"logprobs": 3},
+        {"stop_words": [stop]}, {"max_new_tokens": 21})]
+    for gen in configs:
+        plain, _, _ = generate(model, prompts, gen, cache_max_entry_count=100)
+        spec, usage, _ = generate(model, prompts, gen, cache_max_entry_count=100, speculative=NGRAM)
+        assert usage["spec_verifications"] > 0, gen
+        for a, b in zip(plain, spec):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), gen
+            assert len(b.logprobs) == len(a.logprobs)
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    stopped = generate(model, prompts[:1], configs[3], cache_max_entry_count=100, speculative=NGRAM)[0][0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    penalized = generate(model, prompts, configs[0], cache_max_entry_count=100)[0]
+    assert [r.token_ids for r in penalized] != [r.token_ids for r in plain_tokens]   # the penalty mattered
+    # n: several sampled choices of one prompt, each its own generator, all complete.
+    with lmport.pipeline(model, backend_config=EngineConfig(device_type="cpu", speculative=NGRAM,
+                                                            cache_max_entry_count=100)) as pipe:
+        outs = pipe.generate([prompts[0]] * 4, GenerationConfig(max_new_tokens=20, ignore_eos=True, do_sample=True,
+                                                               temperature=0.5, random_seed=1))
+    assert all(len(o.token_ids) == 20 and o.finish_reason == "length" for o in outs)
+
+
+def test_opt_out_and_batch_cut_off_mean_no_speculation():
+    model, prompts = tiny_model_dir("llama"), repeating_prompts(8, seed=13)
+    _, usage, _ = generate(model, prompts, GenerationConfig(max_new_tokens=16, ignore_eos=True, speculate=False),
+                           cache_max_entry_count=100, speculative=NGRAM)
+    assert usage["spec_verifications"] == 0
+    _, usage, _ = generate(model, prompts, GenerationConfig(max_new_tokens=16, ignore_eos=True),
+                           cache_max_entry_count=100, speculative=dict(NGRAM, disable_by_batch_size=7))
+    # Eight sequences run together until the first finishes: only the last steps, with fewer running, speculate.
+    assert usage["spec_verifications"] <= 7 * 16 and usage["steps"] >= 16
+
+
+def test_low_acceptance_pauses_a_sequence():
+    from lmport.sequence import Sequence
+    spec = Speculator(SpeculativeConfig(min_acceptance=0.5), session_len=1000, num_running=lambda: 1)
+    seq = Sequence("a", [1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=100))
+    assert spec.lookahead(seq) == 4           # 1 2 -> 3 1 2 3, the default num_speculative_tokens
+    for _ in range(2):                        # 1.0 -> 0.7 -> 0.49: under min_acceptance
+        spec.record(seq, 2, 0)
+    assert spec.usage()["spec_pauses"] == 1
+    assert [spec.lookahead(seq) for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
+    assert spec.lookahead(seq) == 4
+    busy = Speculator(SpeculativeConfig(disable_by_batch_size=2), session_len=1000, num_running=lambda: 3)
+    assert busy.lookahead(seq) == 0
+    short = Speculator(SpeculativeConfig(), session_len=1000, num_running=lambda: 1)
+    assert short.lookahead(Sequence("b", [1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=2))) == 1
+
+
+@pytest.mark.slow
+def test_default_model_greedy_identical():
+    from lmport.models.loader import load_tokenizer
+    tok = load_tokenizer("smollm2")
+    texts = ["Copy this list: apples, pears, plums, cherries, figs, dates, limes.",
+             "def area(r):\n    return 3.14159 * r * r\n\nRewrite the function above with a docstring:\n",
+             "The quick brown fox jumps over the lazy dog. The quick brown fox",
+             "Summarize: Paged attention stores the KV cache in fixed-size blocks. Summary:"]
+    prompts = [tok.encode(t) for t in texts] + repeating_prompts(12, seed=17)
+    for weights in ("dequantize", "auto"):
+        plain, _, _ = generate("smollm2", prompts, GREEDY, cache_max_entry_count=400, weight_format=weights)
+        spec, usage, _ = generate("smollm2", prompts, GREEDY, cache_max_entry_count=400, weight_format=weights,
+                                  speculative=NGRAM, check_blocks=True)
+        assert usage["spec_accepted_tokens"] > 0
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], weights
+
+
+def test_metrics_show_acceptance():
+    from lmport.server.metrics import Metrics
+    spec = Speculator(SpeculativeConfig(), session_len=1000, num_running=lambda: 1)
+    spec.stats.update(verifications=4, proposed_tokens=10, accepted_tokens=6)
+    usage = {"running": 1, "waiting": 0, "blocks_used": 1, "blocks_total": 8, **spec.usage()}
+    samples = {s.name: s.value for m in Metrics(lambda: usage).registry.collect() for s in m.samples}
+    assert samples["lmport_spec_decode_acceptance_rate"] == 0.6
+    assert samples["lmport_spec_decode_mean_acceptance_length"] == 2.5
+    assert samples["lmport_spec_decode_accepted_tokens_total"] == 6
