@@ -3,12 +3,13 @@
 ``serve`` runs an Engine (scheduler, block manager, executor, sampling) for the HTTP front end, either in
 its own process (``lmport serve``: ``process_main``, so that the engine's Python and the front end's event
 loop, tokenizing and SSE formatting do not share one interpreter lock) or in a thread of the front end's
-process (tests that reach into the Engine). The messages are ``lmport.engine_messages``: msgpack bytes,
-the same in both.
+process (tests that reach into the Engine; a data-parallel replica, ``lmport.dp.replica``). The messages
+are ``lmport.engine_messages``: msgpack bytes, the same in both.
 
 Between steps the core takes every message waiting (adds, aborts, control calls such as loading a LoRA
-adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. An exception out of a step stops the core: the
-front end is told why (``["failed", reason]``) and fails every open request with that reason.
+adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. An
+exception out of a step stops the core: the front end is told why (``["failed", reason]``) and fails every
+open request with that reason.
 """
 from __future__ import annotations
 

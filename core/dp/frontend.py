@@ -21,7 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from lmport.dp.replica import error_output
@@ -84,7 +84,7 @@ class DataParallel:
         self.router = router
         self.replicas = [ReplicaState(i, h, usage=(usages or [{}] * len(handles))[i]) for i, h in enumerate(handles)]
         self.failure: str | None = None     # the front end itself stopped (never a single replica)
-        self.on_failure = None              # what an EngineClient has; a replica's failure is not fatal
+        self.on_failure: Callable[[str], None] | None = None   # never called: a replica's failure is not fatal
         self.snapshot: dict = sum_usage([r.usage for r in self.replicas])
         self.streams: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
