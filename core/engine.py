@@ -180,7 +180,8 @@ class Engine:
             flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
             seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy),
             window=window)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num,
+                                   self.config.decode_prefill_tokens)
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
