@@ -109,7 +109,8 @@ def call_grammar(functions: list[dict]) -> str:
     grammars = []
     for fn in functions:
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},
-                  "required": ["name", "arguments"], "$defs": {ARGS.rsplit("/", 1)[1]: enforceable_schema(_rebase(fn["parameters"]))}}
+                  "required": ["name", "arguments"],
+                  "$defs": {ARGS.rsplit("/", 1)[1]: enforceable_schema(_rebase(fn["parameters"]))}}
         grammars.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= {json.dumps(OPEN + chr(10))}'),
                                            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
                                            xgr.Grammar.from_ebnf(f'root ::= {json.dumps(chr(10) + CLOSE)}')))
@@ -170,8 +171,9 @@ def template_messages(req: ChatCompletionRequest, native: bool) -> list[dict]:
 def template_switches(req: ChatCompletionRequest) -> dict:
     """add_generation_prompt and continue_final_message for the chat template, checked (a 400 naming them)."""
     if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: to continue the "
-                            "last assistant message, set add_generation_prompt to false", param="continue_final_message")
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: to continue "
+                            "the last assistant message, set add_generation_prompt to false",
+                       param="continue_final_message")
     if req.continue_final_message and (not req.messages or req.messages[-1].role != "assistant"):
         raise APIError(400, "continue_final_message: the last message must be the assistant's message to continue",
                        param="continue_final_message")
