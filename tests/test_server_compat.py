@@ -111,6 +111,9 @@ def test_openapi_describes_every_route_and_the_replies_conform(server):
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(request)
         assert {"200", "400", "404", "413", "503"} <= set(op["responses"])
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    for path in ("/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):   # no body: a 415
+        op = paths[path]["post"]
+        assert op["requestBody"]["required"] and {"200", "400", "415"} <= set(op["responses"]), path
     assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
     chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json()
