@@ -138,6 +138,11 @@ class Cases:
         grammar = 'root ::= x\nx ::= x x x | x x | "a" | "b" | ""'
         return answer(await self.post("/v1/completions", self.completion(max_tokens=2000, guided_grammar=grammar)))
 
+    async def subtly_ambiguous_grammar(self):
+        """1. An ambiguous grammar with no rule that only repeats itself: compiles, its cost grows every token."""
+        grammar = 'root ::= x\nx ::= x x "a"? | "a" | "b" | ""'
+        return answer(await self.post("/v1/completions", self.completion(max_tokens=2000, guided_grammar=grammar)))
+
     async def rule_chain(self):
         """2. A chain of 60k EBNF rules (a 1 MB body)."""
         grammar = "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(60_000)) + 'r60000 ::= "a"\n'
@@ -240,6 +245,7 @@ class Cases:
 # name -> (method, what the findings reported before the fixes)
 CASES = {
     "ambiguous-grammar": ("ambiguous_grammar", "engine slowed: a parallel 400-token stream 286 s instead of 7 s"),
+    "subtly-ambiguous-grammar": ("subtly_ambiguous_grammar", "(a variant of the case above that compiles)"),
     "rule-chain": ("rule_chain", "+5.2 GB RSS"),
     "big-schema": ("big_schema", "/health and every stream frozen 47-60 s, +1.38 GB"),
     "many-tools": ("many_tools_required", "server frozen 23 s before the 400"),

@@ -114,11 +114,14 @@ class Pipeline:
         self.close()
 
 
-def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> list[int]:
     """A string or a list of {"role", "content"} messages -> token ids through the chat template.
 
     Shared by Pipeline.encode and the server, so both build the same prompt. ``tools`` (OpenAI's
     function tools) go to a template that uses them (lmport.server.tools decides).
+    ``add_generation_prompt`` and ``continue_final_message`` are transformers' ``apply_chat_template``
+    switches (the assistant turn's opening; the last message continued, its turn left open).
     """
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -129,5 +132,6 @@ def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None) -> list[in
         raise RequestError("the messages list is empty: give at least one message")
     if tokenizer.chat_template is None:
         return tokenizer.encode("\n".join(m["content"] for m in prompt))
-    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message, tokenize=True,
                                               return_dict=False, **({"tools": tools} if tools else {})))

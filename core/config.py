@@ -114,6 +114,10 @@ class EngineConfig:
     quant_policy: int = 0
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
+    # Prompt tokens a step may compute while other sequences decode (decode-first chunked prefill): a running
+    # stream waits at most one such step between two tokens. 128 keeps that step under a second for
+    # SmolLM2-135M on a 2-core CPU (docs/server.md); a faster device can take more.
+    decode_prefill_tokens: int = 128
     session_len: int | None = None           # None: the model's max_position_embeddings
     enable_prefix_caching: bool = False
     host_cache_gib: float = 0.0
@@ -151,7 +155,7 @@ class EngineConfig:
                f"(exact number of blocks), got {c!r}")
         _check(self.quant_policy in (0, 4, 8) and _is_int(self.quant_policy),
                f"quant_policy must be 0 (off), 8 (INT8) or 4 (INT4), got {self.quant_policy!r}")
-        for name in ("max_batch_size", "max_prefill_token_num", "tp", "nnodes"):
+        for name in ("max_batch_size", "max_prefill_token_num", "decode_prefill_tokens", "tp", "nnodes"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.session_len is None or (_is_int(self.session_len) and self.session_len >= 1),

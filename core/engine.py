@@ -21,7 +21,7 @@ from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
-from lmport.guided import Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
+from lmport.guided import FORMAT_FAULT, Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
 from lmport.lora.peft import read_peft_adapter
 from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.models.loader import read_model_config, resolve_model_path
@@ -67,6 +67,18 @@ class RequestOutput:
     # gen_config.prompt_logprobs: on the finished output, log p(prompt[i]) with alternatives for i = 1 .. n-1
     prompt_logprobs: list[dict[int, float]] | None = None
     embedding: list[float] | None = None   # an embedding request's pooled hidden state (lmport.pooling), once done
+
+    @property
+    def request_fault(self) -> bool:
+        """Whether an error ended this request because of its own input (its format), not the server."""
+        return is_request_fault(self.error)
+
+
+def is_request_fault(error: str | None) -> bool:
+    """Whether an engine error is the request's fault (a format that reached a dead end or spent its grammar
+    budget); the server answers those as a 400, not a 500. Told by the error's start, which survives any
+    transport of the output."""
+    return error is not None and error.startswith(FORMAT_FAULT)
 
 
 def check_prompt(prompt_ids, vocab: int, session_len: int) -> None:
@@ -176,7 +188,8 @@ class Engine:
             flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
             seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy),
             window=window)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num,
+                                   self.config.decode_prefill_tokens)
 
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
@@ -289,7 +302,7 @@ class Engine:
             rows, bitmask, overdue = masks.result()   # waits at most the mask budget for a row (lmport.guided)
             if overdue:   # those requests end with the reason; the batch goes on without them
                 for i, why in overdue.items():
-                    outputs.append(self._fail(ready[i], "grammar", MaskTimeout(why)))
+                    outputs.append(self._fail(ready[i], "grammar", MaskTimeout(why)))   # the request's fault
                 keep = [i for i in range(len(ready)) if i not in overdue]
                 index = {old: new for new, old in enumerate(keep)}
                 logits, ready, bitmask = logits[keep], [ready[i] for i in keep], bitmask[keep]
@@ -331,9 +344,16 @@ class Engine:
         return results
 
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
-        log.error("request %s failed in %s: %s: %s", seq.request_id, stage, type(exc).__name__, exc)
+        """End one request with an error. A format's failure (a dead end, a grammar over its budget) is the
+        request's fault and says so (``is_request_fault``); anything else is the server's."""
+        if isinstance(exc, GuidedDecodingError):
+            log.info("request %s ended by its format: %s", seq.request_id, exc)
+            error = FORMAT_FAULT + str(exc)
+        else:
+            log.error("request %s failed in %s: %s: %s", seq.request_id, stage, type(exc).__name__, exc)
+            error = f"{stage} failed: {type(exc).__name__}: {exc}"
         if not seq.is_finished:
-            self._end(seq, "error", f"{stage} failed: {type(exc).__name__}: {exc}")
+            self._end(seq, "error", error)
         return self._output(seq, [], "")
 
     @property

@@ -127,6 +127,28 @@ def check_repeats(regex: str, where: str) -> None:
                                           f"{MAX_REPEAT}; use * or + for an unbounded count")
 
 
+def check_ambiguity(ebnf: str) -> None:
+    """Refuse a grammar with a rule that is only itself, repeated (``x ::= x x``): every output then parses in
+    exponentially many ways and the parser's cost grows with each token (a mask of seconds within a hundred
+    tokens). Rules ambiguous in subtler ways are ended at run time by the grammar budget instead."""
+    try:
+        normalized = str(xgr.Grammar.from_ebnf(ebnf))   # one rule a line, each alternative in parentheses
+    except Exception:
+        return   # a syntax error: the compile reports it
+    for line in normalized.splitlines():
+        name, sep, body = line.partition(" ::= ")
+        if not sep:
+            continue
+        body = re.sub(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]', '""', body)   # literals and classes
+        for alternative in re.findall(r"\(([^()]*)\)", body):
+            parts = alternative.split()
+            if len(parts) >= 2 and all(part == name for part in parts):
+                raise GuidedDecodingError(
+                    f"response_format.grammar: rule {name} ::= {alternative} | ... is ambiguous (an output of n "
+                    f"pieces parses in exponentially many ways, and the cost of every token grows with the "
+                    f"output): write a repetition instead, e.g. {name} ::= (\"a\" | \"b\")*")
+
+
 # Keywords xgrammar would silently ignore (its output could then break the schema): refused instead.
 UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "unevaluatedProperties",
                         "unevaluatedItems")
@@ -151,6 +173,12 @@ def check_schema(schema) -> None:
                 raise GuidedDecodingError(f"{where}: required {', '.join(map(repr, missing[:5]))} is not among "
                                           f"the properties and additionalProperties is false, so no object can "
                                           f"match; add it to properties or drop it from required")
+        lengths = [k for k in ("minLength", "maxLength") if k in node]
+        if lengths and ("pattern" in node or "format" in node):   # xgrammar drops the length then
+            other = "pattern" if "pattern" in node else "format"
+            raise GuidedDecodingError(f"{where}: {' and '.join(lengths)} beside {other} is not enforced by the "
+                                      f"grammar engine; fold the length into the pattern (e.g. ^[a-z]{{1,8}}$) "
+                                      f"or leave one out")
         used = [k for k in UNSUPPORTED_KEYWORDS if k in node]
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
@@ -160,19 +188,59 @@ def check_schema(schema) -> None:
                                       f"by the grammar engine; leave it out")
 
 
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+VALUE_KEYS = ("enum", "const", "default", "examples", "required")   # JSON values, not schemas
+
+
+def enforceable_schema(schema):
+    """The schema with what xgrammar would compile loosely rewritten into a form it enforces.
+
+    A string with minLength/maxLength and no pattern compiles in xgrammar 0.2 to a bare character class that
+    admits raw control characters (U+0000-U+001F), which JSON forbids unescaped, so a "stop" output failed to
+    parse (mlc-ai/xgrammar#800). As a pattern it goes through xgrammar's JSON-string regex, which refuses them:
+    ``^.{min,max}$`` means the same length. Like the class it replaces, it emits no escape sequences.
+    """
+    if isinstance(schema, list):
+        return [enforceable_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):   # names to schemas, not a schema itself
+            out[key] = {name: enforceable_schema(sub) for name, sub in value.items()}
+        else:
+            out[key] = value if key in VALUE_KEYS else enforceable_schema(value)
+    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
+            and "pattern" not in out and "format" not in out):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^.{{{low},{high}}}$"
+    return out
+
+
 def _walk(node, path):
     """Every schema object inside ``node``, with its path; maps of names to schemas are not schemas themselves."""
     if isinstance(node, dict):
         yield path, node
         for key, value in node.items():
-            if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            if key in SCHEMA_MAPS and isinstance(value, dict):
                 for name, sub in value.items():
                     yield from _walk(sub, f"{path}/{key}/{name}")
-            elif key not in ("enum", "const", "default", "examples", "required"):
+            elif key not in VALUE_KEYS:
                 yield from _walk(value, f"{path}/{key}")
     elif isinstance(node, list):
         for i, value in enumerate(node):
             yield from _walk(value, f"{path}/{i}")
+
+
+MASK_BUDGET_S = 0.1   # seconds a row's token mask (or one accept_token) may take in a step
+# CPU seconds one request's grammar may spend in all (masks and accepted tokens together). A JSON schema or
+# regex spends well under a millisecond a token; an ambiguous grammar's cost grows with every token (each
+# mask a little slower than the last, and the parser's state with it), so it meets this bound within a few
+# seconds and a bounded amount of parser memory, however many tokens it asked for.
+GRAMMAR_BUDGET_S = 2.0
+# The start of an engine error that is the request's own fault (its format), not the server's: the server
+# answers it as a 4xx (lmport.engine.is_request_fault).
+FORMAT_FAULT = "response_format: "
 
 
 class Grammars:
@@ -182,8 +250,10 @@ class Grammars:
     own thread while the engine thread compiles for add_request.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_cached: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_cached: int = 256,
+                 budget: float = GRAMMAR_BUDGET_S):
         self.vocab_size = vocab_size
+        self.budget = budget   # CPU seconds each request's matcher may spend (Matcher)
         self.stop_token_ids = sorted(stop_token_ids)
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=self.stop_token_ids)
@@ -202,6 +272,8 @@ class Grammars:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        if key[0] == "grammar":
+            check_ambiguity(key[1])
         try:
             compiled = self._compile(*key)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
@@ -229,17 +301,52 @@ class Grammars:
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         if kind == "json_schema":
             # Fixed separators and no free whitespace: a model cannot wander off into endless blanks.
-            return self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            schema = json.dumps(enforceable_schema(json.loads(text)))
+            return self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         if kind == "regex_schema":
             return self.compiler.compile_regex(text)
         return self.compiler.compile_grammar(text)
 
-    def matcher(self, response_format: dict | None) -> xgr.GrammarMatcher | None:
+    def matcher(self, response_format: dict | None) -> Matcher | None:
         compiled = self.compile(response_format)
-        return None if compiled is None else xgr.GrammarMatcher(compiled)
+        return None if compiled is None else Matcher(xgr.GrammarMatcher(compiled), self.budget)
 
 
-MASK_BUDGET_S = 0.1   # seconds a row's token mask (or one accept_token) may take in a step
+class GrammarBudgetExceeded(GuidedDecodingError):
+    """A request's grammar spent more CPU time than GRAMMAR_BUDGET_S on masks and accepted tokens."""
+
+
+class Matcher:
+    """A request's xgrammar matcher, with the CPU time its grammar has spent; past ``budget`` it raises.
+
+    CPU time of the calling thread (``time.thread_time``), not wall time: a loaded machine does not make a
+    cheap grammar look costly. xgrammar fills and advances on the calling thread with the GIL released.
+    """
+
+    def __init__(self, matcher: xgr.GrammarMatcher, budget: float = GRAMMAR_BUDGET_S):
+        self.matcher, self.budget, self.spent = matcher, budget, 0.0
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        started = time.thread_time()
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        self._charge(time.thread_time() - started)
+
+    def accept_token(self, token: int) -> bool:
+        started = time.thread_time()
+        accepted = self.matcher.accept_token(token)
+        self._charge(time.thread_time() - started)
+        return accepted
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def _charge(self, seconds: float) -> None:
+        self.spent += seconds
+        if self.spent > self.budget:
+            raise GrammarBudgetExceeded(
+                f"the grammar spent over {self.budget:.1f} s of CPU time on this request's token masks (an "
+                f"ambiguous grammar's cost grows with every token): make it unambiguous, e.g. a repetition "
+                f"such as x ::= (\"a\" | \"b\")* instead of x ::= x x | ...")
 
 
 class MaskTimeout(GuidedDecodingError):
@@ -274,7 +381,7 @@ class Masks:
                 try:
                     future.result(timeout=wait)
                     break
-                except FormatDeadEnd as exc:
+                except GuidedDecodingError as exc:   # a dead end, or the grammar over its budget
                     overdue[row] = str(exc)
                     break
                 except TimeoutError:
@@ -296,7 +403,7 @@ class MaskBuilder:
         self.budget = budget
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="lmport-grammar")
 
-    def start(self, matchers: list[xgr.GrammarMatcher | None]) -> Masks | None:
+    def start(self, matchers: list[Matcher | None]) -> Masks | None:
         """Begin filling masks for rows whose matcher is not None; None when no row is constrained."""
         if all(m is None for m in matchers):
             return None
@@ -304,7 +411,7 @@ class MaskBuilder:
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         started: list[float | None] = [None] * len(rows)
 
-        def fill(k: int, row: int, matcher: xgr.GrammarMatcher) -> None:
+        def fill(k: int, row: int, matcher: Matcher) -> None:
             started[k] = time.perf_counter()
             matcher.fill_next_token_bitmask(bitmask, row)
             if not bitmask[row].any():   # sampling would pick among -inf logits: end the request instead

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lmport.config import EngineConfig
 from lmport.paging.block_manager import BlockManager
 from lmport.sequence import Sequence, Status
 
@@ -36,7 +37,8 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
-DECODE_PREFILL_TOKENS = 256   # prompt tokens a step may compute while other sequences decode
+# Prompt tokens a step may compute while other sequences decode: EngineConfig.decode_prefill_tokens' default.
+DECODE_PREFILL_TOKENS = EngineConfig.decode_prefill_tokens
 
 
 class Scheduler:

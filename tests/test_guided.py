@@ -1,6 +1,7 @@
 """Constrained decoding in the engine: a random-weight model's output follows the grammar; grammars are cached."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -97,3 +98,40 @@ def test_bitmask_bits_select_tokens(monkeypatch, kernel_devices):
 def test_cli_takes_response_format_as_json():
     args = build_parser().parse_args(["generate", "hi", "--response-format", '{"type": "json_object"}'])
     assert gen_config(args).response_format == {"type": "json_object"}
+
+
+BOUNDED = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+           "additionalProperties": False}
+
+
+def matches(matcher, text: str) -> bool:
+    return matcher.matcher.accept_string(text) and matcher.matcher.is_completed()
+
+
+def test_a_length_bounded_string_admits_no_raw_control_character():
+    # xgrammar 0.2 compiles maxLength to a class that let "\x10" through: outputs that finished "stop" did not parse
+    grammars = tiny_pipe().engine.grammars
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": BOUNDED}}
+    assert matches(grammars.matcher(fmt), '{"name": "kk wickedoj"}')
+    for bad in ('{"name": "kk wickedoj\x10"}', '{"name": "a\tb"}', '{"name": "abcdefghijklm"}'):
+        assert not matches(grammars.matcher(fmt), bad), bad
+        with pytest.raises(json.JSONDecodeError) if "\x10" in bad or "\t" in bad else contextlib.nullcontext():
+            json.loads(bad)
+
+
+def test_a_forced_tool_call_admits_no_raw_control_character():
+    from lmport.server.tools import call_grammar
+    grammars = tiny_pipe().engine.grammars
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}
+    fmt = {"type": "grammar", "grammar": call_grammar([fn])}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    assert matches(grammars.matcher(fmt), call % "Paris")
+    assert not matches(grammars.matcher(fmt), call % "__Qtpersonswort\x0b")
+
+
+def test_a_length_beside_a_pattern_is_refused_not_dropped():
+    with pytest.raises(guided.GuidedDecodingError, match="maxLength beside pattern"):
+        guided.check_schema({"type": "string", "pattern": "^[a-z]*$", "maxLength": 4})
+    with pytest.raises(guided.GuidedDecodingError, match="minLength beside format"):
+        guided.check_schema({"type": "string", "format": "email", "minLength": 4})

@@ -111,6 +111,9 @@ def test_openapi_describes_every_route_and_the_replies_conform(server):
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(request)
         assert {"200", "400", "404", "413", "503"} <= set(op["responses"])
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    for path in ("/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):   # no body: a 415
+        op = paths[path]["post"]
+        assert op["requestBody"]["required"] and {"200", "400", "415"} <= set(op["responses"]), path
     assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
     chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json()
@@ -242,3 +245,37 @@ def test_two_structured_fields_are_refused_naming_the_second(server):
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                               "response_format": {"type": "json_object", "schema": 123}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+
+
+def test_continue_final_message_continues_the_assistant_turn_as_transformers_renders_it(server):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tool_model_dir())
+    reference = tokenizer.apply_chat_template(PREFILL, continue_final_message=True, add_generation_prompt=False,
+                                              tokenize=True, return_dict=False)
+    assert tokenizer.decode(reference).endswith("The colour is")   # the turn is left open
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": PREFILL, "max_tokens": 6,
+                                                  "temperature": 0, "continue_final_message": True,
+                                                  "add_generation_prompt": False})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(reference)
+    same = post(server, "/v1/completions", {"model": "tiny", "prompt": reference, "max_tokens": 6, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == same.json()["choices"][0]["text"]
+
+    # Without a generation prompt the template's own rendering of the whole conversation, closed turn included.
+    closed = tokenizer.apply_chat_template(PREFILL, add_generation_prompt=False, tokenize=True, return_dict=False)
+    plain = post(server, "/v1/chat/completions", {"model": "tiny", "messages": PREFILL, "max_tokens": 1,
+                                                   "add_generation_prompt": False})
+    assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] == len(closed) != len(reference)
+
+
+def test_continue_final_message_with_a_generation_prompt_or_no_assistant_message_is_a_400(server):
+    both = post(server, "/v1/chat/completions", {"model": "tiny", "messages": PREFILL, "continue_final_message": True})
+    error = both.json()["error"]
+    assert both.status_code == 400 and error["param"] == "continue_final_message", both.text
+    assert "continue_final_message" in error["message"] and "add_generation_prompt" in error["message"]
+    user_last = post(server, "/v1/chat/completions", {"model": "tiny", "messages": PREFILL[:1],
+                                                      "continue_final_message": True, "add_generation_prompt": False})
+    assert user_last.status_code == 400 and "assistant" in user_last.json()["error"]["message"], user_last.text

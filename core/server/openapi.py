@@ -14,7 +14,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from lmport.guided import MAX_ENUM_VALUES
+from lmport.server.adapters import LoadLoraAdapter, UnloadLoraAdapter
 from lmport.server.anthropic import CountTokensRequest, MessagesRequest
+from lmport.server.embeddings import EmbeddingRequest
 from lmport.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
 from lmport.server.responses import ResponsesRequest
 
@@ -276,6 +278,8 @@ ERRORS = {
     413: "the request body is larger than the server's limit",
     415: "the body is not application/json",
     421: "the Host header is not served here",
+    403: "not allowed on this server (loading LoRA adapters is off)",
+    409: "conflicts with the server's state (an adapter of that name is loaded, or in use)",
     500: "generation failed inside the engine for this request",
     503: "the server is busy (Retry-After), shutting down, or its engine has stopped",
     504: "not finished within --request-timeout",
@@ -337,7 +341,7 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
     for cls in (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Health,
                 ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, MessagesRequest, CountTokensRequest,
                 ResponsesRequest, AnthropicError, AnthropicMessage, MessageTokensCount, AnthropicStreamEvent,
-                ResponseObject, ResponseStreamEvent):
+                ResponseObject, ResponseStreamEvent, EmbeddingRequest, LoadLoraAdapter, UnloadLoraAdapter):
         schema = cls.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[cls.__name__] = schema
@@ -411,6 +415,15 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
                            "content": {**_json("ResponseObject"), "text/event-stream": _named_stream(
                                "ResponseStreamEvent")}},
                    **_errors(*common)})
+    # A body is required (without one: 415); the replies are objects (docs/embeddings.md, docs/lora.md).
+    for path, request, statuses in (("/v1/embeddings", "EmbeddingRequest", common),
+                                    ("/v1/load_lora_adapter", "LoadLoraAdapter", (*common, 403, 409)),
+                                    ("/v1/unload_lora_adapter", "UnloadLoraAdapter", (*common, 403, 409))):
+        if path in paths:
+            paths[path]["post"].update(
+                requestBody={"required": True, "content": _json(request)},
+                responses={"200": {"description": "the result", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}, **_errors(*statuses)})
     paths["/v1/models"]["get"]["responses"] = {"200": {"description": "the served model",
                                                        "content": _json("ModelList")}, **_errors(*auth)}
     paths["/v1/models/{model_id}"]["get"]["responses"] = {"200": {"description": "the served model",

@@ -264,6 +264,10 @@ class ChatCompletionRequest(_Structured):
     tools: list[dict] | None = None               # checked by lmport.server.tools
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat template switches: leave out the assistant turn's opening, or continue the last (assistant)
+    # message in place, without closing its turn (a prefill the reply extends); at most one of them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Structured):

@@ -25,7 +25,7 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from lmport.config import ConfigError, GenerationConfig
-from lmport.engine import RequestError, RequestOutput, check_prompt
+from lmport.engine import RequestError, RequestOutput, check_prompt, is_request_fault
 from lmport.engine_client import EngineHandle, EngineStopped
 from lmport.engine_messages import EngineRequest
 from lmport.guided import Grammars
@@ -420,8 +420,17 @@ def finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error}", type="server_error")
+        raise generation_error(out)
     return out.finish_reason
+
+
+def generation_error(out: RequestOutput, choice: int | None = None) -> APIError:
+    """The error that ended a choice: a 400 when its own format caused it (lmport.engine.is_request_fault),
+    else a 500."""
+    where = "" if choice is None else f"choice {choice}: "
+    if is_request_fault(out.error):
+        return APIError(400, f"{where}{out.error}", param="response_format", code="format_failed")
+    return APIError(500, f"{where}generation failed: {out.error}", type="server_error")
 
 
 async def _disconnected(request: Request) -> None:
@@ -457,8 +466,7 @@ async def event_lines(server: Frontend, job: Job, chunk) -> AsyncIterator[str]:
                 if out.finished:
                     finals.append(out)
                 if out.finished and out.finish_reason == "error":
-                    yield _sse(APIError(500, f"choice {choice}: generation failed: {out.error}",
-                                        type="server_error").body())
+                    yield _sse(generation_error(out, choice).body())
                     continue
                 delta = out.text[sent_text[choice]:]
                 sent_text[choice] += len(delta)

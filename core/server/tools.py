@@ -22,7 +22,7 @@ from typing import cast
 import xgrammar as xgr
 
 from lmport.api import encode_prompt
-from lmport.guided import Grammars, GuidedDecodingError
+from lmport.guided import Grammars, GuidedDecodingError, enforceable_schema
 from lmport.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -108,7 +108,8 @@ def call_grammar(functions: list[dict]) -> str:
     grammars = []
     for fn in functions:
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},
-                  "required": ["name", "arguments"], "$defs": {ARGS.rsplit("/", 1)[1]: _rebase(fn["parameters"])}}
+                  "required": ["name", "arguments"],
+                  "$defs": {ARGS.rsplit("/", 1)[1]: enforceable_schema(_rebase(fn["parameters"]))}}
         grammars.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= {json.dumps(OPEN + chr(10))}'),
                                            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
                                            xgr.Grammar.from_ebnf(f'root ::= {json.dumps(chr(10) + CLOSE)}')))
@@ -166,6 +167,19 @@ def template_messages(req: ChatCompletionRequest, native: bool) -> list[dict]:
     return messages
 
 
+def template_switches(req: ChatCompletionRequest) -> dict:
+    """add_generation_prompt and continue_final_message for the chat template, checked (a 400 naming them)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: to continue "
+                            "the last assistant message, set add_generation_prompt to false",
+                       param="continue_final_message")
+    if req.continue_final_message and (not req.messages or req.messages[-1].role != "assistant"):
+        raise APIError(400, "continue_final_message: the last message must be the assistant's message to continue",
+                       param="continue_final_message")
+    return {"add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
+
+
 def template_knows_tools(tokenizer) -> bool:
     return "tools" in (tokenizer.chat_template or "")
 
@@ -177,6 +191,7 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
     a tool call or a tool (``<|im_end|>`` typed by a user) is tokenized as plain text, so content
     cannot open or close turns.
     """
+    turn = template_switches(req)
     native = template_knows_tools(tokenizer)
     messages = template_messages(req, native)
     tools = setup.tools if setup is not None else None
@@ -190,7 +205,7 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
     special = _special_texts(tokenizer)
     found = special.search(json.dumps([messages, tools], ensure_ascii=False)) if special else None
     if found is None:
-        return encode_prompt(tokenizer, messages, tools)
+        return encode_prompt(tokenizer, messages, tools, **turn)
     # Each special token's text in the input becomes a placeholder the template passes through; the
     # rendered prompt is tokenized with the template's specials, each placeholder as the plain text it stands for.
     nonce = f"lmportliteral{uuid.uuid4().hex}x"
@@ -211,7 +226,7 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
     if tokenizer.chat_template is None:
         rendered = "\n".join(m["content"] for m in messages)
     else:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **turn,
                                                  **({"tools": tools} if tools else {}))
     ids: list[int] = []
     for i, piece in enumerate(re.split(f"{nonce}([0-9]+)x", rendered)):
