@@ -26,7 +26,7 @@ import torch
 
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
-from lmport.models.loader import load_tokenizer, read_model_config, resolve_model_path
+from lmport.models.loader import ModelNotFound, load_tokenizer, read_model_config, resolve_model_path
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import kv_window
 from lmport.runner import ModelRunner, StepInput
@@ -53,7 +53,11 @@ def check_draft(model: str, config: EngineConfig) -> None:
     if config.tp > 1:
         raise ConfigError(f"speculative.method='draft' runs at tp=1 only (tp={config.tp} asked): run the target "
                           f"on one device, or use method='ngram', which works at any tp (docs/speculative.md)")
-    check_backend(resolve_model_path(draft), config.backend_class().capabilities, config.weight_format)
+    try:
+        path = resolve_model_path(draft)
+    except ModelNotFound as exc:
+        raise ConfigError(f"speculative.model: {exc}") from None
+    check_backend(path, config.backend_class().capabilities, config.weight_format)
     target_cfg, draft_cfg = read_model_config(model), read_model_config(draft)
     if kv_window(target_cfg) is not None:
         raise ConfigError(f"speculative.method='draft' with {model!r}, whose every layer slides over "
