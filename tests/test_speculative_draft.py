@@ -167,3 +167,24 @@ def test_the_draft_cache_is_planned_beside_the_target_cache():
         assert engine.draft.cache_bytes == engine.plan.draft_cache_bytes == 64 * report["draft"]["bytes_per_block"]
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_default_model_q4_1_drafting_for_its_float_form():
+    """The default model's Q4_1 file drafts for its float32 form (the same tokenizer): greedy output as without
+    speculation, and most proposals accepted."""
+    from models import transformers_dir
+    target = str(transformers_dir("smollm2"))
+    tok = load_tokenizer("smollm2")
+    texts = ["Copy this list: apples, pears, plums, cherries, figs, dates, limes.",
+             "def area(r):\n    return 3.14159 * r * r\n\nRewrite the function above with a docstring:\n",
+             "The quick brown fox jumps over the lazy dog. The quick brown fox",
+             "Summarize: Paged attention stores the KV cache in fixed-size blocks. Summary:"]
+    prompts = [tok.encode(t) for t in texts] + repeating_prompts(12, seed=17)
+    reference, _, _ = generate(target, prompts, GREEDY, cache_max_entry_count=400)
+    spec, usage, _ = generate(target, prompts, GREEDY, cache_max_entry_count=400, check_blocks=True,
+                              speculative=draft_spec("smollm2"))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in reference]
+    print(f"acceptance {usage['spec_acceptance_rate']:.3f}, mean acceptance length "
+          f"{usage['spec_mean_acceptance_length']:.2f}")
+    assert usage["spec_acceptance_rate"] > 0.5
