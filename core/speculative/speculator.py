@@ -61,7 +61,8 @@ class Speculator:
         """Proposed tokens ``seq`` verifies this step (KV slots the scheduler reserves besides its last token)."""
         self._proposals.pop(seq, None)
         cfg = self.config
-        if not seq.gen_config.speculate or seq.grammar is not None or self.num_running() > cfg.disable_by_batch_size:
+        if (not seq.gen_config.speculate or seq.grammar is not None or seq.pooling is not None
+                or self.num_running() > cfg.disable_by_batch_size):
             return 0
         state = self._states.setdefault(seq, _SeqState())
         if state.pause:
