@@ -543,4 +543,6 @@ class Engine:
 
     def close(self) -> None:
         self.executor.close()
+        if self.draft is not None:
+            self.draft.close()
         self.seqs.clear()

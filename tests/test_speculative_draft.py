@@ -124,6 +124,22 @@ def test_greedy_identical_with_prefix_caching():
         assert any(t[:len(chain)] == chain for t in texts), e
 
 
+def test_a_failing_draft_leaves_requests_decoding_without_proposals(monkeypatch):
+    from lmport.speculative.draft import DraftModel
+
+    def broken(self, seqs, counts):
+        raise RuntimeError("draft forward failed")
+    monkeypatch.setattr(DraftModel, "propose", broken)
+    prompts = repeating_prompts(4, seed=3)
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    reference, _, _ = generate(tiny_model_dir("llama"), prompts, gen, cache_max_entry_count=100)
+    # Blocks reserved for the proposals are given back in the same step (checked after every step).
+    spec, usage, _ = generate_with_draft("llama", prompts, gen, cache_max_entry_count=100,
+                                         speculative=draft_spec(tiny_draft_dir("llama")))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in reference]
+    assert usage["spec_verifications"] == 0 and all(r.finish_reason == "length" for r in spec)
+
+
 # -- sampling, state and memory -------------------------------------------------------------------
 
 def test_seeded_sampling_repeats_and_nothing_is_kept_after_the_requests():

@@ -117,6 +117,11 @@ class DraftModel:
         return sum(t.numel() * t.element_size() for c in self.caches
                    for t in (c.k, c.v, c.k_qparams, c.v_qparams) if t is not None)
 
+    def close(self) -> None:
+        self.runner.close()
+        self.caches = []
+        self._progress.clear()
+
     def forget(self, seq: Sequence) -> None:
         self._progress.pop(seq, None)
 
