@@ -186,6 +186,7 @@ def test_the_draft_cache_is_planned_beside_the_target_cache():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)   # two float32 runs of the default model
 def test_default_model_q4_1_drafting_for_its_float_form():
     """The default model's Q4_1 file drafts for its float32 form (the same tokenizer): greedy output as without
     speculation, and most proposals accepted."""
@@ -196,9 +197,10 @@ def test_default_model_q4_1_drafting_for_its_float_form():
              "def area(r):\n    return 3.14159 * r * r\n\nRewrite the function above with a docstring:\n",
              "The quick brown fox jumps over the lazy dog. The quick brown fox",
              "Summarize: Paged attention stores the KV cache in fixed-size blocks. Summary:"]
-    prompts = [tok.encode(t) for t in texts] + repeating_prompts(12, seed=17)
-    reference, _, _ = generate(target, prompts, GREEDY, cache_max_entry_count=400)
-    spec, usage, _ = generate(target, prompts, GREEDY, cache_max_entry_count=400, check_blocks=True,
+    prompts = [tok.encode(t) for t in texts] + repeating_prompts(4, seed=17)
+    gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    reference, _, _ = generate(target, prompts, gen, cache_max_entry_count=400)
+    spec, usage, _ = generate(target, prompts, gen, cache_max_entry_count=400, check_blocks=True,
                               speculative=draft_spec("smollm2"))
     assert [r.token_ids for r in spec] == [r.token_ids for r in reference]
     print(f"acceptance {usage['spec_acceptance_rate']:.3f}, mean acceptance length "
