@@ -1,4 +1,4 @@
-"""Speculative decoding: single-stream decode tok/s and acceptance, speculation off vs n-gram, one run.
+"""Speculative decoding: single-stream decode tok/s and acceptance, speculation off vs n-gram vs a draft model.
 
 Two workloads of a few chat prompts each, on the default model (its Q4_1 GGUF, weights kept quantized,
 cpu backend, greedy, EOS ignored so every run decodes the same number of tokens):
@@ -8,11 +8,13 @@ cpu backend, greedy, EOS ignored so every run decodes the same number of tokens)
   a typo in a paragraph): what prompt lookup is for.
 
 Columns: lmport without speculation, lmport with n-gram speculation (EngineConfig.speculative =
-{"method": "ngram"}, defaults otherwise), and the draft-model method, which is not implemented yet
-(reported as such). Decode tok/s is (generated tokens - 1) / (time from the first generated token
-to the last), one request at a time. Off and n-gram alternate request by request for --rounds
-rounds (at least 5), so both see the same machine load; each figure is the median over rounds
-with its min-max, and every round is kept in the JSON.
+{"method": "ngram"}, defaults otherwise), and the draft-model method, which needs a target larger than its
+draft: the default model's float32 form (its GGUF dequantized by transformers into the cache once) without
+speculation ("f32 off") and drafted by the Q4_1 file ("f32 + Q4_1 draft", {"method": "draft", "model":
+"smollm2"}, defaults otherwise). Decode tok/s is (generated tokens - 1) / (time from the first generated
+token to the last), one request at a time. The four engines alternate request by request for --rounds
+rounds (at least 5), so all see the same machine load; each figure is the median over rounds with its
+min-max, and every round is kept in the JSON.
 
 --batch also runs the `make bench` workload (benchmarks/throughput.py: 64 requests at once) with
 speculation off and on, alternating, and reports output tok/s: speculation is to back off as the
@@ -101,38 +103,52 @@ def summary(values: list[float]) -> dict:
 def single_stream(rounds: int, tokens: int) -> dict:
     import lmport
     from lmport import EngineConfig
-    engines = {"off": None, "ngram": {"method": "ngram"}}
-    pipes = {name: lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu", speculative=spec))
-             for name, spec in engines.items()}
+    target = str(float_target())
+    engines = {"off": ("smollm2", None), "ngram": ("smollm2", {"method": "ngram"}),
+               "f32_off": (target, None), "f32_draft": (target, {"method": "draft", "model": "smollm2"})}
+    pipes = {name: lmport.pipeline(model, backend_config=EngineConfig(device_type="cpu", speculative=spec))
+             for name, (model, spec) in engines.items()}
     tok = pipes["off"].engine.tokenizer
     results = {}
     for workload, texts in (("free", FREE), ("repeat", REPEAT)):
         prompts = [chat_ids(tok, t) for t in texts]
         rates: dict[str, list[float]] = {name: [] for name in engines}
-        counters = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+        counters = {name: {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
+                    for name in ("ngram", "f32_draft")}
         for _ in range(rounds):
             per_round: dict[str, list[float]] = {name: [] for name in engines}
             for prompt in prompts:
                 for name, pipe in pipes.items():   # interleaved request by request
                     rate, moved = decode_rate(pipe.engine, prompt, tokens)
                     per_round[name].append(rate)
-                    if name == "ngram":
-                        for k in counters:
-                            counters[k] += moved[k]
+                    for k in counters.get(name, {}):
+                        counters[name][k] += moved[k]
             for name in engines:
                 rates[name].append(statistics.mean(per_round[name]))
-        proposed = counters["spec_proposed_tokens"]
         results[workload] = {
             **{name: summary(r) for name, r in rates.items()},
             "speedup_median": round(statistics.median(rates["ngram"]) / statistics.median(rates["off"]), 2),
-            "ngram_acceptance_rate": round(counters["spec_accepted_tokens"] / proposed, 3) if proposed else 0.0,
-            "ngram_mean_acceptance_length": round(1 + counters["spec_accepted_tokens"] / counters["spec_verifications"],
-                                                  2) if counters["spec_verifications"] else 0.0,
-            "draft": "not implemented (docs/speculative.md)",
+            "draft_speedup_median": round(statistics.median(rates["f32_draft"]) / statistics.median(rates["f32_off"]),
+                                          2),
+            **{f"{name}_{k}": v for name, c in counters.items() for k, v in acceptance(c).items()},
         }
     for pipe in pipes.values():
         pipe.close()
     return results
+
+
+def acceptance(c: dict) -> dict:
+    proposed, verifications = c["spec_proposed_tokens"], c["spec_verifications"]
+    return {"acceptance_rate": round(c["spec_accepted_tokens"] / proposed, 3) if proposed else 0.0,
+            "mean_acceptance_length": round(1 + c["spec_accepted_tokens"] / verifications, 2) if verifications
+            else 0.0}
+
+
+def float_target() -> Path:
+    """The default model in float32 as a transformers directory (converted once, as the tests do)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from models import transformers_dir
+    return transformers_dir("smollm2")
 
 
 def batch(rounds: int) -> dict:
@@ -165,12 +181,17 @@ def peer(bin_dir: Path) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | off tok/s | n-gram tok/s | speedup | acceptance | mean acceptance length | draft |",
-             "|---|---|---|---|---|---|---|"]
+    def rate(x: dict) -> str:
+        return f"{x['median']} ({x['min']}-{x['max']})"
+
+    lines = ["| workload | off tok/s | n-gram tok/s | speedup | acceptance | mean acceptance length "
+             "| f32 off tok/s | f32 + Q4_1 draft tok/s | speedup | acceptance | mean acceptance length |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for workload, r in results["single_stream"].items():
-        lines.append(f"| {workload} | {r['off']['median']} ({r['off']['min']}-{r['off']['max']}) | "
-                     f"{r['ngram']['median']} ({r['ngram']['min']}-{r['ngram']['max']}) | {r['speedup_median']}x | "
-                     f"{r['ngram_acceptance_rate']} | {r['ngram_mean_acceptance_length']} | {r['draft']} |")
+        lines.append(f"| {workload} | {rate(r['off'])} | {rate(r['ngram'])} | {r['speedup_median']}x | "
+                     f"{r['ngram_acceptance_rate']} | {r['ngram_mean_acceptance_length']} | {rate(r['f32_off'])} | "
+                     f"{rate(r['f32_draft'])} | {r['draft_speedup_median']}x | {r['f32_draft_acceptance_rate']} | "
+                     f"{r['f32_draft_mean_acceptance_length']} |")
     if "batch" in results:
         b = results["batch"]
         lines += ["", "| make bench workload | off tok/s | n-gram tok/s |", "|---|---|---|",

@@ -37,6 +37,7 @@ from lmport.sampling import sample
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence
 from lmport.speculative.acceptance import Verdict, verify
+from lmport.speculative.draft import DraftModel, check_draft
 from lmport.speculative.speculator import Speculator
 from lmport.units import fmt_bytes
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
@@ -100,8 +101,7 @@ class Engine:
         self.config = (config or EngineConfig()).resolve()
         spec = self.config.speculative
         if spec is not None and spec.method == "draft":
-            raise ConfigError(f"speculative.method='draft' (model {spec.model!r}) is not available yet: draft-model "
-                              f"proposals are not implemented; use method='ngram' (docs/speculative.md)")
+            check_draft(model, self.config)   # before any weight loads
         backend_cls = self.config.backend_class()
         # A quantized checkpoint the backend cannot run is refused before the device or a weight is touched.
         path = resolve_model_path(model)
@@ -122,8 +122,13 @@ class Engine:
             self.executor = RayExecutor(model, self.config, self.backend)
         else:
             self.executor = make_executor(model, self.config, self.backend)
+        self.draft = None
         try:
+            if spec is not None and spec.method == "draft":   # loaded before the cache is planned beside it
+                self.draft = DraftModel(cast(str, spec.model), self.config, self.executor.runner.backend)
             self._plan_and_allocate(model)
+            if self.draft is not None:
+                self.draft.allocate(self.plan.num_blocks)
         except BaseException:
             self.executor.close()
             raise
@@ -146,7 +151,7 @@ class Engine:
         self.speculator = None
         if self.config.speculative is not None:
             self.speculator = Speculator(self.config.speculative, self.session_len,
-                                         lambda: len(self.scheduler.running))
+                                         lambda: len(self.scheduler.running), self.draft)
             self.scheduler.lookahead = self.speculator.lookahead
 
     def _plan_and_allocate(self, model: str) -> None:
@@ -264,7 +269,7 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
-        proposals = self._proposals(batch.seqs, batch.num_new)
+        proposals, draft_probs = self._proposals(batch.seqs, batch.num_new)
         # Sequences sampling their next token (a proposal's sequence verifies instead: it computes past its end;
         # an embedding request, or a prompt scored with nothing to generate, samples nothing).
         completing = [s for s, n in zip(batch.seqs, batch.num_new)
@@ -294,7 +299,7 @@ class Engine:
             counts = [len(proposals[s]) + 1 if s in proposals else int(s in sampling) for s in batch.seqs]
             parts = dict(zip(batch.seqs, logits.split(counts)))
             logits = torch.cat([parts[s] for s in ready]) if ready else logits[:0]
-            outputs += self._verify({s: parts[s] for s in proposals}, proposals)
+            outputs += self._verify({s: parts[s] for s in proposals}, proposals, draft_probs)
         if not ready:
             return outputs
         mask = None
@@ -367,17 +372,21 @@ class Engine:
         if copies:
             self.executor.execute(StepInput([], [], [], [], [], copies))
 
-    def _proposals(self, seqs: list[Sequence], num_new: list[int]) -> dict[Sequence, list[int]]:
-        """The tokens each decoding sequence with reserved slots verifies this step; ``num_new`` shrinks to
-        what was proposed."""
+    def _proposals(self, seqs: list[Sequence], num_new: list[int]
+                   ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor | None]]:
+        """The tokens each decoding sequence with reserved slots verifies this step, and the draft
+        probabilities they were drawn from; ``num_new`` shrinks to what was proposed (and the blocks reserved
+        past it are given back)."""
         if self.speculator is None:
-            return {}
-        proposals = {}
+            return {}, {}
+        slots = {seq: num_new[i] - 1 for i, seq in enumerate(seqs)
+                 if num_new[i] > 1 and seq.num_uncomputed == 1 and seq.pooling is None}
+        proposals, probs = self.speculator.proposals(slots)
         for i, seq in enumerate(seqs):
-            if num_new[i] > 1 and seq.num_uncomputed == 1 and seq.pooling is None:
-                proposals[seq] = self.speculator.proposal(seq, num_new[i] - 1)
-                num_new[i] = 1 + len(proposals[seq])
-        return {s: p for s, p in proposals.items() if p}
+            if seq in slots and len(proposals.get(seq, ())) < slots[seq]:
+                num_new[i] = 1 + len(proposals.get(seq, ()))
+                self.block_manager.rollback(seq, seq.num_computed + num_new[i])
+        return {s: p for s, p in proposals.items() if p}, probs
 
     def _forward(self, seqs: list[Sequence], num_new: list[int],
                  proposals: dict[Sequence, list[int]] | None = None):
@@ -440,20 +449,21 @@ class Engine:
             outputs.append(dataclasses.replace(self._output(seq, [], ""), embedding=vector.tolist()))
         return outputs
 
-    def _verify(self, logits: dict[Sequence, torch.Tensor], proposals: dict[Sequence, list[int]]
-                ) -> list[RequestOutput]:
+    def _verify(self, logits: dict[Sequence, torch.Tensor], proposals: dict[Sequence, list[int]],
+                draft_probs: dict[Sequence, torch.Tensor | None]) -> list[RequestOutput]:
         """Judge each sequence's proposal on its rows of logits, append what it emits, give back the KV slots
         of its rejected tokens. A failure ends only the sequence it belongs to."""
         seqs = list(proposals)
         try:
             verdicts: list[Verdict | Exception] = list(verify(
-                torch.cat([logits[s] for s in seqs]), seqs, [proposals[s] for s in seqs], [None] * len(seqs)))
+                torch.cat([logits[s] for s in seqs]), seqs, [proposals[s] for s in seqs],
+                [draft_probs.get(s) for s in seqs]))
         except Exception:
             log.exception("verifying a batch of %d proposals failed; verifying each alone", len(seqs))
             verdicts = []
             for s in seqs:
                 try:
-                    verdicts.extend(verify(logits[s], [s], [proposals[s]], [None]))
+                    verdicts.extend(verify(logits[s], [s], [proposals[s]], [draft_probs.get(s)]))
                 except Exception as exc:
                     verdicts.append(exc)
         outputs = []
@@ -585,6 +595,8 @@ class Engine:
 
     def close(self) -> None:
         self.executor.close()
+        if self.draft is not None:
+            self.draft.close()
         self.seqs.clear()
 
 

@@ -17,6 +17,7 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.kv.layout import KVLayout
 from lmport.models.llama import head_dim_of
+from lmport.models.loader import read_model_config
 from lmport.models.windows import kv_window
 from lmport.oom_advisor import advise
 from lmport.paging.window import blocks_bound
@@ -53,6 +54,15 @@ def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLa
                     dtype=torch_dtype(config.dtype), quant_policy=config.quant_policy, axis_order=axis_order)
 
 
+def draft_bytes_per_block(config: EngineConfig) -> int:
+    """Bytes of one block of a speculative draft model's cache (lmport.speculative.draft; 0 without a draft),
+    from the draft's config alone. The draft runs at tp=1: it is refused at tp > 1."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft" or spec.model is None:
+        return 0
+    return kv_layout(read_model_config(spec.model), dataclasses.replace(config, tp=1)).bytes_per_block
+
+
 def activation_reserve(model_cfg, config: EngineConfig) -> int:
     """Estimated peak activation bytes of one forward over ``max_prefill_token_num`` tokens (an upper estimate).
 
@@ -81,6 +91,9 @@ class MemoryInputs:
     free_bytes: int             # device memory free once the weights are loaded
     reserve_bytes: int          # activation reserve for one forward of max_prefill_token_num tokens
     reserve_measured: bool
+    # A speculative draft model's cache mirrors the target's blocks (lmport.speculative.draft): each block
+    # costs these bytes more, so the usable memory is split between the two in proportion to their blocks.
+    draft_bytes_per_block: int = 0
 
     @property
     def layout(self) -> KVLayout:
@@ -100,17 +113,25 @@ class MemoryInputs:
                                    free_bytes=self.free_bytes + self.weight_bytes - weights,
                                    reserve_bytes=int(self.reserve_bytes * scale))
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block costs: the target's, and the draft model's mirror of it."""
+        return self.layout.bytes_per_block + self.draft_bytes_per_block
+
+    def blocks_in(self, num_bytes: float) -> int:
+        return int(num_bytes // self.block_bytes)
+
     def cache_blocks(self) -> int:
         """Blocks the cache gets: a float is a share of the usable memory, an int an exact count."""
         count = self.config.cache_max_entry_count
         if isinstance(count, int):
             return count
-        return self.layout.blocks_in(int(self.usable_bytes * float(count)))
+        return self.blocks_in(int(self.usable_bytes * float(count)))
 
     def room_blocks(self) -> int:
         """Blocks that ``cache_max_entry_count`` can give: its share for a float, all the usable memory for an int."""
         if isinstance(self.config.cache_max_entry_count, int):
-            return self.layout.blocks_in(self.usable_bytes)
+            return self.blocks_in(self.usable_bytes)
         return self.cache_blocks()
 
     @property
@@ -135,6 +156,7 @@ class CachePlan:
     num_blocks: int
     session_len: int
     window_blocks: int | None = None   # a sliding window bounds each sequence's blocks (window_blocks())
+    draft_cache_bytes: int = 0         # the speculative draft model's cache, as many blocks as the target's
 
     @property
     def num_tokens(self) -> int:
@@ -156,9 +178,10 @@ def plan_cache(inp: MemoryInputs) -> CachePlan:
     layout, config = inp.layout, inp.config
     num_blocks = inp.cache_blocks()
     count = config.cache_max_entry_count
-    if num_blocks * layout.bytes_per_block > inp.usable_bytes:   # only an exact block count can get here
-        raise CacheDoesNotFit(advise(inp, f"cache_max_entry_count={count} blocks need "
-                                          f"{fmt_bytes(num_blocks * layout.bytes_per_block)}, more than the "
+    if num_blocks * inp.block_bytes > inp.usable_bytes:   # only an exact block count can get here
+        draft = " with the draft model's" if inp.draft_bytes_per_block else ""
+        raise CacheDoesNotFit(advise(inp, f"cache_max_entry_count={count} blocks{draft} need "
+                                          f"{fmt_bytes(num_blocks * inp.block_bytes)}, more than the "
                                           f"{fmt_bytes(inp.usable_bytes)} left after weights and activation reserve"))
     if num_blocks < 1:
         raise CacheDoesNotFit(advise(inp, f"the KV cache gets no block: cache_max_entry_count={count} of "
@@ -176,7 +199,8 @@ def plan_cache(inp: MemoryInputs) -> CachePlan:
             raise CacheDoesNotFit(advise(inp, f"session_len={session_len} does not fit in the KV cache: "
                                               f"{num_blocks} blocks x {layout.block_size} = {capacity} tokens"))
     return CachePlan(inp.free_bytes, inp.reserve_bytes, inp.reserve_measured, num_blocks * layout.bytes_per_block,
-                     layout.bytes_per_block, layout.block_size, num_blocks, session_len, bounded)
+                     layout.bytes_per_block, layout.block_size, num_blocks, session_len, bounded,
+                     num_blocks * inp.draft_bytes_per_block)
 
 
 def allocate_cache(inp: MemoryInputs, plan: CachePlan, layout: KVLayout, backend) -> list:

@@ -13,8 +13,8 @@ from lmport import registry
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
 from lmport.dtypes import torch_dtype
-from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
-                           plan_cache)
+from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block, kv_layout,
+                           model_limit, plan_cache)
 from lmport.models.llama import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import lora_bytes
@@ -58,12 +58,16 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         source = "free on this machine now"
     else:
         source = "--device-memory"
+    draft = draft_plan(model, resolved, caps, dtype)
+    draft_weights = draft["weight_bytes"] if draft else 0
     measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
     # The LoRA adapters' slots sit beside the weights (lmport.models.lora), allocated whether or not one is loaded.
     adapter_bytes = lora_bytes(model_cfg, resolved.max_loras, resolved.max_lora_rank, dtype)
-    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes,
-                                max(0, device_memory - w - adapter_bytes), activation_reserve(model_cfg, resolved),
-                                reserve_measured=False) for w in rank_bytes]
+    # A draft model (tp=1 only) sits beside the weights too, and its cache mirrors the target's blocks.
+    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes + draft_weights,
+                                max(0, device_memory - w - adapter_bytes - draft_weights),
+                                activation_reserve(model_cfg, resolved), reserve_measured=False,
+                                draft_bytes_per_block=draft["bytes_per_block"] if draft else 0) for w in rank_bytes]
     inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
 
     report = {
@@ -76,6 +80,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
         "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
         "lora": {"max_loras": resolved.max_loras, "max_lora_rank": resolved.max_lora_rank, "bytes": adapter_bytes},
+        "draft": draft,
         "activation_reserve": {
             "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
             "source": "estimate",
@@ -100,6 +105,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     report["ranks"] = [{"rank": r, "weight_bytes": inp.weight_bytes, "reserve_bytes": inp.reserve_bytes,
                         "free_after_weights_bytes": inp.free_bytes, "num_blocks": plan.num_blocks,
                         "cache_bytes": plan.cache_bytes} for r, inp in enumerate(rank_inputs)]
+    if draft:
+        draft.update(num_blocks=plan.num_blocks, cache_bytes=plan.draft_cache_bytes)
     report["placement"] = placement(resolved, caps, dp, plan.num_blocks, plan.cache_bytes, plan.num_tokens)
     report["cache"] = {
         "cache_max_entry_count": resolved.cache_max_entry_count,
@@ -112,6 +119,25 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def draft_plan(model: str, config: EngineConfig, caps, dtype) -> dict | None:
+    """A speculative draft model's weights and cache block (lmport.speculative.draft), checked as the engine
+    checks it; None without one."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft" or spec.model is None:
+        return None
+    from lmport.speculative.draft import check_draft
+    check_draft(model, config)
+    draft_cfg, path = read_model_config(spec.model), resolve_model_path(spec.model)
+    params = count_parameters(draft_cfg)
+    weight_bytes = params * dtype.itemsize
+    if check_backend(path, caps, config.weight_format) and path.suffix == ".gguf":
+        weight_bytes = sum(gguf.planned_bytes(path, dtype).values())
+    return {"model": spec.model, "model_type": draft_cfg.model_type, "layers": draft_cfg.num_hidden_layers,
+            "parameters": params, "weight_bytes": weight_bytes, "bytes_per_block": draft_bytes_per_block(config),
+            "num_blocks": None, "cache_bytes": None,
+            "runs_on": "rank 0's device, whole, in the engine's process"}
 
 
 def placement(config: EngineConfig, caps, dp: int, num_blocks: int, cache_bytes: int, num_tokens: int) -> dict:

@@ -13,6 +13,14 @@ def _windows_text(windows: list) -> str:
     return f", sliding window {max(sliding)} on {where}"
 
 
+def _draft_text(d: dict) -> str:
+    """The speculative draft model's row: its weights and its cache beside the target's."""
+    cache = (f"; KV cache {d['num_blocks']:,} blocks (as many as the target's, mirroring them) x "
+             f"{d['bytes_per_block']:,} B = {fmt_bytes(d['cache_bytes'])}" if d["cache_bytes"] is not None else "")
+    return (f"{d['model']}: {d['model_type']}, {d['layers']} layers, {d['parameters'] / 1e6:.2f}M parameters, "
+            f"weights {fmt_bytes(d['weight_bytes'])} ({d['weight_bytes']:,} B) on {d['runs_on']}{cache}")
+
+
 def format_plan(r: dict) -> str:
     m, d, w, a, kv, cache = r["model"], r["device"], r["weights"], r["activation_reserve"], r["kv"], r["cache"]
     cfg = r["config"]
@@ -27,10 +35,11 @@ def format_plan(r: dict) -> str:
                     + (f" on each of {cfg['tp']} devices" if cfg["tp"] > 1 else "")),
         *([("LoRA", f"{r['lora']['max_loras']} adapter slots of rank <= {r['lora']['max_lora_rank']}: "
                     f"{fmt_bytes(r['lora']['bytes'])} ({r['lora']['bytes']:,} B)")] if r["lora"]["bytes"] else []),
+        *([("draft", _draft_text(r["draft"]))] if r.get("draft") else []),
         ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
                        f"({a['source']}; {a['note']})"),
         ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights"
-                 f"{' and LoRA slots' if r['lora']['bytes'] else ''}, "
+                 f"{' and LoRA slots' if r['lora']['bytes'] else ''}{' and the draft' if r.get('draft') else ''}, "
                  f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
         ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
                      f"tokens = {kv['bytes_per_token']:,.6g} B a token"),

@@ -70,7 +70,7 @@ class ModelRunner:
         self.memory_inputs = memory.MemoryInputs(
             self.model_config, self.config, self.backend.capabilities, self.loaded.weight_bytes + self.lora_bytes, free,
             measured if measured is not None else memory.activation_reserve(self.model_config, self.config),
-            measured is not None)
+            measured is not None, memory.draft_bytes_per_block(self.config))
         self.plan = memory.plan_cache(self.memory_inputs)
         return self.plan.num_blocks
 

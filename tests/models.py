@@ -74,6 +74,33 @@ def tiny_model_dir(arch: str) -> str:
 
 
 @functools.cache
+def tiny_draft_dir(arch: str) -> str:
+    """A speculative draft for ``tiny_model_dir(arch)``: the same model cut to its first layer (its embeddings,
+    first layer, final norm and LM head), so its next-token choices often agree with the target's."""
+    from transformers import AutoModelForCausalLM
+
+    from lmport.models.loader import cache_root, load_tokenizer
+    target = cache_root() / "test-models" / f"tiny-{arch}-draft-v1"
+    if not (target / "config.json").exists():
+        full = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32)
+        config = full.config
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:1]
+        draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing = draft.load_state_dict(full.state_dict(), strict=False).missing_keys
+        assert not missing, missing
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        draft.save_pretrained(tmp)
+        load_tokenizer("smollm2").save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+@functools.cache
 def transformers_dir(model: str) -> Path:
     """A transformers directory for a short name, a directory or a GGUF: a GGUF is converted once by
     transformers (dequantized to float32) into the test cache, the reference the tests compare with."""

@@ -96,11 +96,12 @@ class BlockManager(Eviction, UsageStats, Invariants):
             release_outside_window(self.allocator, self.cache, seq.block_table, seq.num_computed, self.window,
                                    self.block_size)
 
-    def rollback(self, seq: Sequence) -> None:
-        """Give back ``seq``'s blocks past its computed tokens: a verified proposal's rejected tokens had KV
-        slots there. No such block is in the prefix cache (it indexes full computed blocks only); the slots of
-        rejected tokens in the last kept block are overwritten by the next tokens computed."""
-        keep = self.blocks_for(seq.num_computed)
+    def rollback(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Give back ``seq``'s blocks past its computed tokens (or its first ``num_tokens``): a verified
+        proposal's rejected tokens had KV slots there. No such block is in the prefix cache (it indexes full
+        computed blocks only); the slots of rejected tokens in the last kept block are overwritten by the next
+        tokens computed."""
+        keep = self.blocks_for(seq.num_computed if num_tokens is None else num_tokens)
         while len(seq.block_table) > keep:
             self.allocator.decref(seq.block_table.pop())
 

@@ -1,7 +1,9 @@
 """Speculative decoding's driver side: who speculates this step, their proposals, what was accepted.
 
 The scheduler asks ``lookahead(seq)`` for each decoding sequence and reserves that many extra KV slots
-(the proposal is verified in the same forward as the sequence's last token). After the forward,
+(the proposal is verified in the same forward as the sequence's last token); ``proposals`` then gives the
+tokens for the slots reserved: an n-gram lookup's (made in ``lookahead``), or a draft model's, made for all
+speculating sequences at once (lmport.speculative.draft). After the forward,
 ``lmport.speculative.acceptance.verify`` judges the proposals and the engine appends the emitted tokens;
 the KV slots of rejected tokens are given back (``BlockManager.rollback``).
 
@@ -17,13 +19,19 @@ Speculation backs off where it does not pay:
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from lmport.config import SpeculativeConfig
 from lmport.sequence import Sequence
 from lmport.speculative import ngram
+from lmport.speculative.draft import DraftModel
+
+log = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.3     # weight of the latest verification in a sequence's acceptance average
 FIRST_PAUSE = 4      # steps a sequence stops proposing after its acceptance falls under min_acceptance
@@ -38,11 +46,13 @@ class _SeqState:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, session_len: int, num_running: Callable[[], int]):
+    def __init__(self, config: SpeculativeConfig, session_len: int, num_running: Callable[[], int],
+                 draft: DraftModel | None = None):
         self.config = config
         self.session_len = session_len
         self.num_running = num_running      # sequences the scheduler runs now
-        self._proposals: dict[Sequence, list[int]] = {}
+        self.draft = draft                  # method "draft": the model that proposes
+        self._proposals: dict[Sequence, list[int]] = {}   # n-gram proposals made in lookahead; [] for the draft's
         self._states: dict[Sequence, _SeqState] = {}
         self.stats: Counter[str] = Counter()
 
@@ -51,7 +61,8 @@ class Speculator:
         """Proposed tokens ``seq`` verifies this step (KV slots the scheduler reserves besides its last token)."""
         self._proposals.pop(seq, None)
         cfg = self.config
-        if not seq.gen_config.speculate or seq.grammar is not None or self.num_running() > cfg.disable_by_batch_size:
+        if (not seq.gen_config.speculate or seq.grammar is not None or seq.pooling is not None
+                or self.num_running() > cfg.disable_by_batch_size):
             return 0
         state = self._states.setdefault(seq, _SeqState())
         if state.pause:
@@ -63,14 +74,35 @@ class Speculator:
                    seq.gen_config.max_new_tokens - len(seq.output_ids) - 1)
         if room < 1:
             return 0
+        if self.draft is not None:   # the draft proposes in ``proposals``, for every speculating sequence at once
+            self._proposals[seq] = []
+            return room
         proposal = ngram.propose(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if proposal:
             self._proposals[seq] = proposal
         return len(proposal)
 
-    def proposal(self, seq: Sequence, slots: int) -> list[int]:
-        """The proposal ``seq`` verifies in ``slots`` reserved slots (fewer than asked when the budget was short)."""
-        return self._proposals.pop(seq, [])[:slots]
+    def proposals(self, slots: dict[Sequence, int]
+                  ) -> tuple[dict[Sequence, list[int]], dict[Sequence, torch.Tensor | None]]:
+        """The proposal each sequence verifies in its reserved ``slots`` (fewer tokens than asked in lookahead
+        when the budget was short), and the draft probabilities they were drawn from (None: a point mass).
+        A draft that fails proposes nothing this step: the sequences decode one token, as without speculation."""
+        if self.draft is None:
+            return {s: self._proposals.pop(s, [])[:n] for s, n in slots.items()}, {}
+        for s in slots:
+            self._proposals.pop(s, None)
+        seqs = list(slots)
+        if not seqs:
+            return {}, {}
+        try:
+            tokens, probs = self.draft.propose(seqs, [slots[s] for s in seqs])
+        except Exception:
+            log.exception("the draft model failed to propose for %d sequences; they decode without proposals",
+                          len(seqs))
+            for s in seqs:
+                self.draft.forget(s)
+            return {}, {}
+        return dict(zip(seqs, tokens)), dict(zip(seqs, probs))
 
     # -- after verification ------------------------------------------------
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
@@ -90,6 +122,8 @@ class Speculator:
         """``seq`` ended: drop what is kept about it."""
         self._proposals.pop(seq, None)
         self._states.pop(seq, None)
+        if self.draft is not None:
+            self.draft.forget(seq)
 
     def usage(self) -> dict:
         s = self.stats
