@@ -19,8 +19,6 @@ import uuid
 from dataclasses import dataclass
 from typing import cast
 
-import xgrammar as xgr
-
 from lmport.api import encode_prompt
 from lmport.engine import Engine
 from lmport.guided import GuidedDecodingError
@@ -106,6 +104,7 @@ def check(req: ChatCompletionRequest, engine: Engine) -> ToolSetup | None:
 
 def call_grammar(functions: list[dict]) -> str:
     """EBNF for one call block of any of ``functions``, its arguments matching the function's parameters."""
+    import xgrammar as xgr   # only where a request forces a tool call
     grammars = []
     for fn in functions:
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},
