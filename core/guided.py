@@ -252,9 +252,11 @@ class Grammars:
         return compiler.compile_grammar(text)
 
     def matcher(self, response_format: dict | None) -> xgr.GrammarMatcher | None:
-        import xgrammar as xgr
         compiled = self.compile(response_format)
-        return None if compiled is None else xgr.GrammarMatcher(compiled)
+        if compiled is None:
+            return None
+        import xgrammar as xgr
+        return xgr.GrammarMatcher(compiled)
 
 
 MASK_BUDGET_S = 0.1   # seconds a row's token mask (or one accept_token) may take in a step
