@@ -23,6 +23,8 @@ LLAMA_ROTARY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mix
 class LlamaRotary(nn.Module):
     """transformers' ``LlamaRotaryEmbedding`` for a rope type whose rows do not depend on the length."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg):
         super().__init__()
         self.rope_type = cfg.rope_parameters["rope_type"]
