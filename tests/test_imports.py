@@ -115,10 +115,12 @@ def test_the_walk_sees_imports():
 NOT_ON_IMPORT = ("xgrammar", "transformers.activations", "torch._dynamo", "torch.distributed.tensor")
 
 
-def test_importing_the_engine_and_server_leaves_heavy_modules_out():
+def test_the_engine_and_server_leave_heavy_modules_out():
     import subprocess
     import sys
     code = ("import sys, lmport.engine, lmport.server.app\n"
+            "from lmport.guided import Grammars, MaskBuilder\n"   # what a request without a format meets
+            "assert Grammars(None, 8, []).matcher(None) is None and MaskBuilder(8).start([None]) is None\n"
             f"print(' '.join(m for m in {NOT_ON_IMPORT!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [], f"importing lmport.engine and lmport.server.app imports {out.stdout.strip()}"
