@@ -15,8 +15,9 @@ that builds an Engine (cpu backend, a 16-block KV cache) and generates one token
 `llama-server -m FILE -t THREADS -c 512`, asked for one token as soon as /health answers. Measured by
 the parent: wall seconds to the first token, the child's peak RSS (its own VmHWM: read by the
 parent from /proc before ending llama-server, printed by the lmport child as it ends) and the bytes it
-wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (interpreter, torch and
-transformers imported, no model) is measured too and printed beside lmport's RSS. Targets checked
+wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (``lmport.engine`` imported, no
+model) is measured too and printed beside lmport's RSS. The cpu kernels are built (once per CPU and source
+version, as llama.cpp is built beforehand) before the first round, so that no round times the compiler. Targets checked
 in the table: peak RSS at most 1.3x the file's tensor bytes plus the KV cache, nothing written, cold
 first token within 3x llama.cpp's. The machine is named in the output (CPU model, the SIMD flags that
 matter, cores, memory, a measured read bandwidth: benchmarks/machine.py; the load average before and after): on a shared
@@ -53,7 +54,11 @@ while not any(out.finished for out in engine.step()):
 print("kv_bytes", engine.plan.cache_bytes, "weight_bytes", engine.weight_bytes, flush=True)
 print("peak_rss_bytes", {VMHWM})
 """
-FLOOR_CHILD = "import torch, transformers, lmport.engine\nprint('peak_rss_bytes', {VMHWM})"
+FLOOR_CHILD = "import lmport.engine\nprint('peak_rss_bytes', {VMHWM})"
+# The cpu backend's kernels are compiled once per CPU and source version (llama.cpp's are built beforehand
+# too): built here before any round, so that no round times the compiler.
+BUILD_CHILD = ("from lmport.backends.cpu import kernels\n"
+               "assert kernels.load() is not None, 'the cpu kernels did not build'")
 
 
 # A process's own peak RSS (VmHWM, kB). Not ``wait4``'s ru_maxrss: Linux carries the forking parent's RSS into
@@ -235,7 +240,8 @@ def main() -> None:
              *([] if args.skip_1b else [random_llama_1b(bin_dir, shipped, cache)]), *map(Path, args.files)]
     if args.only is not None:
         files = [f for f in files if f.name in args.only]
-    results = {"machine": machine(bin_dir, args.threads), "python_floor": measured([sys.executable, "-c", FLOOR_CHILD]),
+    results = {"machine": machine(bin_dir, args.threads), "kernel_build": measured([sys.executable, "-c", BUILD_CHILD]),
+               "python_floor": measured([sys.executable, "-c", FLOOR_CHILD]),
                "repeats": args.repeats, "threads": args.threads, "files": []}
     floor = results["python_floor"]
     for path in files:
@@ -263,7 +269,9 @@ def main() -> None:
           f"{m['memory_bytes'] / 2 ** 30:.0f} GiB, read bandwidth {m['bandwidth']['median_gbs']:.1f} GB/s "
           f"({m['bandwidth']['threads']} threads); llama.cpp {m['llama_cpp']}; load average before "
           f"{m['load_average']}, after {results['load_average_after']}")
-    print(f"python floor (torch, transformers, lmport imported): {floor['seconds']:.2f} s, "
+    print(f"cpu kernels loaded (built if this source version was not) before the rounds: "
+          f"{results['kernel_build']['seconds']:.2f} s")
+    print(f"python floor (lmport.engine imported, no model): {floor['seconds']:.2f} s, "
           f"peak RSS {floor['peak_rss'] / mib:.0f} MiB")
     print("| file | tensor MiB | engine | first token s, median (min-max) | peak RSS MiB, median (min-max) | "
           "RSS / (tensors + KV) | written MiB |")

@@ -24,10 +24,15 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
+from typing import TYPE_CHECKING
 
 import jsonschema
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+# xgrammar itself is imported where a request first uses a format (a second or more, and tens of MB, that
+# an engine serving plain text never pays).
 
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex_schema", "grammar")
 
@@ -131,6 +136,7 @@ def check_ambiguity(ebnf: str) -> None:
     """Refuse a grammar with a rule that is only itself, repeated (``x ::= x x``): every output then parses in
     exponentially many ways and the parser's cost grows with each token (a mask of seconds within a hundred
     tokens). Rules ambiguous in subtler ways are ended at run time by the grammar budget instead."""
+    import xgrammar as xgr
     try:
         normalized = str(xgr.Grammar.from_ebnf(ebnf))   # one rule a line, each alternative in parentheses
     except Exception:
@@ -255,9 +261,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self.budget = budget   # CPU seconds each request's matcher may spend (Matcher)
         self.stop_token_ids = sorted(stop_token_ids)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=self.stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # ours below is keyed by format
+        self._tokenizer = tokenizer
+        self._compiler: xgr.GrammarCompiler | None = None   # made by the first format compiled
         # Least recently used first; at most max_cached grammars are kept.
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self.max_cached = max_cached
@@ -274,8 +279,9 @@ class Grammars:
                 return self._cache[key]
         if key[0] == "grammar":
             check_ambiguity(key[1])
+        compiler = self.compiler   # outside the try: a vocabulary xgrammar cannot read is no bad format
         try:
-            compiled = self._compile(*key)
+            compiled = self._compile(compiler, *key)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
             raise GuidedDecodingError(f"response_format: the {key[0]} cannot be compiled: {_reason(exc)}") from None
         if not self._can_start(compiled):
@@ -289,27 +295,42 @@ class Grammars:
                 self._cache.popitem(last=False)
             return compiled
 
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        """xgrammar's compiler over the model's vocabulary, made on first use."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)   # ours is keyed by format
+            return self._compiler
 
     def _can_start(self, compiled: xgr.CompiledGrammar) -> bool:
         """Whether any first token is allowed (an unsatisfiable format allows none, and would emit end tokens
         to the length limit)."""
+        import xgrammar as xgr
         matcher = xgr.GrammarMatcher(compiled)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask, 0)
         return bool(bitmask.any()) or matcher.is_terminated()
 
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+    @staticmethod
+    def _compile(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.CompiledGrammar:
         if kind == "json_schema":
             # Fixed separators and no free whitespace: a model cannot wander off into endless blanks.
             schema = json.dumps(enforceable_schema(json.loads(text)))
-            return self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         if kind == "regex_schema":
-            return self.compiler.compile_regex(text)
-        return self.compiler.compile_grammar(text)
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
 
     def matcher(self, response_format: dict | None) -> Matcher | None:
         compiled = self.compile(response_format)
-        return None if compiled is None else Matcher(xgr.GrammarMatcher(compiled), self.budget)
+        if compiled is None:
+            return None
+        import xgrammar as xgr
+        return Matcher(xgr.GrammarMatcher(compiled), self.budget)
 
 
 class GrammarBudgetExceeded(GuidedDecodingError):
@@ -407,6 +428,7 @@ class MaskBuilder:
         """Begin filling masks for rows whose matcher is not None; None when no row is constrained."""
         if all(m is None for m in matchers):
             return None
+        import xgrammar as xgr
         rows = [i for i, m in enumerate(matchers) if m is not None]
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         started: list[float | None] = [None] * len(rows)
@@ -433,6 +455,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) 
     Bit t % 32 of word t // 32 allows token t. A copy: the caller's logits still give the model's
     own distribution (for logprobs).
     """
+    import xgrammar as xgr
     logits = logits.clone()
     backend = "auto" if logits.device.type in KERNEL_DEVICES else "torch_native"
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),

@@ -107,3 +107,20 @@ def test_the_walk_sees_imports():
     assert "lmport.oom_advisor" in graph["lmport.memory"]
     assert "lmport.memory" not in graph["lmport.oom_advisor"]   # only under TYPE_CHECKING
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Heavy modules an engine serving plain text never needs: transformers.activations pulls in its hub-kernel
+# registry with torch's dynamo and distributed-tensor modules (seconds and about 170 MB); xgrammar is for
+# requests with a response format, imported by the first one.
+NOT_ON_IMPORT = ("xgrammar", "transformers.activations", "torch._dynamo", "torch.distributed.tensor")
+
+
+def test_the_engine_and_server_leave_heavy_modules_out():
+    import subprocess
+    import sys
+    code = ("import sys, lmport.engine, lmport.server.app\n"
+            "from lmport.guided import Grammars, MaskBuilder\n"   # what a request without a format meets
+            "assert Grammars(None, 8, []).matcher(None) is None and MaskBuilder(8).start([None]) is None\n"
+            f"print(' '.join(m for m in {NOT_ON_IMPORT!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [], f"importing lmport.engine and lmport.server.app imports {out.stdout.strip()}"

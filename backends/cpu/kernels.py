@@ -1,7 +1,8 @@
 """The cpu backend's C++ kernels, compiled with torch's extension builder on first use.
 
 The build (about 45 s, once per kind of CPU and source version) is cached by
-torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), built from a copy of
+the sources kept in the build directory: every checkout or install of the same sources shares it.
 If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
 ``load()`` returns None and the backend keeps the reference ops.
 
@@ -16,6 +17,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,68 @@ def source_tag() -> str:
     return digest.hexdigest()[:8]
 
 
+def build_directory() -> Path:
+    """Where this build lives: torch's extensions directory (``$TORCH_EXTENSIONS_DIR``, else its default root
+    with a folder per Python version: the module is built for one), in a folder of lmport's own."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+        root = str(Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return Path(root) / "lmport" / build_name()
+
+
+def staged_sources(directory: Path) -> list[str]:
+    """The sources to build, copied once into ``directory/csrc`` (the directory is named after their hash, so
+    a copy there never goes stale). torch's build file names each source by its absolute path: two checkouts
+    of the same sources, each built where it lies, rewrote each other's build file and ninja rebuilt for
+    every process that alternated between them."""
+    staged = directory / "csrc"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+        target = staged / path.name
+        if not target.exists():   # never rewritten: a newer mtime would make ninja rebuild
+            partial = staged / f".{path.name}.{os.getpid()}"
+            shutil.copyfile(path, partial)
+            os.replace(partial, target)   # whole or absent for a process building beside this one
+    return [str(staged / s.name) for s in SOURCES]
+
+
+# Written after a build succeeds: the module's size and mtime. torch's loader takes a lock file in the build
+# directory and runs ninja on every load, even with nothing to rebuild; a process killed while holding it left
+# the lock behind and every later load waited on it forever. A build marked complete is imported directly.
+BUILT = "built"
+
+
+def _mark_built(directory: Path, library: Path) -> None:
+    stat = library.stat()
+    partial = directory / f".{BUILT}.{os.getpid()}"
+    partial.write_text(f"{library.name} {stat.st_size} {stat.st_mtime_ns}\n")
+    os.replace(partial, directory / BUILT)
+
+
+def _load_built(directory: Path):
+    """The module of a build marked complete whose library is still the one marked, else None."""
+    try:
+        name, size, mtime = (directory / BUILT).read_text().split()
+        stat = (directory / name).stat()
+    except (OSError, ValueError):
+        return None
+    if (stat.st_size, stat.st_mtime_ns) != (int(size), int(mtime)):
+        return None   # rebuilt since (by a loader of an older version): torch's loader decides
+    import importlib.util
+
+    import torch  # noqa: F401  (the library links against torch's, loaded by importing it)
+    spec = importlib.util.spec_from_file_location(build_name(), directory / name)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):
+        return None   # a damaged library: torch's loader rebuilds it
+    return module
+
+
 @functools.cache
 def load():
     """The compiled module, or None (the reason is logged once)."""
@@ -81,8 +146,14 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
         log.info("loading the cpu kernels (built on first use, once per kind of CPU)")
-        return build(build_name(), [str(s) for s in SOURCES], extra_cflags=["-O3", *isa, "-fopenmp"],
-                     extra_ldflags=["-fopenmp"])
+        directory = build_directory()
+        built = _load_built(directory)
+        if built is not None:
+            return built
+        module = build(build_name(), staged_sources(directory), extra_cflags=["-O3", *isa, "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(directory))
+        _mark_built(directory, Path(module.__file__))
+        return module
     except Exception as exc:  # any build failure leaves the reference ops in place
         log.warning("cpu kernels unavailable, using the reference ops: %s: %s", type(exc).__name__,
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else "")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from lmport import ops
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
+from lmport.models.activations import activation
 from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.models.rope_table import RopeTable
 from lmport.models.windows import layer_windows
@@ -159,7 +159,7 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None   # gate and up as one linear once loaded (models/fusion.py)
         self.backend = backend
         act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act    # Gemma names it hidden_activation
-        self.act = None if act == "silu" else ACT2FN[act]
+        self.act = None if act == "silu" else activation(act)
 
     def forward(self, x):
         if self.gate_up_proj is None:

@@ -19,6 +19,7 @@ from lmport.models import quantized as quantized_layers
 from lmport.models.architectures import model_class
 from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
+from lmport.models.rotary import rotary_for
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend
@@ -160,14 +161,6 @@ def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: 
     paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
     paged.rotary = rotary_for(cfg)
     return paged
-
-
-def rotary_for(cfg) -> torch.nn.Module:
-    """transformers' own rotary module for ``cfg``'s model type (its rope scaling, Gemma 3's per layer type)."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(cfg)
-    return type(skeleton.model.rotary_emb)(config=cfg)
 
 
 def _gguf_eos_ids(path: Path, cfg) -> set[int]:

@@ -19,8 +19,6 @@ import uuid
 from dataclasses import dataclass
 from typing import cast
 
-import xgrammar as xgr
-
 from lmport.api import encode_prompt
 from lmport.guided import Grammars, GuidedDecodingError, enforceable_schema
 from lmport.server.protocol import APIError, ChatCompletionRequest
@@ -105,6 +103,7 @@ def check(req: ChatCompletionRequest, grammars: Grammars) -> ToolSetup | None:
 
 def call_grammar(functions: list[dict]) -> str:
     """EBNF for one call block of any of ``functions``, its arguments matching the function's parameters."""
+    import xgrammar as xgr   # only where a request forces a tool call
     grammars = []
     for fn in functions:
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},

@@ -26,7 +26,7 @@ from lmport.config import ConfigError
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
 from lmport.weights.gguf_header import GGUFHeader, TensorInfo, read_header
-from lmport.weights.residency import page_out
+from lmport.weights.residency import page_out, read_ahead
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,24 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def _rows(value, index: torch.Tensor):
-    """The output rows ``index`` of a float tensor or a quantized weight."""
-    return value[index] if isinstance(value, torch.Tensor) else value.rows(index)
+    """The output rows ``index`` of a float tensor or a quantized weight (a copy). Blocks viewed from the
+    mapped file are paged out once copied: the file's pages would otherwise stay resident beside the copy."""
+    if isinstance(value, torch.Tensor):
+        return value[index]
+    picked = value.rows(index)
+    if isinstance(value, GGMLWeight):
+        page_out([value.blocks])
+    return picked
+
+
+def _row_range(value, start: int, stop: int):
+    """Rows ``start:stop`` of a float tensor or a quantized weight; a view (of the mapped file, for blocks)."""
+    if isinstance(value, torch.Tensor):
+        return value[start:stop]
+    if isinstance(value, GGMLWeight):
+        return GGMLWeight(value.blocks[start:stop], value.type_name, value.in_features)
+    return QuantizedWeight(value.qweight[start:stop], value.scales[start:stop], value.mins[start:stop],
+                           value.bits, value.group_size)
 
 
 def _out_features(value) -> int:
@@ -224,6 +240,7 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
         elif (g := name_map.get_name(hf)) is not None:   # a parameter without a suffix (stacked experts)
             wanted[f"{g}.weight"] = hf
     values, dequantized, float_types = {}, set(), _types()[1]
+    read_ahead(_tensor_view(header.mapped[header.data_start:]))   # every tensor is read: one read, not faults
     for t in header.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
@@ -275,7 +292,7 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
                      else [_out_features(value) // 2] * 2)
             prefix, start = name[:-len(fused + ".weight")], 0
             for part, size in zip(_PHI3_FUSED[fused], sizes, strict=True):
-                values[f"{prefix}{part}.weight"] = _rows(value, torch.arange(start, start + size))
+                values[f"{prefix}{part}.weight"] = _row_range(value, start, start + size)
                 start += size
             del values[name]
 

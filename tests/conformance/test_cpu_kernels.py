@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,42 @@ def test_kernels_off_by_environment():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "LMPORT_CPU_KERNELS": "0"})
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
+
+
+def test_one_build_per_source_version_wherever_the_sources_lie(tmp_path):
+    """The build compiles a copy of csrc kept in its own directory, made once: a build file naming the
+    copy is the same for every checkout, and an untouched copy gives ninja nothing to rebuild."""
+    assert kernels.build_directory().name == kernels.build_name()
+    sources = kernels.staged_sources(tmp_path)
+    staged = sorted(p.name for p in (tmp_path / "csrc").iterdir())
+    assert staged == sorted(p.name for p in (kernels.SOURCES[0].parent).iterdir())
+    assert sources == [str(tmp_path / "csrc" / "kernels.cpp")]
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "csrc").iterdir()}
+    assert kernels.staged_sources(tmp_path) == sources
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "csrc").iterdir()} == mtimes
+    assert Path(kernels.load().__file__).parent == kernels.build_directory()
+
+
+def test_a_build_marked_complete_loads_without_torchs_builder(monkeypatch):
+    """A completed build is imported directly: no lock file, no ninja (a lock left by a killed process made
+    every later load wait forever). A library changed since it was marked goes back to torch's builder."""
+    assert kernels.load() is not None
+    directory = kernels.build_directory()
+    assert (directory / kernels.BUILT).exists()
+
+    def no_builder(*args, **kwargs):
+        raise AssertionError("torch's builder was called for a build marked complete")
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_builder)
+    module = kernels.load.__wrapped__()
+    assert module is not None and module.__name__ == kernels.build_name()
+    assert set(module.ggml_types()) == kernels.GGML_TYPES
+    name, size, _ = (directory / kernels.BUILT).read_text().split()
+    assert kernels._load_built(directory) is not None
+    (directory / kernels.BUILT).write_text(f"{name} {size} 0\n")   # as if the library were rebuilt since
+    try:
+        assert kernels._load_built(directory) is None
+    finally:
+        kernels._mark_built(directory, directory / name)
 
 
 def test_instruction_sets_chosen_by_environment(monkeypatch):
