@@ -566,34 +566,33 @@ inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, in
 // ---- One row of x (single-stream decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
 // file: Q5_0 (its 576-wide rows), Q4_K and Q6_K. Each gives its run pairs' codes as unsigned bytes. ----
 
-// Two Q5_0 blocks' 32 + 32 codes q (0..31, w = d (q - 16)) in pair order: the nibbles of both blocks'
-// 16 bytes side by side ([first's inputs 0..15, second's 0..15]), then the high nibbles (16..31), the
-// fifth bits adding 16. An odd last run is paired with itself against x's zeros.
+// Two Q5_0 blocks' 32 + 32 codes q (0..31, w = d (q - 16)) in input order: both blocks' 16 bytes side by
+// side, their low nibbles (inputs 0..15) and high nibbles (16..31) interleaved 16 bytes at a time, the
+// fifth bits (one 32-bit word a block, input order) adding 16. An odd last run is paired with itself
+// against x's zeros.
 struct Q5_0Int8 {
-  static constexpr auto kOrder = int8_rows::Order::kPairs;
   static constexpr int kOffset = 16, kSubs = 2;
-  static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1); }
+  static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); }
   static __m512i pair(const uint8_t* row, int64_t p, int64_t runs) {
     const uint8_t* first = row + 2 * p * Q5_0::kBytes;
     const uint8_t* second = 2 * p + 1 < runs ? first + Q5_0::kBytes : first;
     const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second + 6),
                                             reinterpret_cast<const __m128i*>(first + 6));
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, mask)),
-                                             _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), 1);
+    const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    // [first lo, first hi, second lo, second hi] in 64-bit words of [lo, hi]
+    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i codes = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
     uint32_t h0, h1;
     std::memcpy(&h0, first + 2, 4);
     std::memcpy(&h1, second + 2, 4);
-    const uint64_t fifth = (h0 & 0xFFFFull) | (h1 & 0xFFFFull) << 16 | uint64_t{h0 >> 16} << 32 |
-                           uint64_t{h1 >> 16} << 48;
-    return _mm512_mask_add_epi8(codes, _cvtu64_mask64(fifth), codes, _mm512_set1_epi8(16));
+    return _mm512_mask_add_epi8(codes, _cvtu64_mask64(h0 | uint64_t{h1} << 32), codes, _mm512_set1_epi8(16));
   }
 };
 
 // Q4_K's runs 2c and 2c + 1 of a block are the low and high nibbles of its qs bytes 32 c .. 32 c + 31:
 // input order as they are; no offset (the mins are the rows' extra).
 struct Q4_KInt8 {
-  static constexpr auto kOrder = int8_rows::Order::kInput;
   static constexpr int kOffset = 0, kSubs = 2;
   static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); }
   static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
@@ -608,7 +607,6 @@ struct Q4_KInt8 {
 // bytes 64 h .. 64 h + 63, with bits 4 t, 4 t + 1 (first run) and 4 t + 2, 4 t + 3 (second) of qh bytes
 // 32 h .. 32 h + 31 on top; codes 0..63 for w = d sc (q - 32), a scale every 16 inputs.
 struct Q6_KInt8 {
-  static constexpr auto kOrder = int8_rows::Order::kInput;
   static constexpr int kOffset = 32, kSubs = 4;
   static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
   static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
@@ -631,12 +629,16 @@ inline void linear_int8(const float* x, int64_t K, const uint8_t* w, int64_t N, 
   using Codes = std::conditional_t<std::is_same_v<T, Q5_0>, Q5_0Int8,
                                    std::conditional_t<std::is_same_v<T, Q4_K>, Q4_KInt8, Q6_KInt8>>;
   using int8_rows::kRowBlock;
-  const int8_rows::Activations a = int8_rows::quantize(x, K, Codes::kOrder);
+  const int8_rows::Activations a = int8_rows::quantize(x, K);
   const int64_t blocks = K / T::kElements, row_bytes = blocks * T::kBytes, subs = a.pairs * Codes::kSubs;
   constexpr int block_subs = T::kElements / T::kSub;
-  // Per row: each sub-block's scale times x's step for its run (the scales one by one: they are in the
-  // rows fetched), and the mins times x's run sums.
-  const auto fold = [&](int64_t n, int valid, float* folded, float* extra) {
+  // Per row: each sub-block's scale times x's step for its run, and the mins times x's run sums, eight
+  // sub-blocks a vector for the K-quants (scalar, this costs as much as the dot products). Q5_0's scales
+  // one by one: they are in the rows fetched (gathering them was slower).
+  // steps and sums by value: through a reference, every store to ``folded`` would reload them.
+  const float* steps = a.run_steps.data();
+  const float* sums = a.run_sums.data();
+  const auto fold = [&, steps, sums](int64_t n, int valid, float* folded, float* extra) {
     for (int r = 0; r < kRowBlock; ++r) {
       float* f = folded + r * subs;
       if (r >= valid) {
@@ -644,24 +646,29 @@ inline void linear_int8(const float* x, int64_t K, const uint8_t* w, int64_t N, 
         continue;
       }
       const uint8_t* row = w + (n + r) * row_bytes;
-      float scale[16], min[16];
+      __m256 mins = _mm256_setzero_ps();
       for (int64_t i = 0; i < blocks; ++i) {
         const uint8_t* block = row + i * T::kBytes;
         if constexpr (std::is_same_v<T, Q5_0>) {
-          scale[0] = f16(block);
-        } else if constexpr (std::is_same_v<T, Q4_K>) {
+          f[i] = f16(block) * steps[i];
+        } else if constexpr (std::is_same_v<T, Q4_K>) {   // 8 sub-blocks of 32: a run each
+          float scale[8], min[8];
           T::scales(block, scale, min);
-        } else {
+          _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(scale), _mm256_loadu_ps(steps + 8 * i)));
+          mins = _mm256_fmadd_ps(_mm256_loadu_ps(min), _mm256_loadu_ps(sums + 8 * i), mins);
+        } else {   // Q6_K: 16 sub-blocks of 16, two a run
+          float scale[16];
           const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
           scale_bytes(sc, f16(block + 208), scale);
           scale_bytes(sc + 8, f16(block + 208), scale + 8);
-        }
-        for (int s = 0; s < block_subs; ++s) {
-          const int64_t sub = i * block_subs + s, run = sub * T::kSub / kRun;
-          f[sub] = scale[s] * a.run_steps[run];
-          if constexpr (T::kMin) extra[r] += min[s] * a.run_sums[run];
+          const __m256 run = _mm256_loadu_ps(steps + 8 * i);
+          const __m256 lo = _mm256_permutevar8x32_ps(run, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+          const __m256 hi = _mm256_permutevar8x32_ps(run, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+          _mm256_storeu_ps(f + 16 * i, _mm256_mul_ps(_mm256_loadu_ps(scale), lo));
+          _mm256_storeu_ps(f + 16 * i + 8, _mm256_mul_ps(_mm256_loadu_ps(scale + 8), hi));
         }
       }
+      if constexpr (T::kMin) extra[r] = quant_detail::hsum(mins);
       std::fill(f + blocks * block_subs, f + subs, 0.f);   // Q5_0's odd last run's partner
     }
   };

@@ -4,8 +4,8 @@
 //
 // x is rounded once per call to int8 per run of 32 inputs (step max|x_run| / 127, to nearest even),
 // as llama.cpp rounds it for its own dot products (q8_0 / q8_K). A weight type supplies, per pair of
-// runs, its codes as unsigned bytes u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's q - 32 as 0..63) in
-// the order x was laid out in; each dot product starts from -offset times the sum of x's codes over
+// runs, its 64 codes in input order as unsigned bytes u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's
+// q - 32 as 0..63); each dot product starts from -offset times the sum of x's codes over
 // the lane, so the int32 result is that of the signed codes, exactly. The int32 sums are scaled in
 // float32 per sub-block (the weight's scale times x's step) and summed; a type's mins meet the float
 // sums of x per run (``extra`` below).
@@ -27,11 +27,7 @@ constexpr int kRowBlock = 8;
 // Weight rows fetched ahead into L2, as quant_linear.h does.
 constexpr int64_t kAhead = 16;
 
-// How a pair of runs (b, b + 1) is laid out in 64 bytes: in input order, or as
-// [b 0..15, b + 1 0..15, b 16..31, b + 1 16..31] (the order two Q5_0 blocks' nibbles unpack in).
-enum class Order { kInput, kPairs };
-
-// x rounded to int8: ``codes`` 64 bytes a run pair (an odd last run paired with zeros), ``lane_sums``
+// x rounded to int8: ``codes`` in input order (an odd last run paired with zeros), ``lane_sums``
 // each int32 lane's four codes summed (16 a pair), ``run_steps`` and ``run_sums`` (float32 sum of x)
 // per run.
 struct Activations {
@@ -41,7 +37,7 @@ struct Activations {
   int64_t K, runs, pairs;
 };
 
-inline Activations quantize(const float* x, int64_t K, Order order) {
+inline Activations quantize(const float* x, int64_t K) {
   const int64_t runs = K / kRun, pairs = (runs + 1) / 2;
   Activations a{std::vector<int8_t>(pairs * 64, 0), std::vector<int32_t>(pairs * 16),
                 std::vector<float>(2 * pairs, 0.f), std::vector<float>(2 * pairs, 0.f), K, runs, pairs};
@@ -51,12 +47,8 @@ inline Activations quantize(const float* x, int64_t K, Order order) {
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     const __m512 scale = _mm512_set1_ps(inv);
     const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
-    int8_t* pair = a.codes.data() + b / 2 * 64;
-    const int64_t slot = b % 2;
-    int8_t* first = order == Order::kInput ? pair + 32 * slot : pair + 16 * slot;
-    int8_t* second = order == Order::kInput ? first + 16 : first + 32;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(first), codes(lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(second), codes(hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + b * kRun), codes(lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + b * kRun + 16), codes(hi));
     a.run_steps[b] = d;
     a.run_sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
@@ -81,7 +73,7 @@ inline __m128 sum4(const __m512* acc) {
 }
 
 // kRowBlock weight rows (``rows``) against x. A type ``Codes`` gives:
-// - kOrder: the layout of x its codes come in; kOffset: what its unsigned codes add to the signed ones;
+// - kOffset: what its unsigned codes add to the signed ones;
 // - kSubs: sub-blocks (scales) per run pair; lanes(): for each int32 lane, its sub-block in the pair;
 // - pair(row, p, runs): the 64 unsigned codes of run pair p.
 // ``folded`` holds each row's sub-block scales times x's step (pairs * kSubs a row); ``starts`` -offset
@@ -98,6 +90,7 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const Acti
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * slice + line), _MM_HINT_T1);
     const __m512i x = _mm512_loadu_si512(a.codes.data() + 64 * p);
     const __m512i start = Codes::kOffset ? _mm512_loadu_si512(starts + 16 * p) : _mm512_setzero_si512();
+#pragma GCC unroll 8   // the accumulators stay in registers only with the rows unrolled
     for (int r = 0; r < kRowBlock; ++r) {
       const __m512i d = _mm512_dpbusd_epi32(start, Codes::pair(rows[r], p, a.runs), x);
       const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * subs + p * Codes::kSubs)));
