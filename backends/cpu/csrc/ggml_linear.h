@@ -8,9 +8,11 @@
 // float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
-// - Up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
-//   quant_linear.h (int8 activations changed greedy tokens there; int16 keeps float32 accuracy);
-//   threads split the output rows, each weight row is decoded into a buffer that stays in L1 and
+// - One row of x (single-stream decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x rounded to int8
+//   per run of 32 as llama.cpp does, the blocks' codes unpacked to bytes a run pair at a time and dotted
+//   with vpdpbusd (int8_rows.h), 8 weight rows at a time.
+// - Otherwise up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
+//   quant_linear.h; threads split the output rows, each weight row is decoded into a buffer that stays in L1 and
 //   dotted with every row of x in integer arithmetic (512 bits wide with AVX-512 VNNI, else AVX2),
 //   accumulated in float32 per run with the sub-block's scale times x's step. Each weight byte is
 //   read once a call, and rows are fetched ahead into L2 as they are in quant_linear.h.
@@ -30,6 +32,9 @@
 
 #include "linear.h"
 #include "quant_linear.h"
+#ifdef LMPORT_QUANT_AVX512
+#include "int8_rows.h"
+#endif
 
 namespace lmport {
 
@@ -558,140 +563,121 @@ inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, in
 }
 
 #ifdef LMPORT_QUANT_AVX512
-namespace one_row {
+// ---- One row of x (single-stream decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
+// file: Q5_0 (its 576-wide rows), Q4_K and Q6_K. Each gives its run pairs' codes as unsigned bytes. ----
 
-// quant512's names, ahead of ggml_detail's namesakes (its Activations, kRowBlock) in this namespace.
-using quant512::Activations;
-using quant512::BlockPlan;
-using quant512::kAhead;
-using quant512::kRowBlock;
-using quant512::kRun;
-using quant512::pair_scales;
-using quant512::sum4;
-using quant512::tail_mask;
-
-// quant_linear.h's dot_rows and linear_one_row with the codes read through a policy, ``Codes``:
-// ``pair`` gives the int16 codes of runs b and b + 1 in the activations' pair order, ``last`` those of
-// an odd last run b in input order (w1 zero); kPairBytes is a run pair's share of a row's bytes (what
-// is fetched ahead). (int4 / int8 keep their own copy: routed through this template they measured 3%
-// to 10% slower.) ``folded`` holds each row's run scales already multiplied by x's step for the run;
-// ``mins`` the block's mins (null for a type without), ``valid`` rows of them.
-template <class Codes>
-inline void dot_rows_of(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
-                        const Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
-  const int64_t runs = a.K / kRun;
-  constexpr int64_t pair_bytes = Codes::kPairBytes;
-  __m512 acc[kRowBlock];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; 2 * p + 1 < runs; ++p) {
-    for (int64_t line = 0; line < kRowBlock * pair_bytes; line += 64)  // the block ahead, a slice a pair
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kRowBlock * pair_bytes + line), _MM_HINT_T1);
-    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
-    const __m512i x1 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun + 32);
-    for (int r = 0; r < kRowBlock; ++r) {
-      __m512i w0, w1;
-      Codes::pair(rows[r], 2 * p, w0, w1);
-      const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
-      const float* s = folded + r * runs + 2 * p;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), pair_scales(s[0], s[1]), acc[r]);
-    }
-  }
-  if (2 * p < runs) {
-    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
-    for (int r = 0; r < kRowBlock; ++r) {
-      __m512i w0, w1;
-      Codes::last(rows[r], 2 * p, w0, w1);
-      const __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(folded[r * runs + 2 * p]), acc[r]);
-    }
-  }
-  // The mins meet x's group sums: the block's products a vector at a time, each lane added to its row.
-  const int64_t groups = a.groups;
-  for (int64_t v = 0; mins && 16 * v < valid * groups; ++v) {
-    const __mmask16 k = tail_mask(valid * groups - 16 * v);
-    const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 16 * v)),
-                                   _mm512_loadu_ps(plan.sums.data() + 16 * v));
-    for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_mask_add_ps(acc[r], plan.rows_of[v][r], acc[r], m);
-  }
-  for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
-}
-
-// y [1, N] for one row of x: threads take blocks of kRowBlock weight rows (dot_rows_of), each row
-// ``row_bytes`` long. ``fold(n, valid, later, folded)`` writes rows n .. n + valid's run scales times x's
-// steps (zeros past the weight's end) and may fetch the block from row ``later`` ahead; ``mins`` (null
-// for none) holds ``a.groups`` mins a row.
-template <class Codes, class Fold>
-inline void linear_row_blocks(const Activations& a, const BlockPlan& plan, const uint8_t* w, int64_t row_bytes,
-                              const at::Half* mins, int64_t N, Fold fold, const float* bias, float* y) {
-  const int64_t runs = a.K / kRun, blocks = (N + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    // The first blocks are asked for at once rather than missed one after another.
-    const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
-    for (int64_t off = 0; off < burst * row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + first * row_bytes + off), _MM_HINT_T1);
-    std::vector<float> folded(kRowBlock * runs + 16);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kRowBlock;
-      const int valid = static_cast<int>(std::min<int64_t>(kRowBlock, N - n));
-      const uint8_t* rows[kRowBlock];
-      for (int r = 0; r < kRowBlock; ++r) rows[r] = w + (n + std::min(r, valid - 1)) * row_bytes;
-      const int64_t later = std::max<int64_t>(0, std::min(n + kAhead, N - kRowBlock));   // the block ahead
-      fold(n, valid, later, folded.data());
-      float out[kRowBlock];
-      dot_rows_of<Codes>(rows, folded.data(), mins ? mins + n * a.groups : nullptr, valid, a, plan,
-                         w + later * row_bytes, out);
-      for (int r = 0; r < valid; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.f);
-    }
-  });
-}
-
-}  // namespace one_row
-
-// One row of x over Q5_0 (most of a Q4_K_M file where rows are not a multiple of 256): the int4 path's
-// loop (quant_linear.h's dot_rows: blocks of 8 weight rows, x in run pairs) with the codes read from
-// the blocks. A pair of blocks' nibbles unpack as a pair of int4 runs do; the fifth bits then take 16
-// off where they are clear, leaving the signed codes q - 16 of w = d (q - 16), so there is no min.
-struct Q5_0Pairs {
-  static constexpr int64_t kPairBytes = 2 * Q5_0::kBytes;
-  static uint32_t fifth(const uint8_t* block) {
-    uint32_t qh;
-    std::memcpy(&qh, block + 2, 4);
-    return qh;
-  }
-  static void pair(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
-    const uint8_t* first = row + b * Q5_0::kBytes;
-    const uint8_t* second = first + Q5_0::kBytes;
+// Two Q5_0 blocks' 32 + 32 codes q (0..31, w = d (q - 16)) in input order: both blocks' 16 bytes side by
+// side, their low nibbles (inputs 0..15) and high nibbles (16..31) interleaved 16 bytes at a time, the
+// fifth bits (one 32-bit word a block, input order) adding 16. An odd last run is paired with itself
+// against x's zeros.
+struct Q5_0Int8 {
+  static constexpr int kOffset = 16, kSubs = 2;
+  static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); }
+  static __m512i pair(const uint8_t* row, int64_t p, int64_t runs) {
+    const uint8_t* first = row + 2 * p * Q5_0::kBytes;
+    const uint8_t* second = 2 * p + 1 < runs ? first + Q5_0::kBytes : first;
     const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second + 6),
                                             reinterpret_cast<const __m128i*>(first + 6));
-    const __m256i mask = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-    const uint32_t h0 = fifth(first), h1 = fifth(second);   // lo holds inputs 0..15 of each, hi 16..31
-    const __mmask32 clear_lo = _cvtu32_mask32(~((h0 & 0xFFFF) | (h1 << 16)));
-    const __mmask32 clear_hi = _cvtu32_mask32(~((h0 >> 16) | (h1 & 0xFFFF0000u)));
-    w0 = _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(lo, clear_lo, lo, sixteen));
-    w1 = _mm512_cvtepi8_epi16(_mm256_mask_sub_epi8(hi, clear_hi, hi, sixteen));
-  }
-  static void last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
-    w0 = Q5_0::codes512(row + b * Q5_0::kBytes, 0);
-    w1 = _mm512_setzero_si512();
+    // [first lo, first hi, second lo, second hi] in 64-bit words of [lo, hi]
+    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i codes = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+    uint32_t h0, h1;
+    std::memcpy(&h0, first + 2, 4);
+    std::memcpy(&h1, second + 2, 4);
+    return _mm512_mask_add_epi8(codes, _cvtu64_mask64(h0 | uint64_t{h1} << 32), codes, _mm512_set1_epi8(16));
   }
 };
 
-inline void q5_0_one_row(const float* x, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y) {
-  using quant512::kRowBlock;
-  const quant512::Activations a = quant512::quantize(x, 1, K, kRun);
-  const quant512::BlockPlan plan = quant512::plan_blocks(a);
-  const int64_t runs = K / kRun, row_bytes = runs * Q5_0::kBytes;
-  // The scales one by one: they are in the rows fetched (gathering them 16 at a time was 20% slower).
-  const auto fold = [&](int64_t n, int valid, int64_t, float* folded) {
+// Q4_K's runs 2c and 2c + 1 of a block are the low and high nibbles of its qs bytes 32 c .. 32 c + 31:
+// input order as they are; no offset (the mins are the rows' extra).
+struct Q4_KInt8 {
+  static constexpr int kOffset = 0, kSubs = 2;
+  static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); }
+  static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p / 4 * Q4_K::kBytes + 16 + 32 * (p % 4)));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
+  }
+};
+
+// Q6_K's pair q of a block (half h = q / 2, t = q % 2): the low (t = 0) or high (t = 1) nibbles of ql
+// bytes 64 h .. 64 h + 63, with bits 4 t, 4 t + 1 (first run) and 4 t + 2, 4 t + 3 (second) of qh bytes
+// 32 h .. 32 h + 31 on top; codes 0..63 for w = d sc (q - 32), a scale every 16 inputs.
+struct Q6_KInt8 {
+  static constexpr int kOffset = 32, kSubs = 4;
+  static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
+  static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
+    const uint8_t* b = row + p / 4 * Q6_K::kBytes;
+    const int h = static_cast<int>(p % 4) / 2, t = static_cast<int>(p % 2);
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m512i low = _mm512_and_si512(t ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * t)),
+                                              _mm256_set1_epi16(static_cast<int16_t>(4 * t + 2)), 1);
+    const __m512i two = _mm512_and_si512(_mm512_srlv_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1), shifts),
+                                         _mm512_set1_epi8(0x03));
+    return _mm512_or_si512(low, _mm512_slli_epi16(two, 4));
+  }
+};
+
+// y [1, N] for one row of x over T's blocks, T one of the three above's types.
+template <class T>
+inline void linear_int8(const float* x, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y) {
+  using Codes = std::conditional_t<std::is_same_v<T, Q5_0>, Q5_0Int8,
+                                   std::conditional_t<std::is_same_v<T, Q4_K>, Q4_KInt8, Q6_KInt8>>;
+  using int8_rows::kRowBlock;
+  const int8_rows::Activations a = int8_rows::quantize(x, K);
+  const int64_t blocks = K / T::kElements, row_bytes = blocks * T::kBytes, subs = a.pairs * Codes::kSubs;
+  constexpr int block_subs = T::kElements / T::kSub;
+  // Per row: each sub-block's scale times x's step for its run, and the mins times x's run sums, eight
+  // sub-blocks a vector for the K-quants (scalar, this costs as much as the dot products). Q5_0's scales
+  // one by one: they are in the rows fetched (gathering them was slower).
+  // steps and sums by value: through a reference, every store to ``folded`` would reload them.
+  const float* steps = a.run_steps.data();
+  const float* sums = a.run_sums.data();
+  const auto fold = [&, steps, sums](int64_t n, int valid, float* folded, float* extra) {
     for (int r = 0; r < kRowBlock; ++r) {
+      float* f = folded + r * subs;
+      if (r >= valid) {
+        std::fill(f, f + subs, 0.f);
+        continue;
+      }
       const uint8_t* row = w + (n + r) * row_bytes;
-      for (int64_t i = 0; i < runs; ++i) folded[r * runs + i] = r < valid ? f16(row + i * Q5_0::kBytes) * a.run_steps[i] : 0.f;
+      __m256 mins = _mm256_setzero_ps();
+      for (int64_t i = 0; i < blocks; ++i) {
+        const uint8_t* block = row + i * T::kBytes;
+        if constexpr (std::is_same_v<T, Q5_0>) {
+          f[i] = f16(block) * steps[i];
+        } else if constexpr (std::is_same_v<T, Q4_K>) {   // 8 sub-blocks of 32: a run each
+          float scale[8], min[8];
+          T::scales(block, scale, min);
+          _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(scale), _mm256_loadu_ps(steps + 8 * i)));
+          mins = _mm256_fmadd_ps(_mm256_loadu_ps(min), _mm256_loadu_ps(sums + 8 * i), mins);
+        } else {   // Q6_K: 16 sub-blocks of 16, two a run
+          float scale[16];
+          const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+          scale_bytes(sc, f16(block + 208), scale);
+          scale_bytes(sc + 8, f16(block + 208), scale + 8);
+          const __m256 run = _mm256_loadu_ps(steps + 8 * i);
+          const __m256 lo = _mm256_permutevar8x32_ps(run, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+          const __m256 hi = _mm256_permutevar8x32_ps(run, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+          _mm256_storeu_ps(f + 16 * i, _mm256_mul_ps(_mm256_loadu_ps(scale), lo));
+          _mm256_storeu_ps(f + 16 * i + 8, _mm256_mul_ps(_mm256_loadu_ps(scale + 8), hi));
+        }
+      }
+      if constexpr (T::kMin) extra[r] = quant_detail::hsum(mins);
+      std::fill(f + blocks * block_subs, f + subs, 0.f);   // Q5_0's odd last run's partner
     }
   };
-  one_row::linear_row_blocks<Q5_0Pairs>(a, plan, w, row_bytes, nullptr, N, fold, bias, y);
+  int8_rows::linear<Codes>(a, w, row_bytes, N, fold, bias, y);
 }
+
+// The types linear_int8 runs.
+template <class T>
+constexpr bool kInt8 = std::is_same_v<T, Q5_0> || std::is_same_v<T, Q4_K> || std::is_same_v<T, Q6_K>;
 #endif
 
 // Rows of x beyond kIntegerRows: tiles of weight rows expanded to float32 in cache, as quant_linear.h's
@@ -751,8 +737,8 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
     if (M > kIntegerRows) {
       linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
 #ifdef LMPORT_QUANT_AVX512
-    } else if (std::is_same_v<T, Q5_0> && M == 1) {
-      q5_0_one_row(x.data_ptr<float>(), K, w, N, bp, y.data_ptr<float>());
+    } else if (kInt8<T> && M == 1) {
+      linear_int8<T>(x.data_ptr<float>(), K, w, N, bp, y.data_ptr<float>());
 #endif
     } else {
       const Activations a = quantize(x.data_ptr<float>(), M, K);
@@ -784,5 +770,15 @@ inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& ty
 }
 
 inline std::vector<std::string> ggml_kernel_types() { return ggml_detail::type_names(); }
+
+// The types whose one-row path (single-stream decode) rounds x to int8 rather than int16: the
+// tolerance a test of that path allows depends on it.
+inline std::vector<std::string> ggml_int8_types() {
+#ifdef LMPORT_QUANT_AVX512
+  return {"q5_0", "q4_k", "q6_k"};
+#else
+  return {};
+#endif
+}
 
 }  // namespace lmport

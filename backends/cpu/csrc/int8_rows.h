@@ -1,0 +1,136 @@
+// One row of x (single-stream decode) against block weights in int8 arithmetic: AVX-512 VNNI's
+// vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each lane's four
+// products into an int32, twice the inputs of a 16-bit dot product per instruction.
+//
+// x is rounded once per call to int8 per run of 32 inputs (step max|x_run| / 127, to nearest even),
+// as llama.cpp rounds it for its own dot products (q8_0 / q8_K). A weight type supplies, per pair of
+// runs, its 64 codes in input order as unsigned bytes u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's
+// q - 32 as 0..63); each dot product starts from -offset times the sum of x's codes over
+// the lane, so the int32 result is that of the signed codes, exactly. The int32 sums are scaled in
+// float32 per sub-block (the weight's scale times x's step) and summed; a type's mins meet the float
+// sums of x per run (``extra`` below).
+#pragma once
+
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace lmport {
+namespace int8_rows {
+
+constexpr int kRun = 32;
+// Weight rows a block: x's pair is loaded once for them and their sums do not wait on each other.
+constexpr int kRowBlock = 8;
+// Weight rows fetched ahead into L2, as quant_linear.h does.
+constexpr int64_t kAhead = 16;
+
+// x rounded to int8: ``codes`` in input order (an odd last run paired with zeros), ``lane_sums``
+// each int32 lane's four codes summed (16 a pair), ``run_steps`` and ``run_sums`` (float32 sum of x)
+// per run.
+struct Activations {
+  std::vector<int8_t> codes;
+  std::vector<int32_t> lane_sums;
+  std::vector<float> run_steps, run_sums;
+  int64_t K, runs, pairs;
+};
+
+inline Activations quantize(const float* x, int64_t K) {
+  const int64_t runs = K / kRun, pairs = (runs + 1) / 2;
+  Activations a{std::vector<int8_t>(pairs * 64, 0), std::vector<int32_t>(pairs * 16),
+                std::vector<float>(2 * pairs, 0.f), std::vector<float>(2 * pairs, 0.f), K, runs, pairs};
+  for (int64_t b = 0; b < runs; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * kRun), hi = _mm512_loadu_ps(x + b * kRun + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m512 scale = _mm512_set1_ps(inv);
+    const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + b * kRun), codes(lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + b * kRun + 16), codes(hi));
+    a.run_steps[b] = d;
+    a.run_sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t p = 0; p < pairs; ++p)
+    _mm512_storeu_si512(a.lane_sums.data() + 16 * p,
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(a.codes.data() + 64 * p)));
+  return a;
+}
+
+// The sums over lanes of 4 vectors together: 128-bit quarters first, then the four lanes left in each.
+inline __m128 sum4(const __m512* acc) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // quarter r: row r's
+  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
+  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q));
+}
+
+// kRowBlock weight rows (``rows``) against x. A type ``Codes`` gives:
+// - kOffset: what its unsigned codes add to the signed ones;
+// - kSubs: sub-blocks (scales) per run pair; lanes(): for each int32 lane, its sub-block in the pair;
+// - pair(row, p, runs): the 64 unsigned codes of run pair p.
+// ``folded`` holds each row's sub-block scales times x's step (pairs * kSubs a row); ``starts`` -offset
+// times x's lane sums.
+template <class Codes>
+inline void dot_rows(const uint8_t* const* rows, const float* folded, const Activations& a, const int32_t* starts,
+                     const uint8_t* prefetch, int64_t slice, float* out) {
+  const int64_t subs = a.pairs * Codes::kSubs;
+  const __m512i lanes = Codes::lanes();
+  __m512 acc[kRowBlock];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t p = 0; p < a.pairs; ++p) {
+    for (int64_t line = 0; line < slice; line += 64)   // the block ahead, a slice a pair
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * slice + line), _MM_HINT_T1);
+    const __m512i x = _mm512_loadu_si512(a.codes.data() + 64 * p);
+    const __m512i start = Codes::kOffset ? _mm512_loadu_si512(starts + 16 * p) : _mm512_setzero_si512();
+#pragma GCC unroll 8   // the accumulators stay in registers only with the rows unrolled
+    for (int r = 0; r < kRowBlock; ++r) {
+      const __m512i d = _mm512_dpbusd_epi32(start, Codes::pair(rows[r], p, a.runs), x);
+      const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * subs + p * Codes::kSubs)));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
+}
+
+// y [1, N] = x W^T (+ bias), W's rows ``row_bytes`` apart: threads take blocks of kRowBlock rows.
+// ``fold(n, valid, folded, extra)`` writes rows n .. n + valid's folded scales (zeros past the weight's
+// end) and what each row adds besides its dot product (its mins times x's run sums; 0 for none).
+template <class Codes, class Fold>
+inline void linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t N, Fold fold, const float* bias,
+                   float* y) {
+  static_assert(kRowBlock % 4 == 0, "dot_rows sums its rows' lanes 4 at a time (sum4)");
+  std::vector<int32_t> starts(Codes::kOffset ? a.pairs * 16 : 0);
+  for (size_t i = 0; i < starts.size(); ++i) starts[i] = -Codes::kOffset * a.lane_sums[i];
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  const int64_t slice = (kRowBlock * row_bytes + a.pairs - 1) / a.pairs;   // a block's bytes fetched a pair
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    // The first rows are asked for at once rather than missed one after another.
+    const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
+    for (int64_t off = 0; off < burst * row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + first * row_bytes + off), _MM_HINT_T1);
+    std::vector<float> folded(kRowBlock * a.pairs * Codes::kSubs + 16);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kRowBlock;
+      const int valid = static_cast<int>(std::min<int64_t>(kRowBlock, N - n));
+      const uint8_t* rows[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) rows[r] = w + (n + std::min(r, valid - 1)) * row_bytes;
+      const int64_t later = std::max<int64_t>(0, std::min(n + kAhead, N - kRowBlock));   // the block ahead
+      float extra[kRowBlock] = {};
+      fold(n, valid, folded.data(), extra);
+      float out[kRowBlock];
+      dot_rows<Codes>(rows, folded.data(), a, starts.data(), w + later * row_bytes, slice, out);
+      for (int r = 0; r < valid; ++r) y[n + r] = out[r] + extra[r] + (bias ? bias[n + r] : 0.f);
+    }
+  });
+}
+
+}  // namespace int8_rows
+}  // namespace lmport
