@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lmport.config import ConfigError
+from lmport.errors import ConfigError
 from lmport.units import ceil_div
 
 

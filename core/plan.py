@@ -11,8 +11,9 @@ import dataclasses
 
 from lmport import registry
 from lmport.backend import Backend
-from lmport.config import ConfigError, EngineConfig
+from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
+from lmport.errors import ConfigError
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
                            plan_cache)
 from lmport.models.llama import head_dim_of
@@ -21,6 +22,7 @@ from lmport.models.lora import lora_bytes
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
+from lmport.resolution import resolve_config
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
@@ -30,7 +32,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     replicas, each with its own tp devices and its own cache (``lmport serve --dp``)."""
     if not isinstance(dp, int) or dp < 1:
         raise ConfigError(f"dp must be an int >= 1 (engine replicas), got {dp!r}")
-    resolved = config.resolve()
+    resolved = resolve_config(config)
     backend_cls = resolved.backend_class()
     caps = backend_cls.capabilities
     model_cfg = read_model_config(model)
@@ -88,7 +90,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "cache": None,
         "ranks": None,
         "placement": None,
-        "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "adjustments"},
+        "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)
+                   if f.name not in ("adjustments", "resolved_backend")},
         "adjustments": [a._asdict() for a in resolved.adjustments],
         "error": None,
     }

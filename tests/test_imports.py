@@ -107,3 +107,26 @@ def test_the_walk_sees_imports():
     assert "lmport.oom_advisor" in graph["lmport.memory"]
     assert "lmport.memory" not in graph["lmport.oom_advisor"]   # only under TYPE_CHECKING
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_the_walk_sees_imports_inside_functions(tmp_path):
+    assert "lmport.resolution" in _graph()["lmport.cli"]        # imported inside cmd_worker only
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from lmport.config import ConfigError\n    return ConfigError\n")
+    assert _imports("lmport.units", lazy, _modules()) == {"lmport.config"}
+
+
+def test_the_config_is_a_plain_value():
+    """Importing lmport.config, lazily or not, reaches neither the registry nor any backend."""
+    reached = _reachable(_graph(), "lmport.config")
+    assert not {m for m in reached if m in ("lmport.registry", "lmport.backend", "lmport.resolution")
+                or m.startswith("lmport.backends")}, sorted(reached)

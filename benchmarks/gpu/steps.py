@@ -487,12 +487,13 @@ def step_quant(args) -> dict:
         model, requests, blocks0 = str(kit_models.llama3_8b_dir(args.layers)), workload(args.requests), args.kv_blocks
     from lmport import EngineConfig
     from lmport.memory import kv_layout
+    from lmport.resolution import resolve_config
     from lmport.models.loader import read_model_config
     cfg = read_model_config(model)
     rows = []
     budget = None
     for policy in (0, 8, 4):
-        layout = kv_layout(cfg, EngineConfig(device_type="cuda", quant_policy=policy).resolve(), "bshd")
+        layout = kv_layout(cfg, resolve_config(EngineConfig(device_type="cuda", quant_policy=policy)), "bshd")
         if budget is None:
             budget = blocks0 * layout.bytes_per_block
         blocks = budget // layout.bytes_per_block

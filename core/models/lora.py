@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lmport.backend import Backend
-from lmport.config import ConfigError
+from lmport.errors import ConfigError
 from lmport.models.llama import MLP, Attention, PagedCausalLM, head_dim_of
 from lmport.ops import LoraBatch
 
