@@ -17,7 +17,7 @@ from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.errors import CacheDoesNotFit
 from lmport.kv.layout import KVLayout
-from lmport.models.llama import head_dim_of
+from lmport.models.dims import head_dim_of
 from lmport.models.windows import kv_window
 from lmport.oom_advisor import advise
 from lmport.paging.window import blocks_bound

@@ -16,7 +16,7 @@ from lmport.dtypes import torch_dtype
 from lmport.errors import ConfigError
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, kv_layout, model_limit,
                            plan_cache)
-from lmport.models.llama import head_dim_of
+from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import lora_bytes
 from lmport.models.parameters import count_parameters

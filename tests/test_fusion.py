@@ -8,7 +8,7 @@ import torch
 from lmport import ops
 from lmport.backends.cpu import CpuBackend
 from lmport.models.fusion import ConcatLinear, merge_linears
-from lmport.models.llama import Linear
+from lmport.models.layers import Linear
 from lmport.models.quantized import QuantLinear
 from lmport.weights.format import from_codes
 

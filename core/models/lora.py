@@ -21,7 +21,8 @@ from torch import nn
 
 from lmport.backend import Backend
 from lmport.errors import ConfigError
-from lmport.models.llama import MLP, Attention, PagedCausalLM, head_dim_of
+from lmport.models.dims import head_dim_of
+from lmport.models.llama import MLP, Attention, PagedCausalLM
 from lmport.ops import LoraBatch
 
 # The modules an adapter may target, as peft names them in a Llama-family model.
