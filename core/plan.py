@@ -44,7 +44,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     weight_bytes = max(rank_bytes)
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
-    check_tensor_parallel(path, resolved.tp, resolved.weight_format)   # as the engine does
+    check_tensor_parallel(path, resolved.tp, resolved.weight_format)
     if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
         # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
