@@ -92,6 +92,11 @@ class TPGroup:
             self._count(x, start)
         return x
 
+    def barrier(self) -> None:
+        """Returns once every rank of the group has called it."""
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
     def gather_columns(self, x: torch.Tensor, width: int, total: int) -> torch.Tensor | None:
         """Rank 0 gets every rank's columns of ``x`` (each padded to ``width``), joined and cut to ``total``."""
         if self.size == 1:

@@ -40,10 +40,6 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return self.qweight.shape[1] * 8 // self.bits
 
-    @property
-    def format_name(self) -> str:
-        return f"int{self.bits}"
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
 
