@@ -130,7 +130,7 @@ def main() -> None:
                           enable_prefix_caching=True, max_batch_size=args.concurrency, ray_address=args.ray_address)
     tokenizer = load_tokenizer(args.model)
 
-    import ray
+    import ray  # pyright: ignore[reportMissingImports] - an optional extra; `make lint` runs without it
 
     from lmport.dp import cluster
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")   # see docs/distributed.md (shared machines)

@@ -116,7 +116,7 @@ def test_model_runner_replays_decode_steps_only(monkeypatch):
     from lmport import GenerationConfig
     from lmport.backends.cuda import CudaBackend
     from lmport.runner import ModelRunner
-    from models import tiny_model_dir
+    from support.model_helpers import tiny_model_dir
     sizes = []
     monkeypatch.setattr(DecodeGraphRunner, "run", lambda self, ids, meta, run=DecodeGraphRunner.run:
                         sizes.append((meta.num_seqs, self.batch_size_for(meta.num_seqs))) or run(self, ids, meta))

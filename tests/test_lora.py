@@ -19,7 +19,7 @@ from lmport.config import ConfigError
 from lmport.engine import Engine
 from lmport.lora import AdapterError
 from lmport.resolution import resolve_config
-from models import hf_model, tiny_model_dir
+from support.model_helpers import hf_model, tiny_model_dir
 from support.lora_adapters import adapter_dir, greedy, merged_model
 
 NEW_TOKENS = 8

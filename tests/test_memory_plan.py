@@ -15,7 +15,7 @@ from lmport.engine import Engine
 from lmport.models import loader
 from lmport.resolution import resolve_config
 from lmport.weights import gguf as gguf_weights
-from models import default_model_path, tiny_model_dir
+from support.model_helpers import default_model_path, tiny_model_dir
 from test_get_ppl import CONFIG, FREE, smollm2_pipeline
 
 

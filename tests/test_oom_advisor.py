@@ -14,7 +14,7 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine
 from lmport.kv.layout import KVLayout
 from lmport.resolution import resolve_config
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 FREE = 128 << 20
 # The tiny Llama (tests/models.py) on cpu in float32: 2 layers x K and V x 16 tokens x 2 KV heads x 16 dims x 4 bytes.

@@ -10,7 +10,7 @@ import pytest
 import lmport
 from lmport.config import EngineConfig, GenerationConfig
 from support.paging_invariants import check_block_manager
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 SHARED_PROMPT_LEN = 1000
 

@@ -10,7 +10,7 @@ from lmport.paging.block_manager import BlockManager
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
 from support.paging_invariants import check_block_manager
-from workload import maybe_abort, run_batch
+from support.scheduler_workload import maybe_abort, run_batch
 
 
 def check(scheduler: Scheduler, bm: BlockManager) -> None:

@@ -20,8 +20,8 @@ from lmport.paging.block_manager import BlockManager
 from lmport.paging.window import HOLE, blocks_bound, first_kept_block
 from lmport.sequence import Sequence
 from support.paging_invariants import check_block_manager
-from models import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
-from workload import maybe_abort, run_batch
+from support.model_helpers import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
+from support.scheduler_workload import maybe_abort, run_batch
 
 WINDOW = 32
 

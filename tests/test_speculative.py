@@ -15,7 +15,7 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig, Speculati
 from lmport.speculative import ngram
 from lmport.speculative.speculator import FIRST_PAUSE, Speculator
 from support.paging_invariants import check_block_manager
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
 

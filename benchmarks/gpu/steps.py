@@ -179,7 +179,7 @@ def prompts(n_tokens=(1, 7, 16, 45, 100)) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in n_tokens]
 
 
-def lmport_greedy(model: str, dtype: str, batch: list[list[int]], new: int, **config) -> tuple[list, object]:
+def lmport_greedy(model: str, dtype: str, batch: list[list[int]], new: int, **config) -> tuple[list, dict]:
     import lmport
     from lmport import EngineConfig, GenerationConfig
     cfg = EngineConfig(device_type="cuda", dtype=dtype, cache_max_entry_count=config.pop("blocks", 256),

@@ -14,7 +14,7 @@ import torch
 import lmport
 from lmport import EngineConfig, GenerationConfig
 from lmport.resolution import resolve_config
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 from harness import op_backend
 

@@ -26,7 +26,7 @@ from lmport import ConfigError, EngineConfig, GenerationConfig, ops
 from lmport.kv.layout import KVLayout, LayerCache
 from lmport.resolution import resolve_config
 from harness import op_backend
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 VENDORS = ("ascend", "camb")
 HQ, HKV, D = 4, 2, 64          # GQA: two query heads a KV head
