@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/lmport generate "$(PROMPT)"
 
-# ruff, then pyright on the package under its import names: pyright cannot follow the editable install's
-# package-dir mapping, so core/ and backends/ are linked as build/typecheck/lmport (pyproject.toml says why).
+# ruff, then pyright on the package under its import names (pyright cannot follow the editable install's
+# package-dir mapping, so core/ and backends/ are linked as build/typecheck/lmport) and on tests/ and benchmarks/
+# with the package's rules less the six pyproject.toml turns off for them, with why.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	rm -rf build/typecheck && mkdir -p build/typecheck

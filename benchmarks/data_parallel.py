@@ -132,7 +132,7 @@ def main() -> None:
     dp1 = EngineClient.start_process(args.model, config)   # forked before this process starts Ray's threads
     tokenizer = load_tokenizer(args.model)
 
-    import ray
+    import ray  # pyright: ignore[reportMissingImports] - an optional extra; `make lint` runs without it
 
     from lmport.dp import cluster
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")   # see docs/distributed.md (shared machines)

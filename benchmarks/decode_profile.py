@@ -149,7 +149,8 @@ def instrument(engine, clock: Clock) -> None:
     head_bytes = weight_tensor_and_bytes(lm_head)[1]
     model.logits = clock.wrap(f"LM head {weight_name(lm_head)}", model.logits, lambda a: head_bytes)
     model.model.embed_tokens.forward = clock.wrap("embedding", model.model.embed_tokens.forward)
-    model.rope_table = clock.wrap("rotary table", model.rope_table)   # called, not a module
+    # called, not modules
+    model.rope_tables = {kind: clock.wrap("rotary table", table) for kind, table in model.rope_tables.items()}
     model.model.norm.forward = clock.wrap("final norm", model.model.norm.forward)
     model.forward = clock.wrap("model forward (all)", model.forward)
     runner_module.build_attention_metadata = clock.wrap("attention metadata", runner_module.build_attention_metadata)

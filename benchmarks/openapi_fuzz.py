@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.model is None:
         sys.path.insert(0, str(ROOT / "tests"))
-        from models import tiny_tool_model_dir
+        from support.model_helpers import tiny_tool_model_dir
         args.model = tiny_tool_model_dir()
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"

@@ -197,7 +197,7 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-async def main_async(args) -> dict:
+async def main_async(args) -> list[dict]:
     proc = None
     if args.url:
         if not is_loopback(args.url):

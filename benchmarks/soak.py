@@ -349,7 +349,7 @@ def main() -> int:
     args = p.parse_args()
     if args.model is None:
         sys.path.insert(0, str(ROOT / "tests"))
-        from models import tiny_model_dir
+        from support.model_helpers import tiny_model_dir
         args.model = tiny_model_dir("llama")
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"

@@ -147,7 +147,7 @@ def acceptance(c: dict) -> dict:
 def float_target() -> Path:
     """The default model in float32 as a transformers directory (converted once, as the tests do)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    from models import transformers_dir
+    from support.model_helpers import transformers_dir
     return transformers_dir("smollm2")
 
 

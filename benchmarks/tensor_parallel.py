@@ -34,7 +34,7 @@ def run(model: str, tp: int, prompts: list[list[int]], new_tokens: int) -> dict:
             engine.add_request(p[:8], GenerationConfig(max_new_tokens=2, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-        before = engine.executor.runner.collective_stats()
+        before = dict(engine.executor.runner.tp.stats)
         steps0 = engine.stats["steps"]
         start = time.perf_counter()
         for p in prompts:
@@ -47,7 +47,7 @@ def run(model: str, tp: int, prompts: list[list[int]], new_tokens: int) -> dict:
                 if out.finished:
                     tokens[out.request_id] = out.token_ids
         seconds = time.perf_counter() - start
-        after = engine.executor.runner.collective_stats()
+        after = dict(engine.executor.runner.tp.stats)
         steps = engine.stats["steps"] - steps0
         return {
             "tp": tp, "seconds": seconds, "prefill_seconds": first - start,

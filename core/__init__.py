@@ -1,5 +1,6 @@
 """lmport: a pluggable multi-device LLM inference engine."""
-from lmport.config import Adjustment, ConfigError, EngineConfig, GenerationConfig
+from lmport.config import Adjustment, EngineConfig, GenerationConfig
+from lmport.errors import ConfigError
 
 __version__ = "0.1.0"
 

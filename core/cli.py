@@ -11,7 +11,8 @@ import logging
 import sys
 
 from lmport import registry
-from lmport.config import ConfigError, EngineConfig, GenerationConfig
+from lmport.config import EngineConfig, GenerationConfig
+from lmport.errors import ConfigError
 from lmport.flags import add_dataclass_flags, engine_config, gen_config
 from lmport.units import parse_bytes
 
@@ -143,7 +144,8 @@ def cmd_worker(args) -> int:
     from lmport.executor import ranks_per_node, start_workers, stop_workers
     from lmport.models.loader import read_model_config
     from lmport.parallel import check_tp
-    config = engine_config(args).resolve()
+    from lmport.resolution import resolve_config
+    config = resolve_config(engine_config(args))
     if config.node_rank == 0 or not config.dist_init_addr:
         raise ConfigError("`lmport worker` runs the ranks of nodes 1..nnodes-1: give --node-rank >= 1 and "
                           "--dist-init-addr HOST:PORT of node 0 (node 0 runs generate/chat/serve itself)")

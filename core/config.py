@@ -1,24 +1,26 @@
-"""EngineConfig and GenerationConfig: checked at construction, resolved per backend.
+"""EngineConfig and GenerationConfig: plain values whose fields are checked at construction.
 
-Field names follow LMDeploy's PytorchEngineConfig and GenerationConfig.
+Constructing one never imports a backend or reads the installed plugins: checking an EngineConfig against the
+chosen backend, and filling in that backend's defaults, is one separate step (lmport.resolution). Field names
+follow LMDeploy's PytorchEngineConfig and GenerationConfig.
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
-log = logging.getLogger(__name__)
+from lmport.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lmport.backend import Backend
+
+__all__ = ["Adjustment", "ConfigError", "EngineConfig", "GenerationConfig", "SpeculativeConfig"]
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("auto", "dequantize")
 MAX_LORA_RANK = 256
 EXECUTORS = ("mp", "ray")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says what to do instead."""
 
 
 class Adjustment(NamedTuple):
@@ -141,7 +143,10 @@ class EngineConfig:
     ray_address: str | None = None           # an existing Ray cluster ("auto", "HOST:PORT"); None: RAY_ADDRESS or local
     # Speculative decoding: a SpeculativeConfig or a dict of its fields ({"method": "ngram"}); None: off.
     speculative: dict | SpeculativeConfig | None = None
+    # Set by lmport.resolution.resolve_config: what the backend changed, and the backend itself.
     adjustments: tuple[Adjustment, ...] = field(default=(), compare=False)
+    # (a plain ``type``: the CLI reads these annotations at run time, where Backend is not imported)
+    resolved_backend: type | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         _check(isinstance(self.device_type, str) and self.device_type,
@@ -191,77 +196,13 @@ class EngineConfig:
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)
-        if self.device_type != "auto":
-            self._check_against(self.backend_class().capabilities)
 
-    def backend_class(self):
-        from lmport import registry
-        if self.device_type == "auto":
-            return registry.select_auto()
-        try:
-            return registry.load_backend_class(self.device_type)
-        except registry.BackendError as exc:
-            raise ConfigError(f"device_type={self.device_type!r}: {exc}") from exc
-
-    def _check_against(self, caps) -> None:
-        if self.quant_policy not in caps.kv_quant_policies:
-            raise ConfigError(
-                f"quant_policy={self.quant_policy} is not supported on device {caps.device_type!r} "
-                f"(it supports {sorted(caps.kv_quant_policies)}); KV quantization {self.quant_policy} is "
-                f"supported on {', '.join(_devices_supporting(self.quant_policy)) or 'no installed device'}; "
-                f"use quant_policy=0 on {caps.device_type}")
-        if self.block_size is not None:
-            problem = caps.block_size_problem(self.block_size)
-            _check(problem is None, f"block_size={self.block_size} on device {caps.device_type!r}: {problem} "
-                                    f"(rule: {caps.block_size_rule()}; default {caps.default_block_size})")
-        if self.max_loras and not caps.lora:
-            raise ConfigError(
-                f"max_loras={self.max_loras}: device {caps.device_type!r} does not run LoRA adapters; they run on "
-                f"{', '.join(_devices_with_lora()) or 'no installed device'}; use max_loras=0 on {caps.device_type}")
-        if self.dtype != "auto":
-            _check(self.dtype in caps.dtypes, f"dtype={self.dtype!r} is not supported on device "
-                                              f"{caps.device_type!r}; use one of {', '.join(caps.dtypes)}")
-
-    def resolve(self) -> EngineConfig:
-        """The effective config on the chosen backend; ``self`` is left unchanged."""
-        caps = self.backend_class().capabilities
-        self._check_against(caps)
-        adjustments = []
-        block_size = self.block_size or caps.default_block_size
-        if caps.block_size_forced is not None and block_size != caps.block_size_forced:
-            if self.block_size is not None:
-                adjustments.append(Adjustment("block_size", self.block_size, caps.block_size_forced,
-                                              f"{caps.device_type} requires block size {caps.block_size_forced}"))
-            block_size = caps.block_size_forced
-        eager_mode = self.eager_mode
-        if not eager_mode and (not caps.decode_graphs or self.tp > 1 or self.max_loras):
-            why = (f"{caps.device_type} does not capture decode steps" if not caps.decode_graphs
-                   else f"decode steps are captured at tp=1 only (tp={self.tp})" if self.tp > 1
-                   else f"captured decode steps take no LoRA adapters (max_loras={self.max_loras})")
-            adjustments.append(Adjustment("eager_mode", False, True, why + "; every step runs eagerly"))
-            eager_mode = True
-        for a in adjustments:
-            log.warning("config adjusted: %s %r -> %r (%s)", *a)
-        return dataclasses.replace(
-            self, device_type=caps.device_type, block_size=block_size, eager_mode=eager_mode,
-            dtype=caps.default_dtype if self.dtype == "auto" else self.dtype,
-            cache_max_entry_count=(caps.default_cache_max_entry_count if self.cache_max_entry_count is None
-                                   else self.cache_max_entry_count),
-            adjustments=tuple(adjustments))
-
-
-def _devices_with_lora() -> list[str]:
-    from lmport import registry
-    return [r.name for r in registry.describe_backends() if r.capabilities and r.capabilities.lora]
-
-
-def _devices_supporting(policy: int) -> list[str]:
-    from lmport import registry
-    names = []
-    for report in registry.describe_backends():
-        if report.capabilities and policy in report.capabilities.kv_quant_policies:
-            names.append(report.name)
-    return names
+    def backend_class(self) -> type[Backend]:
+        """The backend this config was resolved against (lmport.resolution.resolve_config)."""
+        if self.resolved_backend is None:
+            raise ConfigError("this EngineConfig is not resolved against a backend yet: pass it through "
+                              "lmport.resolution.resolve_config first")
+        return cast("type[Backend]", self.resolved_backend)
 
 
 @dataclass

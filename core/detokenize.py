@@ -16,8 +16,7 @@ def decode(tokenizer, output_ids: list[int], *, skip_special_tokens: bool) -> st
 class IncrementalDecoder:
     """A sequence's output text, kept up to date by decoding only the tokens since its last
     complete character, with the tokens decoded the time before as context (as vLLM and SGLang
-    do). Decoding the whole output each step costs time linear in its length: 760 us a step at
-    4,096 tokens with the default model's tokenizer.
+    do). Decoding the whole output each step would cost time linear in its length.
 
     The context is decoded again with the new tokens, and only what the new tokens add is kept,
     so a token a tokenizer renders differently at the start of a text (dropping its leading space)

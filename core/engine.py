@@ -32,6 +32,7 @@ from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
 from lmport.pooling import POOLING_MODES
+from lmport.resolution import resolve_config
 from lmport.runner import StepInput
 from lmport.sampling import sample
 from lmport.scheduler import Scheduler
@@ -98,7 +99,7 @@ class Engine:
     def __init__(self, model: str = "smollm2", config: EngineConfig | None = None, backend: Backend | None = None):
         """``backend`` injects an instance of the configured backend, e.g. one whose
         ops run on CPU tensors (Triton interpreter, simulated vendor SDK) in tests."""
-        self.config = (config or EngineConfig()).resolve()
+        self.config = resolve_config(config or EngineConfig())
         spec = self.config.speculative
         if spec is not None and spec.method == "draft":
             check_draft(model, self.config)   # before any weight loads

@@ -187,7 +187,7 @@ class DistributedExecutor:
             tp, self.control = _join(config, backend_cls, self.store, 0)
             rank0 = _make_backend(backend_cls, 0, local_world)
             self.runner = ModelRunner(model, config, rank0, tp)
-            self.run_all("collective_stats")   # every rank has loaded its shard
+            self.run_all("barrier")   # every rank has loaded its shard
         except BaseException as exc:
             if self.failure is None:
                 self._fail(exc)

@@ -14,7 +14,7 @@ import typing
 from lmport.config import EngineConfig, GenerationConfig
 
 ALIASES = {"device_type": ["--device"]}
-SKIP = {"adjustments"}
+SKIP = {"adjustments", "resolved_backend"}
 
 
 def _number(text: str) -> float | int:

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from lmport.backend import Capabilities
-from lmport.config import ConfigError, EngineConfig
+from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
+from lmport.errors import CacheDoesNotFit
 from lmport.kv.layout import KVLayout
-from lmport.models.llama import head_dim_of
+from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config
 from lmport.models.windows import kv_window
 from lmport.oom_advisor import advise
@@ -24,10 +25,6 @@ from lmport.paging.window import blocks_bound
 from lmport.parallel import check_tp, kv_heads_per_rank
 from lmport.units import ceil_div, fmt_bytes
 
-
-
-class CacheDoesNotFit(ConfigError):
-    """The KV cache does not fit on the device; the message lists what to change, with numbers."""
 
 
 def model_limit(model_cfg) -> int:

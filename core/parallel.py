@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lmport.config import ConfigError
+from lmport.errors import ConfigError
 from lmport.units import ceil_div
+from lmport.weights.format import check_quantized_tp
 
 
 def tp_problem(model_cfg, tp: int) -> str | None:
@@ -45,9 +46,9 @@ def check_tp(model_cfg, tp: int) -> None:
     if problem:
         raise ConfigError(f"tp={tp} cannot split this model: {problem}; "
                           f"this model supports tp in {tp_choices(model_cfg)}")
-    if tp > 1 and getattr(model_cfg, "quantization_config", None):
-        raise ConfigError(f"tp={tp} with a quantized checkpoint is not supported yet (its weights would need "
-                          f"sharding in their quantized layout); use tp=1 or an unquantized checkpoint")
+    # An AWQ / GPTQ config says so itself; a GGUF's quantization is in its tensors (weights.checkpoint).
+    check_quantized_tp(tp, "this checkpoint", bool(getattr(model_cfg, "quantization_config", None)),
+                       can_dequantize=False)
 
 
 def kv_heads_per_rank(model_cfg, tp: int) -> int:
@@ -90,6 +91,11 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
             self._count(x, start)
         return x
+
+    def barrier(self) -> None:
+        """Returns once every rank of the group has called it."""
+        if self.size > 1:
+            dist.barrier(group=self.group)
 
     def gather_columns(self, x: torch.Tensor, width: int, total: int) -> torch.Tensor | None:
         """Rank 0 gets every rank's columns of ``x`` (each padded to ``width``), joined and cut to ``total``."""

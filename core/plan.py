@@ -11,16 +11,18 @@ import dataclasses
 
 from lmport import registry
 from lmport.backend import Backend
-from lmport.config import ConfigError, EngineConfig
+from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
+from lmport.errors import ConfigError
 from lmport.memory import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block, kv_layout,
                            model_limit, plan_cache)
-from lmport.models.llama import head_dim_of
+from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import lora_bytes
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
+from lmport.resolution import resolve_config
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
@@ -30,7 +32,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     replicas, each with its own tp devices and its own cache (``lmport serve --dp``)."""
     if not isinstance(dp, int) or dp < 1:
         raise ConfigError(f"dp must be an int >= 1 (engine replicas), got {dp!r}")
-    resolved = config.resolve()
+    resolved = resolve_config(config)
     backend_cls = resolved.backend_class()
     caps = backend_cls.capabilities
     model_cfg = read_model_config(model)
@@ -42,7 +44,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     weight_bytes = max(rank_bytes)
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
-    check_tensor_parallel(path, resolved.tp, resolved.weight_format)   # as the engine does
+    check_tensor_parallel(path, resolved.tp, resolved.weight_format)
     if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
         # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
@@ -93,7 +95,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "cache": None,
         "ranks": None,
         "placement": None,
-        "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved) if f.name != "adjustments"},
+        "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)
+                   if f.name not in ("adjustments", "resolved_backend")},
         "adjustments": [a._asdict() for a in resolved.adjustments],
         "error": None,
     }

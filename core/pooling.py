@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmport.config import ConfigError
+from lmport.errors import ConfigError
 
 POOLING_MODES = ("mean", "last")
 # sentence-transformers' Pooling config -> lmport's mode: its "pooling_mode" (version 6 on), or one flag a mode

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from lmport.config import ConfigError
+from lmport.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

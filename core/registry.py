@@ -9,13 +9,10 @@ from importlib import metadata
 from stevedore import DriverManager
 
 from lmport.backend import Backend, Capabilities, ProbeResult
+from lmport.errors import BackendError
 
 NAMESPACE = "lmport.backends"
 log = logging.getLogger(__name__)
-
-
-class BackendError(ValueError):
-    """A backend cannot be found, loaded or used."""
 
 
 def _entry_points() -> dict[str, list[metadata.EntryPoint]]:

@@ -160,8 +160,9 @@ class ModelRunner:
                 "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
                 "cache_bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
-    def collective_stats(self) -> dict:
-        return dict(self.tp.stats)
+    def barrier(self) -> None:
+        """Returns once every rank has called it (lmport.parallel.TPGroup.barrier)."""
+        self.tp.barrier()
 
     def close(self) -> None:
         self.caches, self.host_caches, self.graphs = [], [], None

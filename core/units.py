@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from lmport.config import ConfigError
+from lmport.errors import ConfigError
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -14,7 +14,7 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from models import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
+from support.model_helpers import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
 
 ARCHS = ("gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe")
 NEW_TOKENS = 8

@@ -20,6 +20,7 @@ from lmport.paging.host_tier import CopyQueue
 from lmport.paging.prefix_cache import block_hash, model_fingerprint
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
+from support.paging_invariants import check_block_manager
 
 GEN = GenerationConfig(max_new_tokens=1)
 
@@ -94,7 +95,7 @@ class FakeEngine:
 
     def check(self) -> None:
         bm = self.bm
-        bm.check_invariants(self.live())
+        check_block_manager(bm, self.live())
         assert bm.stats["lru_fallbacks"] == 0, "evicted a block whose child was still cached in its pool"
         if bm.cache is not None:   # the device's cached blocks form whole prefixes
             for e in bm.cache.device.values():
@@ -216,13 +217,13 @@ def test_lru_eviction_order_and_leaves_first():
     assert lru() == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
     _run_one(eng, [1] * 8 + [5])                          # a hit on prefix 1 makes it the most recently used
     assert lru() == [(2, False), (2, True), (3, False), (3, True), (1, False), (1, True)]
-    bm._evict_device()
-    bm._evict_device()
+    bm.evictor.evict_device()
+    bm.evictor.evict_device()
     assert lru() == [(3, False), (3, True), (1, False), (1, True)]
     # A parent older than its child (by hand) still waits for the child: the oldest leaf goes.
     bm.allocator._cached.move_to_end(next(bm.allocator.lru()))
     assert lru() == [(3, True), (1, False), (1, True), (3, False)]
-    bm._evict_device()
+    bm.evictor.evict_device()
     assert lru() == [(3, True), (1, True), (3, False)]
     eng.check()
 
@@ -274,10 +275,10 @@ def test_swap_rule_counts_only_uncached_tokens():
     seq = Sequence("s", list(range(20)), GEN)
     seq.num_computed = 20
     # 3 uncached blocks: 600 bytes out and back; the 12 tokens past 2 cached blocks cost 12 * 10: recompute.
-    assert not bm._swap_pays(seq, 2, 3)
-    bm.link_bytes_per_flop = 100.0
-    assert bm._swap_pays(seq, 2, 3)                      # 600 < 12 * 100
-    assert not bm._swap_pays(seq, 0, 9)                  # more blocks than the host has
+    assert not bm.evictor.swap_pays(seq, 2, 3)
+    bm.evictor.link_bytes_per_flop = 100.0
+    assert bm.evictor.swap_pays(seq, 2, 3)                      # 600 < 12 * 100
+    assert not bm.evictor.swap_pays(seq, 0, 9)                  # more blocks than the host has
 
 
 def test_swapped_sequence_whose_cached_prefix_is_gone_recomputes():
@@ -288,9 +289,9 @@ def test_swapped_sequence_whose_cached_prefix_is_gone_recomputes():
     eng.sched._preempt(s)
     assert bm.stats["preempt_swap"] == 1 and s.num_computed == 10 and bm.host.num_used == 1
     while bm.allocator.num_cached:                       # its cached prefix leaves the device...
-        bm._evict_device()
+        bm.evictor.evict_device()
     while bm.host.num_cached:                            # ...and the host
-        bm._evict_host()
+        bm.evictor.evict_host()
     eng.run()
     assert len(s.output_ids) == 3 and bm.stats["swap_ins"] == 0 and bm.host.num_used == 0
     assert s.prefix_hits["miss"] == 2 + 2                # the swap's lookup, then the recompute's
@@ -309,7 +310,7 @@ def test_duplicate_blocks_are_merged_on_device_and_host():
     assert a.block_table[:2] == b.block_table[:2]        # b now shares a's block 1 too
     eng.run()
     while bm.allocator.num_cached:                       # both blocks to the host
-        bm._evict_device()
+        bm.evictor.evict_device()
     c = eng.add(list(range(8)), max_new=1)
     eng.step()                                           # block 0 comes back from the host, block 1 is recomputed
     eng.step()                                           # ...and becomes the device copy of the host entry

@@ -11,12 +11,13 @@ import torch
 from lmport import EngineConfig, registry
 from lmport.backends.cuda.graphs import DEFAULT_BATCH_SIZES, DecodeGraphRunner, graph_batch_sizes
 from lmport.ops import build_attention_metadata
+from lmport.resolution import resolve_config
 
 
 @pytest.mark.parametrize("name", registry.backend_names())
 def test_eager_mode_false_is_honoured_or_adjusted(name):
     caps = registry.load_backend_class(name).capabilities
-    resolved = EngineConfig(device_type=name, eager_mode=False).resolve()
+    resolved = resolve_config(EngineConfig(device_type=name, eager_mode=False))
     adjusted = [a for a in resolved.adjustments if a.field == "eager_mode"]
     if caps.decode_graphs:
         assert resolved.eager_mode is False and adjusted == []
@@ -24,9 +25,9 @@ def test_eager_mode_false_is_honoured_or_adjusted(name):
         assert resolved.eager_mode is True
         assert [(a.asked, a.used) for a in adjusted] == [(False, True)]
         assert "does not capture" in adjusted[0].reason
-    # Resolving again changes nothing more; eager_mode=True is never adjusted.
-    assert resolved.resolve().adjustments == ()
-    assert EngineConfig(device_type=name).resolve().eager_mode is True
+    # Resolution runs once (a resolved config passes through); eager_mode=True is never adjusted.
+    assert resolve_config(resolved) is resolved
+    assert resolve_config(EngineConfig(device_type=name)).eager_mode is True
 
 
 def test_cuda_captures_cpu_does_not():
@@ -35,7 +36,7 @@ def test_cuda_captures_cpu_does_not():
 
 
 def test_tensor_parallel_runs_eagerly():
-    resolved = EngineConfig(device_type="cuda", eager_mode=False, tp=2).resolve()
+    resolved = resolve_config(EngineConfig(device_type="cuda", eager_mode=False, tp=2))
     assert resolved.eager_mode is True
     assert "tp=1 only" in resolved.adjustments[0].reason
 
@@ -115,7 +116,7 @@ def test_model_runner_replays_decode_steps_only(monkeypatch):
     from lmport import GenerationConfig
     from lmport.backends.cuda import CudaBackend
     from lmport.runner import ModelRunner
-    from models import tiny_model_dir
+    from support.model_helpers import tiny_model_dir
     sizes = []
     monkeypatch.setattr(DecodeGraphRunner, "run", lambda self, ids, meta, run=DecodeGraphRunner.run:
                         sizes.append((meta.num_seqs, self.batch_size_for(meta.num_seqs))) or run(self, ids, meta))

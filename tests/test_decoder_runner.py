@@ -14,7 +14,7 @@ from lmport.models.fusion import ConcatLinear
 from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.weights.format import from_codes
 from lmport.weights.ggml import GGMLWeight
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 from support import ggml_quantize
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from test_server import ServerThread
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 from lmport.config import EngineConfig
 from lmport.dp import cluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 from lmport import plan, plan_format
 from lmport.cli import main

@@ -90,7 +90,7 @@ def test_bad_pooling_is_refused():
 
 @pytest.mark.slow
 def test_default_model_matches_sentence_transformers():
-    from models import default_model_path
+    from support.model_helpers import default_model_path
     from support.st_models import st_model_dir
     path = st_model_dir(str(default_model_path()), "mean", True)
     want = [st_model(path).encode(t, convert_to_numpy=True) for t in TEXTS]

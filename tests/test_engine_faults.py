@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 import lmport.engine as engine_module
 from lmport.config import EngineConfig, GenerationConfig

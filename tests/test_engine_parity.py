@@ -8,7 +8,7 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from models import TINY_ARCHS, hf_greedy, hf_model, tiny_model_dir
+from support.model_helpers import TINY_ARCHS, hf_greedy, hf_model, tiny_model_dir
 
 PROMPTS = [
     "Hello, my name is",

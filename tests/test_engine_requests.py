@@ -9,7 +9,7 @@ import torch
 import lmport
 from lmport import EngineConfig, GenerationConfig
 from lmport.engine import RequestError
-from models import hf_model, tiny_model_dir
+from support.model_helpers import hf_model, tiny_model_dir
 
 
 @functools.cache

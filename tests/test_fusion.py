@@ -8,7 +8,7 @@ import torch
 from lmport import ops
 from lmport.backends.cpu import CpuBackend
 from lmport.models.fusion import ConcatLinear, merge_linears
-from lmport.models.llama import Linear
+from lmport.models.layers import Linear
 from lmport.models.quantized import QuantLinear
 from lmport.weights.format import from_codes
 
@@ -73,7 +73,7 @@ def test_parts_that_cannot_be_one_linear_stay_apart(parts):
 def test_a_loaded_model_runs_merged_projections():
     import lmport
     from lmport.config import EngineConfig
-    from models import tiny_model_dir
+    from support.model_helpers import tiny_model_dir
     pipe = lmport.pipeline(tiny_model_dir("qwen2"), backend_config=EngineConfig(device_type="cpu"))   # q/k/v biases
     for layer in pipe.engine.model.model.layers:
         assert layer.self_attn.qkv_proj is not None and not hasattr(layer.self_attn, "q_proj")

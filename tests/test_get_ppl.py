@@ -13,7 +13,7 @@ from lmport import scoring
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import RequestError
-from models import hf_model
+from support.model_helpers import hf_model
 
 FREE = 3 << 30   # free memory the engine sees once its weights are loaded: the same plan on every machine
 # float32, as transformers computes it

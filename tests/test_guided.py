@@ -17,7 +17,7 @@ from lmport.config import ConfigError
 from lmport.engine import RequestError
 from lmport import guided
 from lmport.guided import apply_bitmask
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 SCHEMA = {"type": "object", "properties": {
     "kind": {"type": "string", "enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8},

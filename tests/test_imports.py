@@ -124,3 +124,26 @@ def test_the_engine_and_server_leave_heavy_modules_out():
             f"print(' '.join(m for m in {NOT_ON_IMPORT!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [], f"importing lmport.engine and lmport.server.app imports {out.stdout.strip()}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_the_walk_sees_imports_inside_functions(tmp_path):
+    assert "lmport.resolution" in _graph()["lmport.cli"]        # imported inside cmd_worker only
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from lmport.config import ConfigError\n    return ConfigError\n")
+    assert _imports("lmport.units", lazy, _modules()) == {"lmport.config"}
+
+
+def test_the_config_is_a_plain_value():
+    """Importing lmport.config, lazily or not, reaches neither the registry nor any backend."""
+    reached = _reachable(_graph(), "lmport.config")
+    assert not {m for m in reached if m in ("lmport.registry", "lmport.backend", "lmport.resolution")
+                or m.startswith("lmport.backends")}, sorted(reached)

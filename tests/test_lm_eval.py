@@ -9,7 +9,7 @@ import pytest
 from lmport.config import EngineConfig
 from lmport.engine import Engine
 from lmport.server.app import create_app
-from models import default_model_path
+from support.model_helpers import default_model_path
 from test_get_ppl import smollm2_pipeline
 from test_server import ServerThread
 
@@ -41,7 +41,7 @@ metric_list:
 
 @pytest.mark.slow
 def test_local_completions_loglikelihoods_equal_the_pipeline(tmp_path, monkeypatch):
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # pyright: ignore[reportMissingImports] - optional: the test skips without lm-eval
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "docs.jsonl"

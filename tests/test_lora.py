@@ -18,7 +18,8 @@ from lmport import EngineConfig, GenerationConfig
 from lmport.config import ConfigError
 from lmport.engine import Engine
 from lmport.lora import AdapterError
-from models import hf_model, tiny_model_dir
+from lmport.resolution import resolve_config
+from support.model_helpers import hf_model, tiny_model_dir
 from support.lora_adapters import adapter_dir, greedy, merged_model
 
 NEW_TOKENS = 8
@@ -168,7 +169,7 @@ def test_config():
         EngineConfig(device_type="cpu", max_loras=1, tp=2)
     with pytest.raises(ConfigError, match="max_lora_rank"):
         EngineConfig(device_type="cpu", max_loras=1, max_lora_rank=0)
-    resolved = EngineConfig(device_type="cuda", max_loras=2, eager_mode=False).resolve()
+    resolved = resolve_config(EngineConfig(device_type="cuda", max_loras=2, eager_mode=False))
     assert resolved.eager_mode and [a.field for a in resolved.adjustments] == ["eager_mode"]
     eng = engine(tiny_model_dir("llama"), max_loras=0)
     try:

@@ -13,8 +13,9 @@ from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
 from lmport.engine import Engine
 from lmport.models import loader
+from lmport.resolution import resolve_config
 from lmport.weights import gguf as gguf_weights
-from models import default_model_path, tiny_model_dir
+from support.model_helpers import default_model_path, tiny_model_dir
 from test_get_ppl import CONFIG, FREE, smollm2_pipeline
 
 
@@ -94,8 +95,8 @@ def test_a_sliding_window_bounds_the_blocks_not_the_session(model_cfg, window_bl
     # The attention ops honour the window, so the session is the model's context; where every layer
     # slides, the blocks behind the window are freed and a sequence never holds more than the bound.
     assert memory.model_limit(model_cfg) == 32768
-    config = EngineConfig(device_type="cpu", cache_max_entry_count=1024, block_size=16,
-                          max_prefill_token_num=8192).resolve()
+    config = resolve_config(EngineConfig(device_type="cpu", cache_max_entry_count=1024, block_size=16,
+                          max_prefill_token_num=8192))
     inputs = memory.MemoryInputs(model_cfg, config, CpuBackend.capabilities, 0, 64 << 40, 0, False)
     plan = memory.plan_cache(inputs)
     assert plan.window_blocks == window_blocks
@@ -174,9 +175,9 @@ def test_parse_bytes(text, size):
 
 def test_estimate_scales_with_prefill_tokens_and_tp():
     cfg = plan.read_model_config(str(default_model_path()))
-    base = EngineConfig(device_type="cuda").resolve()
-    small = EngineConfig(device_type="cuda", max_prefill_token_num=1024).resolve()
-    split = EngineConfig(device_type="cuda", tp=3).resolve()
+    base = resolve_config(EngineConfig(device_type="cuda"))
+    small = resolve_config(EngineConfig(device_type="cuda", max_prefill_token_num=1024))
+    split = resolve_config(EngineConfig(device_type="cuda", tp=3))
     assert memory.activation_reserve(cfg, small) < memory.activation_reserve(cfg, base)
     assert memory.activation_reserve(cfg, split) < memory.activation_reserve(cfg, base)
     assert memory.kv_layout(cfg, split).num_kv_heads == 1

@@ -13,7 +13,8 @@ from lmport.backends.cpu import CpuBackend
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine
 from lmport.kv.layout import KVLayout
-from models import tiny_model_dir
+from lmport.resolution import resolve_config
+from support.model_helpers import tiny_model_dir
 
 FREE = 128 << 20
 # The tiny Llama (tests/models.py) on cpu in float32: 2 layers x K and V x 16 tokens x 2 KV heads x 16 dims x 4 bytes.
@@ -40,7 +41,7 @@ def test_too_small_cache_max_entry_count_gives_advice_with_numbers(free_memory):
         Engine(tiny(), config)
     message = str(err.value)
 
-    reserve = memory.activation_reserve(plan.read_model_config(tiny()), config.resolve())
+    reserve = memory.activation_reserve(plan.read_model_config(tiny()), resolve_config(config))
     usable = FREE - reserve
     blocks = int(usable * 0.001) // BYTES_PER_BLOCK
     need = 1024 // 16
@@ -85,7 +86,7 @@ def test_a_failed_allocation_gives_advice_not_a_traceback(free_memory, monkeypat
     assert message.startswith("allocating the KV cache (")
     assert str(error).splitlines()[0] in message
     # Advice aims at 90% of what is free after the failure (FREE here) less the reserve, and below what failed.
-    config = EngineConfig(device_type="cpu", cache_max_entry_count=0.9).resolve()
+    config = resolve_config(EngineConfig(device_type="cpu", cache_max_entry_count=0.9))
     usable = FREE - memory.activation_reserve(plan.read_model_config(tiny()), config)
     failed = int(usable * 0.9) // BYTES_PER_BLOCK
     fit = min(int(0.9 * usable) // BYTES_PER_BLOCK, int(0.9 * failed))
@@ -146,7 +147,7 @@ def test_a_cache_that_does_not_fit_is_planned_as_an_error(fields, device_memory,
     assert "Try, in order:" in report["error"]
     with pytest.raises(memory.CacheDoesNotFit):
         memory.plan_cache(memory.MemoryInputs(
-            plan.read_model_config(tiny()), EngineConfig(device_type="cpu", **fields).resolve(),
+            plan.read_model_config(tiny()), resolve_config(EngineConfig(device_type="cpu", **fields)),
             CpuBackend.capabilities, report["weights"]["bytes"], report["free_after_weights_bytes"],
             report["activation_reserve"]["bytes"], False))
 
@@ -160,7 +161,7 @@ def test_tp_must_divide_the_heads():
 
 def test_quant_policy_the_backend_lacks():
     with pytest.raises(ConfigError, match="quant_policy=8 is not supported on device 'camb'"):
-        EngineConfig(device_type="camb", quant_policy=8)
+        resolve_config(EngineConfig(device_type="camb", quant_policy=8))
 
 
 @pytest.mark.parametrize("text", ["lots", "0GiB", "-1G", "24 parsecs", ""])

@@ -22,7 +22,7 @@ def _load_toml(path: Path) -> dict:
         import tomllib
     except ImportError:  # Python 3.10
         try:
-            import tomli as tomllib
+            import tomli as tomllib  # pyright: ignore[reportMissingImports] - Python 3.10 only
         except ImportError:
             from pip._vendor import tomli as tomllib
     with path.open("rb") as f:

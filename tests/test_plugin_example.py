@@ -10,6 +10,7 @@ import pytest
 
 from lmport import ConfigError, EngineConfig, registry
 from lmport.backend import Backend
+from lmport.resolution import resolve_config
 
 DIST = "lmport-example-device"
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def test_listed_by_lmport_backends(backends_table):
 def test_kv_quantization_is_rejected(quant_policy, freeze_discovery):
     freeze_discovery()
     with pytest.raises(ConfigError) as info:
-        EngineConfig(device_type="example", quant_policy=quant_policy)
+        resolve_config(EngineConfig(device_type="example", quant_policy=quant_policy))
     message = str(info.value)
     assert f"quant_policy={quant_policy}" in message and "'example'" in message
     assert "cpu" in message, "the message names the devices that do support it"
@@ -77,7 +78,7 @@ def test_kv_quantization_is_rejected(quant_policy, freeze_discovery):
 def test_block_size_rule_is_applied(asked):
     cfg = EngineConfig(device_type="example", block_size=asked)
     before = dataclasses.asdict(cfg)
-    resolved = cfg.resolve()
+    resolved = resolve_config(cfg)
     assert resolved.block_size == 32
     assert dataclasses.asdict(cfg) == before
     if asked in (None, 32):

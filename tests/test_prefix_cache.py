@@ -9,7 +9,8 @@ import pytest
 
 import lmport
 from lmport.config import EngineConfig, GenerationConfig
-from models import tiny_model_dir
+from support.paging_invariants import check_block_manager
+from support.model_helpers import tiny_model_dir
 
 SHARED_PROMPT_LEN = 1000
 
@@ -25,7 +26,7 @@ def run(model: str, prompts, max_new: int, quant_policy: int, hash_fn=None, **co
 
         def checked_step():
             outputs = step()
-            engine.block_manager.check_invariants(engine.seqs.values())
+            check_block_manager(engine.block_manager, engine.seqs.values())
             return outputs
         engine.step = checked_step
         responses = pipe.generate(prompts, GenerationConfig(max_new_tokens=max_new, ignore_eos=True))

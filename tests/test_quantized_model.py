@@ -21,7 +21,7 @@ from lmport import EngineConfig, GenerationConfig, ops
 from lmport.models import loader
 from lmport.models.quantized import QuantEmbedding, QuantLinear
 from lmport.weights import gguf as gguf_weights
-from models import hf_greedy, hf_model
+from support.model_helpers import hf_greedy, hf_model
 from test_engine_parity import PROMPTS, prompt_ids
 
 LOGIT_ATOL = 0.05

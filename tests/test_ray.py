@@ -16,7 +16,7 @@ from test_dp_frontend import family
 from test_server import ServerThread
 from test_tensor_parallel import GREEDY, PROMPTS, greedy
 
-from models import hf_greedy, tiny_model_dir
+from support.model_helpers import hf_greedy, tiny_model_dir
 
 from lmport.config import EngineConfig
 from lmport.engine import Engine

@@ -8,6 +8,7 @@ import pytest
 
 from lmport import ConfigError, EngineConfig, cli, registry
 from lmport.backends.cpu import CpuBackend
+from lmport.resolution import resolve_config
 
 IN_TREE = {"ascend", "camb", "cpu", "cuda"}
 
@@ -58,7 +59,7 @@ def test_duplicate_name_from_two_distributions_is_an_error(install_fake_plugin, 
     message = str(info.value)
     assert "more than once" in message and "lmport-cpu-fork" in message and "(lmport)" in message, message
     with pytest.raises(ConfigError, match="more than once"):
-        EngineConfig(device_type="cpu")
+        resolve_config(EngineConfig(device_type="cpu"))
     assert registry.backend_origin("cpu") == "lmport, lmport-cpu-fork"
 
     report = {r.name: r for r in registry.describe_backends()}["cpu"]
@@ -104,7 +105,7 @@ def test_plugin_that_fails_to_load_is_reported(install_fake_plugin, freeze_disco
     with pytest.raises(registry.BackendError, match=re.escape(message)):
         registry.load_backend_class("broken")
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
-        EngineConfig(device_type="broken")
+        resolve_config(EngineConfig(device_type="broken"))
     assert "broken" in str(info.value)
 
     reports = {r.name: r for r in registry.describe_backends()}

@@ -9,11 +9,12 @@ from lmport.config import GenerationConfig
 from lmport.paging.block_manager import BlockManager
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
-from workload import maybe_abort, run_batch
+from support.paging_invariants import check_block_manager
+from support.scheduler_workload import maybe_abort, run_batch
 
 
 def check(scheduler: Scheduler, bm: BlockManager) -> None:
-    bm.check_invariants()
+    check_block_manager(bm)
     held = [b for s in scheduler.running for b in s.block_table]
     assert len(held) == len(set(held)), "two running sequences share a block"
     assert bm.num_blocks - bm.num_free == len(held), "used blocks must be exactly the running sequences' blocks"

@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 from lmport.config import EngineConfig
 from lmport.engine import Engine

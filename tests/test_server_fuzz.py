@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 from test_server import ServerThread
 
 from lmport.config import EngineConfig

@@ -19,7 +19,7 @@ from lmport.config import ConfigError, EngineConfig
 from lmport.engine import Engine
 from lmport.server import adapters
 from lmport.server.app import create_app
-from models import hf_model, tiny_model_dir
+from support.model_helpers import hf_model, tiny_model_dir
 from support.lora_adapters import adapter_dir, greedy, merged_model
 
 API_KEY = "sk-lora-test"

@@ -12,7 +12,7 @@ import pytest
 from lmport.config import EngineConfig
 from lmport.engine import Engine
 from lmport.server.app import create_app
-from models import tiny_tool_model_dir
+from support.model_helpers import tiny_tool_model_dir
 from test_server import ServerThread
 
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 KEY = "sk-reliability"
 AUTH = {"Authorization": f"Bearer {KEY}"}

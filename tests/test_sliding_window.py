@@ -19,8 +19,9 @@ from lmport.models.windows import kv_window, layer_windows
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.window import HOLE, blocks_bound, first_kept_block
 from lmport.sequence import Sequence
-from models import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
-from workload import maybe_abort, run_batch
+from support.paging_invariants import check_block_manager
+from support.model_helpers import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
+from support.scheduler_workload import maybe_abort, run_batch
 
 WINDOW = 32
 
@@ -99,7 +100,7 @@ def test_block_manager_frees_blocks_behind_the_window(prefix_caching, host_block
             assert all(b == HOLE for b in seq.block_table[:first])    # the holes are a prefix
             assert first == first_kept_block(seq.num_computed, 10, bs)   # exactly the blocks out of reach
             seq.num_computed += n
-        bm.check_invariants(seqs)
+        check_block_manager(bm, seqs)
         if step == 5:   # preempt one; it is swapped out only where its holes lie in its prefix-cached blocks
             if not bm.preempt(seqs[1]):
                 assert seqs[1].num_computed == 0
@@ -107,7 +108,7 @@ def test_block_manager_frees_blocks_behind_the_window(prefix_caching, host_block
             assert bm.admit(seqs[1], chunk) is not None
     for seq in seqs:
         bm.free(seq)
-    bm.check_invariants([])
+    check_block_manager(bm, [])
     assert bm.num_free == 40
 
 
@@ -218,7 +219,7 @@ def test_random_workload_with_a_window_prefix_cache_and_host_tier(seed):
             assert sum(b != HOLE for b in seq.block_table) <= bound
         run_batch(scheduler, batch, rng, targets)
         maybe_abort(scheduler, seqs, rng, 0.03)
-        bm.check_invariants(scheduler.running)
+        check_block_manager(bm, scheduler.running)
     assert bm.allocator.num_free + bm.allocator.num_cached == bm.num_blocks
 
 

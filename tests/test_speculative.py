@@ -14,7 +14,8 @@ import lmport
 from lmport.config import ConfigError, EngineConfig, GenerationConfig, SpeculativeConfig
 from lmport.speculative import ngram
 from lmport.speculative.speculator import FIRST_PAUSE, Speculator
-from models import tiny_model_dir
+from support.paging_invariants import check_block_manager
+from support.model_helpers import tiny_model_dir
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
 
@@ -86,7 +87,7 @@ def generate(model, prompts, gen: GenerationConfig, *, check_blocks=False, **con
             def checked_step():
                 outputs = step()
                 bm = engine.block_manager
-                bm.check_invariants(engine.seqs.values())
+                check_block_manager(bm, engine.seqs.values())
                 for seq in engine.scheduler.running:
                     assert len(seq.block_table) == bm.blocks_for(seq.num_computed), seq.request_id
                 return outputs

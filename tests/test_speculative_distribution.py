@@ -21,7 +21,7 @@ import torch
 import lmport
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.speculative import acceptance
-from models import hf_model, tiny_model_dir
+from support.model_helpers import hf_model, tiny_model_dir
 
 REQUESTS = 600
 TOP_K = 4

@@ -15,7 +15,7 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.engine import Engine
 from lmport.models.loader import load_tokenizer
 from lmport.speculative.draft import check_same_tokens
-from models import tiny_draft_dir, tiny_model_dir
+from support.model_helpers import tiny_draft_dir, tiny_model_dir
 from test_speculative import GREEDY, chain_tokens, generate, repeating_prompts
 
 
@@ -162,6 +162,7 @@ def test_the_draft_cache_is_planned_beside_the_target_cache():
     from lmport.memory import draft_bytes_per_block
     from lmport.plan import build_plan
     from lmport.plan_format import format_plan
+    from lmport.resolution import resolve_config
     target, draft = tiny_model_dir("llama"), tiny_draft_dir("llama")
     spec = draft_spec(draft)
     alone = build_plan(target, EngineConfig(device_type="cpu"), device_memory=1 << 30)
@@ -176,7 +177,7 @@ def test_the_draft_cache_is_planned_beside_the_target_cache():
     assert "draft" in format_plan(report)
     # The engine holds what its plan says.
     cfg = EngineConfig(device_type="cpu", cache_max_entry_count=64, speculative=spec)
-    assert draft_bytes_per_block(cfg.resolve()) == report["draft"]["bytes_per_block"]
+    assert draft_bytes_per_block(resolve_config(cfg)) == report["draft"]["bytes_per_block"]
     engine = Engine(target, cfg)
     try:
         assert engine.draft is not None
@@ -190,7 +191,7 @@ def test_the_draft_cache_is_planned_beside_the_target_cache():
 def test_default_model_q4_1_drafting_for_its_float_form():
     """The default model's Q4_1 file drafts for its float32 form (the same tokenizer): greedy output as without
     speculation, and most proposals accepted."""
-    from models import transformers_dir
+    from support.model_helpers import transformers_dir
     target = str(transformers_dir("smollm2"))
     tok = load_tokenizer("smollm2")
     texts = ["Copy this list: apples, pears, plums, cherries, figs, dates, limes.",

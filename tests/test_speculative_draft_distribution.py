@@ -22,7 +22,7 @@ import torch
 import lmport
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.speculative import acceptance
-from models import hf_model, tiny_draft_dir, tiny_model_dir
+from support.model_helpers import hf_model, tiny_draft_dir, tiny_model_dir
 from test_speculative_distribution import chi_square_p
 
 REQUESTS = 1200

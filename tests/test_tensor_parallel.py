@@ -17,7 +17,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from models import default_model_path, hf_greedy, tiny_model_dir
+from support.model_helpers import default_model_path, hf_greedy, tiny_model_dir
 
 from lmport import plan, plan_format
 from lmport.config import ConfigError, EngineConfig, GenerationConfig

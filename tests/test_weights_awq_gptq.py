@@ -21,7 +21,7 @@ import lmport
 from lmport import EngineConfig, GenerationConfig, ops
 from lmport.config import ConfigError
 from lmport.models.quantized import QuantLinear
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 LOGIT_ATOL = 2e-3
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # AutoAWQ's GEMM nibble order (awq/utils/packing_utils.py)
@@ -84,7 +84,7 @@ def config_entry(method: str, bits: int, group: int, sym: bool) -> dict:
 def build(tmp_path, arch, method, bits, group, sym):
     """Writes the quantized checkpoint; returns it and transformers' model over the dequantized weights."""
     from transformers import AutoModelForCausalLM
-    import models
+    from support import model_helpers as models
     cfg = models._tiny_config(arch)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 128, 256, 32
     torch.manual_seed(5)

@@ -131,7 +131,7 @@ def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
     def layer(x, cos, sin, cache, meta):
         t = x.shape[0]
         # view, not unflatten: the compiled linears return contiguous rows; split_with_sizes, not
-        # split: the same op without Tensor.split's Python wrapper (2.6 against 4.6 us a call).
+        # split: the same op without Tensor.split's Python wrapper.
         q, k, v = qkv(rms_norm(x, norm1, eps1)).view(t, -1, head_dim).split_with_sizes(heads, 1)
         q, k = rotary(q, k, cos, sin)
         fill(k, v, cache.k, cache.v, meta.slot_mapping)

@@ -179,7 +179,7 @@ def prompts(n_tokens=(1, 7, 16, 45, 100)) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in n_tokens]
 
 
-def lmport_greedy(model: str, dtype: str, batch: list[list[int]], new: int, **config) -> tuple[list, object]:
+def lmport_greedy(model: str, dtype: str, batch: list[list[int]], new: int, **config) -> tuple[list, dict]:
     import lmport
     from lmport import EngineConfig, GenerationConfig
     cfg = EngineConfig(device_type="cuda", dtype=dtype, cache_max_entry_count=config.pop("blocks", 256),
@@ -487,12 +487,13 @@ def step_quant(args) -> dict:
         model, requests, blocks0 = str(kit_models.llama3_8b_dir(args.layers)), workload(args.requests), args.kv_blocks
     from lmport import EngineConfig
     from lmport.memory import kv_layout
+    from lmport.resolution import resolve_config
     from lmport.models.loader import read_model_config
     cfg = read_model_config(model)
     rows = []
     budget = None
     for policy in (0, 8, 4):
-        layout = kv_layout(cfg, EngineConfig(device_type="cuda", quant_policy=policy).resolve(), "bshd")
+        layout = kv_layout(cfg, resolve_config(EngineConfig(device_type="cuda", quant_policy=policy)), "bshd")
         if budget is None:
             budget = blocks0 * layout.bytes_per_block
         blocks = budget // layout.bytes_per_block

@@ -19,6 +19,7 @@ from lmport.dp.frontend import DataParallel
 from lmport.dp.replica import InProcessHandle, Replica, ReplicaCalls
 from lmport.dp.router import PrefixRouter
 from lmport.engine_messages import EngineInfo
+from lmport.resolution import resolve_config
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def start(model: str, config: EngineConfig, dp: int, *, policy: str = "prefix", 
           max_blocks: int = 32) -> DataParallel:
     """``dp`` replicas of ``model`` on the Ray cluster (``config.ray_address``, else a local one), ready, behind
     the front end that routes to them."""
-    resolved = config.resolve()
+    resolved = resolve_config(config)
     resource = resolved.backend_class().capabilities.ray_resource
     ray = ray_cluster.connect(config.ray_address, num_cpus=dp * config.tp)
     # Ranks beyond 0 of a replica are Ray actors in the replica's placement group, whatever config.executor says.

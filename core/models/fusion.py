@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmport.models.llama import MLP, Attention, Linear, RowParallelLinear, linear_weights
+from lmport.models.layers import Linear, RowParallelLinear, linear_weights
+from lmport.models.llama import MLP, Attention
 from lmport.models.quantized import GGMLLinear, QuantLinear
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight

@@ -1,12 +1,14 @@
-"""Paged-attention decoder for the Llama family (Llama, SmolLM2, Mistral), Qwen2 and Qwen3.
+"""Paged-attention decoder for the Llama family (Llama, SmolLM2, Mistral), Qwen2 and Qwen3, and the
+``PagedCausalLM`` every architecture subclasses (Gemma, Phi-3, the MoE models), which takes what differs
+between them as class attributes and hooks: the decoder layer, the norms' offset, the embedding scale,
+each layer's rope kind and window, the attention and final soft caps.
 
 Parameter names match transformers' so its state dict loads as is. Every
 device-specific op (linear, RMSNorm, rotary, the gated activation, KV fill,
-paged attention) goes through the backend; the rest is plain torch.
+paged attention) goes through the backend (lmport.models.layers); the rest is plain torch.
 
-Within a forward, submodules are called through ``.forward``: lmport registers no
-hooks, and skipping ``nn.Module.__call__``'s hook dispatch (about 210 calls a token
-for a 30-layer model) made single-stream decode on cpu 6% faster.
+In the per-layer loop, submodules are called through ``.forward``: lmport registers no hooks,
+so ``nn.Module.__call__``'s hook dispatch (a few calls a layer) would be pure overhead.
 """
 from __future__ import annotations
 
@@ -17,88 +19,15 @@ from lmport import ops
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.models.activations import activation
-from lmport.models.quantized import GGMLLinear, QuantLinear
+from lmport.models.dims import head_dim_of
+from lmport.models.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
+                                  apply_rope, linear_weights)
 from lmport.models.rope_table import RopeTable
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
 from lmport.units import ceil_div
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def head_dim_of(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, backend: Backend):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.rms_norm(x, self.weight, self.eps)
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose matmul the backend runs (a BLAS may want another operand order)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, backend: Backend):
-        super().__init__(in_features, out_features, bias=bias)
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self.weight, self.bias)
-
-
-class ColumnParallelLinear(Linear):
-    """This rank's rows [start, end) of the full weight's output features (bias split alike)."""
-
-    shard_dim = 0
-
-    def __init__(self, in_features: int, out_range: tuple[int, int], bias: bool, backend: Backend):
-        super().__init__(in_features, out_range[1] - out_range[0], bias, backend)
-        self.shard_range = out_range
-
-
-class RowParallelLinear(Linear):
-    """This rank's input features [start, end) of the full weight; the partial results are summed
-    over the ranks (one all-reduce), then the (replicated) bias is added once."""
-
-    shard_dim = 1
-
-    def __init__(self, in_range: tuple[int, int], out_features: int, bias: bool, backend: Backend, tp: TPGroup):
-        super().__init__(in_range[1] - in_range[0], out_features, bias, backend)
-        self.shard_range = in_range
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        y = self.tp.all_reduce(self.backend.linear(x, self.weight, None).contiguous())
-        return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """This rank's rows [start, end) of the embedding; other tokens look up zeros, and one all-reduce
-    sums the ranks (each token's row lives on exactly one rank, so the sum is exact)."""
-
-    shard_dim = 0
-
-    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
-        start, end = split(vocab_size, tp.size, tp.rank)
-        super().__init__(end - start, hidden)
-        self.shard_range = (start, end)
-        self.tp = tp
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(ids)
-        start, end = self.shard_range
-        local = (ids >= start) & (ids < end)
-        x = super().forward(torch.where(local, ids - start, 0)) * local[:, None]
-        return self.tp.all_reduce(x)
 
 
 class Attention(nn.Module):
@@ -137,12 +66,7 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj.forward(x).unflatten(-1, (-1, self.head_dim)).split(self.qkv_heads, dim=1)
         if self.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        rot = cos.shape[-1]
-        if rot < self.head_dim:   # partial rotary (partial_rotary_factor < 1): the leading dims turn
-            qr, kr = self.backend.apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
-            q, k = torch.cat([qr, q[..., rot:]], -1), torch.cat([kr, k[..., rot:]], -1)
-        else:
-            q, k = self.backend.apply_rotary(q, k, cos, sin)
+        q, k = apply_rope(self.backend, q, k, cos, sin)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, cache, meta, self.scale)
         return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
@@ -189,7 +113,7 @@ class DecoderLayer(nn.Module):
         other than silu, projections left unmerged, a linear of another kind."""
         attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
         if (type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
-                or any(type(n) is not RMSNorm for n in norms) or attn.qk_norm or mlp.act is not None):
+                or any(type(n) is not RMSNorm or n.offset for n in norms) or attn.qk_norm or mlp.act is not None):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         qkv, o, gate_up, down = (linear_weights(m) for m in linears)
@@ -201,35 +125,24 @@ class DecoderLayer(nn.Module):
             post_attention_norm=norms[1].weight, post_attention_norm_eps=norms[1].eps, gate_up=gate_up, down=down)
 
 
-def linear_weights(module: nn.Module | None) -> ops.Linears | None:
-    """A float or quantized linear's weight and bias (a tuple of them for parts concatenated: ``parts``);
-    None for any other module (a row-parallel linear sums over ranks, which the spec does not)."""
-    parts = getattr(module, "parts", None)
-    if isinstance(parts, nn.ModuleList):
-        weights = [linear_weights(p) for p in parts]
-        singles = [w for w in weights if isinstance(w, ops.LinearWeights)]
-        return tuple(singles) if len(singles) == len(weights) else None
-    if isinstance(module, QuantLinear | GGMLLinear):
-        return ops.LinearWeights(module.quantized, module.bias)
-    if isinstance(module, Linear) and not (isinstance(module, RowParallelLinear) and module.tp.size > 1):
-        return ops.LinearWeights(module.weight, module.bias)
-    return None
-
-
 class Decoder(nn.Module):
-    def __init__(self, cfg, backend: Backend, tp: TPGroup):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup, layer_class: type[nn.Module], norm_offset: float):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.layers = nn.ModuleList(layer_class(cfg, backend, tp) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, norm_offset)
 
 
 class PagedCausalLM(nn.Module):
     """``forward`` runs one step's new tokens (flattened over sequences) and returns hidden states.
 
-    Under tensor parallelism (``tp``) the module holds one rank's shard (lmport.parallel)."""
+    Under tensor parallelism (``tp``) the module holds one rank's shard (lmport.parallel). A subclass
+    for another architecture sets the class attributes and overrides the hooks below; everything else
+    (the rope tables, the per-layer windows and soft caps, the backend's decoder runner) is shared."""
 
-    model_types = SUPPORTED_MODEL_TYPES
+    model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
+    layer_class: type[nn.Module] = DecoderLayer   # built (cfg, backend, tp) once per layer
+    norm_offset = 0.0                             # the final norm's (lmport.models.layers.RMSNorm)
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
         super().__init__()
@@ -238,24 +151,42 @@ class PagedCausalLM(nn.Module):
                              f"{', '.join(self.model_types)}")
         self.config = cfg
         self.tp = tp = tp or TPGroup()
-        self.model = Decoder(cfg, backend, tp)
+        self.model = Decoder(cfg, backend, tp, self.layer_class, self.norm_offset)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, split(cfg.vocab_size, tp.size, tp.rank), False, backend)
         self.rotary = rotary  # transformers' own rotary module: every rope variant it knows
-        self.rope_table = RopeTable()   # its cos/sin by position, filled once where it can be
+        self.rope_kinds = self.layer_rope_kinds(cfg)   # each layer's argument to the rotary module (None: none)
+        # cos/sin by position for each kind, filled once where they can be
+        self.rope_tables = {kind: RopeTable(kind) for kind in dict.fromkeys(self.rope_kinds)}
         self.windows = layer_windows(cfg)   # each layer's sliding window (None: full attention)
+        self.embed_scale = self.embedding_scale(cfg)
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.backend = backend
         self._runner: tuple[ops.DecoderRunner | None] | None = None   # decoder_runner(), once built
+
+    def embedding_scale(self, cfg) -> float | None:
+        """What the embeddings are multiplied by (in their dtype) before the first layer; None: nothing."""
+        return None
+
+    def layer_rope_kinds(self, cfg) -> list[str | None]:
+        """Per layer, the extra argument its rotary module call takes (Gemma 3's layer type: each kind has
+        its own rope base); None: the layer takes the model's one rope."""
+        return [None] * cfg.num_hidden_layers
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_table(self.rotary, x, meta.positions, meta.max_kv_len)
-        metas = {w: meta.for_layer(w) for w in set(self.windows)}
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = {kind: table(self.rotary, x, meta.positions, meta.max_kv_len)
+                 for kind, table in self.rope_tables.items()}
+        metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
         runner = self.decoder_runner()
-        out = None if runner is None else runner(x, cos, sin, caches, [metas[w] for w in self.windows])
+        out = None if runner is None else runner(x, *ropes[None], caches, [metas[w] for w in self.windows])
         if out is None:
-            for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
-                x = layer.forward(x, cos, sin, cache, metas[window])
+            for layer, cache, window, kind in zip(self.model.layers, caches, self.windows, self.rope_kinds,
+                                                  strict=True):
+                x = layer.forward(x, *ropes[kind], cache, metas[window])
             out = x
         return self.model.norm.forward(out)
 
@@ -266,7 +197,7 @@ class PagedCausalLM(nn.Module):
         if self._runner is None:
             specs = [layer.spec() if isinstance(layer, DecoderLayer) else None for layer in self.model.layers]
             complete = [s for s in specs if s is not None]
-            usable = self.tp.size == 1 and len(complete) == len(specs)
+            usable = self.tp.size == 1 and len(complete) == len(specs) and list(self.rope_tables) == [None]
             self._runner = (self.backend.decoder_runner(complete) if usable else None,)
         return self._runner[0]
 
@@ -279,7 +210,10 @@ class PagedCausalLM(nn.Module):
         """Float32 logits over the whole vocabulary on rank 0 (None on the other ranks)."""
         local = self.lm_head(hidden).float().contiguous()  # sampling wants rows; linear need not give them
         vocab = self.config.vocab_size
-        return self.tp.gather_columns(local, ceil_div(vocab, self.tp.size), vocab)
+        logits = self.tp.gather_columns(local, ceil_div(vocab, self.tp.size), vocab)
+        if logits is None or self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's slices of a full checkpoint's state dict (views at tp=1, copies otherwise, so the

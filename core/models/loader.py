@@ -14,7 +14,6 @@ from tqdm import tqdm
 
 from lmport import ops
 from lmport.backend import Backend
-from lmport.config import ConfigError
 from lmport.models import quantized as quantized_layers
 from lmport.models.architectures import model_class
 from lmport.models.fusion import fuse_projections
@@ -22,7 +21,7 @@ from lmport.models.llama import PagedCausalLM
 from lmport.models.rotary import rotary_for
 from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
-from lmport.weights.checkpoint import check_backend
+from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 from lmport.weights.ggml import GGMLWeight
 
 log = logging.getLogger(__name__)
@@ -114,9 +113,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
     path = resolve_model_path(model)
     keep_quantized = check_backend(path, backend.capabilities, weight_format)
     packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
-    if (keep_quantized or packed) and tp is not None and tp.size > 1:
-        raise ConfigError(f"tp={tp.size} with a quantized checkpoint is not supported (lmport does not shard "
-                          f"quantized weights); use tp=1, or weight_format='dequantize' for a GGUF")
+    check_tensor_parallel(path, tp.size if tp is not None else 1, weight_format)
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         tokenizer, cfg = load_tokenizer(model), read_model_config(model)
         bar.update()

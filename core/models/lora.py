@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from lmport.backend import Backend
-from lmport.config import ConfigError
-from lmport.models.llama import MLP, Attention, PagedCausalLM, head_dim_of
+from lmport.errors import ConfigError
+from lmport.models.dims import head_dim_of
+from lmport.models.llama import MLP, Attention, PagedCausalLM
 from lmport.ops import LoraBatch
 
 # The modules an adapter may target, as peft names them in a Llama-family model.

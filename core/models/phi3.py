@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from lmport.models.llama import PagedCausalLM, head_dim_of
+from lmport.models.dims import head_dim_of
+from lmport.models.llama import PagedCausalLM
 
 PHI3_MODEL_TYPES = ("phi3",)
 

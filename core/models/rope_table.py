@@ -4,8 +4,7 @@ Transformers computes cos and sin for a step's positions on every call (a matmul
 sin). Unless the rope type rescales its frequencies with the sequence length ("dynamic" types
 and "longrope", which transformers updates per call), a position's row does not depend on the
 rest of the step: the module is called once for positions 0..n-1, with n doubling as contexts
-grow, and a step gathers its rows. Single-stream cpu decode ran 2% to 4% faster so (one
-engine, the forwards with and without the table swapped between rounds).
+grow, and a step gathers its rows.
 """
 from __future__ import annotations
 
@@ -20,25 +19,30 @@ def rows_depend_on_length(rotary: nn.Module) -> bool:
 
 
 class RopeTable:
-    """cos and sin [positions, rotary dim] of one rotary module (not an nn.Module: a cache, never
-    saved or moved; it is rebuilt on the device and dtype a step asks for). It holds at most
-    twice the longest context seen: 4 MB for the default model's 8192 positions in float32."""
+    """cos and sin [positions, rotary dim] of one rotary module, for one ``kind`` of layer where the
+    module takes one (Gemma 3's layer type; None: it takes none). Not an nn.Module: a cache, never
+    saved or moved; it is rebuilt on the device and dtype a step asks for, and holds at most twice
+    the longest context seen."""
 
     MIN_ROWS = 256
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str | None = None) -> None:
+        self.kind = kind
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+
+    def _call(self, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor):
+        return rotary(x, positions) if self.kind is None else rotary(x, positions, self.kind)
 
     def __call__(self, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                  max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``positions`` (all below ``max_position``, a host int: no device sync)."""
         if rows_depend_on_length(rotary):
-            cos, sin = rotary(x, positions[None])
+            cos, sin = self._call(rotary, x, positions[None])
             return cos[0], sin[0]
         cos, sin = self.cos, self.sin
         if cos is None or sin is None or cos.shape[0] < max_position or cos.device != x.device or cos.dtype != x.dtype:
             rows = max(max_position, self.MIN_ROWS, 2 * (0 if cos is None else cos.shape[0]))
-            table = rotary(x, torch.arange(rows, device=x.device)[None])
+            table = self._call(rotary, x, torch.arange(rows, device=x.device)[None])
             cos, sin = self.cos, self.sin = table[0][0], table[1][0]
         return cos[positions], sin[positions]

@@ -1,21 +1,20 @@
 """Per-sequence block tables over the device pool, with the prefix cache and the host tier.
 
-Accounting (checked by ``check_invariants``), on each pool:
+Accounting (checked after every step of the tests' randomized workloads, tests/support), on each pool:
   device: free + used + cached = total
   host:   free + used + cached = total, used = blocks of swapped-out sequences
 where used = referenced by a sequence (its ref count is the number of block
 tables holding it), cached = a prefix-cache entry no sequence holds. Every
 cached block is indexed by the prefix cache, in exactly one pool.
 
-Eviction and the swap cost rule are in ``lmport.paging.eviction``, the usage
-report in ``lmport.paging.usage``, the accounting checks in
-``lmport.paging.invariants``. A lookup that finds blocks on the host gives them
+Eviction and the swap cost rule are the manager's ``Evictor`` (``lmport.paging.eviction``),
+the usage report a function over its state (``lmport.paging.usage``). A lookup that finds blocks on the host gives them
 device blocks and copies them back instead of recomputing them.
 
 Preemption: a sequence's leading blocks already in the prefix cache stay there
 (they are found again by lookup on readmission). Its other computed blocks are
 swapped to the host when that costs less than recomputing them (see
-``Eviction._swap_pays``); otherwise it is recomputed from what the cache still holds.
+``Evictor.swap_pays``); otherwise it is recomputed from what the cache still holds.
 """
 from __future__ import annotations
 
@@ -23,11 +22,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lmport.paging.allocator import BlockAllocator
-from lmport.paging.eviction import LINK_BYTES_PER_FLOP, Eviction
+from lmport.paging.eviction import LINK_BYTES_PER_FLOP, Evictor
 from lmport.paging.host_tier import CopyBatch, CopyQueue
-from lmport.paging.invariants import Invariants
 from lmport.paging.prefix_cache import CachedBlock, ExtraKeys, PrefixCache
-from lmport.paging.usage import UsageStats
+from lmport.paging.usage import usage
 from lmport.paging.window import HOLE, release_outside_window
 from lmport.sequence import Sequence
 from lmport.units import ceil_div
@@ -44,12 +42,12 @@ class _SeqCache:
 
 
 @dataclass
-class _Swap:
+class Swap:
     num_cached_blocks: int      # leading blocks left to the prefix cache
     host_blocks: list[int]      # the following blocks, copied to the host pool
 
 
-class BlockManager(Eviction, UsageStats, Invariants):
+class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  num_host_blocks: int = 0, bytes_per_block: int = 0, flops_per_token: float = 0.0,
                  seed: bytes = b"", link_bytes_per_flop: float = LINK_BYTES_PER_FLOP, window: int | None = None):
@@ -60,11 +58,16 @@ class BlockManager(Eviction, UsageStats, Invariants):
         self.host = BlockAllocator(num_host_blocks) if num_host_blocks > 0 else None
         self.copies = CopyQueue()
         self.bytes_per_block = bytes_per_block
-        self.flops_per_token = flops_per_token
-        self.link_bytes_per_flop = link_bytes_per_flop
         self._seqs: dict[Sequence, _SeqCache] = {}
-        self._swapped: dict[Sequence, _Swap] = {}
+        self.swapped: dict[Sequence, Swap] = {}     # preempted sequences whose blocks wait on the host
         self.stats: Counter[str] = Counter()
+        self.evictor = Evictor(self.allocator, self.cache, self.host, self.copies, self.stats, block_size=block_size,
+                               bytes_per_block=bytes_per_block, flops_per_token=flops_per_token,
+                               link_bytes_per_flop=link_bytes_per_flop)
+
+    def usage(self) -> dict:
+        """Pool gauges, prefix-cache lookups, evictions, preemptions and host copies (lmport.paging.usage)."""
+        return usage(self.allocator, self.cache, self.host, self.copies, self.stats, self.bytes_per_block)
 
     @property
     def num_blocks(self) -> int:
@@ -113,7 +116,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
                 self.allocator.decref(block, keep=self.cache is not None and block in self.cache.device)
         seq.block_table.clear()
         self._seqs.pop(seq, None)
-        swap = self._swapped.pop(seq, None)
+        swap = self.swapped.pop(seq, None)
         if swap is not None:
             for b in swap.host_blocks:
                 self.host.decref(b)
@@ -159,7 +162,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
         """Give a waiting sequence blocks for up to ``budget`` tokens to compute this step, reusing
         cached ones (and copying host ones back) or swapping it back in. Returns the number of
         tokens to compute, or None when it does not fit now."""
-        bs, swap = self.block_size, self._swapped.get(seq)
+        bs, swap = self.block_size, self.swapped.get(seq)
         hits: list[CachedBlock] = []
         if self.cache is not None:
             st = self._state(seq)
@@ -197,7 +200,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
                 self.copies.add(h, d, to_host=False)
                 self.host.decref(h)
             seq.block_table.extend(blocks)
-            del self._swapped[seq]
+            del self.swapped[seq]
             self.stats["swap_ins"] += 1
         seq.num_computed = computed
         self.allocate(seq, n)
@@ -221,14 +224,14 @@ class BlockManager(Eviction, UsageStats, Invariants):
         private = seq.block_table[k:self.blocks_for(seq.num_computed)]
         swap = None
         # A sequence whose window freed some of its blocks is recomputed (its holes cannot be swapped back).
-        if self.host is not None and private and HOLE not in private and self._swap_pays(seq, k, len(private)):
-            host_blocks = self._host_allocate(len(private))
+        if self.host is not None and private and HOLE not in private and self.evictor.swap_pays(seq, k, len(private)):
+            host_blocks = self.evictor.host_allocate(len(private))
             for d, h in zip(private, host_blocks):
                 self.copies.add(d, h, to_host=True)
-            swap = _Swap(k, host_blocks)
+            swap = Swap(k, host_blocks)
         self.free(seq)
         if swap is not None:
-            self._swapped[seq] = swap
+            self.swapped[seq] = swap
             self.stats["preempt_swap"] += 1
         else:
             seq.num_computed = 0
@@ -236,7 +239,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
         return swap is not None
 
     def _release_swap(self, seq: Sequence) -> None:
-        for b in self._swapped.pop(seq).host_blocks:
+        for b in self.swapped.pop(seq).host_blocks:
             self.host.decref(b)
 
     # -- blocks and eviction ---------------------------------------------------
@@ -257,7 +260,7 @@ class BlockManager(Eviction, UsageStats, Invariants):
 
     def _allocate(self, n: int) -> list[int]:
         while self.allocator.num_free < n:
-            self._evict_device()
+            self.evictor.evict_device()
         return self.allocator.allocate(n)
 
     def take_copies(self) -> list[CopyBatch]:

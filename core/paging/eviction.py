@@ -8,7 +8,10 @@ room; without, it is dropped.
 
 Swapping: a preempted sequence's computed blocks past its prefix-cached ones go
 to the host when copying them out and back costs less than recomputing them
-(``Eviction._swap_pays``).
+(``Evictor.swap_pays``).
+
+The block manager owns one ``Evictor``, which works on the pools, the prefix cache, the copy queue and
+the counters the manager hands it at construction.
 """
 from __future__ import annotations
 
@@ -26,21 +29,19 @@ from lmport.sequence import Sequence
 LINK_BYTES_PER_FLOP = 5e-4
 
 
-class Eviction:
-    """Eviction and the swap cost rule of ``lmport.paging.block_manager.BlockManager``."""
+class Evictor:
+    """Eviction and the swap cost rule over a block manager's pools (``lmport.paging.block_manager``)."""
 
-    # State of the BlockManager this is mixed into.
-    block_size: int
-    allocator: BlockAllocator
-    cache: PrefixCache | None
-    host: BlockAllocator | None
-    copies: CopyQueue
-    bytes_per_block: int
-    flops_per_token: float
-    link_bytes_per_flop: float
-    stats: Counter[str]
+    def __init__(self, allocator: BlockAllocator, cache: PrefixCache | None, host: BlockAllocator | None,
+                 copies: CopyQueue, stats: Counter[str], *, block_size: int, bytes_per_block: int,
+                 flops_per_token: float, link_bytes_per_flop: float):
+        self.allocator, self.cache, self.host, self.copies, self.stats = allocator, cache, host, copies, stats
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.flops_per_token = flops_per_token
+        self.link_bytes_per_flop = link_bytes_per_flop
 
-    def _swap_pays(self, seq: Sequence, num_cached_blocks: int, num_blocks: int) -> bool:
+    def swap_pays(self, seq: Sequence, num_cached_blocks: int, num_blocks: int) -> bool:
         """The cost rule: swap when copying the blocks out and back costs less link time than
         recomputing their tokens costs device time, i.e. when
 
@@ -53,7 +54,7 @@ class Eviction:
         tokens = seq.num_computed - num_cached_blocks * self.block_size
         return 2 * num_blocks * self.bytes_per_block < tokens * self.flops_per_token * self.link_bytes_per_flop
 
-    def _evict_device(self) -> None:
+    def evict_device(self) -> None:
         block = self._victim(self.allocator, self.cache.device, on_host=False)
         e = self.cache.device[block]
         slot = self._host_slot() if self.host is not None else None
@@ -65,7 +66,7 @@ class Eviction:
         self.allocator.evict(block)
         self.stats["device_evictions"] += 1
 
-    def _evict_host(self) -> None:
+    def evict_host(self) -> None:
         block = self._victim(self.host, self.cache.host, on_host=True)
         self.cache.drop(self.cache.host[block])
         self.host.evict(block)
@@ -76,14 +77,14 @@ class Eviction:
         if self.host.num_free == 0 and self.host.num_cached == 0:
             return None
         if self.host.num_free == 0:
-            self._evict_host()
+            self.evict_host()
         (slot,) = self.host.allocate(1)
         self.host.decref(slot, keep=True)
         return slot
 
-    def _host_allocate(self, n: int) -> list[int]:
+    def host_allocate(self, n: int) -> list[int]:
         while self.host.num_free < n:
-            self._evict_host()
+            self.evict_host()
         return self.host.allocate(n)
 
     def _victim(self, allocator: BlockAllocator, entries: dict[int, CachedBlock], *, on_host: bool) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmport.config import ConfigError
+from lmport.weights import packed_int
+from lmport.weights.format import check_quantized_tp
 
 
 def checkpoint_formats(path: Path) -> tuple[set[tuple[int, int]], set[str]]:
@@ -24,7 +26,6 @@ def checkpoint_formats(path: Path) -> tuple[set[tuple[int, int]], set[str]]:
                               f"{' ...' if len(other) > 4 else ''}; use weight_format='dequantize' to load them "
                               f"float, or a file quantized to Q4_0, Q4_1, Q8_0 or {', '.join(_block_names())}")
         return formats, blocks
-    from lmport.weights import packed_int
     return packed_int.weight_formats(path), set()
 
 
@@ -60,13 +61,14 @@ def check_backend(path: Path, caps, weight_format: str = "auto") -> bool:
 
 
 def check_tensor_parallel(path: Path, tp: int, weight_format: str) -> None:
-    """ConfigError, before any weight loads, for a checkpoint whose weights would stay quantized under ``tp > 1``:
-    quantized weights are not sharded (docs/weight-quantization.md, "Tensor parallelism")."""
-    if tp > 1 and weight_format == "auto" and is_quantized(path):
-        raise ConfigError(
-            f"tp={tp}: {path.name} holds quantized weights, which lmport does not shard (they run at tp=1); "
-            f"use tp=1 to run them quantized, or weight_format='dequantize' (--weight-format dequantize) to load "
-            f"them in the compute dtype and shard those")
+    """ConfigError, before any weight loads, for a checkpoint whose weights would stay quantized under ``tp > 1``
+    (lmport.weights.format.check_quantized_tp). An AWQ / GPTQ directory's packed weights are refused whatever
+    ``weight_format`` says; a GGUF's dequantize at load with weight_format='dequantize'."""
+    if tp == 1:
+        return
+    packed = path.is_dir() and packed_int.quantization_config(path) is not None
+    quantized = packed or (weight_format == "auto" and is_quantized(path))
+    check_quantized_tp(tp, path.name, quantized, can_dequantize=not packed)
 
 
 def backends_running(runs) -> list[str]:

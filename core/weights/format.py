@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmport.errors import ConfigError
+
 BLOCK = 32          # inputs per packing run; group sizes are multiples of it
 BITS = (4, 8)
 
@@ -37,10 +39,6 @@ class QuantizedWeight:
     @property
     def in_features(self) -> int:
         return self.qweight.shape[1] * 8 // self.bits
-
-    @property
-    def format_name(self) -> str:
-        return f"int{self.bits}"
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
@@ -93,3 +91,15 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bi
         qweight = codes.to(torch.int8)
     return QuantizedWeight(qweight.contiguous(), scales.to(torch.float16).contiguous(),
                            mins.to(torch.float16).contiguous(), bits, group_size)
+
+
+def check_quantized_tp(tp: int, checkpoint: str, quantized: bool, can_dequantize: bool) -> None:
+    """The rule for quantized weights under tensor parallelism, for every caller (the engine, the loader,
+    ``lmport plan``, lmport.parallel): lmport does not shard a quantized weight, so a checkpoint whose weights
+    stay quantized runs at tp=1 (docs/weight-quantization.md, "Tensor parallelism"). ``can_dequantize``:
+    weight_format='dequantize' loads it in the compute dtype, which shards."""
+    if tp > 1 and quantized:
+        fix = ("use tp=1 to run them quantized, or weight_format='dequantize' (--weight-format dequantize) to load "
+               "them in the compute dtype and shard those") if can_dequantize else "use tp=1"
+        raise ConfigError(f"tp={tp}: {checkpoint} holds quantized weights, which lmport does not shard (they run "
+                          f"at tp=1); {fix}")

@@ -272,7 +272,7 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
 
 def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
     """Undo, in place, what llama.cpp's converter changed in the tensors of ``arch``."""
-    from lmport.models.llama import head_dim_of
+    from lmport.models.dims import head_dim_of
     for name in list(values):
         if name not in values:   # consumed with its partner (an expert's up beside its gate)
             continue

@@ -15,6 +15,7 @@ import pytest
 
 import lmport
 from lmport import Adjustment, ConfigError, EngineConfig, registry
+from lmport.resolution import resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANT_POLICIES = (0, 4, 8)
@@ -93,7 +94,7 @@ def test_config_matrix(backend_name, capabilities, quant_policy, block_size, cap
 
     if not (quant_ok and block_ok):
         with pytest.raises(ConfigError) as info:
-            EngineConfig(device_type=backend_name, quant_policy=quant_policy, block_size=block_size)
+            resolve_config(EngineConfig(device_type=backend_name, quant_policy=quant_policy, block_size=block_size))
         message = str(info.value)
         assert repr(backend_name) in message or f" {backend_name}" in message, message
         if not quant_ok and block_ok:
@@ -108,8 +109,8 @@ def test_config_matrix(backend_name, capabilities, quant_policy, block_size, cap
 
     cfg = EngineConfig(device_type=backend_name, quant_policy=quant_policy, block_size=block_size)
     before = dataclasses.asdict(cfg)
-    with caplog.at_level(logging.WARNING, logger="lmport.config"):
-        resolved = cfg.resolve()
+    with caplog.at_level(logging.WARNING, logger="lmport.resolution"):
+        resolved = resolve_config(cfg)
     assert dataclasses.asdict(cfg) == before, "resolve() changed the user's config"
     assert cfg.block_size == block_size and cfg.adjustments == ()
     assert resolved is not cfg
@@ -125,19 +126,18 @@ def test_config_matrix(backend_name, capabilities, quant_policy, block_size, cap
         assert isinstance(adj, Adjustment)
         assert (adj.field, adj.asked, adj.used) == ("block_size", block_size, caps.block_size_forced)
         assert backend_name in adj.reason
-        logged = [r for r in caplog.records if r.name == "lmport.config"]
+        logged = [r for r in caplog.records if r.name == "lmport.resolution"]
         assert len(logged) == 1 and "block_size" in logged[0].getMessage(), caplog.text
     else:
         assert resolved.adjustments == ()
-        assert not [r for r in caplog.records if r.name == "lmport.config"], caplog.text
-    # Resolving the effective config again changes nothing.
-    again = resolved.resolve()
-    assert again == resolved and again.adjustments == ()
+        assert not [r for r in caplog.records if r.name == "lmport.resolution"], caplog.text
+    # Resolution runs once: the resolved config passes through unchanged.
+    assert resolve_config(resolved) is resolved
 
 
 def test_camb_quant8_names_device_supported_devices_and_fix():
     with pytest.raises(ConfigError) as info:
-        EngineConfig(device_type="camb", quant_policy=8)
+        resolve_config(EngineConfig(device_type="camb", quant_policy=8))
     message = str(info.value)
     assert "quant_policy=8" in message and "camb" in message
     for name in ("cuda", "ascend", "cpu"):
@@ -147,26 +147,38 @@ def test_camb_quant8_names_device_supported_devices_and_fix():
 
 def test_camb_block_size_64_is_adjusted_to_16():
     cfg = EngineConfig(device_type="camb", block_size=64)
-    resolved = cfg.resolve()
+    resolved = resolve_config(cfg)
     assert resolved.block_size == 16
     assert len(resolved.adjustments) == 1
     adj = resolved.adjustments[0]
     assert (adj.field, adj.asked, adj.used) == ("block_size", 64, 16)
     assert adj.reason
     assert cfg.block_size == 64 and cfg.adjustments == ()
-    assert EngineConfig(device_type="camb", block_size=64).resolve().block_size == 16
+    assert resolve_config(EngineConfig(device_type="camb", block_size=64)).block_size == 16
 
 
 def test_resolve_rechecks_a_config_mutated_after_construction():
     cfg = EngineConfig(device_type="camb")
     cfg.quant_policy = 8
     with pytest.raises(ConfigError, match="quant_policy=8"):
-        cfg.resolve()
+        resolve_config(cfg)
+
+
+def test_constructing_a_config_loads_no_backend(monkeypatch):
+    """An EngineConfig is a plain value: only resolve_config reads the installed backends."""
+    def refuse(*_):
+        raise AssertionError("an EngineConfig constructor loaded a backend")
+    monkeypatch.setattr(registry, "load_backend_class", refuse)
+    monkeypatch.setattr(registry, "_entry_points", refuse)
+    cfg = EngineConfig(device_type="camb", quant_policy=8, block_size=48)
+    assert cfg.resolved_backend is None
+    with pytest.raises(ConfigError, match="not resolved"):
+        cfg.backend_class()
 
 
 def test_unknown_device_type_lists_installed_backends():
     with pytest.raises(ConfigError) as info:
-        EngineConfig(device_type="tpu")
+        resolve_config(EngineConfig(device_type="tpu"))
     message = str(info.value)
     assert "tpu" in message
     for name in registry.backend_names():
@@ -187,7 +199,7 @@ def test_auto_resolves_to_the_best_available_backend():
         assert expected == "cpu"  # no accelerator here
     cfg = EngineConfig()
     assert cfg.device_type == "auto"
-    resolved = cfg.resolve()
+    resolved = resolve_config(cfg)
     assert resolved.device_type == expected
     assert cfg.device_type == "auto"
 

@@ -71,7 +71,8 @@ def test_fill_kv_cache_matches_reference(q_lens, kv_lens):
     cache, meta, _ = _case(16, 64, 1, q_lens, kv_lens)
     k, v = (torch.randn(sum(q_lens), KV_HEADS, 64) for _ in range(2))
     want = KVLayout(1, KV_HEADS, 64, 16, torch.float32, 0).allocate(cache.k.shape[0], "cpu")[0]
-    want.k.copy_(cache.k), want.v.copy_(cache.v)
+    want.k.copy_(cache.k)
+    want.v.copy_(cache.v)
     ops.fill_kv_cache(k, v, want, meta.slot_mapping)
     CpuBackend().fill_kv_cache(k, v, cache, meta.slot_mapping)
     assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)

@@ -13,7 +13,8 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from models import tiny_model_dir
+from lmport.resolution import resolve_config
+from support.model_helpers import tiny_model_dir
 
 from harness import op_backend
 
@@ -56,7 +57,7 @@ def test_tiny_model_greedy_matches_cpu_backend(backend_name, quant_policy, recor
     if quant_policy not in caps.kv_quant_policies:
         pytest.skip(f"{backend_name} declares no quant_policy={quant_policy}")
     record_property("mode", mode)
-    config = config_for(caps, quant_policy).resolve()
+    config = resolve_config(config_for(caps, quant_policy))
     got = greedy(backend, config)
     # The cpu reference with the same block size, dtype and policy: only the ops differ.
     assert got == cpu_tokens(quant_policy, config.dtype, config.block_size), f"mode={mode}"
@@ -75,6 +76,6 @@ def test_architectures_greedy_match_cpu_backend(backend_name, arch, record_prope
     record_property("mode", mode)
     caps = backend.capabilities
     config = dataclasses.replace(config_for(caps, 0), dtype="float32" if "float32" in caps.dtypes else None)
-    config = config.resolve()
+    config = resolve_config(config)
     got = greedy(backend, config, arch)
     assert got == cpu_tokens(0, config.dtype, config.block_size, arch), f"mode={mode}"

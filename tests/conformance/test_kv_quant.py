@@ -24,6 +24,7 @@ import torch
 from lmport import ConfigError, EngineConfig, ops, registry
 from lmport.kv import quant
 from lmport.kv.layout import KVLayout, LayerCache
+from lmport.resolution import resolve_config
 from harness import op_backend
 
 POLICIES = (8, 4)
@@ -273,7 +274,7 @@ def test_paged_attention_over_quantized_cache(backends, name, policy, dtype):
 @pytest.mark.parametrize("policy", (0, 8, 4))
 def test_engine_config_quant_policy(backend_name, capabilities, policy):
     if policy in capabilities.kv_quant_policies:
-        resolved = EngineConfig(device_type=backend_name, quant_policy=policy).resolve()
+        resolved = resolve_config(EngineConfig(device_type=backend_name, quant_policy=policy))
         assert resolved.quant_policy == policy
         # The resolved config gives the cache layout its policy (uint8 values when quantized).
         lay = KVLayout(1, HEADS, HEAD_DIM, resolved.block_size, getattr(torch, resolved.dtype), policy,
@@ -281,7 +282,7 @@ def test_engine_config_quant_policy(backend_name, capabilities, policy):
         assert lay.value_dtype == (torch.uint8 if policy else getattr(torch, resolved.dtype))
         return
     with pytest.raises(ConfigError) as info:
-        EngineConfig(device_type=backend_name, quant_policy=policy)
+        resolve_config(EngineConfig(device_type=backend_name, quant_policy=policy))
     message = str(info.value)
     assert f"quant_policy={policy}" in message and backend_name in message
     assert "use quant_policy=0" in message

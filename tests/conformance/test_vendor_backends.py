@@ -24,8 +24,9 @@ import torch
 
 from lmport import ConfigError, EngineConfig, GenerationConfig, ops
 from lmport.kv.layout import KVLayout, LayerCache
+from lmport.resolution import resolve_config
 from harness import op_backend
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 VENDORS = ("ascend", "camb")
 HQ, HKV, D = 4, 2, 64          # GQA: two query heads a KV head
@@ -222,19 +223,19 @@ def test_memory_info(backend, device):
 @pytest.mark.parametrize("policy", (4, 8))
 def test_camb_refuses_kv_quant_and_ascend_accepts_it(policy):
     with pytest.raises(ConfigError) as info:
-        EngineConfig(device_type="camb", quant_policy=policy)
+        resolve_config(EngineConfig(device_type="camb", quant_policy=policy))
     assert f"quant_policy={policy}" in str(info.value) and "use quant_policy=0" in str(info.value)
     assert "ascend" in str(info.value)  # the message names a device that supports it
-    assert EngineConfig(device_type="ascend", quant_policy=policy).resolve().quant_policy == policy
+    assert resolve_config(EngineConfig(device_type="ascend", quant_policy=policy)).quant_policy == policy
 
 
 def test_block_size_rules():
-    camb = EngineConfig(device_type="camb", block_size=64).resolve()
+    camb = resolve_config(EngineConfig(device_type="camb", block_size=64))
     assert camb.block_size == 16
     assert [(a.field, a.asked, a.used) for a in camb.adjustments] == [("block_size", 64, 16)]
-    assert EngineConfig(device_type="ascend").resolve().block_size == 128
+    assert resolve_config(EngineConfig(device_type="ascend")).block_size == 128
     with pytest.raises(ConfigError):
-        EngineConfig(device_type="ascend", block_size=48)
+        resolve_config(EngineConfig(device_type="ascend", block_size=48))
 
 
 # -- the simulations raise where the documented operators do ------------------------

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from models import tiny_model_dir
+from support.model_helpers import tiny_model_dir
 
 
 @functools.cache

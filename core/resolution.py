@@ -1,0 +1,83 @@
+"""An EngineConfig resolved against its backend, in one step before anything loads: the backend class is loaded
+(``device_type="auto"``: the best available one), the config is checked against its Capabilities, and the
+backend's defaults fill the fields left open. An impossible request is a ConfigError that says what to use
+instead; a setting the backend must override is changed in the result and recorded as an Adjustment. The
+user's object is left unchanged."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from lmport import registry
+from lmport.backend import Capabilities
+from lmport.config import Adjustment, EngineConfig
+from lmport.errors import BackendError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """The effective config on the chosen backend; a config already resolved is returned as it is."""
+    if config.resolved_backend is not None:
+        return config
+    backend_cls = _backend_class(config.device_type)
+    caps = backend_cls.capabilities
+    check_against(config, caps)
+    adjustments = []
+    block_size = config.block_size or caps.default_block_size
+    if caps.block_size_forced is not None and block_size != caps.block_size_forced:
+        if config.block_size is not None:
+            adjustments.append(Adjustment("block_size", config.block_size, caps.block_size_forced,
+                                          f"{caps.device_type} requires block size {caps.block_size_forced}"))
+        block_size = caps.block_size_forced
+    eager_mode = config.eager_mode
+    if not eager_mode and (not caps.decode_graphs or config.tp > 1 or config.max_loras):
+        why = (f"{caps.device_type} does not capture decode steps" if not caps.decode_graphs
+               else f"decode steps are captured at tp=1 only (tp={config.tp})" if config.tp > 1
+               else f"captured decode steps take no LoRA adapters (max_loras={config.max_loras})")
+        adjustments.append(Adjustment("eager_mode", False, True, why + "; every step runs eagerly"))
+        eager_mode = True
+    for a in adjustments:
+        log.warning("config adjusted: %s %r -> %r (%s)", *a)
+    return dataclasses.replace(
+        config, device_type=caps.device_type, block_size=block_size, eager_mode=eager_mode,
+        dtype=caps.default_dtype if config.dtype == "auto" else config.dtype,
+        cache_max_entry_count=(caps.default_cache_max_entry_count if config.cache_max_entry_count is None
+                               else config.cache_max_entry_count),
+        adjustments=tuple(adjustments), resolved_backend=backend_cls)
+
+
+def check_against(config: EngineConfig, caps: Capabilities) -> None:
+    """A ConfigError when ``caps`` cannot run ``config``, naming the installed devices that can."""
+    if config.quant_policy not in caps.kv_quant_policies:
+        where = _devices(lambda c: config.quant_policy in c.kv_quant_policies)
+        raise ConfigError(
+            f"quant_policy={config.quant_policy} is not supported on device {caps.device_type!r} "
+            f"(it supports {sorted(caps.kv_quant_policies)}); KV quantization {config.quant_policy} is "
+            f"supported on {', '.join(where) or 'no installed device'}; use quant_policy=0 on {caps.device_type}")
+    if config.block_size is not None:
+        problem = caps.block_size_problem(config.block_size)
+        if problem is not None:
+            raise ConfigError(f"block_size={config.block_size} on device {caps.device_type!r}: {problem} "
+                              f"(rule: {caps.block_size_rule()}; default {caps.default_block_size})")
+    if config.max_loras and not caps.lora:
+        raise ConfigError(
+            f"max_loras={config.max_loras}: device {caps.device_type!r} does not run LoRA adapters; they run on "
+            f"{', '.join(_devices(lambda c: c.lora)) or 'no installed device'}; use max_loras=0 on {caps.device_type}")
+    if config.dtype != "auto" and config.dtype not in caps.dtypes:
+        raise ConfigError(f"dtype={config.dtype!r} is not supported on device {caps.device_type!r}; use one of "
+                          f"{', '.join(caps.dtypes)}")
+
+
+def _backend_class(device_type: str):
+    if device_type == "auto":
+        return registry.select_auto()
+    try:
+        return registry.load_backend_class(device_type)
+    except BackendError as exc:
+        raise ConfigError(f"device_type={device_type!r}: {exc}") from exc
+
+
+def _devices(runs) -> list[str]:
+    """The installed backends whose capabilities satisfy ``runs``."""
+    return [r.name for r in registry.describe_backends() if r.capabilities and runs(r.capabilities)]
