@@ -44,7 +44,7 @@ class Capabilities:
     # read as the file stores them. Empty: none.
     ggml_types: frozenset[str] = frozenset()
     # Whether ``Backend.decode_graphs`` captures decode steps (EngineConfig.eager_mode=False). Where it is False,
-    # EngineConfig.resolve records an Adjustment (eager_mode False -> True) and every step runs eagerly.
+    # lmport.resolution.resolve_config records an Adjustment (eager_mode False -> True) and every step runs eagerly.
     decode_graphs: bool = False
     # Whether ``Backend.add_lora`` runs here: LoRA adapters served over the base model (EngineConfig.max_loras).
     lora: bool = False

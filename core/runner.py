@@ -85,7 +85,7 @@ class ModelRunner:
         self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
         if not self.config.eager_mode:
-            # The resolved config keeps eager_mode=False only where the backend captures (EngineConfig.resolve).
+            # The resolved config keeps eager_mode=False only where the backend captures (resolve_config).
             self.graphs = self.backend.decode_graphs(
                 self.decode_step, self.config.max_batch_size,
                 ceil_div(self.plan.session_len, self.layout.block_size), self.layout.block_size)
@@ -113,7 +113,7 @@ class ModelRunner:
 
     def decode_step(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
         """One decode forward over this rank's cache, every row's logits: what ``Backend.decode_graphs`` captures."""
-        # Graphs are captured at tp=1 only (EngineConfig.resolve), where the LM head always returns the logits.
+        # Graphs are captured at tp=1 only (lmport.resolution), where the LM head always returns the logits.
         return cast(torch.Tensor, self.model.logits(self.model(input_ids, meta, self.caches)))
 
     def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor]:

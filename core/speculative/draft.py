@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from typing import cast
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,8 @@ def check_draft(model: str, config: EngineConfig) -> None:
     """ConfigError naming the problem when ``config.speculative.model`` cannot draft for ``model``; reads
     configs, headers and tokenizers only, before any weight loads."""
     spec = config.speculative
-    assert spec is not None and spec.model is not None
+    if spec is None or spec.model is None:
+        raise ConfigError("check_draft needs config.speculative with method='draft' and a model")
     draft = spec.model
     if config.tp > 1:
         raise ConfigError(f"speculative.method='draft' runs at tp=1 only (tp={config.tp} asked): run the target "
@@ -182,9 +184,7 @@ class DraftModel:
         return torch.stack([x for x in last if x is not None])
 
     def _forward(self, step: StepInput) -> torch.Tensor:
-        logits = self.runner.forward(step, self.caches)
-        assert logits is not None   # tp=1: the runner returns the logits
-        return logits
+        return cast(torch.Tensor, self.runner.forward(step, self.caches))   # tp=1: the runner returns the logits
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], proposed: list[list[int]]
                 ) -> list[tuple[int, torch.Tensor | None]]:

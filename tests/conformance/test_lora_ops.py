@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 from harness import op_backend  # noqa: E402
 from lmport import ops  # noqa: E402
 from lmport.config import ConfigError, EngineConfig  # noqa: E402
+from lmport.resolution import resolve_config  # noqa: E402
 
 SLOTS, RANK, IN, OUT = 4, 24, 40, 72
 # (new tokens, slot) of each sequence: -1 is the base model; slot 2 is loaded but unused.
@@ -71,7 +72,7 @@ def test_backend_matches_reference(backend_name, seqs, dtype, record_property):
     record_property("mode", mode)
     if not backend.capabilities.lora:
         with pytest.raises(ConfigError, match="does not run LoRA adapters"):
-            EngineConfig(device_type=backend_name, max_loras=1)
+            resolve_config(EngineConfig(device_type=backend_name, max_loras=1))
         return
     x, y, a, b = (t.to(backend.device) for t in _case(seqs, dtype, seed=len(seqs)))
     batch = ops.build_lora_batch([n for n, _ in seqs], [s for _, s in seqs], backend.device)

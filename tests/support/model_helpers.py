@@ -163,7 +163,7 @@ def tiny_tool_model_dir() -> str:
     from transformers import AutoTokenizer
 
     from lmport.models.loader import cache_root
-    template = (Path(__file__).parent / "data" / "qwen2_5_tool_template.jinja").read_text()
+    template = (Path(__file__).parents[1] / "data" / "qwen2_5_tool_template.jinja").read_text()
     target = cache_root() / "test-models" / "tiny-qwen2-tools-v1"
     if not (target / "config.json").exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
