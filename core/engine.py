@@ -21,7 +21,8 @@ from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
-from lmport.guided import FORMAT_FAULT, Grammars, GuidedDecodingError, MaskBuilder, MaskTimeout
+from lmport.guided import (DEAD_END, FORMAT_FAULT, FormatDeadEnd, Grammars, GuidedDecodingError, MaskBuilder,
+                           MaskTimeout)
 from lmport.lora.peft import read_peft_adapter
 from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.models.loader import read_model_config, resolve_model_path
@@ -454,28 +455,41 @@ class Engine:
                 draft_probs: dict[Sequence, torch.Tensor | None]) -> list[RequestOutput]:
         """Judge each sequence's proposal on its rows of logits, append what it emits, give back the KV slots
         of its rejected tokens. A failure ends only the sequence it belongs to."""
-        seqs = list(proposals)
+        outputs, masks, dead_ends = [], {}, {}
+        for seq in proposals:
+            if seq.grammar is not None:   # a structured output: each row masked as a plain step's would be
+                try:
+                    rows, bitmask, dead_ends[seq] = seq.grammar.proposal_bitmask(proposals[seq], logits[seq].shape[-1])
+                    masks[seq] = (rows, bitmask)
+                except Exception as exc:
+                    outputs.append(self._fail(seq, "grammar", exc))
+        seqs = [s for s in proposals if not s.is_finished]
+        if not seqs:
+            return outputs
         try:
             verdicts: list[Verdict | Exception] = list(verify(
                 torch.cat([logits[s] for s in seqs]), seqs, [proposals[s] for s in seqs],
-                [draft_probs.get(s) for s in seqs]))
+                [draft_probs.get(s) for s in seqs], _joined_masks(seqs, masks, proposals)))
         except Exception:
             log.exception("verifying a batch of %d proposals failed; verifying each alone", len(seqs))
             verdicts = []
             for s in seqs:
                 try:
-                    verdicts.extend(verify(logits[s], [s], [proposals[s]], [draft_probs.get(s)]))
+                    verdicts.extend(verify(logits[s], [s], [proposals[s]], [draft_probs.get(s)], masks.get(s)))
                 except Exception as exc:
                     verdicts.append(exc)
-        outputs = []
         for seq, verdict in zip(seqs, verdicts):
             if isinstance(verdict, Exception):
                 outputs.append(self._fail(seq, "sampling", verdict))
                 continue
             cast(Speculator, self.speculator).record(seq, len(proposals[seq]), verdict.accepted)
             seq.num_computed += verdict.accepted   # the accepted proposed tokens' KV is in the cache
+            dead_end = dead_ends.get(seq)
+            tokens = verdict.tokens if dead_end is None else verdict.tokens[:dead_end]
             try:
-                outputs.append(self._append_all(seq, verdict.tokens, verdict.logprobs))
+                outputs.append(self._append_all(seq, tokens, verdict.logprobs))
+                if len(tokens) < len(verdict.tokens) and not seq.is_finished:   # its token was drawn at a dead end
+                    outputs.append(self._fail(seq, "grammar", FormatDeadEnd(DEAD_END)))
             except Exception as exc:
                 outputs.append(self._fail(seq, "decoding", exc))
             if not seq.is_finished:
@@ -612,6 +626,25 @@ def _prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list
     best = logits.topk(top, dim=-1)
     values = (best.values - lse[:, None]).tolist()
     return [{**dict(zip(i, v)), t: lp} for t, lp, i, v in zip(targets, chosen, best.indices.tolist(), values)]
+
+
+def _joined_masks(seqs: list[Sequence], masks: dict[Sequence, tuple[list[int], torch.Tensor]],
+                  proposals: dict[Sequence, list[int]]) -> tuple[list[int], torch.Tensor] | None:
+    """The structured outputs' proposal masks as one (rows, bitmask) over the verified rows, sequence after
+    sequence (len(proposal) + 1 rows each)."""
+    if not masks:
+        return None
+    words = next(iter(masks.values()))[1].shape[1]
+    rows, parts, start = [], [], 0
+    for seq in seqs:
+        count = len(proposals[seq]) + 1
+        if seq in masks:
+            rows += [start + r for r in masks[seq][0]]
+            parts.append(masks[seq][1])
+        else:   # rows outside ``rows`` are not masked
+            parts.append(torch.zeros(count, words, dtype=torch.int32))
+        start += count
+    return rows, torch.cat(parts)
 
 
 def _generates(seq: Sequence) -> bool:

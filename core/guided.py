@@ -361,6 +361,41 @@ class Matcher:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def proposal_bitmask(self, proposal: list[int], vocab_size: int
+                         ) -> tuple[list[int], torch.Tensor, int | None]:
+        """(rows filled, bitmask [len(proposal) + 1, ceil(V / 32)], dead end) for verifying a speculative
+        proposal: row j allows what may follow the output and the first j proposed tokens.
+
+        Filling stops at a proposed token the grammar refuses (its row gives it probability 0, so the
+        verification rejects it) or after one that ends the grammar (the request ends there): no later row is
+        judged. ``dead end``: the first row no token may take, else None; a token judged there could not be
+        emitted (the request ends with the dead end after the tokens before it, as it would without
+        speculation). The matcher is left as it was; the engine advances it over the tokens emitted.
+        """
+        import xgrammar as xgr
+        bitmask = xgr.allocate_token_bitmask(len(proposal) + 1, vocab_size)
+        rows: list[int] = []
+        advanced = 0
+        try:
+            for row in range(len(proposal) + 1):
+                if row:
+                    if not self.accept_token(proposal[row - 1]):
+                        break
+                    advanced += 1
+                    if self.is_terminated():
+                        break
+                self.fill_next_token_bitmask(bitmask, row)
+                if not bitmask[row].any():
+                    return rows, bitmask, row
+                rows.append(row)
+        finally:
+            if advanced:
+                self.rollback(advanced)
+        return rows, bitmask, None
+
     def _charge(self, seconds: float) -> None:
         self.spent += seconds
         if self.spent > self.budget:
@@ -372,6 +407,10 @@ class Matcher:
 
 class MaskTimeout(GuidedDecodingError):
     """A grammar took longer than its budget to build a token mask (an ambiguous grammar's cost grows)."""
+
+
+DEAD_END = ("the format reached a dead end: no token can continue the output and the format cannot end here; "
+            "check the schema, regex or grammar against what the model's vocabulary can spell")
 
 
 class FormatDeadEnd(GuidedDecodingError):
@@ -437,9 +476,7 @@ class MaskBuilder:
             started[k] = time.perf_counter()
             matcher.fill_next_token_bitmask(bitmask, row)
             if not bitmask[row].any():   # sampling would pick among -inf logits: end the request instead
-                raise FormatDeadEnd("the format reached a dead end: no token can continue the output and the "
-                                    "format cannot end here; check the schema, regex or grammar against what the "
-                                    "model's vocabulary can spell")
+                raise FormatDeadEnd(DEAD_END)
 
         futures = [self._pool.submit(fill, k, row, matchers[row]) for k, row in enumerate(rows)]
         return Masks(len(matchers), rows, futures, started, bitmask, self.budget)

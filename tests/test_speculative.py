@@ -193,6 +193,44 @@ def test_request_options_work_as_without_speculation():
     assert all(len(o.token_ids) == 20 and o.finish_reason == "length" for o in outs)
 
 
+def test_structured_outputs_speculate_and_match_without_speculation():
+    """A regex and a JSON schema: the same tokens as without speculation, every output in its format, and
+    proposals the format forbids (the prompt's "green") rejected by the masked rows."""
+    import json
+    import re
+
+    from lmport.models.loader import load_tokenizer
+    model = tiny_model_dir("llama")
+    tok = load_tokenizer(model)
+    words = ["red", "blue", "green"]
+    rng = random.Random(17)
+    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(30)) + " ") for _ in range(6)]
+    regex = "(red |blue ){24}"
+    schema = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "blue"]},
+                                                           "minItems": 12, "maxItems": 12}},
+              "required": ["colors"], "additionalProperties": False}
+    formats = [{"type": "regex_schema", "regex_schema": regex},
+               {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}]
+    for fmt in formats:
+        gen = GenerationConfig(max_new_tokens=80, response_format=fmt)
+        plain, _, _ = generate(model, prompts, gen, cache_max_entry_count=100)
+        spec, usage, _ = generate(model, prompts, gen, cache_max_entry_count=100, check_blocks=True,
+                                  speculative=NGRAM)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], fmt
+        assert all(r.finish_reason == "stop" for r in spec), [r.finish_reason for r in spec]
+        for r in spec:
+            if fmt["type"] == "regex_schema":
+                assert re.fullmatch(regex, r.text), r.text
+            else:
+                assert len(json.loads(r.text)["colors"]) == 12
+        assert 0 < usage["spec_accepted_tokens"] < usage["spec_proposed_tokens"], (fmt, usage)
+    # Sampled: every output still in its format.
+    sampled = GenerationConfig(max_new_tokens=80, response_format=formats[0], do_sample=True, temperature=1.0,
+                               random_seed=3)
+    spec, usage, _ = generate(model, prompts, sampled, cache_max_entry_count=100, speculative=NGRAM)
+    assert usage["spec_verifications"] > 0 and all(re.fullmatch(regex, r.text) for r in spec)
+
+
 def test_opt_out_and_batch_cut_off_mean_no_speculation():
     model, prompts = tiny_model_dir("llama"), repeating_prompts(8, seed=13)
     _, usage, _ = generate(model, prompts, GenerationConfig(max_new_tokens=16, ignore_eos=True, speculate=False),

@@ -32,14 +32,17 @@ class Verdict:
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]],
-           draft_probs: list[torch.Tensor | None]) -> list[Verdict]:
+           draft_probs: list[torch.Tensor | None], masks: tuple[list[int], torch.Tensor] | None = None
+           ) -> list[Verdict]:
     """``logits``: the target's rows for each sequence's last token and its proposal, sequence after sequence
     (len(proposal) + 1 rows each); ``draft_probs[i]``: [len(proposal), vocab] probabilities the draft drew
-    sequence i's proposal from, or None for a point-mass draft (n-gram, or a greedy draft)."""
+    sequence i's proposal from, or None for a point-mass draft (n-gram, or a greedy draft); ``masks``: the
+    structured outputs' (rows, bitmask) over those rows (lmport.guided.Matcher.proposal_bitmask): a proposed
+    token its row forbids has probability 0 and is rejected."""
     # Row j of a sequence is judged as a plain step would judge it after the first j proposed tokens.
     views = [s if j == 0 else dataclasses.replace(s, output_ids=s.output_ids + p[:j])
              for s, p in zip(seqs, proposals) for j in range(len(p) + 1)]
-    adjusted = adjusted_logits(logits, views)
+    adjusted = adjusted_logits(logits, views, masks)
     greedy = adjusted.max(-1).indices.tolist()
     drawn = [r for r, v in enumerate(views) if samples(v)]
     probs: dict[int, torch.Tensor] = {}

@@ -14,8 +14,7 @@ Speculation backs off where it does not pay:
   under ``min_acceptance``): it pauses for a number of steps that doubles each time (up to
   ``MAX_PAUSE``) and is reset once its proposals pay again. An n-gram lookup that finds nothing costs
   no verification at all;
-- for requests that opt out (``GenerationConfig.speculate=False``) and structured outputs (their
-  grammar would have to advance over unverified tokens; they decode one token a step).
+- for requests that opt out (``GenerationConfig.speculate=False``).
 """
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ class Speculator:
         """Proposed tokens ``seq`` verifies this step (KV slots the scheduler reserves besides its last token)."""
         self._proposals.pop(seq, None)
         cfg = self.config
-        if (not seq.gen_config.speculate or seq.grammar is not None or seq.pooling is not None
+        if (not seq.gen_config.speculate or seq.pooling is not None
                 or self.num_running() > cfg.disable_by_batch_size):
             return 0
         state = self._states.setdefault(seq, _SeqState())
