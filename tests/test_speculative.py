@@ -153,6 +153,29 @@ def test_greedy_identical_with_prefix_caching_and_cache_holds_only_accepted_toke
         assert any(t[:len(chain)] == chain for t in texts), e
 
 
+def test_greedy_identical_with_int8_kv_and_the_host_tier():
+    """quant_policy=8 and prefix caching with a device cache too small to keep the first pass's blocks: the
+    verified rows read int8 KV, and the second pass over the same prompts finds blocks (prompts and accepted
+    tokens) on the host."""
+    model = tiny_model_dir("llama")
+    prompts = repeating_prompts(8, seed=23)
+    config = dict(quant_policy=8, enable_prefix_caching=True, host_cache_gib=0.02, cache_max_entry_count=40,
+                  max_batch_size=3)
+    plain, _, _ = generate(model, prompts * 2, GREEDY, **config)
+    spec, usage, _ = generate(model, prompts * 2, GREEDY, check_blocks=True, speculative=NGRAM, **config)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert usage["spec_accepted_tokens"] > 0 and usage["blocks_from_host"] > 0, usage
+
+
+def test_greedy_identical_at_tp2():
+    """Under tensor parallelism the driver proposes and judges; every rank runs the verifying forward."""
+    model, prompts = tiny_model_dir("llama"), repeating_prompts(6, seed=29)
+    plain, _, _ = generate(model, prompts, GREEDY, tp=2, cache_max_entry_count=100)
+    spec, usage, _ = generate(model, prompts, GREEDY, tp=2, cache_max_entry_count=100, speculative=NGRAM)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert 0 < usage["spec_accepted_tokens"] < usage["spec_proposed_tokens"], usage
+
+
 def test_request_options_work_as_without_speculation():
     """Penalties, logprobs, stop strings, max_tokens and n: the same tokens, texts, logprobs and finish
     reasons with speculation as without."""
