@@ -82,6 +82,13 @@ class VocabParallelEmbedding(nn.Embedding):
         self.shard_range = (start, end)
         self.tp = tp
 
+    def reset_parameters(self) -> None:
+        """Built on the meta device (as the loaders build models, the weights assigned after), nothing to
+        initialize: ``nn.init.normal_`` on a meta tensor goes through torch's reference implementation,
+        whose first call imports ``torch._dynamo`` (1.5-2.5 s of a cold load, with the RSS it adds)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(ids)

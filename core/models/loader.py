@@ -87,8 +87,16 @@ def gguf_tokenizer(path: Path):
     for a 50k-token vocabulary); the config is lmport's, read from the header. AutoTokenizer also reads a
     tokenizer_config.json lying beside the file; a GGUF carries its tokenizer, so this does not."""
     from transformers import TokenizersBackend
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-    cls = TOKENIZER_MAPPING.get(type(read_model_config(str(path))), TokenizersBackend)
+    from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING, TOKENIZER_MAPPING_NAMES,
+                                                            tokenizer_class_from_name)
+
+    from lmport.weights.gguf_config import GGUFLlamaConfig
+    cfg = read_model_config(str(path))
+    if isinstance(cfg, GGUFLlamaConfig):   # not transformers' class: its model type's entry, as for LlamaConfig
+        name = TOKENIZER_MAPPING_NAMES.get(cfg.model_type)
+        cls = tokenizer_class_from_name(name) if name else TokenizersBackend
+    else:
+        cls = TOKENIZER_MAPPING.get(type(cfg), TokenizersBackend)
     if cls is None or cls.__name__ == "MistralCommonBackend":   # its format needs files a GGUF does not have
         cls = TokenizersBackend
     return cls.from_pretrained(path.parent, gguf_file=path.name)

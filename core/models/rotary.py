@@ -49,6 +49,9 @@ class LlamaRotary(nn.Module):
 def transformers_rotary(cfg) -> nn.Module:
     """transformers' own rotary module for ``cfg``'s model type (imports its modeling module)."""
     from transformers import AutoModelForCausalLM
+
+    from lmport.weights.gguf_config import as_transformers_config
+    cfg = as_transformers_config(cfg)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     return type(skeleton.model.rotary_emb)(config=cfg)

@@ -95,8 +95,18 @@ def _qtype(t: TensorInfo):
 def transformers_config(path: Path):
     """The transformers config of a GGUF, from its metadata as transformers' own GGUF loader maps it (its
     key table and defaults), with llama.cpp's renamings undone: Mistral and Mixtral are written as llama
-    (Mixtral: with experts), Qwen3-MoE as qwen3moe, Gemma 3's text model as gemma3."""
+    (Mixtral: with experts), Qwen3-MoE as qwen3moe, Gemma 3's text model as gemma3. A Llama's is
+    lmport.weights.gguf_config.GGUFLlamaConfig (transformers' LlamaConfig without importing its module)."""
+    model_type, config = config_fields(path)
+    if model_type == "llama":
+        from lmport.weights.gguf_config import GGUFLlamaConfig
+        return GGUFLlamaConfig(**config)
     from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, **config)
+
+
+def config_fields(path: Path) -> tuple[str, dict]:
+    """The transformers model type of a GGUF and the config fields its metadata gives (transformers_config)."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
     header, arch = read(path), architecture(path)
     meta = header.metadata
@@ -114,7 +124,7 @@ def transformers_config(path: Path):
                    "num_experts_per_tok": meta["llama.expert_used_count"]}
     config.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))   # a string array: its length
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
-    return AutoConfig.for_model(model_type, **config)
+    return model_type, config
 
 
 def _int_weight(rows: np.ndarray, qtype) -> QuantizedWeight:
