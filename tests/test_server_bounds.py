@@ -112,6 +112,46 @@ def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
         server.stop()
 
 
+def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill():
+    """The kernel's buffers absorb megabytes before a write waits (so the write timeout alone is late): output left
+    untaken beyond max_unsent_bytes for send_timeout resets the connection, aborts its requests, frees its slots."""
+    import time
+
+    from lmport.server.connections import ConnectionLimits
+    from lmport.server.limits import Limits
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=4096,
+                                                          max_batch_size=4))
+    # Capacity 4, all taken by the silent request; writes may wait 600 s, so only the unsent bound can cut it.
+    app = create_app(engine, model_name="tiny", limits=Limits(send_timeout=600.0, max_waiting_requests=0))
+    connections = ConnectionLimits(max_unsent_bytes=64 * 1024, send_timeout=1.0)
+    server, state = ServerThread(app, **connections.uvicorn_kwargs()), app.state.server
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 4, "stream": True,
+                "logprobs": 5}
+        sock = _silent_stream(server.url, body)
+        start = time.monotonic()
+        while state.admission.active < 4 and time.monotonic() - start < 30:
+            time.sleep(0.02)
+        assert state.admission.active == 4
+        while state.admission.active and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        cut = time.monotonic() - start
+        assert state.admission.active == 0 and cut < 10, cut
+        while engine.seqs and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        assert not engine.seqs   # aborted, not left to run to max_tokens
+        sock.settimeout(10)
+        with pytest.raises(ConnectionResetError):   # reset, its unsent output discarded
+            while sock.recv(1 << 16):
+                pass
+        sock.close()
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def plain():
     from lmport.server.limits import Limits
