@@ -112,9 +112,11 @@ def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
         server.stop()
 
 
-def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill():
-    """The kernel's buffers absorb megabytes before a write waits (so the write timeout alone is late): output left
-    untaken beyond max_unsent_bytes for send_timeout resets the connection, aborts its requests, frees its slots."""
+@pytest.mark.parametrize("max_unsent", [64 * 1024, 2**40])
+def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill(max_unsent):
+    """The kernel's buffers absorb megabytes before a write waits (so the write timeout alone is late): a client
+    that takes none of the waiting output for send_timeout (with any max_unsent_bytes), or leaves more than
+    max_unsent_bytes untaken that long, is reset; its requests are aborted and its slots freed."""
     import time
 
     from lmport.server.connections import ConnectionLimits
@@ -123,7 +125,7 @@ def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill():
                                                           max_batch_size=4))
     # Capacity 4, all taken by the silent request; writes may wait 600 s, so only the unsent bound can cut it.
     app = create_app(engine, model_name="tiny", limits=Limits(send_timeout=600.0, max_waiting_requests=0))
-    connections = ConnectionLimits(max_unsent_bytes=64 * 1024, send_timeout=1.0)
+    connections = ConnectionLimits(max_unsent_bytes=max_unsent, send_timeout=1.0)
     server, state = ServerThread(app, **connections.uvicorn_kwargs()), app.state.server
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 4, "stream": True,

@@ -12,11 +12,14 @@ A client that stops reading is noticed late by its writes alone: the kernel's
 socket buffers (megabytes once autotuned) and the transport's buffer absorb
 minutes of a stream's output before a write waits, and meanwhile its engine
 requests keep generating and holding their admission slots. So the protocol
-also watches the bytes written and not yet taken by the client
-(``unsent_bytes``: the transport's buffer plus the socket's send queue). When
-they stay above ``max_unsent_bytes`` without shrinking for ``send_timeout``
-seconds, the connection is reset; the app then sees the client gone, which
-aborts its engine requests and frees their slots (the disconnect path).
+also watches, once a second, what its client takes: the connection is reset
+when output waits and the client has taken none of it for ``send_timeout``
+seconds (``taken_bytes``: bytes the client's TCP acknowledged), or when the
+bytes written and not yet taken (``unsent_bytes``: the transport's buffer
+plus the socket's send queue) stay above ``max_unsent_bytes`` without
+shrinking for ``send_timeout`` seconds (a client that reads, but too slowly
+to keep up). The app then sees the client gone, which aborts its engine
+requests and frees their slots (the disconnect path).
 """
 from __future__ import annotations
 
@@ -75,6 +78,26 @@ def unsent_bytes(transport: asyncio.BaseTransport) -> int:
     return unsent
 
 
+_BYTES_ACKED = struct.Struct("=Q")   # struct tcp_info's tcpi_bytes_acked (Linux >= 4.1), at byte 120
+_BYTES_ACKED_AT = 120
+
+
+def taken_bytes(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes of the connection's output its client has taken (acknowledged by its TCP: its receive buffer had room),
+    or None where the platform does not say (Linux's TCP_INFO does)."""
+    sock = transport.get_extra_info("socket")
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if sock is None or tcp_info is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 256)
+    except OSError:
+        return None
+    if len(info) < _BYTES_ACKED_AT + _BYTES_ACKED.size:
+        return None
+    return _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0]
+
+
 class HeaderTimeoutH11(H11Protocol):
     timeout = 10.0               # header_timeout
     max_unsent_bytes = 2**20
@@ -86,6 +109,8 @@ class HeaderTimeoutH11(H11Protocol):
         self._start_header_timer()
         self._unsent_last = 0                    # unsent bytes at the last check
         self._stalled_since: float | None = None  # since when they are above the limit and not shrinking
+        self._taken_last: int | None = None       # bytes the client had taken at the last check
+        self._idle_since: float | None = None     # since when output waits and the client takes none of it
         self._unsent_timer = self.loop.call_later(self._check_every(), self._check_unsent)
 
     def on_response_complete(self) -> None:
@@ -114,17 +139,26 @@ class HeaderTimeoutH11(H11Protocol):
     def _check_unsent(self) -> None:
         if self.transport.is_closing():
             return
-        unsent, now = unsent_bytes(self.transport), self.loop.time()
+        unsent, taken, now = unsent_bytes(self.transport), taken_bytes(self.transport), self.loop.time()
+        if unsent == 0 or taken is None or taken != self._taken_last:
+            self._idle_since = None      # nothing waits, or the client took some (or we cannot tell)
+        elif self._idle_since is None:
+            self._idle_since = now
         if unsent <= self.max_unsent_bytes or unsent < self._unsent_last:
             self._stalled_since = None   # within the limit, or the client is taking what was written
         elif self._stalled_since is None:
             self._stalled_since = now
-        elif now - self._stalled_since >= self.unsent_timeout:
-            log.warning("reset a connection whose client has not taken %d bytes for %.0f s (--max-unsent-bytes "
-                        "%d, --send-timeout)", unsent, now - self._stalled_since, self.max_unsent_bytes)
+        if self._idle_since is not None and now - self._idle_since >= self.unsent_timeout:
+            log.warning("reset a connection whose client has taken none of its %d waiting bytes for %.0f s "
+                        "(--send-timeout)", unsent, now - self._idle_since)
             self._reset()
             return
-        self._unsent_last = unsent
+        if self._stalled_since is not None and now - self._stalled_since >= self.unsent_timeout:
+            log.warning("reset a connection whose client has left more than %d bytes untaken for %.0f s "
+                        "(--max-unsent-bytes, --send-timeout)", self.max_unsent_bytes, now - self._stalled_since)
+            self._reset()
+            return
+        self._unsent_last, self._taken_last = unsent, taken
         self._unsent_timer = self.loop.call_later(self._check_every(), self._check_unsent)
 
     def _reset(self) -> None:
