@@ -154,6 +154,57 @@ def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill(max_uns
         server.stop()
 
 
+@pytest.mark.parametrize("samples, reset_at", [
+    ([(10, 0)] * 6, 4),                            # output waits, the client takes none (from the 2nd check on)
+    ([(10, i) for i in range(6)], None),           # the client takes some every second
+    ([(0, 5)] * 6, None),                          # nothing waits
+    ([(10, None)] * 6, None),                      # the platform does not say what was taken
+    ([(2000 + i, i) for i in range(6)], 3),        # it takes, but the untaken output grows beyond the bound
+    ([(5000 - i, i) for i in range(6)], None),     # beyond the bound, but shrinking: a large body being read
+])
+def test_the_unsent_rules(monkeypatch, samples, reset_at):
+    """A connection's check, once a second, on (bytes waiting, bytes the client took): max_unsent_bytes 1000,
+    send_timeout 3 s."""
+    from typing import Any
+
+    from lmport.server import connections
+
+    class Loop:
+        now = 0.0
+
+        def time(self):
+            return self.now
+
+        def call_later(self, delay, fn):
+            return None
+
+    class Transport:
+        aborted = False
+
+        def is_closing(self):
+            return self.aborted
+
+        def get_extra_info(self, name):
+            return None
+
+        def abort(self):
+            self.aborted = True
+
+    proto: Any = object.__new__(connections.HeaderTimeoutH11)
+    proto.loop, proto.transport, proto.max_unsent_bytes, proto.unsent_timeout = Loop(), Transport(), 1000, 3.0
+    proto._unsent_last, proto._taken_last, proto._idle_since, proto._stalled_since = 0, None, None, None
+    reset = None
+    for second, (unsent, taken) in enumerate(samples):
+        monkeypatch.setattr(connections, "unsent_bytes", lambda transport, unsent=unsent: unsent)
+        monkeypatch.setattr(connections, "taken_bytes", lambda transport, taken=taken: taken)
+        proto.loop.now = float(second)
+        proto._check_unsent()
+        if proto.transport.aborted:
+            reset = second
+            break
+    assert reset == reset_at
+
+
 @pytest.fixture(scope="module")
 def plain():
     from lmport.server.limits import Limits
