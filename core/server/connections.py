@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lmport.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 _TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)   # Linux: bytes in a socket's send queue
@@ -45,10 +47,9 @@ class ConnectionLimits:
     max_connections: int = 1024       # open connections (and running tasks) beyond which uvicorn answers 503
     max_header_bytes: int = 64 * 1024  # h11's limit on the request line and headers
     max_unsent_bytes: int = 2**20     # output the client has not taken beyond which send_timeout runs
-    send_timeout: float = 30.0        # seconds output may stay above max_unsent_bytes without shrinking
+    send_timeout: float = 30.0        # seconds waiting output may go untaken, or stay above max_unsent_bytes
 
     def __post_init__(self):
-        from lmport.config import ConfigError
         if isinstance(self.max_unsent_bytes, bool) or not isinstance(self.max_unsent_bytes, int) \
                 or self.max_unsent_bytes <= 0:
             raise ConfigError(f"max_unsent_bytes must be a positive int, got {self.max_unsent_bytes!r}")
