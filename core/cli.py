@@ -99,7 +99,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="answer 408 when a request body takes longer than this to arrive (default: 30)")
     g.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="close a stream whose client has not taken a write for this long (default: 30)")
+                   help="close a stream whose client has not taken a write for this long, or has left more than "
+                        "--max-unsent-bytes untaken this long (default: 30)")
+    g.add_argument("--max-unsent-bytes", type=int, default=2**20, metavar="N",
+                   help="output written and not yet taken by the client beyond which --send-timeout runs "
+                        "(default: 1048576)")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="close idle keep-alive connections after this long (default: 5)")
     g.add_argument("--max-connections", type=int, default=1024, metavar="N",

@@ -42,14 +42,16 @@ def lmport_command() -> list[str]:
 class ServerThread:
     """A real uvicorn server on a free loopback port, in a thread of this process."""
 
-    def __init__(self, app, send_buffer: int | None = None):
-        """``send_buffer``: the kernel send buffer of its connections (inherited from the listening socket)."""
+    def __init__(self, app, send_buffer: int | None = None, **config):
+        """``send_buffer``: the kernel send buffer of its connections (inherited from the listening socket);
+        ``config``: more uvicorn.Config settings (``ConnectionLimits.uvicorn_kwargs()``)."""
         sock = socket.socket()
         if send_buffer is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.bind(("127.0.0.1", 0))  # port 0: the OS picks a free one, and nobody can take it before us
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                                    **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -112,6 +112,99 @@ def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
         server.stop()
 
 
+@pytest.mark.parametrize("max_unsent", [64 * 1024, 2**40])
+def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill(max_unsent):
+    """The kernel's buffers absorb megabytes before a write waits (so the write timeout alone is late): a client
+    that takes none of the waiting output for send_timeout (with any max_unsent_bytes), or leaves more than
+    max_unsent_bytes untaken that long, is reset; its requests are aborted and its slots freed."""
+    import time
+
+    from lmport.server.connections import ConnectionLimits
+    from lmport.server.limits import Limits
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=4096,
+                                                          max_batch_size=4))
+    # Capacity 4, all taken by the silent request; writes may wait 600 s, so only the unsent bound can cut it.
+    app = create_app(engine, model_name="tiny", limits=Limits(send_timeout=600.0, max_waiting_requests=0))
+    connections = ConnectionLimits(max_unsent_bytes=max_unsent, send_timeout=1.0)
+    server, state = ServerThread(app, **connections.uvicorn_kwargs()), app.state.server
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 4, "stream": True,
+                "logprobs": 5}
+        sock = _silent_stream(server.url, body)
+        start = time.monotonic()
+        while state.admission.active < 4 and time.monotonic() - start < 30:
+            time.sleep(0.02)
+        assert state.admission.active == 4
+        while state.admission.active and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        cut = time.monotonic() - start
+        assert state.admission.active == 0 and cut < 10, cut
+        while engine.seqs and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        assert not engine.seqs   # aborted, not left to run to max_tokens
+        sock.settimeout(10)
+        with pytest.raises(ConnectionResetError):   # reset, its unsent output discarded
+            while sock.recv(1 << 16):
+                pass
+        sock.close()
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("samples, reset_at", [
+    ([(10, 0)] * 6, 4),                            # output waits, the client takes none (from the 2nd check on)
+    ([(10, i) for i in range(6)], None),           # the client takes some every second
+    ([(0, 5)] * 6, None),                          # nothing waits
+    ([(10, None)] * 6, None),                      # the platform does not say what was taken
+    ([(2000 + i, i) for i in range(6)], 3),        # it takes, but the untaken output grows beyond the bound
+    ([(5000 - i, i) for i in range(6)], None),     # beyond the bound, but shrinking: a large body being read
+])
+def test_the_unsent_rules(monkeypatch, samples, reset_at):
+    """A connection's check, once a second, on (bytes waiting, bytes the client took): max_unsent_bytes 1000,
+    send_timeout 3 s."""
+    from typing import Any
+
+    from lmport.server import connections
+
+    class Loop:
+        now = 0.0
+
+        def time(self):
+            return self.now
+
+        def call_later(self, delay, fn):
+            return None
+
+    class Transport:
+        aborted = False
+
+        def is_closing(self):
+            return self.aborted
+
+        def get_extra_info(self, name):
+            return None
+
+        def abort(self):
+            self.aborted = True
+
+    proto: Any = object.__new__(connections.HeaderTimeoutH11)
+    proto.loop, proto.transport, proto.max_unsent_bytes, proto.unsent_timeout = Loop(), Transport(), 1000, 3.0
+    proto._unsent_last, proto._taken_last, proto._idle_since, proto._stalled_since = 0, None, None, None
+    reset = None
+    for second, (unsent, taken) in enumerate(samples):
+        monkeypatch.setattr(connections, "unsent_bytes", lambda transport, unsent=unsent: unsent)
+        monkeypatch.setattr(connections, "taken_bytes", lambda transport, taken=taken: taken)
+        proto.loop.now = float(second)
+        proto._check_unsent()
+        if proto.transport.aborted:
+            reset = second
+            break
+    assert reset == reset_at
+
+
 @pytest.fixture(scope="module")
 def plain():
     from lmport.server.limits import Limits

@@ -229,7 +229,8 @@ def serve(args) -> int:
                     max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                                   max_connections=args.max_connections)
+                                   max_connections=args.max_connections, max_unsent_bytes=args.max_unsent_bytes,
+                                   send_timeout=args.send_timeout)
     if args.dp < 1:
         raise ConfigError(f"--dp must be >= 1 (engine replicas), got {args.dp}")
     loras = adapters.parse_loras(args.lora)
