@@ -9,7 +9,9 @@ fixed text, outputs of 16/32/64/128 tokens with EOS ignored, seed 0, all sent at
 - llama-server (when --llama-server gives its binary): the same GGUF, the same streamed requests.
 
 The servers are started once, warmed up, then the rounds interleave the columns (engine, served, llama-server,
-engine, ...) so that load drifting on a shared machine touches each alike. Prints medians with min-max over the
+engine, ...) so that load drifting on a shared machine touches each alike. Each round's prompts begin with a
+token of their own, so that no column finds an earlier round's prompts in a cache (lmport's prefix cache,
+llama-server's slots); within a round the engine runs with prefix caching on, as `lmport serve` does. Prints medians with min-max over the
 rounds, the CPU and its measured memory bandwidth, and the load average; writes JSON.
 
     .venv/bin/python benchmarks/serve_throughput.py --rounds 5 \\
@@ -36,12 +38,18 @@ from serve_load import free_loopback_port, percentile, start_server, wait_ready 
 from throughput import workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+WARM_UP_SALT = 1000     # a token id; round i's prompts start with WARM_UP_SALT + 1 + i
 
 
 def summary(name: str, wall: float, ttfts: list[float], tokens: int, n: int, errors: list[str]) -> dict:
     return {"column": name, "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "requests_per_s": n / wall, "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "errors": sorted(set(errors))[:5]}
+
+
+def salted(requests, salt: int) -> list[tuple[list[int], int]]:
+    """``requests`` with ``salt`` as every prompt's first token: a round no cache has seen before."""
+    return [([salt, *ids], n) for ids, n in requests]
 
 
 def run_engine(engine, requests) -> dict:
@@ -161,7 +169,7 @@ async def main_async(args) -> dict:
         import torch
         torch.set_num_threads(args.threads)
         engine = Engine(args.model, EngineConfig(device_type="cpu", dtype="float32", max_batch_size=args.max_batch_size,
-                                                 cache_max_entry_count=args.blocks))
+                                                 cache_max_entry_count=args.blocks, enable_prefix_caching=True))
         engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=2, ignore_eos=True))   # warm-up
         while engine.has_unfinished():
             engine.step()
@@ -171,12 +179,13 @@ async def main_async(args) -> dict:
             await wait_ready(llama_url, llama, time.monotonic() + 600)
             columns.append(("llama-server", llama_url, args.model))
         for name, u, model in columns:   # warm-up: first forwards, allocators
-            await run_served(name, u, model, requests[:2], args.timeout)
+            await run_served(name, u, model, salted(requests[:2], WARM_UP_SALT), args.timeout)
         rounds = []
         for i in range(args.rounds):
-            this = [run_engine(engine, requests)]
+            this_round = salted(requests, WARM_UP_SALT + 1 + i)
+            this = [run_engine(engine, this_round)]
             for name, u, model in columns:
-                this.append(await run_served(name, u, model, requests, args.timeout))
+                this.append(await run_served(name, u, model, this_round, args.timeout))
             print(f"round {i + 1}: " + ", ".join(f"{r['column']} {r['output_tokens_per_s']:.1f} tok/s"
                                                   for r in this), file=sys.stderr)
             rounds.append(this)
