@@ -68,6 +68,9 @@ class SpeculativeConfig:
     # A sequence whose recent proposals are accepted less than this share of the time stops proposing for a
     # while (its verification costs more than the accepted tokens save).
     min_acceptance: float = 0.25
+    # Speculation pauses for every sequence while decode steps that verify proposals emit fewer tokens a
+    # second than plain ones (timed as the engine runs; lmport.speculative.speculator.Payoff).
+    pause_when_slower: bool = True
 
     def __post_init__(self):
         _check(self.method in SPECULATIVE_METHODS,
@@ -92,6 +95,8 @@ class SpeculativeConfig:
                f"speculative.disable_by_batch_size must be an int >= 1, got {self.disable_by_batch_size!r}")
         _check(_is_number(self.min_acceptance) and 0 <= self.min_acceptance < 1,
                f"speculative.min_acceptance must be a number in [0, 1), got {self.min_acceptance!r}")
+        _check(isinstance(self.pause_when_slower, bool),
+               f"speculative.pause_when_slower must be True or False, got {self.pause_when_slower!r}")
 
     @classmethod
     def of(cls, value) -> SpeculativeConfig | None:

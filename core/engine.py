@@ -36,7 +36,7 @@ from lmport.pooling import POOLING_MODES
 from lmport.resolution import resolve_config
 from lmport.runner import StepInput
 from lmport.sampling import sample
-from lmport.scheduler import Scheduler
+from lmport.scheduler import ScheduledBatch, Scheduler
 from lmport.sequence import Sequence
 from lmport.speculative.acceptance import Verdict, verify
 from lmport.speculative.draft import DraftModel, check_draft
@@ -271,6 +271,18 @@ class Engine:
             self._copy_blocks()
             return outputs
         self.stats["steps"] += 1
+        payoff = self.speculator.payoff if self.speculator is not None else None
+        if payoff is None or not all(s.num_uncomputed == 1 and s.pooling is None for s in batch.seqs):
+            return self._run(batch, outputs)
+        # A decode step: timed for the judgment whether verifying proposals pays (Payoff).
+        emitted, started = sum(len(s.output_ids) for s in batch.seqs), time.perf_counter()
+        outputs = self._run(batch, outputs)
+        payoff.observe(len(batch.seqs), sum(batch.num_new) > len(batch.seqs),
+                       sum(len(s.output_ids) for s in batch.seqs) - emitted, time.perf_counter() - started)
+        return outputs
+
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One scheduled batch: forward, verify or sample, append; ``outputs`` gains this step's."""
         proposals, draft_probs = self._proposals(batch.seqs, batch.num_new)
         # Sequences sampling their next token (a proposal's sequence verifies instead: it computes past its end;
         # an embedding request, or a prompt scored with nothing to generate, samples nothing).

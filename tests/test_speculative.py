@@ -13,11 +13,11 @@ import pytest
 import lmport
 from lmport.config import ConfigError, EngineConfig, GenerationConfig, SpeculativeConfig
 from lmport.speculative import ngram
-from lmport.speculative.speculator import FIRST_PAUSE, Speculator
+from lmport.speculative.speculator import FIRST_PAUSE, Payoff, Speculator
 from support.paging_invariants import check_block_manager
 from support.model_helpers import tiny_model_dir
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64, "pause_when_slower": False}
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -33,6 +33,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size"
     ({"model": "smollm2"}, "only read by method 'draft'"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size must be an int >= 1"),
     ({"min_acceptance": 1.0}, "min_acceptance must be a number in [0, 1)"),
+    ({"pause_when_slower": 1}, "pause_when_slower must be True or False"),
     ({"typo": 1}, "unknown field(s) typo"),
 ])
 def test_bad_speculative_config_is_refused(fields, message):
@@ -279,6 +280,30 @@ def test_low_acceptance_pauses_a_sequence():
     assert busy.lookahead(seq) == 0
     short = Speculator(SpeculativeConfig(), session_len=1000, num_running=lambda: 1)
     assert short.lookahead(Sequence("b", [1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=2))) == 1
+
+
+def test_payoff_pauses_speculation_while_verifying_is_slower():
+    payoff = Payoff()
+    for _ in range(Payoff.SAMPLES):                  # verified steps first: no plain rate to compare with yet
+        payoff.observe(1, True, 2, 0.03)
+    assert payoff.pause == Payoff.SAMPLES            # plain steps are measured first
+    for _ in range(Payoff.SAMPLES):
+        payoff.observe(1, False, 1, 0.01)            # 100 tokens/s against the verified steps' 67
+    assert payoff.pause == 0 and payoff.judged_slower == 0
+    payoff.observe(1, True, 2, 0.03)
+    assert payoff.judged_slower == 1 and payoff.pause == Payoff.FIRST_PAUSE
+    for _ in range(Payoff.FIRST_PAUSE):
+        payoff.observe(1, False, 1, 0.01)
+    for _ in range(Payoff.SAMPLES):                  # judged afresh, from new samples only
+        payoff.observe(1, True, 2, 0.03)
+    assert payoff.judged_slower == 2 and payoff.pause == 2 * Payoff.FIRST_PAUSE
+    faster = Payoff()
+    for verified, tokens in [(False, 1)] * Payoff.SAMPLES + [(True, 4)] * 3 * Payoff.SAMPLES:
+        faster.observe(2, verified, tokens, 0.01)    # verified steps as long, more tokens: never paused
+        assert faster.pause == 0
+    assert faster.judged_slower == 0
+    faster.observe(1, True, 2, 0.03)                 # another batch size is judged on its own
+    assert faster.rates[(1, True)] == pytest.approx(2 / 0.03)
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def reference(model_dir: str, prompt: list[int], bias: dict[int, float], first: 
 
 def sample_pairs(model_dir: str, prompt: list[int], bias: dict[int, float], first: int) -> tuple[list, dict]:
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 2,
-            "disable_by_batch_size": 128, "min_acceptance": 0.0}
+            "disable_by_batch_size": 128, "min_acceptance": 0.0, "pause_when_slower": False}
     cfg = EngineConfig(device_type="cpu", cache_max_entry_count=400, max_batch_size=128, speculative=spec)
     with lmport.pipeline(model_dir, backend_config=cfg) as pipe:
         engine, done = pipe.engine, {}

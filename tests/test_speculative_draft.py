@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 import pytest
 
@@ -15,12 +16,14 @@ from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.engine import Engine
 from lmport.models.loader import load_tokenizer
 from lmport.speculative.draft import check_same_tokens
+from lmport.speculative.speculator import Payoff
 from support.model_helpers import tiny_draft_dir, tiny_model_dir
 from test_speculative import GREEDY, chain_tokens, generate, repeating_prompts
 
 
 def draft_spec(model: str, **fields) -> dict:
-    return {"method": "draft", "model": model, "num_speculative_tokens": 4, "disable_by_batch_size": 64, **fields}
+    return {"method": "draft", "model": model, "num_speculative_tokens": 4, "disable_by_batch_size": 64,
+            "pause_when_slower": False, **fields}
 
 
 @functools.cache
@@ -96,6 +99,32 @@ def test_a_model_drafting_for_itself_has_every_proposal_accepted():
     assert [r.token_ids for r in spec] == plain(arch, 3)
     assert usage["spec_acceptance_rate"] == 1.0 and usage["spec_pauses"] == 0
     assert usage["spec_mean_acceptance_length"] > 4   # 5 a verification, less where max_tokens cuts a proposal
+
+
+def test_the_engine_stops_speculating_while_verification_steps_are_slower():
+    """A model drafting for itself, its verification made slow (a sleep in every forward with more tokens than
+    sequences, other than the prompt's): the engine's timing pauses speculation, and greedy output is unchanged;
+    without the check every decode step verifies."""
+    model, prompts = tiny_model_dir("llama"), repeating_prompts(1, seed=3)
+    gen = GenerationConfig(max_new_tokens=160, ignore_eos=True)
+    plain_steps, expected = {}, [r.token_ids for r in generate(model, prompts, gen)[0]]
+    for check in (True, False):
+        cfg = EngineConfig(device_type="cpu", speculative=draft_spec(model, pause_when_slower=check))
+        with lmport.pipeline(model, backend_config=cfg) as pipe:
+            execute = pipe.engine.executor.execute
+
+            def slow_verification(step, execute=execute):
+                if 1 < len(step.token_ids) <= 5:   # the prompt is longer
+                    time.sleep(0.03)
+                return execute(step)
+            pipe.engine.executor.execute = slow_verification
+            out = pipe.generate(prompts, gen)
+            usage = pipe.engine.usage()
+        assert [r.token_ids for r in out] == expected
+        assert (usage["spec_judged_slower"] >= 1) == check
+        plain_steps[check] = usage["steps"] - usage["spec_verifications"]   # the prompt's step among them
+    assert plain_steps[True] >= Payoff.SAMPLES + Payoff.FIRST_PAUSE   # measured, then paused
+    assert plain_steps[False] < Payoff.SAMPLES
 
 
 def test_greedy_identical_under_preemption():

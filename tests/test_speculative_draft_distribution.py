@@ -46,7 +46,7 @@ def reference(model_dir: str, prompt: list[int]) -> dict[tuple[int, int, int], f
 
 def sample_triples(model_dir: str, prompt: list[int]) -> tuple[list, dict]:
     spec = {"method": "draft", "model": tiny_draft_dir("llama"), "num_speculative_tokens": 2,
-            "disable_by_batch_size": 128, "min_acceptance": 0.0}
+            "disable_by_batch_size": 128, "min_acceptance": 0.0, "pause_when_slower": False}
     cfg = EngineConfig(device_type="cpu", cache_max_entry_count=600, max_batch_size=128, speculative=spec)
     with lmport.pipeline(model_dir, backend_config=cfg) as pipe:
         engine, done = pipe.engine, {}

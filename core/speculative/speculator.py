@@ -14,6 +14,11 @@ Speculation backs off where it does not pay:
   under ``min_acceptance``): it pauses for a number of steps that doubles each time (up to
   ``MAX_PAUSE``) and is reset once its proposals pay again. An n-gram lookup that finds nothing costs
   no verification at all;
+- while verifying does not pay on this machine (``Payoff``): decode steps that verified proposals are timed
+  against plain ones, tokens emitted a second, and speculation pauses for all sequences while it is the
+  slower (for a number of steps that doubles each time, then it is judged afresh). Where a forward's
+  cost grows with its tokens (a small model on a CPU), verifying four proposals can cost three plain
+  steps, and then even a workload that repeats its prompt gains nothing;
 - for requests that opt out (``GenerationConfig.speculate=False``).
 """
 from __future__ import annotations
@@ -37,6 +42,44 @@ FIRST_PAUSE = 4      # steps a sequence stops proposing after its acceptance fal
 MAX_PAUSE = 64
 
 
+class Payoff:
+    """Whether verifying proposals pays: tokens emitted a second by decode steps that verified proposals
+    against steps that did not, with as many sequences in the step. Judged once ``SAMPLES`` steps of each
+    kind are timed; a plain rate not yet known is measured by pausing speculation for ``SAMPLES`` steps."""
+
+    SAMPLES = 8          # timed steps of a kind before a judgment
+    WEIGHT = 0.2         # weight of the latest step in a rate's exponential average
+    FIRST_PAUSE = 32     # decode steps without speculation after it is judged slower; doubles each time
+    MAX_PAUSE = 1024
+
+    def __init__(self):
+        self.rates: dict[tuple[int, bool], float] = {}    # (sequences, verified) -> tokens per second
+        self.samples: Counter[tuple[int, bool]] = Counter()
+        self.pause = 0                                    # decode steps left without speculation
+        self.next_pause = self.FIRST_PAUSE
+        self.judged_slower = 0
+
+    def observe(self, num_seqs: int, verified: bool, tokens: int, seconds: float) -> None:
+        """A decode step of ``num_seqs`` sequences emitted ``tokens`` in ``seconds``."""
+        if self.pause:
+            self.pause -= 1
+        key = (num_seqs, verified)
+        rate = tokens / max(seconds, 1e-9)
+        self.rates[key] = rate if not self.samples[key] else self.rates[key] + self.WEIGHT * (rate - self.rates[key])
+        self.samples[key] += 1
+        plain = (num_seqs, False)
+        if not verified or self.samples[key] < self.SAMPLES:
+            return
+        if self.samples[plain] < self.SAMPLES:
+            self.pause = self.SAMPLES - self.samples[plain]   # plain steps to compare with
+        elif self.rates[key] < self.rates[plain]:
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, self.MAX_PAUSE)
+            self.samples[key] = 0   # judged afresh after the pause
+            self.judged_slower += 1
+        else:
+            self.next_pause = self.FIRST_PAUSE
+
+
 @dataclass
 class _SeqState:
     acceptance: float = 1.0     # exponential average of accepted / proposed
@@ -53,6 +96,7 @@ class Speculator:
         self.draft = draft                  # method "draft": the model that proposes
         self._proposals: dict[Sequence, list[int]] = {}   # n-gram proposals made in lookahead; [] for the draft's
         self._states: dict[Sequence, _SeqState] = {}
+        self.payoff = Payoff() if config.pause_when_slower else None
         self.stats: Counter[str] = Counter()
 
     # -- before the forward ------------------------------------------------
@@ -61,7 +105,7 @@ class Speculator:
         self._proposals.pop(seq, None)
         cfg = self.config
         if (not seq.gen_config.speculate or seq.pooling is not None
-                or self.num_running() > cfg.disable_by_batch_size):
+                or self.num_running() > cfg.disable_by_batch_size or (self.payoff and self.payoff.pause)):
             return 0
         state = self._states.setdefault(seq, _SeqState())
         if state.pause:
@@ -137,4 +181,6 @@ class Speculator:
             "spec_mean_acceptance_length": (1 + s["accepted_tokens"] / s["verifications"]
                                             if s["verifications"] else 0.0),
             "spec_pauses": s["pauses"],
+            # times verifying was judged slower than plain decoding (Payoff)
+            "spec_judged_slower": self.payoff.judged_slower if self.payoff else 0,
         }
