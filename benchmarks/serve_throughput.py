@@ -11,8 +11,9 @@ fixed text, outputs of 16/32/64/128 tokens with EOS ignored, seed 0, all sent at
 The servers are started once, warmed up, then the rounds interleave the columns (engine, served, llama-server,
 engine, ...) so that load drifting on a shared machine touches each alike. Each round's prompts begin with a
 token of their own, so that no column finds an earlier round's prompts in a cache (lmport's prefix cache,
-llama-server's slots); within a round the engine runs with prefix caching on, as `lmport serve` does. Prints medians with min-max over the
-rounds, the CPU and its measured memory bandwidth, and the load average; writes JSON.
+llama-server's slots); within a round the engine runs with prefix caching on, as `lmport serve` does.
+Prints medians with min-max over the rounds, the CPU and its measured memory bandwidth, and the load average;
+writes JSON.
 
     .venv/bin/python benchmarks/serve_throughput.py --rounds 5 \\
         --llama-server /root/.cache/llamacpp/build/bin/llama-server
