@@ -14,6 +14,13 @@ from lmport.server.app import create_app
 from support.model_helpers import tiny_model_dir
 from test_server import ServerThread
 
+
+def _wait_while(busy, start: float, limit: float, interval: float = 0.1) -> None:
+    """Polls until ``busy()`` is false or ``limit`` seconds have passed since ``start`` (time.monotonic())."""
+    import time
+    while busy() and time.monotonic() - start < limit:
+        time.sleep(interval)
+
 KEYS = ["key-a", "key-b"]
 PROMPT = " ".join(f"w{i}" for i in range(200))   # several KV blocks
 
@@ -92,16 +99,13 @@ def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
                 "logprobs": 5}
         socks = [_silent_stream(server.url, body) for _ in range(2)]
         start = time.monotonic()
-        while state.admission.active < 32 and time.monotonic() - start < 30:
-            time.sleep(0.05)
+        _wait_while(lambda: state.admission.active < 32, start, 30, 0.05)
         assert state.admission.active == 32
-        while state.admission.active and time.monotonic() - start < 40:
-            time.sleep(0.1)
+        _wait_while(lambda: state.admission.active, start, 40)
         cut = time.monotonic() - start
         assert state.admission.active == 0, state.admission.active
         assert cut < 15, cut
-        while engine.seqs and time.monotonic() - start < 45:
-            time.sleep(0.1)
+        _wait_while(lambda: engine.seqs, start, 45)
         assert not engine.seqs   # aborted, not left to run to max_tokens
         r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
                        timeout=60)
@@ -132,15 +136,12 @@ def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill(max_uns
                 "logprobs": 5}
         sock = _silent_stream(server.url, body)
         start = time.monotonic()
-        while state.admission.active < 4 and time.monotonic() - start < 30:
-            time.sleep(0.02)
+        _wait_while(lambda: state.admission.active < 4, start, 30, 0.02)
         assert state.admission.active == 4
-        while state.admission.active and time.monotonic() - start < 60:
-            time.sleep(0.1)
+        _wait_while(lambda: state.admission.active, start, 60)
         cut = time.monotonic() - start
         assert state.admission.active == 0 and cut < 10, cut
-        while engine.seqs and time.monotonic() - start < 60:
-            time.sleep(0.1)
+        _wait_while(lambda: engine.seqs, start, 60)
         assert not engine.seqs   # aborted, not left to run to max_tokens
         sock.settimeout(10)
         with pytest.raises(ConnectionResetError):   # reset, its unsent output discarded
