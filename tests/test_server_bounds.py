@@ -424,3 +424,11 @@ def test_admission_counts_choices():
     assert exc.value.status == 503
     releases[0]()
     assert admission.active == 48
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "1048576"])
+def test_a_bad_max_unsent_bytes_is_refused(value):
+    from lmport.errors import ConfigError
+    from lmport.server.connections import ConnectionLimits
+    with pytest.raises(ConfigError, match="max_unsent_bytes must be a positive int"):
+        ConnectionLimits(max_unsent_bytes=value)
