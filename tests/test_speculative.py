@@ -255,6 +255,53 @@ def test_structured_outputs_speculate_and_match_without_speculation():
     assert usage["spec_verifications"] > 0 and all(re.fullmatch(regex, r.text) for r in spec)
 
 
+def test_a_format_dead_end_inside_a_proposal_ends_the_request_as_without_speculation(monkeypatch):
+    """A grammar that allows no token after its DEAD_AT-th: speculation emits the same tokens before the dead
+    end and ends the request with the same error, whether the dead end falls on a plain step or inside a
+    verified proposal (which must happen here, or the test proves nothing)."""
+    from lmport.guided import Matcher
+    from lmport.models.loader import load_tokenizer
+    dead_at = 10
+    fill, accept, rollback, proposal_bitmask = (Matcher.fill_next_token_bitmask, Matcher.accept_token,
+                                                Matcher.rollback, Matcher.proposal_bitmask)
+    dead_in_proposals = []
+
+    def counted_accept(self, token):
+        accepted = accept(self, token)
+        self.tokens_in = getattr(self, "tokens_in", 0) + accepted
+        return accepted
+
+    def counted_rollback(self, num_tokens):
+        rollback(self, num_tokens)
+        self.tokens_in -= num_tokens
+
+    def dead_fill(self, bitmask, row):
+        fill(self, bitmask, row)
+        if getattr(self, "tokens_in", 0) >= dead_at:
+            bitmask[row] = 0   # what xgrammar fills when no token can continue or end the output
+
+    def watched_proposal_bitmask(self, proposal, vocab_size):
+        result = proposal_bitmask(self, proposal, vocab_size)
+        dead_in_proposals.append(result[2] is not None and result[2] > 0)
+        return result
+
+    monkeypatch.setattr(Matcher, "accept_token", counted_accept)
+    monkeypatch.setattr(Matcher, "rollback", counted_rollback)
+    monkeypatch.setattr(Matcher, "fill_next_token_bitmask", dead_fill)
+    monkeypatch.setattr(Matcher, "proposal_bitmask", watched_proposal_bitmask)
+    model = tiny_model_dir("llama")
+    tok = load_tokenizer(model)
+    prompts = [tok.encode("red blue " * 20) for _ in range(3)]
+    gen = GenerationConfig(max_new_tokens=40, response_format={"type": "regex_schema", "regex_schema": "(red |blue )+"})
+    plain, _, _ = generate(model, prompts, gen, cache_max_entry_count=100)
+    spec, usage, _ = generate(model, prompts, gen, cache_max_entry_count=100, check_blocks=True, speculative=NGRAM)
+    assert all(r.finish_reason == "error" and "dead end" in (r.error or "") for r in plain), plain
+    assert all(len(r.token_ids) == dead_at for r in plain)
+    assert [(r.token_ids, r.finish_reason, r.error) for r in spec] == [(r.token_ids, r.finish_reason, r.error)
+                                                                       for r in plain]
+    assert usage["spec_accepted_tokens"] > 0 and any(dead_in_proposals)
+
+
 def test_opt_out_and_batch_cut_off_mean_no_speculation():
     model, prompts = tiny_model_dir("llama"), repeating_prompts(8, seed=13)
     _, usage, _ = generate(model, prompts, GenerationConfig(max_new_tokens=16, ignore_eos=True, speculate=False),
