@@ -138,5 +138,5 @@ def test_killing_a_replica_actor_loses_only_its_requests_and_it_comes_back(dp2):
 
 
 def _owner(server, front, name: str) -> int:
-    ids = server.server.config.app.state.server.tokenizer.encode(family(name, 10))
+    ids = server.server.config.app.state.frontend.tokenizer.encode(family(name, 10))
     return front.router.owner[front.router.chain(ids)[0]]

@@ -60,7 +60,7 @@ def test_cache_salt_and_api_key_key_the_prefix_cache(cached):
 
 def test_cache_salt_alone_separates_requests():
     from lmport.engine_client import EngineClient
-    from lmport.server.serving import Frontend
+    from lmport.server.frontend import Frontend
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=64, session_len=512))
     server = Frontend(EngineClient.start_thread(engine), engine.tokenizer, engine.grammars, "tiny")
     try:
@@ -93,7 +93,7 @@ def test_a_client_that_never_reads_is_cut_and_frees_its_slots(limits):
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=4096))
     app = create_app(engine, model_name="tiny", limits=Limits(**limits))
     # Small send buffers: a client that does not read blocks the server's writes after about 100 KB, not megabytes.
-    server, state = ServerThread(app, send_buffer=4096), app.state.server
+    server, state = ServerThread(app, send_buffer=4096), app.state.frontend
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 16, "stream": True,
                 "logprobs": 5}
@@ -130,7 +130,7 @@ def test_a_client_that_never_reads_is_cut_before_the_socket_buffers_fill(max_uns
     # Capacity 4, all taken by the silent request; writes may wait 600 s, so only the unsent bound can cut it.
     app = create_app(engine, model_name="tiny", limits=Limits(send_timeout=600.0, max_waiting_requests=0))
     connections = ConnectionLimits(max_unsent_bytes=max_unsent, send_timeout=1.0)
-    server, state = ServerThread(app, **connections.uvicorn_kwargs()), app.state.server
+    server, state = ServerThread(app, **connections.uvicorn_kwargs()), app.state.frontend
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "ignore_eos": True, "n": 4, "stream": True,
                 "logprobs": 5}
@@ -212,7 +212,7 @@ def plain():
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048))
     app = create_app(engine, model_name="tiny", limits=Limits(request_timeout=4.0))
     server = ServerThread(app)
-    server.engine, server.state = engine, app.state.server
+    server.engine, server.state = engine, app.state.frontend
     yield server
     server.stop()
 

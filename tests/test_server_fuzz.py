@@ -81,7 +81,7 @@ def _fuzz(server, examples: int):
     run()
     assert server.http.get("/health").status_code == 200
     deadline = time.monotonic() + 20
-    while server.server.config.app.state.server.core.snapshot["blocks_used"]:
+    while server.server.config.app.state.frontend.core.snapshot["blocks_used"]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
@@ -107,7 +107,7 @@ def test_cors_only_for_the_given_origins(fuzz_server):
 def test_a_dead_engine_thread_errors_every_caller_and_turns_the_server_away():
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=64))
     server = ServerThread(create_app(engine, model_name="tiny"))
-    app_server = server.server.config.app.state.server
+    app_server = server.server.config.app.state.frontend
     fail = threading.Event()
     real_step = engine.step
 

@@ -180,6 +180,36 @@ def test_tool_prompt_and_parse_formats():
         "arguments"] == '{"a": 1, "b": {"c": [1, 2, 3, 4, 5, 6, 7]}}'
 
 
+def test_tools_and_formats_compile_off_the_event_loop():
+    """A grammar can take seconds to compile: the front end's checks run in its compile threads, so the event
+    loop goes on serving everyone else meanwhile."""
+    import asyncio
+    import threading
+
+    from lmport.engine_client import EngineClient
+    from lmport.server import routes
+    from lmport.server.frontend import Frontend
+    from lmport.server.protocol import ChatCompletionRequest
+    engine = Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=64, session_len=1024))
+    frontend = Frontend(EngineClient.start_thread(engine), engine.tokenizer, engine.grammars, "tiny")
+    compile_format, threads = frontend.grammars.compile, []
+
+    def compile_recording(response_format):
+        threads.append(threading.current_thread().name)
+        return compile_format(response_format)
+
+    frontend.grammars.compile = compile_recording
+    # The tools' parameters, then the grammar forcing a call.
+    req = ChatCompletionRequest.model_validate({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                "tools": TOOLS, "tool_choice": "required"})
+    try:
+        prompt = asyncio.run(routes.chat_prompt(frontend, req))
+    finally:
+        frontend.core.shutdown()
+    assert prompt.response_format is not None
+    assert len(threads) == len(TOOLS) + 1 and all(name.startswith("lmport-compile") for name in threads), threads
+
+
 def test_regex_choice_and_length_cut(tiny):
     r = tiny.completions.create(model="tiny", prompt="Code:", max_tokens=10, temperature=0,
                                 extra_body={"guided_regex": "[0-9]{3}-[a-c]{2}"})

@@ -60,28 +60,28 @@ def adapter_error(exc: AdapterError) -> APIError:
     return APIError(exc.status, str(exc), param=exc.param, code=code.get(exc.status))
 
 
-def adapter_for(server, model: str) -> str | None:
+def adapter_for(frontend, model: str) -> str | None:
     """The adapter a request's ``model`` names (None: the base model); a 404 naming ``model`` otherwise."""
-    if model == server.model_name:
+    if model == frontend.model_name:
         return None
-    if model in server.core.adapters:
+    if model in frontend.core.adapters:
         return model
-    served = [server.model_name, *sorted(server.core.adapters)]
+    served = [frontend.model_name, *sorted(frontend.core.adapters)]
     raise APIError(404, f"model: {brief(model)} does not exist; this server serves {', '.join(map(repr, served))} "
                         f"(see GET /v1/models)", param="model", code="model_not_found")
 
 
-def model_cards(server) -> list[dict]:
+def model_cards(frontend) -> list[dict]:
     """/v1/models' entries for the loaded adapters (vLLM's shape: ``root`` the path, ``parent`` the base)."""
     return [{"id": a.name, "object": "model", "created": a.created, "owned_by": "lmport", "root": a.path,
-             "parent": server.model_name, "max_model_len": server.info.session_len}
-            for a in list(server.core.adapters.values())]
+             "parent": frontend.model_name, "max_model_len": frontend.info.session_len}
+            for a in list(frontend.core.adapters.values())]
 
 
-async def _body(server, request: Request, cls):
+async def _body(frontend, request: Request, cls):
     body = await request.body()
-    if len(body) > server.max_body_bytes:
-        raise APIError(413, f"the request body is larger than the server's limit of {server.max_body_bytes} bytes",
+    if len(body) > frontend.max_body_bytes:
+        raise APIError(413, f"the request body is larger than the server's limit of {frontend.max_body_bytes} bytes",
                        code="request_too_large")
     try:
         return cls.model_validate_json(body)
@@ -89,7 +89,7 @@ async def _body(server, request: Request, cls):
         raise validation_error(exc) from None
 
 
-def register(app: FastAPI, server, auth: list, enabled: bool) -> None:
+def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
     """The load/unload routes (answering 403 unless ``enabled``)."""
 
     def check_enabled() -> None:
@@ -100,23 +100,23 @@ def register(app: FastAPI, server, auth: list, enabled: bool) -> None:
     @app.post("/v1/load_lora_adapter", dependencies=auth)
     async def load_lora_adapter(request: Request):
         check_enabled()
-        req = await _body(server, request, LoadLoraAdapter)
-        if req.lora_name == server.model_name:
+        req = await _body(frontend, request, LoadLoraAdapter)
+        if req.lora_name == frontend.model_name:
             raise APIError(400, f"lora_name: {brief(req.lora_name)} is the base model's name; choose another",
                            param="lora_name")
         try:
-            loaded = await server.core.load_adapter(req.lora_name, req.lora_path)
+            loaded = await frontend.core.load_adapter(req.lora_name, req.lora_path)
         except AdapterError as exc:
             raise adapter_error(exc) from None
         return {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
-                "root": loaded.path, "parent": server.model_name}
+                "root": loaded.path, "parent": frontend.model_name}
 
     @app.post("/v1/unload_lora_adapter", dependencies=auth)
     async def unload_lora_adapter(request: Request):
         check_enabled()
-        req = await _body(server, request, UnloadLoraAdapter)
+        req = await _body(frontend, request, UnloadLoraAdapter)
         try:
-            unloaded = await server.core.unload_adapter(req.lora_name)
+            unloaded = await frontend.core.unload_adapter(req.lora_name)
         except AdapterError as exc:
             raise adapter_error(exc) from None
         return {"id": unloaded.name, "object": "model", "deleted": True}

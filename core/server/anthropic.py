@@ -21,11 +21,12 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmport.engine import RequestOutput
-from lmport.server import routes
+from lmport.server import openai_mapping, routes, streaming
 from lmport.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest,
                                     JSONPathRequest, _Request)
-from lmport.server.replies import event, pieces, renamed, reply_calls, stop_sequence
-from lmport.server.serving import Frontend, Job
+from lmport.server.frontend import Frontend, Job
+from lmport.server.replies import pieces, renamed, reply_calls, stop_sequence
+from lmport.server.streaming import event
 
 PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
@@ -261,41 +262,41 @@ def _field(param: str) -> str:
     return param.replace(".function", ".name") if param.startswith("tools.") else param
 
 
-async def _prompt(server: Frontend, req: _Conversation) -> tuple[routes.ChatPrompt, ChatCompletionRequest]:
+async def _prompt(frontend: Frontend, req: _Conversation) -> tuple[routes.ChatPrompt, ChatCompletionRequest]:
     if not req.messages:
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
     chat, prefill = to_chat(req)
     try:
-        prompt = await routes.chat_prompt(server, chat)
+        prompt = await routes.chat_prompt(frontend, chat)
     except APIError as exc:
         raise renamed(exc, _field) from None
     if prefill:   # the reply goes on from the assistant's text, after the template's opening of its turn
-        tokenizer = server.tokenizer
-        prompt.ids = prompt.ids + await server.tokenize(
+        tokenizer = frontend.tokenizer
+        prompt.ids = prompt.ids + await frontend.tokenize(
             lambda: tokenizer.encode(prefill, add_special_tokens=False, split_special_tokens=True))
     return prompt, chat
 
 
 # -- routes ---------------------------------------------------------------------------------------------------
 
-async def count_tokens(server: Frontend, request: Request):
+async def count_tokens(frontend: Frontend, request: Request):
     """POST /v1/messages/count_tokens: the prompt's tokens as the model would see it, tools included."""
-    req = await server.parse(request, CountTokensRequest)
-    prompt, _ = await _prompt(server, req)
+    req = await frontend.parse(request, CountTokensRequest)
+    prompt, _ = await _prompt(frontend, req)
     return {"input_tokens": len(prompt.ids)}
 
 
-async def messages(server: Frontend, request: Request):
+async def messages(frontend: Frontend, request: Request):
     """POST /v1/messages."""
     received = time.perf_counter()
-    req: MessagesRequest = await server.parse(request, MessagesRequest)
-    prompt, chat = await _prompt(server, req)
-    job = server.job(chat, [prompt.ids], "messages", req.max_tokens, None, received, prompt.response_format,
-                     key=getattr(request.state, "api_key", None))
-    server.admit(job)
-    reply = _Reply(server, job, prompt, chat.stop_words)
-    return await routes.respond(server, request, job, reply.events, lambda outs: reply.body(outs[0]),
-                                stream=req.stream)
+    req: MessagesRequest = await frontend.parse(request, MessagesRequest)
+    prompt, chat = await _prompt(frontend, req)
+    job = openai_mapping.job_for(frontend, chat, [prompt.ids], "messages", req.max_tokens, None, received,
+                                 prompt.response_format, key=getattr(request.state, "api_key", None))
+    frontend.admit(job)
+    reply = _Reply(frontend, job, prompt, chat.stop_words)
+    return await streaming.respond(frontend, request, job, reply.events, lambda outs: reply.body(outs[0]),
+                                   stream=req.stream)
 
 
 def _tool_id() -> str:
@@ -305,8 +306,8 @@ def _tool_id() -> str:
 class _Reply:
     """One job's output as a Message, or as Anthropic's stream of events."""
 
-    def __init__(self, server: Frontend, job: Job, prompt: routes.ChatPrompt, stop_words: list[str] | None):
-        self.server, self.job, self.tools, self.stop_words = server, job, prompt.tools, stop_words
+    def __init__(self, frontend: Frontend, job: Job, prompt: routes.ChatPrompt, stop_words: list[str] | None):
+        self.frontend, self.job, self.tools, self.stop_words = frontend, job, prompt.tools, stop_words
 
     def _usage(self, out: RequestOutput) -> dict:
         # Anthropic counts the prompt tokens read from its cache apart from input_tokens.
@@ -319,11 +320,11 @@ class _Reply:
             return "max_tokens", None
         if called:
             return "tool_use", None
-        word = stop_sequence(self.server.tokenizer, out, self.stop_words)
+        word = stop_sequence(self.frontend.tokenizer, out, self.stop_words)
         return ("end_turn", None) if word is None else ("stop_sequence", word)
 
     def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
-        return {"id": f"msg_{self.job.id}", "type": "message", "role": "assistant", "model": self.server.model_name,
+        return {"id": f"msg_{self.job.id}", "type": "message", "role": "assistant", "model": self.frontend.model_name,
                 "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
     def body(self, out: RequestOutput) -> dict:
@@ -341,7 +342,7 @@ class _Reply:
         yield event("ping", {"type": "ping"})
         index, open_kind, called, final = -1, None, False, None
         try:
-            async for new, out in pieces(self.server, self.job, self.tools):
+            async for new, out in pieces(self.frontend, self.job, self.tools):
                 for piece in new:
                     kind = "text" if piece.kind == "text" else "tool_use"
                     if piece.kind == "call" or kind != open_kind:

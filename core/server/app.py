@@ -41,7 +41,7 @@ from lmport.server.guards import Guards
 from lmport.server.limits import Limits
 from lmport.server.metrics import ReplicaCollector
 from lmport.server.protocol import APIError, brief
-from lmport.server.serving import MAX_BODY_BYTES, Frontend
+from lmport.server.frontend import MAX_BODY_BYTES, Frontend
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
                docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
                tokenizer=None) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
-    for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.server``).
+    for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.frontend``).
     ``engine``: what runs the requests, already started (an engine core's client, or data-parallel replicas'
     front end, ``lmport.dp.frontend.DataParallel``, whose replicas /health and /metrics then report; with
     either, ``tokenizer`` is the model's), or an Engine, whose core then runs in a thread of this process.
@@ -69,42 +69,42 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
             raise TypeError("create_app: give the model's tokenizer with an engine core client")
         core = engine
         grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
-    server = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
+    frontend = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
     info = core.info
     replicas = getattr(core, "status", None)   # data-parallel replicas, each with its health and usage
     if replicas is not None:
-        server.metrics.registry.register(ReplicaCollector(replicas))
+        frontend.metrics.registry.register(ReplicaCollector(replicas))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        server.core.shutdown()
-        server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        server.compile_pool.shutdown(wait=False, cancel_futures=True)
+        frontend.core.shutdown()
+        frontend.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        frontend.compile_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="lmport", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = server
+    app.state.frontend = frontend
 
     def require_key(request: Request) -> None:
-        if not server.api_keys:
+        if not frontend.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if not scheme and "x-api-key" in request.headers:   # where Anthropic's clients send the key
             scheme, token = "bearer", request.headers["x-api-key"]
         token = token.strip().encode()
         # Every key is compared (in constant time), so the time taken does not tell which one nearly matched.
-        matches = [hmac.compare_digest(token, key.encode()) for key in server.api_keys]
+        matches = [hmac.compare_digest(token, key.encode()) for key in frontend.api_keys]
         if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>` (or "
                                 "`X-Api-Key: <key>`)",
                            type="authentication_error", code="invalid_api_key")
-        request.state.api_key = server.api_keys[matches.index(True)]
+        request.state.api_key = frontend.api_keys[matches.index(True)]
 
     auth = [Depends(require_key)]
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        server.metrics.rejected.labels(str(exc.status)).inc()
+        frontend.metrics.rejected.labels(str(exc.status)).inc()
         return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -125,7 +125,7 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
         @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
         async def openapi():
             if app.openapi_schema is None:
-                app.openapi_schema = openapi_doc.build(app, server.model_name, server.api_key is not None,
+                app.openapi_schema = openapi_doc.build(app, frontend.model_name, frontend.api_key is not None,
                                                         info.vocab_size)
             return app.openapi_schema
 
@@ -139,10 +139,10 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
 
     @app.get("/health")
     async def health():
-        problem = server.engine_problem()
+        problem = frontend.engine_problem()
         if problem is not None:
             return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
-        if server.admission.closed:
+        if frontend.admission.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if replicas is not None:
             return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
@@ -150,47 +150,47 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
 
     @app.get("/metrics", dependencies=auth)
     async def metrics():
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    adapters.register(app, server, auth, enable_lora_loading)
-    embeddings.register(app, server, auth)
+    adapters.register(app, frontend, auth, enable_lora_loading)
+    embeddings.register(app, frontend, auth)
 
     def model_card() -> dict:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "lmport",
+        return {"id": frontend.model_name, "object": "model", "created": frontend.created, "owned_by": "lmport",
                 "max_model_len": info.session_len}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [model_card(), *adapters.model_cards(server)]}
+        return {"object": "list", "data": [model_card(), *adapters.model_cards(frontend)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str):
-        if model_id != server.model_name:
-            if (card := next((c for c in adapters.model_cards(server) if c["id"] == model_id), None)) is not None:
+        if model_id != frontend.model_name:
+            if (card := next((c for c in adapters.model_cards(frontend) if c["id"] == model_id), None)) is not None:
                 return card
             raise APIError(404, f"model: {brief(model_id)} does not exist; this server serves "
-                                f"{server.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+                                f"{frontend.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
         return model_card()
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        return await routes.chat_completions(server, request)
+        return await routes.chat_completions(frontend, request)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        return await routes.completions(server, request)
+        return await routes.completions(frontend, request)
 
     @app.post("/v1/messages", dependencies=auth)
     async def messages(request: Request):
-        return await anthropic.messages(server, request)
+        return await anthropic.messages(frontend, request)
 
     @app.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_tokens(request: Request):
-        return await anthropic.count_tokens(server, request)
+        return await anthropic.count_tokens(frontend, request)
 
     @app.post("/v1/responses", dependencies=auth)
     async def create_response(request: Request):
-        return await responses.create(server, request)
+        return await responses.create(frontend, request)
 
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
@@ -268,7 +268,7 @@ def serve(args) -> int:
           f"{core.info.num_blocks} {where}){'; API key required' if api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
         logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
-    server = GracefulServer(config, app.state.server, shutdown_timeout=args.shutdown_timeout,
+    server = GracefulServer(config, app.state.frontend, shutdown_timeout=args.shutdown_timeout,
                             exit_on_engine_failure=args.exit_on_engine_failure)
     server.run()
     return server.exit_code

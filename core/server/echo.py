@@ -13,7 +13,7 @@ def prompt_scores(prompt_ids: list[int], entries: list[dict[int, float]]) -> tup
     return [None, *(e[t] for e, t in zip(entries, prompt_ids[1:]))], [None, *entries]
 
 
-def merge(server, prompt_ids: list[int], prompt_lps: tuple[list, list] | None, top: int | None,
+def merge(tokenizer, prompt_ids: list[int], prompt_lps: tuple[list, list] | None, top: int | None,
           generated: dict | None) -> dict | None:
     """OpenAI's legacy logprobs for prompt + completion: tokens, token_logprobs, top_logprobs, text_offset."""
     if top is None:
@@ -21,12 +21,12 @@ def merge(server, prompt_ids: list[int], prompt_lps: tuple[list, list] | None, t
     if prompt_lps is None:
         raise ValueError("merge: the prompt's logprobs are needed when top is given")
     lps, tops = prompt_lps
-    tokens = [server.token_text(t) for t in prompt_ids]
+    tokens = [tokenizer.decode([t]) for t in prompt_ids]
     offsets, offset = [], 0
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    tops_text = [None if e is None else {server.token_text(t): lp
+    tops_text = [None if e is None else {tokenizer.decode([t]): lp
                                          for t, lp in sorted(e.items(), key=lambda kv: -kv[1])[:top]}
                  for e in tops]
     if generated is None:

@@ -24,7 +24,8 @@ from lmport.engine_messages import EngineRequest
 from lmport.models.loader import resolve_model_path
 from lmport.pooling import PoolingConfig, finish, pooling_config
 from lmport.server.protocol import APIError, brief, validation_error
-from lmport.server.serving import Job
+from lmport.server import streaming
+from lmport.server.frontend import Job
 
 Input = str | list[str] | list[int] | list[list[int]]
 
@@ -44,48 +45,48 @@ def _inputs(value: Input) -> list:
     return list(value)
 
 
-async def embed(server, pooling: PoolingConfig, request: Request):
+async def embed(frontend, pooling: PoolingConfig, request: Request):
     received = time.perf_counter()
     body = await request.body()
-    if len(body) > server.max_body_bytes:
-        raise APIError(413, f"the request body is larger than the server's limit of {server.max_body_bytes} bytes",
+    if len(body) > frontend.max_body_bytes:
+        raise APIError(413, f"the request body is larger than the server's limit of {frontend.max_body_bytes} bytes",
                        code="request_too_large")
     try:
         req = EmbeddingRequest.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    if req.model != server.model_name:
+    if req.model != frontend.model_name:
         raise APIError(404, f"model: {brief(req.model)} does not exist for embeddings; this server embeds with "
-                            f"{server.model_name!r} (LoRA adapters do not embed)", param="model",
+                            f"{frontend.model_name!r} (LoRA adapters do not embed)", param="model",
                        code="model_not_found")
-    width = server.info.hidden_size
+    width = frontend.info.hidden_size
     if req.dimensions is not None and req.dimensions != width:
         raise APIError(400, f"dimensions: {req.dimensions} is not supported; this model's embeddings have {width} "
                             f"dimensions and are not truncated (leave dimensions out)", param="dimensions")
     inputs = _inputs(req.input)
     if not inputs:
         raise APIError(400, "input: the list is empty; give a string, strings or token ids", param="input")
-    if len(inputs) > server.limits.max_engine_requests:
+    if len(inputs) > frontend.limits.max_engine_requests:
         raise APIError(400, f"input: {len(inputs)} inputs; the server embeds at most "
-                            f"{server.limits.max_engine_requests} per request (--max-engine-requests-per-request)",
+                            f"{frontend.limits.max_engine_requests} per request (--max-engine-requests-per-request)",
                        param="input")
     for text in inputs:
-        if isinstance(text, str) and len(text) > server.max_prompt_chars:
+        if isinstance(text, str) and len(text) > frontend.max_prompt_chars:
             raise APIError(400, f"input: {len(text)} characters is longer than the server's limit of "
-                                f"{server.max_prompt_chars}", param="input", code="context_length_exceeded")
-    prompts = await server.tokenize(lambda: [server.tokenizer.encode(t) if isinstance(t, str) else list(t)
-                                             for t in inputs])
+                                f"{frontend.max_prompt_chars}", param="input", code="context_length_exceeded")
+    prompts = await frontend.tokenize(lambda: [frontend.tokenizer.encode(t) if isinstance(t, str) else list(t)
+                                               for t in inputs])
     for i, ids in enumerate(prompts):
         try:
-            server.check_prompt(ids)
+            frontend.check_prompt(ids)
         except RequestError as exc:
-            code = "context_length_exceeded" if len(ids) >= server.info.session_len else None
+            code = "context_length_exceeded" if len(ids) >= frontend.info.session_len else None
             raise APIError(400, f"input.{i}: {exc}", param="input", code=code) from None
     job = Job(uuid.uuid4().hex, int(time.time()), prompts, [GenerationConfig(max_new_tokens=1)] * len(prompts), 1,
               received)
-    server.admit(job)
+    frontend.admit(job)
     try:
-        vectors = await server.unless_gone(request, _run(server, job, pooling.mode))
+        vectors = await streaming.unless_gone(request, _run(frontend, job, pooling.mode))
     finally:
         job.release()
     if vectors is None:   # the client went away; its requests were aborted
@@ -101,10 +102,10 @@ async def embed(server, pooling: PoolingConfig, request: Request):
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def _run(server, job: Job, mode: str) -> list[list[float]]:
+async def _run(frontend, job: Job, mode: str) -> list[list[float]]:
     async def one(i: int, ids: list[int]) -> list[float]:
         request = EngineRequest(f"emb-{job.id}-{i}", ids, job.configs[i], pooling=mode)
-        async for out in server.core.generate(request):
+        async for out in frontend.core.generate(request):
             if out.finished:
                 if out.embedding is None:
                     raise APIError(500, f"input.{i}: embedding failed: {out.error or out.finish_reason}",
@@ -115,9 +116,9 @@ async def _run(server, job: Job, mode: str) -> list[list[float]]:
     return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(job.prompts))))
 
 
-def register(app: FastAPI, server, auth: list) -> None:
-    pooling = pooling_config(resolve_model_path(server.info.model_name))
+def register(app: FastAPI, frontend, auth: list) -> None:
+    pooling = pooling_config(resolve_model_path(frontend.info.model_name))
 
     @app.post("/v1/embeddings", dependencies=auth)
     async def embeddings(request: Request):
-        return await embed(server, pooling, request)
+        return await embed(frontend, pooling, request)

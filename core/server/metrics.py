@@ -1,8 +1,8 @@
 """Prometheus metrics for one server, in its own CollectorRegistry (several servers can share a process).
 
 Engine state (requests, KV blocks, token counts, prefix cache) is read at scrape
-time from the last ``engine.usage()`` the engine loop published (after each step,
-lmport.engine_client); latencies are observed by the request handlers as outputs arrive.
+time from the last ``engine.usage()`` the engine core published (after each step,
+lmport.engine_client); latencies are observed as each job's outputs arrive (lmport.server.streaming).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2
 
 
 class _EngineCollector:
-    """Reads the engine loop's latest usage snapshot on every scrape (at most one step old)."""
+    """Reads the engine core's latest usage snapshot on every scrape (at most one step old)."""
 
     def __init__(self, usage_fn):
         self.usage_fn = usage_fn

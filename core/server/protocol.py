@@ -3,8 +3,8 @@
 Requests are validated strictly (``"16"`` is not an int), so a wrong type is
 an error that names its field instead of a silent coercion. Unknown fields
 are ignored, as OpenAI clients send fields (``user``, ``metadata``) that do
-not change generation. Responses are plain dicts built by the route handlers
-(``routes.py``; ``anthropic.py`` and ``responses.py`` for their APIs).
+not change generation. Responses are plain dicts (``openai_mapping.py``;
+``anthropic.py`` and ``responses.py`` for their APIs).
 """
 from __future__ import annotations
 

@@ -2,12 +2,11 @@
 
 Both translate a request into a chat completions request, run it through the chat path
 (lmport.server.routes.chat_prompt) and turn the engine's output into their own shapes. What they have in
-common on the way back is here: one choice's streamed output as text and tool-call pieces, server-sent events
-with a name, the stop sequence that ended an output, and an error renamed to the API's own field.
+common on the way back is here: one choice's streamed output as text and tool-call pieces, the stop sequence
+that ended an output, and an error renamed to the API's own field.
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,8 +15,10 @@ from typing import Literal
 from lmport import detokenize
 from lmport.engine import RequestOutput
 from lmport.server import tools
+from lmport.server.frontend import Frontend, Job
+from lmport.server.openai_mapping import finish_reason
 from lmport.server.protocol import APIError
-from lmport.server.serving import Frontend, Job, finish_reason
+from lmport.server.streaming import outputs
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Piece:
     text: str   # the text, the called function's name, or a piece of the call's arguments (JSON text)
 
 
-async def pieces(server: Frontend, job: Job, setup: tools.ToolSetup | None
+async def pieces(frontend: Frontend, job: Job, setup: tools.ToolSetup | None
                  ) -> AsyncIterator[tuple[list[Piece], RequestOutput]]:
     """The job's one choice as it is generated: (its new pieces, the output so far).
 
@@ -36,7 +37,7 @@ async def pieces(server: Frontend, job: Job, setup: tools.ToolSetup | None
     """
     parser = tools.StreamParser(setup) if setup is not None else None
     sent = 0
-    stream = server.outputs(job)
+    stream = outputs(frontend, job)
     try:
         async for _, out in stream:
             finish_reason(out)   # raises for a generation that failed in the engine
@@ -61,11 +62,6 @@ def reply_calls(out: RequestOutput, setup: tools.ToolSetup | None) -> tuple[str,
         return out.text, []
     text, calls = tools.parse(out.text, setup)
     return text or "", calls
-
-
-def event(name: str, data: dict) -> str:
-    """A server-sent event with a name (``event:``), as Anthropic's and the Responses API's streams send them."""
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def stop_sequence(tokenizer, out: RequestOutput, stop_words: list[str] | None) -> str | None:

@@ -24,10 +24,11 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmport.engine import RequestOutput
-from lmport.server import routes
+from lmport.server import openai_mapping, routes, streaming
 from lmport.server.protocol import APIError, ChatCompletionRequest, JSONPathRequest, _Request
-from lmport.server.replies import event, pieces, renamed, reply_calls
-from lmport.server.serving import Frontend, Job
+from lmport.server.frontend import Frontend, Job
+from lmport.server.replies import pieces, renamed, reply_calls
+from lmport.server.streaming import event
 
 
 # -- requests ---------------------------------------------------------------------------------------------
@@ -258,23 +259,23 @@ def _field(param: str) -> str:
 
 # -- the route ------------------------------------------------------------------------------------------------
 
-async def create(server: Frontend, request: Request):
+async def create(frontend: Frontend, request: Request):
     """POST /v1/responses."""
     received = time.perf_counter()
-    req: ResponsesRequest = await server.parse(request, ResponsesRequest)
+    req: ResponsesRequest = await frontend.parse(request, ResponsesRequest)
     if isinstance(req.input, list) and not req.input:
         raise APIError(400, "input: the list is empty; give a string or at least one item", param="input")
     chat = to_chat(req)
     try:
-        prompt = await routes.chat_prompt(server, chat)
-        job = server.job(chat, [prompt.ids], "input", req.max_output_tokens, None, received,
-                         prompt.response_format, key=getattr(request.state, "api_key", None))
+        prompt = await routes.chat_prompt(frontend, chat)
+        job = openai_mapping.job_for(frontend, chat, [prompt.ids], "input", req.max_output_tokens, None, received,
+                                     prompt.response_format, key=getattr(request.state, "api_key", None))
     except APIError as exc:
         raise renamed(exc, _field) from None
-    server.admit(job)
-    reply = _Reply(server, job, prompt, req)
-    return await routes.respond(server, request, job, reply.events, lambda outs: reply.body(outs[0]),
-                                stream=req.stream)
+    frontend.admit(job)
+    reply = _Reply(frontend, job, prompt, req)
+    return await streaming.respond(frontend, request, job, reply.events, lambda outs: reply.body(outs[0]),
+                                   stream=req.stream)
 
 
 def _id(prefix: str) -> str:
@@ -284,8 +285,8 @@ def _id(prefix: str) -> str:
 class _Reply:
     """One job's output as a Response object, or as the API's stream of events."""
 
-    def __init__(self, server: Frontend, job: Job, prompt: routes.ChatPrompt, req: ResponsesRequest):
-        self.server, self.job, self.tools, self.req = server, job, prompt.tools, req
+    def __init__(self, frontend: Frontend, job: Job, prompt: routes.ChatPrompt, req: ResponsesRequest):
+        self.frontend, self.job, self.tools, self.req = frontend, job, prompt.tools, req
         self.sequence = 0
 
     def response(self, status: str, output: list[dict], out: RequestOutput | None = None,
@@ -303,7 +304,7 @@ class _Reply:
         return {"id": f"resp_{self.job.id}", "object": "response", "created_at": self.job.created, "status": status,
                 "error": error, "incomplete_details": incomplete,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "model": self.server.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+                "model": self.frontend.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
                 "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
                 "temperature": req.temperature, "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "tool_choice": choice, "tools": [t.model_dump() for t in req.tools or []], "top_p": req.top_p,
@@ -366,7 +367,7 @@ class _Reply:
         text = ""                   # its text so far, when it is a message
         final = None
         try:
-            async for new, out in pieces(self.server, self.job, self.tools):
+            async for new, out in pieces(self.frontend, self.job, self.tools):
                 for piece in new:
                     in_message = item is not None and item["type"] == "message"
                     if piece.kind == "call" or (piece.kind == "text") != in_message:

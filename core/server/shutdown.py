@@ -25,17 +25,17 @@ ENGINE_FAILURE_EXIT_CODE = 3
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app_server, shutdown_timeout: float, *,
+    def __init__(self, config: uvicorn.Config, frontend, shutdown_timeout: float, *,
                  exit_on_engine_failure: bool = True):
         # uvicorn's own cut-off only backs ours up: streams end cleanly at shutdown_timeout.
         config.timeout_graceful_shutdown = shutdown_timeout + 5
         super().__init__(config)
-        self.app_server = app_server
+        self.frontend = frontend
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         if exit_on_engine_failure:
-            app_server.core.on_failure = self.engine_failed
+            frontend.core.on_failure = self.engine_failed
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -58,7 +58,7 @@ class GracefulServer(uvicorn.Server):
             self._captured_signals.clear()
 
     def _start_drain(self) -> None:
-        asyncio.ensure_future(self.app_server.drain(self.shutdown_timeout))
+        asyncio.ensure_future(self.frontend.drain(self.shutdown_timeout))
 
     def engine_failed(self, reason: str) -> None:
         """Called (on the engine client's reader thread) when the engine core stops: shut down, exit non-zero."""

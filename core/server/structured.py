@@ -52,10 +52,10 @@ def constrains(response_format: dict | None) -> bool:
 COMPILE_TIMEOUT = 10.0   # seconds a request's formats may take to compile before it is refused
 
 
-async def off_loop(server, fn, *args):
+async def off_loop(frontend, fn, *args):
     """``fn(*args)`` in the server's compile thread (xgrammar releases the GIL), never on the event loop; a 400
     when it takes longer than COMPILE_TIMEOUT (it finishes in the background, its result cached)."""
-    future = server.compile_pool.submit(fn, *args)
+    future = frontend.compile_pool.submit(fn, *args)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future), COMPILE_TIMEOUT)
     except TimeoutError:
@@ -63,10 +63,10 @@ async def off_loop(server, fn, *args):
                             f"compile: simplify them", code="format_too_complex") from None
 
 
-async def check_format(server, response_format: dict | None, param: str) -> None:
+async def check_format(frontend, response_format: dict | None, param: str) -> None:
     """Compile (and cache) the format now, off the event loop; a bad one is a 400 that names ``param``."""
     if response_format is not None:
-        await off_loop(server, check_format_now, server.grammars, response_format, param)
+        await off_loop(frontend, check_format_now, frontend.grammars, response_format, param)
 
 
 def check_format_now(grammars: Grammars, response_format: dict | None, param: str) -> None:
