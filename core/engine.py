@@ -21,8 +21,10 @@ from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import (DEAD_END, FORMAT_FAULT, FormatDeadEnd, Grammars, GuidedDecodingError, MaskBuilder,
                            MaskTimeout)
+from lmport.kv.layout import KVLayout
 from lmport.lora.peft import read_peft_adapter
 from lmport.lora.table import AdapterTable, LoadedAdapter
+from lmport.memory import CachePlan, MemoryInputs
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import LoraLayers
 from lmport.models.windows import kv_window
@@ -34,7 +36,7 @@ from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
 from lmport.pooling import POOLING_MODES
 from lmport.resolution import resolve_config
-from lmport.runner import StepInput
+from lmport.runner import ModelRunner, StepInput
 from lmport.sampling import sample
 from lmport.scheduler import ScheduledBatch, Scheduler
 from lmport.sequence import Sequence
@@ -80,7 +82,7 @@ class Engine:
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")
-        self.backend = backend or backend_cls()
+        backend = backend or backend_cls()
         self.dtype = torch_dtype(self.config.dtype)
         if self.config.node_rank != 0:
             raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
@@ -90,14 +92,15 @@ class Engine:
         # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
         if self.config.executor == "ray" and self.config.tp > 1:
             from lmport.ray_executor import RayExecutor
-            self.executor = RayExecutor(model, self.config, self.backend)
+            self.executor = RayExecutor(model, self.config, backend)
         else:
-            self.executor = make_executor(model, self.config, self.backend)
+            self.executor = make_executor(model, self.config, backend)
+        self.model_name = model
         self.draft = None
         try:
             if spec is not None and spec.method == "draft":   # loaded before the cache is planned beside it
-                self.draft = DraftModel(cast(str, spec.model), self.config, self.executor.runner.backend)
-            self._plan_and_allocate(model)
+                self.draft = DraftModel(cast(str, spec.model), self.config, self.backend)
+            self._allocate_cache(model)
             if self.draft is not None:
                 self.draft.allocate(self.plan.num_blocks)
         except BaseException:
@@ -125,30 +128,65 @@ class Engine:
                                          lambda: len(self.scheduler.running), self.draft)
             self.scheduler.lookahead = self.speculator.lookahead
 
-    def _plan_and_allocate(self, model: str) -> None:
-        self.runner = self.executor.runner
-        self.backend = self.runner.backend
-        loaded = self.runner.loaded
-        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        self.eos_token_ids = loaded.eos_token_ids
-        self.model_name = model
-        cfg = self.model_config
+    # -- what rank 0's model runner loaded and planned: read from it, never copied -------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        return cast(ModelRunner, self.executor.runner)   # set once the executor is built
 
+    @property
+    def backend(self) -> Backend:
+        return self.runner.backend
+
+    @property
+    def model(self):
+        return self.runner.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.runner.loaded.tokenizer
+
+    @property
+    def model_config(self):
+        return self.runner.loaded.config
+
+    @property
+    def eos_token_ids(self):
+        return self.runner.loaded.eos_token_ids
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.runner.loaded.weight_bytes
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.runner.layout
+
+    @property
+    def memory_inputs(self) -> MemoryInputs:
+        return cast(MemoryInputs, self.runner.memory_inputs)   # planned in _allocate_cache
+
+    @property
+    def plan(self) -> CachePlan:
+        return cast(CachePlan, self.runner.plan)
+
+    @property
+    def session_len(self) -> int:
+        return self.plan.session_len
+
+    def _allocate_cache(self, model: str) -> None:
+        """Plans and allocates the KV cache on every rank, and builds the block manager and scheduler over it."""
+        loaded, cfg = self.runner.loaded, self.model_config
         # Memory plan (docs/memory.md): every rank plans its cache from its own free memory with the same
         # lmport.memory.plan_cache as `lmport plan`; all allocate the smallest block count of any rank.
-        self.layout = self.runner.layout
         num_blocks = min(self.executor.run_all("plan_memory"))
         num_host_blocks = host_tier.host_pool_blocks(self.layout, self.config.host_cache_gib)
         self.executor.run_all("allocate", num_blocks, num_host_blocks)
-        self.memory_inputs, self.plan = self.runner.memory_inputs, self.runner.plan
-        self.session_len = self.plan.session_len
         log.info("memory plan (each of %d ranks): weights %s, activation reserve %s (%s), cache %s = %d blocks x %d "
                  "tokens (quant_policy %d), session_len %d", self.config.tp, fmt_bytes(loaded.weight_bytes),
                  fmt_bytes(self.plan.reserve_bytes),
                  "measured" if self.memory_inputs.reserve_measured else "estimated",
                  fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
                  self.config.quant_policy, self.session_len)
-        self.weight_bytes = loaded.weight_bytes
 
         # Prefix cache and host tier: docs/prefix-caching.md. Where every layer slides, the blocks behind the
         # window are freed as sequences grow (lmport.paging.window); a prefix's early blocks then outlive no
