@@ -573,14 +573,17 @@ class Engine:
         self.seqs.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        """The core's output: the new token ids and their logprobs, no text (lmport.output_processor)."""
+        """The core's output: the new token ids and their logprobs, no text (lmport.output_processor). The
+        prompt's logprobs come on the first output with tokens, the prompt being scored by then (a stop string
+        may end the request before the core does), and on the finished one."""
+        first = bool(new_tokens) and len(seq.output_ids) == len(new_tokens)
+        scored = seq.gen_config.prompt_logprobs is not None and (seq.is_finished or first)
         return RequestOutput(
             request_id=seq.request_id, token_ids=[], text="", delta_token_ids=new_tokens, delta_text="",
             finished=seq.is_finished, finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.num_cached_prefix, error=seq.error,
             delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [],
-            prompt_logprobs=seq.prompt_logprobs if seq.is_finished and seq.gen_config.prompt_logprobs is not None
-            else None)
+            prompt_logprobs=seq.prompt_logprobs if scored else None)
 
     # -- LoRA adapters (docs/lora.md) ---------------------------------------
     def read_adapter(self, path: str):

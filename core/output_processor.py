@@ -68,6 +68,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)              # every token received, up to a stop string
     logprobs: list[dict[int, float]] = field(default_factory=list)  # kept only for outputs of everything so far
     text: str = ""   # the text shown so far; once finished, the whole text
+    prompt_logprobs: list[dict[int, float]] | None = None   # gen_config.prompt_logprobs: the core sends them once
 
 
 class OutputProcessor:
@@ -112,6 +113,8 @@ class OutputProcessor:
     def _update(self, state: RequestState, core_out: RequestOutput) -> RequestOutput:
         """The core's new tokens appended one by one, as they were drawn, until a stop string ends the request."""
         tokens, logprobs = core_out.delta_token_ids, core_out.delta_logprobs
+        if core_out.prompt_logprobs is not None:
+            state.prompt_logprobs = core_out.prompt_logprobs
         reason = core_out.finish_reason if core_out.finished else None
         delta = ""
         for i, token in enumerate(tokens):
@@ -149,4 +152,4 @@ class OutputProcessor:
             text=state.text, delta_token_ids=tokens, delta_text=delta, finished=finished, finish_reason=reason,
             prompt_tokens=core_out.prompt_tokens, cached_tokens=core_out.cached_tokens,
             logprobs=list(state.logprobs) if self.cumulative else [], error=error, delta_logprobs=logprobs,
-            prompt_logprobs=core_out.prompt_logprobs, embedding=core_out.embedding)
+            prompt_logprobs=state.prompt_logprobs if finished else None, embedding=core_out.embedding)

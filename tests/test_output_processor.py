@@ -250,3 +250,17 @@ def test_a_stop_string_ends_the_stream_and_aborts_the_request_in_the_core(tiny):
     assert not engine.seqs   # aborted in the core: its blocks are free
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
     assert engine.stats["generated_tokens"] - before < 200
+
+
+def test_echo_with_a_stop_string_keeps_the_prompt_scores(tiny):
+    """The prompt's logprobs reach a request that a stop string ends before the core ends it."""
+    body = {"model": "tiny", "prompt": "a b c", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(tiny.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    stop = next(s for i in range(len(full) // 3, len(full)) if (s := full[i:i + 3]).strip() and "\ufffd" not in s)
+    r = httpx.post(tiny.url + "/v1/completions", timeout=60,
+                   json={**body, "max_tokens": 2000, "stop": [stop], "echo": True, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"].endswith(full[:full.index(stop)])
+    logprobs, generated = choice["logprobs"], r.json()["usage"]["completion_tokens"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["tokens"]) == r.json()["usage"]["prompt_tokens"] + generated
+    assert logprobs["token_logprobs"][0] is None and None not in logprobs["token_logprobs"][1:]
