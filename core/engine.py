@@ -11,30 +11,32 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
-from lmport import detokenize
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
 from lmport.dtypes import torch_dtype
 from lmport.executor import make_executor
 from lmport.guided import (DEAD_END, FORMAT_FAULT, FormatDeadEnd, Grammars, GuidedDecodingError, MaskBuilder,
                            MaskTimeout)
+from lmport.kv.layout import KVLayout
 from lmport.lora.peft import read_peft_adapter
 from lmport.lora.table import AdapterTable, LoadedAdapter
+from lmport.memory import CachePlan, MemoryInputs
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import LoraLayers
 from lmport.models.windows import kv_window
+from lmport.output_processor import OutputProcessor, RequestOutput
+from lmport.output_processor import is_request_fault as is_request_fault   # for the server
 from lmport.paging import host_tier
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.prefix_cache import model_fingerprint
 from lmport.parallel import check_tp
 from lmport.pooling import POOLING_MODES
 from lmport.resolution import resolve_config
-from lmport.runner import StepInput
+from lmport.runner import ModelRunner, StepInput
 from lmport.sampling import sample
 from lmport.scheduler import ScheduledBatch, Scheduler
 from lmport.sequence import Sequence
@@ -51,37 +53,6 @@ SCORING_LOGITS_BUDGET = 64 * 2**20   # bytes of float32 logits one step may hold
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the problem and the fix."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]             # every generated token so far
-    text: str                        # the generated text so far
-    delta_token_ids: list[int]
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    error: str | None = None
-    delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
-    # gen_config.prompt_logprobs: on the finished output, log p(prompt[i]) with alternatives for i = 1 .. n-1
-    prompt_logprobs: list[dict[int, float]] | None = None
-    embedding: list[float] | None = None   # an embedding request's pooled hidden state (lmport.pooling), once done
-
-    @property
-    def request_fault(self) -> bool:
-        """Whether an error ended this request because of its own input (its format), not the server."""
-        return is_request_fault(self.error)
-
-
-def is_request_fault(error: str | None) -> bool:
-    """Whether an engine error is the request's fault (a format that reached a dead end or spent its grammar
-    budget); the server answers those as a 400, not a 500. Told by the error's start, which survives any
-    transport of the output."""
-    return error is not None and error.startswith(FORMAT_FAULT)
 
 
 def check_prompt(prompt_ids, vocab: int, session_len: int) -> None:
@@ -111,7 +82,7 @@ class Engine:
         if backend is not None and not isinstance(backend, backend_cls):
             raise ConfigError(f"backend {type(backend).__name__} is not the configured {self.config.device_type!r} "
                               f"backend ({backend_cls.__name__})")
-        self.backend = backend or backend_cls()
+        backend = backend or backend_cls()
         self.dtype = torch_dtype(self.config.dtype)
         if self.config.node_rank != 0:
             raise ConfigError(f"node_rank={self.config.node_rank}: the engine runs on node 0; other nodes run "
@@ -121,14 +92,15 @@ class Engine:
         # The model runners (one a rank): docs/engine.md. Rank 0's lives in this process.
         if self.config.executor == "ray" and self.config.tp > 1:
             from lmport.ray_executor import RayExecutor
-            self.executor = RayExecutor(model, self.config, self.backend)
+            self.executor = RayExecutor(model, self.config, backend)
         else:
-            self.executor = make_executor(model, self.config, self.backend)
+            self.executor = make_executor(model, self.config, backend)
+        self.model_name = model
         self.draft = None
         try:
             if spec is not None and spec.method == "draft":   # loaded before the cache is planned beside it
-                self.draft = DraftModel(cast(str, spec.model), self.config, self.executor.runner.backend)
-            self._plan_and_allocate(model)
+                self.draft = DraftModel(cast(str, spec.model), self.config, self.backend)
+            self._allocate_cache(model)
             if self.draft is not None:
                 self.draft.allocate(self.plan.num_blocks)
         except BaseException:
@@ -138,9 +110,9 @@ class Engine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.stats = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0}
-        # True: an unfinished request's outputs carry only their deltas (token_ids and logprobs empty), so a
-        # step costs no copy of every token so far; the finished output still has everything (the server).
-        self.output_deltas = False
+        # The text of the outputs ``step`` returns (lmport.output_processor). An engine core serving a front end
+        # has none: its outputs carry token ids only, and the front end's processor decodes them.
+        self.output_processor: OutputProcessor | None = OutputProcessor(self.tokenizer, cumulative=True)
         # Structured outputs (docs/engine.md): grammars compiled once per format, masks built beside the forward.
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.masks = MaskBuilder(self.model_config.vocab_size)
@@ -156,30 +128,65 @@ class Engine:
                                          lambda: len(self.scheduler.running), self.draft)
             self.scheduler.lookahead = self.speculator.lookahead
 
-    def _plan_and_allocate(self, model: str) -> None:
-        self.runner = self.executor.runner
-        self.backend = self.runner.backend
-        loaded = self.runner.loaded
-        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
-        self.eos_token_ids = loaded.eos_token_ids
-        self.model_name = model
-        cfg = self.model_config
+    # -- what rank 0's model runner loaded and planned: read from it, never copied -------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        return cast(ModelRunner, self.executor.runner)   # set once the executor is built
 
+    @property
+    def backend(self) -> Backend:
+        return self.runner.backend
+
+    @property
+    def model(self):
+        return self.runner.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.runner.loaded.tokenizer
+
+    @property
+    def model_config(self):
+        return self.runner.loaded.config
+
+    @property
+    def eos_token_ids(self):
+        return self.runner.loaded.eos_token_ids
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.runner.loaded.weight_bytes
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.runner.layout
+
+    @property
+    def memory_inputs(self) -> MemoryInputs:
+        return cast(MemoryInputs, self.runner.memory_inputs)   # planned in _allocate_cache
+
+    @property
+    def plan(self) -> CachePlan:
+        return cast(CachePlan, self.runner.plan)
+
+    @property
+    def session_len(self) -> int:
+        return self.plan.session_len
+
+    def _allocate_cache(self, model: str) -> None:
+        """Plans and allocates the KV cache on every rank, and builds the block manager and scheduler over it."""
+        loaded, cfg = self.runner.loaded, self.model_config
         # Memory plan (docs/memory.md): every rank plans its cache from its own free memory with the same
         # lmport.memory.plan_cache as `lmport plan`; all allocate the smallest block count of any rank.
-        self.layout = self.runner.layout
         num_blocks = min(self.executor.run_all("plan_memory"))
         num_host_blocks = host_tier.host_pool_blocks(self.layout, self.config.host_cache_gib)
         self.executor.run_all("allocate", num_blocks, num_host_blocks)
-        self.memory_inputs, self.plan = self.runner.memory_inputs, self.runner.plan
-        self.session_len = self.plan.session_len
         log.info("memory plan (each of %d ranks): weights %s, activation reserve %s (%s), cache %s = %d blocks x %d "
                  "tokens (quant_policy %d), session_len %d", self.config.tp, fmt_bytes(loaded.weight_bytes),
                  fmt_bytes(self.plan.reserve_bytes),
                  "measured" if self.memory_inputs.reserve_measured else "estimated",
                  fmt_bytes(self.plan.cache_bytes), self.plan.num_blocks, self.layout.block_size,
                  self.config.quant_policy, self.session_len)
-        self.weight_bytes = loaded.weight_bytes
 
         # Prefix cache and host tier: docs/prefix-caching.md. Where every layer slides, the blocks behind the
         # window are freed as sequences grow (lmport.paging.window); a prefix's early blocks then outlive no
@@ -201,11 +208,13 @@ class Engine:
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None,
-                    pooling: str | None = None) -> str:
+                    pooling: str | None = None, scoring_chunk: int | None = None) -> str:
         """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
         ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so).
         ``pooling``: an embedding request ("mean" or "last", lmport.pooling): the prompt is prefilled with the
-        other requests' steps, nothing is generated, and its final output carries the pooled hidden state."""
+        other requests' steps, nothing is generated, and its final output carries the pooled hidden state.
+        ``scoring_chunk``: prompt positions a step may score (gen_config.prompt_logprobs), at most the engine's
+        ``scoring_chunk`` by default."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -229,10 +238,13 @@ class Engine:
             raise RequestError(str(exc)) from None
         adapter_id = self.adapters.acquire(adapter).id if adapter is not None else 0
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
-                       cache_salt=cache_salt, grammar=grammar, max_scoring_tokens=self.scoring_chunk,
+                       cache_salt=cache_salt, grammar=grammar,
+                       max_scoring_tokens=scoring_chunk or self.scoring_chunk,
                        adapter_id=adapter_id, pooling=pooling)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        if self.output_processor is not None:
+            self.output_processor.add(request_id, gen_config)
         self.stats["prompt_tokens"] += len(prompt_ids)
         return request_id
 
@@ -251,7 +263,7 @@ class Engine:
         seq.finish("abort")
         self._pooled.pop(request_id, None)
         self.adapters.release(seq.adapter_id)
-        self._pending_outputs.append(self._output(seq, [], ""))
+        self._pending_outputs.append(self._output(seq, []))
         del self.seqs[request_id]
         return True
 
@@ -260,11 +272,24 @@ class Engine:
 
     # -- one step --------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs: with their text (``output_processor``), or token ids only without one. A
+        request that a stop string ended (or whose text could not be decoded) ends here too."""
+        outputs = self._step()
+        if self.output_processor is None:
+            return outputs
+        outputs, ended = self.output_processor.process(outputs)
+        for out in ended:
+            if (seq := self.seqs.get(out.request_id)) is not None:
+                self._end(seq, cast(str, out.finish_reason), out.error)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One step of the core: every output carries its new token ids and logprobs, no text."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.failure:   # a rank is gone: nothing can run, and every request ends with why
             for seq in list(self.seqs.values()):
                 self._end(seq, "error", self.failure)
-                outputs.append(self._output(seq, [], ""))
+                outputs.append(self._output(seq, []))
             return outputs
         batch = self.scheduler.schedule()
         if not batch:
@@ -295,15 +320,15 @@ class Engine:
             log.exception("forward failed")
             for seq in batch.seqs:
                 self._end(seq, "error", self.failure or f"forward failed: {type(exc).__name__}: {exc}")
-                outputs.append(self._output(seq, [], ""))
-            return outputs + self.step() if self.failure else outputs
+                outputs.append(self._output(seq, []))
+            return outputs + self._step() if self.failure else outputs
 
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n - len(proposals.get(seq, ()))   # proposed tokens count once accepted
-        for seq in batch.seqs:   # a prompt scored, nothing to generate
-            if seq.pooling is None and seq.gen_config.max_new_tokens == 0 and seq.num_uncomputed == 0:
+        for seq in batch.seqs:   # a prompt scored, nothing to generate (its last token, predicting nothing, never runs)
+            if seq.pooling is None and seq.gen_config.max_new_tokens == 0 and not seq.scoring:
                 self._end(seq, "length")
-                outputs.append(self._output(seq, [], ""))
+                outputs.append(self._output(seq, []))
         if isinstance(logits, tuple):   # embedding requests in the batch
             logits, pooled = logits
             outputs += self._pool(batch.seqs, batch.num_new, pooled)
@@ -334,8 +359,8 @@ class Engine:
                 outputs.append(self._fail(seq, "sampling", token))
                 continue
             try:
-                outputs.append(self._append(seq, token, lp))
-            except Exception as exc:  # detokenizing or a stop check: this request fails, not the engine
+                outputs.append(self._append_all(seq, [token], [lp]))
+            except Exception as exc:  # the grammar refusing the token: this request fails, not the engine
                 outputs.append(self._fail(seq, "decoding", exc))
         return outputs
 
@@ -373,7 +398,7 @@ class Engine:
             error = f"{stage} failed: {type(exc).__name__}: {exc}"
         if not seq.is_finished:
             self._end(seq, "error", error)
-        return self._output(seq, [], "")
+        return self._output(seq, [])
 
     @property
     def failure(self) -> str | None:
@@ -460,7 +485,7 @@ class Engine:
                 continue
             vector = total / seq.num_tokens if seq.pooling == "mean" else total
             self._end(seq, "stop")
-            outputs.append(dataclasses.replace(self._output(seq, [], ""), embedding=vector.tolist()))
+            outputs.append(dataclasses.replace(self._output(seq, []), embedding=vector.tolist()))
         return outputs
 
     def _verify(self, logits: dict[Sequence, torch.Tensor], proposals: dict[Sequence, list[int]],
@@ -510,29 +535,22 @@ class Engine:
 
     def _append_all(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append tokens in order until one ends the request; one output for them all."""
-        appended, delta = [], ""
+        appended = []
         for token, lp in zip(tokens, logprobs):
-            delta += self._push(seq, token, lp)
+            self._push(seq, token, lp)
             appended.append(token)
             if seq.is_finished:
                 break
-        return self._output(seq, appended, delta)
+        return self._output(seq, appended)
 
-    def _append(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
-        return self._output(seq, [token], self._push(seq, token, logprobs))
-
-    def _push(self, seq: Sequence, token: int, logprobs) -> str:
-        """Append one token: detokenize, advance the grammar, check stops; returns the text it adds."""
+    def _push(self, seq: Sequence, token: int, logprobs) -> None:
+        """Append one token: advance the grammar, check the stop token ids and the length. Stop strings are the
+        output processor's (text is not made here)."""
         seq.output_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         self.stats["generated_tokens"] += 1
-        old_text = seq.text
         cfg = seq.gen_config
-        if seq.decoder is None:
-            seq.decoder = detokenize.IncrementalDecoder(self.tokenizer, cfg.skip_special_tokens)
-        text = seq.decoder.update(seq.output_ids)
-        reason = cut = None
         if seq.grammar is not None:
             started = time.perf_counter()
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
@@ -540,21 +558,9 @@ class Engine:
                 raise MaskTimeout(f"the grammar took {took * 1000:.0f} ms to accept one token, over the "
                                   f"{self.masks.budget * 1000:.0f} ms budget: simplify it")
         if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
-            reason = "stop"
-        elif cfg.stop_words and (cut := detokenize.first_stop(text, cfg.stop_words, len(old_text))) is not None:
-            text, reason = text[:cut], "stop"
+            self._end(seq, "stop")
         elif len(seq.output_ids) >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
-            reason = "length"
-        if reason:
-            self._end(seq, reason)
-            if cut is None:   # the whole output decoded once: its exact text, a partial last character too
-                text = detokenize.decode(self.tokenizer, seq.output_ids, skip_special_tokens=cfg.skip_special_tokens)
-            seq.text = text
-            delta = detokenize.final_delta(text, old_text)
-        else:
-            delta = detokenize.streamable_delta(text, old_text, cfg.stop_words)
-            seq.text = old_text + delta
-        return delta
+            self._end(seq, "length")
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if self.speculator is not None:
@@ -566,16 +572,18 @@ class Engine:
         seq.finish(reason, error)
         self.seqs.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, new_tokens: list[int], delta: str) -> RequestOutput:
-        full = seq.is_finished or not self.output_deltas
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        """The core's output: the new token ids and their logprobs, no text (lmport.output_processor). The
+        prompt's logprobs come on the first output with tokens, the prompt being scored by then (a stop string
+        may end the request before the core does), and on the finished one."""
+        first = bool(new_tokens) and len(seq.output_ids) == len(new_tokens)
+        scored = seq.gen_config.prompt_logprobs is not None and (seq.is_finished or first)
         return RequestOutput(
-            request_id=seq.request_id, token_ids=list(seq.output_ids) if full else [], text=seq.text,
-            delta_token_ids=new_tokens, delta_text=delta, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.num_cached_prefix, logprobs=list(seq.logprobs) if full else [], error=seq.error,
+            request_id=seq.request_id, token_ids=[], text="", delta_token_ids=new_tokens, delta_text="",
+            finished=seq.is_finished, finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.num_cached_prefix, error=seq.error,
             delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [],
-            prompt_logprobs=seq.prompt_logprobs if seq.is_finished and seq.gen_config.prompt_logprobs is not None
-            else None)
+            prompt_logprobs=seq.prompt_logprobs if scored else None)
 
     # -- LoRA adapters (docs/lora.md) ---------------------------------------
     def read_adapter(self, path: str):

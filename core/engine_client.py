@@ -5,8 +5,11 @@
 that Engine). Either way the two sides exchange the msgpack messages of ``lmport.engine_messages``: one
 request queue, one output queue.
 
-One reader thread receives the core's messages; a step's outputs reach each event loop in one call, which
-puts each into its request's asyncio queue. If the core stops for any reason (an exception, the process
+One reader thread receives the core's messages. The core's outputs carry token ids only: the reader gives
+them their text with the client's output processor (``lmport.output_processor``: detokenizing, stop strings),
+so that work stays off the core's steps, and aborts in the core each request a stop string ended, which its
+stream sees finished at once. A step's outputs reach each event loop in one call, which puts each into its
+request's asyncio queue. If the core stops for any reason (an exception, the process
 killed), every open request gets an error output at once, new requests raise EngineStopped, and
 ``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``Engine.usage()`` after its
 last step, which /metrics reads without waiting for the engine; ``adapters`` the LoRA adapters it serves,
@@ -17,6 +20,7 @@ The data-parallel front end (``lmport.dp.frontend.DataParallel``) offers the ser
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import multiprocessing
@@ -32,6 +36,8 @@ from lmport.engine import Engine, RequestError, RequestOutput
 from lmport.engine_messages import (EngineInfo, EngineRequest, adapter_from_wire, error_from_wire, output_from_wire,
                                     pack, unpack)
 from lmport.lora.table import LoadedAdapter
+from lmport.models.loader import load_tokenizer
+from lmport.output_processor import OutputProcessor
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +71,11 @@ class EngineHandle(Protocol):
 
 class EngineClient:
     def __init__(self, info: EngineInfo, usage: dict, adapters: list[LoadedAdapter], send: Callable[[bytes], None],
-                 receive: Callable[[], bytes], stop: Callable[[float], None], is_alive: Callable[[], bool]):
+                 receive: Callable[[], bytes], stop: Callable[[float], None], is_alive: Callable[[], bool],
+                 tokenizer):
         """``receive`` blocks for the core's next message and raises EOFError once the core is gone;
-        ``stop(timeout)`` waits for the core to end after the shutdown message, and ends it when it does not."""
+        ``stop(timeout)`` waits for the core to end after the shutdown message, and ends it when it does not;
+        ``tokenizer``: the model's, for this client alone (the reader thread decodes with it)."""
         self.info = info
         self.snapshot = usage
         self.adapters: dict[str, LoadedAdapter] = {a.name: a for a in adapters}
@@ -80,6 +88,9 @@ class EngineClient:
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}   # control calls waiting
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()   # the reader sends aborts too: one message at a time on the pipe
+        # Each open request's output state, used under _lock (the reader processes, generate adds).
+        self.outputs = OutputProcessor(tokenizer, cumulative=False)
         self._closing = False
         self.process: multiprocessing.process.BaseProcess | None = None   # the core's, when it has its own
         self._reader = threading.Thread(target=self._read, name="lmport-engine-outputs", daemon=True)
@@ -101,10 +112,12 @@ class EngineClient:
                 raise EOFError
             return message
 
+        # A copy of the tokenizer: callers may use the engine's on their own threads.
+        tokenizer = copy.deepcopy(engine.tokenizer)
         thread = threading.Thread(target=run, name="lmport-engine", daemon=True)
         thread.start()
         return cls(EngineInfo.of(engine), engine.usage(), list(engine.adapters.by_name.values()), requests.put,
-                   receive, thread.join, thread.is_alive)
+                   receive, thread.join, thread.is_alive, tokenizer)
 
     @classmethod
     def start_process(cls, model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> EngineClient:
@@ -122,6 +135,7 @@ class EngineClient:
         process.start()
         core_requests.close()   # the core holds these ends now: its exit closes the output pipe
         core_outputs.close()
+        tokenizer = load_tokenizer(model)   # while the core loads the model
 
         def receive() -> bytes:
             ready = wait([outputs, process.sentinel])
@@ -151,7 +165,7 @@ class EngineClient:
                 process.kill()
                 process.join(5)
 
-        client = cls(info, usage, adapters, send, receive, stop, process.is_alive)
+        client = cls(info, usage, adapters, send, receive, stop, process.is_alive, tokenizer)
         client.process = process
         return client
 
@@ -167,7 +181,8 @@ class EngineClient:
             if request.request_id in self._streams:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
-        self._send(pack(["add", request.to_wire()]))
+            self.outputs.add(request.request_id, request.gen_config)
+        self._post(["add", request.to_wire()])
         finished = False
         try:
             while not finished:
@@ -185,7 +200,12 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Abort at the core's next turn; its last output still reaches an open stream."""
-        self._send(pack(["abort", request_id]))
+        self._post(["abort", request_id])
+
+    def _post(self, message: list) -> None:
+        data = pack(message)
+        with self._send_lock:
+            self._send(data)
 
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         """Serve the peft adapter at ``path`` (on the core's disk) as ``name``; AdapterError naming the problem."""
@@ -207,7 +227,7 @@ class EngineClient:
                 raise EngineStopped(self.failure)
             call_id = next(self._call_ids)
             self._calls[call_id] = (asyncio.get_running_loop(), done)
-        self._send(pack(["call", call_id, name, list(args)]))
+        self._post(["call", call_id, name, list(args)])
         try:
             value, error = await done
         finally:
@@ -229,7 +249,7 @@ class EngineClient:
 
     def shutdown(self) -> None:
         self._closing = True
-        self._send(pack(["shutdown"]))
+        self._post(["shutdown"])
         self._stop(SHUTDOWN_WAIT)
 
     # -- the reader thread -----------------------------------------------------------------------------------
@@ -241,8 +261,14 @@ class EngineClient:
                 if kind == "outputs":
                     self.snapshot, self.engine_failure = message[2], message[3]
                     if message[1]:
-                        self._deliver([(o.request_id, o) for o in map(output_from_wire, message[1])])
+                        with self._lock:
+                            outputs, ended = self.outputs.process(map(output_from_wire, message[1]))
+                        for out in ended:   # a stop string: the client's request is over, the core's not yet
+                            self.abort(out.request_id)
+                        self._deliver([(o.request_id, o) for o in outputs])
                 elif kind == "rejected":
+                    with self._lock:
+                        self.outputs.forget(message[1])
                     self._deliver([(message[1], error_from_wire(message[2]))])
                 elif kind == "reply":
                     self._settle(message[1], (message[2], None if message[3] is None else error_from_wire(message[3])))
@@ -286,6 +312,7 @@ class EngineClient:
         with self._lock:
             self.failure = reason
             request_ids = list(self._streams)
+            self.outputs.requests.clear()
             calls = list(self._calls)
         for call_id in calls:
             self._settle(call_id, (None, EngineStopped(reason)))

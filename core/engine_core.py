@@ -39,7 +39,7 @@ class Shutdown(Exception):
 
 def serve(engine: Engine, receive: Receive, send: Send) -> None:
     """Run ``engine`` for the front end until it asks for shutdown (or its queue closes)."""
-    engine.output_deltas = True   # a step's outputs carry their new tokens, never every token so far
+    engine.output_processor = None   # outputs of token ids only: the front end decodes them (lmport.engine_client)
     usage_sent = None
     try:
         while True:

@@ -79,7 +79,8 @@ class EngineInfo:
 
 
 def output_to_wire(out: RequestOutput) -> list:
-    """A step's output as its deltas; a finished one also carries its whole text (decoded once at the end)."""
+    """A step's output as its deltas; a finished one also carries its whole text. The core's carry token ids
+    and no text: the front end's output processor (lmport.output_processor) decodes them."""
     return [out.request_id, out.delta_token_ids, out.delta_text, out.delta_logprobs, out.finished,
             out.finish_reason, out.error, out.prompt_tokens, out.cached_tokens,
             out.text if out.finished else None, out.prompt_logprobs, out.embedding]

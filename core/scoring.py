@@ -1,16 +1,13 @@
 """Prompt scoring: each token's log-likelihood under the model, through the engine's paged KV cache.
 
-Shared by ``Pipeline.get_ppl`` / ``Pipeline.get_logprobs`` and the server's completions ``echo``, so
-the numbers the API reports are the pipeline's.
+``Pipeline.get_ppl`` / ``Pipeline.get_logprobs`` score a prompt as the server's completions ``echo`` does: a
+request with ``GenerationConfig.prompt_logprobs`` that the scheduler runs like any other, so the numbers the
+API reports are the server's.
 """
 from __future__ import annotations
 
-import torch
-
 from lmport.config import GenerationConfig
 from lmport.engine import Engine, RequestError
-from lmport.runner import StepInput
-from lmport.sequence import Sequence
 from lmport.units import GiB
 
 
@@ -35,38 +32,29 @@ def chunk_tokens(engine: Engine, logits_budget_bytes: int = PPL_LOGITS_BUDGET) -
 
 def token_logprobs(engine: Engine, ids: list[int], chunk: int, top: int = 0
                    ) -> tuple[list[float], list[dict[int, float]]]:
-    """log p(ids[i] | ids[:i]) for i = 1 .. n-1, and each position's ``top`` most likely tokens.
+    """log p(ids[i] | ids[:i]) for i = 1 .. n-1, and at each position the ``top`` most likely tokens with the
+    scored one.
 
-    The input is prefilled in chunks of at most ``chunk`` positions, so a chunk's float32 logits
-    never exceed the budget chunk_tokens() was given. Its blocks are freed before returning.
+    A request like any other (gen_config.prompt_logprobs, nothing generated): the scheduler prefills it in
+    chunks of at most ``chunk`` positions, so a chunk's float32 logits never exceed the budget chunk_tokens()
+    was given, and its blocks are freed when it ends. It steps the engine until then: call it with no other
+    request in flight, whose outputs it would not return.
     """
-    blocks = engine.block_manager
     vocab = engine.model_config.vocab_size
     if len(ids) < 2 or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
         raise RequestError(f"scoring needs at least 2 token ids, each an int in [0, {vocab})")
     if len(ids) > engine.session_len:
         raise RequestError(f"{len(ids)} tokens exceed session_len {engine.session_len}")
-    seq = Sequence(f"score-{id(ids)}", ids, GenerationConfig())
-    logprobs: list[float] = []
-    tops: list[dict[int, float]] = []
+    request_id = engine.add_request(ids, GenerationConfig(max_new_tokens=0, prompt_logprobs=top),
+                                    scoring_chunk=chunk)
+    out = None
     try:
-        # The last token predicts nothing: positions 0 .. n-2 are scored against ids 1 .. n-1.
-        for start in range(0, len(ids) - 1, chunk):
-            n = min(chunk, len(ids) - 1 - start)
-            if not blocks.can_allocate(seq, n):
-                raise RequestError(f"not enough free KV blocks to score {len(ids)} tokens; "
-                                   f"retry when running requests have finished")
-            blocks.allocate(seq, n)
-            # Evicted cached blocks go to the host tier (the copies run first) before we overwrite them.
-            logits = engine.executor.execute(StepInput(
-                ids[start:start + n], [n], [start + n], [seq.block_table], list(range(n)), blocks.take_copies()))
-            lp = logits.log_softmax(-1)       # [n, vocab] float32: within the budget
-            targets = torch.tensor(ids[start + 1:start + n + 1]).to(lp.device)
-            logprobs += lp.gather(1, targets[:, None])[:, 0].tolist()
-            if top:
-                best = lp.topk(top, dim=-1)
-                tops += [dict(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
-            seq.num_computed += n
+        while out is None:
+            out = next((o for o in engine.step() if o.request_id == request_id and o.finished), None)
     finally:
-        blocks.free(seq)
-    return logprobs, tops
+        if out is None:   # interrupted: its blocks are freed now
+            engine.abort(request_id)
+    if out.error is not None:
+        raise RuntimeError(out.error)
+    entries = out.prompt_logprobs or []
+    return [entry[t] for t, entry in zip(ids[1:], entries)], entries if top else []

@@ -1,4 +1,7 @@
-"""A request's token ids, state and outcome as the scheduler and engine see it."""
+"""A request's token ids, state and outcome as the scheduler and engine core see it.
+
+Its text (decoder, stop strings, text so far) is not here: that is the caller's output state
+(lmport.output_processor). The grammar matcher is, since sampling needs its mask before each token."""
 from __future__ import annotations
 
 import enum
@@ -7,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from lmport.config import GenerationConfig
-from lmport.detokenize import IncrementalDecoder
 
 
 class Status(enum.Enum):
@@ -33,8 +35,6 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""                  # decoded output, cut at a stop string
-    decoder: IncrementalDecoder | None = None   # the engine's, made at the first output token
     generator: torch.Generator | None = None
     grammar: object | None = None   # xgrammar matcher of a structured output (lmport.guided), advanced per token
     # gen_config.prompt_logprobs: position i's entry is log p(prompt[i + 1] | prompt[:i + 1]) with the top

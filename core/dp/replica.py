@@ -4,8 +4,10 @@ narrow interface a front end needs.
 ``submit`` a request (``EngineRequest.to_wire()``), ``abort`` it, ``poll`` for the outputs of every request
 since the last poll, ``health`` and ``usage``. Nothing else crosses the boundary, so the front end
 (``lmport.dp.frontend``) can sit in front of this in its own process, as a Ray actor (``lmport.dp.cluster``),
-or in front of any engine that offers the same five calls. Outputs are the core's deltas: one poll carries
-each request's new tokens once, and its last output its whole text.
+or in front of any engine that offers the same five calls. Outputs are the core's deltas, given their text
+here by the engine client's output processor (lmport.output_processor), which also ends a request at a stop
+string and aborts it in the core: one poll carries each request's new tokens once, and its last output its
+whole text.
 
 A request the engine refuses (``RequestError``) or that fails in any other way ends with one error output,
 as every request ends: finished, aborted, or with an error.

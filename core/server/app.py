@@ -62,7 +62,7 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
     answer (lmport.server.adapters)."""
     if isinstance(engine, Engine):
-        # A private tokenizer: the core's thread decodes with the engine's at the same time.
+        # A private tokenizer: the engine's is used on the core's thread, the client's copy on its reader thread.
         core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
     else:
         if tokenizer is None:
