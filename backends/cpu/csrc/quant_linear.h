@@ -286,44 +286,51 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
 // ---- One row of x in int8 arithmetic (single-stream decode), as int8_rows.h does for GGUF blocks:
 // x rounded to int8 per run of 32 (step max|x_run| / 127, to nearest even), the rounding llama.cpp
 // gives x for its own Q4_1 and Q8_0 dot products (q8_1 / q8_0), and vpdpbusd multiplying 64 unsigned
-// weight bytes by 64 signed activation bytes, four products summed into each int32 lane: one instruction
-// a run pair where the int16 path takes two, and no widening of the codes. The mins meet the float32
+// weight codes by 64 signed activation codes, four products summed into each int32 lane: half the
+// instructions of the int16 path's vpdpwssd, and no widening of the codes. The mins meet the float32
 // sums of x per group, not the rounded x's. ----
 
-// x rounded to int8, a run pair (64 codes) at a time in the order its weight bytes unpack: 4-bit
-// [b 0..15, b+1 0..15, b 16..31, b+1 16..31] (low nibbles, then high), 8-bit input order; an odd last
-// run's partner is zeros. 8-bit codes go to vpdpbusd as unsigned q + 128, so each lane's dot product
-// starts from -128 times x's four codes summed (``starts``): the int32 result is the signed codes' exactly.
+// A row's weight codes go to vpdpbusd 64 bytes at a time (a unit): 4 runs of 4-bit codes, 2 of 8-bit.
+template <int BITS>
+constexpr int64_t kUnitRuns = BITS == 4 ? 4 : 2;
+
+// x rounded to int8, a unit at a time in the order its weight bytes unpack. 4-bit: the low nibbles of
+// the unit's 64 bytes are inputs 0..15 of its 4 runs, the high ones inputs 16..31, so x's 128 codes
+// are [run 0..3's inputs 0..15, run 0..3's inputs 16..31] and two vpdpbusd leave each run's sums in
+// its own 4 lanes. 8-bit: input order, run b in lanes 0..7 and b + 1 in 8..15; the codes go to
+// vpdpbusd as unsigned q + 128, so each lane's dot product starts from -128 times x's four codes
+// summed (``starts``): the int32 result is the signed codes' exactly. Runs past the end are zeros.
 struct Int8Activations {
   std::vector<int8_t> codes;
-  std::vector<int32_t> starts;   // 16 a pair, 8-bit only
+  std::vector<int32_t> starts;   // 16 a unit, 8-bit only
   std::vector<float> run_steps, group_sums;
-  int64_t K, pairs, groups;
+  int64_t K, units, groups;
 };
 
 template <int BITS>
 inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_size) {
-  const int64_t runs = K / kRun, pairs = (runs + 1) / 2, groups = K / group_size;
-  Int8Activations a{std::vector<int8_t>(pairs * 64, 0), std::vector<int32_t>(BITS == 8 ? pairs * 16 : 0),
-                    std::vector<float>(runs), std::vector<float>(groups, 0.f), K, pairs, groups};
+  constexpr int64_t unit_runs = kUnitRuns<BITS>, unit_codes = unit_runs * kRun;
+  const int64_t runs = K / kRun, units = (runs + unit_runs - 1) / unit_runs, groups = K / group_size;
+  Int8Activations a{std::vector<int8_t>(units * unit_codes, 0), std::vector<int32_t>(BITS == 8 ? units * 16 : 0),
+                    std::vector<float>(runs), std::vector<float>(groups, 0.f), K, units, groups};
   for (int64_t b = 0; b < runs; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + b * kRun), hi = _mm512_loadu_ps(x + b * kRun + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     const __m512 scale = _mm512_set1_ps(inv);
     const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
-    int8_t* pair = a.codes.data() + b / 2 * 64;
-    const int64_t first = BITS == 4 ? (b & 1) * 16 : (b & 1) * 32, second = BITS == 4 ? first + 32 : first + 16;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + first), codes(lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + second), codes(hi));
+    int8_t* unit = a.codes.data() + b / unit_runs * unit_codes;
+    const int64_t j = b % unit_runs;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + (BITS == 4 ? 16 * j : 32 * j)), codes(lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + (BITS == 4 ? 64 + 16 * j : 32 * j + 16)), codes(hi));
     a.run_steps[b] = d;
     a.group_sums[b * kRun / group_size] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
   if constexpr (BITS == 8) {
     const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t p = 0; p < pairs; ++p)
-      _mm512_storeu_si512(a.starts.data() + 16 * p,
-                          _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, _mm512_loadu_si512(a.codes.data() + 64 * p))));
+    for (int64_t u = 0; u < units; ++u)
+      _mm512_storeu_si512(a.starts.data() + 16 * u,
+                          _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, _mm512_loadu_si512(a.codes.data() + 64 * u))));
   }
   return a;
 }
@@ -383,45 +390,39 @@ inline void finish_rows(__m512* acc, const at::Half* mins, int valid, int64_t gr
   for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
-// Run pair p of a weight row as 64 unsigned bytes in the activations' order; an odd last run (``last``)
-// is paired with itself, against x's zeros.
-template <int BITS>
-inline __m512i unpack_int8(const uint8_t* row, int64_t p, bool last) {
-  if constexpr (BITS == 4) {
-    // [b's 16 bytes, b+1's 16 bytes] twice: the low half's low nibbles, the high half's high ones.
-    const __m512i raw = last ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + p * 32)))
-                             : _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p * 32)));
-    return _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, raw, _mm512_srli_epi16(raw, 4)), _mm512_set1_epi8(0x0F));
-  } else {
-    const __m512i raw = last ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p * 64)))
-                             : _mm512_loadu_si512(row + p * 64);
-    return _mm512_xor_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80)));
-  }
-}
-
 // ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
 // x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
-// rows repeat the last one and their mins are not read). One vpdpbusd a row and run pair leaves run
-// b's sums in the lanes of its inputs and run b + 1's in the others, each scaled by its own step.
+// rows repeat the last one and their mins are not read). Per row and unit: the int32 sums of each
+// run in its lanes, scaled by the run's folded scale (a run past the end meets zeros in x, so the
+// scale it reads, another row's or padding, adds nothing).
 template <int BITS>
 inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
                      const Int8Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
-  const int64_t runs = a.K / kRun;
-  constexpr int64_t pair_bytes = 2 * kRun * BITS / 8;
-  constexpr __mmask16 second = BITS == 4 ? 0xF0F0 : 0xFF00;   // the lanes of run b + 1's products
+  constexpr int64_t unit_runs = kUnitRuns<BITS>;
+  const int64_t runs = a.K / kRun, row_bytes = a.K * BITS / 8;
+  // Each lane's run within the unit.
+  const __m512i lanes = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[kRowBlock];
   for (auto& v : acc) v = _mm512_setzero_ps();
-  for (int64_t p = 0; p < a.pairs; ++p) {
-    const bool last = 2 * p + 1 == runs;
-    for (int64_t line = 0; line < kRowBlock * pair_bytes; line += 64)  // the block ahead, a slice a pair
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kRowBlock * pair_bytes + line), _MM_HINT_T1);
-    const __m512i x = _mm512_loadu_si512(a.codes.data() + 64 * p);
-    const __m512i start = BITS == 8 ? _mm512_loadu_si512(a.starts.data() + 16 * p) : _mm512_setzero_si512();
+  for (int64_t u = 0; u < a.units; ++u) {
+    const __mmask64 bytes = row_bytes - 64 * u >= 64 ? ~__mmask64{0} : (__mmask64{1} << (row_bytes - 64 * u)) - 1;
+    for (int64_t line = 0; line < kRowBlock * 64; line += 64)  // the block ahead, a slice a unit
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + u * kRowBlock * 64 + line), _MM_HINT_T1);
+    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + u * unit_runs * kRun);
+    const __m512i x1 = BITS == 4 ? _mm512_loadu_si512(a.codes.data() + u * unit_runs * kRun + 64) : x0;
+    const __m512i start = BITS == 8 ? _mm512_loadu_si512(a.starts.data() + 16 * u) : _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int r = 0; r < kRowBlock; ++r) {
-      const __m512i d = _mm512_dpbusd_epi32(start, unpack_int8<BITS>(rows[r], p, last), x);
-      const float* s = folded + r * runs + 2 * p;
-      const __m512 scale = last ? _mm512_set1_ps(s[0]) : _mm512_mask_broadcastss_ps(_mm512_set1_ps(s[0]), second, _mm_load_ss(s + 1));
+      const __m512i raw = _mm512_maskz_loadu_epi8(bytes, rows[r] + 64 * u);
+      __m512i d;
+      if constexpr (BITS == 4)
+        d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, _mm512_and_si512(raw, nibble), x0),
+                                _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), x1);
+      else
+        d = _mm512_dpbusd_epi32(start, _mm512_xor_si512(raw, offset), x0);
+      const __m512 scale = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * runs + unit_runs * u)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
     }
   }
