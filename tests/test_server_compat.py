@@ -114,7 +114,8 @@ def test_openapi_describes_every_route_and_the_replies_conform(server):
     for path in ("/v1/embeddings", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):   # no body: a 415
         op = paths[path]["post"]
         assert op["requestBody"]["required"] and {"200", "400", "415"} <= set(op["responses"]), path
-    assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == ["tiny"]
+    for request in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "MessagesRequest"):
+        assert doc["components"]["schemas"][request]["properties"]["model"]["enum"] == ["tiny"], request
     chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json()
     _conforms(doc, "ChatCompletion", chat)

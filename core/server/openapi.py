@@ -388,7 +388,7 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
         op["responses"] = {"200": {"description": "the completion, or with stream: true its chunks as events",
                                    "content": {**_json(response), "text/event-stream": _stream(response + "Chunk")}},
                            **_errors(*common)}
-    for name in ("MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
+    for name in ("MessagesRequest", "CountTokensRequest", "ResponsesRequest", "EmbeddingRequest"):
         schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
                                                 "description": "the served model (GET /v1/models)"}
     schemas["MessageItem"]["required"].remove("type")   # an input message may leave its type out
