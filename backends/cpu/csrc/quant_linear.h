@@ -3,11 +3,10 @@
 // 32-input run holding inputs j (low nibble) and j + 16 (high), or signed 8-bit codes.
 //
 // quant_linear, up to kIntegerRows rows of x (a decode step): x is rounded once per call to int16
-// in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5), each weight run widened to int16
+// in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5: float32 accuracy for all a
+// greedy decode can tell, where int8 activations change tokens), each weight run widened to int16
 // and dotted with it in integer arithmetic (AVX2 madd, VNNI's dpwssd where the CPU has it, 512 bits
-// wide where it has AVX-512), accumulated in float32. One row of x (single-stream decode) with
-// AVX-512 VNNI rounds x to int8 instead, per run of 32 as llama.cpp does for these weights, and dots
-// the codes as bytes (vpdpbusd, quant512's one-row path). Every packed weight byte is read once a
+// wide where it has AVX-512), accumulated in float32. Every packed weight byte is read once a
 // call, which is what bounds a decode step. More rows (a batched decode step): tiles of weight
 // rows expanded to float32 in cache (linear_by_tiles). quant_dequantize (prefill) expands the
 // whole weight to float32 for the BLAS.
@@ -283,60 +282,8 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
     out[j] = _mm512_reduce_add_ps(add_mins(acc[j], mins, a.group_sums.data() + (m0 + j) * a.groups, a.groups));
 }
 
-// ---- One row of x in int8 arithmetic (single-stream decode), as int8_rows.h does for GGUF blocks:
-// x rounded to int8 per run of 32 (step max|x_run| / 127, to nearest even), the rounding llama.cpp
-// gives x for its own Q4_1 and Q8_0 dot products (q8_1 / q8_0), and vpdpbusd multiplying 64 unsigned
-// weight codes by 64 signed activation codes, four products summed into each int32 lane: half the
-// instructions of the int16 path's vpdpwssd, and no widening of the codes. The mins meet the float32
-// sums of x per group, not the rounded x's. ----
-
-// A row's weight codes go to vpdpbusd 64 bytes at a time (a unit): 4 runs of 4-bit codes, 2 of 8-bit.
-template <int BITS>
-constexpr int64_t kUnitRuns = BITS == 4 ? 4 : 2;
-
-// x rounded to int8, a unit at a time in the order its weight bytes unpack. 4-bit: the low nibbles of
-// the unit's 64 bytes are inputs 0..15 of its 4 runs, the high ones inputs 16..31, so x's 128 codes
-// are [run 0..3's inputs 0..15, run 0..3's inputs 16..31] and two vpdpbusd leave each run's sums in
-// its own 4 lanes. 8-bit: input order, run b in lanes 0..7 and b + 1 in 8..15; the codes go to
-// vpdpbusd as unsigned q + 128, so each lane's dot product starts from -128 times x's four codes
-// summed (``starts``): the int32 result is the signed codes' exactly. Runs past the end are zeros.
-struct Int8Activations {
-  std::vector<int8_t> codes;
-  std::vector<int32_t> starts;   // 16 a unit, 8-bit only
-  std::vector<float> run_steps, group_sums;
-  int64_t K, units, groups;
-};
-
-template <int BITS>
-inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_size) {
-  constexpr int64_t unit_runs = kUnitRuns<BITS>, unit_codes = unit_runs * kRun;
-  const int64_t runs = K / kRun, units = (runs + unit_runs - 1) / unit_runs, groups = K / group_size;
-  Int8Activations a{std::vector<int8_t>(units * unit_codes, 0), std::vector<int32_t>(BITS == 8 ? units * 16 : 0),
-                    std::vector<float>(runs), std::vector<float>(groups, 0.f), K, units, groups};
-  for (int64_t b = 0; b < runs; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + b * kRun), hi = _mm512_loadu_ps(x + b * kRun + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    const __m512 scale = _mm512_set1_ps(inv);
-    const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
-    int8_t* unit = a.codes.data() + b / unit_runs * unit_codes;
-    const int64_t j = b % unit_runs;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + (BITS == 4 ? 16 * j : 32 * j)), codes(lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + (BITS == 4 ? 64 + 16 * j : 32 * j + 16)), codes(hi));
-    a.run_steps[b] = d;
-    a.group_sums[b * kRun / group_size] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-  }
-  if constexpr (BITS == 8) {
-    const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t u = 0; u < units; ++u)
-      _mm512_storeu_si512(a.starts.data() + 16 * u,
-                          _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, _mm512_loadu_si512(a.codes.data() + 64 * u))));
-  }
-  return a;
-}
-
-// Weight rows kRowBlock at a time against the one row of x: each pair of x's runs is loaded once for
-// all of them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
+// One row of x against kRowBlock weight rows: each pair of x's runs is loaded once for all of
+// them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
 // over lanes) is done for the block at once. 8 rows decoded the Q8_0 file 2% to 4% faster than 4
 // (the Q4_1 file as fast).
 constexpr int kRowBlock = 8;
@@ -350,7 +297,7 @@ struct BlockPlan {
   std::vector<std::array<__mmask16, kRowBlock>> rows_of;   // per vector of groups: each row's lanes
 };
 
-inline BlockPlan plan_blocks(const Int8Activations& a) {
+inline BlockPlan plan_blocks(const Activations& a) {
   const int64_t runs = a.K / kRun, groups = a.groups, vectors = (kRowBlock * groups + 15) / 16;
   BlockPlan plan{std::vector<float>(kRowBlock * runs + 16, 0.f), std::vector<float>(kRowBlock * groups + 16, 0.f),
                  std::vector<std::array<__mmask16, kRowBlock>>(vectors)};
@@ -377,10 +324,41 @@ inline __m128 sum4(const __m512* acc) {
   return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q));
 }
 
-// The end of a block's dot products: the mins meet x's group sums (the block's products a vector at a
-// time, each lane added to its row), then each row's lanes are summed into ``out``.
-inline void finish_rows(__m512* acc, const at::Half* mins, int valid, int64_t groups, const BlockPlan& plan,
-                        float* out) {
+// ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
+// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
+// rows repeat the last one and their mins are not read).
+template <int BITS>
+inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
+                     const Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
+  const int64_t runs = a.K / kRun;
+  constexpr int64_t pair_bytes = 2 * kRun * BITS / 8;
+  __m512 acc[kRowBlock];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; 2 * p + 1 < runs; ++p) {
+    for (int64_t line = 0; line < kRowBlock * pair_bytes; line += 64)  // the block ahead, a slice a pair
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kRowBlock * pair_bytes + line), _MM_HINT_T1);
+    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
+    const __m512i x1 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun + 32);
+    for (int r = 0; r < kRowBlock; ++r) {
+      __m512i w0, w1;
+      unpack_pair<BITS>(rows[r], 2 * p, w0, w1);
+      const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
+      const float* s = folded + r * runs + 2 * p;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), pair_scales(s[0], s[1]), acc[r]);
+    }
+  }
+  if (2 * p < runs) {
+    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
+    for (int r = 0; r < kRowBlock; ++r) {
+      __m512i w0, w1;
+      unpack_last<BITS>(rows[r], 2 * p, w0, w1);
+      const __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(folded[r * runs + 2 * p]), acc[r]);
+    }
+  }
+  // The mins meet x's group sums: the block's products a vector at a time, each lane added to its row.
+  const int64_t groups = a.groups;
   for (int64_t v = 0; 16 * v < valid * groups; ++v) {
     const __mmask16 k = tail_mask(valid * groups - 16 * v);
     const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 16 * v)),
@@ -390,48 +368,9 @@ inline void finish_rows(__m512* acc, const at::Half* mins, int valid, int64_t gr
   for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
-// ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
-// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
-// rows repeat the last one and their mins are not read). Per row and unit: the int32 sums of each
-// run in its lanes, scaled by the run's folded scale (a run past the end meets zeros in x, so the
-// scale it reads, another row's or padding, adds nothing).
-template <int BITS>
-inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
-                     const Int8Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
-  constexpr int64_t unit_runs = kUnitRuns<BITS>;
-  const int64_t runs = a.K / kRun, row_bytes = a.K * BITS / 8;
-  // Each lane's run within the unit.
-  const __m512i lanes = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                  : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i nibble = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[kRowBlock];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  for (int64_t u = 0; u < a.units; ++u) {
-    const __mmask64 bytes = row_bytes - 64 * u >= 64 ? ~__mmask64{0} : (__mmask64{1} << (row_bytes - 64 * u)) - 1;
-    for (int64_t line = 0; line < kRowBlock * 64; line += 64)  // the block ahead, a slice a unit
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + u * kRowBlock * 64 + line), _MM_HINT_T1);
-    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + u * unit_runs * kRun);
-    const __m512i x1 = BITS == 4 ? _mm512_loadu_si512(a.codes.data() + u * unit_runs * kRun + 64) : x0;
-    const __m512i start = BITS == 8 ? _mm512_loadu_si512(a.starts.data() + 16 * u) : _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int r = 0; r < kRowBlock; ++r) {
-      const __m512i raw = _mm512_maskz_loadu_epi8(bytes, rows[r] + 64 * u);
-      __m512i d;
-      if constexpr (BITS == 4)
-        d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, _mm512_and_si512(raw, nibble), x0),
-                                _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), x1);
-      else
-        d = _mm512_dpbusd_epi32(start, _mm512_xor_si512(raw, offset), x0);
-      const __m512 scale = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * runs + unit_runs * u)));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
-    }
-  }
-  finish_rows(acc, mins, valid, a.groups, plan, out);
-}
-
 // y [1, N] for one row of x: blocks of kRowBlock weight rows (dot_rows).
 template <int BITS>
-inline void linear_one_row(const Int8Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
+inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
                            int rpg_shift, const float* bias, float* y) {
   const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun, groups = a.groups;
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
@@ -475,6 +414,10 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
                    int64_t N, int64_t group_size, const float* bias, float* y) {
   const int64_t row_bytes = a.K * BITS / 8;
   const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
+  if (M == 1) {
+    linear_one_row<BITS>(a, w, sp, mp, N, rpg_shift, bias, y);
+    return;
+  }
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     // The first rows are asked for at once rather than missed one after another.
@@ -588,16 +531,6 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     return y;
   }
 #ifdef LMPORT_QUANT_AVX512
-  if (M == 1) {
-    const int rpg_shift = __builtin_ctzll(group_size / kRun);
-    if (bits == 4)
-      quant512::linear_one_row<4>(quant512::quantize_int8<4>(x.data_ptr<float>(), K, group_size), w, sp, mp, N,
-                                  rpg_shift, bp, yp);
-    else
-      quant512::linear_one_row<8>(quant512::quantize_int8<8>(x.data_ptr<float>(), K, group_size), w, sp, mp, N,
-                                  rpg_shift, bp, yp);
-    return y;
-  }
   const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
   if (bits == 4) quant512::linear<4>(a, M, w, sp, mp, N, group_size, bp, yp);
   else quant512::linear<8>(a, M, w, sp, mp, N, group_size, bp, yp);
@@ -622,16 +555,6 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   });
 #endif
   return y;
-}
-
-// The rows of x up to which quant_linear rounds x to int8 rather than int16 (0: none, the AVX2 path): the
-// tolerance a test of the kernel allows depends on it.
-inline int64_t quant_int8_rows() {
-#ifdef LMPORT_QUANT_AVX512
-  return 1;
-#else
-  return 0;
-#endif
 }
 
 inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
