@@ -32,17 +32,17 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
-from serve_throughput import WARM_UP_SALT, spread, start_llama_server, stop  # noqa: E402
+from serve_throughput import WARM_UP_SALT, one_stream, spread, start_llama_server, stop  # noqa: E402
 from throughput import TEXT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def timing(name: str, start: float, tokens: int, first: float | None, last: float | None,
-           error: str | None = None) -> dict:
-    """A column's figures: ``tokens`` generated, the first arriving at ``first`` and the last at ``last``."""
+def timing(name: str, tokens: int, first: float | None, last: float | None, error: str | None = None) -> dict:
+    """A column's figures: ``tokens`` generated, the first arriving ``first`` and the last ``last`` seconds after
+    the request was sent."""
     decode = (tokens - 1) / (last - first) if first is not None and last is not None and last > first else None
-    return {"column": name, "tokens": tokens, "ttft_s": first - start if first is not None else None,
+    return {"column": name, "tokens": tokens, "ttft_s": first,
             "decode_tokens_per_s": decode, "error": error}
 
 
@@ -55,37 +55,15 @@ def run_engine(engine, ids: list[int], n: int) -> dict:
     while engine.has_unfinished():
         for out in engine.step():
             if out.delta_token_ids:
-                last = time.perf_counter()
-                first = first or last
+                last = time.perf_counter() - start
+                first = last if first is None else first
                 tokens += len(out.delta_token_ids)
-    return timing("engine", start, tokens, first, last)
+    return timing("engine", tokens, first, last)
 
 
 async def run_served(name: str, http: httpx.AsyncClient, url: str, model: str, ids: list[int], n: int) -> dict:
-    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    try:
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return timing(name, start, 0, None, None, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return timing(name, start, tokens, first, last, str(chunk["error"])[:200])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    last = time.perf_counter()
-                    first = first or last
-    except httpx.HTTPError as exc:
-        return timing(name, start, tokens, first, last, f"{type(exc).__name__}: {exc}")
-    # Token count from usage: a token that ends no character yet sends no text of its own.
-    return timing(name, start, tokens, first, last, None if tokens == n else f"{tokens} of {n} tokens")
+    first, last, tokens, error = await one_stream(http, url, model, ids, n, time.perf_counter())
+    return timing(name, tokens, first, last, error)
 
 
 def table(rounds: list[list[dict]]) -> str:

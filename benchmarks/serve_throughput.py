@@ -69,28 +69,32 @@ def run_engine(engine, requests) -> dict:
 
 
 async def one_stream(http: httpx.AsyncClient, url: str, model: str, ids: list[int], n: int, start: float) -> tuple:
+    """(time to the first text, time to the last text, tokens generated, error or None) of one streamed
+    completion, the times in seconds since ``start``; the token count from usage (a token that ends no
+    character yet sends no text of its own)."""
     body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    ttft, tokens, error = None, 0, None
+    first, last, tokens, error = None, None, 0, None
     try:
         async with http.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return None, 0, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return None, None, 0, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return ttft, tokens, str(chunk["error"])[:200]
-                if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                    ttft = time.perf_counter() - start
+                    return first, last, tokens, str(chunk["error"])[:200]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    last = time.perf_counter() - start
+                    first = last if first is None else first
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     if error is None and tokens != n:
         error = f"{tokens} of {n} tokens"
-    return ttft, tokens, error
+    return first, last, tokens, error
 
 
 async def run_served(name: str, url: str, model: str, requests, timeout: float) -> dict:
@@ -99,8 +103,8 @@ async def run_served(name: str, url: str, model: str, requests, timeout: float) 
         start = time.perf_counter()
         results = await asyncio.gather(*(one_stream(http, url, model, ids, n, start) for ids, n in requests))
         wall = time.perf_counter() - start
-    return summary(name, wall, [t for t, _, _ in results if t is not None], sum(k for _, k, _ in results),
-                   len(requests), [e for _, _, e in results if e])
+    return summary(name, wall, [t for t, _, _, _ in results if t is not None], sum(k for _, _, k, _ in results),
+                   len(requests), [e for _, _, _, e in results if e])
 
 
 def start_llama_server(binary: str, gguf: str, port: int, threads: int, slots: int, log: Path) -> subprocess.Popen:
