@@ -535,20 +535,20 @@ class Engine:
 
     def _append_all(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
         """Append tokens in order until one ends the request; one output for them all."""
-        appended = []
+        appended, appended_logprobs = [], []
         for token, lp in zip(tokens, logprobs):
-            self._push(seq, token, lp)
+            self._push(seq, token)
             appended.append(token)
+            if lp is not None:   # None: the request asked for none
+                appended_logprobs.append(lp)
             if seq.is_finished:
                 break
-        return self._output(seq, appended)
+        return self._output(seq, appended, appended_logprobs)
 
-    def _push(self, seq: Sequence, token: int, logprobs) -> None:
+    def _push(self, seq: Sequence, token: int) -> None:
         """Append one token: advance the grammar, check the stop token ids and the length. Stop strings are the
         output processor's (text is not made here)."""
         seq.output_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
         self.stats["generated_tokens"] += 1
         cfg = seq.gen_config
         if seq.grammar is not None:
@@ -572,7 +572,7 @@ class Engine:
         seq.finish(reason, error)
         self.seqs.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], new_logprobs: list | None = None) -> RequestOutput:
         """The core's output: the new token ids and their logprobs, no text (lmport.output_processor). The
         prompt's logprobs come on the first output with tokens, the prompt being scored by then (a stop string
         may end the request before the core does), and on the finished one."""
@@ -582,7 +582,7 @@ class Engine:
             request_id=seq.request_id, token_ids=[], text="", delta_token_ids=new_tokens, delta_text="",
             finished=seq.is_finished, finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.num_cached_prefix, error=seq.error,
-            delta_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [],
+            delta_logprobs=new_logprobs or [],
             prompt_logprobs=seq.prompt_logprobs if scored else None)
 
     # -- LoRA adapters (docs/lora.md) ---------------------------------------

@@ -34,7 +34,6 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     generator: torch.Generator | None = None
     grammar: object | None = None   # xgrammar matcher of a structured output (lmport.guided), advanced per token
     # gen_config.prompt_logprobs: position i's entry is log p(prompt[i + 1] | prompt[:i + 1]) with the top
