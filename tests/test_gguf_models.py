@@ -9,7 +9,8 @@ of 256 and 512) and Mistral (rows of 128: the 256-weight types fall back).
 - Greedy tokens: lmport (cpu, float32 compute, weights as the file holds them) against transformers'
   model of the same file (it dequantizes every tensor to float32 with gguf's reference dequantizer;
   for Mixtral, which transformers does not map, transformers' Mixtral holding those tensors, see
-  support/greedy.py). 4 prompts (1 to 90 tokens) x 16 tokens, identical required.
+  support/greedy.py). 4 prompts (1 to 90 tokens) x 16 tokens, decoded together and each alone,
+  identical required.
 - Weight bytes: what lmport holds (``weight_bytes``) at most 1.1x the file's tensor bytes.
 """
 from __future__ import annotations
@@ -47,9 +48,10 @@ def reference(arch: str, preset: str):
 def test_greedy_tokens_match_transformers_on_the_same_file(arch, preset):
     ids = greedy.prompts(4)
     want = greedy.hf_greedy(reference(arch, preset), ids, NEW_TOKENS)
-    got = greedy.lmport_greedy(pipeline(arch, preset), ids, NEW_TOKENS)
-    same, diverged = greedy.agreement(got, want)
-    assert same == len(ids), diverged
+    for alone in (False, True):
+        got = greedy.lmport_greedy(pipeline(arch, preset), ids, NEW_TOKENS, alone=alone)
+        same, diverged = greedy.agreement(got, want)
+        assert same == len(ids), ("alone" if alone else "batched", diverged)
 
 
 @pytest.mark.parametrize(("arch", "preset"), CASES)

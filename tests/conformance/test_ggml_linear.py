@@ -12,8 +12,9 @@ bit for bit (tested below), so what is left is float32 summation in another orde
 reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|, and on the decode path the rounding of x to
 int16 per run of 32 (step max|x_run| / 32767, at most half a step each), sum_k |w_k| * step_k / 2.
 The one-row path of the types the kernel lists in ``ggml_int8_types`` (Q5_0, Q4_K, Q6_K with AVX-512
-VNNI) rounds x to int8 instead (step max|x_run| / 127): the same bound with that step, and, tested
-apart, the reference's own result at x so rounded.
+VNNI) holds x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
+one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the
+reference's own result at x so rounded.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from harness import op_backend
 from lmport import ops
 from lmport.backend import Backend
 from lmport.weights.ggml import BLOCK_TYPES
-from test_quant_linear import float32_summation_bound, int16_rounding_bound
+from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int16_rounding_bound,
+                               rounded_to_int8_pairs)
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
 OUT = 99
@@ -35,18 +37,6 @@ OUT = 99
 
 def inputs(type_name: str) -> int:
     return BLOCK_TYPES[type_name].elements * (3 if BLOCK_TYPES[type_name].elements == 256 else 9)
-
-
-def int8_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / 127            # [M, runs]
-    return (step.repeat_interleave(32, dim=1) / 2) @ w.abs().T
-
-
-def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded per run of 32 to the int8 grid (step max|x_run| / 127, to nearest even), as float."""
-    runs = x.reshape(x.shape[0], -1, 32)
-    step = runs.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(runs / step) * step).reshape(x.shape)
 
 
 def int8_types() -> set[str]:
@@ -82,7 +72,8 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape):
     for b in (None, bias):
         got = ggml_backend.ggml_linear(x.to(ggml_backend.device), weight, None if b is None else b.to(x.device))
         want = ops.ggml_linear(x, weight, b)
-        rounding = int8_rounding_bound if shape == "decode-1" and type_name in int8_types() else int16_rounding_bound
+        int8_path = shape == "decode-1" and type_name in int8_types()
+        rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
         bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
         if name != "cpu":   # float32 dot products of float32 weights: summation order only
             bound = float32_summation_bound(x, w)
@@ -100,10 +91,10 @@ def test_reference_dequantizer_is_gguf_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
-def test_cpu_int8_path_is_the_reference_at_x_rounded_to_int8(type_name):
+def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name):
     """One row of x over the int8 path's types: the integer sums are exact, so the result is the
-    reference's at x rounded to int8 up to float32 summation. Q4_K's mins meet x's own sums (not the
-    rounded x's), so here its blocks' dmin is zeroed."""
+    reference's at x as the path holds it (two int8 codes) up to float32 summation. Q4_K's mins meet
+    x's own sums (not the rounded x's), so here its blocks' dmin is zeroed."""
     if type_name not in int8_types():
         pytest.skip("this build's one-row path rounds x to int16 (no AVX-512 VNNI)")
     from lmport.backends.cpu import kernels
@@ -113,7 +104,7 @@ def test_cpu_int8_path_is_the_reference_at_x_rounded_to_int8(type_name):
     x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(5))
     got = kernels.load().ggml_linear(x, weight.blocks, type_name, weight.in_features, None)
     w = ops.dequantize_ggml(weight)
-    want = (rounded_to_int8(x).double() @ w.double().T).float()
+    want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
 
 

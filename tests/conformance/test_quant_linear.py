@@ -44,6 +44,24 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return per_input @ w.abs().T
 
 
+def int8_pair_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / (127 * 256)           # [M, runs]
+    return step.repeat_interleave(32, dim=1) @ w.abs().T
+
+
+def rounded_to_int8_pairs(x: torch.Tensor) -> torch.Tensor:
+    """x as the one-row int8 paths hold it, as float: per run of 32, d = max|x_run| / 127, hi = x / d and
+    lo = (x - hi d) / (d / 256) rounded to nearest even (lo saturated to int8), x = d (256 hi + lo) / 256.
+    The arithmetic is the kernels': float32 products by 1 / d and 256 / d, x - hi d rounded once (an FMA)."""
+    runs = x.reshape(x.shape[0], -1, 32)
+    d = runs.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    hi = torch.round(runs * inv)
+    rest = (runs.double() - hi.double() * d.double()).float()
+    lo = torch.round(rest * (256 * inv)).clamp(-128, 127)
+    return ((256 * hi + lo).double() * (d.double() / 256)).reshape(x.shape).float()
+
+
 # Activation dtype each backend's own kernel takes (ascend's op takes float16 / bfloat16 only).
 DTYPES = {"cpu": torch.float32, "ascend": torch.float16, "cuda": torch.float32}
 

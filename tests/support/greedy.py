@@ -59,10 +59,14 @@ def hf_greedy(model, prompt_ids: list[list[int]], new_tokens: int) -> list[list[
     return out
 
 
-def lmport_greedy(pipe, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+def lmport_greedy(pipe, prompt_ids: list[list[int]], new_tokens: int, alone: bool = False) -> list[list[int]]:
+    """Argmax decoding by lmport: the prompts together (a step's rows are every prompt's), or ``alone``,
+    one after another (one row a decode step: the kernels' single-stream path)."""
     from lmport import GenerationConfig
-    results = pipe.generate(prompt_ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True))
-    return [r.token_ids for r in results]
+    gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    if alone:
+        return [pipe.generate([ids], gen)[0].token_ids for ids in prompt_ids]
+    return [r.token_ids for r in pipe.generate(prompt_ids, gen)]
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[int, list[str]]:

@@ -8,9 +8,9 @@
 // float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
-// - One row of x (single-stream decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x rounded to int8
-//   per run of 32 as llama.cpp does, the blocks' codes unpacked to bytes a run pair at a time and dotted
-//   with vpdpbusd (int8_rows.h), 8 weight rows at a time.
+// - One row of x (single-stream decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
+//   codes per input (as fine as int16), the blocks' codes unpacked to bytes a run pair at a time and
+//   dotted with each by vpdpbusd (int8_rows.h), 8 weight rows at a time.
 // - Otherwise up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
 //   quant_linear.h; threads split the output rows, each weight row is decoded into a buffer that stays in L1 and
 //   dotted with every row of x in integer arithmetic (512 bits wide with AVX-512 VNNI, else AVX2),
@@ -771,7 +771,7 @@ inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& ty
 
 inline std::vector<std::string> ggml_kernel_types() { return ggml_detail::type_names(); }
 
-// The types whose one-row path (single-stream decode) rounds x to int8 rather than int16: the
+// The types whose one-row path (single-stream decode) holds x as two int8 codes rather than int16: the
 // tolerance a test of that path allows depends on it.
 inline std::vector<std::string> ggml_int8_types() {
 #ifdef LMPORT_QUANT_AVX512

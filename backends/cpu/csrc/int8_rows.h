@@ -1,14 +1,17 @@
 // One row of x (single-stream decode) against block weights in int8 arithmetic: AVX-512 VNNI's
 // vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each lane's four
-// products into an int32, twice the inputs of a 16-bit dot product per instruction.
+// products into an int32.
 //
-// x is rounded once per call to int8 per run of 32 inputs (step max|x_run| / 127, to nearest even),
-// as llama.cpp rounds it for its own dot products (q8_0 / q8_K). A weight type supplies, per pair of
-// runs, its 64 codes in input order as unsigned bytes u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's
-// q - 32 as 0..63); each dot product starts from -offset times the sum of x's codes over
-// the lane, so the int32 result is that of the signed codes, exactly. The int32 sums are scaled in
-// float32 per sub-block (the weight's scale times x's step) and summed; a type's mins meet the float
-// sums of x per run (``extra`` below).
+// x is held as two int8 codes per input, per run of 32 (step d = max|x_run| / 127): hi = x / d rounded to
+// nearest even, as llama.cpp rounds x for its own dot products (q8_0 / q8_K), and lo, what hi leaves
+// (x - hi d) in steps of d / 256. x = d (256 hi + lo) / 256 is then as fine as int16 (a step of about
+// max|x_run| / 32512): rounded to int8 alone, x changed greedy tokens of a single stream. Each weight
+// code meets both with one unpacking: vpdpbusd over hi, the int32 sums shifted left by 8, vpdpbusd over
+// lo. A weight type supplies, per pair of runs, its 64 codes in input order as unsigned bytes
+// u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's q - 32 as 0..63); the dot products start from -offset
+// times the sums of x's codes over each lane, so the int32 result is that of the signed codes, exactly.
+// The int32 sums are scaled in float32 per sub-block (the weight's scale times x's step d / 256) and
+// summed; a type's mins meet the float sums of x per run (``extra`` below).
 #pragma once
 
 #include <immintrin.h>
@@ -27,11 +30,11 @@ constexpr int kRowBlock = 8;
 // Weight rows fetched ahead into L2, as quant_linear.h does.
 constexpr int64_t kAhead = 16;
 
-// x rounded to int8: ``codes`` in input order (an odd last run paired with zeros), ``lane_sums``
-// each int32 lane's four codes summed (16 a pair), ``run_steps`` and ``run_sums`` (float32 sum of x)
-// per run.
+// x as int8 ``hi`` and ``lo`` codes in input order (an odd last run paired with zeros), ``lane_sums``
+// each int32 lane's four codes (256 hi + lo) summed (16 a pair), ``run_steps`` (d / 256) and
+// ``run_sums`` (float32 sum of x) per run.
 struct Activations {
-  std::vector<int8_t> codes;
+  std::vector<int8_t> hi, lo;
   std::vector<int32_t> lane_sums;
   std::vector<float> run_steps, run_sums;
   int64_t K, runs, pairs;
@@ -39,23 +42,32 @@ struct Activations {
 
 inline Activations quantize(const float* x, int64_t K) {
   const int64_t runs = K / kRun, pairs = (runs + 1) / 2;
-  Activations a{std::vector<int8_t>(pairs * 64, 0), std::vector<int32_t>(pairs * 16),
+  Activations a{std::vector<int8_t>(pairs * 64, 0), std::vector<int8_t>(pairs * 64, 0), std::vector<int32_t>(pairs * 16),
                 std::vector<float>(2 * pairs, 0.f), std::vector<float>(2 * pairs, 0.f), K, runs, pairs};
   for (int64_t b = 0; b < runs; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + b * kRun), hi = _mm512_loadu_ps(x + b * kRun + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    const __m512 scale = _mm512_set1_ps(inv);
-    const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + b * kRun), codes(lo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + b * kRun + 16), codes(hi));
-    a.run_steps[b] = d;
+    const __m512 scale = _mm512_set1_ps(inv), fine = _mm512_set1_ps(256.f * inv), step = _mm512_set1_ps(d);
+    const auto store = [&](__m512 v, int64_t at) {
+      const __m512i h = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));   // |x / d| <= 127
+      // what hi leaves, at most d / 2, in steps of d / 256 (saturated: 128 becomes 127)
+      const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h), step, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at), _mm512_cvtsepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, fine))));
+    };
+    store(lo, b * kRun);
+    store(hi, b * kRun + 16);
+    a.run_steps[b] = d / 256.f;
     a.run_sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
   const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t p = 0; p < pairs; ++p)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(a.hi.data() + 64 * p));
     _mm512_storeu_si512(a.lane_sums.data() + 16 * p,
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(a.codes.data() + 64 * p)));
+                        _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), ones, _mm512_loadu_si512(a.lo.data() + 64 * p)));
+  }
   return a;
 }
 
@@ -88,11 +100,14 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const Acti
   for (int64_t p = 0; p < a.pairs; ++p) {
     for (int64_t line = 0; line < slice; line += 64)   // the block ahead, a slice a pair
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * slice + line), _MM_HINT_T1);
-    const __m512i x = _mm512_loadu_si512(a.codes.data() + 64 * p);
+    const __m512i hi = _mm512_loadu_si512(a.hi.data() + 64 * p), lo = _mm512_loadu_si512(a.lo.data() + 64 * p);
     const __m512i start = Codes::kOffset ? _mm512_loadu_si512(starts + 16 * p) : _mm512_setzero_si512();
 #pragma GCC unroll 8   // the accumulators stay in registers only with the rows unrolled
     for (int r = 0; r < kRowBlock; ++r) {
-      const __m512i d = _mm512_dpbusd_epi32(start, Codes::pair(rows[r], p, a.runs), x);
+      const __m512i u = Codes::pair(rows[r], p, a.runs);
+      const __m512i coarse = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hi), 8);
+      const __m512i fine = _mm512_dpbusd_epi32(coarse, u, lo);
+      const __m512i d = Codes::kOffset ? _mm512_add_epi32(fine, start) : fine;
       const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * subs + p * Codes::kSubs)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
     }
