@@ -9,6 +9,10 @@ have 99 outputs, so one row of x meets a last block of fewer than its 8 weight r
 Tolerance of the cpu kernels, derived rather than picked: float32 summation in another order than
 the reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|; the decode path also rounds x to int16
 per run of 32 (step max|x_run| / 32767, error at most half a step), adding sum_k |w_k| * step_k / 2.
+Up to the rows the kernel names in ``quant_int8_rows`` (one row with AVX-512 VNNI) it holds x as two
+int8 codes an input instead (quant_linear.h): a step of max|x_run| / (127 * 256), at most one step
+each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the reference's
+own result at x so rounded.
 """
 from __future__ import annotations
 
@@ -62,6 +66,12 @@ def rounded_to_int8_pairs(x: torch.Tensor) -> torch.Tensor:
     return ((256 * hi + lo).double() * (d.double() / 256)).reshape(x.shape).float()
 
 
+def int8_rows() -> int:
+    """The rows of x up to which the cpu kernel holds x as two int8 codes (0 on the AVX2 path)."""
+    from lmport.backends.cpu import kernels
+    return kernels.load().quant_int8_rows()
+
+
 # Activation dtype each backend's own kernel takes (ascend's op takes float16 / bfloat16 only).
 DTYPES = {"cpu": torch.float32, "ascend": torch.float16, "cuda": torch.float32}
 
@@ -98,7 +108,8 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
         want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
         if name == "cpu":
             w = ops.dequantize(weight)
-            bound = float32_summation_bound(x, w) + (int16_rounding_bound(x, w) if shape.startswith("decode") else 0)
+            rounding = int8_pair_rounding_bound if SHAPES[shape] <= int8_rows() else int16_rounding_bound
+            bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
             assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
         elif name == "cuda":   # fp32 IEEE dot products: summation order only
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -107,6 +118,24 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
     if name == "ascend" and native_backend._npu.__version__ == "simulated":
         import simulated
         assert simulated.module("ascend").calls[-1][0] == "npu_weight_quant_batchmatmul"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(bits, group):
+    """One row of x where the kernel holds it as two int8 codes: the integer sums are exact, so the
+    result is the reference's at x so rounded up to float32 summation. The mins meet x's own sums (not
+    the rounded x's), so here they are zero."""
+    if int8_rows() < 1:
+        pytest.skip("this build's decode path rounds x to int16 (no AVX-512 VNNI)")
+    from lmport.backends.cpu import kernels
+    weight = random_weight(bits, group, n=99, k=288 if group == 32 else 256, seed=4)
+    weight.mins.zero_()
+    x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(5))
+    got = kernels.load().quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, group, None)
+    w = ops.dequantize(weight)
+    want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
+    assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
 
 
 def test_cpu_dequantize_kernel_is_the_reference():

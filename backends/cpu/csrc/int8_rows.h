@@ -1,4 +1,5 @@
-// One row of x (single-stream decode) against block weights in int8 arithmetic: AVX-512 VNNI's
+// One row of x (single-stream decode) against quantized weights in int8 arithmetic (GGUF blocks here
+// and in ggml_linear.h; lmport's int4 / int8 format in quant_linear.h, which shares x's codes): AVX-512 VNNI's
 // vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each lane's four
 // products into an int32.
 //
@@ -8,7 +9,7 @@
 // max|x_run| / 32512): rounded to int8 alone, x changed greedy tokens of a single stream. Each weight
 // code meets both with one unpacking: vpdpbusd over hi, the int32 sums shifted left by 8, vpdpbusd over
 // lo. A weight type supplies, per pair of runs, its 64 codes in input order as unsigned bytes
-// u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's q - 32 as 0..63); the dot products start from -offset
+// u = q + offset (Q5_0's q - 16 as 0..31, Q6_K's q - 32 as 0..63); each dot product then adds -offset
 // times the sums of x's codes over each lane, so the int32 result is that of the signed codes, exactly.
 // The int32 sums are scaled in float32 per sub-block (the weight's scale times x's step d / 256) and
 // summed; a type's mins meet the float sums of x per run (``extra`` below).
@@ -40,34 +41,53 @@ struct Activations {
   int64_t K, runs, pairs;
 };
 
+// A run of 32 inputs ``x`` as hi and lo codes: inputs 0..15 to hi[first..] and lo[first..], 16..31 to
+// hi[second..] and lo[second..] (each caller lays the runs out as its weights unpack). Returns the run's
+// step d / 256 and the float32 sum of x.
+struct Run {
+  float step, sum;
+};
+
+inline Run split_run(const float* x, int8_t* hi, int8_t* lo, int64_t first, int64_t second) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  const __m512 scale = _mm512_set1_ps(inv), fine = _mm512_set1_ps(256.f * inv), step = _mm512_set1_ps(d);
+  const auto store = [&](__m512 v, int64_t at) {
+    const __m512i h = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));   // |x / d| <= 127
+    // what hi leaves, at most d / 2, in steps of d / 256 (saturated: 128 becomes 127)
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h), step, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + at), _mm512_cvtsepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + at), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, fine))));
+  };
+  store(a, first);
+  store(b, second);
+  return {d / 256.f, _mm512_reduce_add_ps(_mm512_add_ps(a, b))};
+}
+
+// Each int32 lane's four codes (256 hi + lo) summed, for 64 codes of hi and lo.
+inline __m512i lane_sums(const int8_t* hi, const int8_t* lo) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(hi));
+  return _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), ones, _mm512_loadu_si512(lo));
+}
+
+// The int32 sums of 64 unsigned weight codes ``u`` with x's hi and lo codes as one (256 hi + lo).
+inline __m512i dot(__m512i u, __m512i hi, __m512i lo) {
+  return _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hi), 8), u, lo);
+}
+
 inline Activations quantize(const float* x, int64_t K) {
   const int64_t runs = K / kRun, pairs = (runs + 1) / 2;
   Activations a{std::vector<int8_t>(pairs * 64, 0), std::vector<int8_t>(pairs * 64, 0), std::vector<int32_t>(pairs * 16),
                 std::vector<float>(2 * pairs, 0.f), std::vector<float>(2 * pairs, 0.f), K, runs, pairs};
   for (int64_t b = 0; b < runs; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + b * kRun), hi = _mm512_loadu_ps(x + b * kRun + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    const __m512 scale = _mm512_set1_ps(inv), fine = _mm512_set1_ps(256.f * inv), step = _mm512_set1_ps(d);
-    const auto store = [&](__m512 v, int64_t at) {
-      const __m512i h = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));   // |x / d| <= 127
-      // what hi leaves, at most d / 2, in steps of d / 256 (saturated: 128 becomes 127)
-      const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h), step, v);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.hi.data() + at), _mm512_cvtsepi32_epi8(h));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.lo.data() + at),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, fine))));
-    };
-    store(lo, b * kRun);
-    store(hi, b * kRun + 16);
-    a.run_steps[b] = d / 256.f;
-    a.run_sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    const Run r = split_run(x + b * kRun, a.hi.data(), a.lo.data(), b * kRun, b * kRun + 16);
+    a.run_steps[b] = r.step;
+    a.run_sums[b] = r.sum;
   }
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(a.hi.data() + 64 * p));
-    _mm512_storeu_si512(a.lane_sums.data() + 16 * p,
-                        _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), ones, _mm512_loadu_si512(a.lo.data() + 64 * p)));
-  }
+  for (int64_t p = 0; p < pairs; ++p)
+    _mm512_storeu_si512(a.lane_sums.data() + 16 * p, lane_sums(a.hi.data() + 64 * p, a.lo.data() + 64 * p));
   return a;
 }
 
@@ -104,10 +124,8 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const Acti
     const __m512i start = Codes::kOffset ? _mm512_loadu_si512(starts + 16 * p) : _mm512_setzero_si512();
 #pragma GCC unroll 8   // the accumulators stay in registers only with the rows unrolled
     for (int r = 0; r < kRowBlock; ++r) {
-      const __m512i u = Codes::pair(rows[r], p, a.runs);
-      const __m512i coarse = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hi), 8);
-      const __m512i fine = _mm512_dpbusd_epi32(coarse, u, lo);
-      const __m512i d = Codes::kOffset ? _mm512_add_epi32(fine, start) : fine;
+      const __m512i sums = dot(Codes::pair(rows[r], p, a.runs), hi, lo);
+      const __m512i d = Codes::kOffset ? _mm512_add_epi32(sums, start) : sums;
       const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * subs + p * Codes::kSubs)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
     }

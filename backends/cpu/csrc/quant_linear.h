@@ -3,10 +3,11 @@
 // 32-input run holding inputs j (low nibble) and j + 16 (high), or signed 8-bit codes.
 //
 // quant_linear, up to kIntegerRows rows of x (a decode step): x is rounded once per call to int16
-// in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5: float32 accuracy for all a
-// greedy decode can tell, where int8 activations change tokens), each weight run widened to int16
+// in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5), each weight run widened to int16
 // and dotted with it in integer arithmetic (AVX2 madd, VNNI's dpwssd where the CPU has it, 512 bits
-// wide where it has AVX-512), accumulated in float32. Every packed weight byte is read once a
+// wide where it has AVX-512), accumulated in float32. One row of x (single-stream decode) with
+// AVX-512 VNNI holds x as two int8 codes per input instead, as fine as int16, and dots the weight
+// codes with each as bytes (vpdpbusd, quant512's one-row path). Every packed weight byte is read once a
 // call, which is what bounds a decode step. More rows (a batched decode step): tiles of weight
 // rows expanded to float32 in cache (linear_by_tiles). quant_dequantize (prefill) expands the
 // whole weight to float32 for the BLAS.
@@ -21,6 +22,9 @@
 #include <vector>
 
 #include "linear.h"
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include "int8_rows.h"   // the one-row path in int8 arithmetic
+#endif
 
 namespace lmport {
 
@@ -282,8 +286,57 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
     out[j] = _mm512_reduce_add_ps(add_mins(acc[j], mins, a.group_sums.data() + (m0 + j) * a.groups, a.groups));
 }
 
-// One row of x against kRowBlock weight rows: each pair of x's runs is loaded once for all of
-// them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
+// ---- One row of x in int8 arithmetic (single-stream decode), as int8_rows.h does for GGUF blocks:
+// x held per run of 32 as two int8 codes an input (d = max|x_run| / 127: hi = x / d rounded to nearest
+// even, as llama.cpp rounds x for its own Q4_1 and Q8_0 dot products, and lo, what hi leaves in steps
+// of d / 256), x = d (256 hi + lo) / 256: as fine as int16, where int8 alone changed greedy tokens.
+// vpdpbusd multiplies 64 unsigned weight codes by 64 signed codes of hi, four products summed into
+// each int32 lane; the lanes shifted left by 8, again by lo's. The codes are not widened, as the int16
+// path's vpdpwssd needs them. The mins meet the float32 sums of x per group, not the rounded x's. ----
+
+// A row's weight codes go to vpdpbusd 64 bytes at a time (a unit): 4 runs of 4-bit codes, 2 of 8-bit.
+template <int BITS>
+constexpr int64_t kUnitRuns = BITS == 4 ? 4 : 2;
+
+// x's hi and lo codes, a unit at a time in the order its weight bytes unpack. 4-bit: the low nibbles of
+// the unit's 64 bytes are inputs 0..15 of its 4 runs, the high ones inputs 16..31, so x's 128 codes
+// are [run 0..3's inputs 0..15, run 0..3's inputs 16..31] and two vpdpbusd leave each run's sums in
+// its own 4 lanes. 8-bit: input order, run b in lanes 0..7 and b + 1 in 8..15; the codes go to
+// vpdpbusd as unsigned q + 128, so each lane's dot product ends by adding -128 times x's four codes
+// (256 hi + lo) summed (``starts``): the int32 result is the signed codes' exactly. Runs past the end
+// are zeros. ``run_steps`` are d / 256.
+struct Int8Activations {
+  std::vector<int8_t> hi, lo;
+  std::vector<int32_t> starts;   // 16 a unit, 8-bit only
+  std::vector<float> run_steps, group_sums;
+  int64_t K, units, groups;
+};
+
+template <int BITS>
+inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_size) {
+  constexpr int64_t unit_runs = kUnitRuns<BITS>, unit_codes = unit_runs * kRun;
+  const int64_t runs = K / kRun, units = (runs + unit_runs - 1) / unit_runs, groups = K / group_size;
+  Int8Activations a{std::vector<int8_t>(units * unit_codes, 0), std::vector<int8_t>(units * unit_codes, 0),
+                    std::vector<int32_t>(BITS == 8 ? units * 16 : 0),
+                    std::vector<float>(runs), std::vector<float>(groups, 0.f), K, units, groups};
+  for (int64_t b = 0; b < runs; ++b) {
+    const int64_t at = b / unit_runs * unit_codes, j = b % unit_runs;
+    const int8_rows::Run r = int8_rows::split_run(x + b * kRun, a.hi.data(), a.lo.data(), at + (BITS == 4 ? 16 * j : 32 * j),
+                                                  at + (BITS == 4 ? 64 + 16 * j : 32 * j + 16));
+    a.run_steps[b] = r.step;
+    a.group_sums[b * kRun / group_size] += r.sum;
+  }
+  if constexpr (BITS == 8) {
+    const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t u = 0; u < units; ++u)   // -128 times x's lane sums
+      _mm512_storeu_si512(a.starts.data() + 16 * u,
+                          _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(int8_rows::lane_sums(a.hi.data() + 64 * u, a.lo.data() + 64 * u), 7)));
+  }
+  return a;
+}
+
+// Weight rows kRowBlock at a time against the one row of x: each pair of x's runs is loaded once for
+// all of them, their sums do not wait on each other, and the per-row work (scales, mins, the final sum
 // over lanes) is done for the block at once. 8 rows decoded the Q8_0 file 2% to 4% faster than 4
 // (the Q4_1 file as fast).
 constexpr int kRowBlock = 8;
@@ -297,7 +350,7 @@ struct BlockPlan {
   std::vector<std::array<__mmask16, kRowBlock>> rows_of;   // per vector of groups: each row's lanes
 };
 
-inline BlockPlan plan_blocks(const Activations& a) {
+inline BlockPlan plan_blocks(const Int8Activations& a) {
   const int64_t runs = a.K / kRun, groups = a.groups, vectors = (kRowBlock * groups + 15) / 16;
   BlockPlan plan{std::vector<float>(kRowBlock * runs + 16, 0.f), std::vector<float>(kRowBlock * groups + 16, 0.f),
                  std::vector<std::array<__mmask16, kRowBlock>>(vectors)};
@@ -311,54 +364,12 @@ inline BlockPlan plan_blocks(const Activations& a) {
   return plan;
 }
 
-// The sums over lanes of 4 vectors together: 128-bit quarters first, then the four lanes left in each.
-inline __m128 sum4(const __m512* acc) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // quarter r: row r's
-  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
-  q = _mm512_add_ps(q, _mm512_permute_ps(q, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, q));
-}
+using int8_rows::sum4;
 
-// ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
-// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
-// rows repeat the last one and their mins are not read).
-template <int BITS>
-inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
-                     const Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
-  const int64_t runs = a.K / kRun;
-  constexpr int64_t pair_bytes = 2 * kRun * BITS / 8;
-  __m512 acc[kRowBlock];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; 2 * p + 1 < runs; ++p) {
-    for (int64_t line = 0; line < kRowBlock * pair_bytes; line += 64)  // the block ahead, a slice a pair
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kRowBlock * pair_bytes + line), _MM_HINT_T1);
-    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
-    const __m512i x1 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun + 32);
-    for (int r = 0; r < kRowBlock; ++r) {
-      __m512i w0, w1;
-      unpack_pair<BITS>(rows[r], 2 * p, w0, w1);
-      const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0), w1, x1);
-      const float* s = folded + r * runs + 2 * p;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), pair_scales(s[0], s[1]), acc[r]);
-    }
-  }
-  if (2 * p < runs) {
-    const __m512i x0 = _mm512_loadu_si512(a.codes.data() + p * 2 * kRun);
-    for (int r = 0; r < kRowBlock; ++r) {
-      __m512i w0, w1;
-      unpack_last<BITS>(rows[r], 2 * p, w0, w1);
-      const __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, x0);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(folded[r * runs + 2 * p]), acc[r]);
-    }
-  }
-  // The mins meet x's group sums: the block's products a vector at a time, each lane added to its row.
-  const int64_t groups = a.groups;
+// The end of a block's dot products: the mins meet x's group sums (the block's products a vector at a
+// time, each lane added to its row), then each row's lanes are summed into ``out``.
+inline void finish_rows(__m512* acc, const at::Half* mins, int valid, int64_t groups, const BlockPlan& plan,
+                        float* out) {
   for (int64_t v = 0; 16 * v < valid * groups; ++v) {
     const __mmask16 k = tail_mask(valid * groups - 16 * v);
     const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 16 * v)),
@@ -368,9 +379,53 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
   for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
+// ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
+// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
+// rows repeat the last one and their mins are not read). Per row and unit: the int32 sums of each
+// run in its lanes, scaled by the run's folded scale (a run past the end meets zeros in x, so the
+// scale it reads, another row's or padding, adds nothing).
+template <int BITS>
+inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
+                     const Int8Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
+  constexpr int64_t unit_runs = kUnitRuns<BITS>;
+  const int64_t runs = a.K / kRun, row_bytes = a.K * BITS / 8;
+  // Each lane's run within the unit.
+  const __m512i lanes = BITS == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[kRowBlock];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t u = 0; u < a.units; ++u) {
+    const __mmask64 bytes = row_bytes - 64 * u >= 64 ? ~__mmask64{0} : (__mmask64{1} << (row_bytes - 64 * u)) - 1;
+    for (int64_t line = 0; line < kRowBlock * 64; line += 64)  // the block ahead, a slice a unit
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + u * kRowBlock * 64 + line), _MM_HINT_T1);
+    const int8_t* hi = a.hi.data() + u * unit_runs * kRun;
+    const int8_t* lo = a.lo.data() + u * unit_runs * kRun;
+    const __m512i hi0 = _mm512_loadu_si512(hi), lo0 = _mm512_loadu_si512(lo);
+    const __m512i hi1 = BITS == 4 ? _mm512_loadu_si512(hi + 64) : hi0, lo1 = BITS == 4 ? _mm512_loadu_si512(lo + 64) : lo0;
+    const __m512i start = BITS == 8 ? _mm512_loadu_si512(a.starts.data() + 16 * u) : _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowBlock; ++r) {
+      const __m512i raw = _mm512_maskz_loadu_epi8(bytes, rows[r] + 64 * u);
+      __m512i d;
+      if constexpr (BITS == 4) {   // int8_rows::dot over both nibbles, one shift for the two
+        const __m512i w0 = _mm512_and_si512(raw, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        const __m512i coarse = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0, hi0), w1, hi1);
+        d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(coarse, 8), w0, lo0), w1, lo1);
+      } else {
+        d = _mm512_add_epi32(int8_rows::dot(_mm512_xor_si512(raw, offset), hi0, lo0), start);
+      }
+      const __m512 scale = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * runs + unit_runs * u)));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
+    }
+  }
+  finish_rows(acc, mins, valid, a.groups, plan, out);
+}
+
 // y [1, N] for one row of x: blocks of kRowBlock weight rows (dot_rows).
 template <int BITS>
-inline void linear_one_row(const Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
+inline void linear_one_row(const Int8Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
                            int rpg_shift, const float* bias, float* y) {
   const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun, groups = a.groups;
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
@@ -414,10 +469,6 @@ inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::
                    int64_t N, int64_t group_size, const float* bias, float* y) {
   const int64_t row_bytes = a.K * BITS / 8;
   const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
-  if (M == 1) {
-    linear_one_row<BITS>(a, w, sp, mp, N, rpg_shift, bias, y);
-    return;
-  }
   // Threads split the output rows, so the packed weight is read once in all.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     // The first rows are asked for at once rather than missed one after another.
@@ -531,6 +582,16 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     return y;
   }
 #ifdef LMPORT_QUANT_AVX512
+  if (M == 1) {
+    const int rpg_shift = __builtin_ctzll(group_size / kRun);
+    if (bits == 4)
+      quant512::linear_one_row<4>(quant512::quantize_int8<4>(x.data_ptr<float>(), K, group_size), w, sp, mp, N,
+                                  rpg_shift, bp, yp);
+    else
+      quant512::linear_one_row<8>(quant512::quantize_int8<8>(x.data_ptr<float>(), K, group_size), w, sp, mp, N,
+                                  rpg_shift, bp, yp);
+    return y;
+  }
   const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
   if (bits == 4) quant512::linear<4>(a, M, w, sp, mp, N, group_size, bp, yp);
   else quant512::linear<8>(a, M, w, sp, mp, N, group_size, bp, yp);
@@ -555,6 +616,16 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   });
 #endif
   return y;
+}
+
+// The rows of x up to which quant_linear holds x as two int8 codes rather than int16 (0: none, the AVX2
+// path): the tolerance a test of the kernel allows depends on it.
+inline int64_t quant_int8_rows() {
+#ifdef LMPORT_QUANT_AVX512
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
