@@ -11,8 +11,8 @@ Tolerance of the cpu kernel, derived as test_quant_linear.py derives its own: th
 bit for bit (tested below), so what is left is float32 summation in another order than the
 reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|, and on the decode path the rounding of x to
 int16 per run of 32 (step max|x_run| / 32767, at most half a step each), sum_k |w_k| * step_k / 2.
-The one-row path of the types the kernel lists in ``ggml_int8_types`` (Q5_0, Q4_K, Q6_K with AVX-512
-VNNI) holds x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
+Up to ``quant_int8_rows()`` rows of x (AVX-512 VNNI), the types the kernel lists in ``ggml_int8_types``
+(Q5_0, Q4_K, Q6_K) hold x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
 one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the
 reference's own result at x so rounded.
 """
@@ -28,7 +28,7 @@ from harness import op_backend
 from lmport import ops
 from lmport.backend import Backend
 from lmport.weights.ggml import BLOCK_TYPES
-from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int16_rounding_bound,
+from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
                                rounded_to_int8_pairs)
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
@@ -72,7 +72,7 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape):
     for b in (None, bias):
         got = ggml_backend.ggml_linear(x.to(ggml_backend.device), weight, None if b is None else b.to(x.device))
         want = ops.ggml_linear(x, weight, b)
-        int8_path = shape == "decode-1" and type_name in int8_types()
+        int8_path = SHAPES[shape] <= int8_rows() and type_name in int8_types()
         rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
         bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
         if name != "cpu":   # float32 dot products of float32 weights: summation order only
@@ -106,6 +106,20 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name):
     w = ops.dequantize_ggml(weight)
     want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
+def test_cpu_int8_rows_are_each_rows_own_result(type_name):
+    """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit."""
+    if type_name not in int8_types() or int8_rows() < 2:
+        pytest.skip("this build runs no few-row int8 path (no AVX-512 VNNI)")
+    from lmport.backends.cpu import kernels
+    weight = random_blocks(type_name, OUT, inputs(type_name), seed=8)
+    x = torch.randn(int8_rows(), weight.in_features, generator=torch.Generator().manual_seed(9))
+    call = kernels.load().ggml_linear
+    together = call(x, weight.blocks, type_name, weight.in_features, None)
+    alone = torch.cat([call(x[m:m + 1], weight.blocks, type_name, weight.in_features, None) for m in range(len(x))])
+    assert torch.equal(together, alone)
 
 
 def test_cpu_kernel_runs_what_the_backend_declares():

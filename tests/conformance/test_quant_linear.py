@@ -138,6 +138,23 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(bits, group):
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_int8_rows_are_each_rows_own_result(bits):
+    """A few rows of x through the int8 path: each row's result is the one it has alone, bit for bit (a
+    speculative verification step's rows are then those of the plain decode steps)."""
+    rows = int8_rows()
+    if rows < 2:
+        pytest.skip("this build runs no few-row int8 path (no AVX-512 VNNI)")
+    from lmport.backends.cpu import kernels
+    weight = random_weight(bits, 32, n=99, k=288, seed=6)
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(7))
+    def call(rows_of_x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().quant_linear(rows_of_x, weight.qweight, weight.scales, weight.mins, bits, 32, None)
+
+    together, alone = call(x), torch.cat([call(x[m:m + 1]) for m in range(rows)])
+    assert torch.equal(together, alone)
+
+
 def test_cpu_dequantize_kernel_is_the_reference():
     from lmport.backends.cpu import kernels
     compiled = kernels.load()

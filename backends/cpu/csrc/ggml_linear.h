@@ -8,7 +8,7 @@
 // float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
-// - One row of x (single-stream decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
+// - One or two rows of x (decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
 //   codes per input (as fine as int16), the blocks' codes unpacked to bytes a run pair at a time and
 //   dotted with each by vpdpbusd (int8_rows.h), 8 weight rows at a time.
 // - Otherwise up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
@@ -563,7 +563,7 @@ inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, in
 }
 
 #ifdef LMPORT_QUANT_AVX512
-// ---- One row of x (single-stream decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
+// ---- One or two rows of x (decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
 // file: Q5_0 (its 576-wide rows), Q4_K and Q6_K. Each gives its run pairs' codes as unsigned bytes. ----
 
 // Two Q5_0 blocks' 32 + 32 codes q (0..31, w = d (q - 16)) in input order: both blocks' 16 bytes side by
@@ -623,22 +623,23 @@ struct Q6_KInt8 {
   }
 };
 
-// y [1, N] for one row of x over T's blocks, T one of the three above's types.
+// y [M, N] for a few rows of x over T's blocks, T one of the three above's types.
 template <class T>
-inline void linear_int8(const float* x, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y) {
+inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y) {
   using Codes = std::conditional_t<std::is_same_v<T, Q5_0>, Q5_0Int8,
                                    std::conditional_t<std::is_same_v<T, Q4_K>, Q4_KInt8, Q6_KInt8>>;
   using int8_rows::kRowBlock;
-  const int8_rows::Activations a = int8_rows::quantize(x, K);
-  const int64_t blocks = K / T::kElements, row_bytes = blocks * T::kBytes, subs = a.pairs * Codes::kSubs;
+  std::vector<int8_rows::Activations> xs;
+  for (int64_t m = 0; m < M; ++m) xs.push_back(int8_rows::quantize(x + m * K, K));
+  const int64_t blocks = K / T::kElements, row_bytes = blocks * T::kBytes, subs = xs[0].pairs * Codes::kSubs;
   constexpr int block_subs = T::kElements / T::kSub;
   // Per row: each sub-block's scale times x's step for its run, and the mins times x's run sums, eight
   // sub-blocks a vector for the K-quants (scalar, this costs as much as the dot products). Q5_0's scales
   // one by one: they are in the rows fetched (gathering them was slower).
-  // steps and sums by value: through a reference, every store to ``folded`` would reload them.
-  const float* steps = a.run_steps.data();
-  const float* sums = a.run_sums.data();
-  const auto fold = [&, steps, sums](int64_t n, int valid, float* folded, float* extra) {
+  const auto fold = [&](const int8_rows::Activations& a, int64_t n, int valid, float* folded, float* extra) {
+    // steps and sums as locals: read through ``a``, every store to ``folded`` would reload them.
+    const float* steps = a.run_steps.data();
+    const float* sums = a.run_sums.data();
     for (int r = 0; r < kRowBlock; ++r) {
       float* f = folded + r * subs;
       if (r >= valid) {
@@ -672,7 +673,7 @@ inline void linear_int8(const float* x, int64_t K, const uint8_t* w, int64_t N, 
       std::fill(f + blocks * block_subs, f + subs, 0.f);   // Q5_0's odd last run's partner
     }
   };
-  int8_rows::linear<Codes>(a, w, row_bytes, N, fold, bias, y);
+  int8_rows::linear<Codes>(xs, w, row_bytes, N, fold, bias, y);
 }
 
 // The types linear_int8 runs.
@@ -737,8 +738,8 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
     if (M > kIntegerRows) {
       linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
 #ifdef LMPORT_QUANT_AVX512
-    } else if (kInt8<T> && M == 1) {
-      linear_int8<T>(x.data_ptr<float>(), K, w, N, bp, y.data_ptr<float>());
+    } else if (kInt8<T> && M <= quant512::kInt8Rows) {
+      linear_int8<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
 #endif
     } else {
       const Activations a = quantize(x.data_ptr<float>(), M, K);

@@ -1,4 +1,4 @@
-// One row of x (single-stream decode) against quantized weights in int8 arithmetic (GGUF blocks here
+// One or two rows of x (decode) against quantized weights in int8 arithmetic (GGUF blocks here
 // and in ggml_linear.h; lmport's int4 / int8 format in quant_linear.h, which shares x's codes): AVX-512 VNNI's
 // vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each lane's four
 // products into an int32.
@@ -133,34 +133,43 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const Acti
   for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
-// y [1, N] = x W^T (+ bias), W's rows ``row_bytes`` apart: threads take blocks of kRowBlock rows.
-// ``fold(n, valid, folded, extra)`` writes rows n .. n + valid's folded scales (zeros past the weight's
-// end) and what each row adds besides its dot product (its mins times x's run sums; 0 for none).
+// y [M, N] = x W^T (+ bias) for a few rows of x (``xs``, each quantized on its own), W's rows
+// ``row_bytes`` apart: threads take blocks of kRowBlock rows, each block dotted with every row of x in
+// turn while its bytes are in L1, so a row's result is the one it has alone, bit for bit.
+// ``fold(a, n, valid, folded, extra)`` writes rows n .. n + valid's folded scales for x's row ``a``
+// (zeros past the weight's end) and what each row adds besides its dot product (its mins times x's
+// run sums; 0 for none).
 template <class Codes, class Fold>
-inline void linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t N, Fold fold, const float* bias,
-                   float* y) {
+inline void linear(const std::vector<Activations>& xs, const uint8_t* w, int64_t row_bytes, int64_t N, Fold fold,
+                   const float* bias, float* y) {
   static_assert(kRowBlock % 4 == 0, "dot_rows sums its rows' lanes 4 at a time (sum4)");
-  std::vector<int32_t> starts(Codes::kOffset ? a.pairs * 16 : 0);
-  for (size_t i = 0; i < starts.size(); ++i) starts[i] = -Codes::kOffset * a.lane_sums[i];
+  const int64_t pairs = xs[0].pairs;
+  std::vector<std::vector<int32_t>> starts;
+  for (const auto& a : xs) {
+    starts.emplace_back(Codes::kOffset ? pairs * 16 : 0);
+    for (size_t i = 0; i < starts.back().size(); ++i) starts.back()[i] = -Codes::kOffset * a.lane_sums[i];
+  }
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  const int64_t slice = (kRowBlock * row_bytes + a.pairs - 1) / a.pairs;   // a block's bytes fetched a pair
+  const int64_t slice = (kRowBlock * row_bytes + pairs - 1) / pairs;   // a block's bytes fetched a pair
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     // The first rows are asked for at once rather than missed one after another.
     const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
     for (int64_t off = 0; off < burst * row_bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(w + first * row_bytes + off), _MM_HINT_T1);
-    std::vector<float> folded(kRowBlock * a.pairs * Codes::kSubs + 16);
+    std::vector<float> folded(kRowBlock * pairs * Codes::kSubs + 16);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = b * kRowBlock;
       const int valid = static_cast<int>(std::min<int64_t>(kRowBlock, N - n));
       const uint8_t* rows[kRowBlock];
       for (int r = 0; r < kRowBlock; ++r) rows[r] = w + (n + std::min(r, valid - 1)) * row_bytes;
       const int64_t later = std::max<int64_t>(0, std::min(n + kAhead, N - kRowBlock));   // the block ahead
-      float extra[kRowBlock] = {};
-      fold(n, valid, folded.data(), extra);
-      float out[kRowBlock];
-      dot_rows<Codes>(rows, folded.data(), a, starts.data(), w + later * row_bytes, slice, out);
-      for (int r = 0; r < valid; ++r) y[n + r] = out[r] + extra[r] + (bias ? bias[n + r] : 0.f);
+      for (size_t m = 0; m < xs.size(); ++m) {
+        float extra[kRowBlock] = {};
+        fold(xs[m], n, valid, folded.data(), extra);
+        float out[kRowBlock];
+        dot_rows<Codes>(rows, folded.data(), xs[m], starts[m].data(), w + later * row_bytes, slice, out);
+        for (int r = 0; r < valid; ++r) y[m * N + n + r] = out[r] + extra[r] + (bias ? bias[n + r] : 0.f);
+      }
     }
   });
 }

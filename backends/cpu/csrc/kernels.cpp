@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_dequantize", &lmport::ggml_dequantize, "W in GGUF blocks of the named type -> float32",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"));
   m.def("ggml_types", &lmport::ggml_kernel_types, "the GGUF block types ggml_linear runs");
-  m.def("ggml_int8_types", &lmport::ggml_int8_types, "the GGUF block types whose one-row path holds x as two int8 codes");
+  m.def("ggml_int8_types", &lmport::ggml_int8_types, "the GGUF block types whose path for up to quant_int8_rows() rows holds x as two int8 codes");
   m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");

@@ -5,9 +5,9 @@
 // quant_linear, up to kIntegerRows rows of x (a decode step): x is rounded once per call to int16
 // in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5), each weight run widened to int16
 // and dotted with it in integer arithmetic (AVX2 madd, VNNI's dpwssd where the CPU has it, 512 bits
-// wide where it has AVX-512), accumulated in float32. One row of x (single-stream decode) with
-// AVX-512 VNNI holds x as two int8 codes per input instead, as fine as int16, and dots the weight
-// codes with each as bytes (vpdpbusd, quant512's one-row path). Every packed weight byte is read once a
+// wide where it has AVX-512), accumulated in float32. One or two rows of x (kInt8Rows) with
+// AVX-512 VNNI hold x as two int8 codes per input instead, as fine as int16, and dot the weight
+// codes with each as bytes (vpdpbusd, quant512's int8 path). Every packed weight byte is read once a
 // call, which is what bounds a decode step. More rows (a batched decode step): tiles of weight
 // rows expanded to float32 in cache (linear_by_tiles). quant_dequantize (prefill) expands the
 // whole weight to float32 for the BLAS.
@@ -286,7 +286,7 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
     out[j] = _mm512_reduce_add_ps(add_mins(acc[j], mins, a.group_sums.data() + (m0 + j) * a.groups, a.groups));
 }
 
-// ---- One row of x in int8 arithmetic (single-stream decode), as int8_rows.h does for GGUF blocks:
+// ---- One or two rows of x in int8 arithmetic (decode), as int8_rows.h does for GGUF blocks:
 // x held per run of 32 as two int8 codes an input (d = max|x_run| / 127: hi = x / d rounded to nearest
 // even, as llama.cpp rounds x for its own Q4_1 and Q8_0 dot products, and lo, what hi leaves in steps
 // of d / 256), x = d (256 hi + lo) / 256: as fine as int16, where int8 alone changed greedy tokens.
@@ -340,6 +340,10 @@ inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_si
 // over lanes) is done for the block at once. 8 rows decoded the Q8_0 file 2% to 4% faster than 4
 // (the Q4_1 file as fast).
 constexpr int kRowBlock = 8;
+// Rows of x up to which the int8 path runs: each row costs it its own dot products, where the int16
+// path's tiles share each unpacked weight run between rows, so from 3 rows on that path is as fast or
+// faster (int8 codes) and the int8 path wins at 2 rows.
+constexpr int64_t kInt8Rows = 2;
 static_assert(kRowBlock % 4 == 0, "dot_rows sums its rows' lanes 4 at a time (sum4)");
 
 // What every block of one call shares: x's run steps and group sums repeated once per row of a
@@ -423,13 +427,16 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
   finish_rows(acc, mins, valid, a.groups, plan, out);
 }
 
-// y [1, N] for one row of x: blocks of kRowBlock weight rows (dot_rows).
+// y [M, N] for a few rows of x (``xs``, each quantized on its own): blocks of kRowBlock weight rows
+// (dot_rows), each block dotted with every row of x in turn while its bytes are in L1. A row's result
+// is the one it has alone, bit for bit.
 template <int BITS>
-inline void linear_one_row(const Int8Activations& a, const uint8_t* w, const at::Half* sp, const at::Half* mp, int64_t N,
-                           int rpg_shift, const float* bias, float* y) {
-  const int64_t row_bytes = a.K * BITS / 8, runs = a.K / kRun, groups = a.groups;
+inline void linear_int8_rows(const std::vector<Int8Activations>& xs, const uint8_t* w, const at::Half* sp,
+                             const at::Half* mp, int64_t N, int rpg_shift, const float* bias, float* y) {
+  const int64_t K = xs[0].K, row_bytes = K * BITS / 8, runs = K / kRun, groups = xs[0].groups;
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  const BlockPlan plan = plan_blocks(a);
+  std::vector<BlockPlan> plans;
+  for (const auto& a : xs) plans.push_back(plan_blocks(a));
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     // The first blocks are asked for at once rather than missed one after another.
     const int64_t first = begin * kRowBlock, burst = std::min(N, first + kAhead) - first;
@@ -446,20 +453,24 @@ inline void linear_one_row(const Int8Activations& a, const uint8_t* w, const at:
         _mm_prefetch(reinterpret_cast<const char*>(sp + later * groups) + off, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
       }
-      // Each run's weight scale times x's step (zeros for the rows past the weight's end).
-      const at::Half* bs = sp + n * groups;
-      if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32): the block's scales in whole vectors
-        for (int64_t i = 0; i < kRowBlock * runs; i += 16)
-          _mm512_storeu_ps(folded.data() + i,
-                           _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * runs - i), bs + i)),
-                                         _mm512_loadu_ps(plan.steps.data() + i)));
-      else
-        for (int r = 0; r < kRowBlock; ++r)
-          for (int64_t i = 0; i < runs; ++i)
-            folded[r * runs + i] = r < valid ? _cvtsh_ss(bs[r * groups + (i >> rpg_shift)].x) * a.run_steps[i] : 0.f;
-      float out[kRowBlock];
-      dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, plan, w + later * row_bytes, out);
-      for (int r = 0; r < valid; ++r) y[n + r] = out[r] + (bias ? bias[n + r] : 0.f);
+      for (size_t m = 0; m < xs.size(); ++m) {
+        const Int8Activations& a = xs[m];
+        const BlockPlan& plan = plans[m];
+        // Each run's weight scale times x's step (zeros for the rows past the weight's end).
+        const at::Half* bs = sp + n * groups;
+        if (rpg_shift == 0)   // a scale a run (GGUF's blocks of 32): the block's scales in whole vectors
+          for (int64_t i = 0; i < kRowBlock * runs; i += 16)
+            _mm512_storeu_ps(folded.data() + i,
+                             _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(valid * runs - i), bs + i)),
+                                           _mm512_loadu_ps(plan.steps.data() + i)));
+        else
+          for (int r = 0; r < kRowBlock; ++r)
+            for (int64_t i = 0; i < runs; ++i)
+              folded[r * runs + i] = r < valid ? _cvtsh_ss(bs[r * groups + (i >> rpg_shift)].x) * a.run_steps[i] : 0.f;
+        float out[kRowBlock];
+        dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, plan, w + later * row_bytes, out);
+        for (int r = 0; r < valid; ++r) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.f);
+      }
     }
   });
 }
@@ -582,14 +593,14 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     return y;
   }
 #ifdef LMPORT_QUANT_AVX512
-  if (M == 1) {
+  if (M <= quant512::kInt8Rows) {
     const int rpg_shift = __builtin_ctzll(group_size / kRun);
-    if (bits == 4)
-      quant512::linear_one_row<4>(quant512::quantize_int8<4>(x.data_ptr<float>(), K, group_size), w, sp, mp, N,
-                                  rpg_shift, bp, yp);
-    else
-      quant512::linear_one_row<8>(quant512::quantize_int8<8>(x.data_ptr<float>(), K, group_size), w, sp, mp, N,
-                                  rpg_shift, bp, yp);
+    std::vector<quant512::Int8Activations> xs;
+    for (int64_t m = 0; m < M; ++m)
+      xs.push_back(bits == 4 ? quant512::quantize_int8<4>(x.data_ptr<float>() + m * K, K, group_size)
+                             : quant512::quantize_int8<8>(x.data_ptr<float>() + m * K, K, group_size));
+    if (bits == 4) quant512::linear_int8_rows<4>(xs, w, sp, mp, N, rpg_shift, bp, yp);
+    else quant512::linear_int8_rows<8>(xs, w, sp, mp, N, rpg_shift, bp, yp);
     return y;
   }
   const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
@@ -622,7 +633,7 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
 // path): the tolerance a test of the kernel allows depends on it.
 inline int64_t quant_int8_rows() {
 #ifdef LMPORT_QUANT_AVX512
-  return 1;
+  return quant512::kInt8Rows;
 #else
   return 0;
 #endif
