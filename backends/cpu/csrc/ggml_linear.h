@@ -772,8 +772,8 @@ inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& ty
 
 inline std::vector<std::string> ggml_kernel_types() { return ggml_detail::type_names(); }
 
-// The types whose one-row path (single-stream decode) holds x as two int8 codes rather than int16: the
-// tolerance a test of that path allows depends on it.
+// The types whose path for up to quant_int8_rows() rows of x holds x as two int8 codes rather than
+// int16: the tolerance a test of that path allows depends on it.
 inline std::vector<std::string> ggml_int8_types() {
 #ifdef LMPORT_QUANT_AVX512
   return {"q5_0", "q4_k", "q6_k"};

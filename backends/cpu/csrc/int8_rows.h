@@ -1,7 +1,7 @@
-// One or two rows of x (decode) against quantized weights in int8 arithmetic (GGUF blocks here
-// and in ggml_linear.h; lmport's int4 / int8 format in quant_linear.h, which shares x's codes): AVX-512 VNNI's
-// vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each lane's four
-// products into an int32.
+// One or two rows of x (decode) against quantized weights in int8 arithmetic (GGUF blocks here and in
+// ggml_linear.h; lmport's int4 / int8 format in quant_linear.h, which shares x's codes): AVX-512
+// VNNI's vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each
+// lane's four products into an int32.
 //
 // x is held as two int8 codes per input, per run of 32 (step d = max|x_run| / 127): hi = x / d rounded to
 // nearest even, as llama.cpp rounds x for its own dot products (q8_0 / q8_K), and lo, what hi leaves
@@ -58,7 +58,8 @@ inline Run split_run(const float* x, int8_t* hi, int8_t* lo, int64_t first, int6
     // what hi leaves, at most d / 2, in steps of d / 256 (saturated: 128 becomes 127)
     const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(h), step, v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + at), _mm512_cvtsepi32_epi8(h));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + at), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, fine))));
+    const __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(rest, fine));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + at), _mm512_cvtsepi32_epi8(l));
   };
   store(a, first);
   store(b, second);
