@@ -79,17 +79,15 @@ class EngineInfo:
 
 
 def output_to_wire(out: RequestOutput) -> list:
-    """A step's output as its deltas; a finished one also carries its whole text. The core's carry token ids
-    and no text: the front end's output processor (lmport.output_processor) decodes them."""
-    return [out.request_id, out.delta_token_ids, out.delta_text, out.delta_logprobs, out.finished,
-            out.finish_reason, out.error, out.prompt_tokens, out.cached_tokens,
-            out.text if out.finished else None, out.prompt_logprobs, out.embedding]
+    """A step's output as its deltas: token ids and no text (the core makes none; the front end's output
+    processor, lmport.output_processor, decodes them)."""
+    return [out.request_id, out.delta_token_ids, out.delta_logprobs, out.finished, out.finish_reason, out.error,
+            out.prompt_tokens, out.cached_tokens, out.prompt_logprobs, out.embedding]
 
 
 def output_from_wire(data: list) -> RequestOutput:
-    (request_id, tokens, delta, logprobs, finished, reason, error, prompt_tokens, cached, text,
-     prompt_logprobs, embedding) = data
-    return RequestOutput(request_id, [], text or "", tokens, delta, finished, reason, prompt_tokens, cached,
+    (request_id, tokens, logprobs, finished, reason, error, prompt_tokens, cached, prompt_logprobs, embedding) = data
+    return RequestOutput(request_id, [], "", tokens, "", finished, reason, prompt_tokens, cached,
                          error=error, delta_logprobs=logprobs, prompt_logprobs=prompt_logprobs, embedding=embedding)
 
 

@@ -20,15 +20,11 @@ def test_a_request_round_trips_with_every_generation_field():
     assert kind == "add" and EngineRequest.from_wire(wire) == request
 
 
-def test_an_output_round_trips_as_its_deltas_and_a_finished_one_with_its_text():
-    out = RequestOutput("r-1", [4, 5], "ab", [5], "b", True, "stop", 3, cached_tokens=2, logprobs=[{4: -0.1}],
-                        error=None, delta_logprobs=[{5: -0.25, 9: -2.0}], prompt_logprobs=[{2: -1.5}, {3: -0.5}])
+def test_an_output_round_trips_as_its_token_deltas():
+    out = RequestOutput("r-1", [], "", [5], "", True, "stop", 3, cached_tokens=2, error=None,
+                        delta_logprobs=[{5: -0.25, 9: -2.0}], prompt_logprobs=[{2: -1.5}, {3: -0.5}])
     back = output_from_wire(unpack(pack(output_to_wire(out))))
-    assert (back.request_id, back.delta_token_ids, back.delta_text, back.delta_logprobs, back.finished,
-            back.finish_reason, back.prompt_tokens, back.cached_tokens, back.text, back.prompt_logprobs) == (
-        "r-1", [5], "b", [{5: -0.25, 9: -2.0}], True, "stop", 3, 2, "ab", [{2: -1.5}, {3: -0.5}])
-    running = RequestOutput("r-2", [], "", [7], "c", False, None, 1)
-    assert output_from_wire(unpack(pack(output_to_wire(running)))).text == ""   # deltas only until it ends
+    assert back == out
 
 
 def test_an_embedding_output_carries_its_vector():
