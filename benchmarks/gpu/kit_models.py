@@ -64,9 +64,9 @@ def _save(model, target: Path) -> Path:
 
 
 def tiny_config(arch: str):
-    """The test suite's tiny configs (tests/models.py), so the kit runs the models the tests run."""
+    """The test suite's tiny configs (tests/support/model_helpers.py), so the kit runs the models the tests run."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("lmport_test_models", ROOT / "tests" / "models.py")
+    spec = importlib.util.spec_from_file_location("lmport_test_models", ROOT / "tests" / "support" / "model_helpers.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

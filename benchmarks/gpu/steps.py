@@ -122,8 +122,9 @@ DTYPE_TAGS = {"float16": ("fp16", "float16"), "bfloat16": ("bf16", "bfloat16"), 
 
 
 def seed_test_models() -> list[str]:
-    """The test suite's tiny models (tests/models.py builds them beside the default model's tokenizer, which a
-    machine without the default model lacks) placed where it looks, built the same way with the kit's tokenizer."""
+    """The test suite's tiny models (tests/support/model_helpers.py builds them beside the default model's
+    tokenizer, which a machine without the default model lacks) placed where it looks, built the same way with the
+    kit's tokenizer."""
     import shutil
 
     from lmport.models.loader import cache_root
@@ -380,8 +381,10 @@ def quant_linear_rows(copy_bw: float) -> list[dict]:
 
 # -- engine throughput and KV quantization ----------------------------------------------------------------------
 def load_benchmark(name: str):
-    """benchmarks/NAME.py as a module."""
+    """benchmarks/NAME.py as a module (benchmarks/ on the path, for its imports of the others, as when run)."""
     import importlib.util
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.append(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(f"lmport_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
