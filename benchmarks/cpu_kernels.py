@@ -37,7 +37,6 @@ thread's CPU clock (time.thread_time), so time descheduled on a shared machine d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -51,6 +50,7 @@ from lmport.backends.cpu import CpuBackend, kernels
 from lmport.kv.layout import KVLayout
 from lmport.weights.format import from_codes
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
+from machine import write_result
 
 BLOCK_SIZE = 16
 TOKENS = (1, 16, 32, 64, 128)
@@ -261,11 +261,8 @@ def main_ab(args, cfg) -> None:
         print(f"| {r['case']} | {r['rows']} | {r['old_ms']:.2f} ({r['old_median_ms']:.2f}) | "
               f"{r['new_ms']:.2f} ({r['new_median_ms']:.2f}) | {r['speedup']:.2f}x | {r['new_gbs']:.1f} | "
               f"{r['max_abs_diff']:.1e} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
-                               "old": str(args.ab), "load_average": load, "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, {"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
+                            "old": str(args.ab), "load_average": load, "results": rows})
 
 
 def main() -> None:
@@ -305,10 +302,8 @@ def main() -> None:
         print(f"| {r['kernel']} | {r['case']} | {r['ms']:.1f} | {r['peer']} | {r['peer_ms']:.1f} | "
               f"{r['speedup']:.2f}x | {rate} | {r['max_abs_diff']:.1e} |")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
-                               "threads": torch.get_num_threads(), "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_result(out, {"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
+                       "threads": torch.get_num_threads(), "results": rows})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ mismatch. ``--quick`` keeps a few shapes of each kind.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -46,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from lmport import ops  # noqa: E402
 from lmport.backends.cuda import CudaBackend  # noqa: E402
 from lmport.kv.layout import KVLayout, LayerCache  # noqa: E402
+from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Nominal peak HBM bandwidth (bytes/s) and dense 16-bit tensor TFLOP/s, by device-name substring.
@@ -317,9 +317,7 @@ def main(argv=None) -> int:
         rows = run_timing(shape_list, dtype, device)
         failed = []
     out = args.out or ROOT / "benchmarks" / "results" / f"cuda_kernels{'_check' if args.check else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, rows=rows), indent=2))
-    print(f"wrote {out}")
+    write_result(out, dict(env=env, rows=rows))
     return 1 if failed else 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -39,6 +38,7 @@ from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine_client import EngineClient
 from lmport.engine_messages import EngineRequest
 from lmport.models.loader import load_tokenizer
+from machine import write_result
 
 TEXT = ("Follow these rules in every answer. Be accurate and say so when you are unsure. Prefer short, direct "
         "sentences. When a question involves arithmetic, show the steps. Never invent references. ")
@@ -172,10 +172,7 @@ def main() -> None:
         print(f"| {name} | {spread([args.requests / r['seconds'] for r in runs])} | "
               f"{spread([r['generated'] / r['seconds'] for r in runs])} | {spread([r['hit_rate'] for r in runs])} | "
               f"{', '.join(per_replica)} | {sum(r['errors'] for r in runs)} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "blocks": blocks, "machine": host, "results": results}, indent=2))
-    print(f"\nwrote {out}")
+    write_result(args.out, {"args": vars(args), "blocks": blocks, "machine": host, "results": results})
 
 
 def _sum(usages_: list[dict]) -> dict:

@@ -153,10 +153,7 @@ def main() -> int:
     print(f"\nguidellm, /v1/completions streamed, {args.prompt_tokens} prompt tokens, {args.output_tokens} output, "
           f"{args.requests} requests a run; {machine.line(info)}\n")
     print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"results": results, "machine": info, "args": vars(args)}, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    machine.write_result(args.out, {"results": results, "machine": info, "args": vars(args)})
     return 0
 
 

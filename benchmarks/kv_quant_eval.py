@@ -37,6 +37,7 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
+from machine import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_FILE = ROOT / "benchmarks" / "data" / "alice29.txt"
@@ -226,9 +227,7 @@ def main(argv=None) -> int:
                  "lmport": lmport.__version__},
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    write_result(args.out, result)
     return 0
 
 

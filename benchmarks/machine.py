@@ -3,9 +3,11 @@ that matter to the kernels, the load, and the memory read bandwidth measured in 
 decode step reads every weight once, so bytes / bandwidth is the fastest a token can be)."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -62,3 +64,11 @@ def line(info: dict) -> str:
     return (f"{info['model']} ({info['cores']} cores; {' '.join(info['kernel_flags']) or 'no AVX2'}), memory read "
             f"{info['memory_bandwidth']['best_gbs']:.1f} GB/s, load average "
             f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
+
+
+def write_result(out: Path, result) -> None:
+    """A benchmark's result as JSON at ``out`` (its directory made), and where it went on stderr."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)

@@ -21,12 +21,11 @@ Prints a markdown table, writes JSON (default benchmarks/results/prefix_cache.js
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from collections import deque
-from pathlib import Path
+from machine import write_result
 
 TEXT = (
     "Follow these rules in every answer. Be accurate and say so when you are unsure. Prefer short, "
@@ -173,10 +172,7 @@ def main() -> None:
         "results": results,
     }
     print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -322,9 +323,7 @@ def main() -> int:
     print(table(rows))
     result = {"rows": rows, "model": args.model, "server_args": args.server_args, "cpus": os.cpu_count(),
               "host": platform.node(), "load_average": os.getloadavg()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

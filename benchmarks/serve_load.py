@@ -34,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+from machine import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 STORY_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
@@ -259,9 +260,7 @@ def main() -> int:
             print("errors:", *result["errors"], sep="\n  ")
     name = "serve_load.json" if args.json_schema == "off" else "serve_load_json_schema.json"
     out = Path(args.out or ROOT / "benchmarks" / "results" / name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(out, runs[0] if len(runs) == 1 else runs)
     return 0 if all(r["succeeded"] == r["requests"] for r in runs) else 1
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import machine  # noqa: E402
 from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
 from serve_throughput import WARM_UP_SALT, one_stream, spread, start_llama_server, stop  # noqa: E402
 from throughput import TEXT  # noqa: E402
+from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,10 +151,7 @@ def main() -> int:
         for r in rnd:
             if r["error"]:
                 print(f"{r['column']} error: {r['error']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 from serve_load import free_loopback_port, percentile, start_server, wait_ready  # noqa: E402
 from throughput import workload  # noqa: E402
+from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP_SALT = 1000     # a token id; round i's prompts start with WARM_UP_SALT + 1 + i
@@ -229,10 +230,7 @@ def main() -> int:
         for r in rnd:
             if r["errors"]:
                 print(f"{r['column']} errors:", *r["errors"], sep="\n  ")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
-from machine import cpu_info, memory_bandwidth
+from machine import cpu_info, memory_bandwidth, write_result
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
 DEPTHS = (0, PROMPT_TOKENS)
@@ -211,10 +211,7 @@ def main() -> None:
     results["bandwidth_after"] = memory_bandwidth(args.threads)
     results["load_average_after"] = os.getloadavg()
     print_table(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_result(args.out, results)
 
 
 def print_table(results: dict) -> None:

@@ -39,6 +39,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe import tree_rss  # noqa: E402
 from serve_load import _metric, free_loopback_port, percentile, start_server, wait_ready  # noqa: E402
+from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"stream": 0.2, "complete": 0.12, "disconnect": 0.1, "abort": 0.06, "structured": 0.12, "tools": 0.08,
@@ -369,9 +370,7 @@ def main() -> int:
     result.update(exit_code_after_sigterm=result_exit, model=args.model, server_args=args.server_args,
                   host=platform.node(), cpus=os.cpu_count(), python=platform.python_version())
     print(table(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

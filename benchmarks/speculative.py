@@ -31,7 +31,6 @@ Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--batch] [--o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from machine import write_result
 
 FREE = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -221,9 +222,7 @@ def main() -> None:
           f"{m['bandwidth']['median_gbs']:.1f} GB/s (median), load average {m['load_average'][0]:.1f}")
     print(table(results))
     print(f"llama.cpp peer: {results['llama_cpp']['reason']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, results)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ Run: python benchmarks/tensor_parallel.py [--requests 8] [--new-tokens 32]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine
+from machine import write_result
 
 
 def run(model: str, tp: int, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -83,11 +82,8 @@ def main() -> None:
         print(f"| {r['tp']} | {r['seconds']:.2f} | {r['prefill_seconds']:.2f} | {r['tokens_per_second']:.1f} | "
               f"{r['steps']} | {r['collective_calls_per_step']:.1f} | {r['collective_bytes_per_step']:,.0f} | "
               f"{r['collective_ms_per_step']:.2f} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "machine": machine, "identical_tokens": same,
-                               "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]}, indent=2))
-    print(f"\nwrote {out}")
+    write_result(args.out, {"model": args.model, "machine": machine, "identical_tokens": same,
+                            "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]})
 
 
 if __name__ == "__main__":

@@ -17,15 +17,15 @@ Run: python benchmarks/throughput.py [--requests 64] [--out benchmarks/results/t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from machine import write_result
 
 OUTPUT_LENGTHS = (16, 32, 64, 128)
 TEXT = (
@@ -167,11 +167,8 @@ def main() -> None:
     if base:
         print(f"\nlmport / transformers generate, output tokens/s: "
               f"{results[0]['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, {"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
+                            "results": results})
 
 
 if __name__ == "__main__":
