@@ -8,7 +8,7 @@
 // float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
-// - One or two rows of x (decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
+// - Up to 8 rows of x (decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
 //   codes per input (as fine as int16), the blocks' codes unpacked to bytes a run pair at a time and
 //   dotted with each by vpdpbusd (int8_rows.h), 8 weight rows at a time.
 // - Otherwise up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
@@ -563,7 +563,7 @@ inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, in
 }
 
 #ifdef LMPORT_QUANT_AVX512
-// ---- One or two rows of x (decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
+// ---- Up to 8 rows of x (decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
 // file: Q5_0 (its 576-wide rows), Q4_K and Q6_K. Each gives its run pairs' codes as unsigned bytes. ----
 
 // Two Q5_0 blocks' 32 + 32 codes q (0..31, w = d (q - 16)) in input order: both blocks' 16 bytes side by

@@ -1,4 +1,4 @@
-// One or two rows of x (decode) against quantized weights in int8 arithmetic (GGUF blocks here and in
+// Up to 8 rows of x (decode) against quantized weights in int8 arithmetic (GGUF blocks here and in
 // ggml_linear.h; lmport's int4 / int8 format in quant_linear.h, which shares x's codes): AVX-512
 // VNNI's vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each
 // lane's four products into an int32.

@@ -5,7 +5,7 @@
 // quant_linear, up to kIntegerRows rows of x (a decode step): x is rounded once per call to int16
 // in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5), each weight run widened to int16
 // and dotted with it in integer arithmetic (AVX2 madd, VNNI's dpwssd where the CPU has it, 512 bits
-// wide where it has AVX-512), accumulated in float32. One or two rows of x (kInt8Rows) with
+// wide where it has AVX-512), accumulated in float32. Up to 8 rows of x (kInt8Rows) with
 // AVX-512 VNNI hold x as two int8 codes per input instead, as fine as int16, and dot the weight
 // codes with each as bytes (vpdpbusd, quant512's int8 path). Every packed weight byte is read once a
 // call, which is what bounds a decode step. More rows (a batched decode step): tiles of weight
@@ -286,7 +286,7 @@ inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, con
     out[j] = _mm512_reduce_add_ps(add_mins(acc[j], mins, a.group_sums.data() + (m0 + j) * a.groups, a.groups));
 }
 
-// ---- One or two rows of x in int8 arithmetic (decode), as int8_rows.h does for GGUF blocks:
+// ---- Up to 8 rows of x in int8 arithmetic (decode), as int8_rows.h does for GGUF blocks:
 // x held per run of 32 as two int8 codes an input (d = max|x_run| / 127: hi = x / d rounded to nearest
 // even, as llama.cpp rounds x for its own Q4_1 and Q8_0 dot products, and lo, what hi leaves in steps
 // of d / 256), x = d (256 hi + lo) / 256: as fine as int16, where int8 alone changed greedy tokens.
@@ -340,10 +340,11 @@ inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_si
 // over lanes) is done for the block at once. 8 rows decoded the Q8_0 file 2% to 4% faster than 4
 // (the Q4_1 file as fast).
 constexpr int kRowBlock = 8;
-// Rows of x up to which the int8 path runs: each row costs it its own dot products, where the int16
-// path's tiles share each unpacked weight run between rows, so from 3 rows on that path is as fast or
-// faster (int8 codes) and the int8 path wins at 2 rows.
-constexpr int64_t kInt8Rows = 2;
+// Rows of x up to which the int8 path runs: all the integer path's, so a row's result does not depend on
+// how many rows (up to 8) share its step, and a prefix-cached or speculative run decodes the tokens of a
+// plain one. Each row costs its own dot products (the int16 tiles, which share each unpacked weight run
+// between rows, were faster from 3 rows on 8-bit weights: docs/weight-quantization.md).
+constexpr int64_t kInt8Rows = 8;
 static_assert(kRowBlock % 4 == 0, "dot_rows sums its rows' lanes 4 at a time (sum4)");
 
 // What every block of one call shares: x's run steps and group sums repeated once per row of a
