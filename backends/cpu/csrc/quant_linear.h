@@ -23,7 +23,7 @@
 
 #include "linear.h"
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#include "int8_rows.h"   // the one-row path in int8 arithmetic
+#include "int8_rows.h"   // the path for up to kInt8Rows rows of x in int8 arithmetic
 #endif
 
 namespace lmport {
@@ -327,10 +327,10 @@ inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_si
     a.group_sums[b * kRun / group_size] += r.sum;
   }
   if constexpr (BITS == 8) {
-    const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t u = 0; u < units; ++u)   // -128 times x's lane sums
-      _mm512_storeu_si512(a.starts.data() + 16 * u,
-                          _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(int8_rows::lane_sums(a.hi.data() + 64 * u, a.lo.data() + 64 * u), 7)));
+    for (int64_t u = 0; u < units; ++u) {   // -128 times x's lane sums
+      const __m512i sums = int8_rows::lane_sums(a.hi.data() + 64 * u, a.lo.data() + 64 * u);
+      _mm512_storeu_si512(a.starts.data() + 16 * u, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
+    }
   }
   return a;
 }
