@@ -552,9 +552,9 @@ class Engine:
         self.stats["generated_tokens"] += 1
         cfg = seq.gen_config
         if seq.grammar is not None:
-            started = time.perf_counter()
+            started = time.thread_time()   # CPU time, as the masks are bounded
             seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
-            if (took := time.perf_counter() - started) > self.masks.budget:   # on this thread: bounded too
+            if (took := time.thread_time() - started) > self.masks.budget:   # on this thread: bounded too
                 raise MaskTimeout(f"the grammar took {took * 1000:.0f} ms to accept one token, over the "
                                   f"{self.masks.budget * 1000:.0f} ms budget: simplify it")
         if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):

@@ -421,31 +421,32 @@ class FormatDeadEnd(GuidedDecodingError):
 class Masks:
     """One step's masks: each constrained row filled by its own task, so a slow row cannot hold the others."""
 
-    def __init__(self, num_rows: int, rows: list[int], futures: list[Future], started: list[float | None],
+    def __init__(self, num_rows: int, rows: list[int], futures: list[Future], clocks: list[FillClock | None],
                  bitmask: torch.Tensor, budget: float):
-        self.num_rows, self.rows, self.futures, self.started = num_rows, rows, futures, started
+        self.num_rows, self.rows, self.futures, self.clocks = num_rows, rows, futures, clocks
         self.bitmask, self.budget = bitmask, budget
 
     def result(self) -> tuple[list[int], torch.Tensor, dict[int, str]]:
         """(constrained rows, bitmask [B, ceil(V / 32)] int32, {row: why it has no mask}).
 
-        Waits for each row's fill until it has run ``budget`` seconds; a row still filling then is given up
-        (its request ends with the reason) and the step goes on without it. xgrammar releases the GIL while
-        it fills, so a fill given up on only keeps one worker busy until it returns.
+        Waits for each row's fill until its thread has spent ``budget`` seconds of CPU time on it; a row still
+        filling then is given up (its request ends with the reason) and the step goes on without it. CPU time,
+        not wall time: on a loaded machine a cheap fill that waits for a core is not a costly grammar. xgrammar
+        releases the GIL while it fills, so a fill given up on only keeps one worker busy until it returns.
         """
         overdue: dict[int, str] = {}
         for i, (row, future) in enumerate(zip(self.rows, self.futures)):
             while True:
-                started = self.started[i]   # None: queued behind other rows' fills
-                wait = 0.005 if started is None else max(started + self.budget - time.perf_counter(), 0.0)
+                clock = self.clocks[i]   # None: queued behind other rows' fills
+                left = self.budget - clock.spent() if clock is not None else 0.005
                 try:
-                    future.result(timeout=wait)
+                    future.result(timeout=max(left, 0.001))
                     break
                 except GuidedDecodingError as exc:   # a dead end, or the grammar over its budget
                     overdue[row] = str(exc)
                     break
                 except TimeoutError:
-                    if started is not None:
+                    if clock is not None and clock.spent() >= self.budget and not future.done():
                         overdue[row] = (f"the grammar took over {self.budget * 1000:.0f} ms to build one token "
                                         f"mask (an ambiguous grammar's cost grows with the output): simplify it")
                         break
@@ -453,6 +454,25 @@ class Masks:
                     overdue[row] = f"the grammar failed to build a token mask: {type(exc).__name__}: {exc}"
                     break
         return self.rows, self.bitmask, overdue
+
+
+class FillClock:
+    """The CPU time a worker thread has spent since this was made, readable from another thread (so the step
+    can bound a fill still running). Where the platform has no per-thread clock, wall time."""
+
+    def __init__(self):
+        try:
+            clock = time.pthread_getcpuclockid(threading.get_ident())
+            self._now = lambda: time.clock_gettime(clock)
+        except (AttributeError, OSError):
+            self._now = time.perf_counter
+        self._start = self._now()
+
+    def spent(self) -> float:
+        try:
+            return self._now() - self._start
+        except OSError:   # the thread has ended, so its fill is done
+            return 0.0
 
 
 class MaskBuilder:
@@ -470,16 +490,16 @@ class MaskBuilder:
         import xgrammar as xgr
         rows = [i for i, m in enumerate(matchers) if m is not None]
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        started: list[float | None] = [None] * len(rows)
+        clocks: list[FillClock | None] = [None] * len(rows)
 
         def fill(k: int, row: int, matcher: Matcher) -> None:
-            started[k] = time.perf_counter()
+            clocks[k] = FillClock()
             matcher.fill_next_token_bitmask(bitmask, row)
             if not bitmask[row].any():   # sampling would pick among -inf logits: end the request instead
                 raise FormatDeadEnd(DEAD_END)
 
         futures = [self._pool.submit(fill, k, row, matchers[row]) for k, row in enumerate(rows)]
-        return Masks(len(matchers), rows, futures, started, bitmask, self.budget)
+        return Masks(len(matchers), rows, futures, clocks, bitmask, self.budget)
 
 
 # Devices xgrammar has a masking kernel for; on any other, its pure-torch implementation.

@@ -352,11 +352,14 @@ def test_a_matcher_over_its_cpu_budget_raises_and_says_why():
 
 def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
     import time
+    import xgrammar   # noqa: F401  imported before the clock starts
     from lmport.guided import MaskBuilder
 
-    class Slow:
+    class Slow:   # busy on the CPU, as an ambiguous grammar's fill is
         def fill_next_token_bitmask(self, bitmask, row):
-            time.sleep(1.0)
+            end = time.thread_time() + 1.0
+            while time.thread_time() < end:
+                pass
 
     class Fast:
         def fill_next_token_bitmask(self, bitmask, row):
@@ -369,6 +372,19 @@ def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
     assert time.perf_counter() - start < 0.5
     assert rows == [0, 2, 3] and list(overdue) == [2] and "ms" in overdue[2]
     assert bitmask[0].tolist() == [1, 0, 0, 0] and bitmask[3].tolist() == [1, 0, 0, 0]
+
+
+def test_a_fill_that_waits_for_a_core_is_not_over_the_mask_budget():
+    import time
+    from lmport.guided import MaskBuilder
+
+    class Descheduled:   # a cheap fill on a loaded machine: long in wall time, little CPU time
+        def fill_next_token_bitmask(self, bitmask, row):
+            time.sleep(0.3)
+            bitmask[row] = -1
+
+    rows, bitmask, overdue = MaskBuilder(100, budget=0.05).start([Descheduled()]).result()
+    assert rows == [0] and overdue == {} and bitmask[0].eq(-1).all()
 
 
 def test_a_format_at_a_dead_end_ends_its_request_not_the_batch():
