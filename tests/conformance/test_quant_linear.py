@@ -4,12 +4,12 @@ refusal of a quantized checkpoint on backends that declare no weight formats.
 Matrix: 4- and 8-bit, group sizes 32/64/128, decode shapes (1, 4, 8 rows: the cpu kernel's
 integer path), batched decode shapes (9, 40 rows: the cpu kernel's weight tiles expanded in cache)
 and a prefill shape (129 rows: dequantize + BLAS), with and without bias; on cpu, group 32 weights
-have 288 inputs, an odd number of runs of 32 (the AVX-512 path takes runs in pairs), and weights
+have 288 inputs, an odd number of runs of 32 (the AVX-512 path takes runs in pairs or fours), and weights
 have 99 outputs, so one row of x meets a last block of fewer than its 8 weight rows.
 Tolerance of the cpu kernels, derived rather than picked: float32 summation in another order than
 the reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|; the decode path also rounds x to int16
 per run of 32 (step max|x_run| / 32767, error at most half a step), adding sum_k |w_k| * step_k / 2.
-Up to the rows the kernel names in ``quant_int8_rows`` (one row with AVX-512 VNNI) it holds x as two
+Up to the rows the kernel names in ``quant_int8_rows`` (8 with AVX-512 VNNI, 0 on the AVX2 path) it holds x as two
 int8 codes an input instead (quant_linear.h): a step of max|x_run| / (127 * 256), at most one step
 each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the reference's
 own result at x so rounded.

@@ -2,15 +2,14 @@
 // per group of inputs w = scale * q + min, 4-bit codes (0..15) two a byte with byte j of each
 // 32-input run holding inputs j (low nibble) and j + 16 (high), or signed 8-bit codes.
 //
-// quant_linear, up to kIntegerRows rows of x (a decode step): x is rounded once per call to int16
-// in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5), each weight run widened to int16
-// and dotted with it in integer arithmetic (AVX2 madd, VNNI's dpwssd where the CPU has it, 512 bits
-// wide where it has AVX-512), accumulated in float32. Up to 8 rows of x (kInt8Rows) with
-// AVX-512 VNNI hold x as two int8 codes per input instead, as fine as int16, and dot the weight
-// codes with each as bytes (vpdpbusd, quant512's int8 path). Every packed weight byte is read once a
-// call, which is what bounds a decode step. More rows (a batched decode step): tiles of weight
-// rows expanded to float32 in cache (linear_by_tiles). quant_dequantize (prefill) expands the
-// whole weight to float32 for the BLAS.
+// quant_linear, up to kIntegerRows (8) rows of x (a decode step), in integer arithmetic. With AVX-512
+// VNNI (quant512) x is held as two int8 codes per input, as fine as int16, and the weight codes are
+// dotted with each as bytes (vpdpbusd), 8 weight rows at a time. Otherwise (AVX2) x is rounded once
+// per call to int16 in runs of 32 (scale = max|x| / 32767, a relative step of 3e-5), each weight run
+// widened to int16 and dotted with it (madd, or dpwssd where the CPU has AVX-VNNI), accumulated in
+// float32. Either way every packed weight byte is read once a call, which is what bounds a decode
+// step. More rows (a batched decode step): tiles of weight rows expanded to float32 in cache
+// (linear_by_tiles). quant_dequantize (prefill) expands the whole weight to float32 for the BLAS.
 #pragma once
 
 #include <immintrin.h>
@@ -147,152 +146,26 @@ inline void check_quantized(const torch::Tensor& qweight, const torch::Tensor& s
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define LMPORT_QUANT_AVX512 1
 
+// Up to 8 rows of x (decode) in int8 arithmetic, as int8_rows.h does for GGUF blocks: x held per run
+// of 32 as two int8 codes an input (d = max|x_run| / 127: hi = x / d rounded to nearest even, as
+// llama.cpp rounds x for its own Q4_1 and Q8_0 dot products, and lo, what hi leaves in steps of
+// d / 256), x = d (256 hi + lo) / 256: as fine as int16, where int8 alone changed greedy tokens.
+// vpdpbusd multiplies 64 unsigned weight codes by 64 signed codes of hi, four products summed into
+// each int32 lane; the lanes shifted left by 8, again by lo's. The weight codes go in as bytes, never
+// widened. The mins meet the float32 sums of x per group, not the rounded x's.
 namespace quant512 {
 
 using quant_detail::kRun;
-constexpr int kTile = 4;  // rows of x dotted with each unpacked weight run pair
-
-// x [M, K] rounded to int16 per run of 32 as above, laid out for 512-bit dot products: runs go in
-// pairs (b, b + 1) stored as [b 0..15, b+1 0..15, b 16..31, b+1 16..31], the order in which the
-// weight bytes of the pair unpack, so one dpwssd leaves run b in lanes 0..7 and run b + 1 in lanes
-// 8..15 (an odd last run stays in input order). ``steps`` holds each pair's two activation steps
-// spread over those lanes, ``run_steps`` each run's step once; ``group_sums`` the sum of x over each
-// weight group, which meets the mins.
-struct Activations {
-  std::vector<int16_t> codes;
-  std::vector<float> steps, run_steps, group_sums;
-  int64_t K, pairs, groups;
-};
-
-inline Activations quantize(const float* x, int64_t M, int64_t K, int64_t group_size) {
-  const int64_t runs = K / kRun, pairs = (runs + 1) / 2, groups = K / group_size;
-  Activations a{std::vector<int16_t>(M * K), std::vector<float>(M * pairs * 16), std::vector<float>(M * runs),
-                std::vector<float>(M * groups, 0.f), K, pairs, groups};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < runs; ++b) {
-      const float* v = x + m * K + b * kRun;
-      const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-      const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const bool paired = (b | 1) < runs;
-      // Rounded to nearest (even), as std::nearbyint does; inputs 0..15 and 16..31 land 16 apart
-      // (input order) or 32 apart, run b + 1's 16 after run b's (a pair).
-      int16_t* out = a.codes.data() + m * K + (b & ~int64_t{1}) * kRun + (paired ? (b & 1) * 16 : 0);
-      const __m512 scale = _mm512_set1_ps(inv);
-      const auto codes = [&](__m512 v) { return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale))); };
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), codes(lo));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (paired ? 32 : 16)), codes(hi));
-      float* step = a.steps.data() + (m * pairs + b / 2) * 16;
-      for (int i = 0; i < 8; ++i) step[(b & 1) * 8 + i] = d;
-      if (!paired)
-        for (int i = 0; i < 8; ++i) step[8 + i] = d;
-      a.run_steps[m * runs + b] = d;
-      a.group_sums[m * groups + b * kRun / group_size] += sum;
-    }
-  }
-  return a;
-}
 
 // The first min(left, 16) lanes (none when left <= 0).
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// The int16 codes of runs b and b + 1 of a weight row, in the activations' pair order.
-template <int BITS>
-inline void unpack_pair(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
-  if constexpr (BITS == 4) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, mask));
-    w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
-  } else {
-    // Runs b and b + 1 are 64 bytes, four 16-byte quarters [b lo, b hi, b+1 lo, b+1 hi]: reordered to
-    // [b lo, b+1 lo, b hi, b+1 hi], each half widens to one register.
-    const __m512i raw = _mm512_loadu_si512(row + b * 32);
-    const __m512i pair = _mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0));
-    w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(pair));
-    w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(pair, 1));
-  }
-}
-
-// The int16 codes of the odd last run b, in input order (w1 is zero).
-template <int BITS>
-inline void unpack_last(const uint8_t* row, int64_t b, __m512i& w0, __m512i& w1) {
-  if constexpr (BITS == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    w0 = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-  } else {
-    w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32)));
-  }
-  w1 = _mm512_setzero_si512();
-}
-
-// [a x 8, b x 8]: the scales of a run pair's two runs, in the lanes their dot products land in.
-inline __m512 pair_scales(float a, float b) {
-  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
-}
-
-// acc plus a weight row's mins times the sums of x over their groups, lane by lane.
-inline __m512 add_mins(__m512 acc, const at::Half* mins, const float* group_sums, int64_t groups) {
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 k = tail_mask(groups - g);
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + g)),
-                          _mm512_maskz_loadu_ps(k, group_sums + g), acc);
-  }
-  return acc;
-}
-
 // Weight rows fetched ahead of the one in use: the weights come from memory, not cache, and
 // a distance of a few KB keeps enough of them in flight (4 rows were measurably slower). They
 // are fetched into L2, not L1: decode ran 5% faster so, with L1 left to x and the row in use.
 constexpr int64_t kAhead = 16;
-
-// Rows m0 .. m0 + MT of x against one weight row (``scales``: its group scales as float, a group
-// being 2^rpg_shift runs): each weight run pair is unpacked once for the MT rows.
-template <int BITS, int MT>
-inline void dot_tile(const uint8_t* row, const float* scales, int rpg_shift, const at::Half* mins, const Activations& a,
-                     int64_t m0, const uint8_t* prefetch, float* out) {
-  const int64_t runs = a.K / kRun;
-  const int16_t* codes = a.codes.data() + m0 * a.K;
-  const float* steps = a.steps.data() + m0 * a.pairs * 16;
-  __m512 acc[MT];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  auto accumulate = [&](int64_t p, __m512i w0, __m512i w1, __m512 s, bool single) {
-    for (int j = 0; j < MT; ++j) {
-      const int16_t* x = codes + j * a.K + p * 2 * kRun;
-      __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x));
-      if (!single) d = _mm512_dpwssd_epi32(d, w1, _mm512_loadu_si512(x + 32));
-      const __m512 step = _mm512_loadu_ps(steps + (j * a.pairs + p) * 16);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, step), acc[j]);
-    }
-  };
-  int64_t p = 0;
-  for (; 2 * p + 1 < runs; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kRun * BITS / 8), _MM_HINT_T1);
-    __m512i w0, w1;
-    unpack_pair<BITS>(row, 2 * p, w0, w1);
-    accumulate(p, w0, w1, pair_scales(scales[(2 * p) >> rpg_shift], scales[(2 * p + 1) >> rpg_shift]), false);
-  }
-  if (p < a.pairs) {
-    __m512i w0, w1;
-    unpack_last<BITS>(row, 2 * p, w0, w1);
-    accumulate(p, w0, w1, _mm512_set1_ps(scales[(2 * p) >> rpg_shift]), true);
-  }
-  for (int j = 0; j < MT; ++j)
-    out[j] = _mm512_reduce_add_ps(add_mins(acc[j], mins, a.group_sums.data() + (m0 + j) * a.groups, a.groups));
-}
-
-// ---- Up to 8 rows of x in int8 arithmetic (decode), as int8_rows.h does for GGUF blocks:
-// x held per run of 32 as two int8 codes an input (d = max|x_run| / 127: hi = x / d rounded to nearest
-// even, as llama.cpp rounds x for its own Q4_1 and Q8_0 dot products, and lo, what hi leaves in steps
-// of d / 256), x = d (256 hi + lo) / 256: as fine as int16, where int8 alone changed greedy tokens.
-// vpdpbusd multiplies 64 unsigned weight codes by 64 signed codes of hi, four products summed into
-// each int32 lane; the lanes shifted left by 8, again by lo's. The codes are not widened, as the int16
-// path's vpdpwssd needs them. The mins meet the float32 sums of x per group, not the rounded x's. ----
 
 // A row's weight codes go to vpdpbusd 64 bytes at a time (a unit): 4 runs of 4-bit codes, 2 of 8-bit.
 template <int BITS>
@@ -340,10 +213,9 @@ inline Int8Activations quantize_int8(const float* x, int64_t K, int64_t group_si
 // over lanes) is done for the block at once. 8 rows decoded the Q8_0 file 2% to 4% faster than 4
 // (the Q4_1 file as fast).
 constexpr int kRowBlock = 8;
-// Rows of x up to which the int8 path runs: all the integer path's, so a row's result does not depend on
-// how many rows (up to 8) share its step, and a prefix-cached or speculative run decodes the tokens of a
-// plain one. Each row costs its own dot products (the int16 tiles, which share each unpacked weight run
-// between rows, were faster from 3 rows on 8-bit weights: docs/weight-quantization.md).
+// Rows of x up to which the int8 path runs: all the integer path's (kIntegerRows), so a row's result does
+// not depend on how many rows share its step, and a prefix-cached or speculative run decodes the tokens of
+// a plain one. Each row costs its own dot products (docs/weight-quantization.md).
 constexpr int64_t kInt8Rows = 8;
 static_assert(kRowBlock % 4 == 0, "dot_rows sums its rows' lanes 4 at a time (sum4)");
 
@@ -476,43 +348,6 @@ inline void linear_int8_rows(const std::vector<Int8Activations>& xs, const uint8
   });
 }
 
-template <int BITS>
-inline void linear(const Activations& a, int64_t M, const uint8_t* w, const at::Half* sp, const at::Half* mp,
-                   int64_t N, int64_t group_size, const float* bias, float* y) {
-  const int64_t row_bytes = a.K * BITS / 8;
-  const int rpg_shift = __builtin_ctzll(group_size / kRun);  // check_quantized: a power of two
-  // Threads split the output rows, so the packed weight is read once in all.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    // The first rows are asked for at once rather than missed one after another.
-    for (int64_t n = begin; n < std::min(end, begin + kAhead); ++n)
-      for (int64_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + off), _MM_HINT_T1);
-    float out[kTile];
-    std::vector<float> s(a.groups + 16);
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      const uint8_t* ahead = w + std::min(n + kAhead, N - 1) * row_bytes;
-      const at::Half* mn = mp + n * a.groups;
-      const int64_t later = std::min(n + kAhead, N - 1) * a.groups;   // the scales and mins ahead, too
-      _mm_prefetch(reinterpret_cast<const char*>(sp + later), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(mp + later), _MM_HINT_T1);
-      for (int64_t g = 0; g < a.groups; g += 16)
-        _mm512_storeu_ps(s.data() + g,
-                         _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(a.groups - g), sp + n * a.groups + g)));
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int64_t mt = std::min<int64_t>(kTile, M - m0);
-        switch (mt) {
-          case 4: dot_tile<BITS, 4>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
-          case 3: dot_tile<BITS, 3>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
-          case 2: dot_tile<BITS, 2>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
-          default: dot_tile<BITS, 1>(row, s.data(), rpg_shift, mn, a, m0, ahead, out); break;
-        }
-        for (int64_t j = 0; j < mt; ++j) y[(m0 + j) * N + n] = out[j] + (bias ? bias[n] : 0.f);
-      }
-    }
-  });
-}
-
 }  // namespace quant512
 #endif
 
@@ -594,19 +429,14 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     return y;
   }
 #ifdef LMPORT_QUANT_AVX512
-  if (M <= quant512::kInt8Rows) {
-    const int rpg_shift = __builtin_ctzll(group_size / kRun);
-    std::vector<quant512::Int8Activations> xs;
-    for (int64_t m = 0; m < M; ++m)
-      xs.push_back(bits == 4 ? quant512::quantize_int8<4>(x.data_ptr<float>() + m * K, K, group_size)
-                             : quant512::quantize_int8<8>(x.data_ptr<float>() + m * K, K, group_size));
-    if (bits == 4) quant512::linear_int8_rows<4>(xs, w, sp, mp, N, rpg_shift, bp, yp);
-    else quant512::linear_int8_rows<8>(xs, w, sp, mp, N, rpg_shift, bp, yp);
-    return y;
-  }
-  const quant512::Activations a = quant512::quantize(x.data_ptr<float>(), M, K, group_size);
-  if (bits == 4) quant512::linear<4>(a, M, w, sp, mp, N, group_size, bp, yp);
-  else quant512::linear<8>(a, M, w, sp, mp, N, group_size, bp, yp);
+  static_assert(quant512::kInt8Rows == kIntegerRows, "the int8 path is the only integer path with AVX-512 VNNI");
+  const int rpg_shift = __builtin_ctzll(group_size / kRun);
+  std::vector<quant512::Int8Activations> xs;
+  for (int64_t m = 0; m < M; ++m)
+    xs.push_back(bits == 4 ? quant512::quantize_int8<4>(x.data_ptr<float>() + m * K, K, group_size)
+                           : quant512::quantize_int8<8>(x.data_ptr<float>() + m * K, K, group_size));
+  if (bits == 4) quant512::linear_int8_rows<4>(xs, w, sp, mp, N, rpg_shift, bp, yp);
+  else quant512::linear_int8_rows<8>(xs, w, sp, mp, N, rpg_shift, bp, yp);
 #else
   const int64_t runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
   const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
