@@ -122,6 +122,16 @@ def test_cpu_int8_rows_are_each_rows_own_result(type_name):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_cpu_kernel_takes_no_rows(type_name):
+    """No row of x (an expert no token was routed to): an empty result, on every path."""
+    from lmport.backends.cpu import kernels
+    weight = random_blocks(type_name, OUT, inputs(type_name), seed=8)
+    got = kernels.load().ggml_linear(torch.empty(0, weight.in_features), weight.blocks, type_name,
+                                     weight.in_features, None)
+    assert got.shape == (0, OUT)
+
+
 def test_cpu_kernel_runs_what_the_backend_declares():
     from lmport.backends.cpu import CpuBackend, kernels
     assert set(kernels.load().ggml_types()) == CpuBackend.capabilities.ggml_types

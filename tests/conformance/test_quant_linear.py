@@ -155,6 +155,16 @@ def test_cpu_int8_rows_are_each_rows_own_result(bits):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_kernel_takes_no_rows(bits):
+    """No row of x (an expert no token was routed to): an empty result, on every path."""
+    from lmport.backends.cpu import kernels
+    weight = random_weight(bits, 32, n=99, k=288, seed=6)
+    got = kernels.load().quant_linear(torch.empty(0, weight.in_features), weight.qweight, weight.scales,
+                                      weight.mins, bits, 32, None)
+    assert got.shape == (0, 99)
+
+
 def test_cpu_dequantize_kernel_is_the_reference():
     from lmport.backends.cpu import kernels
     compiled = kernels.load()

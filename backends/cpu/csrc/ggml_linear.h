@@ -731,6 +731,7 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
   const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;   // e.g. an expert no token was routed to
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   with_type(type, [&](auto t) {
