@@ -94,8 +94,10 @@ def run_server(args, name: str, work: Path, tokenizer_dir: str) -> dict:
     results = {}
     try:
         asyncio.run(ready(url, proc))
-        for setting in ("fresh", "repeated"):
+        for setting in args.settings:
             for label, profile in PROFILES:
+                if label not in args.profiles:
+                    continue
                 key = f"{setting}, {label}"
                 print(f"{name}: {key}", file=sys.stderr)
                 results[key] = run_guidellm(args, url, model, tokenizer_dir, profile, work,
@@ -136,6 +138,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=2, help="torch threads of lmport serve; llama-server -t")
     p.add_argument("--serve-args", default="", help="more `lmport serve` flags")
+    p.add_argument("--profiles", nargs="+", default=[label for label, _ in PROFILES],
+                   choices=[label for label, _ in PROFILES], help="guidellm profiles to run (default: both)")
+    p.add_argument("--settings", nargs="+", default=["fresh", "repeated"], choices=["fresh", "repeated"],
+                   help="fresh prompts, then the same again (default: both)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one guidellm run may take")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "guidellm_compare.json"))
     args = p.parse_args()

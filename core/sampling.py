@@ -14,6 +14,8 @@ from lmport.sequence import Sequence
 
 # Dividing logits by a smaller temperature overflows float32; so close to 0 sampling is greedy anyway.
 TEMPERATURE_FLOOR = 1e-5
+# Most likely tokens top-p is first looked for in (a partial sort); a row whose top_p needs more sorts all.
+CANDIDATES = 1024
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -66,19 +68,46 @@ def apply_presence_frequency_penalties(logits: torch.Tensor, seqs: list[Sequence
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k, top-p and min-p remove; rows with k=0, p=1, min_p=0 are untouched."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """Mask (to -inf) what top-k, top-p and min-p remove; rows with k=0, p=1, min_p=0 are untouched.
+
+    top-p and min-p are over the whole vocabulary's probabilities. Only the rows that filter are filtered, and
+    over their most likely tokens (a partial sort) where those hold every token a row can keep."""
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k, vocab)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    rows = ((k < vocab) | (top_p < 1) | (min_p > 0)).nonzero()[:, 0]
+    if not len(rows):
+        return logits
+    every_row = len(rows) == len(logits)
+    x = logits if every_row else logits[rows]
+    k, top_p, min_p = k[rows], top_p[rows], min_p[rows]
+    log_total = x.logsumexp(-1, keepdim=True)
+    # The tokens a row can keep are within its top k and within those min-p keeps; top-p is first looked for
+    # within the top CANDIDATES, and past them (a sort of the whole vocabulary) only if they hold too little.
+    # (min-p's count a little wide: the rule below compares probabilities, rounded otherwise.)
+    keeps = k
+    if bool((min_p > 0).any()):
+        keeps = torch.minimum(k, (x >= x.max(-1, keepdim=True).values + min_p[:, None].log() - 1e-3).sum(-1))
+    width = int(torch.where(top_p < 1, keeps.clamp(max=CANDIDATES), keeps).max())
+    top, order = x.topk(width, dim=-1) if width < vocab else x.sort(dim=-1, descending=True)
+    probs = (top - log_total).exp()
+    mass = probs.cumsum(-1)
+    if width < vocab and bool(((keeps > width) & (mass[:, -1] < top_p)).any()):
+        top, order = x.sort(dim=-1, descending=True)
+        probs = (top - log_total).exp()
+        mass = probs.cumsum(-1)
+    ranks = torch.arange(top.shape[-1], device=x.device)
     remove = ranks[None, :] >= k[:, None]
-    probs = sorted_logits.softmax(-1)
-    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-    remove |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    # Keep the smallest prefix whose mass reaches top_p (always at least one token); at top_p 1, every token
+    # (float32 sums reach 1 before the tail).
+    remove |= ((mass - probs) >= top_p[:, None]) & (top_p[:, None] < 1)
     remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    filtered = torch.full_like(x, float("-inf")).scatter_(-1, order, top.masked_fill(remove, float("-inf")))
+    if every_row:
+        return filtered
+    out = logits.clone()
+    out[rows] = filtered
+    return out
 
 
 def samples(seq: Sequence) -> bool:
@@ -105,8 +134,10 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top-p and min-p; a row with no finite probability is all zeros (the greedy token stands)."""
     cfgs = [s.gen_config for s in seqs]
     dev, vocab = logits.device, logits.shape[-1]
-    rows = logits / torch.tensor([c.temperature for c in cfgs], device=dev)[:, None]
-    rows = rows.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    rows = logits
+    if any(c.temperature != 1.0 for c in cfgs):
+        rows = logits / torch.tensor([c.temperature for c in cfgs], device=dev)[:, None]
+        rows = rows.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     rows = _filter(rows, torch.tensor([min(c.top_k, vocab) for c in cfgs], device=dev),
                    torch.tensor([c.top_p for c in cfgs], device=dev),
                    torch.tensor([c.min_p for c in cfgs], device=dev))
@@ -125,14 +156,35 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], t
     tokens = logits.max(-1).indices
     sampled = [i for i, s in enumerate(seqs) if samples(s)]
     if sampled:
-        probs = sampling_probs(logits[sampled], [seqs[i] for i in sampled])
-        usable = probs.sum(-1) > 0
-        for j, i in enumerate(sampled):
-            if usable[j]:  # otherwise the greedy token stands
-                # Each request draws from its own generator: a seed gives the same text whatever the batch.
-                tokens[i] = torch.multinomial(probs[j], 1, generator=seqs[i].generator)[0]
+        probs = sampling_probs(rows_of(logits, sampled), [seqs[i] for i in sampled])
+        usable = (probs.sum(-1) > 0).tolist()   # otherwise the greedy token stands
+        drawn = [j for j, ok in enumerate(usable) if ok]
+        if drawn:
+            tokens[[sampled[j] for j in drawn]] = draw(rows_of(probs, drawn), [seqs[sampled[j]].generator
+                                                                               for j in drawn])
     token_list = tokens.tolist()
     return token_list, token_logprobs(raw, seqs, token_list)
+
+
+def rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without a copy when that is all of x (rows are ascending)."""
+    return x if len(rows) == len(x) else x[rows]
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token a row of ``probs`` [R, V] (rows with a positive total, not necessarily normalised), each drawn
+    with its own generator: argmax p / E over E ~ Exp(1), one a token (the exponential race torch.multinomial
+    runs), E = -log U from float64 uniforms (torch's own exponential_ is several times slower on a CPU).
+
+    Each request's generator gives the same tokens whatever else is in the batch, and a token of probability
+    0 is never drawn.
+    """
+    exponentials = torch.empty_like(probs, dtype=torch.float32)
+    for row, g in enumerate(generators):
+        uniforms = torch.rand(probs.shape[-1], dtype=torch.float64, generator=g,
+                              device=None if g is None else g.device)
+        exponentials[row] = uniforms.log_().neg_()
+    return (probs.float() / exponentials).argmax(-1)
 
 
 def token_logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:

@@ -33,8 +33,10 @@ def openai_reference(prompt: list[int], steps: int, presence: float, frequency: 
             if generator is None:
                 out.append(int(logits.argmax()))
             else:
+                # The engine's draw: the exponential race, argmax p / E with E = -log U, U uniform in float64.
                 probs = (logits / temperature).softmax(-1)
-                out.append(int(torch.multinomial(probs, 1, generator=generator)[0]))
+                exponentials = (-torch.rand(len(probs), dtype=torch.float64, generator=generator).log()).float()
+                out.append(int((probs / exponentials).argmax()))
     return out
 
 

@@ -59,3 +59,57 @@ def test_sampling_still_follows_the_distribution():
     for _ in range(3000):
         counts[sample(x, [s])[0][0]] += 1
     assert torch.allclose(counts / 3000, x[0, :3].softmax(-1), atol=0.04)
+
+
+def full_sort_filter(logits, top_k, top_p, min_p):
+    """top-k, top-p and min-p over the whole sorted vocabulary, row by row: what _filter must equal."""
+    out = logits.clone()
+    for i, row in enumerate(logits):
+        order = row.argsort(descending=True)
+        probs = row[order].softmax(-1)
+        k = int(top_k[i]) if 0 < int(top_k[i]) < len(row) else len(row)
+        remove = torch.arange(len(row)) >= k
+        if top_p[i] < 1:
+            remove |= (probs.cumsum(-1) - probs) >= top_p[i]
+        remove |= probs < min_p[i] * probs[0]
+        remove[0] = False
+        out[i, order[remove]] = float("-inf")
+    return out
+
+
+def test_filter_equals_a_full_sort_of_every_row():
+    """Rows that filter are filtered over their likeliest tokens, and a flat row's top-p past them; others
+    untouched. Peaked and flat rows, every mix of top-k, top-p and min-p, at a real vocabulary's size."""
+    from lmport.sampling import CANDIDATES, _filter
+    g = torch.Generator().manual_seed(0)
+    vocab = 49152
+    configs = [(0, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.8, 0.02), (0, 0.95, 0.0),
+               (2000, 0.99, 0.0), (vocab + 5, 0.5, 0.0), (1, 1.0, 0.0), (0, 0.3, 1e-4)]
+    scales = [8.0, 0.05]   # peaked rows, and flat ones whose top-p needs more than CANDIDATES tokens
+    rows = [(c, s) for c in configs for s in scales]
+    logits = torch.stack([torch.randn(vocab, generator=g) * s for _, s in rows])
+    top_k = torch.tensor([c[0] for c, _ in rows])
+    top_p = torch.tensor([c[1] for c, _ in rows])
+    min_p = torch.tensor([c[2] for c, _ in rows])
+    got = _filter(logits, top_k, top_p, min_p)
+    want = full_sort_filter(logits, top_k, top_p, min_p)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[~got.isinf()], want[~want.isinf()])
+    flat_top_p = (top_p < 1) & (top_k == 0) & (min_p == 0) & (logits.std(-1) < 1)
+    assert ((~got.isinf()).sum(-1)[flat_top_p] > CANDIDATES).all()   # the flat rows did reach past them
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])   # (0, 1, 0): untouched
+
+
+def test_draw_follows_the_distribution_and_is_each_rows_own():
+    from lmport.sampling import draw
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 6.0]])   # unnormalised too
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    counts = torch.zeros(3, 4)
+    for _ in range(4000):
+        counts[torch.arange(3), draw(probs, gens)] += 1
+    assert torch.allclose(counts / 4000, probs / probs.sum(-1, keepdim=True), atol=0.03)
+    assert (counts[probs == 0] == 0).all()
+    # A seed draws the same tokens alone as beside other rows.
+    alone_gen, mine, other = (torch.Generator().manual_seed(seed) for seed in (7, 7, 9))
+    alone = [int(draw(probs[:1], [alone_gen])[0]) for _ in range(50)]
+    together = [int(draw(probs[[2, 0]], [other, mine])[1]) for _ in range(50)]
+    assert alone == together and len(set(alone)) == 3

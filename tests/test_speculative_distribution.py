@@ -23,7 +23,7 @@ from lmport.config import EngineConfig, GenerationConfig
 from lmport.speculative import acceptance
 from support.model_helpers import hf_model, tiny_model_dir
 
-REQUESTS = 600
+REQUESTS = 1200
 TOP_K = 4
 MIN_EXPECTED = 5
 

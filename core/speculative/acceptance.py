@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmport.sampling import adjusted_logits, samples, sampling_probs, token_logprobs
+from lmport.sampling import adjusted_logits, draw, samples, sampling_probs, token_logprobs
 from lmport.sequence import Sequence
 
 
@@ -74,10 +74,10 @@ def judge(p: list[torch.Tensor | None], greedy: list[int], proposal: list[int], 
         else:
             q_d = 1.0 if q is None else float(q[j, d])
             if not accepts(float(target[d]), q_d, generator):
-                return out + [draw(residual(target, d if q is None else q[j]), generator)]
+                return out + [draw_one(residual(target, d if q is None else q[j]), generator)]
         out.append(d)
     last = p[len(proposal)]
-    return out + [greedy[len(proposal)] if last is None else draw(last, generator)]
+    return out + [greedy[len(proposal)] if last is None else draw_one(last, generator)]
 
 
 def accepts(p_d: float, q_d: float, generator: torch.Generator | None) -> bool:
@@ -97,5 +97,5 @@ def residual(p: torch.Tensor, q: torch.Tensor | int) -> torch.Tensor:
     return r if float(r.sum()) > 0 else p
 
 
-def draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=generator)[0])
+def draw_one(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(draw(p[None], [generator])[0])
