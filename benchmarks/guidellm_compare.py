@@ -1,9 +1,10 @@
 """guidellm against `lmport serve` and llama-server, one after the other, on the same model and machine.
 
 For each server: start it fresh, run guidellm synchronous and then at concurrency 16 (POST /v1/completions,
-streamed, synthetic prompts of --prompt-tokens tokens, --output-tokens out, fixed seed), then the same two
-runs again with the same prompts, so that a prefix cache (lmport's, on by default in `lmport serve`;
-llama-server's prompt reuse) can answer; stop it. Prints output tok/s and time-to-first-token p50 side by
+streamed, synthetic prompts of --prompt-tokens tokens, --output-tokens out, a fixed seed a profile, so that
+the concurrent run's prompts are not the synchronous run's), then the same two runs again with the same
+prompts, so that a prefix cache (lmport's, on by default in `lmport serve`; llama-server's prompt reuse) can
+answer; stop it. Prints output tok/s and time-to-first-token p50 side by
 side with lmport / llama-server ratios, and writes JSON.
 
 guidellm lives in its own environment (its dependencies are not lmport's):
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = (("synchronous", {"kind": "synchronous"}), ("concurrency 16", {"kind": "concurrent", "streams": [16]}))
 
 
-def scenario(url: str, model: str, tokenizer_dir: str, profile: dict, args, out: Path) -> dict:
+def scenario(url: str, model: str, tokenizer_dir: str, profile: dict, seed: int, args, out: Path) -> dict:
     return {
         "metadata": {"name": "lmport-compare", "description": "benchmarks/guidellm_compare.py"},
         "spec": {
@@ -43,17 +44,18 @@ def scenario(url: str, model: str, tokenizer_dir: str, profile: dict, args, out:
                       "output_tokens": args.output_tokens}],
             "tokenizer": {"kind": "huggingface_auto", "model": tokenizer_dir},
             "constraints": [{"kind": "max_requests", "count": args.requests}],
-            "seed": {"kind": "static", "value": args.seed},
+            "seed": {"kind": "static", "value": seed},
             "outputs": [{"kind": "json", "path": str(out)}],
         },
         "benchmarks": [None],
     }
 
 
-def run_guidellm(args, url: str, model: str, tokenizer_dir: str, profile: dict, work: Path, name: str) -> dict:
+def run_guidellm(args, url: str, model: str, tokenizer_dir: str, profile: dict, seed: int, work: Path,
+                 name: str) -> dict:
     out = work / f"{name}.json"
     config = work / f"{name}.scenario.json"
-    config.write_text(json.dumps(scenario(url, model, tokenizer_dir, profile, args, out), indent=2))
+    config.write_text(json.dumps(scenario(url, model, tokenizer_dir, profile, seed, args, out), indent=2))
     cmd = [args.guidellm, "run", "--scenario", str(config), "--disable-console-interactive"]
     with (work / f"{name}.log").open("w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
@@ -95,12 +97,12 @@ def run_server(args, name: str, work: Path, tokenizer_dir: str) -> dict:
     try:
         asyncio.run(ready(url, proc))
         for setting in args.settings:
-            for label, profile in PROFILES:
+            for index, (label, profile) in enumerate(PROFILES):
                 if label not in args.profiles:
                     continue
                 key = f"{setting}, {label}"
                 print(f"{name}: {key}", file=sys.stderr)
-                results[key] = run_guidellm(args, url, model, tokenizer_dir, profile, work,
+                results[key] = run_guidellm(args, url, model, tokenizer_dir, profile, args.seed + index, work,
                                             f"{name}-{setting}-{label.replace(' ', '')}")
     finally:
         stop(proc)

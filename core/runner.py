@@ -92,9 +92,10 @@ class ModelRunner:
 
     # -- a step -------------------------------------------------------------
     def copy_blocks(self, copies: list) -> None:
-        """Device<->host block copies the block manager queued, in order, one call per batch."""
+        """Block copies the block manager queued (device and host pools), in order, one call per batch."""
+        pools = {"device": self.caches, "host": self.host_caches}
         for b in copies:
-            src, dst = (self.caches, self.host_caches) if b.to_host else (self.host_caches, self.caches)
+            src, dst = pools[b.source], pools[b.target]
             self.backend.copy_blocks(src, dst, torch.tensor(b.src, dtype=torch.long),
                                      torch.tensor(b.dst, dtype=torch.long))
 

@@ -69,7 +69,7 @@ class FakeEngine:
         batch = self.sched.schedule()
         for b in self.bm.take_copies():
             assert len(set(b.dst)) == len(b.dst), "a batch writes a block twice: the result is undefined"
-            src, dst = self.pools[not b.to_host], self.pools[b.to_host]
+            src, dst = self.pools[b.source == "host"], self.pools[b.target == "host"]
             rows = [list(src[s]) for s in b.src]    # read all, then write: one batched copy
             for d, row in zip(b.dst, rows):
                 dst[d] = row
@@ -137,8 +137,10 @@ def test_copy_queue_keeps_order_and_batches_by_direction():
     q.add(7, 3, to_host=False)      # reads host 7 after it was written
     q.add(4, 7, to_host=True)       # host 7 reused after it was read: a later batch
     q.add(5, 7, to_host=True)       # a second write to 7: not in the same batch as the first
-    assert [(b.to_host, b.src, b.dst) for b in q.take()] == [
-        (True, [1, 2], [7, 8]), (False, [7], [3]), (True, [4], [7]), (True, [5], [7])]
+    q.add_on_device(3, 9)           # device 3 read after it was written from the host
+    assert [(b.source, b.target, b.src, b.dst) for b in q.take()] == [
+        ("device", "host", [1, 2], [7, 8]), ("host", "device", [7], [3]), ("device", "host", [4], [7]),
+        ("device", "host", [5], [7]), ("device", "device", [3], [9])]
     assert (q.blocks_to_host, q.blocks_from_host, len(q)) == (4, 1, 0)
 
 
@@ -168,17 +170,20 @@ def _run_one(eng: FakeEngine, prompt, max_new=1, salt=None) -> Sequence:
 def test_hits_share_blocks_and_last_token_is_recomputed():
     eng = FakeEngine(num_blocks=16, block_size=4)
     a = _run_one(eng, range(12))                     # 3 full blocks
-    assert a.prefix_hits == {"device": 0, "host": 0, "miss": 2}
-    b = eng.add(list(range(12)), 2)                  # same prompt: 2 blocks hit, the last token's block recomputed
+    assert a.prefix_hits == {"device": 0, "host": 0, "miss": 3}
+    cached_last = next(e.block for e in eng.bm.cache.by_hash.values() if e.tokens == (8, 9, 10, 11))
+    # The same prompt: all 3 blocks hit; the last one is copied into a block of its own and only the last
+    # token is recomputed there (the simulator checks every slot it reads).
+    b = eng.add(list(range(12)), 2)
     c = eng.add(list(range(9)) + [99, 98, 97, 96], 2)  # partial overlap: 2 blocks
     eng.step()
     assert b.num_computed == 12 and c.num_computed == 13
-    assert b.block_table[:2] == c.block_table[:2]
+    assert b.block_table[:2] == c.block_table[:2] and b.block_table[2] != cached_last
     assert eng.bm.allocator.ref_counts[b.block_table[0]] == 2
-    assert b.num_cached_prefix == 8 and b.prefix_hits == {"device": 2, "host": 0, "miss": 0}
+    assert b.num_cached_prefix == 11 and b.prefix_hits == {"device": 3, "host": 0, "miss": 0}
     assert c.num_cached_prefix == 8 and c.prefix_hits == {"device": 2, "host": 0, "miss": 1}
     eng.run()
-    assert eng.bm.usage()["prefix_cache_hit_rate"] == pytest.approx(4 / 7)
+    assert eng.bm.usage()["prefix_cache_hit_rate"] == pytest.approx(5 / 9)
 
 
 def test_cache_salt_isolates_requests():
@@ -186,7 +191,7 @@ def test_cache_salt_isolates_requests():
     _run_one(eng, range(12), salt="tenant-a")
     assert _run_one(eng, range(12), salt="tenant-b").num_cached_prefix == 0
     assert _run_one(eng, range(12)).num_cached_prefix == 0
-    assert _run_one(eng, range(12), salt="tenant-a").num_cached_prefix == 8
+    assert _run_one(eng, range(12), salt="tenant-a").num_cached_prefix == 11
 
 
 def test_forced_collision_never_returns_wrong_blocks():

@@ -98,6 +98,36 @@ def test_forced_hash_collisions_keep_outputs_identical(tiny):
     assert usage["hash_collisions"] > 0
 
 
+@pytest.mark.parametrize("quant_policy", [0, 8])
+def test_a_prompt_cached_to_its_last_block_recomputes_one_token(tiny, quant_policy):
+    """A prompt that ends a block, asked again: it goes on in a copy of its cached last block, computing only
+    its last token, and generates what it generates uncached (a fresh engine)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 40000) for _ in range(16 * blocks)] for blocks in (1, 4, 7)]
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    off, _ = run(tiny, prompts, 6, quant_policy, cache_max_entry_count=400)
+    cfg = EngineConfig(device_type="cpu", dtype="float32", block_size=16, quant_policy=quant_policy,
+                       enable_prefix_caching=True, cache_max_entry_count=400)
+    with lmport.pipeline(tiny, backend_config=cfg) as pipe:
+        engine = pipe.engine
+
+        def generate(round_: int) -> tuple[list[list[int]], list[int]]:
+            """Each prompt's tokens and cached prompt tokens."""
+            ids = [engine.add_request(p, gen, f"{round_}-{i}") for i, p in enumerate(prompts)]
+            tokens, cached = {}, {}
+            while len(cached) < len(ids):
+                for out in engine.step():
+                    tokens[out.request_id] = list(out.token_ids)   # all its tokens so far
+                    if out.finished:
+                        cached[out.request_id] = out.cached_tokens
+            return [tokens[i] for i in ids], [cached[i] for i in ids]
+
+        first, first_cached = generate(0)
+        again, again_cached = generate(1)
+    assert first == off and again == off
+    assert first_cached == [0, 0, 0] and again_cached == [len(p) - 1 for p in prompts]
+
+
 def test_cache_salt_and_cached_tokens(tiny):
     cfg = EngineConfig(device_type="cpu", dtype="float32", block_size=16, enable_prefix_caching=True)
     with lmport.pipeline(tiny, backend_config=cfg) as pipe:

@@ -164,36 +164,53 @@ class BlockManager:
         tokens to compute, or None when it does not fit now."""
         bs, swap = self.block_size, self.swapped.get(seq)
         hits: list[CachedBlock] = []
+        last: CachedBlock | None = None   # a cached last block, copied into one of the sequence's own
         if self.cache is not None:
             st = self._state(seq)
-            # The last token is always recomputed: its logits give the next token.
-            limit = swap.num_cached_blocks if swap else (seq.num_tokens - 1) // bs
+            # The last token is always recomputed: its logits give the next token. When it ends a block and
+            # that block is cached too, the sequence goes on in a copy of it, recomputing that one token.
+            whole = swap is None and not seq.scoring and seq.num_tokens % bs == 0
+            limit = swap.num_cached_blocks if swap else (seq.num_tokens - (0 if whole else 1)) // bs
             if seq.scoring:   # positions whose logprobs are wanted are computed, not taken from the cache
                 limit = min(limit, len(seq.prompt_logprobs) // bs)
             tokens = seq.token_ids
             hits = self.cache.match(tokens, st.extra, self.cache.chain(tokens, st.extra, st.hashes, limit)[:limit])
+            if whole and len(hits) * bs == seq.num_tokens:
+                last = hits.pop()
         if swap is not None and len(hits) < swap.num_cached_blocks:
             # Part of the prefix it left to the cache is gone: recompute from there.
             self._release_swap(seq)
             swap, seq.num_computed = None, 0
-        computed = seq.num_computed if swap else len(hits) * bs
+        computed = seq.num_computed if swap else len(hits) * bs + (bs - 1 if last else 0)
         n = min(seq.num_tokens - computed, budget)
         on_device = [e for e in hits if not e.on_host]
         on_host = [e for e in hits if e.on_host]
-        held_if_taken = sum(self.allocator.is_cached(e.block) for e in on_device)
+        held_if_taken = sum(self.allocator.is_cached(e.block) for e in on_device + [last] * (last is not None)
+                            if not e.on_host)
         if self.blocks_for(computed + n) - len(on_device) > self.num_free - held_if_taken:
             return None
 
         for e in on_device:
             self._hold(e.block)
-        for e in on_host:       # pinned, so making device room cannot evict them from the host
-            self.host.take(e.block)
+        for e in on_host + [last] * (last is not None and last.on_host):
+            self.host.take(e.block)   # pinned, so making device room cannot evict them from the host
+        if last is not None and not last.on_host:
+            self._hold(last.block)    # so making room cannot evict it before it is read
         for e in on_host:
             (block,) = self._allocate(1)
             self.copies.add(e.block, block, to_host=False)
             self.host.decref(e.block)
             self.cache.move(e, block, on_host=False)
         seq.block_table[:] = [e.block for e in hits]
+        if last is not None:
+            (own,) = self._allocate(1)
+            if last.on_host:
+                self.copies.add(last.block, own, to_host=False)
+                self.host.decref(last.block, keep=True)
+            else:
+                self.copies.add_on_device(last.block, own)
+                self.allocator.decref(last.block, keep=True)   # cached again, read before any reuse
+            seq.block_table.append(own)
         if swap is not None:
             blocks = self._allocate(len(swap.host_blocks))
             for h, d in zip(swap.host_blocks, blocks):
@@ -208,11 +225,14 @@ class BlockManager:
         if self.cache is not None:
             st.entries = hits
             counts = {"device": len(on_device), "host": len(on_host), "miss": limit - len(hits)}
+            if last is not None:
+                counts["host" if last.on_host else "device"] += 1
+                counts["miss"] -= 1
             for tier, count in counts.items():
                 seq.prefix_hits[tier] = seq.prefix_hits.get(tier, 0) + count
                 self.stats[f"lookup_{tier}"] += count
             if seq.num_preemptions == 0:
-                seq.num_cached_prefix = len(hits) * bs
+                seq.num_cached_prefix = computed
         return n
 
     # -- preemption --------------------------------------------------------
