@@ -185,17 +185,17 @@ class BlockManager:
         n = min(seq.num_tokens - computed, budget)
         on_device = [e for e in hits if not e.on_host]
         on_host = [e for e in hits if e.on_host]
-        held_if_taken = sum(self.allocator.is_cached(e.block) for e in on_device + [last] * (last is not None)
-                            if not e.on_host)
+        # Held while blocks are made: the hits for good, ``last`` until its copy is queued (below).
+        held_on_device = on_device + [last] * (last is not None and not last.on_host)
+        held_on_host = on_host + [last] * (last is not None and last.on_host)
+        held_if_taken = sum(self.allocator.is_cached(e.block) for e in held_on_device)
         if self.blocks_for(computed + n) - len(on_device) > self.num_free - held_if_taken:
             return None
 
-        for e in on_device:
+        for e in held_on_device:
             self._hold(e.block)
-        for e in on_host + [last] * (last is not None and last.on_host):
-            self.host.take(e.block)   # pinned, so making device room cannot evict them from the host
-        if last is not None and not last.on_host:
-            self._hold(last.block)    # so making room cannot evict it before it is read
+        for e in held_on_host:   # pinned, so making device room cannot evict them from the host
+            self.host.take(e.block)
         for e in on_host:
             (block,) = self._allocate(1)
             self.copies.add(e.block, block, to_host=False)
