@@ -187,6 +187,11 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     return (probs.float() / exponentials).argmax(-1)
 
 
+def draw_one(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """draw() of one row ``p`` [V]."""
+    return int(draw(p[None], [generator])[0])
+
+
 def token_logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:
     """Each row's chosen token and top-N logprobs where its request asks for them, else None.
 

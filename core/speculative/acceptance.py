@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmport.sampling import adjusted_logits, draw, samples, sampling_probs, token_logprobs
+from lmport.sampling import adjusted_logits, draw_one, samples, sampling_probs, token_logprobs
 from lmport.sequence import Sequence
 
 
@@ -95,7 +95,3 @@ def residual(p: torch.Tensor, q: torch.Tensor | int) -> torch.Tensor:
     else:
         r = (p - q).clamp_(min=0.0)
     return r if float(r.sum()) > 0 else p
-
-
-def draw_one(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(draw(p[None], [generator])[0])

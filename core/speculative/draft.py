@@ -31,7 +31,7 @@ from lmport.models.loader import ModelNotFound, load_tokenizer, read_model_confi
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import kv_window
 from lmport.runner import ModelRunner, StepInput
-from lmport.sampling import adjusted_logits, draw, samples, sampling_probs
+from lmport.sampling import adjusted_logits, draw_one, samples, sampling_probs
 from lmport.sequence import Sequence
 from lmport.weights.checkpoint import check_backend
 
@@ -200,6 +200,6 @@ class DraftModel:
                 if q.sum() <= 0:   # nothing finite to draw from: the greedy token, as a point mass
                     q = torch.zeros_like(q)
                     q[tokens[i][0]] = 1.0
-                token = int(draw(q[None], [seqs[i].generator])[0])
+                token = draw_one(q, seqs[i].generator)
                 tokens[i] = (token, q)
         return tokens
