@@ -5,11 +5,13 @@ decoding after a prompt of --depth tokens. Each kernel the decoder runner calls,
 forward around it (embedding, rotary table, final norm, LM head, step inputs) and the engine's step
 around the forward (scheduling, sampling, detokenizing) is timed with a clock around the call; the
 time in the layer loop not inside a kernel is Python between the ops. The clocks cost a little: the
-untimed step (same engine, clocks off, measured before and after) is printed beside their sum.
+untimed step (same engine, clocks off, measured before them) is printed beside their sum.
 
 The engine runs a step's layers in one C++ call (backends/cpu/decoder_runner.py); the op by op times
 come from the runner's Python loop, which makes the same kernel calls one by one. Both loops' untimed
-steps are printed: their difference is what the Python between the ops costs.
+steps are printed, and the step without a runner (the model's modules calling the backend op by op),
+each the median (min-max) over --rounds interleaved rounds: their differences are what the Python
+between the ops costs.
 
 On a machine others are loading, --clock cpu with --threads 1 counts the thread's own CPU time
 (time.thread_time) instead of the wall clock: with one thread every kernel runs on the calling
@@ -219,6 +221,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0, help="context tokens before the decode")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the untimed steps")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, for --threads 1 on a loaded machine")
     ap.add_argument("--kernels", type=Path,
@@ -240,17 +243,21 @@ def main() -> None:
     prompt = (engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks. " * 60)
               * 8)[:max(args.depth, 1)]
     bandwidth = memory_bandwidth(args.threads, now=now)
-    decode(engine, prompt, 8)   # warm-up
-    native = decode(engine, prompt, args.tokens, now=now)
+    decode(engine, prompt, 8)   # warm-up, which builds the engine's runner
+    engines_loop = "C++" if hasattr(kernels.load(), "DecoderLayers") else "Python (a build without the C++ loop)"
+    loops = {engines_loop: engine.model._runner}
     python_loop(engine)
-    python = decode(engine, prompt, args.tokens, now=now)
+    loops["Python"] = engine.model._runner
+    loops["no runner (the modules')"] = (None,)   # the model's modules call the backend op by op
+    steps = {loop: [] for loop in loops}
+    for _ in range(args.rounds):   # the loops in turn, each round's median step
+        for loop, runner in loops.items():
+            engine.model._runner = runner
+            steps[loop].append(statistics.median(decode(engine, prompt, args.tokens, now=now)) * 1e3)
     clock = Clock(now)
     instrument(engine, clock)
     decode(engine, prompt, args.tokens, clock, now)
-    engine.model._runner = None   # the engine's own runner again
-    native += decode(engine, prompt, args.tokens, now=now)
-    engines_loop = "C++" if hasattr(kernels.load(), "DecoderLayers") else "Python (a build without the C++ loop)"
-    untimed = {engines_loop: statistics.median(native) * 1e3, "Python": statistics.median(python) * 1e3}
+    untimed = {loop: statistics.median(ms) for loop, ms in steps.items()}
     untimed_ms = untimed[engines_loop]
     rows = table(clock, args.tokens, untimed, bandwidth["best_gbs"])
     machine = cpu_info()
@@ -268,12 +275,15 @@ def main() -> None:
         ratio = f"{r['limit_ms'] / r['ms']:.0%}" if r["limit_ms"] and r["ms"] > 0 else ""
         print(f"| {r['part']} | {r['calls']:.0f} | {r['ms']:.3f} | {share} | {r['mb']:.2f} | "
               f"{r['limit_ms']:.3f} | {ratio} |")
+    print(f"\nuntimed step, ms, median (min-max) of {args.rounds} interleaved rounds: " + "; ".join(
+        f"{loop} {untimed[loop]:.2f} ({min(ms):.2f}-{max(ms):.2f})" for loop, ms in steps.items()))
     out = Path(args.out or f"benchmarks/results/decode_profile_{path.stem}_d{args.depth}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"file": str(path), "depth": args.depth, "tokens": args.tokens, "threads": args.threads,
                                "clock": args.clock,
                                "kernels": kernel_isa, "machine": machine, "bandwidth": bandwidth,
-                               "untimed_step_ms": untimed, "kernel_build": kernels.load().__name__, "rows": rows},
+                               "untimed_step_ms": untimed, "untimed_round_ms": steps,
+                               "kernel_build": kernels.load().__name__, "rows": rows},
                               indent=2))
     print(f"\nwrote {out}")
 

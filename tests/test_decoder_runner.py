@@ -108,6 +108,9 @@ PROMPTS = [list(range(5, 45)), list(range(100, 120))]   # 40 tokens: past mistra
 CASES = [(arch, weights) for arch in ("llama", "qwen2", "mistral-sw32", "phi3")
          for weights in ("float32", "int4", "int8")]
 CASES += [("llama", "ggml"), ("qwen2", "ggml")]
+# Qwen3's q/k norms; Gemma's four (1 + weight) norms a layer, gelu-tanh MLP, soft caps (2), q/k norms and a
+# rope base for each of its two layer kinds (3).
+CASES += [(arch, weights) for arch in ("qwen3", "gemma2", "gemma3") for weights in ("float32", "int4")]
 
 
 @pytest.mark.parametrize(("arch", "weights"), CASES)
@@ -125,8 +128,9 @@ def test_runner_gives_the_modules_hidden_states(arch, weights):
 
 
 def test_layers_the_spec_does_not_describe_get_no_runner():
-    engine = engine_for("qwen3")    # q and k normalized per head
-    assert engine.model.model.layers[0].spec() is None and engine.model.decoder_runner() is None
+    engine = engine_for("qwen3-moe")    # layer 1's MLP is a mixture of experts
+    specs = [layer.spec() for layer in engine.model.model.layers]
+    assert specs[0] is not None and specs[1] is None and engine.model.decoder_runner() is None
 
 
 def test_steps_the_kernels_do_not_cover_go_to_the_modules():
@@ -139,23 +143,25 @@ def test_steps_the_kernels_do_not_cover_go_to_the_modules():
     d = cfg.hidden_size // cfg.num_attention_heads
     meta = ops.build_attention_metadata([1], [1], [[1]], engine.layout.block_size)
     metas = [meta] * cfg.num_hidden_layers
+    ropes = [(torch.ones(1, d), torch.zeros(1, d))] * cfg.num_hidden_layers
     # An int8 KV cache, which only the reference ops read.
-    assert runner(torch.zeros(1, cfg.hidden_size), torch.ones(1, d), torch.zeros(1, d), engine.caches, metas) is None
+    assert runner(torch.zeros(1, cfg.hidden_size), ropes, engine.caches, metas) is None
     # More tokens than a decode step (prefill goes to the BLAS through the modules).
     many = 129
-    assert runner(torch.zeros(many, cfg.hidden_size), torch.ones(many, d), torch.zeros(many, d), engine.caches,
-                  metas) is None
+    ropes = [(torch.ones(many, d), torch.zeros(many, d))] * cfg.num_hidden_layers
+    assert runner(torch.zeros(many, cfg.hidden_size), ropes, engine.caches, metas) is None
     # And the engine still generates, through the modules.
     assert pipe("hello", GenerationConfig(max_new_tokens=3, ignore_eos=True)).generate_token_len == 3
 
 
-@pytest.mark.parametrize("weights", ["float32", "int4"])
-def test_python_loop_gives_the_native_loops_hidden_states(weights):
+@pytest.mark.parametrize(("arch", "weights"), [("mistral-sw32", "float32"), ("mistral-sw32", "int4"),
+                                               ("gemma3", "float32")])
+def test_python_loop_gives_the_native_loops_hidden_states(arch, weights):
     """The Python loop over the kernels (what benchmarks/decode_profile.py times op by op) and the C++
     loop (what the engine runs) make the same calls: the same hidden states, bit for bit."""
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
     from lmport.backends.cpu.decoder_runner import build
-    engine = engine_for("mistral-sw32", cache_max_entry_count=16)
+    engine = engine_for(arch, cache_max_entry_count=16)
     if weights != "float32":
         quantize_layers(engine.model, 4, 32)
     model = engine.model

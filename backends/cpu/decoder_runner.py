@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from lmport import ops
 from lmport.backends.cpu import kernels
 from lmport.kv.layout import LayerCache
 
-Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LayerCache, ops.AttentionMetadata], torch.Tensor]
+Layer = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], LayerCache, ops.AttentionMetadata], torch.Tensor]
 
 
 def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
@@ -32,18 +33,19 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
         return None
     head_dim = layers[0].head_dim
 
-    def covers(x, cos, caches) -> bool:
+    def covers(x, ropes, caches) -> bool:
+        cos = ropes[0][0]
         return not (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
                     or cos.shape[-1] != head_dim or caches[0].quant_policy != 0 or caches[0].k.dtype != torch.float32)
 
     if loop == "python" or not hasattr(compiled, "DecoderLayers"):
         bound = [_bind_layer(spec, compiled) for spec in layers]
 
-        def run_python(x, cos, sin, caches, metas):
-            if not covers(x, cos, caches):
+        def run_python(x, ropes, caches, metas):
+            if not covers(x, ropes, caches):
                 return None
-            for layer, cache, meta in zip(bound, caches, metas, strict=True):
-                x = layer(x, cos, sin, cache, meta)
+            for layer, rope, cache, meta in zip(bound, ropes, caches, metas, strict=True):
+                x = layer(x, rope, cache, meta)
             return x
 
         return run_python
@@ -51,13 +53,13 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
         raise ValueError(f"decoder runner loop {loop!r}: 'native' or 'python'")
     native = compiled.DecoderLayers([_bind_layer_native(spec, compiled) for spec in layers])
 
-    def run(x, cos, sin, caches, metas):
-        if not covers(x, cos, caches):
+    def run(x, ropes, caches, metas):
+        if not covers(x, ropes, caches):
             return None
         meta = metas[0]   # the layers share the metadata's tensors; only the window and soft cap differ
-        return native.run(x, cos, sin, [c.k for c in caches], [c.v for c in caches], meta.slot_mapping,
-                          meta.block_tables, meta.q_start_loc, meta.kv_lens, [m.window or 0 for m in metas],
-                          [m.softcap or 0.0 for m in metas])
+        return native.run(x, [cos for cos, _ in ropes], [sin for _, sin in ropes], [c.k for c in caches],
+                          [c.v for c in caches], meta.slot_mapping, meta.block_tables, meta.q_start_loc, meta.kv_lens,
+                          [m.window or 0 for m in metas], [m.softcap or 0.0 for m in metas])
 
     return run
 
@@ -66,8 +68,14 @@ def _parts(linears: ops.Linears) -> tuple[ops.LinearWeights, ...]:
     return linears if isinstance(linears, tuple) else (linears,)
 
 
+def _norms(spec: ops.DecoderLayerSpec) -> list[ops.Norm | None]:
+    """The spec's norms in the order the C++ layer takes them (csrc/decoder_layers.h's BoundLayer)."""
+    return [spec.attention_norm, spec.q_norm, spec.k_norm, spec.attention_output_norm, spec.mlp_norm,
+            spec.mlp_output_norm]
+
+
 def _fits(spec: ops.DecoderLayerSpec) -> bool:
-    floats = [spec.input_norm, spec.post_attention_norm]
+    floats = [norm.weight for norm in _norms(spec) if norm is not None]
     for lw in (part for linears in (spec.qkv, spec.o, spec.gate_up, spec.down) for part in _parts(linears)):
         floats += [] if lw.bias is None else [lw.bias]
         if isinstance(lw.weight, ops.GGMLWeight):
@@ -114,31 +122,41 @@ def _bind_linear_native(linears: ops.Linears, compiled) -> list:
 
 def _bind_layer_native(spec: ops.DecoderLayerSpec, compiled):
     linear = [_bind_linear_native(lw, compiled) for lw in (spec.qkv, spec.o, spec.gate_up, spec.down)]
-    return compiled.BoundLayer(spec.input_norm, spec.input_norm_eps, linear[0], spec.num_heads, spec.num_kv_heads,
-                               spec.head_dim, spec.scale, linear[1], spec.post_attention_norm,
-                               spec.post_attention_norm_eps, linear[2], linear[3])
+    norms = [compiled.BoundNorm(norm.weight, norm.eps) if norm is not None else None for norm in _norms(spec)]
+    return compiled.BoundLayer(norms, linear[0], spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale,
+                               linear[1], linear[2], linear[3], spec.activation == "gelu_tanh")
+
+
+def _bind_norm(norm: ops.Norm | None, compiled) -> Callable[[torch.Tensor], torch.Tensor]:
+    if norm is None:
+        return lambda x: x
+    weight, eps, rms_norm = norm.weight, norm.eps, compiled.rms_norm
+    return lambda x: rms_norm(x, weight, eps)
 
 
 def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
-    """One layer as lmport.ops.decoder describes it (the model's DecoderLayer.forward, op for op)."""
+    """One layer as lmport.ops.decoder describes it (the model's layer forward, op for op)."""
     qkv, o, gate_up, down = (_bind_linear(lw, compiled) for lw in (spec.qkv, spec.o, spec.gate_up, spec.down))
-    norm1, eps1 = spec.input_norm, spec.input_norm_eps
-    norm2, eps2 = spec.post_attention_norm, spec.post_attention_norm_eps
+    norm, q_norm, k_norm, attention_out, mlp_norm, mlp_out = (_bind_norm(n, compiled) for n in _norms(spec))
     heads, head_dim, scale = [spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], spec.head_dim, spec.scale
-    rms_norm, rotary, fill, attention, silu_and_mul = (compiled.rms_norm, compiled.apply_rotary, compiled.fill_kv_cache,
-                                                       compiled.paged_attention, compiled.silu_and_mul)
+    rotary, fill, attention = compiled.apply_rotary, compiled.fill_kv_cache, compiled.paged_attention
+    if spec.activation == "gelu_tanh":
+        def gated(gate, up):
+            return F.gelu(gate, approximate="tanh") * up
+    else:
+        gated = compiled.silu_and_mul
 
-    def layer(x, cos, sin, cache, meta):
+    def layer(x, rope, cache, meta):
         t = x.shape[0]
         # view, not unflatten: the compiled linears return contiguous rows; split_with_sizes, not
         # split: the same op without Tensor.split's Python wrapper.
-        q, k, v = qkv(rms_norm(x, norm1, eps1)).view(t, -1, head_dim).split_with_sizes(heads, 1)
-        q, k = rotary(q, k, cos, sin)
+        q, k, v = qkv(norm(x)).view(t, -1, head_dim).split_with_sizes(heads, 1)
+        q, k = rotary(q_norm(q), k_norm(k), *rope)
         fill(k, v, cache.k, cache.v, meta.slot_mapping)
         out = attention(q, cache.k, cache.v, meta.block_tables, meta.q_start_loc, meta.kv_lens, scale,
                         meta.window or 0, meta.softcap or 0.0)
-        x = x + o(out.view(t, -1))
-        gate, up = gate_up(rms_norm(x, norm2, eps2)).chunk(2, -1)
-        return x + down(silu_and_mul(gate, up))
+        x = x + attention_out(o(out.view(t, -1)))
+        gate, up = gate_up(mlp_norm(x)).chunk(2, -1)
+        return x + mlp_out(down(gated(gate, up)))
 
     return layer

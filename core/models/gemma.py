@@ -20,8 +20,8 @@ from torch import nn
 from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.models.layers import RMSNorm
-from lmport.models.llama import MLP, Attention, PagedCausalLM
-from lmport.ops import AttentionMetadata
+from lmport.models.llama import MLP, Attention, PagedCausalLM, layer_spec
+from lmport.ops import AttentionMetadata, DecoderLayerSpec
 from lmport.parallel import TPGroup
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -52,6 +52,11 @@ class GemmaDecoderLayer(nn.Module):
         h = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, cache, meta)
         x = x + self.post_attention_layernorm.forward(h)
         return x + self.post_feedforward_layernorm.forward(self.mlp.forward(self.pre_feedforward_layernorm.forward(x)))
+
+    def spec(self) -> DecoderLayerSpec | None:
+        """This layer as data for a backend's decoder runner (lmport.ops.decoder), or None (layer_spec)."""
+        return layer_spec(self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm, self.mlp,
+                          self.post_attention_layernorm, self.post_feedforward_layernorm)
 
 
 class GemmaCausalLM(PagedCausalLM):

@@ -109,6 +109,11 @@ def apply_rope(backend: Backend, q: torch.Tensor, k: torch.Tensor, cos: torch.Te
     return torch.cat([qr, q[..., rot:]], -1), torch.cat([kr, k[..., rot:]], -1)
 
 
+def norm_spec(norm: RMSNorm) -> ops.Norm:
+    """An RMSNorm as a decoder spec takes it: the scale it applies, its offset added once."""
+    return ops.Norm(norm.weight.detach() + norm.offset if norm.offset else norm.weight, norm.eps)
+
+
 def linear_weights(module: nn.Module | None) -> ops.Linears | None:
     """A float or quantized linear's weight and bias (a tuple of them for parts concatenated: ``parts``);
     None for any other module (a row-parallel linear sums over ranks, which the spec does not)."""

@@ -21,7 +21,7 @@ from lmport.kv.layout import LayerCache
 from lmport.models.activations import activation
 from lmport.models.dims import head_dim_of
 from lmport.models.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                                  apply_rope, linear_weights)
+                                  apply_rope, linear_weights, norm_spec)
 from lmport.models.rope_table import RopeTable
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
@@ -82,8 +82,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, bias, backend, tp)
         self.gate_up_proj: nn.Module | None = None   # gate and up as one linear once loaded (models/fusion.py)
         self.backend = backend
-        act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act    # Gemma names it hidden_activation
-        self.act = None if act == "silu" else activation(act)
+        self.act_name = getattr(cfg, "hidden_activation", None) or cfg.hidden_act   # Gemma: hidden_activation
+        self.act = None if self.act_name == "silu" else activation(self.act_name)
 
     def forward(self, x):
         if self.gate_up_proj is None:
@@ -108,21 +108,37 @@ class DecoderLayer(nn.Module):
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
     def spec(self) -> ops.DecoderLayerSpec | None:
-        """This layer as data for a backend's decoder runner (lmport.ops.decoder), or None where it is
-        not exactly the layer the spec describes: a subclass's layer, Qwen3's q/k norms, an activation
-        other than silu, projections left unmerged, a linear of another kind."""
-        attn, mlp, norms = self.self_attn, self.mlp, (self.input_layernorm, self.post_attention_layernorm)
-        if (type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
-                or any(type(n) is not RMSNorm or n.offset for n in norms) or attn.qk_norm or mlp.act is not None):
+        """This layer as data for a backend's decoder runner (lmport.ops.decoder), or None where the
+        spec does not describe it (layer_spec)."""
+        if type(self).forward is not DecoderLayer.forward:
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        qkv, o, gate_up, down = (linear_weights(m) for m in linears)
-        if qkv is None or o is None or gate_up is None or down is None:
-            return None
-        return ops.DecoderLayerSpec(
-            input_norm=norms[0].weight, input_norm_eps=norms[0].eps, qkv=qkv, num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale, o=o,
-            post_attention_norm=norms[1].weight, post_attention_norm_eps=norms[1].eps, gate_up=gate_up, down=down)
+        return layer_spec(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+
+
+# The MLP activations (config names) a decoder spec runs, by the spec's name for them.
+SPEC_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def layer_spec(attention_norm: RMSNorm, attn: nn.Module, mlp_norm: RMSNorm, mlp: nn.Module,
+               attention_output_norm: RMSNorm | None = None,
+               mlp_output_norm: RMSNorm | None = None) -> ops.DecoderLayerSpec | None:
+    """A layer of these modules as lmport.ops.decoder describes it, or None where they are not what the
+    spec describes: an attention or MLP computed otherwise (a subclass's forward, an MoE block), an
+    activation the spec lacks, projections left unmerged, a linear of another kind (tensor-parallel, LoRA)."""
+    if not (isinstance(attn, Attention) and type(attn).forward is Attention.forward and type(mlp) is MLP):
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    qkv, o, gate_up, down = (linear_weights(m) for m in linears)
+    act = SPEC_ACTIVATIONS.get(mlp.act_name)
+    if qkv is None or o is None or gate_up is None or down is None or act is None:
+        return None
+    return ops.DecoderLayerSpec(
+        attention_norm=norm_spec(attention_norm), qkv=qkv, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim, scale=attn.scale, o=o, mlp_norm=norm_spec(mlp_norm), gate_up=gate_up, down=down,
+        activation=act, q_norm=norm_spec(attn.q_norm) if attn.qk_norm else None,
+        k_norm=norm_spec(attn.k_norm) if attn.qk_norm else None,
+        attention_output_norm=None if attention_output_norm is None else norm_spec(attention_output_norm),
+        mlp_output_norm=None if mlp_output_norm is None else norm_spec(mlp_output_norm))
 
 
 class Decoder(nn.Module):
@@ -182,7 +198,8 @@ class PagedCausalLM(nn.Module):
                  for kind, table in self.rope_tables.items()}
         metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
         runner = self.decoder_runner()
-        out = None if runner is None else runner(x, *ropes[None], caches, [metas[w] for w in self.windows])
+        out = None if runner is None else runner(x, [ropes[kind] for kind in self.rope_kinds], caches,
+                                                  [metas[w] for w in self.windows])
         if out is None:
             for layer, cache, window, kind in zip(self.model.layers, caches, self.windows, self.rope_kinds,
                                                   strict=True):
@@ -195,9 +212,9 @@ class PagedCausalLM(nn.Module):
         once the weights are loaded and merged, and again after ``.to()``; None where the backend has
         none or a layer has no spec (lmport.ops.decoder), and under tensor parallelism."""
         if self._runner is None:
-            specs = [layer.spec() if isinstance(layer, DecoderLayer) else None for layer in self.model.layers]
+            specs = [spec() if callable(spec := getattr(layer, "spec", None)) else None for layer in self.model.layers]
             complete = [s for s in specs if s is not None]
-            usable = self.tp.size == 1 and len(complete) == len(specs) and list(self.rope_tables) == [None]
+            usable = self.tp.size == 1 and len(complete) == len(specs)
             self._runner = (self.backend.decoder_runner(complete) if usable else None,)
         return self._runner[0]
 

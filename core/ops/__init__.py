@@ -15,7 +15,7 @@ from lmport.ops.moe import fused_moe, moe_by_expert, route
 from lmport.ops.quant_linear import dequantize, quant_embedding, quant_linear
 from lmport.ops.ggml import dequantize_ggml, ggml_embedding, ggml_linear
 from lmport.ops.lora import LoraBatch, add_lora, build_lora_batch
-from lmport.ops.decoder import DecoderLayerSpec, DecoderRunner, Linears, LinearWeights
+from lmport.ops.decoder import DecoderLayerSpec, DecoderRunner, Linears, LinearWeights, Norm
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
 
@@ -24,5 +24,5 @@ __all__ = [
     "gather_kv", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe", "moe_by_expert", "route",
     "QuantizedWeight", "dequantize", "quant_linear", "quant_embedding",
     "GGMLWeight", "dequantize_ggml", "ggml_linear", "ggml_embedding", "DecoderLayerSpec", "DecoderRunner",
-    "LinearWeights", "Linears", "LoraBatch", "add_lora", "build_lora_batch",
+    "LinearWeights", "Linears", "Norm", "LoraBatch", "add_lora", "build_lora_batch",
 ]

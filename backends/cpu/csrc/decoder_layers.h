@@ -46,12 +46,24 @@ inline torch::Tensor run_parts(const std::vector<BoundLinear>& parts, const torc
   return torch::cat(outs, -1);
 }
 
+// An RMSNorm: the scale it applies and its epsilon.
+struct BoundNorm {
+  torch::Tensor weight;
+  double eps = 0;
+};
+
+// What a layer may leave out (q/k norms, norms on the attention's and MLP's outputs) passes x through.
+inline torch::Tensor norm(const c10::optional<BoundNorm>& n, const torch::Tensor& x) {
+  return n ? rms_norm(x, n->weight, n->eps) : x;
+}
+
 struct BoundLayer {
-  torch::Tensor input_norm, post_attention_norm;
-  double input_norm_eps = 0, post_attention_norm_eps = 0;
+  BoundNorm attention_norm, mlp_norm;
+  c10::optional<BoundNorm> q_norm, k_norm, attention_output_norm, mlp_output_norm;
   std::vector<BoundLinear> qkv, o, gate_up, down;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double scale = 0;
+  bool gelu_tanh = false;   // the MLP's activation: gelu with the tanh approximation, else silu
 };
 
 // The layers, bound once; ``run`` takes a step's hidden states through all of them.
@@ -59,30 +71,34 @@ class DecoderLayers {
  public:
   explicit DecoderLayers(std::vector<BoundLayer> layers) : layers_(std::move(layers)) {}
 
-  // x [T, hidden]; each layer's cache and attention window / soft cap (0 for none); the metadata
-  // tensors every layer shares (lmport.ops.AttentionMetadata).
-  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+  // x [T, hidden]; each layer's rotary cos / sin, cache and attention window / soft cap (0 for none);
+  // the metadata tensors every layer shares (lmport.ops.AttentionMetadata).
+  torch::Tensor run(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                     const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                     const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                     const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, const std::vector<int64_t>& windows,
                     const std::vector<double>& softcaps) const {
     const size_t n = layers_.size();
-    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n && windows.size() == n && softcaps.size() == n,
-                "decoder layers: ", n, " layers, got ", k_caches.size(), " K caches, ", v_caches.size(),
-                " V caches, ", windows.size(), " windows and ", softcaps.size(), " soft caps");
+    TORCH_CHECK(cos.size() == n && sin.size() == n && k_caches.size() == n && v_caches.size() == n &&
+                    windows.size() == n && softcaps.size() == n,
+                "decoder layers: ", n, " layers, got ", cos.size(), " cos, ", sin.size(), " sin, ", k_caches.size(),
+                " K caches, ", v_caches.size(), " V caches, ", windows.size(), " windows and ", softcaps.size(),
+                " soft caps");
     const int64_t t = x.size(0);
     for (size_t i = 0; i < n; ++i) {
       const BoundLayer& l = layers_[i];
-      auto qkv = run_parts(l.qkv, rms_norm(x, l.input_norm, l.input_norm_eps))
+      auto qkv = run_parts(l.qkv, rms_norm(x, l.attention_norm.weight, l.attention_norm.eps))
                      .view({t, -1, l.head_dim})
                      .split_with_sizes({l.num_heads, l.num_kv_heads, l.num_kv_heads}, 1);
-      auto [q, k] = apply_rotary(qkv[0], qkv[1], cos, sin);
+      auto [q, k] = apply_rotary(norm(l.q_norm, qkv[0]), norm(l.k_norm, qkv[1]), cos[i], sin[i]);
       fill_kv_cache(k, qkv[2], k_caches[i], v_caches[i], slot_mapping);
       const torch::Tensor out = paged_attention(q, k_caches[i], v_caches[i], block_tables, q_start_loc, kv_lens,
                                                 l.scale, windows[i], softcaps[i]);
-      x = x + run_parts(l.o, out.view({t, -1}));
-      auto gate_up = run_parts(l.gate_up, rms_norm(x, l.post_attention_norm, l.post_attention_norm_eps)).chunk(2, -1);
-      x = x + run_parts(l.down, silu_and_mul(gate_up[0], gate_up[1]));
+      x = x + norm(l.attention_output_norm, run_parts(l.o, out.view({t, -1})));
+      auto gate_up = run_parts(l.gate_up, rms_norm(x, l.mlp_norm.weight, l.mlp_norm.eps)).chunk(2, -1);
+      const torch::Tensor gated = l.gelu_tanh ? at::gelu(gate_up[0], "tanh") * gate_up[1]
+                                              : silu_and_mul(gate_up[0], gate_up[1]);
+      x = x + norm(l.mlp_output_norm, run_parts(l.down, gated));
     }
     return x;
   }

@@ -53,16 +53,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("scales") = py::none(),
            py::arg("mins") = py::none(), py::arg("bits") = 0, py::arg("group_size") = 0, py::arg("type") = "",
            py::arg("in_features") = 0);
+  py::class_<lmport::BoundNorm>(m, "BoundNorm", "an RMSNorm's scale and epsilon, bound for DecoderLayers",
+                                py::module_local())
+      .def(py::init([](torch::Tensor weight, double eps) { return lmport::BoundNorm{weight, eps}; }),
+           py::arg("weight"), py::arg("eps"));
   py::class_<lmport::BoundLayer>(m, "BoundLayer", "one decoder layer's weights and shape (lmport.ops.decoder)",
                                  py::module_local())
-      .def(py::init([](torch::Tensor input_norm, double input_norm_eps, std::vector<lmport::BoundLinear> qkv,
+      .def(py::init([](std::vector<c10::optional<lmport::BoundNorm>> norms, std::vector<lmport::BoundLinear> qkv,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                       std::vector<lmport::BoundLinear> o, torch::Tensor post_attention_norm,
-                       double post_attention_norm_eps, std::vector<lmport::BoundLinear> gate_up,
-                       std::vector<lmport::BoundLinear> down) {
-        return lmport::BoundLayer{input_norm, post_attention_norm, input_norm_eps, post_attention_norm_eps,
-                                  qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim, scale};
-      }));
+                       std::vector<lmport::BoundLinear> o, std::vector<lmport::BoundLinear> gate_up,
+                       std::vector<lmport::BoundLinear> down, bool gelu_tanh) {
+             // norms: attention, q, k, attention output, MLP, MLP output (decoder_runner.py's _norms)
+             TORCH_CHECK(norms.size() == 6 && norms[0] && norms[4], "BoundLayer: six norms, the attention's and "
+                         "the MLP's given");
+             lmport::BoundLayer l;
+             l.attention_norm = *norms[0], l.q_norm = norms[1], l.k_norm = norms[2];
+             l.attention_output_norm = norms[3], l.mlp_norm = *norms[4], l.mlp_output_norm = norms[5];
+             l.qkv = qkv, l.o = o, l.gate_up = gate_up, l.down = down;
+             l.num_heads = num_heads, l.num_kv_heads = num_kv_heads, l.head_dim = head_dim, l.scale = scale;
+             l.gelu_tanh = gelu_tanh;
+             return l;
+           }));
   py::class_<lmport::DecoderLayers>(m, "DecoderLayers", "a step's decoder layers in one call", py::module_local())
       .def(py::init<std::vector<lmport::BoundLayer>>())
       .def("run", &lmport::DecoderLayers::run, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
