@@ -1,8 +1,9 @@
 """Continuous batching: decode first, then new prompts, within a per-step token budget.
 
 While any running sequence is decoding, a step computes at most ``decode_prefill_tokens`` prompt tokens
-(256 by default) besides one token per decoding sequence, so a long prompt cannot stall the running streams
-for a whole ``max_prefill_token_num`` chunk; with nothing decoding, prompts get the whole budget.
+(EngineConfig's, 128 by default) besides one token per decoding sequence, so a long prompt cannot stall
+the running streams for a whole ``max_prefill_token_num`` chunk; with nothing decoding, prompts get the
+whole budget.
 
 A long prompt is prefilled in chunks across steps. When blocks run out, the
 most recently admitted running sequence is preempted: its blocks are freed,

@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
         return layer_spec(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
 
 
-# The MLP activations (config names) a decoder spec runs, by the spec's name for them.
+# The MLP activations a decoder spec runs: config name -> the spec's name.
 SPEC_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
