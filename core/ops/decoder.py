@@ -15,10 +15,12 @@ and the MLP's outputs)::
     [q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)]
     q, k = rotary(q, k, the layer's cos/sin); fill the KV cache with k, v
     h = o(paged_attention(q, cache, scale))
-    x = x + [rms_norm(h, attention_output_norm)]
+    [h = rms_norm(h, attention_output_norm)]
+    x = x + h
     gate, up = halves of gate_up(rms_norm(x, mlp_norm))
     h = down(act(gate) * up)              # act: silu, or gelu with the tanh approximation
-    x = x + [rms_norm(h, mlp_output_norm)]
+    [h = rms_norm(h, mlp_output_norm)]
+    x = x + h
 
 A norm's weight is the scale it applies (Gemma's stored weight plus one).
 The model's modules (lmport.models.llama) stay the reference: a runner must give what they give.
