@@ -186,8 +186,9 @@ class BlockManager:
         on_device = [e for e in hits if not e.on_host]
         on_host = [e for e in hits if e.on_host]
         # Held while blocks are made: the hits for good, ``last`` until its copy is queued (below).
-        held_on_device = on_device + [last] * (last is not None and not last.on_host)
-        held_on_host = on_host + [last] * (last is not None and last.on_host)
+        held = hits + ([last] if last is not None else [])
+        held_on_device = [e for e in held if not e.on_host]
+        held_on_host = [e for e in held if e.on_host]
         held_if_taken = sum(self.allocator.is_cached(e.block) for e in held_on_device)
         if self.blocks_for(computed + n) - len(on_device) > self.num_free - held_if_taken:
             return None
@@ -224,10 +225,7 @@ class BlockManager:
 
         if self.cache is not None:
             st.entries = hits
-            counts = {"device": len(on_device), "host": len(on_host), "miss": limit - len(hits)}
-            if last is not None:
-                counts["host" if last.on_host else "device"] += 1
-                counts["miss"] -= 1
+            counts = {"device": len(held_on_device), "host": len(held_on_host), "miss": limit - len(held)}
             for tier, count in counts.items():
                 seq.prefix_hits[tier] = seq.prefix_hits.get(tier, 0) + count
                 self.stats[f"lookup_{tier}"] += count
