@@ -53,7 +53,8 @@ def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLa
 
 def draft_bytes_per_block(config: EngineConfig) -> int:
     """Bytes of one block of a speculative draft model's cache (lmport.speculative.draft; 0 without a draft),
-    from the draft's config alone. The draft runs at tp=1: it is refused at tp > 1."""
+    from the draft's config alone. The draft runs whole (tp=1) on rank 0; under tensor parallelism every rank
+    plans with this cost, so the block count all ranks share (the smallest any plans) leaves rank 0 room for it."""
     spec = config.speculative
     if spec is None or spec.method != "draft" or spec.model is None:
         return 0

@@ -65,7 +65,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
     # The LoRA adapters' slots sit beside the weights (lmport.models.lora), allocated whether or not one is loaded.
     adapter_bytes = lora_bytes(model_cfg, resolved.max_loras, resolved.max_lora_rank, dtype)
-    # A draft model (tp=1 only) sits beside the weights too, and its cache mirrors the target's blocks.
+    # A draft model sits beside the weights too (whole, on rank 0; counted on every rank, as the engine plans it),
+    # and its cache mirrors the target's blocks.
     rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes + draft_weights,
                                 max(0, device_memory - w - adapter_bytes - draft_weights),
                                 activation_reserve(model_cfg, resolved), reserve_measured=False,

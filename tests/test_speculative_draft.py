@@ -53,7 +53,6 @@ def test_a_draft_that_cannot_draft_is_refused(tmp_path):
     cases = [
         (target, draft_spec(str(other)), {}, "has a vocabulary of 1000 tokens, the target"),
         (draft, draft_spec(target), {}, "is larger than the target"),
-        (target, draft_spec(draft), {"tp": 2}, "runs at tp=1 only"),
         (tiny_model_dir("mistral-sw32"), draft_spec(draft), {}, "every layer slides over 32 tokens"),
         (target, draft_spec(str(tmp_path / "missing")), {}, "speculative.model: model .* is neither a known name"),
     ]
@@ -135,6 +134,17 @@ def test_greedy_identical_under_preemption():
                                          speculative=draft_spec(tiny_draft_dir("llama")))
     assert usage["preemptions"] > 0 and usage["spec_accepted_tokens"] > 0
     assert [r.token_ids for r in spec] == plain("llama", 5)
+
+
+def test_greedy_identical_at_tp2():
+    """The target sharded over two ranks, the draft whole on rank 0: greedy output as without speculation at
+    tp=2, and both ranks' shared cache leaves the draft its mirror of every block."""
+    model, prompts = tiny_model_dir("llama"), repeating_prompts(6, seed=29)
+    plain_out, _, _ = generate(model, prompts, GREEDY, tp=2, cache_max_entry_count=100)
+    spec, usage, _ = generate(model, prompts, GREEDY, tp=2, cache_max_entry_count=100, check_blocks=True,
+                              speculative=draft_spec(tiny_draft_dir("llama")))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain_out]
+    assert 0 < usage["spec_accepted_tokens"] < usage["spec_proposed_tokens"], usage
 
 
 def test_greedy_identical_with_prefix_caching():

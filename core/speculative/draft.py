@@ -1,6 +1,7 @@
 """Draft-model proposals: a second, smaller model with the target's tokenizer proposes k tokens a step.
 
-The draft runs whole in the driver's process (rank 0's device) with its own KV cache. That cache mirrors
+The draft runs whole in the driver's process (rank 0's device, under tensor parallelism too) with its own KV
+cache. That cache mirrors
 the target's: it has as many blocks of the same size, and a sequence's draft K/V lives in the blocks of the
 sequence's own (target) block table. The block manager therefore keeps one set of tables for both models:
 a rollback, a preemption, a finish or a prefix-cache hit moves the draft's blocks with the target's, and no
@@ -52,9 +53,6 @@ def check_draft(model: str, config: EngineConfig) -> None:
     if spec is None or spec.model is None:
         raise ConfigError("check_draft needs config.speculative with method='draft' and a model")
     draft = spec.model
-    if config.tp > 1:
-        raise ConfigError(f"speculative.method='draft' runs at tp=1 only (tp={config.tp} asked): run the target "
-                          f"on one device, or use method='ngram', which works at any tp (docs/speculative.md)")
     try:
         path = resolve_model_path(draft)
     except ModelNotFound as exc:
