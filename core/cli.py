@@ -11,7 +11,7 @@ import logging
 import sys
 
 from lmport import registry
-from lmport.config import EngineConfig, GenerationConfig
+from lmport.config import SERVE_DECODE_PREFILL_TOKENS, EngineConfig, GenerationConfig
 from lmport.errors import ConfigError
 from lmport.flags import add_dataclass_flags, engine_config, gen_config
 from lmport.units import parse_bytes
@@ -201,8 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(p)
     add_dataclass_flags(p, EngineConfig, "engine")
     # A server sees the same system prompts and chat histories again and again: prefix caching is on unless
-    # --no-enable-prefix-caching (docs/server.md, "Prefix caching by default").
-    p.set_defaults(func=cmd_serve, **{"EngineConfig.enable_prefix_caching": True})
+    # --no-enable-prefix-caching (docs/server.md, "Prefix caching by default"). Its clients watch each stream: a
+    # step's prompt tokens are bounded so that none waits long between two tokens ("Steady streams").
+    p.set_defaults(func=cmd_serve, **{"EngineConfig.enable_prefix_caching": True,
+                                      "EngineConfig.decode_prefill_tokens": SERVE_DECODE_PREFILL_TOKENS})
 
     p = sub.add_parser("worker", help="the tensor-parallel ranks of one more node for an engine on node 0")
     p.add_argument("model", nargs="?", default="smollm2")

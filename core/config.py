@@ -21,6 +21,9 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("auto", "dequantize")
 MAX_LORA_RANK = 256
 EXECUTORS = ("mp", "ray")
+# `lmport serve`'s decode_prefill_tokens: a step of this many prompt tokens stays under a second for SmolLM2-135M
+# on a 2-core CPU, the bound on a stream's wait between two tokens (docs/server.md); a faster device can take more.
+SERVE_DECODE_PREFILL_TOKENS = 128
 
 
 class Adjustment(NamedTuple):
@@ -122,9 +125,10 @@ class EngineConfig:
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
     # Prompt tokens a step may compute while other sequences decode (decode-first chunked prefill): a running
-    # stream waits at most one such step between two tokens. 128 keeps that step under a second for
-    # SmolLM2-135M on a 2-core CPU (docs/server.md); a faster device can take more.
-    decode_prefill_tokens: int = 128
+    # stream waits at most one such step between two tokens. None: no bound but max_prefill_token_num, what an
+    # offline batch wants (the fewest, fullest steps). `lmport serve`, whose clients watch each stream, sets
+    # SERVE_DECODE_PREFILL_TOKENS (docs/server.md).
+    decode_prefill_tokens: int | None = None
     session_len: int | None = None           # None: the model's max_position_embeddings
     enable_prefix_caching: bool = False
     host_cache_gib: float = 0.0
@@ -165,9 +169,12 @@ class EngineConfig:
                f"(exact number of blocks), got {c!r}")
         _check(self.quant_policy in (0, 4, 8) and _is_int(self.quant_policy),
                f"quant_policy must be 0 (off), 8 (INT8) or 4 (INT4), got {self.quant_policy!r}")
-        for name in ("max_batch_size", "max_prefill_token_num", "decode_prefill_tokens", "tp", "nnodes"):
+        for name in ("max_batch_size", "max_prefill_token_num", "tp", "nnodes"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        d = self.decode_prefill_tokens
+        _check(d is None or (_is_int(d) and d >= 1),
+               f"decode_prefill_tokens must be an int >= 1 (or None for no bound), got {d!r}")
         _check(self.session_len is None or (_is_int(self.session_len) and self.session_len >= 1),
                f"session_len must be an int >= 1 (or None for the model's limit), got {self.session_len!r}")
         _check(self.weight_format in WEIGHT_FORMATS,

@@ -1,9 +1,9 @@
 """Continuous batching: decode first, then new prompts, within a per-step token budget.
 
 While any running sequence is decoding, a step computes at most ``decode_prefill_tokens`` prompt tokens
-(EngineConfig's, 128 by default) besides one token per decoding sequence, so a long prompt cannot stall
-the running streams for a whole ``max_prefill_token_num`` chunk; with nothing decoding, prompts get the
-whole budget.
+(EngineConfig's; ``lmport serve`` sets 128) besides one token per decoding sequence, so a long prompt cannot
+stall the running streams for a whole ``max_prefill_token_num`` chunk; with nothing decoding, or with no
+bound (None, the offline default: the fewest, fullest steps), prompts get the whole budget.
 
 A long prompt is prefilled in chunks across steps. When blocks run out, the
 most recently admitted running sequence is preempted: its blocks are freed,
@@ -22,7 +22,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmport.config import EngineConfig
 from lmport.paging.block_manager import BlockManager
 from lmport.sequence import Sequence, Status
 
@@ -38,17 +37,14 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
-# Prompt tokens a step may compute while other sequences decode: EngineConfig.decode_prefill_tokens' default.
-DECODE_PREFILL_TOKENS = EngineConfig.decode_prefill_tokens
-
-
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int,
-                 decode_prefill_tokens: int = DECODE_PREFILL_TOKENS):
+                 decode_prefill_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.token_budget = max_prefill_token_num
-        self.decode_prefill_tokens = max(1, min(decode_prefill_tokens, max_prefill_token_num))
+        bound = decode_prefill_tokens or max_prefill_token_num
+        self.decode_prefill_tokens = max(1, min(bound, max_prefill_token_num))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.num_preemptions = 0

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from lmport.config import EngineConfig
+from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_model_dir
@@ -427,6 +427,28 @@ def test_a_long_prompt_is_prefilled_in_bounded_chunks_while_others_decode():
         assert all(s.get("stream") == 1 for s in steps if "long" in s and "stream" in engine.seqs)
     finally:
         engine.close()
+
+
+def test_the_server_bounds_prefill_beside_streams_and_the_offline_engine_does_not():
+    """`lmport serve` defaults to SERVE_DECODE_PREFILL_TOKENS; EngineConfig's default (offline use) leaves a step's
+    prompt tokens bounded by max_prefill_token_num alone, decoding sequences or not."""
+    from lmport.cli import build_parser
+    from lmport.config import SERVE_DECODE_PREFILL_TOKENS
+    from lmport.flags import engine_config
+    from lmport.paging.block_manager import BlockManager
+    from lmport.scheduler import Scheduler
+    from lmport.sequence import Sequence
+    assert engine_config(build_parser().parse_args(["serve"])).decode_prefill_tokens == SERVE_DECODE_PREFILL_TOKENS
+    assert engine_config(build_parser().parse_args(["generate", "hi"])).decode_prefill_tokens is None
+    for bound, expected in ((SERVE_DECODE_PREFILL_TOKENS, SERVE_DECODE_PREFILL_TOKENS), (None, 256 - 1)):
+        scheduler = Scheduler(BlockManager(num_blocks=64, block_size=16), 8, 256, bound)
+        stream = Sequence("stream", [1, 2, 3], GenerationConfig(max_new_tokens=8))
+        scheduler.add(stream)
+        scheduler.schedule()
+        stream.num_computed, stream.output_ids = 3, [4]   # its prompt computed, one token sampled: decoding
+        scheduler.add(Sequence("long", list(range(5, 605)), GenerationConfig(max_new_tokens=2)))
+        batch = scheduler.schedule()
+        assert dict(zip((s.request_id for s in batch.seqs), batch.num_new)) == {"stream": 1, "long": expected}
 
 
 def test_admission_counts_choices():
