@@ -3,8 +3,9 @@
 Starts `lmport serve MODEL` (default: the default model) on a free 127.0.0.1 port. For each case, while the case's
 request runs, a bystander keeps one stream decoding and /health is polled; the table gives the case's answer (status
 and the start of its error message), how long it took, the slowest /health answer, the longest gap between the
-bystander's chunks, and how much the server's resident memory (the server process and its children) grew. The
-"reported before" column quotes the findings the cases come from.
+bystander's chunks, and how much the server's resident memory (the server process and its children) grew; the
+JSON keeps each process's part at the start and at the peak. The "reported before" column quotes the findings
+the cases come from.
 
 Targets: no case keeps /health or the bystander waiting more than 1 s, no case grows RSS by more than 256 MB, a
 client that stops reading is cut within the send timeout and frees its slots, and no response is a 500.
@@ -36,19 +37,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (the server may run the engine in a child)."""
-    total, todo = 0, [pid]
+    """Resident bytes of a process and all its descendants (the server runs its engine core in a child)."""
+    return sum(rss_by_process(pid).values())
+
+
+def rss_by_process(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and of each of its descendants, by "pid name"."""
+    sizes, todo = {}, [pid]
     while todo:
         p = todo.pop()
         try:
             with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            sizes[f"{p} {fields['Name'].strip()}"] = int(fields["VmRSS"].split()[0]) * 1024
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
-        except (OSError, StopIteration):
+        except (OSError, KeyError):
             pass
-    return total
+    return sizes
 
 
 class Bystander:
@@ -58,8 +65,9 @@ class Bystander:
         self.url, self.model, self.pid = url, model, pid
 
     async def __aenter__(self):
-        self.running, self.gap, self.health, self.rss_peak = True, 0.0, 0.0, tree_rss(self.pid)
-        self.rss_start = self.rss_peak
+        self.running, self.gap, self.health = True, 0.0, 0.0
+        # The tree's RSS at the start and at its peak, each process's part kept: which one grew, or appeared.
+        self.rss_start = self.rss_peak = rss_by_process(self.pid)
         self.tasks = [asyncio.create_task(f()) for f in (self._stream, self._health, self._rss)]
         await asyncio.sleep(1.0)    # the bystander is decoding before the case starts
         return self
@@ -94,7 +102,9 @@ class Bystander:
 
     async def _rss(self):
         while self.running:
-            self.rss_peak = max(self.rss_peak, tree_rss(self.pid))
+            now = rss_by_process(self.pid)
+            if sum(now.values()) > sum(self.rss_peak.values()):
+                self.rss_peak = now
             await asyncio.sleep(0.1)
 
 
@@ -279,7 +289,9 @@ async def run(url: str, model: str, pid: int, names: list[str]) -> list[dict]:
         rows.append({"case": name, "what": getattr(Cases, method).__doc__, "before": before, "answer": result,
                      "took_s": round(took, 2), "health_max_s": round(watch.health, 3),
                      "bystander_gap_max_s": round(watch.gap, 3),
-                     "rss_growth_mib": round((watch.rss_peak - watch.rss_start) / 2**20, 1)})
+                     "rss_growth_mib": round((sum(watch.rss_peak.values()) - sum(watch.rss_start.values())) / 2**20, 1),
+                     "rss_mib_by_process": {when: {p: round(b / 2**20, 1) for p, b in sizes.items()}
+                                            for when, sizes in (("start", watch.rss_start), ("peak", watch.rss_peak))}})
         print(f"{name}: {rows[-1]}", file=sys.stderr)
     await cases.http.aclose()
     return rows
