@@ -151,6 +151,10 @@ class Backend:
         ``fn`` is not run and the engine uses an estimate of the activation reserve)."""
         return None
 
+    def prepare(self) -> None:
+        """Called once a rank's model is loaded, before the engine serves: what the ops need and the backend
+        makes on first use (compiled kernels) is made now, so that no request waits on it. Default: nothing."""
+
     def pin_host_memory(self) -> bool:
         """Whether the host pool of the prefix cache should be pinned."""
         return self.device_module is not None and self.device.type != "cpu"

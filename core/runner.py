@@ -51,6 +51,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
         self.model, self.model_config = self.loaded.model, self.loaded.config
+        backend.prepare()
         # LoRA adapters' slots (docs/lora.md), wrapped around the projections before the first forward.
         self.lora = (LoraLayers(self.model, config.max_loras, config.max_lora_rank, self.dtype)
                      if config.max_loras else None)

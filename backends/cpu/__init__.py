@@ -48,6 +48,11 @@ class CpuBackend(Backend):
         super().__init__(device)
         malloc.keep_freed_memory()
 
+    def prepare(self) -> None:
+        # The compiled kernels are built on their first use in a source version (a compiler of about 2 GB for
+        # a minute): at load, not inside the first request.
+        kernels.load()
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         small = x.dim() == 2 and x.shape[0] <= SMALL_BATCH_TOKENS and kernels.small_linear_takes(x.shape[1])
         compiled = _compiled_for(x, weight, *([] if bias is None else [bias])) if small else None

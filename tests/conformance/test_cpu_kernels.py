@@ -113,6 +113,21 @@ def test_kernels_off_by_environment():
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
 
 
+def test_the_engine_loads_the_kernels_before_its_first_request(monkeypatch):
+    """A build (a compiler of about 2 GB for a minute) must not happen inside the first request a server
+    takes: the engine has the kernels once it is constructed, before any step."""
+    from lmport.config import EngineConfig
+    from lmport.engine import Engine
+    from support.model_helpers import tiny_model_dir
+    loads = []
+    monkeypatch.setattr(kernels, "load", lambda: loads.append(1))
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", cache_max_entry_count=32))
+    try:
+        assert loads and engine.stats["steps"] == 0
+    finally:
+        engine.close()
+
+
 def test_one_build_per_source_version_wherever_the_sources_lie(tmp_path):
     """The build compiles a copy of csrc kept in its own directory, made once: a build file naming the
     copy is the same for every checkout, and an untouched copy gives ninja nothing to rebuild."""
