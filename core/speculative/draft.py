@@ -1,13 +1,13 @@
 """Draft-model proposals: a second, smaller model with the target's tokenizer proposes k tokens a step.
 
 The draft runs whole in the driver's process (rank 0's device, under tensor parallelism too) with its own KV
-cache. That cache mirrors
-the target's: it has as many blocks of the same size, and a sequence's draft K/V lives in the blocks of the
-sequence's own (target) block table. The block manager therefore keeps one set of tables for both models:
-a rollback, a preemption, a finish or a prefix-cache hit moves the draft's blocks with the target's, and no
-draft block can leak. What the draft keeps per sequence is how many of its tokens it has computed (and
-the preemption count it computed them under); the next proposal first computes the rest ("catch-up": a new
-prompt, the tokens accepted last step, everything after a preemption), then the proposal itself.
+cache. That cache mirrors the target's: it has as many blocks of the same size, and a sequence's draft K/V
+lives in the blocks of the sequence's own (target) block table. The block manager therefore keeps one set of
+tables for both models: a rollback, a preemption, a finish or a prefix-cache hit moves the draft's blocks with
+the target's, and no draft block can leak. What the draft keeps per sequence is how many of its tokens it has
+computed (and the preemption count it computed them under); the next proposal first computes the rest
+("catch-up": a new prompt, the tokens accepted last step, everything after a preemption), then the proposal
+itself.
 
 Proposals are made for all speculating sequences together: one batched catch-up forward (chunked at
 ``max_prefill_token_num`` tokens), then one batched single-token forward for each further proposed token.
