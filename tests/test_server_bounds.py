@@ -451,6 +451,13 @@ def test_the_server_bounds_prefill_beside_streams_and_the_offline_engine_does_no
         assert dict(zip((s.request_id for s in batch.seqs), batch.num_new)) == {"stream": 1, "long": expected}
 
 
+@pytest.mark.parametrize("value", [0, -3, "x", 2.5, True])
+def test_a_bad_decode_prefill_bound_is_refused_naming_the_field(value):
+    from lmport.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"decode_prefill_tokens must be an int >= 1 \(or None for no bound\)"):
+        EngineConfig(decode_prefill_tokens=value)
+
+
 def test_admission_counts_choices():
     from lmport.server.limits import Admission
     from lmport.server.protocol import APIError
