@@ -33,10 +33,13 @@ def openai_reference(prompt: list[int], steps: int, presence: float, frequency: 
             if generator is None:
                 out.append(int(logits.argmax()))
             else:
-                # The engine's draw: the exponential race, argmax p / E with E = -log U, U uniform in float64.
-                probs = (logits / temperature).softmax(-1)
-                exponentials = (-torch.rand(len(probs), dtype=torch.float64, generator=generator).log()).float()
-                out.append(int((probs / exponentials).argmax()))
+                # The engine's draw: the exponential race (argmax p / E, E = -log U, U uniform in float64) among
+                # chunks of 1024 tokens by their masses, then among the winning chunk's tokens.
+                probs = (logits / temperature).softmax(-1).double()
+                chunks = probs.view(-1, 1024)
+                e = -torch.rand(len(chunks) + 1024, dtype=torch.float64, generator=generator).log()
+                chunk = int((chunks.sum(-1) / e[:len(chunks)]).argmax())
+                out.append(chunk * 1024 + int((chunks[chunk] / e[len(chunks):]).argmax()))
     return out
 
 

@@ -100,7 +100,7 @@ def test_filter_equals_a_full_sort_of_every_row():
 
 
 def test_draw_follows_the_distribution_and_is_each_rows_own():
-    from lmport.sampling import draw
+    from lmport.sampling import DRAW_CHUNK, draw
     probs = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 6.0]])   # unnormalised too
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     counts = torch.zeros(3, 4)
@@ -113,3 +113,11 @@ def test_draw_follows_the_distribution_and_is_each_rows_own():
     alone = [int(draw(probs[:1], [alone_gen])[0]) for _ in range(50)]
     together = [int(draw(probs[[2, 0]], [other, mine])[1]) for _ in range(50)]
     assert alone == together and len(set(alone)) == 3
+    # Over chunks of DRAW_CHUNK tokens: one without mass between two with, the last one padded.
+    wide = torch.zeros(1, 2 * DRAW_CHUNK + 500)
+    where = [3, 2 * DRAW_CHUNK + 7, 2 * DRAW_CHUNK + 499]
+    wide[0, where] = torch.tensor([0.2, 0.5, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    drawn = torch.cat([draw(wide, [gen]) for _ in range(4000)])
+    assert set(drawn.tolist()) == set(where)
+    assert torch.allclose(torch.stack([(drawn == w).float().mean() for w in where]), wide[0, where], atol=0.03)
