@@ -143,7 +143,7 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = _filter(rows, torch.tensor([min(c.top_k, vocab) for c in cfgs], device=dev),
                    torch.tensor([c.top_p for c in cfgs], device=dev),
                    torch.tensor([c.min_p for c in cfgs], device=dev))
-    return rows.softmax(-1).nan_to_num(nan=0.0)
+    return rows.softmax(-1).nan_to_num_(nan=0.0)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], torch.Tensor] | None = None
@@ -154,17 +154,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], t
     """
     raw = logits.float()
     logits = adjusted_logits(raw, seqs, masks)
-    # max's indices, not argmax: the same first index of the largest value, and faster on cpu.
-    tokens = logits.max(-1).indices
+    tokens: dict[int, int] = {}
     sampled = [i for i, s in enumerate(seqs) if samples(s)]
     if sampled:
         probs = sampling_probs(rows_of(logits, sampled), [seqs[i] for i in sampled])
         usable = (probs.sum(-1) > 0).tolist()   # otherwise the greedy token stands
         drawn = [j for j, ok in enumerate(usable) if ok]
         if drawn:
-            tokens[[sampled[j] for j in drawn]] = draw(rows_of(probs, drawn), [seqs[sampled[j]].generator
-                                                                               for j in drawn])
-    token_list = tokens.tolist()
+            chosen = draw(rows_of(probs, drawn), [seqs[sampled[j]].generator for j in drawn]).tolist()
+            tokens = {sampled[j]: token for j, token in zip(drawn, chosen)}
+    greedy = [i for i in range(len(seqs)) if i not in tokens]
+    if greedy:
+        # max's indices, not argmax: the same first index of the largest value, and faster on cpu.
+        tokens.update(zip(greedy, rows_of(logits, greedy).max(-1).indices.tolist()))
+    token_list = [tokens[i] for i in range(len(seqs))]
     return token_list, token_logprobs(raw, seqs, token_list)
 
 
