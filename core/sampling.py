@@ -181,9 +181,9 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     with its own generator by the exponential race, argmax p / E over E ~ Exp(1) (E = -log U, U a float64
     uniform), in two rounds: among chunks of DRAW_CHUNK tokens by their masses, then among the tokens of the
     chunk that won. A token's chance is its chunk's times its share of the chunk, as in one race over the
-    vocabulary, for a fortieth of the random numbers (torch.multinomial takes one a token). As in one race, a
+    vocabulary, for a fortieth of the random numbers (torch.multinomial takes one a token). As in one race, the
     winner changes only where two ratios are within rounding of each other, so logits that differ in their
-    last bits (in another batch) still draw the same token.
+    last bits (in another batch) almost always draw the same token.
 
     Each request's generator gives the same tokens whatever else is in the batch, and a token of probability
     0 is never drawn.
