@@ -40,18 +40,23 @@ def one_round(engine, prompts: list[list[int]], concurrency: int, config) -> dic
 
     engine._sample = timed_sample
     waiting = iter(enumerate(prompts))
-    tokens, steps = 0, []
     start = time.perf_counter()
-    for i, ids in (next(waiting) for _ in range(min(concurrency, len(prompts)))):
-        engine.add_request(ids, config, request_id=f"c{start}-{i}")
+
+    def add_next() -> None:
+        if (item := next(waiting, None)) is not None:
+            engine.add_request(item[1], config, request_id=f"c{start}-{item[0]}")
+
+    for _ in range(concurrency):
+        add_next()
+    tokens, steps = 0, []
     while engine.has_unfinished():
         t = time.perf_counter()
         outputs = engine.step()
         steps.append(time.perf_counter() - t)
         for out in outputs:
             tokens += len(out.delta_token_ids)
-            if out.finished and (nxt := next(waiting, None)) is not None:
-                engine.add_request(nxt[1], config, request_id=f"c{start}-{nxt[0]}")
+            if out.finished:
+                add_next()
     wall = time.perf_counter() - start
     del engine._sample
     return {"output_tokens_per_s": tokens / wall, "wall_s": wall, "steps": len(steps),
