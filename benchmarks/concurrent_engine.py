@@ -64,10 +64,6 @@ def one_round(engine, prompts: list[list[int]], concurrency: int, config) -> dic
             "sample_median_ms": statistics.median(sample_times) * 1e3 if sample_times else 0.0}
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -108,7 +104,7 @@ def main() -> int:
     print("| metric | median (min-max) |\n|---|---|")
     for key, name in (("output_tokens_per_s", "output tok/s"), ("step_median_ms", "step ms (median of a round)"),
                       ("sample_median_ms", "Engine._sample ms a call (median of a round)")):
-        print(f"| {name} | {spread([r[key] for r in rounds])} |")
+        print(f"| {name} | {machine.spread([r[key] for r in rounds], '.2f')} |")
     machine.write_result(Path(args.out), {"args": vars(args), "rounds": rounds, "machine": info})
     return 0
 

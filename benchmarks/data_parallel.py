@@ -27,7 +27,6 @@ import asyncio
 import os
 import platform
 import random
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -38,7 +37,7 @@ from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine_client import EngineClient
 from lmport.engine_messages import EngineRequest
 from lmport.models.loader import load_tokenizer
-from machine import write_result
+from machine import spread, write_result
 
 TEXT = ("Follow these rules in every answer. Be accurate and say so when you are unsure. Prefer short, direct "
         "sentences. When a question involves arithmetic, show the steps. Never invent references. ")
@@ -105,10 +104,6 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/machine.py
+from machine import spread  # noqa: E402
 
 LMPORT_CHILD = r"""
 import sys
@@ -216,8 +217,7 @@ def requantize(bin_dir: Path, source: Path, kind: str, cache: Path) -> Path:
 
 
 def summary(rounds: list[dict], key: str) -> str:
-    values = [r[key] for r in rounds]
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return spread([r[key] for r in rounds], ".2f")
 
 
 def main() -> None:
@@ -282,7 +282,7 @@ def main() -> None:
             kv = statistics.median(r.get("kv_bytes", 0) for r in rounds)
             ratio = statistics.median(rss) * mib / (f["tensor_bytes"] + kv)
             print(f"| {f['file']} | {f['tensor_bytes'] / mib:.1f} | {name} | {summary(rounds, 'seconds')} | "
-                  f"{statistics.median(rss):.0f} ({min(rss):.0f}-{max(rss):.0f}) | {ratio:.2f}x | "
+                  f"{spread(rss, '.0f')} | {ratio:.2f}x | "
                   f"{statistics.median(r['written'] for r in rounds) / mib:.1f} |")
         cold = {e: statistics.median(r["seconds"] for r in f["runs"][f"{e} cold"]) for e in ("llama.cpp", "lmport")}
         print(f"| {f['file']} | | cold first token, lmport / llama.cpp | {cold['lmport'] / cold['llama.cpp']:.1f}x | "

@@ -66,6 +66,13 @@ def line(info: dict) -> str:
             f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
 
 
+def spread(values: list[float], fmt: str = ".3g") -> str:
+    """A benchmark's rounds as "median (min-max)", each in ``fmt``; "-" for none."""
+    if not values:
+        return "-"
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
 def write_result(out: Path, result) -> None:
     """A benchmark's result as JSON at ``out`` (its directory made), and where it went on stderr."""
     out = Path(out)

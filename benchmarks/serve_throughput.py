@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,25 +123,19 @@ def stop(proc: subprocess.Popen | None) -> None:
             proc.kill()
 
 
-def spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
-
-
 def table(rounds: list[list[dict]]) -> str:
     names = [r["column"] for r in rounds[0]]
     lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label, key in (("output tok/s", "output_tokens_per_s"), ("requests/s", "requests_per_s"),
                        ("TTFT p50 s", "ttft_p50_s"), ("TTFT p99 s", "ttft_p99_s"), ("wall s", "wall_s")):
-        cells = [spread([r[key] for rnd in rounds for r in rnd if r["column"] == name and r[key] is not None])
+        cells = [machine.spread([r[key] for rnd in rounds for r in rnd if r["column"] == name and r[key] is not None])
                  for name in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     engine = [r["output_tokens_per_s"] for rnd in rounds for r in rnd if r["column"] == "engine"]
     for name in names[1:]:
         ratios = [s["output_tokens_per_s"] / e["output_tokens_per_s"] for rnd in rounds
                   for e in rnd if e["column"] == "engine" for s in rnd if s["column"] == name]
-        lines.append(f"\n{name} / engine, output tok/s, per round: {spread(ratios)}")
+        lines.append(f"\n{name} / engine, output tok/s, per round: {machine.spread(ratios)}")
     if not engine:
         lines.append("\n(no engine column)")
     return "\n".join(lines)
