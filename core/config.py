@@ -133,7 +133,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     host_cache_gib: float = 0.0
     tp: int = 1
-    eager_mode: bool = True                  # False: decode steps replay captured graphs where the backend can
+    # False: decode steps replay captured graphs; True: every step runs eagerly; None: graphs where the backend
+    # captures them (Capabilities.decode_graphs, at tp=1 without LoRA), as LMDeploy and vLLM default on CUDA.
+    eager_mode: bool | None = None
     # "auto": a quantized checkpoint keeps its 4-/8-bit weights (docs/weight-quantization.md);
     # "dequantize": its weights are dequantized to dtype at load (for a backend without its format).
     weight_format: str = "auto"
@@ -204,7 +206,8 @@ class EngineConfig:
                f"(nnodes={self.nnodes} is for the 'mp' executor with `lmport worker` on each node)")
         _check(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address),
                f"ray_address must be 'auto', HOST:PORT or ray://HOST:PORT of a Ray cluster, got {self.ray_address!r}")
-        _check(isinstance(self.eager_mode, bool), f"eager_mode must be True or False, got {self.eager_mode!r}")
+        _check(self.eager_mode is None or isinstance(self.eager_mode, bool),
+               f"eager_mode must be True, False or None (the backend's choice), got {self.eager_mode!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)

@@ -30,12 +30,12 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
             adjustments.append(Adjustment("block_size", config.block_size, caps.block_size_forced,
                                           f"{caps.device_type} requires block size {caps.block_size_forced}"))
         block_size = caps.block_size_forced
+    no_graphs = _why_no_graphs(config, caps)
     eager_mode = config.eager_mode
-    if not eager_mode and (not caps.decode_graphs or config.tp > 1 or config.max_loras):
-        why = (f"{caps.device_type} does not capture decode steps" if not caps.decode_graphs
-               else f"decode steps are captured at tp=1 only (tp={config.tp})" if config.tp > 1
-               else f"captured decode steps take no LoRA adapters (max_loras={config.max_loras})")
-        adjustments.append(Adjustment("eager_mode", False, True, why + "; every step runs eagerly"))
+    if eager_mode is None:   # the backend's choice: graphs where they run
+        eager_mode = no_graphs is not None
+    elif not eager_mode and no_graphs is not None:
+        adjustments.append(Adjustment("eager_mode", False, True, no_graphs + "; every step runs eagerly"))
         eager_mode = True
     for a in adjustments:
         log.warning("config adjusted: %s %r -> %r (%s)", *a)
@@ -45,6 +45,17 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         cache_max_entry_count=(caps.default_cache_max_entry_count if config.cache_max_entry_count is None
                                else config.cache_max_entry_count),
         adjustments=tuple(adjustments), resolved_backend=backend_cls)
+
+
+def _why_no_graphs(config: EngineConfig, caps: Capabilities) -> str | None:
+    """Why decode steps cannot be captured as graphs with ``config`` on ``caps``; None where they can."""
+    if not caps.decode_graphs:
+        return f"{caps.device_type} does not capture decode steps"
+    if config.tp > 1:
+        return f"decode steps are captured at tp=1 only (tp={config.tp})"
+    if config.max_loras:
+        return f"captured decode steps take no LoRA adapters (max_loras={config.max_loras})"
+    return None
 
 
 def check_against(config: EngineConfig, caps: Capabilities) -> None:

@@ -27,7 +27,18 @@ def test_eager_mode_false_is_honoured_or_adjusted(name):
         assert "does not capture" in adjusted[0].reason
     # Resolution runs once (a resolved config passes through); eager_mode=True is never adjusted.
     assert resolve_config(resolved) is resolved
-    assert resolve_config(EngineConfig(device_type=name)).eager_mode is True
+    eager = resolve_config(EngineConfig(device_type=name, eager_mode=True))
+    assert eager.eager_mode is True and not [a for a in eager.adjustments if a.field == "eager_mode"]
+
+
+@pytest.mark.parametrize("name", registry.backend_names())
+def test_by_default_graphs_where_the_backend_captures_them(name):
+    resolved = resolve_config(EngineConfig(device_type=name))
+    assert resolved.eager_mode is (not registry.load_backend_class(name).capabilities.decode_graphs)
+    assert not [a for a in resolved.adjustments if a.field == "eager_mode"]   # nobody asked: nothing to report
+    if name == "cuda":
+        assert resolve_config(EngineConfig(device_type="cuda", tp=2)).eager_mode is True
+        assert resolve_config(EngineConfig(device_type="cuda", max_loras=1)).eager_mode is True
 
 
 def test_cuda_captures_cpu_does_not():
@@ -41,7 +52,7 @@ def test_tensor_parallel_runs_eagerly():
     assert "tp=1 only" in resolved.adjustments[0].reason
 
 
-def test_eager_mode_must_be_a_bool():
+def test_eager_mode_must_be_a_bool_or_none():
     from lmport.config import ConfigError
     with pytest.raises(ConfigError, match="eager_mode"):
         EngineConfig(eager_mode="no")

@@ -5,6 +5,7 @@ import json
 from unittest import mock
 
 import pytest
+import torch
 import transformers
 from transformers import modeling_gguf_pytorch_utils
 
@@ -81,6 +82,24 @@ def test_tiny_model_plan_matches_the_engine(config):
     assert report["kv"]["bytes_per_block"] == engine.layout.bytes_per_block
     if isinstance(config.cache_max_entry_count, int):
         assert engine.plan.num_blocks == config.cache_max_entry_count
+
+
+@pytest.mark.parametrize("model", ["gemma3", "smollm2"])
+def test_a_tied_head_stays_one_tensor_on_the_device(model):
+    """The plan counts a tied LM head once; so must the device. Module.to moves each parameter and buffer on
+    its own (a copy, as a move to a GPU is): the tied head would be held twice, as it was on an H100. The loader
+    moves shared tensors once. A clone stands in for the device move here."""
+    from lmport.models.loader import load_model, move_keeping_shared, resident_bytes
+    path = tiny_model_dir("gemma3") if model == "gemma3" else "smollm2"   # float tensors / the GGUF's blocks
+    loaded = load_model(path, CpuBackend(), torch.float32)
+    embed = loaded.config.vocab_size * loaded.config.hidden_size
+    assert loaded.weight_bytes == resident_bytes(loaded.model)
+    twice = load_model(path, CpuBackend(), torch.float32).model
+    twice._apply(lambda t: t.clone())
+    assert resident_bytes(twice) > loaded.weight_bytes + embed // 8   # what Module.to does: the head twice
+    move_keeping_shared(loaded.model, lambda t: t.clone())
+    assert resident_bytes(loaded.model) == loaded.weight_bytes
+    assert loaded.model.lm_head.forward(torch.ones(1, loaded.config.hidden_size)).shape[-1] == loaded.config.vocab_size
 
 
 @pytest.mark.parametrize("model_cfg,window_blocks", [

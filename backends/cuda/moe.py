@@ -54,7 +54,9 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Ten
     the last group). Sized by the upper bound pairs + experts * (block_m - 1), so nothing syncs."""
     flat = ids.flatten()
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host, which a graph capture refuses.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded

@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer kernel shapes")
     ap.add_argument("--layers", type=int, default=32, help="layers of the Llama-3-8B-shaped model (32: all)")
     ap.add_argument("--requests", type=int, default=512, help="requests of the throughput and quant steps")
+    ap.add_argument("--models", default=None, help="comma-separated: the parity step's models only (llama, qwen2, "
+                                                   "qwen3, mistral, gemma3, qwen3-moe, default)")
     args = ap.parse_args()
     t0 = time.monotonic()
     wanted = [s for s in args.steps.split(",") if s]
@@ -179,6 +181,8 @@ def main() -> int:
     extra = [f"--layers={args.layers}", f"--requests={args.requests}"] + (["--quick"] if args.quick else [])
     if args.default_model:
         extra.append(f"--default-model={args.default_model}")
+    if args.models:
+        extra.append(f"--models={args.models}")
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"
         extra.append("--smoke")

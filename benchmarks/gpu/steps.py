@@ -8,6 +8,7 @@ interpreter, so its code cannot rot, and says so in its reason: no figure of a s
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -192,21 +193,36 @@ def lmport_greedy(model: str, dtype: str, batch: list[list[int]], new: int, **co
     return [r.token_ids for r in out], info
 
 
-def hf_greedy(model: str, dtype: str, batch: list[list[int]], new: int) -> list[list[int]]:
+def hf_greedy(model: str, dtype: str, batch: list[list[int]], new: int) -> tuple[list[list[int]], list]:
+    """transformers' greedy tokens and, per prompt, its logits at each new token (to judge a divergence)."""
     from transformers import AutoModelForCausalLM
     path = Path(model)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     hf = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, dtype=getattr(torch, dtype), **kwargs)
     hf = hf.to(device()).eval()
-    out = []
+    # No stop token, as lmport's ignore_eos ([]: None falls back to the model's EOS). min_new_tokens would instead
+    # forbid the EOS token, which lmport may pick (and did, on the tiny Qwen2 at float32).
+    greedy = copy.deepcopy(hf.generation_config)
+    greedy.update(max_new_tokens=new, do_sample=False, eos_token_id=[], pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    out, logits = [], []
     with torch.inference_mode():
         for ids in batch:
             x = torch.tensor([ids], device=device())
-            gen = hf.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                              attention_mask=torch.ones_like(x), pad_token_id=0)
-            out.append(gen[0, len(ids):].tolist())
+            gen = hf.generate(x, generation_config=greedy, attention_mask=torch.ones_like(x))
+            out.append(gen.sequences[0, len(ids):].tolist())
+            assert len(out[-1]) == new
+            logits.append([step[0].float().cpu() for step in gen.logits])
     del hf
-    return out
+    return out, logits
+
+
+def logit_gap(logits, at: int | None, theirs: list[int], ours: list[int]) -> float | None:
+    """How far transformers' own logits put its token above ours where the two first differ: a gap within
+    the dtype's rounding is a near-tie that either engine may break either way."""
+    if at is None or at >= len(logits) or at >= len(ours):
+        return None
+    return float(logits[at][theirs[at]] - logits[at][ours[at]])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -215,7 +231,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def step_parity(args) -> dict:
     if GPU:
-        archs, dtypes, batch, new = (*kit_models.TINY_ARCHS, "default"), DTYPES, prompts(), 32
+        archs, dtypes, batch, new = args.models or (*kit_models.TINY_ARCHS, "default"), DTYPES, prompts(), 32
     elif args.smoke:
         archs, dtypes, batch, new = ("llama", "gemma3"), ("float32",), prompts((1, 7)), 3
     else:
@@ -229,11 +245,12 @@ def step_parity(args) -> dict:
         for dtype in dtypes:
             row: dict = {"model": arch, "what": what, "dtype": dtype}
             try:
-                ours, _ = lmport_greedy(model, dtype, batch, new)
-                theirs = hf_greedy(model, dtype, batch, new)
+                ours, _ = lmport_greedy(model, dtype, batch, new, max_batch_size=8)
+                theirs, logits = hf_greedy(model, dtype, batch, new)
                 div = [first_divergence(a, b) for a, b in zip(ours, theirs)]
                 row.update(prompts=len(batch), new_tokens=new, identical=sum(d is None for d in div),
-                           first_divergence=div)
+                           first_divergence=div,
+                           logit_gap=[logit_gap(g, d, t, o) for g, d, t, o in zip(logits, div, theirs, ours)])
                 if dtype == "float32" and any(d is not None for d in div):
                     problems.append(f"{arch} float32: {row['identical']}/{len(batch)} identical")
             except Exception as exc:
@@ -285,7 +302,7 @@ def step_graphs(args) -> dict:
         for n in sizes:
             batch = prompts(tuple(5 + 3 * i for i in range(n)))
             new = 16 if GPU else 3
-            eager, _ = lmport_greedy(model, dtype, batch, new, max_batch_size=32)
+            eager, _ = lmport_greedy(model, dtype, batch, new, max_batch_size=32, eager_mode=True)
             graphs, info = lmport_greedy(model, dtype, batch, new, max_batch_size=32, eager_mode=False)
             row = {"model": arch, "dtype": dtype, "batch": n, "identical": eager == graphs, **info}
             print(json.dumps(row), flush=True)
@@ -462,9 +479,10 @@ def step_throughput(args) -> dict:
     tp = throughput_module()
     model = str(kit_models.llama3_8b_dir(args.layers))
     requests = workload(args.requests)
-    rows = [run_engine(model, requests, max_batch_size=256, max_prefill_token_num=8192) | {"engine": "lmport"}]
-    rows.append(run_engine(model, requests, max_batch_size=256, max_prefill_token_num=8192, eager_mode=False)
-                | {"engine": "lmport (CUDA graphs)"})
+    rows = [run_engine(model, requests, max_batch_size=256, max_prefill_token_num=8192, eager_mode=True)
+            | {"engine": "lmport (eager)"}]
+    rows.append(run_engine(model, requests, max_batch_size=256, max_prefill_token_num=8192)
+                | {"engine": "lmport (CUDA graphs, the default)"})
     print(json.dumps(rows), flush=True)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
     for name, fn in (("generate", lambda: hf_generate_padded(hf, requests, 64)),
@@ -570,6 +588,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer kernel shapes")
     ap.add_argument("--layers", type=int, default=32, help="layers of the Llama-3-8B-shaped model")
     ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--models", type=lambda v: v.split(","), default=None, help="the parity step's models only")
     ap.add_argument("--kv-blocks", type=int, default=160, help="policy 0's cache blocks in the quant step")
     args = ap.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,8 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
             eos = _eos_ids(hf.generation_config)
         fuse_projections(paged)
         bar.update()
-        paged.to(backend.device).eval()
+        move_keeping_shared(paged, lambda t: t.to(backend.device))
+        paged.eval()
         bar.update()
     eos_ids = eos | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     return LoadedModel(paged, tokenizer, cfg, sorted(eos_ids), resident_bytes(paged), parameter_count(paged))
@@ -179,6 +180,21 @@ def _gguf_eos_ids(path: Path, cfg) -> set[int]:
 def _eos_ids(generation_config) -> set[int]:
     eos = generation_config.eos_token_id if generation_config is not None else None
     return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def move_keeping_shared(model: torch.nn.Module, move) -> None:
+    """Applies ``move`` (a device move) to every parameter and buffer of ``model``, once for tensors that are
+    the same view of the same memory: ``Module.to`` moves each of them on its own, which would hold a tied LM
+    head and its embedding (float, or a quantized layer's buffers) twice on the device."""
+    moved: dict[tuple, torch.Tensor] = {}
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        key = (t.data_ptr(), t.dtype, t.shape, t.stride())
+        if key not in moved:
+            moved[key] = move(t)
+        return moved[key]
+
+    model._apply(once)
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
