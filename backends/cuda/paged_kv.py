@@ -28,9 +28,14 @@ def load_kv_tile(cache_ptr, qp_ptr, block_ids, slots, offs_d, mask_n, mask_d,
         out = x.to(OUT_DTYPE)
     else:
         if QUANT == 4:
-            # Two values a byte: element 2i in the low nibble, 2i + 1 in the high one.
-            raw = tl.load(cache_ptr + rows[:, None] + (offs_d[None, :] // 2) * stride_d, mask=mask, other=0)
-            raw = (raw.to(tl.int32) >> ((offs_d[None, :] % 2) * 4)) & 0xF
+            # Two values a byte: element 2i in the low nibble, 2i + 1 in the high one. Each byte is loaded
+            # once, the row's bytes side by side (reading every byte twice, at offs_d // 2, defeats vector
+            # loads), and the nibbles are interleaved back into element order.
+            offs_b, _ = tl.split(tl.reshape(offs_d // 2, (offs_d.shape[0] // 2, 2)))
+            mask_b, _ = tl.split(tl.reshape(mask_d, (offs_d.shape[0] // 2, 2)))
+            raw = tl.load(cache_ptr + rows[:, None] + offs_b[None, :] * stride_d,
+                          mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
+            raw = tl.interleave(raw & 0xF, raw >> 4)
         else:
             raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0)
             raw = raw.to(tl.int32)

@@ -153,6 +153,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=512, help="requests of the throughput and quant steps")
     ap.add_argument("--models", default=None, help="comma-separated: the parity step's models only (llama, qwen2, "
                                                    "qwen3, mistral, gemma3, qwen3-moe, default)")
+    ap.add_argument("--tests", default=None, help="the conformance step's cases only: a pytest -k expression, "
+                                                  "e.g. 'fill_kv_cache or sweep'")
     args = ap.parse_args()
     t0 = time.monotonic()
     wanted = [s for s in args.steps.split(",") if s]
@@ -183,6 +185,8 @@ def main() -> int:
         extra.append(f"--default-model={args.default_model}")
     if args.models:
         extra.append(f"--models={args.models}")
+    if args.tests:
+        extra.append(f"--tests={args.tests}")
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"
         extra.append("--smoke")

@@ -144,8 +144,10 @@ def step_conformance(args) -> dict:
     work = Path(args.work)
     seeded = seed_test_models()
     junit = work / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "tests/conformance", "-q", "-p", "no:cacheprovider", "-m", "",
-           "-k", "cuda", f"--junitxml={junit}", "-o", "junit_family=legacy", "--timeout", "600"]
+    # -v: each case's outcome is in the log as it ends, also when the step is stopped at its limit.
+    cmd = [sys.executable, "-m", "pytest", "tests/conformance", "-v", "-p", "no:cacheprovider", "-m", "",
+           "-k", f"cuda and ({args.tests})" if args.tests else "cuda", f"--junitxml={junit}",
+           "-o", "junit_family=legacy", "--timeout", "600"]
     if not GPU:
         if not args.smoke:
             raise Skip(NO_GPU)
@@ -589,6 +591,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="layers of the Llama-3-8B-shaped model")
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--models", type=lambda v: v.split(","), default=None, help="the parity step's models only")
+    ap.add_argument("--tests", default=None, help="the conformance step's cases only (a pytest -k expression)")
     ap.add_argument("--kv-blocks", type=int, default=160, help="policy 0's cache blocks in the quant step")
     args = ap.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
