@@ -19,6 +19,9 @@ from memory as in a real step; the best of five passes is kept.
   plain streaming read of as many bytes (torch.sum over float32) in the same rounds, so the ratio
   kernel / stream survives a loaded machine better than either figure. Run it with --threads 1 to
   see each kernel's inner loop; with more threads, how it scales.
+- prefill: a prefill step's GEMMs over quantized weights once expanded to float32 (all layers' q/k/v,
+  o, gate/up, down for 64, 256 and 512 tokens): the backend's ``expanded_linear`` (oneDNN where torch
+  has it) against ``F.linear`` (MKL), interleaved passes.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
@@ -102,6 +105,28 @@ def linear_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
         ours = best_pass(lambda: [backend.linear(xs[w.shape[1]], w) for w in weights])
         peer = best_pass(lambda: [F.linear(xs[w.shape[1]], w) for w in weights])
         rows.append({"kernel": "linear", "case": f"{tokens} tokens, all layers + LM head", "ms": ours * 1e3,
+                     "peer": "F.linear", "peer_ms": peer * 1e3, "speedup": peer / ours,
+                     "gflops": flops * tokens / ours / 1e9, "peer_gflops": flops * tokens / peer / 1e9,
+                     "max_abs_diff": err})
+    return rows
+
+
+def prefill_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
+    from lmport.backends.cpu import expanded_linear
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q_out = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
+    kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
+    per_layer = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)]
+    weights = [torch.randn(*s, generator=gen) for _ in range(cfg.num_hidden_layers) for s in per_layer]
+    flops = 2 * sum(w.numel() for w in weights)
+    rows = []
+    for tokens in (64, 256, 512):
+        xs = {k: torch.randn(tokens, k, generator=gen) for k in {w.shape[1] for w in weights}}
+        err = max((expanded_linear(xs[w.shape[1]], w, None) - F.linear(xs[w.shape[1]], w)).abs().max().item()
+                  for w in weights[:len(per_layer)])
+        ours, peer = best_passes([lambda: [expanded_linear(xs[w.shape[1]], w, None) for w in weights],
+                                  lambda: [F.linear(xs[w.shape[1]], w) for w in weights]])
+        rows.append({"kernel": "prefill GEMM", "case": f"{tokens} tokens, all layers", "ms": ours * 1e3,
                      "peer": "F.linear", "peer_ms": peer * 1e3, "speedup": peer / ours,
                      "gflops": flops * tokens / ours / 1e9, "peer_gflops": flops * tokens / peer / 1e9,
                      "max_abs_diff": err})
@@ -269,7 +294,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default="benchmarks/results/cpu_kernels.json")
-    parser.add_argument("--only", choices=["linear", "ggml", "gemv", "attention"], help="run one group of cases")
+    parser.add_argument("--only", choices=["linear", "prefill", "ggml", "gemv", "attention"],
+                        help="run one group of cases")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--ab", type=Path, help="another build's .so: quant_linear against it, one thread")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8], help="rows of x (--ab)")
@@ -289,7 +315,8 @@ def main() -> None:
     from lmport.models.loader import read_model_config
     cfg = read_model_config(args.model)
     backend, gen = CpuBackend(), torch.Generator().manual_seed(0)
-    groups = {"linear": linear_rows, "ggml": ggml_rows, "gemv": gemv_rows, "attention": attention_rows}
+    groups = {"linear": linear_rows, "prefill": prefill_rows, "ggml": ggml_rows, "gemv": gemv_rows,
+              "attention": attention_rows}
     rows = [r for name, fn in groups.items() if args.only in (None, name) for r in fn(cfg, backend, gen)]
 
     print(f"\n{args.model}: {cfg.num_hidden_layers} layers; one pass over all of them; "

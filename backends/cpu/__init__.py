@@ -3,6 +3,7 @@ linear, linear over int4/int8 weights and over GGUF block weights, RMSNorm, rota
 silu-gated activation on float32, the reference ops for everything else."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -68,9 +69,9 @@ class CpuBackend(Backend):
         q = weight
         if x.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the packed weight (csrc/quant_linear.h)
             return compiled.quant_linear(x, q.qweight, q.scales, q.mins, q.bits, q.group_size, bias)
-        # prefill: the weight expanded once for the BLAS, which is then as fast as on float weights
+        # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
         w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)
-        return torch.nn.functional.linear(x, w, bias)
+        return expanded_linear(x, w, bias)
 
     def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,9 +81,9 @@ class CpuBackend(Backend):
         x2 = x.reshape(-1, weight.in_features)
         if x2.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the blocks (csrc/ggml_linear.h)
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias)
-        else:  # prefill: the weight expanded once for the BLAS
+        else:  # prefill: the weight expanded once for a GEMM
             w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features)
-            y = torch.nn.functional.linear(x2, w, bias)
+            y = expanded_linear(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,6 +148,31 @@ class CpuBackend(Backend):
 # Up to this many (token, expert) pairs the cpu MoE gathers each pair's expert weights and runs one
 # batched matmul (decode); above it the experts run one after another on their tokens (prefill).
 MOE_GATHER_PAIRS = 16
+
+
+def expanded_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T (+ bias) for a prefill over a quantized weight just expanded to float32: by oneDNN's matmul
+    where torch has it, which runs these GEMMs faster than torch's default BLAS (MKL) on the AMD EPYCs
+    measured (benchmarks/cpu_kernels.py, "prefill GEMM"); the same sums in another order."""
+    onednn = onednn_linear()
+    if onednn is None:
+        return torch.nn.functional.linear(x, w, bias)
+    return onednn(x, w, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_linear():
+    """oneDNN's fused linear (the op torch.compile's CPU code calls) where this torch build has it and it
+    answers as F.linear does on a small case; None otherwise (the op is not part of torch's public API)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        return None
+    x, w, b = torch.arange(32.0).view(2, 16), torch.ones(3, 16), torch.arange(3.0)
+    try:
+        same = torch.equal(op(x, w, b, "none", [], ""), torch.nn.functional.linear(x, w, b))
+    except (RuntimeError, TypeError):
+        return None
+    return op if same else None
 
 
 def moe_by_gather(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

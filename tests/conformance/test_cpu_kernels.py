@@ -191,6 +191,22 @@ def test_linear_matches_torch(rows, out_features, bias):
     torch.testing.assert_close(CpuBackend().linear(transposed, w, b), F.linear(x, w, b), **TOL)
 
 
+@pytest.mark.parametrize("bias", (False, True))
+@pytest.mark.parametrize("onednn", (True, False))
+def test_prefill_gemm_over_an_expanded_weight_matches_torch(bias, onednn, monkeypatch):
+    """Prefill's GEMM (oneDNN where torch has it, else F.linear) gives F.linear's result up to the order of
+    the float32 sums, with or without oneDNN."""
+    import lmport.backends.cpu as cpu
+    if onednn and cpu.onednn_linear() is None:
+        pytest.skip("this torch has no oneDNN linear")
+    if not onednn:
+        monkeypatch.setattr(cpu, "onednn_linear", lambda: None)
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(200, 576, generator=gen), torch.randn(300, 576, generator=gen) / 576 ** 0.5
+    b = torch.randn(300, generator=gen) if bias else None
+    torch.testing.assert_close(cpu.expanded_linear(x, w, b), F.linear(x, w, b), **TOL)
+
+
 def test_linear_with_in_features_off_the_vector_width_uses_torch():
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 36, generator=gen), torch.randn(20, 36, generator=gen)
