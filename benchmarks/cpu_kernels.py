@@ -20,7 +20,7 @@ from memory as in a real step; the best of five passes is kept.
   kernel / stream survives a loaded machine better than either figure. Run it with --threads 1 to
   see each kernel's inner loop; with more threads, how it scales.
 - prefill: a prefill step's GEMMs over quantized weights once expanded to float32 (all layers' q/k/v,
-  o, gate/up, down for 64, 256 and 512 tokens): the backend's ``expanded_linear`` (oneDNN where torch
+  o, gate/up, down for 64, 256 and 512 tokens): the backend's ``prefill_gemm`` (oneDNN where torch
   has it) against ``F.linear`` (MKL), interleaved passes.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
@@ -112,7 +112,7 @@ def linear_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
 
 
 def prefill_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
-    from lmport.backends.cpu import expanded_linear
+    from lmport.backends.cpu import prefill_gemm
     h, i = cfg.hidden_size, cfg.intermediate_size
     q_out = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
     kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
@@ -122,9 +122,9 @@ def prefill_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     rows = []
     for tokens in (64, 256, 512):
         xs = {k: torch.randn(tokens, k, generator=gen) for k in {w.shape[1] for w in weights}}
-        err = max((expanded_linear(xs[w.shape[1]], w, None) - F.linear(xs[w.shape[1]], w)).abs().max().item()
+        err = max((prefill_gemm(xs[w.shape[1]], w, None) - F.linear(xs[w.shape[1]], w)).abs().max().item()
                   for w in weights[:len(per_layer)])
-        ours, peer = best_passes([lambda: [expanded_linear(xs[w.shape[1]], w, None) for w in weights],
+        ours, peer = best_passes([lambda: [prefill_gemm(xs[w.shape[1]], w, None) for w in weights],
                                   lambda: [F.linear(xs[w.shape[1]], w) for w in weights]])
         rows.append({"kernel": "prefill GEMM", "case": f"{tokens} tokens, all layers", "ms": ours * 1e3,
                      "peer": "F.linear", "peer_ms": peer * 1e3, "speedup": peer / ours,

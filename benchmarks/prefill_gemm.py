@@ -1,7 +1,7 @@
 """Prefill through the engine with its GEMMs on oneDNN (the cpu backend's choice) against MKL, in one process.
 
 Per GGUF file of the default model (benchmarks/gguf_files.py), one engine is built and a 256-token prompt
-is prefilled (one engine step, the first token included) --rounds times with ``expanded_linear`` on oneDNN
+is prefilled (one engine step, the first token included) --rounds times with ``prefill_gemm`` on oneDNN
 and on ``F.linear`` (MKL) in turn, so both see the same machine; the first round of each is a warm-up and
 left out. Prints median (min-max) tok/s and the ratio, writes JSON.
 

@@ -73,7 +73,8 @@ def test_default_model_greedy_matches_transformers_under_preemption():
 def test_tiny_models_greedy_and_logits(arch):
     model_dir = tiny_model_dir(arch)
     g = torch.Generator().manual_seed(7)
-    ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 64)]
+    ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 64, 200)]
+    # 320 prompt tokens: the first step's linears run as a prefill GEMM, not the small-batch kernel
     want = hf_greedy(model_dir, ids, 8)
     got, usage = run_engine(model_dir, ids, 8, block_size=16, cache_max_entry_count=64)
     assert got == want

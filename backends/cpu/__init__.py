@@ -57,9 +57,11 @@ class CpuBackend(Backend):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         small = x.dim() == 2 and x.shape[0] <= SMALL_BATCH_TOKENS and kernels.small_linear_takes(x.shape[1])
         compiled = _compiled_for(x, weight, *([] if bias is None else [bias])) if small else None
-        if compiled is None:
-            return super().linear(x, weight, bias)
-        return compiled.small_linear(x, weight, bias)
+        if compiled is not None:
+            return compiled.small_linear(x, weight, bias)
+        if x.dim() == 2 and x.shape[0] > SMALL_BATCH_TOKENS and x.dtype == weight.dtype == torch.float32:
+            return prefill_gemm(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def quant_linear(self, x: torch.Tensor, weight: ops.QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +73,7 @@ class CpuBackend(Backend):
             return compiled.quant_linear(x, q.qweight, q.scales, q.mins, q.bits, q.group_size, bias)
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
         w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)
-        return expanded_linear(x, w, bias)
+        return prefill_gemm(x, w, bias)
 
     def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +85,7 @@ class CpuBackend(Backend):
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias)
         else:  # prefill: the weight expanded once for a GEMM
             w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features)
-            y = expanded_linear(x2, w, bias)
+            y = prefill_gemm(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,10 +152,11 @@ class CpuBackend(Backend):
 MOE_GATHER_PAIRS = 16
 
 
-def expanded_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w^T (+ bias) for a prefill over a quantized weight just expanded to float32: by oneDNN's matmul
-    where torch has it, which runs these GEMMs faster than torch's default BLAS (MKL) on the AMD EPYCs
-    measured (benchmarks/cpu_kernels.py, "prefill GEMM"); the same sums in another order."""
+def prefill_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T (+ bias) in float32 for more rows than a decode step (a float weight, or a quantized one just
+    expanded): by oneDNN's matmul where torch has it, which runs these GEMMs faster than torch's default
+    BLAS (MKL) on the AMD EPYCs measured (benchmarks/cpu_kernels.py, "prefill GEMM"); the same sums in
+    another order."""
     onednn = onednn_linear()
     if onednn is None:
         return torch.nn.functional.linear(x, w, bias)

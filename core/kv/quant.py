@@ -50,7 +50,10 @@ def quantize(x: torch.Tensor, bits: int, pdtype: torch.dtype) -> tuple[torch.Ten
     lo = xf.amin(-1, keepdim=True)
     hi = xf.amax(-1, keepdim=True)
     eps = torch.finfo(pdtype).tiny * levels
-    scale = torch.maximum((hi - lo).clamp_min(eps) / levels, lo.abs() / ZERO_LIMIT)
+    # Divided by tensors, not Python numbers: CUDA turns a division by a number into a product with its
+    # reciprocal, a bit off the true quotient that the CPU and the fill kernels compute.
+    scale = torch.maximum((hi - lo).clamp_min(eps) / torch.full_like(lo, levels),
+                          lo.abs() / torch.full_like(lo, ZERO_LIMIT))
     # Round the stored scale up, never down, so the range still fits in the levels.
     scale = (scale * (1 + 2.0 ** -9)).clamp_(max=torch.finfo(pdtype).max).to(pdtype).float()
     # The clamp only bites when the scale was clamped: saturate, never overflow the param dtype.

@@ -204,7 +204,7 @@ def test_prefill_gemm_over_an_expanded_weight_matches_torch(bias, onednn, monkey
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(200, 576, generator=gen), torch.randn(300, 576, generator=gen) / 576 ** 0.5
     b = torch.randn(300, generator=gen) if bias else None
-    torch.testing.assert_close(cpu.expanded_linear(x, w, b), F.linear(x, w, b), **TOL)
+    torch.testing.assert_close(cpu.prefill_gemm(x, w, b), F.linear(x, w, b), **TOL)
 
 
 def test_linear_with_in_features_off_the_vector_width_uses_torch():
