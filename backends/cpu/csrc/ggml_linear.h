@@ -572,6 +572,17 @@ inline void linear_integer(const Activations& a, int64_t M, const uint8_t* w, in
 // against x's zeros.
 struct Q5_0Int8 {
   static constexpr int kOffset = 16, kSubs = 2;
+  static constexpr bool kInlineScales = true;
+  // The two blocks' d times x's steps, from the blocks being dotted: folding them beforehand, a block at a
+  // time, cost as much again as the dot products.
+  static __m128 scales(const uint8_t* row, int64_t p, int64_t runs, __m128 steps) {
+    const uint8_t* first = row + 2 * p * Q5_0::kBytes;
+    const uint8_t* second = 2 * p + 1 < runs ? first + Q5_0::kBytes : first;
+    uint16_t d0, d1;
+    std::memcpy(&d0, first, 2);
+    std::memcpy(&d1, second, 2);
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d0 | static_cast<int>(d1) << 16)), steps);
+  }
   static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); }
   static __m512i pair(const uint8_t* row, int64_t p, int64_t runs) {
     const uint8_t* first = row + 2 * p * Q5_0::kBytes;
@@ -594,6 +605,8 @@ struct Q5_0Int8 {
 // input order as they are; no offset (the mins are the rows' extra).
 struct Q4_KInt8 {
   static constexpr int kOffset = 0, kSubs = 2;
+  static constexpr bool kInlineScales = false;
+  static __m128 scales(const uint8_t*, int64_t, int64_t, __m128) { return _mm_setzero_ps(); }
   static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); }
   static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p / 4 * Q4_K::kBytes + 16 + 32 * (p % 4)));
@@ -608,6 +621,8 @@ struct Q4_KInt8 {
 // 32 h .. 32 h + 31 on top; codes 0..63 for w = d sc (q - 32), a scale every 16 inputs.
 struct Q6_KInt8 {
   static constexpr int kOffset = 32, kSubs = 4;
+  static constexpr bool kInlineScales = false;
+  static __m128 scales(const uint8_t*, int64_t, int64_t, __m128) { return _mm_setzero_ps(); }
   static __m512i lanes() { return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); }
   static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
     const uint8_t* b = row + p / 4 * Q6_K::kBytes;
@@ -632,11 +647,11 @@ inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, 
   std::vector<int8_rows::Activations> xs;
   for (int64_t m = 0; m < M; ++m) xs.push_back(int8_rows::quantize(x + m * K, K));
   const int64_t blocks = K / T::kElements, row_bytes = blocks * T::kBytes, subs = xs[0].pairs * Codes::kSubs;
-  constexpr int block_subs = T::kElements / T::kSub;
-  // Per row: each sub-block's scale times x's step for its run, and the mins times x's run sums, eight
-  // sub-blocks a vector for the K-quants (scalar, this costs as much as the dot products). Q5_0's scales
-  // one by one: they are in the rows fetched (gathering them was slower).
+  // Per row of the K-quants: each sub-block's scale times x's step for its run, and the mins times x's run
+  // sums, eight sub-blocks a vector (scalar, this costs as much as the dot products). Q5_0 gives its scales
+  // inline (Q5_0Int8::scales).
   const auto fold = [&](const int8_rows::Activations& a, int64_t n, int valid, float* folded, float* extra) {
+    if constexpr (Codes::kInlineScales) return;   // Q5_0: its scales are read as its blocks are dotted
     // steps and sums as locals: read through ``a``, every store to ``folded`` would reload them.
     const float* steps = a.run_steps.data();
     const float* sums = a.run_sums.data();
@@ -650,9 +665,7 @@ inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, 
       __m256 mins = _mm256_setzero_ps();
       for (int64_t i = 0; i < blocks; ++i) {
         const uint8_t* block = row + i * T::kBytes;
-        if constexpr (std::is_same_v<T, Q5_0>) {
-          f[i] = f16(block) * steps[i];
-        } else if constexpr (std::is_same_v<T, Q4_K>) {   // 8 sub-blocks of 32: a run each
+        if constexpr (std::is_same_v<T, Q4_K>) {   // 8 sub-blocks of 32: a run each
           float scale[8], min[8];
           T::scales(block, scale, min);
           _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(scale), _mm256_loadu_ps(steps + 8 * i)));
@@ -670,7 +683,6 @@ inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, 
         }
       }
       if constexpr (T::kMin) extra[r] = quant_detail::hsum(mins);
-      std::fill(f + blocks * block_subs, f + subs, 0.f);   // Q5_0's odd last run's partner
     }
   };
   int8_rows::linear<Codes>(xs, w, row_bytes, N, fold, bias, y);

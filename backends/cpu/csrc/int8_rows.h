@@ -108,9 +108,11 @@ inline __m128 sum4(const __m512* acc) {
 // kRowBlock weight rows (``rows``) against x. A type ``Codes`` gives:
 // - kOffset: what its unsigned codes add to the signed ones;
 // - kSubs: sub-blocks (scales) per run pair; lanes(): for each int32 lane, its sub-block in the pair;
-// - pair(row, p, runs): the 64 unsigned codes of run pair p.
-// ``folded`` holds each row's sub-block scales times x's step (pairs * kSubs a row); ``starts`` -offset
-// times x's lane sums.
+// - pair(row, p, runs): the 64 unsigned codes of run pair p;
+// - kInlineScales: whether scales(row, p, runs, steps) gives run pair p's scales times x's steps (its
+//   ``steps``) per lane, read from the row's blocks here rather than folded beforehand.
+// ``folded`` holds each row's sub-block scales times x's step (pairs * kSubs a row) where the type does
+// not give them inline; ``starts`` -offset times x's lane sums.
 template <class Codes>
 inline void dot_rows(const uint8_t* const* rows, const float* folded, const Activations& a, const int32_t* starts,
                      const uint8_t* prefetch, int64_t slice, float* out) {
@@ -123,11 +125,16 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const Acti
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * slice + line), _MM_HINT_T1);
     const __m512i hi = _mm512_loadu_si512(a.hi.data() + 64 * p), lo = _mm512_loadu_si512(a.lo.data() + 64 * p);
     const __m512i start = Codes::kOffset ? _mm512_loadu_si512(starts + 16 * p) : _mm512_setzero_si512();
+    // the pair's two steps (8 bytes: the last pair's are the vector's end)
+    const __m128 steps = Codes::kInlineScales
+        ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.run_steps.data() + 2 * p))) : _mm_setzero_ps();
 #pragma GCC unroll 8   // the accumulators stay in registers only with the rows unrolled
     for (int r = 0; r < kRowBlock; ++r) {
       const __m512i sums = dot(Codes::pair(rows[r], p, a.runs), hi, lo);
       const __m512i d = Codes::kOffset ? _mm512_add_epi32(sums, start) : sums;
-      const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(folded + r * subs + p * Codes::kSubs)));
+      const __m128 scales = Codes::kInlineScales ? Codes::scales(rows[r], p, a.runs, steps)
+                                                 : _mm_loadu_ps(folded + r * subs + p * Codes::kSubs);
+      const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(scales));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
     }
   }
