@@ -113,9 +113,14 @@ CASES += [("llama", "ggml"), ("qwen2", "ggml")]
 CASES += [(arch, weights) for arch in ("qwen3", "gemma2", "gemma3") for weights in ("float32", "int4")]
 
 
+# An 8- and a 4-bit KV cache (codes and their float32 params, filled and read by the same kernels).
+CASES += [("llama", "float32, kv 8"), ("gemma2", "int4, kv 4")]
+
+
 @pytest.mark.parametrize(("arch", "weights"), CASES)
 def test_runner_gives_the_modules_hidden_states(arch, weights):
-    engine = engine_for(arch, cache_max_entry_count=16)
+    weights, _, kv = weights.partition(", kv ")
+    engine = engine_for(arch, cache_max_entry_count=16, quant_policy=int(kv or 0))
     if weights == "ggml":
         ggml_layers(engine.model)
         assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, ConcatLinear)
@@ -144,8 +149,8 @@ def test_steps_the_kernels_do_not_cover_go_to_the_modules():
     meta = ops.build_attention_metadata([1], [1], [[1]], engine.layout.block_size)
     metas = [meta] * cfg.num_hidden_layers
     ropes = [(torch.ones(1, d), torch.zeros(1, d))] * cfg.num_hidden_layers
-    # An int8 KV cache, which only the reference ops read.
-    assert runner(torch.zeros(1, cfg.hidden_size), ropes, engine.caches, metas) is None
+    # An int8 KV cache with float32 params: the kernels read it.
+    assert runner(torch.zeros(1, cfg.hidden_size), ropes, engine.caches, metas) is not None
     # More tokens than a decode step (prefill goes to the BLAS through the modules).
     many = 129
     ropes = [(torch.ones(many, d), torch.zeros(many, d))] * cfg.num_hidden_layers

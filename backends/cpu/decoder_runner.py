@@ -7,7 +7,8 @@ share of the step: the weights streaming through the caches between calls leave 
 The runner makes the same kernel calls with nothing in between, in C++ (csrc/decoder_layers.h: one
 call a step) or, with ``loop="python"``, in a Python loop over the kernels one by one (what
 benchmarks/decode_profile.py times op by op). It covers the steps the kernels cover as the
-backend's methods would pick them (float32, an unquantized cache, up to SMALL_BATCH_TOKENS tokens)
+backend's methods would pick them (float32, a float32 cache or one of 8-/4-bit codes with float32 params, up to
+SMALL_BATCH_TOKENS tokens)
 and hands the others back to the modules.
 """
 from __future__ import annotations
@@ -34,9 +35,13 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
     head_dim = layers[0].head_dim
 
     def covers(x, ropes, caches) -> bool:
-        cos = ropes[0][0]
+        cos, cache = ropes[0][0], caches[0]
+        # float32 caches, or 8-/4-bit codes with float32 params (a build with the kernels for them)
+        cache_fits = (cache.k.dtype == torch.float32 if cache.quant_policy == 0 else
+                      cache.k_qparams is not None and cache.k_qparams.dtype == torch.float32
+                      and hasattr(compiled, "fill_kv_cache_codes"))
         return not (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
-                    or cos.shape[-1] != head_dim or caches[0].quant_policy != 0 or caches[0].k.dtype != torch.float32)
+                    or cos.shape[-1] != head_dim or not cache_fits)
 
     if loop == "python" or not hasattr(compiled, "DecoderLayers"):
         bound = [_bind_layer(spec, compiled) for spec in layers]
@@ -57,9 +62,14 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
         if not covers(x, ropes, caches):
             return None
         meta = metas[0]   # the layers share the metadata's tensors; only the window and soft cap differ
-        return native.run(x, [cos for cos, _ in ropes], [sin for _, sin in ropes], [c.k for c in caches],
-                          [c.v for c in caches], meta.slot_mapping, meta.block_tables, meta.q_start_loc, meta.kv_lens,
-                          [m.window or 0 for m in metas], [m.softcap or 0.0 for m in metas])
+        rotary = [cos for cos, _ in ropes], [sin for _, sin in ropes]
+        pools = [c.k for c in caches], [c.v for c in caches]
+        step = (meta.slot_mapping, meta.block_tables, meta.q_start_loc, meta.kv_lens, [m.window or 0 for m in metas],
+                [m.softcap or 0.0 for m in metas])
+        if caches[0].quant_policy == 0:
+            return native.run(x, *rotary, *pools, *step)
+        params = [c.k_qparams for c in caches], [c.v_qparams for c in caches]
+        return native.run_codes(x, *rotary, *pools, *params, caches[0].quant_policy, *step)
 
     return run
 
@@ -152,9 +162,14 @@ def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
         # split: the same op without Tensor.split's Python wrapper.
         q, k, v = qkv(norm(x)).view(t, -1, head_dim).split_with_sizes(heads, 1)
         q, k = rotary(q_norm(q), k_norm(k), *rope)
-        fill(k, v, cache.k, cache.v, meta.slot_mapping)
-        out = attention(q, cache.k, cache.v, meta.block_tables, meta.q_start_loc, meta.kv_lens, scale,
-                        meta.window or 0, meta.softcap or 0.0)
+        step = (meta.block_tables, meta.q_start_loc, meta.kv_lens, scale, meta.window or 0, meta.softcap or 0.0)
+        if cache.quant_policy == 0:
+            fill(k, v, cache.k, cache.v, meta.slot_mapping)
+            out = attention(q, cache.k, cache.v, *step)
+        else:
+            params = cache.k_qparams, cache.v_qparams, cache.quant_policy
+            compiled.fill_kv_cache_codes(k, v, cache.k, cache.v, *params, meta.slot_mapping)
+            out = compiled.paged_attention_codes(q, cache.k, cache.v, *params, *step)
         x = x + attention_out(o(out.view(t, -1)))
         gate, up = gate_up(mlp_norm(x)).chunk(2, -1)
         return x + mlp_out(down(gated(gate, up)))

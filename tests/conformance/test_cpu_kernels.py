@@ -80,6 +80,26 @@ def test_fill_kv_cache_matches_reference(q_lens, kv_lens):
         kernels.load().fill_kv_cache(k[:1], v[:1], cache.k, cache.v, torch.tensor([-1]))
 
 
+@pytest.mark.parametrize("policy", (8, 4))
+@pytest.mark.parametrize("head_dim", (64, 96))
+def test_fill_of_codes_is_the_references_bits(policy, head_dim):
+    """8- and 4-bit fills: the codes and params of lmport.kv.quant.quantize, bit for bit, including rows that
+    are constant, far from 0 with a tiny range (the zero limit), or huge."""
+    cache, meta, _ = _case(16, head_dim, 1, [1, 1, 20], [5, 16, 40], policy=policy)
+    gen = torch.Generator().manual_seed(policy + head_dim)
+    k, v = (torch.randn(22, KV_HEADS, head_dim, generator=gen) for _ in range(2))
+    k[0] = 3.0                                                     # constant rows
+    k[1] = 1e4 + torch.rand(KV_HEADS, head_dim, generator=gen)     # |min| / range beyond the zero limit
+    v[2] = torch.randn(KV_HEADS, head_dim, generator=gen) * 1e30   # huge
+    want = KVLayout(1, KV_HEADS, head_dim, 16, torch.float32, policy).allocate(cache.k.shape[0], "cpu")[0]
+    for name in ("k", "v", "k_qparams", "v_qparams"):
+        getattr(want, name).copy_(getattr(cache, name))
+    ops.fill_kv_cache(k, v, want, meta.slot_mapping)
+    CpuBackend().fill_kv_cache(k, v, cache, meta.slot_mapping)
+    for name in ("k", "v", "k_qparams", "v_qparams"):
+        assert torch.equal(getattr(cache, name), getattr(want, name)), name
+
+
 @pytest.mark.parametrize("threads", (2, 3, 8))
 @pytest.mark.parametrize("kv_lens", ([1], [5], [300], [7, 300]), ids=str)
 @pytest.mark.parametrize("window", (0, 40))
@@ -98,8 +118,24 @@ def test_decode_attention_split_over_threads_matches_reference(threads, kv_lens,
     torch.testing.assert_close(out, ops.paged_attention(q, cache, meta, 0.125), **TOL)
 
 
-@pytest.mark.parametrize("dtype,policy,head_dim", [(torch.float32, 8, 64), (torch.float32, 4, 64),
-                                                   (torch.bfloat16, 0, 64), (torch.float32, 0, 36)])
+@pytest.mark.parametrize("policy", (8, 4))
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("group", (1, 3))
+@pytest.mark.parametrize("head_dim", (64, 96, 128))
+@pytest.mark.parametrize("block_size", (1, 16))
+def test_paged_attention_over_codes_matches_reference(block_size, head_dim, group, kind, policy):
+    """8- and 4-bit caches: q . (code - zero) times the scale, against the reference's dequantized values."""
+    cache, meta, q = _case(block_size, head_dim, group, *BATCHES[kind](block_size), policy=policy)
+    out = CpuBackend().paged_attention(q, cache, meta, 0.125)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, ops.paged_attention(q, cache, meta, 0.125), **TOL)
+    windowed = meta.for_layer(40)
+    torch.testing.assert_close(CpuBackend().paged_attention(q, cache, windowed, 0.125),
+                               ops.paged_attention(q, cache, windowed, 0.125), **TOL)
+
+
+@pytest.mark.parametrize("dtype,policy,head_dim", [(torch.bfloat16, 8, 64), (torch.bfloat16, 0, 64),
+                                                   (torch.float32, 0, 36), (torch.float32, 8, 36)])
 def test_cases_the_kernel_does_not_cover_use_the_reference(dtype, policy, head_dim):
     cache, meta, q = _case(16, head_dim, 3, *BATCHES["mixed"](16), dtype=dtype, policy=policy)
     out = CpuBackend().paged_attention(q, cache, meta, 0.125)

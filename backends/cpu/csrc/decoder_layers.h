@@ -78,6 +78,33 @@ class DecoderLayers {
                     const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                     const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, const std::vector<int64_t>& windows,
                     const std::vector<double>& softcaps) const {
+    return forward(x, cos, sin, k_caches, v_caches, {}, {}, 0, slot_mapping, block_tables, q_start_loc, kv_lens,
+                   windows, softcaps);
+  }
+
+  // The same over caches of 8- or 4-bit codes (``bits``) with their float32 params.
+  torch::Tensor run_codes(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                          const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                          const std::vector<torch::Tensor>& k_params, const std::vector<torch::Tensor>& v_params,
+                          int64_t bits, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                          const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
+                          const std::vector<int64_t>& windows, const std::vector<double>& softcaps) const {
+    TORCH_CHECK(bits == 8 || bits == 4, "decoder layers: codes of 8 or 4 bits, got ", bits);
+    TORCH_CHECK(k_params.size() == layers_.size() && v_params.size() == layers_.size(),
+                "decoder layers: ", layers_.size(), " layers, got ", k_params.size(), " K params and ",
+                v_params.size(), " V params");
+    return forward(x, cos, sin, k_caches, v_caches, k_params, v_params, bits, slot_mapping, block_tables,
+                   q_start_loc, kv_lens, windows, softcaps);
+  }
+
+ private:
+  // bits 0: float32 caches (no params).
+  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                        const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                        const std::vector<torch::Tensor>& k_params, const std::vector<torch::Tensor>& v_params,
+                        int64_t bits, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                        const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
+                        const std::vector<int64_t>& windows, const std::vector<double>& softcaps) const {
     const size_t n = layers_.size();
     TORCH_CHECK(cos.size() == n && sin.size() == n && k_caches.size() == n && v_caches.size() == n &&
                     windows.size() == n && softcaps.size() == n,
@@ -91,9 +118,16 @@ class DecoderLayers {
                      .view({t, -1, l.head_dim})
                      .split_with_sizes({l.num_heads, l.num_kv_heads, l.num_kv_heads}, 1);
       auto [q, k] = apply_rotary(norm(l.q_norm, qkv[0]), norm(l.k_norm, qkv[1]), cos[i], sin[i]);
-      fill_kv_cache(k, qkv[2], k_caches[i], v_caches[i], slot_mapping);
-      const torch::Tensor out = paged_attention(q, k_caches[i], v_caches[i], block_tables, q_start_loc, kv_lens,
-                                                l.scale, windows[i], softcaps[i]);
+      torch::Tensor out;
+      if (bits) {
+        fill_kv_cache_codes(k, qkv[2], k_caches[i], v_caches[i], k_params[i], v_params[i], bits, slot_mapping);
+        out = paged_attention_codes(q, k_caches[i], v_caches[i], k_params[i], v_params[i], bits, block_tables,
+                                    q_start_loc, kv_lens, l.scale, windows[i], softcaps[i]);
+      } else {
+        fill_kv_cache(k, qkv[2], k_caches[i], v_caches[i], slot_mapping);
+        out = paged_attention(q, k_caches[i], v_caches[i], block_tables, q_start_loc, kv_lens, l.scale, windows[i],
+                              softcaps[i]);
+      }
       x = x + norm(l.attention_output_norm, run_parts(l.o, out.view({t, -1})));
       auto gate_up = run_parts(l.gate_up, rms_norm(x, l.mlp_norm.weight, l.mlp_norm.eps)).chunk(2, -1);
       const torch::Tensor gated = l.gelu_tanh ? at::gelu(gate_up[0], "tanh") * gate_up[1]
@@ -103,7 +137,6 @@ class DecoderLayers {
     return x;
   }
 
- private:
   std::vector<BoundLayer> layers_;
 };
 

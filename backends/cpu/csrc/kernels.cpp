@@ -15,8 +15,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 block pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_start_loc"),
         py::arg("kv_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_attention_codes", &lmport::paged_attention_codes,
+        "paged attention over a block pool of 8- or 4-bit codes with a float32 scale and zero per row",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_params"), py::arg("v_params"),
+        py::arg("bits"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 bshd block pool",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("fill_kv_cache_codes", &lmport::fill_kv_cache_codes,
+        "quantize new K/V rows into a bshd pool of 8- or 4-bit codes and their float32 params",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_params"),
+        py::arg("v_params"), py::arg("bits"), py::arg("slot_mapping"));
   m.def("small_linear", &lmport::small_linear, "x W^T (+ b) for a few rows of x (float32)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("quant_linear", &lmport::quant_linear, "x W^T (+ b), W in lmport's int4/int8 format, x float32 rows",
@@ -78,5 +87,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<lmport::BoundLayer>>())
       .def("run", &lmport::DecoderLayers::run, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
            py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("q_start_loc"),
-           py::arg("kv_lens"), py::arg("windows"), py::arg("softcaps"));
+           py::arg("kv_lens"), py::arg("windows"), py::arg("softcaps"))
+      .def("run_codes", &lmport::DecoderLayers::run_codes, py::arg("x"), py::arg("cos"), py::arg("sin"),
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("k_params"), py::arg("v_params"), py::arg("bits"),
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"),
+           py::arg("windows"), py::arg("softcaps"));
 }

@@ -1,5 +1,8 @@
 // Paged attention for the cpu backend. It reads K/V straight from the block
 // pool (no gathered copy); each query token is one work item over all its heads.
+// The pool holds float32 values, or lmport.kv.quant's codes (8 bits, or 4 bits two a
+// byte with element 2i in the low nibble) with a float32 scale and integer zero per
+// (token, KV head): value = (code - zero) * scale.
 #pragma once
 
 #include <torch/extension.h>
@@ -7,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "vec8.h"
@@ -15,16 +19,44 @@ namespace lmport {
 
 constexpr int64_t kMaxHeadDim = 256;
 
+// kBits: 32 for float32 values, 8 or 4 for codes.
+template <int kBits>
 struct Pool {
-  const float* k;
-  const float* v;
+  const void* k;
+  const void* v;
+  const float* k_params;  // [tokens, kv_heads, 2]: scale, zero (codes only)
+  const float* v_params;
   int64_t block_size, kv_heads, head_dim;
-  int64_t row() const { return kv_heads * head_dim; }  // floats between neighbouring tokens of a block
+  // Bytes of one (token, KV head) row, and the row of token ``t`` (a pool position), KV head ``h``.
+  int64_t row_bytes() const { return head_dim * kBits / 8; }
+  const char* row(const void* pool, int64_t t, int64_t h) const {
+    return static_cast<const char*>(pool) + (t * kv_heads + h) * row_bytes();
+  }
 };
+
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+
+// Elements d .. d + 7 of a row, as floats (codes as they are: the zero and scale come after).
+template <int kBits>
+inline vec8 load8(const char* row, int64_t d) {
+  if constexpr (kBits == 32) {
+    return load(reinterpret_cast<const float*>(row) + d);
+  } else if constexpr (kBits == 8) {
+    u8x8 codes;
+    std::memcpy(&codes, row + d, 8);
+    return __builtin_convertvector(codes, vec8);
+  } else {
+    u8x4 bytes;
+    std::memcpy(&bytes, row + d / 2, 4);
+    const u8x4 low = bytes & 15, high = bytes >> 4;
+    return __builtin_convertvector(__builtin_shufflevector(low, high, 0, 4, 1, 5, 2, 6, 3, 7), vec8);
+  }
+}
 
 // Per-worker buffers, reused across tokens.
 struct Scratch {
-  std::vector<int64_t> rows;  // float offset of each visible key's row in the pool
+  std::vector<int64_t> rows;  // pool position of each visible key
   std::vector<float> scores;  // [Hq, n rounded up to 8]
 };
 
@@ -34,17 +66,18 @@ struct Scratch {
 // stats[2h], stats[2h + 1], which merge attention over parts of the keys. kD is the head dim
 // when known at compile time (then the output accumulators live in registers), 0 to
 // read it from the pool.
-template <int64_t kD>
+template <int64_t kD, int kBits>
 void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
-            int64_t q_heads, const Pool& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
-  const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.row();
+            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
+  constexpr bool kCodes = kBits != 32;
+  const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.kv_heads * pool.row_bytes();
   const int64_t n = end - first;  // visible keys; row j below is position first + j
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
   auto& rows = scratch.rows;
   rows.resize(n);
   for (int64_t p = first; p < end;) {  // a block at a time: one table read, no division per key
     const int64_t blk = p / bs, stop = std::min(end, (blk + 1) * bs), base = (blocks[blk] - blk) * bs;
-    for (; p < stop; ++p) rows[p - first] = (base + p) * row;
+    for (; p < stop; ++p) rows[p - first] = base + p;
   }
   auto& scores = scratch.scores;
   scores.assign(q_heads * width, -INFINITY);  // the padding keys get exp() == 0
@@ -56,23 +89,37 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
     const int64_t keys = std::min<int64_t>(8, n - j);
     // A last group short of eight repeats its final key (its scores are not kept), so the
     // loops below run a fixed eight keys and their accumulators stay in registers.
-    const float* k_rows[8];
-    for (int64_t u = 0; u < 8; ++u) k_rows[u] = pool.k + rows[j + std::min(u, keys - 1)];
+    int64_t keys_at[8];
+    for (int64_t u = 0; u < 8; ++u) keys_at[u] = rows[j + std::min(u, keys - 1)];
     if (prefetch) {
       for (int64_t u = 0; u < keys; ++u)
-        for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.v + rows[j + u] + f);
+        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.v, rows[j + u], 0) + f);
       for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
-        for (int64_t f = 0; f < row; f += 16) __builtin_prefetch(pool.k + rows[u] + f);
+        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.k, rows[u], 0) + f);
     }
     for (int64_t h = 0; h < q_heads; ++h) {
       const float* qh = q + h * D;
-      const int64_t kv = h / group * D;
+      const int64_t kv = h / group;
+      const char* k_rows[8];
+      vec8 zero = {}, k_scale = splat(1.f);
+      for (int u = 0; u < 8; ++u) {
+        k_rows[u] = pool.row(pool.k, keys_at[u], kv);
+        if constexpr (kCodes) {
+          const float* params = pool.k_params + (keys_at[u] * pool.kv_heads + kv) * 2;
+          k_scale[u] = params[0], zero[u] = params[1];
+        }
+      }
       vec8 acc[8] = {};
       for (int64_t d = 0; d < D; d += 8) {
         const vec8 qd = load(qh + d);
-        for (int u = 0; u < 8; ++u) acc[u] += qd * load(k_rows[u] + kv + d);
+        for (int u = 0; u < 8; ++u) {
+          if constexpr (kCodes)
+            acc[u] += qd * (load8<kBits>(k_rows[u], d) - zero[u]);   // q . (code - zero), exact differences
+          else
+            acc[u] += qd * load8<kBits>(k_rows[u], d);
+        }
       }
-      const vec8 s = sum8(acc) * scale;
+      const vec8 s = kCodes ? sum8(acc) * k_scale * scale : sum8(acc) * scale;
       if (softcap > 0)  // Gemma 2's attention-logit soft cap
         for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = softcap * std::tanh(s[u] / softcap);
       else
@@ -95,34 +142,32 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
     if (stats) stats[2 * h] = m, stats[2 * h + 1] = sum(total);
 
     vec8 acc[(kD ? kD : kMaxHeadDim) / 8] = {};
-    const float* vh = pool.v + h / group * D;
+    const int64_t kv = h / group;
     for (int64_t j = 0; j < n; ++j) {
-      const float* vj = vh + rows[j];
-      const float p = s[j];
-      for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load(vj + 8 * i);
+      const char* vj = pool.row(pool.v, rows[j], kv);
+      if constexpr (kCodes) {   // p (code - zero) scale as (p scale) (code - zero)
+        const float* params = pool.v_params + (rows[j] * pool.kv_heads + kv) * 2;
+        const float p = s[j] * params[0], zero = params[1];
+        for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * (load8<kBits>(vj, 8 * i) - zero);
+      } else {
+        const float p = s[j];
+        for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load8<kBits>(vj, 8 * i);
+      }
     }
     for (int64_t i = 0; i < D / 8; ++i) store(out + h * D + 8 * i, acc[i] * inv);
   }
 }
 
-// q [T, Hq, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
+// q [T, Hq, D]; the pool [blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
 // q_start_loc [B + 1]; kv_lens [B]. Token t of sequence b sits at position
 // kv_lens[b] - q_len + (t - q_start_loc[b]) and attends to positions <= that; with a
 // sliding window (window > 0) only to those > that - window. softcap > 0: scores become
 // softcap * tanh(scores / softcap) before the softmax.
-inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor q_start_loc,
-                              torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "paged_attention takes float32 q and caches");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention takes contiguous q and caches");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) == q.size(2) &&
-              v_cache.sizes() == k_cache.sizes(),
-              "paged_attention: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
-              "head_dim] alike; got ", q.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
+template <int kBits>
+torch::Tensor attention_over(const torch::Tensor& q, const Pool<kBits>& pool, const torch::Tensor& block_tables,
+                             const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, double scale,
+                             int64_t window, double softcap) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1), k_cache.size(2), D};
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && Hq % pool.kv_heads == 0,
               "paged_attention needs head_dim % 8 == 0, head_dim <= 256 and whole GQA groups");
   // The step metadata is int32 (AttentionMetadata): .to() is then a no-op, not a copy per layer.
@@ -144,7 +189,7 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const auto run = D == 64 ? attend<64> : D == 128 ? attend<128> : attend<0>;
+  const auto run = D == 64 ? attend<64, kBits> : D == 128 ? attend<128, kBits> : attend<0, kBits>;
 
   // Work items are (token, part of its keys). Fewer tokens than threads (a decode step of a few
   // sequences) split each token's keys into parts, attended apart and merged by their softmax
@@ -193,6 +238,54 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
       }
     }
   return out;
+}
+
+// Over a float32 pool: k_cache, v_cache [blocks, block_size, Hkv, D].
+inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor q_start_loc,
+                                     torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+              v_cache.scalar_type() == torch::kFloat, "paged_attention takes float32 q and caches");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention takes contiguous q and caches");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) == q.size(2) &&
+              v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
+              "head_dim] alike; got ", q.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
+  const Pool<32> pool{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, k_cache.size(1), k_cache.size(2),
+                      q.size(2)};
+  return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
+}
+
+// Over a pool of 8- or 4-bit codes: k_cache, v_cache [blocks, block_size, Hkv, D * bits / 8] uint8, their
+// params [blocks, block_size, Hkv, 2] float32 (scale, zero).
+inline torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                           torch::Tensor k_params, torch::Tensor v_params, int64_t bits,
+                                           torch::Tensor block_tables, torch::Tensor q_start_loc,
+                                           torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(bits == 8 || bits == 4, "paged_attention_codes takes 8- or 4-bit codes, got ", bits);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kByte &&
+              v_cache.scalar_type() == torch::kByte && k_params.scalar_type() == torch::kFloat &&
+              v_params.scalar_type() == torch::kFloat,
+              "paged_attention_codes takes float32 q and params and uint8 caches");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && k_params.is_contiguous() &&
+              v_params.is_contiguous(), "paged_attention_codes takes contiguous q, caches and params");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) * 8 == q.size(2) * bits &&
+              v_cache.sizes() == k_cache.sizes() && k_params.dim() == 4 && k_params.size(0) == k_cache.size(0) &&
+              k_params.size(1) == k_cache.size(1) && k_params.size(2) == k_cache.size(2) && k_params.size(3) == 2 &&
+              v_params.sizes() == k_params.sizes(),
+              "paged_attention_codes: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
+              "head_dim * bits / 8] and their params [blocks, block_size, kv_heads, 2]; got ", q.sizes(), ", ",
+              k_cache.sizes(), ", ", v_cache.sizes(), ", ", k_params.sizes(), " and ", v_params.sizes());
+  const auto args = [&](auto pool) {
+    return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
+  };
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), D = q.size(2);
+  if (bits == 8)
+    return args(Pool<8>{k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(), v_params.data_ptr<float>(),
+                        bs, kv_heads, D});
+  return args(Pool<4>{k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(), v_params.data_ptr<float>(),
+                      bs, kv_heads, D});
 }
 
 }  // namespace lmport
