@@ -56,8 +56,9 @@ inline vec8 load8(const char* row, int64_t d) {
 
 // Per-worker buffers, reused across tokens.
 struct Scratch {
-  std::vector<int64_t> rows;  // pool position of each visible key
-  std::vector<float> scores;  // [Hq, n rounded up to 8]
+  std::vector<int64_t> rows;    // pool position of each visible key
+  std::vector<float> scores;    // [Hq, n rounded up to 8]
+  std::vector<float> values;    // codes: the visible K and V rows dequantized, [2, n, Hkv, D]
 };
 
 // Query token with heads q[Hq, D] at position end - 1 of a sequence whose blocks are
@@ -69,7 +70,29 @@ struct Scratch {
 template <int64_t kD, int kBits>
 void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
             int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
-  constexpr bool kCodes = kBits != 32;
+  if constexpr (kBits != 32) {
+    // Codes: the visible rows dequantized once, (code - zero) * scale as the reference computes them, into
+    // a float32 pool of one block that the float path then reads (each KV head's rows serve its whole
+    // GQA group, converted once rather than once a query head).
+    const int64_t n = end - first, H = pool.kv_heads, D = pool.head_dim, bs = pool.block_size;
+    scratch.values.resize(2 * n * H * D);
+    float* values = scratch.values.data();
+    for (int64_t p = first; p < end; ++p) {
+      const int64_t t = (blocks[p / bs] - p / bs) * bs + p;   // the key's pool position
+      for (int64_t h = 0; h < H; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          const char* codes = pool.row(kv ? pool.v : pool.k, t, h);
+          const float* params = (kv ? pool.v_params : pool.k_params) + (t * H + h) * 2;
+          const vec8 row_scale = splat(params[0]), zero = splat(params[1]);
+          float* dst = values + ((kv * n + p - first) * H + h) * D;
+          for (int64_t d = 0; d < D; d += 8) store(dst + d, (load8<kBits>(codes, d) - zero) * row_scale);
+        }
+    }
+    const Pool<32> flat{values, values + n * H * D, nullptr, nullptr, n, H, D};
+    const int32_t only_block = 0;
+    attend<kD, 32>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, false, scratch);
+    return;
+  }
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.kv_heads * pool.row_bytes();
   const int64_t n = end - first;  // visible keys; row j below is position first + j
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
@@ -101,25 +124,13 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
       const float* qh = q + h * D;
       const int64_t kv = h / group;
       const char* k_rows[8];
-      vec8 zero = {}, k_scale = splat(1.f);
-      for (int u = 0; u < 8; ++u) {
-        k_rows[u] = pool.row(pool.k, keys_at[u], kv);
-        if constexpr (kCodes) {
-          const float* params = pool.k_params + (keys_at[u] * pool.kv_heads + kv) * 2;
-          k_scale[u] = params[0], zero[u] = params[1];
-        }
-      }
+      for (int u = 0; u < 8; ++u) k_rows[u] = pool.row(pool.k, keys_at[u], kv);
       vec8 acc[8] = {};
       for (int64_t d = 0; d < D; d += 8) {
         const vec8 qd = load(qh + d);
-        for (int u = 0; u < 8; ++u) {
-          if constexpr (kCodes)
-            acc[u] += qd * (load8<kBits>(k_rows[u], d) - zero[u]);   // q . (code - zero), exact differences
-          else
-            acc[u] += qd * load8<kBits>(k_rows[u], d);
-        }
+        for (int u = 0; u < 8; ++u) acc[u] += qd * load8<kBits>(k_rows[u], d);
       }
-      const vec8 s = kCodes ? sum8(acc) * k_scale * scale : sum8(acc) * scale;
+      const vec8 s = sum8(acc) * scale;
       if (softcap > 0)  // Gemma 2's attention-logit soft cap
         for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = softcap * std::tanh(s[u] / softcap);
       else
@@ -145,14 +156,8 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
     const int64_t kv = h / group;
     for (int64_t j = 0; j < n; ++j) {
       const char* vj = pool.row(pool.v, rows[j], kv);
-      if constexpr (kCodes) {   // p (code - zero) scale as (p scale) (code - zero)
-        const float* params = pool.v_params + (rows[j] * pool.kv_heads + kv) * 2;
-        const float p = s[j] * params[0], zero = params[1];
-        for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * (load8<kBits>(vj, 8 * i) - zero);
-      } else {
-        const float p = s[j];
-        for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load8<kBits>(vj, 8 * i);
-      }
+      const float p = s[j];
+      for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load8<kBits>(vj, 8 * i);
     }
     for (int64_t i = 0; i < D / 8; ++i) store(out + h * D + 8 * i, acc[i] * inv);
   }
