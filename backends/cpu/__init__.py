@@ -129,24 +129,21 @@ class CpuBackend(Backend):
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
-        # The kernel covers float32 caches and 8-/4-bit codes with float32 params, in this backend's bshd order.
-        codes = cache.quant_policy != 0
-        fits = not codes or cache.k_qparams is not None and cache.k_qparams.dtype == torch.float32
-        compiled = _compiled_for(k, v, *([] if codes else [cache.k])) if fits else None
+        # The kernel covers the caches kernels.cache_takes names, in this backend's bshd order.
+        compiled = _compiled_for(k, v) if kernels.cache_takes(cache) else None
         if compiled is None:
             return super().fill_kv_cache(k, v, cache, slot_mapping)
-        if codes:
+        if cache.quant_policy:
             return compiled.fill_kv_cache_codes(k, v, cache.k, cache.v, cache.k_qparams, cache.v_qparams,
                                                 cache.quant_policy, slot_mapping)
         compiled.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float) -> torch.Tensor:
-        # The kernel covers float32 caches and 8-/4-bit codes with float32 params (in this backend's bshd
-        # order), head dims as attention_takes says.
-        fits = kernels.attention_takes(q.shape[-1]) and (cache.quant_policy == 0 or cache.k_qparams is not None
-                                                         and cache.k_qparams.dtype == torch.float32)
-        compiled = _compiled_for(q, *([cache.k] if cache.quant_policy == 0 else [])) if fits else None
+        # The kernel covers the caches kernels.cache_takes names (in this backend's bshd order), head dims as
+        # attention_takes says.
+        fits = kernels.attention_takes(q.shape[-1]) and kernels.cache_takes(cache)
+        compiled = _compiled_for(q) if fits else None
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale)
         step = (meta.block_tables, meta.q_start_loc, meta.kv_lens, softmax_scale, meta.window or 0, meta.softcap or 0.0)

@@ -36,10 +36,9 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
 
     def covers(x, ropes, caches) -> bool:
         cos, cache = ropes[0][0], caches[0]
-        # float32 caches, or 8-/4-bit codes with float32 params (a build with the kernels for them)
-        cache_fits = (cache.k.dtype == torch.float32 if cache.quant_policy == 0 else
-                      cache.k_qparams is not None and cache.k_qparams.dtype == torch.float32
-                      and hasattr(compiled, "fill_kv_cache_codes"))
+        # codes only with a build that has their kernels (decode_profile.py --kernels may load an older one)
+        cache_fits = kernels.cache_takes(cache) and (cache.quant_policy == 0
+                                                     or hasattr(compiled, "fill_kv_cache_codes"))
         return not (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
                     or cos.shape[-1] != head_dim or not cache_fits)
 

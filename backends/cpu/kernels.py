@@ -21,6 +21,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
+from lmport.kv.layout import LayerCache
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / "kernels.cpp"]  # includes the csrc/*.h kernels
@@ -37,6 +41,14 @@ GGML_TYPES = frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", 
 
 def attention_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
+
+
+def cache_takes(cache: LayerCache) -> bool:
+    """Whether the kernels read and write ``cache``: float32 values, or 8-/4-bit codes with float32 params (a
+    float32 model's; a 16-bit model's float16 params go to the reference ops)."""
+    if cache.quant_policy == 0:
+        return cache.k.dtype == torch.float32
+    return cache.k_qparams is not None and cache.k_qparams.dtype == torch.float32
 
 
 def machine_tag() -> str:
@@ -122,9 +134,7 @@ def _load_built(directory: Path):
         return None
     if (stat.st_size, stat.st_mtime_ns) != (int(size), int(mtime)):
         return None   # rebuilt since (by a loader of an older version): torch's loader decides
-    import importlib.util
-
-    import torch  # noqa: F401  (the library links against torch's, loaded by importing it)
+    import importlib.util   # the library links against torch's, loaded by this module's import of torch
     spec = importlib.util.spec_from_file_location(build_name(), directory / name)
     if spec is None or spec.loader is None:
         return None

@@ -78,33 +78,22 @@ class DecoderLayers {
                     const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                     const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, const std::vector<int64_t>& windows,
                     const std::vector<double>& softcaps) const {
-    return forward(x, cos, sin, k_caches, v_caches, {}, {}, 0, slot_mapping, block_tables, q_start_loc, kv_lens,
-                   windows, softcaps);
+    return run_codes(x, cos, sin, k_caches, v_caches, {}, {}, 0, slot_mapping, block_tables, q_start_loc, kv_lens,
+                     windows, softcaps);
   }
 
-  // The same over caches of 8- or 4-bit codes (``bits``) with their float32 params.
+  // The same over caches of 8- or 4-bit codes (``bits``) with their float32 params; bits 0: float32 caches
+  // (no params), as ``run``.
   torch::Tensor run_codes(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                           const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                           const std::vector<torch::Tensor>& k_params, const std::vector<torch::Tensor>& v_params,
                           int64_t bits, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                           const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
                           const std::vector<int64_t>& windows, const std::vector<double>& softcaps) const {
-    TORCH_CHECK(bits == 8 || bits == 4, "decoder layers: codes of 8 or 4 bits, got ", bits);
-    TORCH_CHECK(k_params.size() == layers_.size() && v_params.size() == layers_.size(),
+    TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "decoder layers: codes of 8 or 4 bits, got ", bits);
+    TORCH_CHECK(bits == 0 || (k_params.size() == layers_.size() && v_params.size() == layers_.size()),
                 "decoder layers: ", layers_.size(), " layers, got ", k_params.size(), " K params and ",
                 v_params.size(), " V params");
-    return forward(x, cos, sin, k_caches, v_caches, k_params, v_params, bits, slot_mapping, block_tables,
-                   q_start_loc, kv_lens, windows, softcaps);
-  }
-
- private:
-  // bits 0: float32 caches (no params).
-  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
-                        const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                        const std::vector<torch::Tensor>& k_params, const std::vector<torch::Tensor>& v_params,
-                        int64_t bits, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                        const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
-                        const std::vector<int64_t>& windows, const std::vector<double>& softcaps) const {
     const size_t n = layers_.size();
     TORCH_CHECK(cos.size() == n && sin.size() == n && k_caches.size() == n && v_caches.size() == n &&
                     windows.size() == n && softcaps.size() == n,
@@ -137,6 +126,7 @@ class DecoderLayers {
     return x;
   }
 
+ private:
   std::vector<BoundLayer> layers_;
 };
 

@@ -67,32 +67,9 @@ struct Scratch {
 // stats[2h], stats[2h + 1], which merge attention over parts of the keys. kD is the head dim
 // when known at compile time (then the output accumulators live in registers), 0 to
 // read it from the pool.
-template <int64_t kD, int kBits>
-void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
-            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
-  if constexpr (kBits != 32) {
-    // Codes: the visible rows dequantized once, (code - zero) * scale as the reference computes them, into
-    // a float32 pool of one block that the float path then reads (each KV head's rows serve its whole
-    // GQA group, converted once rather than once a query head).
-    const int64_t n = end - first, H = pool.kv_heads, D = pool.head_dim, bs = pool.block_size;
-    scratch.values.resize(2 * n * H * D);
-    float* values = scratch.values.data();
-    for (int64_t p = first; p < end; ++p) {
-      const int64_t t = (blocks[p / bs] - p / bs) * bs + p;   // the key's pool position
-      for (int64_t h = 0; h < H; ++h)
-        for (int kv = 0; kv < 2; ++kv) {
-          const char* codes = pool.row(kv ? pool.v : pool.k, t, h);
-          const float* params = (kv ? pool.v_params : pool.k_params) + (t * H + h) * 2;
-          const vec8 row_scale = splat(params[0]), zero = splat(params[1]);
-          float* dst = values + ((kv * n + p - first) * H + h) * D;
-          for (int64_t d = 0; d < D; d += 8) store(dst + d, (load8<kBits>(codes, d) - zero) * row_scale);
-        }
-    }
-    const Pool<32> flat{values, values + n * H * D, nullptr, nullptr, n, H, D};
-    const int32_t only_block = 0;
-    attend<kD, 32>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, false, scratch);
-    return;
-  }
+template <int64_t kD>
+void attend_floats(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
+                   int64_t q_heads, const Pool<32>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.kv_heads * pool.row_bytes();
   const int64_t n = end - first;  // visible keys; row j below is position first + j
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
@@ -128,7 +105,7 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
       vec8 acc[8] = {};
       for (int64_t d = 0; d < D; d += 8) {
         const vec8 qd = load(qh + d);
-        for (int u = 0; u < 8; ++u) acc[u] += qd * load8<kBits>(k_rows[u], d);
+        for (int u = 0; u < 8; ++u) acc[u] += qd * load8<32>(k_rows[u], d);
       }
       const vec8 s = sum8(acc) * scale;
       if (softcap > 0)  // Gemma 2's attention-logit soft cap
@@ -157,9 +134,39 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
     for (int64_t j = 0; j < n; ++j) {
       const char* vj = pool.row(pool.v, rows[j], kv);
       const float p = s[j];
-      for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load8<kBits>(vj, 8 * i);
+      for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load8<32>(vj, 8 * i);
     }
     for (int64_t i = 0; i < D / 8; ++i) store(out + h * D + 8 * i, acc[i] * inv);
+  }
+}
+
+// The same over a pool of codes (kBits 8 or 4), or a float32 pool (kBits 32) as attend_floats.
+template <int64_t kD, int kBits>
+void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
+            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
+  if constexpr (kBits == 32) {
+    attend_floats<kD>(q, out, stats, blocks, first, end, q_heads, pool, scale, softcap, prefetch, scratch);
+  } else {
+    // Codes: the visible rows dequantized once, (code - zero) * scale as the reference computes them, into
+    // a float32 pool of one block that the float path then reads (each KV head's rows serve its whole
+    // GQA group, converted once rather than once a query head).
+    const int64_t n = end - first, H = pool.kv_heads, D = pool.head_dim, bs = pool.block_size;
+    scratch.values.resize(2 * n * H * D);
+    float* values = scratch.values.data();
+    for (int64_t p = first; p < end; ++p) {
+      const int64_t t = (blocks[p / bs] - p / bs) * bs + p;   // the key's pool position
+      for (int64_t h = 0; h < H; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          const char* codes = pool.row(kv ? pool.v : pool.k, t, h);
+          const float* params = (kv ? pool.v_params : pool.k_params) + (t * H + h) * 2;
+          const vec8 row_scale = splat(params[0]), zero = splat(params[1]);
+          float* dst = values + ((kv * n + p - first) * H + h) * D;
+          for (int64_t d = 0; d < D; d += 8) store(dst + d, (load8<kBits>(codes, d) - zero) * row_scale);
+        }
+    }
+    const Pool<32> flat{values, values + n * H * D, nullptr, nullptr, n, H, D};
+    const int32_t only_block = 0;
+    attend_floats<kD>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, false, scratch);
   }
 }
 
