@@ -18,7 +18,7 @@ import torch
 
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine
-from machine import cpu_info, spread, write_result
+from machine import describe, line, spread, write_result
 
 POLICIES = (0, 8, 4)
 
@@ -55,17 +55,16 @@ def main() -> None:
         for d in args.depths:
             for p in POLICIES:
                 rates[p, d].append(decode_rate(engines[p], prompt[:d], args.tokens))
-    info = cpu_info()
-    print(f"\n{info['model']}, {info['cores']} cores ({' '.join(info['kernel_flags'])}); load average "
-          f"{info['load_average'][0]:.2f}; {args.model}, {args.threads} threads; decode tok/s of {args.tokens} tokens, "
-          f"median (min-max) of {args.rounds} interleaved rounds\n")
+    info = describe(args.threads)
+    print(f"\n{args.model}, {args.threads} threads; decode tok/s of {args.tokens} tokens, median (min-max) of "
+          f"{args.rounds} interleaved rounds; {line(info)}\n")
     print("| depth | " + " | ".join(f"quant_policy {p}" for p in POLICIES) + " | 8 / 0 | 4 / 0 |")
     print("|---:|" + "---|" * (len(POLICIES) + 2))
     for d in args.depths:
         med = {p: statistics.median(rates[p, d]) for p in POLICIES}
         print(f"| {d} | " + " | ".join(spread(rates[p, d], ".1f") for p in POLICIES)
               + f" | {med[8] / med[0]:.2f}x | {med[4] / med[0]:.2f}x |")
-    write_result(Path(args.out), {"cpu": info, "model": args.model, "threads": args.threads, "tokens": args.tokens,
+    write_result(Path(args.out), {"machine": info, "model": args.model, "threads": args.threads, "tokens": args.tokens,
                                   "rates": {f"policy {p}, depth {d}": r for (p, d), r in rates.items()}})
 
 

@@ -20,7 +20,7 @@ import lmport.backends.cpu as cpu
 from gguf_files import TYPES, gguf_file
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine
-from machine import cpu_info, spread, write_result
+from machine import describe, line, spread, write_result
 
 PROMPT_TOKENS = 256
 
@@ -57,15 +57,14 @@ def main() -> None:
     if cpu.onednn_linear() is None:
         raise SystemExit("this torch has no oneDNN linear: prefill runs on F.linear already")
     results = {kind: prefill_rates(kind, args.rounds) for kind in args.files.split(",")}
-    info = cpu_info()
-    print(f"\n{info['model']}, {info['cores']} cores ({' '.join(info['kernel_flags'])}); load average "
-          f"{info['load_average'][0]:.2f}; prefill of {PROMPT_TOKENS} tokens, tok/s, median (min-max) of "
-          f"{args.rounds - 1} interleaved rounds, {args.threads} threads\n")
+    info = describe(args.threads)
+    print(f"\nprefill of {PROMPT_TOKENS} tokens, tok/s, median (min-max) of {args.rounds - 1} interleaved rounds, "
+          f"{args.threads} threads; {line(info)}\n")
     print("| file | oneDNN | MKL | oneDNN / MKL |\n|---|---|---|---|")
     for kind, r in results.items():
         ratio = statistics.median(r["oneDNN"]) / statistics.median(r["MKL"])
         print(f"| {kind} | {spread(r['oneDNN'], '.1f')} | {spread(r['MKL'], '.1f')} | {ratio:.2f}x |")
-    write_result(Path(args.out), {"cpu": info, "threads": args.threads, "rounds": results})
+    write_result(Path(args.out), {"machine": info, "threads": args.threads, "rounds": results})
 
 
 if __name__ == "__main__":
