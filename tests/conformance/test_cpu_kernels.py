@@ -298,6 +298,23 @@ def test_kernels_refuse_what_they_do_not_cover_with_a_clear_error():
         compiled.paged_attention(q[..., :32].contiguous(), *args)
     with pytest.raises(RuntimeError, match=r"q_start_loc \[B \+ 1\] ending at the"):
         compiled.paged_attention(q[:-1].contiguous(), *args)
+    codes, codes_meta, codes_q = _case(16, 64, 3, *BATCHES["mixed"](16), policy=8)
+    step = (codes_meta.block_tables, codes_meta.q_start_loc, codes_meta.kv_lens, 0.125)
+    params = (codes.k_qparams, codes.v_qparams)
+    with pytest.raises(RuntimeError, match="8- or 4-bit codes, got 5"):
+        compiled.paged_attention_codes(codes_q, codes.k, codes.v, *params, 5, *step)
+    with pytest.raises(RuntimeError, match="float32 q and params and uint8 caches"):
+        compiled.paged_attention_codes(codes_q, codes.k, codes.v, *(p.half() for p in params), 8, *step)
+    with pytest.raises(RuntimeError, match=r"head_dim \* bits / 8\] and their params"):
+        compiled.paged_attention_codes(codes_q, codes.k, codes.v, *params, 4, *step)
+    new_rows = torch.ones(3, KV_HEADS, 64)
+    with pytest.raises(RuntimeError, match="8- or 4-bit codes, got 2"):
+        compiled.fill_kv_cache_codes(new_rows, new_rows, codes.k, codes.v, *params, 2, torch.arange(3))
+    with pytest.raises(RuntimeError, match=r"k and v are \[3 tokens, 2 kv_heads, 64\]"):
+        compiled.fill_kv_cache_codes(new_rows[..., :32], new_rows[..., :32], codes.k, codes.v, *params, 8,
+                                     torch.arange(3))
+    with pytest.raises(RuntimeError, match="slot -1 of token 0 is outside"):
+        compiled.fill_kv_cache_codes(new_rows, new_rows, codes.k, codes.v, *params, 8, torch.tensor([-1, 0, 1]))
     with pytest.raises(RuntimeError, match="differ in shape"):
         compiled.silu_and_mul(torch.ones(2, 8), torch.ones(2, 16))
     with pytest.raises(RuntimeError, match="weight has 3 elements"):
