@@ -102,7 +102,7 @@ class Engine:
                 self.draft = DraftModel(cast(str, spec.model), self.config, self.backend)
             self._allocate_cache(model)
             if self.draft is not None:
-                self.draft.allocate(self.plan.num_blocks)
+                self.draft.allocate(self.plan.num_blocks, self.block_manager.prefix_hashes)
         except BaseException:
             self.executor.close()
             raise

@@ -163,6 +163,46 @@ def test_greedy_identical_with_prefix_caching():
         assert any(t[:len(chain)] == chain for t in texts), e
 
 
+def test_the_draft_reuses_its_blocks_for_a_cached_prefix_and_recomputes_evicted_ones():
+    """A model drafting for itself, prefix caching on: a prompt that repeats an earlier request's prompt and answer
+    (a second turn) is caught up by the draft from where the target's cache hit ends, not from its start; once
+    other requests have taken those blocks, from the start again. Every proposal stays accepted: draft K/V
+    taken from a block that no longer held them would make the draft disagree with itself."""
+    model, bs = tiny_model_dir("llama"), 16
+    rng = random.Random(11)
+    first = [rng.randrange(3, 40000) for _ in range(70)]
+    others = [[rng.randrange(3, 40000) for _ in range(90)] for _ in range(4)]
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    cfg = EngineConfig(device_type="cpu", block_size=bs, cache_max_entry_count=24, enable_prefix_caching=True,
+                       speculative=draft_spec(model))
+    with lmport.pipeline(model, backend_config=cfg) as pipe:
+        engine, caught_up = pipe.engine, []
+        forward = engine.draft.runner.forward
+
+        def counting(step, caches):
+            if len(step.q_lens) == 1 and step.q_lens[0] > 1:   # a catch-up (proposals are 1 token a row)
+                caught_up.append(step.q_lens[0])
+            return forward(step, caches)
+        engine.draft.runner.forward = counting
+
+        def first_catch_up(prompt):   # the draft's first forward for a request: its prompt, less what it holds
+            before = len(caught_up)
+            out = pipe.generate([prompt], gen)[0].token_ids
+            return caught_up[before], out
+        alone, answer = first_catch_up(first)
+        second = first + answer + [rng.randrange(3, 40000) for _ in range(5)]   # 99 tokens: 6 whole blocks
+        reused, _ = first_catch_up(second)
+        for other in others:   # 4 x 114 tokens through a 24-block cache: the first requests' blocks are taken
+            pipe.generate([other], gen)
+        again, _ = first_catch_up(second)
+        usage = engine.usage()
+    # A catch-up runs once the prompt's step has added the first token.
+    assert alone == len(first) + 1, caught_up
+    assert reused <= len(second) + 1 - (len(first) + len(answer)) // bs * bs, caught_up   # the tail after the hit
+    assert again == len(second) + 1, caught_up
+    assert usage["spec_acceptance_rate"] == 1.0, usage
+
+
 def test_a_failing_draft_leaves_requests_decoding_without_proposals(monkeypatch):
     from lmport.speculative.draft import DraftModel
 

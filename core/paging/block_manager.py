@@ -146,6 +146,17 @@ class BlockManager:
                 return
             st.entries.append(e)
 
+    def prefix_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The hashes the prefix cache names ``seq``'s first ``num_blocks`` full blocks of tokens by (a chain:
+        each names the whole prefix through its block); none without a prefix cache, and none past a hash
+        collision, whose blocks are not cached."""
+        if self.cache is None:
+            return []
+        st = self._state(seq)
+        if st.stopped:
+            num_blocks = min(num_blocks, len(st.entries))
+        return self.cache.chain(seq.token_ids, st.extra, st.hashes, num_blocks)[:num_blocks]
+
     def _adopt(self, seq: Sequence, i: int, e: CachedBlock) -> None:
         """``seq`` computed block ``i`` although ``e`` already holds the same KV: keep one copy."""
         own = seq.block_table[i]

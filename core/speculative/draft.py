@@ -5,9 +5,15 @@ cache. That cache mirrors the target's: it has as many blocks of the same size, 
 lives in the blocks of the sequence's own (target) block table. The block manager therefore keeps one set of
 tables for both models: a rollback, a preemption, a finish or a prefix-cache hit moves the draft's blocks with
 the target's, and no draft block can leak. What the draft keeps per sequence is how many of its tokens it has
-computed (and the preemption count it computed them under); the next proposal first computes the rest
-("catch-up": a new prompt, the tokens accepted last step, everything after a preemption), then the proposal
-itself.
+computed, into which blocks (and the preemption count it computed them under); the next proposal first computes
+the rest ("catch-up": a new prompt, the tokens accepted last step, everything after a preemption), then the
+proposal itself.
+
+With the prefix cache on, the draft also remembers which prefix each of its full blocks holds (by the prefix
+cache's chained hash): a sequence whose prompt hits the cache, or that comes back after a preemption, starts its
+catch-up after the leading blocks whose draft K/V are still there, as the target starts after its cached ones.
+Only the draft's forwards write its cache, and each forgets what the blocks it writes held, so a remembered hash
+always describes the block's contents.
 
 Proposals are made for all speculating sequences together: one batched catch-up forward (chunked at
 ``max_prefill_token_num`` tokens), then one batched single-token forward for each further proposed token.
@@ -21,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import cast
-from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +103,12 @@ def check_same_tokens(target_tok, draft_tok, model: str, draft: str) -> None:
 class _Progress:
     computed: int      # the sequence's first tokens whose draft K/V are in the draft's cache
     preemptions: int   # the sequence's preemption count then (a preemption leaves other blocks)
+    blocks: list[int] = field(default_factory=list)   # the blocks they are in (the prefix cache may swap one)
+    named: int = 0     # leading full blocks whose prefix hash ``DraftModel.holds`` records
+
+
+def _no_hashes(seq: Sequence, num_blocks: int) -> list[bytes]:
+    return []
 
 
 class DraftModel:
@@ -107,10 +120,17 @@ class DraftModel:
         self.layout = self.runner.layout
         self.caches: list = []
         self._progress: dict[Sequence, _Progress] = {}
+        self.holds: dict[int, bytes] = {}   # draft block -> the prefix hash whose draft K/V it holds
+        self._prefix_hashes: Callable[[Sequence, int], list[bytes]] = _no_hashes
 
-    def allocate(self, num_blocks: int) -> None:
-        """The draft's cache: ``num_blocks`` blocks, as many as the target's."""
+    def allocate(self, num_blocks: int,
+                 prefix_hashes: Callable[[Sequence, int], list[bytes]] = _no_hashes) -> None:
+        """The draft's cache: ``num_blocks`` blocks, as many as the target's. ``prefix_hashes(seq, n)``: the
+        hashes the prefix cache names a sequence's first n full blocks by (``BlockManager.prefix_hashes``;
+        none without a prefix cache, and then no block is reused across sequences)."""
         self.caches = self.layout.allocate(num_blocks, self.runner.backend.device)
+        self._prefix_hashes = prefix_hashes
+        self.holds.clear()
 
     @property
     def cache_bytes(self) -> int:
@@ -121,6 +141,7 @@ class DraftModel:
         self.runner.close()
         self.caches = []
         self._progress.clear()
+        self.holds.clear()
 
     def forget(self, seq: Sequence) -> None:
         self._progress.pop(seq, None)
@@ -147,21 +168,48 @@ class DraftModel:
                              [seqs[i].block_table for i in active], list(range(len(active))))
             logits = self._forward(step)
         for seq, count in zip(seqs, counts):   # the last proposed token is not computed (the target verifies it)
-            self._progress[seq] = _Progress(seq.num_tokens + count - 1, seq.num_preemptions)
+            progress = self._progress[seq]
+            progress.computed = seq.num_tokens + count - 1
+            progress.blocks = list(seq.block_table)
         return proposals, [torch.stack(p) if p else None for p in probs]
 
     def _start(self, seq: Sequence) -> int:
-        """The sequence's first position whose draft K/V is not (or no longer) in the cache: past neither the
-        target's computed tokens (rejected proposals are rolled back) nor a preemption."""
+        """The sequence's first position whose draft K/V is not (or no longer) in the blocks its table names:
+        past neither the target's computed tokens (rejected proposals are rolled back) nor a preemption, nor a
+        block the prefix cache swapped for its own copy; but past the leading blocks the draft holds by hash."""
+        bs, computed = self.layout.block_size, 0
         progress = self._progress.get(seq)
-        if progress is None or progress.preemptions != seq.num_preemptions:
-            return 0
-        return min(progress.computed, seq.num_computed)
+        if progress is not None and progress.preemptions == seq.num_preemptions:
+            computed = min(progress.computed, seq.num_computed)
+            for i, block in enumerate(progress.blocks[:-(-computed // bs)]):
+                if seq.block_table[i] != block:
+                    computed = i * bs
+                    break
+        if computed // bs < seq.num_computed // bs:   # whole blocks to compute: the draft may hold them already
+            held = 0
+            hashes = self._prefix_hashes(seq, seq.num_computed // bs)
+            while held < len(hashes) and self.holds.get(seq.block_table[held]) == hashes[held]:
+                held += 1
+            computed = max(computed, held * bs)
+        return min(computed, seq.num_computed)
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Records the prefix hash of each full block of real tokens the draft has computed for ``seq``."""
+        progress = self._progress[seq]
+        full = seq.num_tokens // self.layout.block_size
+        if progress.named < full:
+            for i, h in enumerate(self._prefix_hashes(seq, full)[progress.named:], progress.named):
+                self.holds[seq.block_table[i]] = h
+            progress.named = full
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Computes each sequence's tokens the draft has not, its last one included, in forwards of at most
         ``max_prefill_token_num`` tokens; the draft's logits after each sequence's last token [seqs, vocab]."""
         positions = [self._start(s) for s in seqs]
+        for s, p in zip(seqs, positions):
+            progress = self._progress.get(s)
+            if progress is None or progress.preemptions != s.num_preemptions or p < progress.computed:
+                self._progress[s] = _Progress(p, s.num_preemptions, named=p // self.layout.block_size)
         last: list[torch.Tensor | None] = [None] * len(seqs)
         while any(p < s.num_tokens for p, s in zip(positions, seqs)):
             budget, chunk = self.config.max_prefill_token_num, []
@@ -179,9 +227,15 @@ class DraftModel:
                 last[chunk[j][0]] = logits[row]
             for (i, _), end in zip(chunk, ends):
                 positions[i] = end
+        for s in seqs:
+            self._name_blocks(s)
         return torch.stack([x for x in last if x is not None])
 
     def _forward(self, step: StepInput) -> torch.Tensor:
+        bs = self.layout.block_size
+        for n, end, table in zip(step.q_lens, step.kv_lens, step.block_tables):
+            for block in table[(end - n) // bs:-(-end // bs)]:   # what they held is overwritten
+                self.holds.pop(block, None)
         return cast(torch.Tensor, self.runner.forward(step, self.caches))   # tp=1: the runner returns the logits
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], proposed: list[list[int]]
