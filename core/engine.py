@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 import uuid
+from concurrent import futures
 from typing import cast
 
 import torch
@@ -314,10 +315,14 @@ class Engine:
         completing = [s for s, n in zip(batch.seqs, batch.num_new)
                       if s.num_computed + n == s.num_tokens and _generates(s)]
         masks = self.masks.start([s.grammar for s in completing])   # filled while the forward runs
+        constrained = [s for s in proposals if s.grammar is not None]   # and the proposals' masks too
+        proposal_masks = dict(zip(constrained, self.masks.start_proposals([s.grammar for s in constrained],
+                                                                          [proposals[s] for s in constrained])))
         try:
             logits = self._forward(batch.seqs, batch.num_new, proposals)
         except Exception as exc:  # a failing forward ends this batch's requests, not the engine
             log.exception("forward failed")
+            futures.wait(proposal_masks.values())   # the matchers are theirs until the fills end
             for seq in batch.seqs:
                 self._end(seq, "error", self.failure or f"forward failed: {type(exc).__name__}: {exc}")
                 outputs.append(self._output(seq, []))
@@ -338,7 +343,7 @@ class Engine:
             counts = [len(proposals[s]) + 1 if s in proposals else int(s in sampling) for s in batch.seqs]
             parts = dict(zip(batch.seqs, logits.split(counts)))
             logits = torch.cat([parts[s] for s in ready]) if ready else logits[:0]
-            outputs += self._verify({s: parts[s] for s in proposals}, proposals, draft_probs)
+            outputs += self._verify({s: parts[s] for s in proposals}, proposals, draft_probs, proposal_masks)
         if not ready:
             return outputs
         mask = None
@@ -489,17 +494,18 @@ class Engine:
         return outputs
 
     def _verify(self, logits: dict[Sequence, torch.Tensor], proposals: dict[Sequence, list[int]],
-                draft_probs: dict[Sequence, torch.Tensor | None]) -> list[RequestOutput]:
+                draft_probs: dict[Sequence, torch.Tensor | None],
+                proposal_masks: dict[Sequence, futures.Future]) -> list[RequestOutput]:
         """Judge each sequence's proposal on its rows of logits, append what it emits, give back the KV slots
-        of its rejected tokens. A failure ends only the sequence it belongs to."""
+        of its rejected tokens. A structured output's rows are masked as a plain step's would be
+        (``proposal_masks``, filled beside the forward). A failure ends only the sequence it belongs to."""
         outputs, masks, dead_ends = [], {}, {}
-        for seq in proposals:
-            if seq.grammar is not None:   # a structured output: each row masked as a plain step's would be
-                try:
-                    rows, bitmask, dead_ends[seq] = seq.grammar.proposal_bitmask(proposals[seq], logits[seq].shape[-1])
-                    masks[seq] = (rows, bitmask)
-                except Exception as exc:
-                    outputs.append(self._fail(seq, "grammar", exc))
+        for seq, pending in proposal_masks.items():
+            try:
+                rows, bitmask, dead_ends[seq] = pending.result()
+                masks[seq] = (rows, bitmask)
+            except Exception as exc:
+                outputs.append(self._fail(seq, "grammar", exc))
         seqs = [s for s in proposals if not s.is_finished]
         if not seqs:
             return outputs

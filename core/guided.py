@@ -501,6 +501,11 @@ class MaskBuilder:
         futures = [self._pool.submit(fill, k, row, matchers[row]) for k, row in enumerate(rows)]
         return Masks(len(matchers), rows, futures, clocks, bitmask, self.budget)
 
+    def start_proposals(self, matchers: list[Matcher], proposals: list[list[int]]) -> list[Future]:
+        """Begin filling each constrained proposal's verification masks (``Matcher.proposal_bitmask``), one task
+        a proposal; each future gives (rows, bitmask, dead end) or raises what the matcher raised."""
+        return [self._pool.submit(m.proposal_bitmask, p, self.vocab_size) for m, p in zip(matchers, proposals)]
+
 
 # Devices xgrammar has a masking kernel for; on any other, its pure-torch implementation.
 KERNEL_DEVICES = ("cpu", "cuda")

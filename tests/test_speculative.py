@@ -255,6 +255,38 @@ def test_structured_outputs_speculate_and_match_without_speculation():
     assert usage["spec_verifications"] > 0 and all(re.fullmatch(regex, r.text) for r in spec)
 
 
+def test_a_structured_proposals_masks_are_filled_while_the_forward_runs(monkeypatch):
+    """The verification masks of a constrained proposal are filled on the grammar threads beside the forward
+    that verifies it, not after: each verifying forward (held up for 0.2 s) ends with its proposal's fill done."""
+    import time
+    from lmport.guided import Matcher
+    from lmport.models.loader import load_tokenizer
+    proposal_bitmask, fills, fills_at_forward_end = Matcher.proposal_bitmask, [], []
+
+    def counted(self, proposal, vocab_size):
+        result = proposal_bitmask(self, proposal, vocab_size)
+        fills.append(proposal)
+        return result
+    monkeypatch.setattr(Matcher, "proposal_bitmask", counted)
+    model = tiny_model_dir("llama")
+    prompt = load_tokenizer(model).encode("red blue " * 20)
+    gen = GenerationConfig(max_new_tokens=12, response_format={"type": "regex_schema", "regex_schema": "(red |blue )+"})
+    cfg = EngineConfig(device_type="cpu", block_size=16, cache_max_entry_count=100, speculative=NGRAM)
+    with lmport.pipeline(model, backend_config=cfg) as pipe:
+        execute = pipe.engine.executor.execute
+
+        def slow_verification(step):
+            logits = execute(step)
+            if len(step.token_ids) > len(step.q_lens) and len(step.q_lens) == 1 and step.q_lens[0] <= 5:
+                time.sleep(0.2)   # a verifying forward of the one sequence (the prompt's is longer)
+                fills_at_forward_end.append(len(fills))
+            return logits
+        pipe.engine.executor.execute = slow_verification
+        pipe.generate([prompt], gen)
+    assert fills_at_forward_end, "no proposal was verified: the test proves nothing"
+    assert fills_at_forward_end == list(range(1, len(fills_at_forward_end) + 1)), fills_at_forward_end
+
+
 def test_a_format_dead_end_inside_a_proposal_ends_the_request_as_without_speculation(monkeypatch):
     """A grammar that allows no token after its DEAD_AT-th: speculation emits the same tokens before the dead
     end and ends the request with the same error, whether the dead end falls on a plain step or inside a
