@@ -1,7 +1,8 @@
 """Speculative decoding: single-stream decode tok/s and acceptance, speculation off vs n-gram vs a draft model.
 
 Two workloads of a few chat prompts each, on the default model (its Q4_1 GGUF, weights kept quantized,
-cpu backend, greedy, EOS ignored so every run decodes the same number of tokens):
+cpu backend, greedy, each answer ending at its end-of-turn token or --tokens, as a user gets it; greedy
+speculation emits the same tokens as plain decoding, so every column decodes the same answers):
 
 - free: open-ended generation (stories, explanations), where the output rarely repeats its prompt;
 - repeat: the answer repeats the prompt (rewrite a given function with type hints, copy a list, fix
@@ -16,6 +17,10 @@ token to the last), one request at a time. The four engines alternate request by
 rounds (at least 5), so all see the same machine load; each figure is the median over rounds with its
 min-max, and every round is kept in the JSON.
 
+A second table: the time of one sequence's forward by the tokens it computes (1, a plain decode step, up
+to num_speculative_tokens + 1, a verification), at a context of 256 tokens, medians of the rounds: a
+proposal accepted to a mean length L gains at most L over that ratio.
+
 --batch also runs the `make bench` workload (benchmarks/throughput.py: 64 requests at once) with
 speculation off and on, alternating, and reports output tok/s: speculation is to back off as the
 batch fills (disable_by_batch_size), so on should be no slower than off.
@@ -24,16 +29,21 @@ llama.cpp peer: its `llama-lookup` (n-gram speculation from the context, draftin
 num_speculative_tokens as lmport's n-gram column, 4) from --llama-bin (default
 /root/.cache/llamacpp/build/bin) on the same Q4_1 file and the same chat-formatted prompts, greedy, run
 twice a prompt in the same rounds: with no drafts (`--spec-draft-n-max 0`, its plain decode) and with
-drafts; decode tok/s and acceptance are the ones it prints. Its `--ignore-eos` bans end-of-generation
-tokens where lmport's only keeps generating past them, so the two engines' texts (and how much they repeat
-their prompts) differ after the first turn: compare each engine's speedup over its own plain decode. Without
-the binary the JSON says where it was looked for and the columns are left out.
+drafts; decode tok/s and acceptance are the ones it prints; it too stops at the end of the answer. Compare
+each engine's speedup over its own plain decode. Without the binary the JSON says where it was looked for and
+the columns are left out.
+
+--ignore-eos decodes --tokens tokens for every prompt instead (llama-lookup with its --ignore-eos, which bans
+end-of-generation tokens where lmport only generates past them, so the two engines' texts part after the
+first turn). Past the answer the model starts a new, unrelated turn: the repeat workload is then mostly free
+generation.
 
 The header gives the CPU model and flags, the thread count and a measured read bandwidth
 (benchmarks/machine.py). On a shared machine, say so beside any figure: other processes change every
 column, which is why the rounds interleave.
 
-Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--batch] [--out benchmarks/results/speculative.json]
+Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--ignore-eos] [--batch]
+     [--out benchmarks/results/speculative.json]
 """
 from __future__ import annotations
 
@@ -88,11 +98,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(chat_text(tokenizer, text), add_special_tokens=False)
 
 
-def decode_rate(engine, prompt: list[int], tokens: int) -> tuple[float, dict]:
+def decode_rate(engine, prompt: list[int], tokens: int, ignore_eos: bool) -> tuple[float, dict]:
     """Decode tok/s of one request alone, and the engine's speculation counters it moved."""
     from lmport import GenerationConfig
     before = engine.usage()
-    engine.add_request(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))
+    engine.add_request(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=ignore_eos))
     first = last = None
     generated = 0
     while engine.has_unfinished():
@@ -103,6 +113,8 @@ def decode_rate(engine, prompt: list[int], tokens: int) -> tuple[float, dict]:
                 generated += len(o.delta_token_ids)
                 first = first or now
                 last = now
+    if generated < 2:
+        raise SystemExit(f"a prompt of {len(prompt)} tokens was answered in {generated} token: no decode to time")
     after = engine.usage()
     moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("spec_proposed_tokens", "spec_accepted_tokens",
                                                              "spec_verifications")}
@@ -114,11 +126,12 @@ def summary(values: list[float]) -> dict:
             "max": round(max(values), 2), "rounds": [round(v, 2) for v in values]}
 
 
-def lookup_rate(binary: Path, model_file: Path, text: str, tokens: int, draft: int) -> tuple[float, dict]:
+def lookup_rate(binary: Path, model_file: Path, text: str, tokens: int, draft: int,
+                ignore_eos: bool) -> tuple[float, dict]:
     """llama-lookup's decode tok/s for one chat-formatted prompt, and its draft counters."""
     out = subprocess.run([str(binary), "-m", str(model_file), "-p", text, "-n", str(tokens), "--temp", "0",
-                          "--spec-draft-n-max", str(draft), "-t", str(torch.get_num_threads()), "--ignore-eos"],
-                         capture_output=True, text=True, timeout=600)
+                          "--spec-draft-n-max", str(draft), "-t", str(torch.get_num_threads())]
+                         + (["--ignore-eos"] if ignore_eos else []), capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"{binary} failed:\n{out.stderr[-2000:]}")
     speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", out.stderr)
@@ -136,7 +149,7 @@ def ngram_tokens() -> int:
     return SpeculativeConfig(method="ngram").num_speculative_tokens
 
 
-def single_stream(rounds: int, tokens: int, lookup: Path | None) -> dict:
+def single_stream(rounds: int, tokens: int, ignore_eos: bool, lookup: Path | None) -> dict:
     import lmport
     from lmport import EngineConfig
     target = str(float_target())
@@ -146,12 +159,12 @@ def single_stream(rounds: int, tokens: int, lookup: Path | None) -> dict:
              for name, (model, spec) in engines.items()}
     tok = pipes["off"].engine.tokenizer
     # Each column: (chat text, its token ids) -> (decode tok/s, speculation counters moved).
-    runners = {name: (lambda text, ids, pipe=pipe: decode_rate(pipe.engine, ids, tokens))
+    runners = {name: (lambda text, ids, pipe=pipe: decode_rate(pipe.engine, ids, tokens, ignore_eos))
                for name, pipe in pipes.items()}
     if lookup is not None:
         model_file, draft = gguf_file("Q4_1"), ngram_tokens()   # the file the "off" and "ngram" columns run
-        runners["llama_off"] = lambda text, ids: lookup_rate(lookup, model_file, text, tokens, 0)
-        runners["llama_lookup"] = lambda text, ids: lookup_rate(lookup, model_file, text, tokens, draft)
+        runners["llama_off"] = lambda text, ids: lookup_rate(lookup, model_file, text, tokens, 0, ignore_eos)
+        runners["llama_lookup"] = lambda text, ids: lookup_rate(lookup, model_file, text, tokens, draft, ignore_eos)
     results = {}
     for workload, texts in (("free", FREE), ("repeat", REPEAT)):
         prompts = [(chat_text(tok, t), chat_ids(tok, t)) for t in texts]
@@ -218,6 +231,37 @@ def batch(rounds: int) -> dict:
     return {name: summary(r) for name, r in rates.items()}
 
 
+def verify_cost(rounds: int, depth: int = 256, reps: int = 10) -> dict:
+    """What a forward of one sequence costs by the tokens it computes (1: a plain decode step; k + 1: verifying
+    k proposals), at ``depth`` tokens of context, on the Q4_1 default model: the median ms of ``rounds`` rounds
+    of ``reps`` forwards, the token counts interleaved. A proposal of k tokens accepted to a mean length L
+    gains at most L / (cost of k + 1 tokens / cost of 1). The forwards write and read blocks no request holds
+    (the engine is idle), so the values in them do not matter, only the work."""
+    import lmport
+    from lmport import EngineConfig
+    from lmport.runner import StepInput
+    counts = sorted({1, 2, 3, ngram_tokens() + 1})
+    with lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu")) as pipe:
+        engine = pipe.engine
+        bs = engine.layout.block_size
+        table = list(range(-(-(depth + max(counts)) // bs)))
+
+        def forward(n: int) -> float:
+            step = StepInput([1] * n, [n], [depth + n], [table], list(range(n)))
+            started = time.perf_counter()
+            for _ in range(reps):
+                engine.executor.execute(step)
+            return (time.perf_counter() - started) / reps * 1000
+        forward(1)   # warm-up
+        ms: dict[int, list[float]] = {n: [] for n in counts}
+        for _ in range(rounds):
+            for n in counts:
+                ms[n].append(forward(n))
+    plain = statistics.median(ms[1])
+    return {"depth": depth, "reps": reps,
+            "tokens": {n: {**summary(v), "ratio": round(statistics.median(v) / plain, 2)} for n, v in ms.items()}}
+
+
 def peer(bin_dir: Path) -> dict:
     binary = bin_dir / LOOKUP
     if not binary.exists():
@@ -245,6 +289,10 @@ def table(results: dict) -> str:
         for workload, r in results["single_stream"].items():
             lines.append(f"| {workload} | {rate(r['llama_off'])} | {rate(r['llama_lookup'])} | "
                          f"{r['llama_lookup_speedup_median']}x | {r['llama_lookup_acceptance_rate']} |")
+    cost = results["verify_cost"]
+    lines += ["", f"| tokens a forward computes (one sequence, depth {cost['depth']}) | ms | ratio to 1 token |",
+              "|---|---|---|"]
+    lines += [f"| {n} | {rate(c)} | {c['ratio']}x |" for n, c in cost["tokens"].items()]
     if "batch" in results:
         b = results["batch"]
         lines += ["", "| make bench workload | off tok/s | n-gram tok/s |", "|---|---|---|",
@@ -257,6 +305,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true", help="decode --tokens tokens whatever the answer")
     parser.add_argument("--batch", action="store_true", help="also the make bench workload, off vs on")
     parser.add_argument("--llama-bin", type=Path, default=Path(os.environ.get(
         "LMPORT_LLAMA_CPP_BIN", "/root/.cache/llamacpp/build/bin")))
@@ -266,8 +315,10 @@ def main() -> None:
         parser.error("--rounds must be at least 5 (medians with min-max of interleaved rounds)")
     llama_cpp = peer(args.llama_bin)
     lookup = Path(llama_cpp["binary"]) if llama_cpp["ran"] else None
-    results = {"machine": machine(), "tokens": args.tokens, "rounds": args.rounds, "llama_cpp": llama_cpp,
-               "single_stream": single_stream(args.rounds, args.tokens, lookup)}
+    results = {"machine": machine(), "tokens": args.tokens, "ignore_eos": args.ignore_eos, "rounds": args.rounds,
+               "llama_cpp": llama_cpp}
+    results["single_stream"] = single_stream(args.rounds, args.tokens, args.ignore_eos, lookup)
+    results["verify_cost"] = verify_cost(args.rounds)
     if args.batch:
         results["batch"] = batch(args.rounds)
     results["machine"]["load_average_after"] = os.getloadavg()
