@@ -70,7 +70,7 @@ class CpuBackend(Backend):
             return super().quant_linear(x, weight, bias)
         q = weight
         if x.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the packed weight (csrc/quant_linear.h)
-            return compiled.quant_linear(x, q.qweight, q.scales, q.mins, q.bits, q.group_size, bias)
+            return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias)
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
         w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)
         return prefill_gemm(x, w, bias)

@@ -104,8 +104,8 @@ def _bind_linear(linears: ops.Linears, compiled) -> Callable[[torch.Tensor], tor
         return lambda x: torch.cat([part(x) for part in parts], -1)
     weight, bias = linears.weight, linears.bias
     if isinstance(weight, ops.QuantizedWeight):
-        qweight, scales, mins, bits, group_size = (weight.qweight, weight.scales, weight.mins, weight.bits,
-                                                   weight.group_size)
+        qweight, scales, mins = weight.qweight, weight.scales, kernels.kernel_mins(weight)
+        bits, group_size = weight.bits, weight.group_size
         return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias)
     if isinstance(weight, ops.GGMLWeight):
         blocks, type_name, in_features = weight.blocks, weight.type_name, weight.in_features
@@ -119,8 +119,8 @@ def _bind_linear_native(linears: ops.Linears, compiled) -> list:
     for part in _parts(linears):
         weight, bias = part.weight, part.bias
         if isinstance(weight, ops.QuantizedWeight):
-            bound.append(compiled.BoundLinear("quant", weight.qweight, bias, weight.scales, weight.mins, weight.bits,
-                                              weight.group_size))
+            bound.append(compiled.BoundLinear("quant", weight.qweight, bias, weight.scales, kernels.kernel_mins(weight),
+                                              weight.bits, weight.group_size))
         elif isinstance(weight, ops.GGMLWeight):
             bound.append(compiled.BoundLinear("ggml", weight.blocks, bias, type=weight.type_name,
                                               in_features=weight.in_features))

@@ -39,6 +39,12 @@ def small_linear_takes(in_features: int) -> bool:
 GGML_TYPES = frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"})
 
 
+def kernel_mins(weight) -> torch.Tensor | None:
+    """A quantized weight's mins as quant_linear takes them: None where all are zero (GGUF's Q8_0), so the
+    kernel neither reads them nor adds their products."""
+    return None if weight.zero_mins else weight.mins
+
+
 def attention_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 

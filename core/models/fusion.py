@@ -44,7 +44,7 @@ def _one_weight(parts: list[nn.Module], bias: torch.Tensor | None) -> nn.Module 
         if len({(w.bits, w.group_size, w.in_features) for w in weights}) != 1:
             return None
         merged = QuantizedWeight(*(torch.cat([getattr(w, f) for w in weights]) for f in ("qweight", "scales", "mins")),
-                                 weights[0].bits, weights[0].group_size)
+                                 weights[0].bits, weights[0].group_size, all(w.zero_mins for w in weights))
         return QuantLinear(merged, bias, parts[0].backend)
     if all(isinstance(p, GGMLLinear) for p in parts):
         blocks = [p.quantized for p in parts]

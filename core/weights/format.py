@@ -31,6 +31,7 @@ class QuantizedWeight:
     mins: torch.Tensor      # float16 [out, in/group_size]
     bits: int
     group_size: int
+    zero_mins: bool = False   # every min is 0 (GGUF's Q8_0: w = scale * q): a kernel may skip them
 
     @property
     def out_features(self) -> int:
@@ -45,7 +46,8 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the output rows ``index`` (an embedding lookup's rows)."""
-        return QuantizedWeight(self.qweight[index], self.scales[index], self.mins[index], self.bits, self.group_size)
+        return QuantizedWeight(self.qweight[index], self.scales[index], self.mins[index], self.bits, self.group_size,
+                               self.zero_mins)
 
     def check(self, name: str = "weight") -> QuantizedWeight:
         """Raises ValueError naming ``name`` when the tensors do not form a weight of this format."""

@@ -134,7 +134,7 @@ def _int_weight(rows: np.ndarray, qtype) -> QuantizedWeight:
         b = rows.reshape(rows.shape[0], -1, 34)
         scales = _f16(b[..., 0:2])
         codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)).flatten(1)
-        return QuantizedWeight(codes, scales, torch.zeros_like(scales), 8, 32)
+        return QuantizedWeight(codes, scales, torch.zeros_like(scales), 8, 32, zero_mins=True)
     if qtype == T.Q4_0:                      # d: f16, qs: 16 bytes;            w = d * (q - 8)
         b = rows.reshape(rows.shape[0], -1, 18)
         scales = _f16(b[..., 0:2])
@@ -207,7 +207,7 @@ def _row_range(value, start: int, stop: int):
     if isinstance(value, GGMLWeight):
         return GGMLWeight(value.blocks[start:stop], value.type_name, value.in_features)
     return QuantizedWeight(value.qweight[start:stop], value.scales[start:stop], value.mins[start:stop],
-                           value.bits, value.group_size)
+                           value.bits, value.group_size, value.zero_mins)
 
 
 def _out_features(value) -> int:

@@ -165,6 +165,26 @@ def test_cpu_kernel_takes_no_rows(bits):
     assert got.shape == (0, 99)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_kernel_without_mins_is_the_kernel_with_zero_mins(bits):
+    """A weight whose mins are all zero (GGUF's Q8_0) goes to the kernel without them (``zero_mins``): on every
+    path (int8 rows, tiles expanded in cache) the result is the one with the zeros passed, bit for bit, and
+    through the backend the reference's."""
+    import dataclasses
+    from lmport.backends.cpu import CpuBackend, kernels
+    weight = random_weight(bits, 32, n=99, k=288, seed=8)
+    weight.mins.zero_()
+    compiled, backend = kernels.load(), CpuBackend()
+    for rows in (1, 5, 9, 40):
+        x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(rows))
+        without = compiled.quant_linear(x, weight.qweight, weight.scales, None, bits, 32, None)
+        assert torch.equal(without, compiled.quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, 32, None))
+        got = backend.quant_linear(x, dataclasses.replace(weight, zero_mins=True))
+        w = ops.dequantize(weight)
+        bound = float32_summation_bound(x, w) + int8_pair_rounding_bound(x, w) + int16_rounding_bound(x, w)
+        assert ((got - ops.quant_linear(x, weight)).abs() <= bound + 1e-6).all()
+
+
 def test_cpu_dequantize_kernel_is_the_reference():
     from lmport.backends.cpu import kernels
     compiled = kernels.load()

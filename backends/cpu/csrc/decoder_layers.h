@@ -22,13 +22,13 @@
 namespace lmport {
 
 // One linear as the runner binds it: float32 ("float": weight), lmport's int4 / int8 format ("quant":
-// weight = qweight, scales, mins, bits, group_size) or GGUF blocks ("ggml": weight = blocks, type,
-// in_features).
+// weight = qweight, scales, mins (none where all are zero), bits, group_size) or GGUF blocks ("ggml":
+// weight = blocks, type, in_features).
 struct BoundLinear {
   std::string kind, type;
-  torch::Tensor weight, scales, mins;
+  torch::Tensor weight, scales;
+  c10::optional<torch::Tensor> mins, bias;
   int64_t bits = 0, group_size = 0, in_features = 0;
-  c10::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == "quant") return quant_linear(x, weight, scales, mins, bits, group_size, bias);

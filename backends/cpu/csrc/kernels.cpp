@@ -28,7 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_params"), py::arg("bits"), py::arg("slot_mapping"));
   m.def("small_linear", &lmport::small_linear, "x W^T (+ b) for a few rows of x (float32)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("quant_linear", &lmport::quant_linear, "x W^T (+ b), W in lmport's int4/int8 format, x float32 rows",
+  m.def("quant_linear", &lmport::quant_linear,
+        "x W^T (+ b), W in lmport's int4/int8 format (mins None: all zero), x float32 rows",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("group_size"), py::arg("bias") = py::none());
   m.def("quant_int8_rows", &lmport::quant_int8_rows, "rows of x up to which quant_linear holds x as two int8 codes (0: none)");
@@ -52,10 +53,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t group_size, std::string type, int64_t in_features) {
              TORCH_CHECK(kind == "float" || kind == "quant" || kind == "ggml", "BoundLinear: unknown kind '", kind,
                          "' (float, quant or ggml)");
-             TORCH_CHECK(kind != "quant" || (scales && mins), "BoundLinear: a quant linear needs scales and mins");
+             TORCH_CHECK(kind != "quant" || scales, "BoundLinear: a quant linear needs scales");
              lmport::BoundLinear l;
              l.kind = kind, l.type = type, l.weight = weight, l.bias = bias;
-             l.scales = scales ? *scales : torch::Tensor(), l.mins = mins ? *mins : torch::Tensor();
+             l.scales = scales ? *scales : torch::Tensor(), l.mins = mins;
              l.bits = bits, l.group_size = group_size, l.in_features = in_features;
              return l;
            }),

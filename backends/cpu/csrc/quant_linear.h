@@ -16,7 +16,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <array>
 #include <cmath>
 #include <vector>
 
@@ -97,23 +96,25 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 template <int BITS>
 inline float dot_row(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t runs,
                      int64_t runs_per_group, const int16_t* xq, const float* xd, const float* xs, float* sd) {
-  // The mins meet the sum of x over each run; the scales fold into the activation scales.
+  // The mins (null: none) meet the sum of x over each run; the scales fold into the activation scales.
   float offset = 0.f;
   int64_t b = 0;
   if (runs_per_group == 1) {
     __m256 off = _mm256_setzero_ps();
     for (; b + 8 <= runs; b += 8) {
       const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
-      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b)));
       _mm256_storeu_ps(sd + b, _mm256_mul_ps(s, _mm256_loadu_ps(xd + b)));
-      off = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + b), off);
+      if (mins) {
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b)));
+        off = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + b), off);
+      }
     }
     offset = hsum(off);
   }
   for (; b < runs; ++b) {
     const int64_t g = b / runs_per_group;
     sd[b] = _cvtsh_ss(scales[g].x) * xd[b];
-    offset += _cvtsh_ss(mins[g].x) * xs[b];
+    if (mins) offset += _cvtsh_ss(mins[g].x) * xs[b];
   }
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (b = 0; b < runs; ++b) {
@@ -127,8 +128,9 @@ inline float dot_row(const uint8_t* w, const at::Half* scales, const at::Half* m
 
 }  // namespace quant_detail
 
-inline void check_quantized(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& mins,
-                            int64_t bits, int64_t group_size) {
+// ``mins`` may be left out (quant_linear): a weight whose mins are all zero (GGUF's Q8_0, w = scale * q).
+inline void check_quantized(const torch::Tensor& qweight, const torch::Tensor& scales,
+                            const c10::optional<torch::Tensor>& mins, int64_t bits, int64_t group_size) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized weights are 4- or 8-bit, got ", bits);
   TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? torch::kByte : torch::kChar) && qweight.dim() == 2,
               bits, "-bit codes must be a 2-d ", bits == 4 ? "uint8" : "int8", " tensor, got ", qweight.sizes());
@@ -137,7 +139,7 @@ inline void check_quantized(const torch::Tensor& qweight, const torch::Tensor& s
   TORCH_CHECK(group_size > 0 && group_size % quant_detail::kRun == 0 && K % group_size == 0 &&
                   (runs_per_group & (runs_per_group - 1)) == 0,
               "group size ", group_size, " must be 32 times a power of two and divide ", K);
-  for (const auto* t : {&scales, &mins})
+  for (const torch::Tensor* t : {&scales, mins ? &*mins : &scales})
     TORCH_CHECK(t->scalar_type() == torch::kHalf && t->dim() == 2 && t->size(0) == qweight.size(0) &&
                     t->size(1) == K / group_size,
                 "scales and mins must be float16 [", qweight.size(0), ", ", K / group_size, "], got ", t->sizes());
@@ -218,51 +220,48 @@ constexpr int kRowBlock = 8;
 constexpr int64_t kInt8Rows = 8;
 static_assert(kRowBlock % 4 == 0, "dot_rows sums its rows' lanes 4 at a time (sum4)");
 
-// What every block of one call shares: x's run steps and group sums repeated once per row of a
-// block, so a block's scales and mins (kRowBlock rows, contiguous) meet them in whole vectors, and
-// which rows each 16-lane vector of a block's groups holds.
+// What every block of one call shares: x's run steps repeated once per row of a block, so a block's
+// scales (kRowBlock rows, contiguous) meet them in whole vectors.
 struct BlockPlan {
-  std::vector<float> steps, sums;           // [kRowBlock * runs], [kRowBlock * groups], zero padded
-  std::vector<std::array<__mmask16, kRowBlock>> rows_of;   // per vector of groups: each row's lanes
+  std::vector<float> steps;   // [kRowBlock * runs], zero padded
 };
 
 inline BlockPlan plan_blocks(const Int8Activations& a) {
-  const int64_t runs = a.K / kRun, groups = a.groups, vectors = (kRowBlock * groups + 15) / 16;
-  BlockPlan plan{std::vector<float>(kRowBlock * runs + 16, 0.f), std::vector<float>(kRowBlock * groups + 16, 0.f),
-                 std::vector<std::array<__mmask16, kRowBlock>>(vectors)};
-  for (int r = 0; r < kRowBlock; ++r) {
+  const int64_t runs = a.K / kRun;
+  BlockPlan plan{std::vector<float>(kRowBlock * runs + 16, 0.f)};
+  for (int r = 0; r < kRowBlock; ++r)
     std::copy(a.run_steps.begin(), a.run_steps.begin() + runs, plan.steps.begin() + r * runs);
-    std::copy(a.group_sums.begin(), a.group_sums.begin() + groups, plan.sums.begin() + r * groups);
-    for (int64_t v = 0; v < vectors; ++v)   // lanes [r * groups, (r + 1) * groups) of vector v
-      plan.rows_of[v][r] =
-          tail_mask((r + 1) * groups - 16 * v) & static_cast<__mmask16>(~tail_mask(r * groups - 16 * v));
-  }
   return plan;
 }
 
 using int8_rows::sum4;
 
-// The end of a block's dot products: the mins meet x's group sums (the block's products a vector at a
-// time, each lane added to its row), then each row's lanes are summed into ``out``.
-inline void finish_rows(__m512* acc, const at::Half* mins, int valid, int64_t groups, const BlockPlan& plan,
-                        float* out) {
-  for (int64_t v = 0; 16 * v < valid * groups; ++v) {
-    const __mmask16 k = tail_mask(valid * groups - 16 * v);
-    const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 16 * v)),
-                                   _mm512_loadu_ps(plan.sums.data() + 16 * v));
-    for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_mask_add_ps(acc[r], plan.rows_of[v][r], acc[r], m);
+// The end of a block's dot products: each row's mins meet x's group sums in the row's own lanes, 16 groups
+// a multiply-add (none for a weight without mins, ``mins`` null), then each row's lanes are summed into
+// ``out``.
+inline void finish_rows(__m512* acc, const at::Half* mins, int valid, int64_t groups, const float* sums, float* out) {
+  if (mins != nullptr) {
+#pragma GCC unroll 8   // the accumulators stay in registers only with the rows unrolled
+    for (int r = 0; r < kRowBlock; ++r) {
+      if (r >= valid) break;
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 k = tail_mask(groups - g);
+        const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + r * groups + g));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, sums + g), acc[r]);
+      }
+    }
   }
   for (int r = 0; r < kRowBlock; r += 4) _mm_storeu_ps(out + r, sum4(acc + r));
 }
 
 // ``rows`` points at each weight row; ``folded`` holds each row's run scales already multiplied by
-// x's step for the run; ``mins`` the block's mins, ``valid`` rows of them (past the weight's end the
-// rows repeat the last one and their mins are not read). Per row and unit: the int32 sums of each
+// x's step for the run; ``mins`` the block's mins (null: none), ``valid`` rows of them (past the weight's
+// end the rows repeat the last one and their mins are not read). Per row and unit: the int32 sums of each
 // run in its lanes, scaled by the run's folded scale (a run past the end meets zeros in x, so the
 // scale it reads, another row's or padding, adds nothing).
 template <int BITS>
 inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::Half* mins, int valid,
-                     const Int8Activations& a, const BlockPlan& plan, const uint8_t* prefetch, float* out) {
+                     const Int8Activations& a, const uint8_t* prefetch, float* out) {
   constexpr int64_t unit_runs = kUnitRuns<BITS>;
   const int64_t runs = a.K / kRun, row_bytes = a.K * BITS / 8;
   // Each lane's run within the unit.
@@ -296,7 +295,7 @@ inline void dot_rows(const uint8_t* const* rows, const float* folded, const at::
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
     }
   }
-  finish_rows(acc, mins, valid, a.groups, plan, out);
+  finish_rows(acc, mins, valid, a.groups, a.group_sums.data(), out);
 }
 
 // y [M, N] for a few rows of x (``xs``, each quantized on its own): blocks of kRowBlock weight rows
@@ -323,7 +322,7 @@ inline void linear_int8_rows(const std::vector<Int8Activations>& xs, const uint8
       const int64_t later = std::max<int64_t>(0, std::min(n + kAhead, N - kRowBlock));   // the block ahead
       for (int64_t off = 0; off < kRowBlock * groups * 2; off += 64) {   // the scales and mins ahead, too
         _mm_prefetch(reinterpret_cast<const char*>(sp + later * groups) + off, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
+        if (mp) _mm_prefetch(reinterpret_cast<const char*>(mp + later * groups) + off, _MM_HINT_T1);
       }
       for (size_t m = 0; m < xs.size(); ++m) {
         const Int8Activations& a = xs[m];
@@ -340,7 +339,7 @@ inline void linear_int8_rows(const std::vector<Int8Activations>& xs, const uint8
             for (int64_t i = 0; i < runs; ++i)
               folded[r * runs + i] = r < valid ? _cvtsh_ss(bs[r * groups + (i >> rpg_shift)].x) * a.run_steps[i] : 0.f;
         float out[kRowBlock];
-        dot_rows<BITS>(rows, folded.data(), mp + n * groups, valid, a, plan, w + later * row_bytes, out);
+        dot_rows<BITS>(rows, folded.data(), mp ? mp + n * groups : nullptr, valid, a, w + later * row_bytes, out);
         for (int r = 0; r < valid; ++r) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.f);
       }
     }
@@ -352,11 +351,11 @@ inline void linear_int8_rows(const std::vector<Int8Activations>& xs, const uint8
 
 namespace quant_detail {
 
-// Weight row w (its K codes, scales and mins) as float32: out[k] = s * q + min.
+// Weight row w (its K codes, scales and mins, null for none) as float32: out[k] = s * q + min.
 inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t K,
                            int64_t group_size, int64_t bits, float* out) {
   for (int64_t k = 0; k < K; k += kRun) {
-    const float s = static_cast<float>(scales[k / group_size]), mn = static_cast<float>(mins[k / group_size]);
+    const float s = static_cast<float>(scales[k / group_size]), mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
     // The run's 32 codes as bytes in input order, widened 8 at a time to float.
     __m128i lo, hi;
     if (bits == 4) {
@@ -393,7 +392,7 @@ inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t*
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kRows, rows = std::min<int64_t>(kRows, N - n);
       for (int64_t r = 0; r < rows; ++r)
-        dequantize_row(w + (n + r) * row_bytes, sp + (n + r) * groups, mp + (n + r) * groups, K, group_size, bits,
+        dequantize_row(w + (n + r) * row_bytes, sp + (n + r) * groups, mp ? mp + (n + r) * groups : nullptr, K, group_size, bits,
                        tile.data() + r * K);
       linear_detail::rows_times_x(tile.data(), rows, K, x, M, y + n, N, bias ? bias + n : nullptr, next);
     }
@@ -402,8 +401,9 @@ inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t*
 
 }  // namespace quant_detail
 
-inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                                  int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias) {
+inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                                  c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
+                                  c10::optional<torch::Tensor> bias) {
   using namespace quant_detail;
   check_quantized(qweight, scales, mins, bits, group_size);
   const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
@@ -414,14 +414,14 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   x = x.contiguous();
   qweight = qweight.contiguous();
   scales = scales.contiguous();
-  mins = mins.contiguous();
+  const torch::Tensor mn = mins ? mins->contiguous() : torch::Tensor();
   const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;   // e.g. an expert no token was routed to
   const uint8_t* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
+  const at::Half* mp = mins ? mn.data_ptr<at::Half>() : nullptr;
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (M > kIntegerRows) {
@@ -449,9 +449,10 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
         const float* xd = xq.scales.data() + m * runs;
         const float* xs = xq.sums.data() + m * runs;
         const float v = bits == 4
-            ? dot_row<4>(w + n * row_bytes, sp + n * groups, mp + n * groups, runs, group_size / kRun, xc, xd, xs, sd.data())
-            : dot_row<8>(w + n * row_bytes, sp + n * groups, mp + n * groups, runs, group_size / kRun, xc, xd, xs,
-                         sd.data());
+            ? dot_row<4>(w + n * row_bytes, sp + n * groups, mp ? mp + n * groups : nullptr, runs, group_size / kRun, xc,
+                         xd, xs, sd.data())
+            : dot_row<8>(w + n * row_bytes, sp + n * groups, mp ? mp + n * groups : nullptr, runs, group_size / kRun, xc,
+                         xd, xs, sd.data());
         yp[m * N + n] = v + (bp ? bp[n] : 0.f);
       }
     }
