@@ -178,7 +178,8 @@ def test_cpu_kernel_without_mins_is_the_kernel_with_zero_mins(bits):
     for rows in (1, 5, 9, 40):
         x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(rows))
         without = compiled.quant_linear(x, weight.qweight, weight.scales, None, bits, 32, None)
-        assert torch.equal(without, compiled.quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, 32, None))
+        zeros = compiled.quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, 32, None)
+        assert torch.equal(without, zeros)
         got = backend.quant_linear(x, dataclasses.replace(weight, zero_mins=True))
         w = ops.dequantize(weight)
         bound = float32_summation_bound(x, w) + int8_pair_rounding_bound(x, w) + int16_rounding_bound(x, w)
