@@ -354,6 +354,19 @@ namespace quant_detail {
 // Weight row w (its K codes, scales and mins, null for none) as float32: out[k] = s * q + min.
 inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::Half* mins, int64_t K,
                            int64_t group_size, int64_t bits, float* out) {
+#ifdef LMPORT_QUANT_AVX512
+  if (bits == 4) {   // a run's 16 possible values s * q + min, looked up by its codes (vpermps reads 4 bits)
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t k = 0; k < K; k += kRun) {
+      const float s = static_cast<float>(scales[k / group_size]), mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
+      const __m512 values = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(s)), _mm512_set1_ps(mn));
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+      _mm512_storeu_ps(out + k, _mm512_permutexvar_ps(bytes, values));   // low nibbles: inputs 0..15
+      _mm512_storeu_ps(out + k + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values));   // 16..31
+    }
+    return;
+  }
+#endif
   for (int64_t k = 0; k < K; k += kRun) {
     const float s = static_cast<float>(scales[k / group_size]), mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
     // The run's 32 codes as bytes in input order, widened 8 at a time to float.
