@@ -358,7 +358,8 @@ inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::H
   if (bits == 4) {   // a run's 16 possible values s * q + min, looked up by its codes (vpermps reads 4 bits)
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t k = 0; k < K; k += kRun) {
-      const float s = static_cast<float>(scales[k / group_size]), mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
+      const float s = static_cast<float>(scales[k / group_size]);
+      const float mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
       const __m512 values = _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(s)), _mm512_set1_ps(mn));
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
       _mm512_storeu_ps(out + k, _mm512_permutexvar_ps(bytes, values));   // low nibbles: inputs 0..15
@@ -368,7 +369,8 @@ inline void dequantize_row(const uint8_t* w, const at::Half* scales, const at::H
   }
 #endif
   for (int64_t k = 0; k < K; k += kRun) {
-    const float s = static_cast<float>(scales[k / group_size]), mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
+    const float s = static_cast<float>(scales[k / group_size]);
+    const float mn = mins ? static_cast<float>(mins[k / group_size]) : 0.f;
     // The run's 32 codes as bytes in input order, widened 8 at a time to float.
     __m128i lo, hi;
     if (bits == 4) {
@@ -405,8 +407,8 @@ inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t*
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kRows, rows = std::min<int64_t>(kRows, N - n);
       for (int64_t r = 0; r < rows; ++r)
-        dequantize_row(w + (n + r) * row_bytes, sp + (n + r) * groups, mp ? mp + (n + r) * groups : nullptr, K, group_size, bits,
-                       tile.data() + r * K);
+        dequantize_row(w + (n + r) * row_bytes, sp + (n + r) * groups, mp ? mp + (n + r) * groups : nullptr, K,
+                       group_size, bits, tile.data() + r * K);
       linear_detail::rows_times_x(tile.data(), rows, K, x, M, y + n, N, bias ? bias + n : nullptr, next);
     }
   });
@@ -461,11 +463,10 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
         const int16_t* xc = xq.codes.data() + m * K;
         const float* xd = xq.scales.data() + m * runs;
         const float* xs = xq.sums.data() + m * runs;
+        const at::Half* mins_n = mp ? mp + n * groups : nullptr;
         const float v = bits == 4
-            ? dot_row<4>(w + n * row_bytes, sp + n * groups, mp ? mp + n * groups : nullptr, runs, group_size / kRun, xc,
-                         xd, xs, sd.data())
-            : dot_row<8>(w + n * row_bytes, sp + n * groups, mp ? mp + n * groups : nullptr, runs, group_size / kRun, xc,
-                         xd, xs, sd.data());
+            ? dot_row<4>(w + n * row_bytes, sp + n * groups, mins_n, runs, group_size / kRun, xc, xd, xs, sd.data())
+            : dot_row<8>(w + n * row_bytes, sp + n * groups, mins_n, runs, group_size / kRun, xc, xd, xs, sd.data());
         yp[m * N + n] = v + (bp ? bp[n] : 0.f);
       }
     }
