@@ -107,7 +107,7 @@ class _Progress:
     named: int = 0     # leading full blocks whose prefix hash ``DraftModel.holds`` records
 
 
-def _no_hashes(seq: Sequence, num_blocks: int) -> list[bytes]:
+def _no_hashes(seq: Sequence, num_blocks: int) -> list[bytes]:   # until allocate() names the blocks
     return []
 
 
@@ -123,8 +123,7 @@ class DraftModel:
         self.holds: dict[int, bytes] = {}   # draft block -> the prefix hash whose draft K/V it holds
         self._prefix_hashes: Callable[[Sequence, int], list[bytes]] = _no_hashes
 
-    def allocate(self, num_blocks: int,
-                 prefix_hashes: Callable[[Sequence, int], list[bytes]] = _no_hashes) -> None:
+    def allocate(self, num_blocks: int, prefix_hashes: Callable[[Sequence, int], list[bytes]]) -> None:
         """The draft's cache: ``num_blocks`` blocks, as many as the target's. ``prefix_hashes(seq, n)``: the
         hashes the prefix cache names a sequence's first n full blocks by (``BlockManager.prefix_hashes``;
         none without a prefix cache, and then no block is reused across sequences)."""

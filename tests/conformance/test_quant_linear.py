@@ -217,3 +217,16 @@ def test_backend_without_weight_formats_refuses_a_quantized_checkpoint(backend_n
         Engine("smollm2", EngineConfig(device_type=backend_name))
     message = str(err.value)
     assert repr(backend_name) in message and "cpu" in message and "weight_format='dequantize'" in message
+
+
+def test_cpu_kernel_refuses_mins_of_another_shape_and_a_quant_linear_without_scales():
+    """Mins may be left out (all zero), but mins given must match the scales; a bound quant linear needs scales."""
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    w = random_weight(4, 32, k=288)
+    with pytest.raises(RuntimeError, match=r"scales and mins must be float16 \[96, 9\]"):
+        compiled.quant_linear(torch.randn(1, 288), w.qweight, w.scales, w.mins[:, :8], 4, 32, None)
+    with pytest.raises(RuntimeError, match="scales and mins must be float16"):
+        compiled.quant_linear(torch.randn(1, 288), w.qweight, w.scales, w.mins.float(), 4, 32, None)
+    with pytest.raises(RuntimeError, match="a quant linear needs scales"):
+        compiled.BoundLinear("quant", w.qweight, mins=w.mins, bits=4, group_size=32)
