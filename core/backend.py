@@ -178,6 +178,11 @@ class Backend:
         """x @ dequantize(weight)^T (+ bias) for a weight held in its GGUF blocks."""
         return ops.ggml_linear(x, weight, bias)
 
+    def hold_ggml(self, weight: ops.GGMLWeight, dtype: torch.dtype) -> ops.GGMLWeight:
+        """A linear's GGUF blocks in the layout this backend's kernels read them in, for activations of
+        ``dtype``; asked once the model is loaded (lmport.weights.interleaved). Default: the file's."""
+        return weight
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         ops.fill_kv_cache(k, v, cache, slot_mapping)

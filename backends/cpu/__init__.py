@@ -13,6 +13,7 @@ from lmport.backend import Backend, Capabilities, ProbeResult
 from lmport.backends.cpu import kernels, malloc
 from lmport.backends.cpu.decoder_runner import build as build_decoder_runner
 from lmport.kv.layout import LayerCache
+from lmport.weights import interleaved
 
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS.
@@ -82,11 +83,20 @@ class CpuBackend(Backend):
             return super().ggml_linear(x, weight, bias)
         x2 = x.reshape(-1, weight.in_features)
         if x2.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the blocks (csrc/ggml_linear.h)
-            y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias)
+            y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias, weight.row_group)
         else:  # prefill: the weight expanded once for a GEMM
-            w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features)
+            w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features, weight.row_group)
             y = prefill_gemm(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
+
+    def hold_ggml(self, weight: ops.GGMLWeight, dtype: torch.dtype) -> ops.GGMLWeight:
+        """Rows interleaved in groups of 16 for the types the kernels' decode reads so (csrc/interleaved_rows.h),
+        where float32 activations reach the kernels."""
+        compiled = kernels.load() if dtype == torch.float32 else None
+        types = compiled.ggml_interleaved_types() if hasattr(compiled, "ggml_interleaved_types") else []
+        if weight.type_name not in types or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
+            return weight
+        return interleaved.interleave(weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)

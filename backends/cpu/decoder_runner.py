@@ -108,8 +108,8 @@ def _bind_linear(linears: ops.Linears, compiled) -> Callable[[torch.Tensor], tor
         bits, group_size = weight.bits, weight.group_size
         return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias)
     if isinstance(weight, ops.GGMLWeight):
-        blocks, type_name, in_features = weight.blocks, weight.type_name, weight.in_features
-        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias)
+        blocks, type_name, in_features, rows = weight.blocks, weight.type_name, weight.in_features, weight.row_group
+        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias, rows)
     return lambda x: compiled.small_linear(x, weight, bias)
 
 
@@ -123,7 +123,7 @@ def _bind_linear_native(linears: ops.Linears, compiled) -> list:
                                               weight.bits, weight.group_size))
         elif isinstance(weight, ops.GGMLWeight):
             bound.append(compiled.BoundLinear("ggml", weight.blocks, bias, type=weight.type_name,
-                                              in_features=weight.in_features))
+                                              in_features=weight.in_features, row_group=weight.row_group))
         else:
             bound.append(compiled.BoundLinear("float", weight, bias))
     return bound

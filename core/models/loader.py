@@ -148,6 +148,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
         fuse_projections(paged)
         bar.update()
         move_keeping_shared(paged, lambda t: t.to(backend.device))
+        quantized_layers.hold_for_backend(paged, backend, dtype)
         paged.eval()
         bar.update()
     eos_ids = eos | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())

@@ -19,6 +19,7 @@ from lmport import ops
 from lmport.backend import Backend
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
+from lmport.weights.residency import page_out
 
 W = TypeVar("W", QuantizedWeight, GGMLWeight)
 
@@ -30,6 +31,10 @@ class HoldsWeight(nn.Module, Generic[W]):
     def __init__(self, weight: W):
         super().__init__()
         self._kind = type(weight)
+        self.hold(weight)
+
+    def hold(self, weight: W) -> None:
+        """Hold ``weight`` (of this module's kind) in place of what it held."""
         for f in dataclasses.fields(weight):
             value = getattr(weight, f.name)
             if isinstance(value, torch.Tensor):
@@ -86,6 +91,21 @@ class QuantEmbedding(_Embedding[QuantizedWeight]):
 class GGMLEmbedding(_Embedding[GGMLWeight]):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return ops.ggml_embedding(ids, self.quantized, self.dtype)
+
+
+def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> None:
+    """Each GGUF linear's blocks in the layout the backend's kernels read them in (``Backend.hold_ggml``), the
+    file's pages under the blocks it relaid handed back. An embedding's blocks, and a tied LM head's that
+    share them, stay as the file lays them out: a lookup reads rows of them."""
+    embedded = {m.blocks.data_ptr() for m in model.modules() if isinstance(m, GGMLEmbedding)}
+    for module in model.modules():
+        if not isinstance(module, GGMLLinear) or module.blocks.data_ptr() in embedded:
+            continue
+        old = module.quantized
+        held = backend.hold_ggml(old, dtype)
+        if held is not old:
+            module.hold(held)
+            page_out([old.blocks])
 
 
 def quantized_linear(backend: Backend, x: torch.Tensor, weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:

@@ -5,12 +5,15 @@ import numpy as np
 import torch
 
 from lmport.weights.ggml import GGMLWeight
+from lmport.weights.interleaved import file_layout
 
 
 def dequantize_ggml(weight: GGMLWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float [out, in] weight, dequantized by ``gguf.quants.dequantize`` (llama.cpp's reference
-    dequantizers, ported to numpy): the ground truth every backend's kernel is compared with."""
+    dequantizers, ported to numpy): the ground truth every backend's kernel is compared with. Rows a
+    backend interleaved are put back in the file's layout first."""
     import gguf
+    weight = file_layout(weight)
     qtype = gguf.GGMLQuantizationType[weight.type_name.upper()]
     blocks = weight.blocks.detach().cpu().numpy()
     w = torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, qtype), dtype=np.float32))

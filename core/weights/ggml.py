@@ -35,6 +35,9 @@ class GGMLWeight:
     blocks: torch.Tensor   # uint8 [out, in / elements * nbytes]: each row's blocks as the file stores them
     type_name: str         # a key of BLOCK_TYPES
     in_features: int
+    # 1: rows as the file stores them; 16: rows interleaved in groups of 16 for a backend's kernel
+    # (lmport.weights.interleaved)
+    row_group: int = 1
 
     @property
     def block_type(self) -> BlockType:
@@ -46,6 +49,9 @@ class GGMLWeight:
 
     def rows(self, index: torch.Tensor) -> GGMLWeight:
         """The weight of the output rows ``index`` (an embedding lookup's rows, a q/k row permutation)."""
+        if self.row_group != 1:
+            raise ValueError(f"rows of a {self.type_name} weight interleaved in groups of {self.row_group}: "
+                             "take them from its file layout (lmport.weights.interleaved.file_layout)")
         return GGMLWeight(self.blocks[index], self.type_name, self.in_features)
 
     def check(self, name: str = "weight") -> GGMLWeight:

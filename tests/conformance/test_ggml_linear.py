@@ -56,15 +56,24 @@ def ggml_backend(backend_name, backend_class, record_property) -> Backend:
     return backend
 
 
+@pytest.mark.parametrize("layout", ["file", "held"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
-def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape):
+def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layout):
+    """``held``: the weight in the layout the backend holds a model's linears in (Backend.hold_ggml), where
+    that is not the file's (the cpu kernels' rows interleaved in groups of 16: 6 groups and 3 rows after)."""
     if type_name not in ggml_backend.capabilities.ggml_types:
         pytest.skip(f"{type_name} not declared")
     name = ggml_backend.capabilities.device_type
     if name != "cpu" and ggml_backend.device.type == "cpu" and shape not in ("decode-1", "batch-9", "prefill-129"):
         pytest.skip("the Triton interpreter is slow: three shapes keep the run short")
     weight = random_blocks(type_name, OUT, inputs(type_name))
+    if layout == "held":
+        held = ggml_backend.hold_ggml(weight, torch.float32)
+        if held is weight:
+            pytest.skip(f"{name} holds {type_name} as the file lays it out")
+        assert held.row_group != 1 and not torch.equal(held.blocks, weight.blocks)
+        weight = held
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SHAPES[shape], weight.in_features, generator=g)
     bias = torch.randn(OUT, generator=g)
@@ -90,19 +99,24 @@ def test_reference_dequantizer_is_gguf_bit_for_bit(type_name):
     assert np.array_equal(got.view(np.uint32), np.asarray(want, dtype=np.float32).view(np.uint32))
 
 
+@pytest.mark.parametrize("layout", ["file", "held"])
 @pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
-def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name):
+def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
     """One row of x over the int8 path's types: the integer sums are exact, so the result is the
     reference's at x as the path holds it (two int8 codes) up to float32 summation. Q4_K's mins meet
-    x's own sums (not the rounded x's), so here its blocks' dmin is zeroed."""
+    x's own sums (not the rounded x's), so here its blocks' dmin is zeroed. ``held``: rows interleaved
+    as the backend holds a model's linears, where it does."""
     if type_name not in int8_types():
         pytest.skip("this build's one-row path rounds x to int16 (no AVX-512 VNNI)")
-    from lmport.backends.cpu import kernels
+    from lmport.backends.cpu import CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=4)
     if type_name == "q4_k":
         weight.blocks.view(OUT, -1, 144)[:, :, 2:4] = 0
+    held = CpuBackend().hold_ggml(weight, torch.float32) if layout == "held" else weight
+    if layout == "held" and held is weight:
+        pytest.skip(f"the cpu backend holds {type_name} as the file lays it out")
     x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(5))
-    got = kernels.load().ggml_linear(x, weight.blocks, type_name, weight.in_features, None)
+    got = kernels.load().ggml_linear(x, held.blocks, type_name, weight.in_features, None, held.row_group)
     w = ops.dequantize_ggml(weight)
     want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
@@ -139,10 +153,22 @@ def test_cpu_kernel_runs_what_the_backend_declares():
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 def test_cpu_dequantize_kernel_is_the_reference_bit_for_bit(type_name):
-    from lmport.backends.cpu import kernels
+    from lmport.backends.cpu import CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=3)
-    got = kernels.load().ggml_dequantize(weight.blocks, type_name, weight.in_features)
-    assert torch.equal(got.view(torch.int32), ops.dequantize_ggml(weight).view(torch.int32))
+    want = ops.dequantize_ggml(weight).view(torch.int32)
+    for w in (weight, CpuBackend().hold_ggml(weight, torch.float32)):   # the file's rows, and as held
+        got = kernels.load().ggml_dequantize(w.blocks, type_name, w.in_features, w.row_group)
+        assert torch.equal(got.view(torch.int32), want)
+        assert torch.equal(ops.dequantize_ggml(w).view(torch.int32), want)
+
+
+def test_cpu_kernel_refuses_rows_interleaved_where_it_has_no_layout():
+    from lmport.backends.cpu import kernels
+    weight = random_blocks("q2_k", 32, 256)
+    for call in (lambda: kernels.load().ggml_linear(torch.randn(1, 256), weight.blocks, "q2_k", 256, None, 16),
+                 lambda: kernels.load().ggml_dequantize(weight.blocks, "q2_k", 256, 16)):
+        with pytest.raises(RuntimeError, match="q2_k rows interleaved in groups of 16: this build reads groups"):
+            call()
 
 
 def test_cpu_kernel_names_a_shape_it_does_not_take():

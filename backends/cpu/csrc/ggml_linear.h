@@ -31,7 +31,8 @@
 #include <vector>
 
 #include "linear.h"
-#include "quant_linear.h"
+#include "quant_linear.h"   // defines LMPORT_QUANT_AVX512 where the CPU has AVX-512 VNNI
+#include "interleaved_rows.h"
 #ifdef LMPORT_QUANT_AVX512
 #include "int8_rows.h"
 #endif
@@ -335,6 +336,23 @@ inline void decode_row_scales(const uint8_t* row, int64_t K, RowBuffer& buf) {
   constexpr int subs = T::kElements / T::kSub;
   for (int64_t i = 0; i < K / T::kElements; ++i)
     T::scales(row + i * T::kBytes, buf.scales.data() + i * subs, buf.mins.data() + i * subs);
+}
+
+// The interleaved layout of a block type (interleaved_rows.h), void for a type without one.
+template <class T> struct RowsOf { using type = void; };
+template <> struct RowsOf<Q5_0> { using type = interleaved::Q5_0Rows; };
+template <> struct RowsOf<Q4_K> { using type = interleaved::Q4_KRows; };
+template <> struct RowsOf<Q6_K> { using type = interleaved::Q6_KRows; };
+
+// Row n of a weight of N rows in the file's layout, where its rows are interleaved in groups of
+// ``row_group`` (16: interleaved_rows.h) or not (1); ``scratch`` holds row_bytes.
+template <class T>
+inline const uint8_t* file_row(const uint8_t* w, int64_t N, int64_t row_bytes, int64_t row_group, int64_t n,
+                               uint8_t* scratch) {
+  using L = typename RowsOf<T>::type;
+  if constexpr (!std::is_void_v<L>)
+    if (row_group == interleaved::kGroup) return interleaved::file_row<L>(w, N, row_bytes, n, scratch);
+  return w + n * row_bytes;
 }
 
 // A decoded row as float32: w = scale * q (+ min), as the reference computes it.
@@ -696,18 +714,19 @@ constexpr bool kInt8 = std::is_same_v<T, Q5_0> || std::is_same_v<T, Q4_K> || std
 // Rows of x beyond kIntegerRows: tiles of weight rows expanded to float32 in cache, as quant_linear.h's
 // linear_by_tiles does.
 template <class T>
-inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                            float* y) {
+inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_group,
+                            const float* bias, float* y) {
   using linear_detail::kRows;
   const int64_t row_bytes = K / T::kElements * T::kBytes;
   at::parallel_for(0, (N + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
     RowBuffer buf(K);
+    std::vector<uint8_t> scratch(row_bytes);
     std::vector<float> tile(kRows * K);
     const float* next[kRows] = {tile.data(), tile.data(), tile.data(), tile.data()};
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kRows, rows = std::min<int64_t>(kRows, N - n);
       for (int64_t r = 0; r < rows; ++r) {
-        decode_row<T>(w + (n + r) * row_bytes, K, buf);
+        decode_row<T>(file_row<T>(w, N, row_bytes, row_group, n + r, scratch.data()), K, buf);
         expand_row<T>(buf, K, tile.data() + r * K);
       }
       linear_detail::rows_times_x(tile.data(), rows, K, x, M, y + n, N, bias ? bias + n : nullptr, next);
@@ -728,12 +747,46 @@ inline int64_t checked_inputs(const torch::Tensor& blocks, const std::string& ty
   return in_features;
 }
 
+// The types whose rows this build reads interleaved (interleaved_rows.h): its decode kernel is AVX-512's.
+inline std::vector<std::string> interleaved_types() {
+#ifdef LMPORT_QUANT_AVX512
+  return interleaved::type_names();
+#else
+  return {};
+#endif
+}
+
+inline void check_row_group(const std::string& type, int64_t row_group) {
+  const auto types = interleaved_types();
+  TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && std::find(types.begin(), types.end(), type) != types.end()),
+              "ggml: ", type, " rows interleaved in groups of ", row_group, ": this build reads groups of ",
+              interleaved::kGroup, " of ", types.empty() ? std::string("no type") : c10::Join(", ", types),
+              " (lmport.weights.interleaved.file_layout gives the file's rows back)");
+}
+
+#ifdef LMPORT_QUANT_AVX512
+// Up to kInt8Rows rows of x over a weight whose whole groups are interleaved: the groups by the
+// interleaved kernel, the rows after them (as the file lays them out) by linear_int8.
+template <class T>
+inline void linear_interleaved(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                               float* y) {
+  const int64_t row_bytes = K / T::kElements * T::kBytes, whole = N / interleaved::kGroup * interleaved::kGroup;
+  interleaved::linear_groups<typename RowsOf<T>::type>(x, M, K, w, whole / interleaved::kGroup, row_bytes, bias, y, N);
+  if (whole == N) return;
+  std::vector<float> rest(M * (N - whole));
+  linear_int8<T>(x, M, K, w + whole * row_bytes, N - whole, bias ? bias + whole : nullptr, rest.data());
+  for (int64_t m = 0; m < M; ++m)
+    std::copy(rest.begin() + m * (N - whole), rest.begin() + (m + 1) * (N - whole), y + m * N + whole);
+}
+#endif
+
 }  // namespace ggml_detail
 
 inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const std::string& type, int64_t in_features,
-                                 c10::optional<torch::Tensor> bias) {
+                                 c10::optional<torch::Tensor> bias, int64_t row_group) {
   using namespace ggml_detail;
   const int64_t K = checked_inputs(blocks, type, in_features), N = blocks.size(0);
+  check_row_group(type, row_group);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == K,
               "ggml_linear: x must be float32 [tokens, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N,
@@ -749,8 +802,11 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
   with_type(type, [&](auto t) {
     using T = decltype(t);
     if (M > kIntegerRows) {
-      linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
+      linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, row_group, bp, y.data_ptr<float>());
 #ifdef LMPORT_QUANT_AVX512
+    } else if (row_group != 1) {   // a type with a layout (check_row_group)
+      if constexpr (!std::is_void_v<typename RowsOf<T>::type>)
+        linear_interleaved<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
     } else if (kInt8<T> && M <= quant512::kInt8Rows) {
       linear_int8<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
 #endif
@@ -762,9 +818,11 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
   return y;
 }
 
-inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& type, int64_t in_features) {
+inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& type, int64_t in_features,
+                                     int64_t row_group) {
   using namespace ggml_detail;
   const int64_t K = checked_inputs(blocks, type, in_features), N = blocks.size(0);
+  check_row_group(type, row_group);
   blocks = blocks.contiguous();
   auto out = torch::empty({N, K}, blocks.options().dtype(torch::kFloat));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
@@ -774,8 +832,9 @@ inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& ty
     const int64_t row_bytes = K / T::kElements * T::kBytes;
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       RowBuffer buf(K);
+      std::vector<uint8_t> scratch(row_bytes);
       for (int64_t n = begin; n < end; ++n) {
-        decode_row<T>(w + n * row_bytes, K, buf);
+        decode_row<T>(file_row<T>(w, N, row_bytes, row_group, n, scratch.data()), K, buf);
         expand_row<T>(buf, K, op + n * K);
       }
     });
@@ -784,6 +843,8 @@ inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& ty
 }
 
 inline std::vector<std::string> ggml_kernel_types() { return ggml_detail::type_names(); }
+
+inline std::vector<std::string> ggml_interleaved_types() { return ggml_detail::interleaved_types(); }
 
 // The types whose path for up to quant_int8_rows() rows of x holds x as two int8 codes rather than
 // int16: the tolerance a test of that path allows depends on it.

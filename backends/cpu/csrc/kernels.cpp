@@ -35,10 +35,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_int8_rows", &lmport::quant_int8_rows, "rows of x up to which quant_linear holds x as two int8 codes (0: none)");
   m.def("quant_dequantize", &lmport::quant_dequantize, "W in lmport's int4/int8 format -> float32");
   m.def("ggml_linear", &lmport::ggml_linear, "x W^T (+ b), W in GGUF blocks of the named type, x float32 rows",
-        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("bias") = py::none(),
+        py::arg("row_group") = 1);
   m.def("ggml_dequantize", &lmport::ggml_dequantize, "W in GGUF blocks of the named type -> float32",
-        py::arg("blocks"), py::arg("type"), py::arg("in_features"));
+        py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("row_group") = 1);
   m.def("ggml_types", &lmport::ggml_kernel_types, "the GGUF block types ggml_linear runs");
+  m.def("ggml_interleaved_types", &lmport::ggml_interleaved_types,
+        "the GGUF block types ggml_linear and ggml_dequantize read with rows interleaved in groups of 16");
   m.def("ggml_int8_types", &lmport::ggml_int8_types, "the GGUF block types whose path for up to quant_int8_rows() rows holds x as two int8 codes");
   m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
@@ -50,19 +53,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                   py::module_local())
       .def(py::init([](std::string kind, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins, int64_t bits,
-                       int64_t group_size, std::string type, int64_t in_features) {
+                       int64_t group_size, std::string type, int64_t in_features, int64_t row_group) {
              TORCH_CHECK(kind == "float" || kind == "quant" || kind == "ggml", "BoundLinear: unknown kind '", kind,
                          "' (float, quant or ggml)");
              TORCH_CHECK(kind != "quant" || scales, "BoundLinear: a quant linear needs scales");
              lmport::BoundLinear l;
              l.kind = kind, l.type = type, l.weight = weight, l.bias = bias;
              l.scales = scales ? *scales : torch::Tensor(), l.mins = mins;
-             l.bits = bits, l.group_size = group_size, l.in_features = in_features;
+             l.bits = bits, l.group_size = group_size, l.in_features = in_features, l.row_group = row_group;
              return l;
            }),
            py::arg("kind"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("scales") = py::none(),
            py::arg("mins") = py::none(), py::arg("bits") = 0, py::arg("group_size") = 0, py::arg("type") = "",
-           py::arg("in_features") = 0);
+           py::arg("in_features") = 0, py::arg("row_group") = 1);
   py::class_<lmport::BoundNorm>(m, "BoundNorm", "an RMSNorm's scale and epsilon, bound for DecoderLayers",
                                 py::module_local())
       .def(py::init([](torch::Tensor weight, double eps) { return lmport::BoundNorm{weight, eps}; }),

@@ -1,0 +1,265 @@
+// GGUF blocks with output rows interleaved in groups of 16 (lmport.weights.interleaved lays them out and
+// documents the layout): vector lane r is row r, so a block's codes of 16 rows meet x's codes for those
+// inputs broadcast to every lane, the 16 rows' scales are one load and their results one store.
+//
+// Up to 8 rows of x (decode) with AVX-512 VNNI, x held as two int8 codes per input as int8_rows.h holds
+// it (hi and lo, as fine as int16): vpdpbusd over the rows' unsigned codes and hi, and again over lo,
+// gives each lane's exact int32 sums 256 hi + lo per sub-block; a type whose codes are offset (Q5_0's
+// q + 16, Q6_K's q + 32) takes the offset times x's codes summed back off. The sums are scaled in
+// float32 by the rows' scales times x's step; Q4_K's mins meet the float sums of x. Other row counts
+// read each row back in the file's layout (file_row) for the row-by-row kernels.
+#pragma once
+
+#include <immintrin.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#ifdef LMPORT_QUANT_AVX512
+#include "int8_rows.h"
+#endif
+
+namespace lmport {
+namespace interleaved {
+
+constexpr int kGroup = 16;
+
+// A block's segment as lmport.weights.interleaved.SEGMENTS gives it: in a group's block it is
+// length / unit vectors of 16 units, unit k of rows 0..15. A unit of 0: half a byte.
+struct Segment {
+  int start, length, unit;
+};
+
+// The types, their segments, and where a group's block holds what the kernels read (bytes from its start).
+struct Q5_0Rows {   // d, qh (4 bits a unit: vector k masks inputs 4 k .. 4 k + 3), qs
+  static constexpr int kElements = 32, kBytes = 22;
+  static constexpr Segment kSegments[] = {{0, 2, 2}, {2, 4, 0}, {6, 16, 4}};
+  static constexpr int kMasks = 32, kNibbles = 96;
+};
+
+struct Q4_KRows {   // d, dmin, scales (bytes 0..11 a vector each), qs (vector 8 c + j: bytes 32 c + 4 j ..)
+  static constexpr int kElements = 256, kBytes = 144;
+  static constexpr Segment kSegments[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
+  static constexpr int kMin = 32, kScales = 64, kNibbles = 256;
+};
+
+struct Q6_KRows {   // ql (vector k: bytes 4 k ..), qh (likewise), scales (sub-block s a vector), d
+  static constexpr int kElements = 256, kBytes = 210;
+  static constexpr Segment kSegments[] = {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
+  static constexpr int kHigh = 2048, kScales = 3072, kScale = 3328;
+};
+
+// The GGUF block types with an interleaved layout (lmport.weights.interleaved.SEGMENTS).
+inline std::vector<std::string> type_names() { return {"q5_0", "q4_k", "q6_k"}; }
+
+// Row r's block as the file lays it out (L::kBytes) from its group's block ``c``.
+template <class L>
+inline void unpack(const uint8_t* c, int r, uint8_t* out) {
+  for (const Segment& s : L::kSegments) {
+    if (s.unit == 0) {
+      for (int k = 0; k < 2 * s.length; ++k) {   // unit k is bits 4 r .. of vector k (8 bytes)
+        const int nibble = (c[8 * k + r / 2] >> (4 * (r % 2))) & 0xF;
+        out[s.start + k / 2] = static_cast<uint8_t>(k % 2 ? out[s.start + k / 2] | nibble << 4 : nibble);
+      }
+    } else {
+      for (int k = 0; k < s.length / s.unit; ++k) std::memcpy(out + s.start + k * s.unit, c + (k * kGroup + r) * s.unit, s.unit);
+    }
+    c += kGroup * s.length;
+  }
+}
+
+// Row n of a weight of N rows whose whole groups are interleaved (the rows after them as the file lays
+// them out), in the file's layout: unpacked into ``scratch`` (row_bytes) where interleaved.
+template <class L>
+inline const uint8_t* file_row(const uint8_t* w, int64_t N, int64_t row_bytes, int64_t n, uint8_t* scratch) {
+  if (n >= N / kGroup * kGroup) return w + n * row_bytes;
+  const uint8_t* group = w + n / kGroup * kGroup * row_bytes;
+  for (int64_t i = 0; i < row_bytes / L::kBytes; ++i)
+    unpack<L>(group + i * kGroup * L::kBytes, static_cast<int>(n % kGroup), scratch + i * L::kBytes);
+  return scratch;
+}
+
+#ifdef LMPORT_QUANT_AVX512
+// x as the kernels read it: hi and lo codes in input order (int8_rows::split_run), per run of 32 inputs
+// the step d / 256 and the float sum of x, per 16 inputs the codes (256 hi + lo) summed.
+struct BlockCodes {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> steps, sums;
+  std::vector<int32_t> code_sums;
+  // x's four hi or lo codes from input k (a multiple of 4), as vpdpbusd's broadcast operand
+  static __m512i four(const std::vector<int8_t>& codes, int64_t k) {
+    int32_t v;
+    std::memcpy(&v, codes.data() + k, 4);
+    return _mm512_set1_epi32(v);
+  }
+};
+
+inline BlockCodes block_codes(const float* x, int64_t K) {
+  const int64_t runs = K / 32;
+  BlockCodes c{std::vector<int8_t>(K), std::vector<int8_t>(K), std::vector<float>(runs), std::vector<float>(runs),
+               std::vector<int32_t>(2 * runs)};
+  for (int64_t i = 0; i < runs; ++i) {
+    const int8_rows::Run run = int8_rows::split_run(x + 32 * i, c.hi.data(), c.lo.data(), 32 * i, 32 * i + 16);
+    c.steps[i] = run.step;
+    c.sums[i] = run.sum;
+  }
+  for (int64_t s = 0; s < 2 * runs; ++s) {
+    int32_t sum = 0;
+    for (int64_t k = 16 * s; k < 16 * s + 16; ++k) sum += 256 * c.hi[k] + c.lo[k];
+    c.code_sums[s] = sum;
+  }
+  return c;
+}
+
+// The int32 sums of 64 unsigned codes (4 a lane) with x's four codes from input k, hi then lo, added to
+// ``hi`` and ``lo``.
+inline void dot4(__m512i codes, const BlockCodes& x, int64_t k, __m512i& hi, __m512i& lo) {
+  hi = _mm512_dpbusd_epi32(hi, codes, BlockCodes::four(x.hi, k));
+  lo = _mm512_dpbusd_epi32(lo, codes, BlockCodes::four(x.lo, k));
+}
+
+inline __m512i combined(__m512i hi, __m512i lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
+
+inline __m512 halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+inline void prefetch(const uint8_t* next, int64_t bytes) {
+  if (next != nullptr)
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
+}
+
+// Each kernel: a group's 16 rows (``group``: its ``blocks`` blocks) dotted with x, lane r row r's result;
+// ``next``: the next group's bytes, fetched into L2 a block at a time.
+
+inline __m512 dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const BlockCodes& x, const uint8_t* next) {
+  constexpr int64_t kBlock = kGroup * Q5_0Rows::kBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    const uint8_t* c = group + i * kBlock;
+    prefetch(next ? next + i * kBlock : nullptr, kBlock);
+    __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, lo[2] = {hi[0], hi[0]};   // two chains
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
+      const __m512i v = _mm512_loadu_si512(c + Q5_0Rows::kNibbles + 64 * j);
+      uint64_t first, second;
+      std::memcpy(&first, c + Q5_0Rows::kMasks + 8 * j, 8);
+      std::memcpy(&second, c + Q5_0Rows::kMasks + 8 * (4 + j), 8);
+      __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      low = _mm512_mask_add_epi8(low, _cvtu64_mask64(first), low, sixteen);
+      high = _mm512_mask_add_epi8(high, _cvtu64_mask64(second), high, sixteen);
+      dot4(low, x, 32 * i + 4 * j, hi[j % 2], lo[j % 2]);
+      dot4(high, x, 32 * i + 16 + 4 * j, hi[j % 2], lo[j % 2]);
+    }
+    const __m512i sums = _mm512_sub_epi32(combined(_mm512_add_epi32(hi[0], hi[1]), _mm512_add_epi32(lo[0], lo[1])),
+                                          _mm512_set1_epi32(16 * (x.code_sums[2 * i] + x.code_sums[2 * i + 1])));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(halves(c), _mm512_set1_ps(x.steps[i])), acc);
+  }
+  return acc;
+}
+
+inline __m512 dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const BlockCodes& x, const uint8_t* next) {
+  constexpr int64_t kBlock = kGroup * Q4_KRows::kBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi32(63);
+  __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    const uint8_t* c = group + i * kBlock;
+    prefetch(next ? next + i * kBlock : nullptr, kBlock);
+    // The 8 sub-blocks' 6-bit scales and mins from the 12 scale bytes, as llama.cpp's get_scale_min_k4.
+    const auto byte = [&](int q) {
+      return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q4_KRows::kScales + 16 * q)));
+    };
+    __m512i sc[8], m[8];
+    for (int q = 0; q < 4; ++q) {
+      const __m512i a = byte(q), b = byte(q + 4), e = byte(q + 8);
+      sc[q] = _mm512_and_si512(a, low6);
+      m[q] = _mm512_and_si512(b, low6);
+      sc[q + 4] = _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xF)), _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4));
+      m[q + 4] = _mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 4));
+    }
+    const __m512 d = halves(c), dmin = halves(c + Q4_KRows::kMin);
+    __m512 block = _mm512_setzero_ps(), block_mins = _mm512_setzero_ps();
+    for (int q = 0; q < 4; ++q) {   // sub-blocks 2 q (low nibbles of qs bytes 32 q ..) and 2 q + 1 (high)
+      __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, lo[2] = {hi[0], hi[0]};
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(c + Q4_KRows::kNibbles + 64 * (8 * q + j));
+        const int64_t k = 256 * i + 64 * q + 4 * j;
+        dot4(_mm512_and_si512(v, low4), x, k, hi[0], lo[0]);
+        dot4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, k + 32, hi[1], lo[1]);
+      }
+      for (int t = 0; t < 2; ++t) {
+        const int s = 2 * q + t;
+        const int64_t run = 8 * i + s;
+        block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(combined(hi[t], lo[t])),
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(sc[s]), _mm512_set1_ps(x.steps[run])), block);
+        block_mins = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[s]), _mm512_set1_ps(x.sums[run]), block_mins);
+      }
+    }
+    acc = _mm512_fmadd_ps(block, d, acc);
+    mins = _mm512_fmadd_ps(block_mins, dmin, mins);
+  }
+  return _mm512_sub_ps(acc, mins);
+}
+
+inline __m512 dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const BlockCodes& x, const uint8_t* next) {
+  constexpr int64_t kBlock = kGroup * Q6_KRows::kBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    const uint8_t* c = group + i * kBlock;
+    prefetch(next ? next + i * kBlock : nullptr, kBlock);
+    __m512 block = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {   // inputs 128 h + 32 t + 16 half + .., sub-block 8 h + 2 t + half
+        __m512i hi[4], lo[4];
+        for (int t = 0; t < 4; ++t) hi[t] = lo[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = 4 * half + jj;   // bytes 4 j .. of each 32-byte run of ql and of qh
+          const __m512i q0 = _mm512_loadu_si512(c + 64 * (16 * h + j)), q1 = _mm512_loadu_si512(c + 64 * (16 * h + 8 + j));
+          const __m512i qh = _mm512_loadu_si512(c + Q6_KRows::kHigh + 64 * (8 * h + j));
+          const __m512i codes[4] = {
+              _mm512_or_si512(_mm512_and_si512(q0, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), high2)),
+              _mm512_or_si512(_mm512_and_si512(q1, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), _mm512_and_si512(qh, high2)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
+          for (int t = 0; t < 4; ++t) dot4(codes[t], x, 256 * i + 128 * h + 32 * t + 4 * j, hi[t], lo[t]);
+        }
+        for (int t = 0; t < 4; ++t) {
+          const int s = 8 * h + 2 * t + half;
+          const __m512i sums = _mm512_sub_epi32(combined(hi[t], lo[t]), _mm512_set1_epi32(32 * x.code_sums[16 * i + s]));
+          const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_KRows::kScales + 16 * s))));
+          block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sc, _mm512_set1_ps(x.steps[8 * i + 4 * h + t])), block);
+        }
+      }
+    acc = _mm512_fmadd_ps(block, halves(c + Q6_KRows::kScale), acc);
+  }
+  return acc;
+}
+
+// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them, each
+// 16 x row_bytes), for a few rows of x.
+template <class L>
+inline void linear_groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t row_bytes,
+                          const float* bias, float* y, int64_t y_stride) {
+  std::vector<BlockCodes> xs;
+  for (int64_t m = 0; m < M; ++m) xs.push_back(block_codes(x + m * K, K));
+  const int64_t blocks = K / L::kElements, group_bytes = kGroup * row_bytes;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = w + g * group_bytes;
+      const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        const uint8_t* next = m == 0 && g + 1 < end ? group + group_bytes : nullptr;
+        _mm512_storeu_ps(y + m * y_stride + kGroup * g, _mm512_add_ps(dot_group(L{}, group, blocks, xs[m], next), b));
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace interleaved
+}  // namespace lmport

@@ -1,0 +1,78 @@
+"""GGUF blocks with rows interleaved in groups of 16 (lmport.weights.interleaved): the same bytes, relaid
+so the file's come back exactly, and a model's linears held so on the cpu backend where its kernels read
+them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "conformance"))
+from ggml_cases import random_blocks  # noqa: E402
+
+from lmport import ops  # noqa: E402
+from lmport.weights.interleaved import GROUP, SEGMENTS, file_layout, interleave  # noqa: E402
+
+
+@pytest.mark.parametrize("rows", [16, 35, 48])
+@pytest.mark.parametrize("type_name", sorted(SEGMENTS))
+def test_interleaving_keeps_the_bytes_and_gives_the_files_back(type_name, rows):
+    weight = random_blocks(type_name, rows, 32 * 9 if type_name == "q5_0" else 512, seed=rows)
+    held = interleave(weight)
+    whole = rows // GROUP * GROUP
+    assert held.row_group == GROUP and held.blocks.shape == weight.blocks.shape
+    assert not torch.equal(held.blocks[:whole], weight.blocks[:whole])
+    assert torch.equal(held.blocks[whole:], weight.blocks[whole:])   # the rows after the last group stay
+    assert torch.equal(file_layout(held).blocks, weight.blocks)
+    assert torch.equal(ops.dequantize_ggml(held), ops.dequantize_ggml(weight))
+
+
+def test_q5_0_layout_puts_each_part_where_the_kernel_reads_it():
+    """Row 3's block 5: its d at 2 r, its fifth bit of input 4 k + b at bit 4 r + b of mask k, its qs bytes
+    4 j .. 4 j + 3 at 4 r of nibble vector j (csrc/interleaved_rows.h reads them there)."""
+    weight = random_blocks("q5_0", 16, 32 * 9)
+    block = interleave(weight).blocks.reshape(-1)[5 * 352:6 * 352]
+    row = weight.blocks[3, 5 * 22:6 * 22]
+    assert torch.equal(block[6:8], row[0:2])
+    qh = int.from_bytes(bytes(row[2:6].tolist()), "little")
+    masks = int.from_bytes(bytes(block[32:96].tolist()), "little")
+    for k in range(32):
+        assert (masks >> (64 * (k // 4) + 4 * 3 + k % 4)) & 1 == (qh >> k) & 1
+    for j in range(4):
+        assert torch.equal(block[96 + 64 * j + 12:96 + 64 * j + 16], row[6 + 4 * j:10 + 4 * j])
+
+
+def test_k_quant_layouts_put_each_segment_where_the_kernels_read_it():
+    """Q4_K's scale byte q of row r at 64 + 16 q + r and qs bytes 4 j .. at 256 + 64 j + 4 r; Q6_K's qh bytes
+    4 j .. at 2048 + 64 j + 4 r, its scale s at 3072 + 16 s + r and d at 3328 + 2 r."""
+    q4 = random_blocks("q4_k", 16, 512)
+    block, row = interleave(q4).blocks.reshape(-1)[2304:4608], q4.blocks[7, 144:288]
+    assert all(block[64 + 16 * q + 7] == row[4 + q] for q in range(12))
+    assert all(torch.equal(block[256 + 64 * j + 28:256 + 64 * j + 32], row[16 + 4 * j:20 + 4 * j]) for j in range(32))
+    q6 = random_blocks("q6_k", 16, 256)
+    block, row = interleave(q6).blocks.reshape(-1), q6.blocks[9]
+    assert all(torch.equal(block[2048 + 64 * j + 36:2048 + 64 * j + 40], row[128 + 4 * j:132 + 4 * j])
+               for j in range(16))
+    assert all(block[3072 + 16 * s + 9] == row[192 + s] for s in range(16))
+    assert torch.equal(block[3328 + 18:3328 + 20], row[208:210])
+
+
+def test_interleaved_rows_refuse_what_needs_the_files_rows():
+    held = interleave(random_blocks("q5_0", 32, 64))
+    with pytest.raises(ValueError, match="interleaved already"):
+        interleave(held)
+    with pytest.raises(ValueError, match="interleaved in groups of 16: take them from its file layout"):
+        held.rows(torch.tensor([0]))
+
+
+def test_the_cpu_backend_holds_only_what_its_kernels_read_interleaved():
+    from lmport.backends.cpu import CpuBackend, kernels
+    backend = CpuBackend()
+    weight = random_blocks("q5_0", 32, 64)
+    types = kernels.load().ggml_interleaved_types() if kernels.load() is not None else []
+    assert (backend.hold_ggml(weight, torch.float32).row_group == GROUP) == ("q5_0" in types)
+    assert backend.hold_ggml(weight, torch.bfloat16) is weight    # the kernels take float32 activations only
+    assert backend.hold_ggml(random_blocks("q5_0", 15, 64), torch.float32).row_group == 1   # no whole group
+    assert backend.hold_ggml(random_blocks("q2_k", 32, 256), torch.float32).row_group == 1   # no layout
