@@ -10,13 +10,16 @@ from memory as in a real step; the best of five passes is kept.
   down per layer) for 1-128 tokens: the backend's ``linear`` against
   ``F.linear`` (the BLAS torch ships, MKL on x86).
 - ggml_linear: the same projections (q/k/v and gate/up merged, as the model runs them) over
-  GGUF block weights of each type the backend runs, for 1 and 16 tokens, in GB/s of blocks read,
-  against the int4 kernel (quant_linear, group 32) on the same shapes. The inputs are rounded up to
+  GGUF block weights of each type the backend runs, for 1, 16 and 64 tokens, in GB/s of blocks read,
+  against the int4 kernel (quant_linear, group 32) on the same shapes; for the types the backend holds
+  a model's linears otherwise (rows interleaved in groups of 16), again as held. The inputs are rounded up to
   the type's block (SmolLM2's 576 to 768 for the 256-input K-quants), for both.
 - gemv: single-stream decode's linears (one row of x) in each weight format the benchmark GGUF files
-  hold (int4 for Q4_1, int8 for Q8_0 and every file's LM head, q5_0 / q4_k / q6_k for Q4_K_M), at the
-  model's shapes over all layers, and the LM head alone: GB/s of weight read, each interleaved with a
-  plain streaming read of as many bytes (torch.sum over float32) in the same rounds, so the ratio
+  hold (int4 for Q4_1, int8 for Q8_0 and every file's LM head, q5_0 / q4_k / q6_k for Q4_K_M, the
+  last three also "held": as the backend holds a model's linears, rows interleaved in groups of 16
+  where its build reads them so), at the model's shapes over all layers, and the LM head alone: GB/s
+  of weight read, each interleaved with a plain streaming read of as many bytes (torch.sum over
+  float32) in the same rounds, so the ratio
   kernel / stream survives a loaded machine better than either figure. Run it with --threads 1 to
   see each kernel's inner loop; with more threads, how it scales.
 - prefill: a prefill step's GEMMs over quantized weights once expanded to float32 (all layers' q/k/v,
@@ -58,7 +61,7 @@ from machine import write_result
 
 BLOCK_SIZE = 16
 TOKENS = (1, 16, 32, 64, 128)
-GGML_TOKENS = (1, 16)
+GGML_TOKENS = (1, 16, 64)
 # name: (query lengths, context lengths) for one step's sequences.
 ATTENTION_BATCHES = {
     "decode 64 seqs, context 140-300": lambda g: ([1] * 64, torch.randint(140, 300, (64,), generator=g).tolist()),
@@ -144,22 +147,27 @@ def ggml_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
         t = BLOCK_TYPES[name]
         shapes = [(n, -(-k // t.elements) * t.elements) for n, k in per_layer] * cfg.num_hidden_layers
         # Random bytes are valid blocks once the float16 fields are finite: every byte below 0x78 keeps them so.
-        weights = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen,
-                                            dtype=torch.uint8), name, k) for n, k in shapes]
+        files = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen,
+                                          dtype=torch.uint8), name, k) for n, k in shapes]
+        held = [backend.hold_quantized(w, torch.float32) for w in files]
         int4 = [from_codes(torch.randint(0, 16, (n, k), generator=gen), torch.rand(n, k // 32, generator=gen) * 0.01,
                            torch.zeros(n, k // 32), 4, 32) for n, k in shapes]
-        ggml_bytes = sum(w.blocks.numel() for w in weights)
+        ggml_bytes = sum(w.blocks.numel() for w in files)
         int4_bytes = sum(q.qweight.numel() + 2 * q.scales.numel() + 2 * q.mins.numel() for q in int4)
-        for tokens in GGML_TOKENS:
-            xs = {k: torch.randn(tokens, k, generator=gen) for k in {k for _, k in shapes}}
-            err = max(((backend.ggml_linear(xs[w.in_features], w) - ops.ggml_linear(xs[w.in_features], w)).abs().max()
-                       / ops.ggml_linear(xs[w.in_features], w).abs().max()).item() for w in weights[:4])
-            ours, peer = best_passes([lambda: [backend.ggml_linear(xs[w.in_features], w) for w in weights],
-                                      lambda: [backend.quant_linear(xs[q.in_features], q) for q in int4]])
-            rows.append({"kernel": "ggml_linear", "case": f"{name}, {tokens} tokens, all layers", "ms": ours * 1e3,
-                         "peer": "int4 g32 quant_linear", "peer_ms": peer * 1e3, "speedup": peer / ours,
-                         "gbs": ggml_bytes / ours / 1e9, "peer_gbs": int4_bytes / peer / 1e9,
-                         "bytes": ggml_bytes, "peer_bytes": int4_bytes, "max_abs_diff": err})
+        # as the file lays the rows out, and (where the backend holds a model's linears otherwise) as held
+        for layout, weights in [("", files)] + ([(" held", held)] if held[0] is not files[0] else []):
+            for tokens in GGML_TOKENS:
+                xs = {k: torch.randn(tokens, k, generator=gen) for k in {k for _, k in shapes}}
+                err = max(((backend.ggml_linear(xs[w.in_features], w) - ops.ggml_linear(xs[w.in_features], w))
+                           .abs().max() / ops.ggml_linear(xs[w.in_features], w).abs().max()).item()
+                          for w in weights[:4])
+                ours, peer = best_passes([lambda: [backend.ggml_linear(xs[w.in_features], w) for w in weights],
+                                          lambda: [backend.quant_linear(xs[q.in_features], q) for q in int4]])
+                rows.append({"kernel": "ggml_linear", "case": f"{name}{layout}, {tokens} tokens, all layers",
+                             "ms": ours * 1e3, "peer": "int4 g32 quant_linear", "peer_ms": peer * 1e3,
+                             "speedup": peer / ours, "gbs": ggml_bytes / ours / 1e9,
+                             "peer_gbs": int4_bytes / peer / 1e9, "bytes": ggml_bytes, "peer_bytes": int4_bytes,
+                             "max_abs_diff": err})
     return rows
 
 
@@ -169,15 +177,18 @@ def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
     layers = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)] * cfg.num_hidden_layers
     cases = {"layers": layers, "LM head": [(cfg.vocab_size, h)]}
-    formats = ["int4", "int8", "q5_0", "q4_k", "q6_k"]
+    formats = ["int4", "int8", "q5_0", "q5_0 held", "q4_k", "q4_k held", "q6_k", "q6_k held"]
     rows = []
     for case, shapes in cases.items():
         for fmt in formats if case == "layers" else ["int8", "int4"]:
-            if fmt in BLOCK_TYPES:
-                t = BLOCK_TYPES[fmt]
+            block_type = fmt.removesuffix(" held")
+            if block_type in BLOCK_TYPES:
+                t = BLOCK_TYPES[block_type]
                 weights = [GGMLWeight(torch.randint(0, 0x78, (n, -(-k // t.elements) * t.nbytes), generator=gen,
-                                                    dtype=torch.uint8), fmt, -(-k // t.elements) * t.elements)
+                                                    dtype=torch.uint8), block_type, -(-k // t.elements) * t.elements)
                            for n, k in shapes]
+                if fmt.endswith(" held"):   # in the layout the backend holds a model's linears in
+                    weights = [backend.hold_quantized(w, torch.float32) for w in weights]
                 calls = [(w, w.in_features, backend.ggml_linear) for w in weights]
                 nbytes = sum(w.blocks.numel() for w in weights)
             else:

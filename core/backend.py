@@ -178,9 +178,11 @@ class Backend:
         """x @ dequantize(weight)^T (+ bias) for a weight held in its GGUF blocks."""
         return ops.ggml_linear(x, weight, bias)
 
-    def hold_ggml(self, weight: ops.GGMLWeight, dtype: torch.dtype) -> ops.GGMLWeight:
-        """A linear's GGUF blocks in the layout this backend's kernels read them in, for activations of
-        ``dtype``; asked once the model is loaded (lmport.weights.interleaved). Default: the file's."""
+    def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
+                       dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
+        """A linear's quantized weight (int4 / int8, or GGUF blocks) in the layout this backend's kernels read
+        it in, for activations of ``dtype``; asked once the model is loaded (lmport.weights.interleaved).
+        Default: as it is."""
         return weight
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

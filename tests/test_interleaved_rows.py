@@ -29,6 +29,27 @@ def test_interleaving_keeps_the_bytes_and_gives_the_files_back(type_name, rows):
     assert torch.equal(ops.dequantize_ggml(held), ops.dequantize_ggml(weight))
 
 
+@pytest.mark.parametrize("rows", [16, 35])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_and_int8_weights_interleave_and_come_back(bits, rows):
+    from lmport.weights.format import from_codes
+    g = torch.Generator().manual_seed(rows)
+    low, high = (0, 16) if bits == 4 else (-128, 128)
+    codes = torch.randint(low, high, (rows, 128), generator=g)
+    weight = from_codes(codes, torch.rand(rows, 4, generator=g), torch.rand(rows, 4, generator=g), bits, 32)
+    held = interleave(weight)
+    assert held.row_group == GROUP and held.qweight.dtype == weight.qweight.dtype
+    # the kernel reads row r's bytes 4 k .. 4 k + 3 at lane r of vector k, and group g's scales as vector g
+    raw = held.qweight.view(torch.uint8).reshape(-1)
+    assert torch.equal(raw[(3 * GROUP + 5) * 4:(3 * GROUP + 5) * 4 + 4], weight.qweight.view(torch.uint8)[5, 12:16])
+    assert torch.equal(held.scales[:GROUP].reshape(-1)[2 * GROUP:3 * GROUP], weight.scales[:GROUP, 2])
+    back = file_layout(held)
+    assert all(torch.equal(getattr(back, f), getattr(weight, f)) for f in ("qweight", "scales", "mins"))
+    assert torch.equal(ops.dequantize(held), ops.dequantize(weight))
+    with pytest.raises(ValueError, match="interleaved in groups of 16: take them from its file layout"):
+        held.rows(torch.tensor([0]))
+
+
 def test_q5_0_layout_puts_each_part_where_the_kernel_reads_it():
     """Row 3's block 5: its d at 2 r, its fifth bit of input 4 k + b at bit 4 r + b of mask k, its qs bytes
     4 j .. 4 j + 3 at 4 r of nibble vector j (csrc/interleaved_rows.h reads them there)."""
@@ -72,7 +93,7 @@ def test_the_cpu_backend_holds_only_what_its_kernels_read_interleaved():
     backend = CpuBackend()
     weight = random_blocks("q5_0", 32, 64)
     types = kernels.load().ggml_interleaved_types() if kernels.load() is not None else []
-    assert (backend.hold_ggml(weight, torch.float32).row_group == GROUP) == ("q5_0" in types)
-    assert backend.hold_ggml(weight, torch.bfloat16) is weight    # the kernels take float32 activations only
-    assert backend.hold_ggml(random_blocks("q5_0", 15, 64), torch.float32).row_group == 1   # no whole group
-    assert backend.hold_ggml(random_blocks("q2_k", 32, 256), torch.float32).row_group == 1   # no layout
+    assert (backend.hold_quantized(weight, torch.float32).row_group == GROUP) == ("q5_0" in types)
+    assert backend.hold_quantized(weight, torch.bfloat16) is weight    # the kernels take float32 activations only
+    assert backend.hold_quantized(random_blocks("q5_0", 15, 64), torch.float32).row_group == 1   # no whole group
+    assert backend.hold_quantized(random_blocks("q2_k", 32, 256), torch.float32).row_group == 1   # no layout

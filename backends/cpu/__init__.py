@@ -71,9 +71,10 @@ class CpuBackend(Backend):
             return super().quant_linear(x, weight, bias)
         q = weight
         if x.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the packed weight (csrc/quant_linear.h)
-            return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias)
+            return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
+                                         q.row_group)
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
-        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size)
+        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size, q.row_group)
         return prefill_gemm(x, w, bias)
 
     def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
@@ -89,14 +90,18 @@ class CpuBackend(Backend):
             y = prefill_gemm(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
 
-    def hold_ggml(self, weight: ops.GGMLWeight, dtype: torch.dtype) -> ops.GGMLWeight:
-        """Rows interleaved in groups of 16 for the types the kernels' decode reads so (csrc/interleaved_rows.h),
-        where float32 activations reach the kernels."""
+    def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
+                       dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
+        """Rows interleaved in groups of 16 for the formats the kernels' decode reads so
+        (csrc/interleaved_rows.h: a build with AVX-512 VNNI), where float32 activations reach the kernels."""
         compiled = kernels.load() if dtype == torch.float32 else None
-        types = compiled.ggml_interleaved_types() if hasattr(compiled, "ggml_interleaved_types") else []
-        if weight.type_name not in types or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
+        if compiled is None or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
             return weight
-        return interleaved.interleave(weight)
+        if isinstance(weight, ops.QuantizedWeight):
+            held = weight.bits in compiled.quant_interleaved_bits()
+        else:
+            held = weight.type_name in compiled.ggml_interleaved_types()
+        return interleaved.interleave(weight) if held else weight
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)

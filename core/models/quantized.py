@@ -94,18 +94,22 @@ class GGMLEmbedding(_Embedding[GGMLWeight]):
 
 
 def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> None:
-    """Each GGUF linear's blocks in the layout the backend's kernels read them in (``Backend.hold_ggml``), the
-    file's pages under the blocks it relaid handed back. An embedding's blocks, and a tied LM head's that
-    share them, stay as the file lays them out: a lookup reads rows of them."""
-    embedded = {m.blocks.data_ptr() for m in model.modules() if isinstance(m, GGMLEmbedding)}
+    """Each quantized linear's weight in the layout the backend's kernels read it in
+    (``Backend.hold_quantized``), the pages under what it relaid handed back. An embedding's weight, and a
+    tied LM head's that shares it, stays as it is: a lookup reads rows of it."""
+    embedded = {_codes(m.quantized).data_ptr() for m in model.modules() if isinstance(m, _Embedding)}
     for module in model.modules():
-        if not isinstance(module, GGMLLinear) or module.blocks.data_ptr() in embedded:
+        if not isinstance(module, _Linear) or _codes(module.quantized).data_ptr() in embedded:
             continue
         old = module.quantized
-        held = backend.hold_ggml(old, dtype)
+        held = backend.hold_quantized(old, dtype)
         if held is not old:
             module.hold(held)
-            page_out([old.blocks])
+            page_out([t for f in dataclasses.fields(old) if isinstance(t := getattr(old, f.name), torch.Tensor)])
+
+
+def _codes(weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
+    return weight.blocks if isinstance(weight, GGMLWeight) else weight.qweight
 
 
 def quantized_linear(backend: Backend, x: torch.Tensor, weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:

@@ -4,10 +4,13 @@ from __future__ import annotations
 import torch
 
 from lmport.weights.format import QuantizedWeight, unpack_int4
+from lmport.weights.interleaved import file_layout
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w = scale * q + min, computed in float32 (as GGUF's reference dequantizers do), then cast."""
+    """w = scale * q + min, computed in float32 (as GGUF's reference dequantizers do), then cast. Rows a
+    backend interleaved are put back in order first."""
+    weight = file_layout(weight)
     n, k, g = weight.out_features, weight.in_features, weight.group_size
     codes = unpack_int4(weight.qweight) if weight.bits == 4 else weight.qweight
     q = codes.to(torch.float32).reshape(n, k // g, g)

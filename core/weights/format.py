@@ -32,6 +32,8 @@ class QuantizedWeight:
     bits: int
     group_size: int
     zero_mins: bool = False   # every min is 0 (GGUF's Q8_0: w = scale * q): a kernel may skip them
+    # 1: rows in order; 16: rows interleaved in groups of 16 for a backend's kernel (lmport.weights.interleaved)
+    row_group: int = 1
 
     @property
     def out_features(self) -> int:
@@ -46,6 +48,9 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the output rows ``index`` (an embedding lookup's rows)."""
+        if self.row_group != 1:
+            raise ValueError(f"rows of an int{self.bits} weight interleaved in groups of {self.row_group}: take them "
+                             "from its file layout (lmport.weights.interleaved.file_layout)")
         return QuantizedWeight(self.qweight[index], self.scales[index], self.mins[index], self.bits, self.group_size,
                                self.zero_mins)
 

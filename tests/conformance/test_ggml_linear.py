@@ -14,7 +14,9 @@ int16 per run of 32 (step max|x_run| / 32767, at most half a step each), sum_k |
 Up to ``quant_int8_rows()`` rows of x (AVX-512 VNNI), the types the kernel lists in ``ggml_int8_types``
 (Q5_0, Q4_K, Q6_K) hold x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
 one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the
-reference's own result at x so rounded.
+reference's own result at x so rounded. Each case runs again with the weight as the backend holds a
+model's linears where that differs from the file's layout (cpu with AVX-512 VNNI: Q5_0, Q4_K and Q6_K rows
+interleaved in groups of 16), whose kernel holds x as two int8 codes for every step up to 128 rows.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def ggml_backend(backend_name, backend_class, record_property) -> Backend:
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layout):
-    """``held``: the weight in the layout the backend holds a model's linears in (Backend.hold_ggml), where
+    """``held``: the weight in the layout the backend holds a model's linears in (Backend.hold_quantized), where
     that is not the file's (the cpu kernels' rows interleaved in groups of 16: 6 groups and 3 rows after)."""
     if type_name not in ggml_backend.capabilities.ggml_types:
         pytest.skip(f"{type_name} not declared")
@@ -69,7 +71,7 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
         pytest.skip("the Triton interpreter is slow: three shapes keep the run short")
     weight = random_blocks(type_name, OUT, inputs(type_name))
     if layout == "held":
-        held = ggml_backend.hold_ggml(weight, torch.float32)
+        held = ggml_backend.hold_quantized(weight, torch.float32)
         if held is weight:
             pytest.skip(f"{name} holds {type_name} as the file lays it out")
         assert held.row_group != 1 and not torch.equal(held.blocks, weight.blocks)
@@ -81,9 +83,11 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
     for b in (None, bias):
         got = ggml_backend.ggml_linear(x.to(ggml_backend.device), weight, None if b is None else b.to(x.device))
         want = ops.ggml_linear(x, weight, b)
-        int8_path = SHAPES[shape] <= int8_rows() and type_name in int8_types()
+        # rows interleaved: every step the kernel takes (up to 128 rows, not a prefill) holds x as two int8 codes
+        interleaved = weight.row_group != 1 and not shape.startswith("prefill")
+        int8_path = interleaved or (SHAPES[shape] <= int8_rows() and type_name in int8_types())
         rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
-        bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
+        bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
         if name != "cpu":   # float32 dot products of float32 weights: summation order only
             bound = float32_summation_bound(x, w)
         assert ((got.cpu() - want).abs() <= bound + 1e-6).all(), (got.cpu() - want).abs().max()
@@ -112,7 +116,7 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=4)
     if type_name == "q4_k":
         weight.blocks.view(OUT, -1, 144)[:, :, 2:4] = 0
-    held = CpuBackend().hold_ggml(weight, torch.float32) if layout == "held" else weight
+    held = CpuBackend().hold_quantized(weight, torch.float32) if layout == "held" else weight
     if layout == "held" and held is weight:
         pytest.skip(f"the cpu backend holds {type_name} as the file lays it out")
     x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(5))
@@ -122,17 +126,23 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("layout", ["file", "held"])
 @pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
-def test_cpu_int8_rows_are_each_rows_own_result(type_name):
-    """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit."""
+def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
+    """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit.
+    Rows interleaved as the backend holds them: so for every step up to 128 rows (a batched decode)."""
     if type_name not in int8_types() or int8_rows() < 2:
         pytest.skip("this build runs no few-row int8 path (no AVX-512 VNNI)")
-    from lmport.backends.cpu import kernels
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=8)
-    x = torch.randn(int8_rows(), weight.in_features, generator=torch.Generator().manual_seed(9))
+    rows = int8_rows()
+    if layout == "held":
+        weight, rows = CpuBackend().hold_quantized(weight, torch.float32), SMALL_BATCH_TOKENS
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(9))
     call = kernels.load().ggml_linear
-    together = call(x, weight.blocks, type_name, weight.in_features, None)
-    alone = torch.cat([call(x[m:m + 1], weight.blocks, type_name, weight.in_features, None) for m in range(len(x))])
+    together = call(x, weight.blocks, type_name, weight.in_features, None, weight.row_group)
+    alone = torch.cat([call(x[m:m + 1], weight.blocks, type_name, weight.in_features, None, weight.row_group)
+                       for m in range(len(x))])
     assert torch.equal(together, alone)
 
 
@@ -156,7 +166,7 @@ def test_cpu_dequantize_kernel_is_the_reference_bit_for_bit(type_name):
     from lmport.backends.cpu import CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=3)
     want = ops.dequantize_ggml(weight).view(torch.int32)
-    for w in (weight, CpuBackend().hold_ggml(weight, torch.float32)):   # the file's rows, and as held
+    for w in (weight, CpuBackend().hold_quantized(weight, torch.float32)):   # the file's rows, and as held
         got = kernels.load().ggml_dequantize(w.blocks, type_name, w.in_features, w.row_group)
         assert torch.equal(got.view(torch.int32), want)
         assert torch.equal(ops.dequantize_ggml(w).view(torch.int32), want)

@@ -89,16 +89,25 @@ def native_backend(backend_name, backend_class, record_property) -> Backend:
     return backend
 
 
+@pytest.mark.parametrize("layout", ["rows", "held"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
+def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, layout):
+    """``held``: the weight as the backend holds a model's linears where that differs (cpu with AVX-512 VNNI:
+    rows interleaved in groups of 16, 6 groups and 3 rows after them, x as two int8 codes for every step up
+    to 128 rows)."""
     if group not in native_backend.capabilities.weight_group_sizes:
         pytest.skip(f"group {group} not declared")
     name = native_backend.capabilities.device_type
     if name == "cuda" and native_backend.device.type == "cpu" and (group == 64 or shape in ("decode-8", "batch-40")):
         pytest.skip("the Triton interpreter is slow: groups 32/128 and three shapes keep make test short")
     weight = random_weight(bits, group, n=99 if name == "cpu" else 96, k=288 if name == "cpu" and group == 32 else 256)
+    if layout == "held":
+        held = native_backend.hold_quantized(weight, DTYPES[name])
+        if held is weight:
+            pytest.skip(f"{name} holds int{bits} weights as they are")
+        weight = held
     g = torch.Generator().manual_seed(1)
     dtype = DTYPES[name]
     x = torch.randn(SHAPES[shape], weight.in_features, generator=g).to(dtype)
@@ -108,8 +117,10 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
         want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
         if name == "cpu":
             w = ops.dequantize(weight)
-            rounding = int8_pair_rounding_bound if SHAPES[shape] <= int8_rows() else int16_rounding_bound
-            bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
+            interleaved = weight.row_group != 1 and not shape.startswith("prefill")
+            int8_path = interleaved or SHAPES[shape] <= int8_rows()
+            rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
+            bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
             assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
         elif name == "cuda":   # fp32 IEEE dot products: summation order only
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -120,19 +131,24 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape):
         assert simulated.module("ascend").calls[-1][0] == "npu_weight_quant_batchmatmul"
 
 
+@pytest.mark.parametrize("layout", ["rows", "held"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(bits, group):
+def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(bits, group, layout):
     """One row of x where the kernel holds it as two int8 codes: the integer sums are exact, so the
     result is the reference's at x so rounded up to float32 summation. The mins meet x's own sums (not
-    the rounded x's), so here they are zero."""
+    the rounded x's), so here they are zero. ``held``: rows interleaved as the backend holds them."""
     if int8_rows() < 1:
         pytest.skip("this build's decode path rounds x to int16 (no AVX-512 VNNI)")
-    from lmport.backends.cpu import kernels
+    from lmport.backends.cpu import CpuBackend, kernels
     weight = random_weight(bits, group, n=99, k=288 if group == 32 else 256, seed=4)
     weight.mins.zero_()
+    if layout == "held":
+        weight = CpuBackend().hold_quantized(weight, torch.float32)
+        assert weight.row_group == 16
     x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(5))
-    got = kernels.load().quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, group, None)
+    got = kernels.load().quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, group, None,
+                                      weight.row_group)
     w = ops.dequantize(weight)
     want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
@@ -187,13 +203,38 @@ def test_cpu_kernel_without_mins_is_the_kernel_with_zero_mins(bits):
 
 
 def test_cpu_dequantize_kernel_is_the_reference():
-    from lmport.backends.cpu import kernels
+    from lmport.backends.cpu import CpuBackend, kernels
     compiled = kernels.load()
     assert compiled is not None, "the cpu kernels must build here"
     for bits in (4, 8):
-        w = random_weight(bits, 64)
-        got = compiled.quant_dequantize(w.qweight, w.scales, w.mins, bits, 64)
-        torch.testing.assert_close(got, ops.dequantize(w), atol=1e-6, rtol=1e-6)
+        w = random_weight(bits, 64, n=99)
+        for held in (w, CpuBackend().hold_quantized(w, torch.float32)):   # rows in order, and as held
+            got = compiled.quant_dequantize(held.qweight, held.scales, held.mins, bits, 64, held.row_group)
+            torch.testing.assert_close(got, ops.dequantize(w), atol=1e-6, rtol=1e-6)
+            assert torch.equal(ops.dequantize(held), ops.dequantize(w))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_held_rows_are_each_rows_own_result_for_every_decode_step(bits):
+    """Rows interleaved as the backend holds them: each row of x's result is the one it has alone, bit for
+    bit, for every step up to 128 rows (a batched decode does not change a sequence's logits)."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
+    weight = CpuBackend().hold_quantized(random_weight(bits, 32, n=99, k=288, seed=6), torch.float32)
+    if weight.row_group == 1:
+        pytest.skip("this build holds the rows in order (no AVX-512 VNNI)")
+    x = torch.randn(SMALL_BATCH_TOKENS, weight.in_features, generator=torch.Generator().manual_seed(7))
+
+    def call(rows_of_x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().quant_linear(rows_of_x, weight.qweight, weight.scales, weight.mins, bits, 32, None, 16)
+
+    assert torch.equal(call(x), torch.cat([call(x[m:m + 1]) for m in range(len(x))]))
+
+
+def test_cpu_kernel_refuses_rows_interleaved_otherwise():
+    from lmport.backends.cpu import kernels
+    w = random_weight(4, 32, k=288)
+    with pytest.raises(RuntimeError, match="quant: rows interleaved in groups of 8"):
+        kernels.load().quant_linear(torch.randn(1, 288), w.qweight, w.scales, w.mins, 4, 32, None, 8)
 
 
 def test_cpu_kernel_refuses_a_group_size_it_does_not_take():

@@ -31,7 +31,7 @@ struct BoundLinear {
   int64_t bits = 0, group_size = 0, in_features = 0, row_group = 1;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == "quant") return quant_linear(x, weight, scales, mins, bits, group_size, bias);
+    if (kind == "quant") return quant_linear(x, weight, scales, mins, bits, group_size, bias, row_group);
     if (kind == "ggml") return ggml_linear(x, weight, type, in_features, bias, row_group);
     return small_linear(x, weight, bias);
   }

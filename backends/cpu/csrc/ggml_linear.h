@@ -8,6 +8,8 @@
 // float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
+// - Q5_0, Q4_K and Q6_K rows interleaved in groups of 16 (a model's linears, as the cpu backend holds
+//   them with AVX-512 VNNI): every row of x a decode step passes, by interleaved_rows.h's kernels.
 // - Up to 8 rows of x (decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
 //   codes per input (as fine as int16), the blocks' codes unpacked to bytes a run pair at a time and
 //   dotted with each by vpdpbusd (int8_rows.h), 8 weight rows at a time.
@@ -19,6 +21,7 @@
 // - More rows (a batched decode step): tiles of 4 weight rows expanded to float32 in cache and run
 //   by linear.h's small-batch kernel.
 // - ggml_dequantize: the whole weight as float32, for the BLAS (prefill).
+// The row-by-row paths read interleaved rows back in the file's layout (file_row).
 #pragma once
 
 #include <immintrin.h>
@@ -31,11 +34,8 @@
 #include <vector>
 
 #include "linear.h"
-#include "quant_linear.h"   // defines LMPORT_QUANT_AVX512 where the CPU has AVX-512 VNNI
+#include "quant_linear.h"   // defines LMPORT_QUANT_AVX512 where the CPU has AVX-512 VNNI, before:
 #include "interleaved_rows.h"
-#ifdef LMPORT_QUANT_AVX512
-#include "int8_rows.h"
-#endif
 
 namespace lmport {
 
@@ -765,8 +765,8 @@ inline void check_row_group(const std::string& type, int64_t row_group) {
 }
 
 #ifdef LMPORT_QUANT_AVX512
-// Up to kInt8Rows rows of x over a weight whose whole groups are interleaved: the groups by the
-// interleaved kernel, the rows after them (as the file lays them out) by linear_int8.
+// Rows of x over a weight whose whole groups are interleaved: the groups by the interleaved kernel,
+// the rows after them (as the file lays them out) by linear_int8, x held alike by both.
 template <class T>
 inline void linear_interleaved(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                                float* y) {
@@ -801,12 +801,16 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   with_type(type, [&](auto t) {
     using T = decltype(t);
+#ifdef LMPORT_QUANT_AVX512
+    if (row_group != 1) {   // a type with a layout (check_row_group)
+      if constexpr (!std::is_void_v<typename RowsOf<T>::type>)
+        linear_interleaved<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
+      return;
+    }
+#endif
     if (M > kIntegerRows) {
       linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, row_group, bp, y.data_ptr<float>());
 #ifdef LMPORT_QUANT_AVX512
-    } else if (row_group != 1) {   // a type with a layout (check_row_group)
-      if constexpr (!std::is_void_v<typename RowsOf<T>::type>)
-        linear_interleaved<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
     } else if (kInt8<T> && M <= quant512::kInt8Rows) {
       linear_int8<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
 #endif

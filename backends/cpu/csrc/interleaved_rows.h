@@ -2,15 +2,18 @@
 // documents the layout): vector lane r is row r, so a block's codes of 16 rows meet x's codes for those
 // inputs broadcast to every lane, the 16 rows' scales are one load and their results one store.
 //
-// Up to 8 rows of x (decode) with AVX-512 VNNI, x held as two int8 codes per input as int8_rows.h holds
-// it (hi and lo, as fine as int16): vpdpbusd over the rows' unsigned codes and hi, and again over lo,
+// The rows of x of a decode step (up to 128: every row each on its own, while the group's bytes stay in
+// L1) with AVX-512 VNNI, x held as two int8 codes per input as int8_rows.h holds it (hi and lo, as fine
+// as int16): vpdpbusd over the rows' unsigned codes and hi, and again over lo,
 // gives each lane's exact int32 sums 256 hi + lo per sub-block; a type whose codes are offset (Q5_0's
 // q + 16, Q6_K's q + 32) takes the offset times x's codes summed back off. The sums are scaled in
-// float32 by the rows' scales times x's step; Q4_K's mins meet the float sums of x. Other row counts
-// read each row back in the file's layout (file_row) for the row-by-row kernels.
+// float32 by the rows' scales times x's step; Q4_K's mins meet the float sums of x. A prefill, and a
+// build without AVX-512 VNNI, read each row back in the file's layout (file_row) for the row-by-row
+// kernels.
 #pragma once
 
 #include <immintrin.h>
+#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstring>
@@ -54,17 +57,29 @@ struct Q6_KRows {   // ql (vector k: bytes 4 k ..), qh (likewise), scales (sub-b
 // The GGUF block types with an interleaved layout (lmport.weights.interleaved.SEGMENTS).
 inline std::vector<std::string> type_names() { return {"q5_0", "q4_k", "q6_k"}; }
 
+// Row r's units of a segment of ``length`` bytes (UNIT bytes each) from its vectors ``c``, to ``out``.
+template <int UNIT>
+inline void unpack_units(const uint8_t* c, int r, int length, uint8_t* out) {
+  for (int k = 0; k < length / UNIT; ++k) std::memcpy(out + k * UNIT, c + (k * kGroup + r) * UNIT, UNIT);
+}
+
 // Row r's block as the file lays it out (L::kBytes) from its group's block ``c``.
 template <class L>
 inline void unpack(const uint8_t* c, int r, uint8_t* out) {
   for (const Segment& s : L::kSegments) {
-    if (s.unit == 0) {
-      for (int k = 0; k < 2 * s.length; ++k) {   // unit k is bits 4 r .. of vector k (8 bytes)
-        const int nibble = (c[8 * k + r / 2] >> (4 * (r % 2))) & 0xF;
-        out[s.start + k / 2] = static_cast<uint8_t>(k % 2 ? out[s.start + k / 2] | nibble << 4 : nibble);
-      }
-    } else {
-      for (int k = 0; k < s.length / s.unit; ++k) std::memcpy(out + s.start + k * s.unit, c + (k * kGroup + r) * s.unit, s.unit);
+    uint8_t* o = out + s.start;
+    switch (s.unit) {
+      case 0:   // unit k is bits 4 r .. 4 r + 3 of vector k (8 bytes): two a byte
+        for (int k = 0; k < 2 * s.length; k += 2) {
+          uint64_t even, odd;
+          std::memcpy(&even, c + 8 * k, 8);
+          std::memcpy(&odd, c + 8 * k + 8, 8);
+          o[k / 2] = static_cast<uint8_t>(((even >> (4 * r)) & 0xF) | ((odd >> (4 * r)) & 0xF) << 4);
+        }
+        break;
+      case 1: unpack_units<1>(c, r, s.length, o); break;
+      case 2: unpack_units<2>(c, r, s.length, o); break;
+      default: unpack_units<4>(c, r, s.length, o); break;
     }
     c += kGroup * s.length;
   }
@@ -240,8 +255,67 @@ inline __m512 dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bl
   return acc;
 }
 
+// lmport's int4 / int8 format (lmport.weights.format), each tensor interleaved over its whole row: a group
+// of 16 rows' codes (``q``: vector k, lane r, is row r's bytes 4 k .. 4 k + 3), scales and mins (``scales``,
+// ``mins``: vector g is the 16 rows' group g; mins null where all are zero); w = scale q + min per group of
+// ``group_size`` inputs. int4 codes are 0..15, a run's 16 bytes holding inputs j (low nibble) and j + 16;
+// int8 codes are signed, taken as q + 128 (less 128 times x's codes summed).
+template <int BITS>
+inline __m512 dot_quant_group(const uint8_t* q, const at::Half* scales, const at::Half* mins, int64_t K,
+                              int64_t group_size, const BlockCodes& x, const uint8_t* next) {
+  constexpr int kVectors = BITS == 4 ? 4 : 8;   // 64-byte vectors of codes a run of 32 inputs
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t runs_per_group = group_size / 32;
+  __m512 acc = _mm512_setzero_ps(), acc_mins = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* c = q + 64 * kVectors * b;
+    prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);
+    __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, lo[2] = {hi[0], hi[0]};
+#pragma GCC unroll 8
+    for (int j = 0; j < kVectors; ++j) {
+      const __m512i v = _mm512_loadu_si512(c + 64 * j);
+      if constexpr (BITS == 4) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
+        dot4(_mm512_and_si512(v, low4), x, 32 * b + 4 * j, hi[0], lo[0]);
+        dot4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, 32 * b + 16 + 4 * j, hi[1], lo[1]);
+      } else {
+        dot4(_mm512_xor_si512(v, flip), x, 32 * b + 4 * j, hi[j % 2], lo[j % 2]);
+      }
+    }
+    __m512i sums = combined(_mm512_add_epi32(hi[0], hi[1]), _mm512_add_epi32(lo[0], lo[1]));
+    if constexpr (BITS == 8) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * (x.code_sums[2 * b] + x.code_sums[2 * b + 1])));
+    const int64_t g = b / runs_per_group;
+    const __m512 scale = halves(reinterpret_cast<const uint8_t*>(scales + kGroup * g));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x.steps[b])), acc);
+    if (mins != nullptr)   // the group's mins meet x's float sum over it, its runs' sums in turn
+      acc_mins = _mm512_fmadd_ps(halves(reinterpret_cast<const uint8_t*>(mins + kGroup * g)), _mm512_set1_ps(x.sums[b]), acc_mins);
+  }
+  return _mm512_add_ps(acc, acc_mins);
+}
+
+// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of an int4 / int8 weight
+// (``groups`` of them): each group against every row of x in turn.
+template <int BITS>
+inline void linear_quant_groups(const float* x, int64_t M, int64_t K, const uint8_t* q, const at::Half* scales,
+                                const at::Half* mins, int64_t groups, int64_t group_size, const float* bias, float* y,
+                                int64_t y_stride) {
+  std::vector<BlockCodes> xs;
+  for (int64_t m = 0; m < M; ++m) xs.push_back(block_codes(x + m * K, K));
+  const int64_t group_bytes = kGroup * K * BITS / 8, group_scales = kGroup * (K / group_size);
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        const uint8_t* next = m == 0 && g + 1 < end ? q + (g + 1) * group_bytes : nullptr;
+        const __m512 v = dot_quant_group<BITS>(q + g * group_bytes, scales + g * group_scales,
+                                               mins ? mins + g * group_scales : nullptr, K, group_size, xs[m], next);
+        _mm512_storeu_ps(y + m * y_stride + kGroup * g, _mm512_add_ps(v, b));
+      }
+    }
+  });
+}
+
 // y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them, each
-// 16 x row_bytes), for a few rows of x.
+// 16 x row_bytes): each group against every row of x in turn.
 template <class L>
 inline void linear_groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t row_bytes,
                           const float* bias, float* y, int64_t y_stride) {

@@ -10,6 +10,9 @@
 // float32. Either way every packed weight byte is read once a call, which is what bounds a decode
 // step. More rows (a batched decode step): tiles of weight rows expanded to float32 in cache
 // (linear_by_tiles). quant_dequantize (prefill) expands the whole weight to float32 for the BLAS.
+// A weight whose rows are interleaved in groups of 16 (``row_group``: a model's linears as the cpu
+// backend holds them with AVX-512 VNNI) runs every row of x a decode step passes through
+// interleaved_rows.h's kernel instead; quant_dequantize reads its rows back in order.
 #pragma once
 
 #include <immintrin.h>
@@ -21,8 +24,10 @@
 
 #include "linear.h"
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LMPORT_QUANT_AVX512 1
 #include "int8_rows.h"   // the path for up to kInt8Rows rows of x in int8 arithmetic
 #endif
+#include "interleaved_rows.h"   // rows interleaved in groups of 16 (with AVX-512 VNNI)
 
 namespace lmport {
 
@@ -145,8 +150,7 @@ inline void check_quantized(const torch::Tensor& qweight, const torch::Tensor& s
                 "scales and mins must be float16 [", qweight.size(0), ", ", K / group_size, "], got ", t->sizes());
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define LMPORT_QUANT_AVX512 1
+#ifdef LMPORT_QUANT_AVX512
 
 // Up to 8 rows of x (decode) in int8 arithmetic, as int8_rows.h does for GGUF blocks: x held per run
 // of 32 as two int8 codes an input (d = max|x_run| / 127: hi = x / d rounded to nearest even, as
@@ -416,11 +420,29 @@ inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t*
 
 }  // namespace quant_detail
 
+// Rows interleaved in groups of 16 (``row_group``, lmport.weights.interleaved) where this build reads them
+// so: with AVX-512 VNNI.
+inline std::vector<int64_t> quant_interleaved_bits() {
+#ifdef LMPORT_QUANT_AVX512
+  return {4, 8};
+#else
+  return {};
+#endif
+}
+
+inline void check_row_group(int64_t row_group) {
+  TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && !quant_interleaved_bits().empty()),
+              "quant: rows interleaved in groups of ", row_group, ": this build reads ",
+              quant_interleaved_bits().empty() ? "none (no AVX-512 VNNI)" : "groups of 16",
+              " (lmport.weights.interleaved.file_layout gives the rows back in order)");
+}
+
 inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                   c10::optional<torch::Tensor> mins, int64_t bits, int64_t group_size,
-                                  c10::optional<torch::Tensor> bias) {
+                                  c10::optional<torch::Tensor> bias, int64_t row_group = 1) {
   using namespace quant_detail;
   check_quantized(qweight, scales, mins, bits, group_size);
+  check_row_group(row_group);
   const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == K,
               "quant_linear: x must be float32 [tokens, ", K, "], got ", x.sizes());
@@ -439,19 +461,41 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   const at::Half* mp = mins ? mn.data_ptr<at::Half>() : nullptr;
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+#ifdef LMPORT_QUANT_AVX512
+  // rows n0 .. n0 + rows of W against every row of x in int8 arithmetic, into ``out`` [M, rows]
+  const auto int8_path = [&](int64_t n0, int64_t rows, float* out) {
+    const int rpg_shift = __builtin_ctzll(group_size / kRun), groups = K / group_size;
+    std::vector<quant512::Int8Activations> xs;
+    for (int64_t m = 0; m < M; ++m)
+      xs.push_back(bits == 4 ? quant512::quantize_int8<4>(x.data_ptr<float>() + m * K, K, group_size)
+                             : quant512::quantize_int8<8>(x.data_ptr<float>() + m * K, K, group_size));
+    const uint8_t* wn = w + n0 * (K * bits / 8);
+    const at::Half *sn = sp + n0 * groups, *mn0 = mp ? mp + n0 * groups : nullptr;
+    const float* bn = bp ? bp + n0 : nullptr;
+    if (bits == 4) quant512::linear_int8_rows<4>(xs, wn, sn, mn0, rows, rpg_shift, bn, out);
+    else quant512::linear_int8_rows<8>(xs, wn, sn, mn0, rows, rpg_shift, bn, out);
+  };
+  if (row_group != 1) {   // every row of x over the whole groups, and over the rows after them as they are
+    const int64_t whole = N / interleaved::kGroup * interleaved::kGroup;
+    const auto groups = [&](auto run) { run(x.data_ptr<float>(), M, K, w, sp, mp, whole / interleaved::kGroup, group_size, bp, yp, N); };
+    if (bits == 4) groups(interleaved::linear_quant_groups<4>);
+    else groups(interleaved::linear_quant_groups<8>);
+    if (whole < N) {
+      std::vector<float> rest(M * (N - whole));
+      int8_path(whole, N - whole, rest.data());
+      for (int64_t m = 0; m < M; ++m)
+        std::copy(rest.begin() + m * (N - whole), rest.begin() + (m + 1) * (N - whole), yp + m * N + whole);
+    }
+    return y;
+  }
+#endif
   if (M > kIntegerRows) {
     linear_by_tiles(x.data_ptr<float>(), M, K, w, sp, mp, N, group_size, bits, bp, yp);
     return y;
   }
 #ifdef LMPORT_QUANT_AVX512
   static_assert(quant512::kInt8Rows == kIntegerRows, "the int8 path is the only integer path with AVX-512 VNNI");
-  const int rpg_shift = __builtin_ctzll(group_size / kRun);
-  std::vector<quant512::Int8Activations> xs;
-  for (int64_t m = 0; m < M; ++m)
-    xs.push_back(bits == 4 ? quant512::quantize_int8<4>(x.data_ptr<float>() + m * K, K, group_size)
-                           : quant512::quantize_int8<8>(x.data_ptr<float>() + m * K, K, group_size));
-  if (bits == 4) quant512::linear_int8_rows<4>(xs, w, sp, mp, N, rpg_shift, bp, yp);
-  else quant512::linear_int8_rows<8>(xs, w, sp, mp, N, rpg_shift, bp, yp);
+  int8_path(0, N, yp);
 #else
   const int64_t runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
   const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
@@ -486,9 +530,10 @@ inline int64_t quant_int8_rows() {
 }
 
 inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                                      int64_t group_size) {
+                                      int64_t group_size, int64_t row_group = 1) {
   using namespace quant_detail;
   check_quantized(qweight, scales, mins, bits, group_size);
+  check_row_group(row_group);
   qweight = qweight.contiguous();
   scales = scales.contiguous();
   mins = mins.contiguous();
@@ -499,9 +544,25 @@ inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scale
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
+  const int64_t whole = row_group == 1 ? 0 : N / interleaved::kGroup * interleaved::kGroup;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      dequantize_row(w + n * row_bytes, sp + n * groups, mp + n * groups, K, group_size, bits, op + n * K);
+    std::vector<uint8_t> row(row_bytes);
+    std::vector<at::Half> row_scales(groups), row_mins(groups);
+    for (int64_t n = begin; n < end; ++n) {
+      if (n >= whole) {
+        dequantize_row(w + n * row_bytes, sp + n * groups, mp + n * groups, K, group_size, bits, op + n * K);
+        continue;
+      }
+      // an interleaved row back in order: its units out of its group's vectors
+      const int64_t first = n / interleaved::kGroup * interleaved::kGroup;
+      const int r = static_cast<int>(n - first);
+      interleaved::unpack_units<4>(w + first * row_bytes, r, static_cast<int>(row_bytes), row.data());
+      interleaved::unpack_units<2>(reinterpret_cast<const uint8_t*>(sp + first * groups), r, static_cast<int>(2 * groups),
+                                   reinterpret_cast<uint8_t*>(row_scales.data()));
+      interleaved::unpack_units<2>(reinterpret_cast<const uint8_t*>(mp + first * groups), r, static_cast<int>(2 * groups),
+                                   reinterpret_cast<uint8_t*>(row_mins.data()));
+      dequantize_row(row.data(), row_scales.data(), row_mins.data(), K, group_size, bits, op + n * K);
+    }
   });
   return out;
 }
