@@ -15,9 +15,9 @@ from memory as in a real step; the best of five passes is kept.
   a model's linears otherwise (rows interleaved in groups of 16), again as held. The inputs are rounded up to
   the type's block (SmolLM2's 576 to 768 for the 256-input K-quants), for both.
 - gemv: single-stream decode's linears (one row of x) in each weight format the benchmark GGUF files
-  hold (int4 for Q4_1, int8 for Q8_0 and every file's LM head, q5_0 / q4_k / q6_k for Q4_K_M, the
-  last three also "held": as the backend holds a model's linears, rows interleaved in groups of 16
-  where its build reads them so), at the model's shapes over all layers, and the LM head alone: GB/s
+  hold (int4 for Q4_1, int8 for Q8_0 and every file's LM head, q5_0 / q4_k / q6_k for Q4_K_M), each
+  also "held" (the layers): as the backend holds a model's linears, rows interleaved in groups of 16
+  where its build reads them so, at the model's shapes over all layers, and the LM head alone: GB/s
   of weight read, each interleaved with a plain streaming read of as many bytes (torch.sum over
   float32) in the same rounds, so the ratio
   kernel / stream survives a loaded machine better than either figure. Run it with --threads 1 to
@@ -149,7 +149,8 @@ def ggml_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
         # Random bytes are valid blocks once the float16 fields are finite: every byte below 0x78 keeps them so.
         files = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen,
                                           dtype=torch.uint8), name, k) for n, k in shapes]
-        held = [backend.hold_quantized(w, torch.float32) for w in files]
+        held = [backend.hold_quantized(GGMLWeight(w.blocks.clone(), name, k), torch.float32)   # may relay in place
+                for w, (_, k) in zip(files, shapes, strict=True)]
         int4 = [from_codes(torch.randint(0, 16, (n, k), generator=gen), torch.rand(n, k // 32, generator=gen) * 0.01,
                            torch.zeros(n, k // 32), 4, 32) for n, k in shapes]
         ggml_bytes = sum(w.blocks.numel() for w in files)
@@ -177,7 +178,7 @@ def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
     layers = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)] * cfg.num_hidden_layers
     cases = {"layers": layers, "LM head": [(cfg.vocab_size, h)]}
-    formats = ["int4", "int8", "q5_0", "q5_0 held", "q4_k", "q4_k held", "q6_k", "q6_k held"]
+    formats = ["int4", "int4 held", "int8", "int8 held", "q5_0", "q5_0 held", "q4_k", "q4_k held", "q6_k", "q6_k held"]
     rows = []
     for case, shapes in cases.items():
         for fmt in formats if case == "layers" else ["int8", "int4"]:
@@ -192,11 +193,13 @@ def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
                 calls = [(w, w.in_features, backend.ggml_linear) for w in weights]
                 nbytes = sum(w.blocks.numel() for w in weights)
             else:
-                bits = int(fmt[3:])
+                bits = int(block_type[3:])
                 low, high = (0, 16) if bits == 4 else (-128, 128)
                 weights = [from_codes(torch.randint(low, high, (n, k), generator=gen),
                                       torch.rand(n, k // 32, generator=gen) * 0.01, torch.zeros(n, k // 32), bits, 32)
                            for n, k in shapes]
+                if fmt.endswith(" held"):
+                    weights = [backend.hold_quantized(q, torch.float32) for q in weights]
                 calls = [(q, q.in_features, backend.quant_linear) for q in weights]
                 nbytes = sum(q.nbytes() for q in weights)
             xs = {k: torch.randn(1, k, generator=gen) for _, k, _ in calls}

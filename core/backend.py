@@ -181,8 +181,8 @@ class Backend:
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
                        dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
         """A linear's quantized weight (int4 / int8, or GGUF blocks) in the layout this backend's kernels read
-        it in, for activations of ``dtype``; asked once the model is loaded (lmport.weights.interleaved).
-        Default: as it is."""
+        it in, for activations of ``dtype``; asked once the model is loaded (lmport.weights.interleaved). The
+        weight handed in is not used after: its tensors may be relaid in place. Default: as it is."""
         return weight
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,

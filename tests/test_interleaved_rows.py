@@ -3,14 +3,16 @@ so the file's come back exactly, and a model's linears held so on the cpu backen
 them."""
 from __future__ import annotations
 
+import dataclasses
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "conformance"))
-from ggml_cases import random_blocks  # noqa: E402
+from ggml_cases import copied, random_blocks  # noqa: E402
 
 from lmport import ops  # noqa: E402
 from lmport.weights.interleaved import GROUP, SEGMENTS, file_layout, interleave  # noqa: E402
@@ -80,6 +82,28 @@ def test_k_quant_layouts_put_each_segment_where_the_kernels_read_it():
     assert torch.equal(block[3328 + 18:3328 + 20], row[208:210])
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_in_place_relays_what_torch_owns_and_copies_a_mapped_files_view(tmp_path, in_place):
+    """In place (a model's own copy), the same memory holds the interleaved rows, a few groups at a time; a
+    tensor over a mapped file (not torch's to write) goes to a new tensor either way; the weight is then the
+    same as one interleaved into new tensors."""
+    import numpy as np
+    weight = random_blocks("q4_k", 16 * 70 + 3, 256, seed=9)   # more groups than a chunk, and rows after them
+    want = interleave(copied(weight))
+    owned = copied(weight)
+    held = interleave(owned, in_place=in_place)
+    assert torch.equal(held.blocks, want.blocks)
+    assert (held.blocks.data_ptr() == owned.blocks.data_ptr()) == in_place
+    path = tmp_path / "blocks"
+    weight.blocks.numpy().tofile(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch's warning on a non-writable array
+        view = torch.from_numpy(np.memmap(path, np.uint8, "r", shape=tuple(weight.blocks.shape)))
+    mapped = dataclasses.replace(weight, blocks=view)
+    held = interleave(mapped, in_place=in_place)
+    assert torch.equal(held.blocks, want.blocks) and held.blocks.data_ptr() != mapped.blocks.data_ptr()
+
+
 def test_interleaved_rows_refuse_what_needs_the_files_rows():
     held = interleave(random_blocks("q5_0", 32, 64))
     with pytest.raises(ValueError, match="interleaved already"):
@@ -93,7 +117,7 @@ def test_the_cpu_backend_holds_only_what_its_kernels_read_interleaved():
     backend = CpuBackend()
     weight = random_blocks("q5_0", 32, 64)
     types = kernels.load().ggml_interleaved_types() if kernels.load() is not None else []
-    assert (backend.hold_quantized(weight, torch.float32).row_group == GROUP) == ("q5_0" in types)
+    assert (backend.hold_quantized(copied(weight), torch.float32).row_group == GROUP) == ("q5_0" in types)
     assert backend.hold_quantized(weight, torch.bfloat16) is weight    # the kernels take float32 activations only
     assert backend.hold_quantized(random_blocks("q5_0", 15, 64), torch.float32).row_group == 1   # no whole group
     assert backend.hold_quantized(random_blocks("q2_k", 32, 256), torch.float32).row_group == 1   # no layout

@@ -93,7 +93,8 @@ class CpuBackend(Backend):
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
                        dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
         """Rows interleaved in groups of 16 for the formats the kernels' decode reads so
-        (csrc/interleaved_rows.h: a build with AVX-512 VNNI), where float32 activations reach the kernels."""
+        (csrc/interleaved_rows.h: a build with AVX-512 VNNI), where float32 activations reach the kernels;
+        relaid in place where torch owns the tensors (``weight`` is not to be used after)."""
         compiled = kernels.load() if dtype == torch.float32 else None
         if compiled is None or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
             return weight
@@ -101,7 +102,7 @@ class CpuBackend(Backend):
             held = weight.bits in compiled.quant_interleaved_bits()
         else:
             held = weight.type_name in compiled.ggml_interleaved_types()
-        return interleaved.interleave(weight) if held else weight
+        return interleaved.interleave(weight, in_place=True) if held else weight
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)

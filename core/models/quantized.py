@@ -102,10 +102,13 @@ def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> 
         if not isinstance(module, _Linear) or _codes(module.quantized).data_ptr() in embedded:
             continue
         old = module.quantized
+        before = [t for f in dataclasses.fields(old) if isinstance(t := getattr(old, f.name), torch.Tensor)]
         held = backend.hold_quantized(old, dtype)
         if held is not old:
             module.hold(held)
-            page_out([t for f in dataclasses.fields(old) if isinstance(t := getattr(old, f.name), torch.Tensor)])
+            kept = {getattr(held, f.name).data_ptr() for f in dataclasses.fields(held)
+                    if isinstance(getattr(held, f.name), torch.Tensor)}
+            page_out([t for t in before if t.data_ptr() not in kept])   # what was copied, not what was relaid
 
 
 def _codes(weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:

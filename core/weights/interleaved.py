@@ -26,6 +26,7 @@ exactly: the reference ops read interleaved weights through it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TypeVar
 
 import torch
@@ -80,69 +81,79 @@ def _vectors_to_segment(vec: torch.Tensor, unit: int) -> torch.Tensor:
     return vec.unflatten(-1, (-1, GROUP, unit)).transpose(-3, -2).flatten(-2)
 
 
-def interleave(weight: W) -> W:
-    """``weight`` with its rows interleaved in groups of 16 (new tensors; the rows past the last whole group
-    as they are)."""
+def interleave(weight: W, in_place: bool = False) -> W:
+    """``weight`` with its rows interleaved in groups of 16; the rows past the last whole group as they are.
+    New tensors, or with ``in_place`` (``weight`` is not used after) each tensor torch allocated itself (a
+    checkpoint's copy, merged projections) relaid where it lies, a few groups at a time, so that a model's
+    memory does not grow while it is relaid; a view of a mapped file still goes to a new tensor (the file's
+    pages can then go)."""
     if weight.row_group != 1:
         raise ValueError(f"{_kind(weight)} weight is interleaved already (row_group={weight.row_group})")
-    if isinstance(weight, QuantizedWeight):
-        return dataclasses.replace(weight, row_group=GROUP, **{name: _tensor_vectors(getattr(weight, name), unit)
-                                                                for name, unit in QUANTIZED_UNITS.items()})
-    groups = _whole_groups(weight).transpose(1, 2)   # [groups, blocks, 16 rows, bytes]
-    parts = [_segment_to_vectors(groups[..., start:start + length], unit)
-             for start, length, unit in SEGMENTS[weight.type_name]]
-    return _with_groups(weight, torch.cat(parts, -1), GROUP)
+    return _relaid(weight, GROUP, in_place)
 
 
 def file_layout(weight: W) -> W:
-    """``weight`` with its rows as the file lays them out (itself where they are)."""
+    """``weight`` with its rows in order, as the file lays them out (itself where they are; else new tensors)."""
     if weight.row_group == 1:
         return weight
-    if isinstance(weight, QuantizedWeight):
-        if weight.row_group != GROUP:
-            raise ValueError(f"{_kind(weight)} rows interleaved in groups of {weight.row_group}: no such layout "
-                             f"(groups of {GROUP})")
-        return dataclasses.replace(weight, row_group=1, **{name: _tensor_rows(getattr(weight, name), unit)
-                                                            for name, unit in QUANTIZED_UNITS.items()})
-    if weight.row_group != GROUP or weight.type_name not in SEGMENTS:
-        raise ValueError(f"{weight.type_name} rows interleaved in groups of {weight.row_group}: no such layout "
-                         f"(groups of {GROUP} of {', '.join(SEGMENTS)})")
-    stored = _whole_groups(weight)
-    groups = stored.reshape(stored.shape[0], stored.shape[2], -1)   # [groups, blocks, 16 x bytes]
-    parts, at = [], 0
-    for _, length, unit in SEGMENTS[weight.type_name]:
-        parts.append(_vectors_to_segment(groups[..., at:at + GROUP * length], unit))
-        at += GROUP * length
-    return _with_groups(weight, torch.cat(parts, -1).transpose(1, 2), 1)
+    if weight.row_group != GROUP or (isinstance(weight, GGMLWeight) and weight.type_name not in SEGMENTS):
+        raise ValueError(f"{_kind(weight)} rows interleaved in groups of {weight.row_group}: no such layout "
+                         f"(groups of {GROUP} of {', '.join(['int4', 'int8', *SEGMENTS])})")
+    return _relaid(weight, 1, in_place=False)
 
 
 def _kind(weight: GGMLWeight | QuantizedWeight) -> str:
     return f"int{weight.bits}" if isinstance(weight, QuantizedWeight) else weight.type_name
 
 
-def _whole_groups(weight: GGMLWeight) -> torch.Tensor:
-    """The whole groups' bytes as [groups, 16 rows, blocks, bytes] (rows as stored)."""
-    t = weight.block_type
-    whole = weight.out_features // GROUP * GROUP
-    return weight.blocks[:whole].reshape(-1, GROUP, weight.in_features // t.elements, t.nbytes)
+# Groups relaid at a time: the transient copies stay a few MB whatever the weight's size.
+CHUNK_GROUPS = 64
 
 
-def _with_groups(weight: GGMLWeight, groups: torch.Tensor, row_group: int) -> GGMLWeight:
-    """``weight`` with its whole groups' bytes replaced by ``groups`` (any shape of them, in order)."""
-    whole = weight.out_features // GROUP * GROUP
-    blocks = torch.cat([groups.reshape(whole, -1), weight.blocks[whole:]])
-    return dataclasses.replace(weight, blocks=blocks, row_group=row_group)
+def _relaid(weight: W, row_group: int, in_place: bool) -> W:
+    """``weight`` with its rows interleaved (row_group 16) or in order (1)."""
+    if isinstance(weight, QuantizedWeight):
+        tensors = {name: _relaid_rows(getattr(weight, name), functools.partial(_units, unit=unit, row_group=row_group),
+                                      in_place) for name, unit in QUANTIZED_UNITS.items()}
+    else:
+        t = weight.block_type
+        blocks = weight.in_features // t.elements
+        relay = functools.partial(_blocks, segments=SEGMENTS[weight.type_name], blocks=blocks, nbytes=t.nbytes,
+                                  row_group=row_group)
+        tensors = {"blocks": _relaid_rows(weight.blocks, relay, in_place)}
+    return dataclasses.replace(weight, row_group=row_group, **tensors)
 
 
-def _tensor_vectors(t: torch.Tensor, unit: int) -> torch.Tensor:
-    """A [rows, ...] tensor's whole groups of 16 rows as vectors of ``unit`` bytes, unit k of each row in turn."""
-    raw, whole = t.view(torch.uint8), t.shape[0] // GROUP * GROUP
-    groups = raw[:whole].reshape(-1, GROUP, raw.shape[1] // unit, unit).transpose(1, 2)
-    return torch.cat([groups.reshape(whole, -1), raw[whole:]]).view(t.dtype)
+def _relaid_rows(t: torch.Tensor, relay, in_place: bool) -> torch.Tensor:
+    """[rows, ...] ``t`` with each chunk of whole groups of 16 rows relaid (``relay``: uint8 [16 g, bytes] ->
+    the same shape), into ``t`` itself where in_place and torch owns its memory, else into a new tensor."""
+    raw = t.view(torch.uint8)
+    # torch's own allocations are resizable; a tensor over a mapped file or another library's buffer is not
+    own = in_place and t.untyped_storage().resizable()
+    out = raw if own else raw.clone()
+    whole, step = t.shape[0] // GROUP * GROUP, CHUNK_GROUPS * GROUP
+    for start in range(0, whole, step):
+        rows = slice(start, min(start + step, whole))
+        out[rows] = relay(raw[rows])
+    return out.view(t.dtype)
 
 
-def _tensor_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
-    """The inverse of _tensor_vectors."""
-    raw, whole = t.view(torch.uint8), t.shape[0] // GROUP * GROUP
-    groups = raw[:whole].reshape(-1, raw.shape[1] // unit, GROUP, unit).transpose(1, 2)
-    return torch.cat([groups.reshape(whole, -1), raw[whole:]]).view(t.dtype)
+def _blocks(rows: torch.Tensor, segments, blocks: int, nbytes: int, row_group: int) -> torch.Tensor:
+    """Whole groups of GGUF block rows [16 g, blocks x nbytes] relaid."""
+    if row_group == GROUP:
+        groups = rows.reshape(-1, GROUP, blocks, nbytes).transpose(1, 2)   # [groups, blocks, 16 rows, bytes]
+        parts = [_segment_to_vectors(groups[..., start:start + length], unit) for start, length, unit in segments]
+        return torch.cat(parts, -1).reshape(rows.shape)
+    groups = rows.reshape(-1, blocks, GROUP * nbytes)   # [groups, blocks, 16 x bytes]
+    parts, at = [], 0
+    for _, length, unit in segments:
+        parts.append(_vectors_to_segment(groups[..., at:at + GROUP * length], unit))
+        at += GROUP * length
+    return torch.cat(parts, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def _units(rows: torch.Tensor, unit: int, row_group: int) -> torch.Tensor:
+    """Whole groups of rows [16 g, bytes] as vectors of ``unit`` bytes, unit k of each row in turn (16), or back (1)."""
+    n_units = rows.shape[1] // unit
+    shape = (-1, GROUP, n_units, unit) if row_group == GROUP else (-1, n_units, GROUP, unit)
+    return rows.reshape(shape).transpose(1, 2).reshape(rows.shape)

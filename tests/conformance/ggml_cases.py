@@ -6,6 +6,8 @@ whatever the codes and sub-scales are.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
@@ -30,3 +32,10 @@ def random_blocks(type_name: str, out_features: int, in_features: int, seed: int
         d = (sign * (torch.rand(out_features, nblocks, generator=g) + 0.5) / CODE_RANGE[type_name]).half()
         blocks[:, :, offset:offset + 2] = d.view(torch.uint8).reshape(out_features, nblocks, 2)
     return GGMLWeight(blocks.reshape(out_features, nblocks * t.nbytes), type_name, in_features).check()
+
+
+def copied(weight):
+    """A quantized weight with its own copies of the tensors: what a backend's hold_quantized may relay in
+    place is then not the original, which a test still reads."""
+    return dataclasses.replace(weight, **{f.name: getattr(weight, f.name).clone() for f in dataclasses.fields(weight)
+                                          if isinstance(getattr(weight, f.name), torch.Tensor)})

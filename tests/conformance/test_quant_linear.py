@@ -23,6 +23,7 @@ from lmport import ops
 from lmport.backend import Backend
 from lmport.config import ConfigError, EngineConfig
 from lmport.weights.format import from_codes
+from ggml_cases import copied
 from harness import op_backend
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
@@ -208,7 +209,7 @@ def test_cpu_dequantize_kernel_is_the_reference():
     assert compiled is not None, "the cpu kernels must build here"
     for bits in (4, 8):
         w = random_weight(bits, 64, n=99)
-        for held in (w, CpuBackend().hold_quantized(w, torch.float32)):   # rows in order, and as held
+        for held in (w, CpuBackend().hold_quantized(copied(w), torch.float32)):   # rows in order, and as held
             got = compiled.quant_dequantize(held.qweight, held.scales, held.mins, bits, 64, held.row_group)
             torch.testing.assert_close(got, ops.dequantize(w), atol=1e-6, rtol=1e-6)
             assert torch.equal(ops.dequantize(held), ops.dequantize(w))
