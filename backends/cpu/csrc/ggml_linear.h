@@ -771,7 +771,8 @@ template <class T>
 inline void linear_interleaved(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                                float* y) {
   const int64_t row_bytes = K / T::kElements * T::kBytes, whole = N / interleaved::kGroup * interleaved::kGroup;
-  interleaved::linear_groups<typename RowsOf<T>::type>(x, M, K, w, whole / interleaved::kGroup, row_bytes, bias, y, N);
+  interleaved::linear_groups(typename RowsOf<T>::type{}, x, M, K, w, whole / interleaved::kGroup,
+                             interleaved::kGroup * row_bytes, K / T::kElements, bias, y, N);
   if (whole == N) return;
   std::vector<float> rest(M * (N - whole));
   linear_int8<T>(x, M, K, w + whole * row_bytes, N - whole, bias ? bias + whole : nullptr, rest.data());

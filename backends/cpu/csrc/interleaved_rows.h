@@ -40,18 +40,21 @@ struct Q5_0Rows {   // d, qh (4 bits a unit: vector k masks inputs 4 k .. 4 k + 
   static constexpr int kElements = 32, kBytes = 22;
   static constexpr Segment kSegments[] = {{0, 2, 2}, {2, 4, 0}, {6, 16, 4}};
   static constexpr int kMasks = 32, kNibbles = 96;
+  Q5_0Rows group(int64_t) const { return *this; }   // what group g reads besides its bytes: nothing
 };
 
 struct Q4_KRows {   // d, dmin, scales (bytes 0..11 a vector each), qs (vector 8 c + j: bytes 32 c + 4 j ..)
   static constexpr int kElements = 256, kBytes = 144;
   static constexpr Segment kSegments[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
   static constexpr int kMin = 32, kScales = 64, kNibbles = 256;
+  Q4_KRows group(int64_t) const { return *this; }   // what group g reads besides its bytes: nothing
 };
 
 struct Q6_KRows {   // ql (vector k: bytes 4 k ..), qh (likewise), scales (sub-block s a vector), d
   static constexpr int kElements = 256, kBytes = 210;
   static constexpr Segment kSegments[] = {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
   static constexpr int kHigh = 2048, kScales = 3072, kScale = 3328;
+  Q6_KRows group(int64_t) const { return *this; }   // what group g reads besides its bytes: nothing
 };
 
 // The GGUF block types with an interleaved layout (lmport.weights.interleaved.SEGMENTS).
@@ -144,17 +147,29 @@ inline void prefetch(const uint8_t* next, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
 }
 
-// Each kernel: a group's 16 rows (``group``: its ``blocks`` blocks) dotted with x, lane r row r's result;
+// Each kernel: a group's 16 rows (``group``: its ``blocks`` blocks) dotted with MT rows of x (``x``) at once,
+// each code vector unpacked once for all of them: out[m], lane r, is row r's result for x[m]. Each row of
+// x meets the same operations in the same order whatever MT is, so its result is the one it has alone.
 // ``next``: the next group's bytes, fetched into L2 a block at a time.
 
-inline __m512 dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const BlockCodes& x, const uint8_t* next) {
+template <int MT>
+inline void dot4(__m512i codes, const BlockCodes* const* x, int64_t k, __m512i* hi, __m512i* lo) {
+  for (int m = 0; m < MT; ++m) dot4(codes, *x[m], k, hi[m], lo[m]);
+}
+
+template <int MT>
+inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      __m512* out) {
   constexpr int64_t kBlock = kGroup * Q5_0Rows::kBytes;
   const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc[MT];
+  for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
-    __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, lo[2] = {hi[0], hi[0]};   // two chains
+    __m512i hi[2][MT], lo[2][MT];   // two chains each, so that the vpdpbusd chains are half as long
+    for (int t = 0; t < 2; ++t)
+      for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
       const __m512i v = _mm512_loadu_si512(c + Q5_0Rows::kNibbles + 64 * j);
@@ -164,20 +179,27 @@ inline __m512 dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bl
       __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       low = _mm512_mask_add_epi8(low, _cvtu64_mask64(first), low, sixteen);
       high = _mm512_mask_add_epi8(high, _cvtu64_mask64(second), high, sixteen);
-      dot4(low, x, 32 * i + 4 * j, hi[j % 2], lo[j % 2]);
-      dot4(high, x, 32 * i + 16 + 4 * j, hi[j % 2], lo[j % 2]);
+      dot4<MT>(low, x, 32 * i + 4 * j, hi[j % 2], lo[j % 2]);
+      dot4<MT>(high, x, 32 * i + 16 + 4 * j, hi[j % 2], lo[j % 2]);
     }
-    const __m512i sums = _mm512_sub_epi32(combined(_mm512_add_epi32(hi[0], hi[1]), _mm512_add_epi32(lo[0], lo[1])),
-                                          _mm512_set1_epi32(16 * (x.code_sums[2 * i] + x.code_sums[2 * i + 1])));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(halves(c), _mm512_set1_ps(x.steps[i])), acc);
+    const __m512 d = halves(c);
+    for (int m = 0; m < MT; ++m) {
+      const __m512i sums = _mm512_sub_epi32(
+          combined(_mm512_add_epi32(hi[0][m], hi[1][m]), _mm512_add_epi32(lo[0][m], lo[1][m])),
+          _mm512_set1_epi32(16 * (x[m]->code_sums[2 * i] + x[m]->code_sums[2 * i + 1])));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x[m]->steps[i])), acc[m]);
+    }
   }
-  return acc;
+  for (int m = 0; m < MT; ++m) out[m] = acc[m];
 }
 
-inline __m512 dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const BlockCodes& x, const uint8_t* next) {
+template <int MT>
+inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      __m512* out) {
   constexpr int64_t kBlock = kGroup * Q4_KRows::kBytes;
   const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi32(63);
-  __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+  __m512 acc[MT], mins[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
@@ -185,51 +207,64 @@ inline __m512 dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bl
     const auto byte = [&](int q) {
       return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q4_KRows::kScales + 16 * q)));
     };
-    __m512i sc[8], m[8];
+    __m512 sc[8], mn[8];
     for (int q = 0; q < 4; ++q) {
       const __m512i a = byte(q), b = byte(q + 4), e = byte(q + 8);
-      sc[q] = _mm512_and_si512(a, low6);
-      m[q] = _mm512_and_si512(b, low6);
-      sc[q + 4] = _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xF)), _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4));
-      m[q + 4] = _mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 4));
+      sc[q] = _mm512_cvtepi32_ps(_mm512_and_si512(a, low6));
+      mn[q] = _mm512_cvtepi32_ps(_mm512_and_si512(b, low6));
+      sc[q + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xF)),
+                                                     _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4)));
+      mn[q + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 4)));
     }
-    const __m512 d = halves(c), dmin = halves(c + Q4_KRows::kMin);
-    __m512 block = _mm512_setzero_ps(), block_mins = _mm512_setzero_ps();
+    __m512 block[MT], block_mins[MT];
+    for (int m = 0; m < MT; ++m) block[m] = block_mins[m] = _mm512_setzero_ps();
     for (int q = 0; q < 4; ++q) {   // sub-blocks 2 q (low nibbles of qs bytes 32 q ..) and 2 q + 1 (high)
-      __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, lo[2] = {hi[0], hi[0]};
+      __m512i hi[2][MT], lo[2][MT];
+      for (int t = 0; t < 2; ++t)
+        for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_loadu_si512(c + Q4_KRows::kNibbles + 64 * (8 * q + j));
         const int64_t k = 256 * i + 64 * q + 4 * j;
-        dot4(_mm512_and_si512(v, low4), x, k, hi[0], lo[0]);
-        dot4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, k + 32, hi[1], lo[1]);
+        dot4<MT>(_mm512_and_si512(v, low4), x, k, hi[0], lo[0]);
+        dot4<MT>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, k + 32, hi[1], lo[1]);
       }
       for (int t = 0; t < 2; ++t) {
         const int s = 2 * q + t;
         const int64_t run = 8 * i + s;
-        block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(combined(hi[t], lo[t])),
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(sc[s]), _mm512_set1_ps(x.steps[run])), block);
-        block_mins = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[s]), _mm512_set1_ps(x.sums[run]), block_mins);
+        for (int m = 0; m < MT; ++m) {
+          block[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(combined(hi[t][m], lo[t][m])),
+                                     _mm512_mul_ps(sc[s], _mm512_set1_ps(x[m]->steps[run])), block[m]);
+          block_mins[m] = _mm512_fmadd_ps(mn[s], _mm512_set1_ps(x[m]->sums[run]), block_mins[m]);
+        }
       }
     }
-    acc = _mm512_fmadd_ps(block, d, acc);
-    mins = _mm512_fmadd_ps(block_mins, dmin, mins);
+    const __m512 d = halves(c), dmin = halves(c + Q4_KRows::kMin);
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm512_fmadd_ps(block[m], d, acc[m]);
+      mins[m] = _mm512_fmadd_ps(block_mins[m], dmin, mins[m]);
+    }
   }
-  return _mm512_sub_ps(acc, mins);
+  for (int m = 0; m < MT; ++m) out[m] = _mm512_sub_ps(acc[m], mins[m]);
 }
 
-inline __m512 dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const BlockCodes& x, const uint8_t* next) {
+template <int MT>
+inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      __m512* out) {
   constexpr int64_t kBlock = kGroup * Q6_KRows::kBytes;
   const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc[MT];
+  for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
-    __m512 block = _mm512_setzero_ps();
+    __m512 block[MT];
+    for (auto& b : block) b = _mm512_setzero_ps();
     for (int h = 0; h < 2; ++h)
       for (int half = 0; half < 2; ++half) {   // inputs 128 h + 32 t + 16 half + .., sub-block 8 h + 2 t + half
-        __m512i hi[4], lo[4];
-        for (int t = 0; t < 4; ++t) hi[t] = lo[t] = _mm512_setzero_si512();
+        __m512i hi[4][MT], lo[4][MT];
+        for (int t = 0; t < 4; ++t)
+          for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * half + jj;   // bytes 4 j .. of each 32-byte run of ql and of qh
@@ -240,19 +275,23 @@ inline __m512 dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bl
               _mm512_or_si512(_mm512_and_si512(q1, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), _mm512_and_si512(qh, high2)),
               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
-          for (int t = 0; t < 4; ++t) dot4(codes[t], x, 256 * i + 128 * h + 32 * t + 4 * j, hi[t], lo[t]);
+          for (int t = 0; t < 4; ++t) dot4<MT>(codes[t], x, 256 * i + 128 * h + 32 * t + 4 * j, hi[t], lo[t]);
         }
         for (int t = 0; t < 4; ++t) {
           const int s = 8 * h + 2 * t + half;
-          const __m512i sums = _mm512_sub_epi32(combined(hi[t], lo[t]), _mm512_set1_epi32(32 * x.code_sums[16 * i + s]));
           const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q6_KRows::kScales + 16 * s))));
-          block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sc, _mm512_set1_ps(x.steps[8 * i + 4 * h + t])), block);
+          for (int m = 0; m < MT; ++m) {
+            const __m512i sums = _mm512_sub_epi32(combined(hi[t][m], lo[t][m]), _mm512_set1_epi32(32 * x[m]->code_sums[16 * i + s]));
+            block[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sc, _mm512_set1_ps(x[m]->steps[8 * i + 4 * h + t])),
+                                       block[m]);
+          }
         }
       }
-    acc = _mm512_fmadd_ps(block, halves(c + Q6_KRows::kScale), acc);
+    const __m512 d = halves(c + Q6_KRows::kScale);
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(block[m], d, acc[m]);
   }
-  return acc;
+  for (int m = 0; m < MT; ++m) out[m] = acc[m];
 }
 
 // lmport's int4 / int8 format (lmport.weights.format), each tensor interleaved over its whole row: a group
@@ -261,74 +300,83 @@ inline __m512 dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bl
 // ``group_size`` inputs. int4 codes are 0..15, a run's 16 bytes holding inputs j (low nibble) and j + 16;
 // int8 codes are signed, taken as q + 128 (less 128 times x's codes summed).
 template <int BITS>
-inline __m512 dot_quant_group(const uint8_t* q, const at::Half* scales, const at::Half* mins, int64_t K,
-                              int64_t group_size, const BlockCodes& x, const uint8_t* next) {
+struct QuantRows {
+  const at::Half *scales, *mins;
+  int64_t K, group_size;
+  QuantRows group(int64_t g) const {   // group g's scales and mins
+    const int64_t at = kGroup * (K / group_size) * g;
+    return {scales + at, mins ? mins + at : nullptr, K, group_size};
+  }
+};
+
+template <int MT, int BITS>
+inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockCodes* const* x, const uint8_t* next,
+                      __m512* out) {
   constexpr int kVectors = BITS == 4 ? 4 : 8;   // 64-byte vectors of codes a run of 32 inputs
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t runs_per_group = group_size / 32;
-  __m512 acc = _mm512_setzero_ps(), acc_mins = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / 32; ++b) {
+  const int64_t runs_per_group = w.group_size / 32;
+  __m512 acc[MT], acc_mins[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = acc_mins[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.K / 32; ++b) {
     const uint8_t* c = q + 64 * kVectors * b;
     prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);
-    __m512i hi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, lo[2] = {hi[0], hi[0]};
+    __m512i hi[2][MT], lo[2][MT];
+    for (int t = 0; t < 2; ++t)
+      for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < kVectors; ++j) {
       const __m512i v = _mm512_loadu_si512(c + 64 * j);
       if constexpr (BITS == 4) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
-        dot4(_mm512_and_si512(v, low4), x, 32 * b + 4 * j, hi[0], lo[0]);
-        dot4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, 32 * b + 16 + 4 * j, hi[1], lo[1]);
+        dot4<MT>(_mm512_and_si512(v, low4), x, 32 * b + 4 * j, hi[0], lo[0]);
+        dot4<MT>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, 32 * b + 16 + 4 * j, hi[1], lo[1]);
       } else {
-        dot4(_mm512_xor_si512(v, flip), x, 32 * b + 4 * j, hi[j % 2], lo[j % 2]);
+        dot4<MT>(_mm512_xor_si512(v, flip), x, 32 * b + 4 * j, hi[j % 2], lo[j % 2]);
       }
     }
-    __m512i sums = combined(_mm512_add_epi32(hi[0], hi[1]), _mm512_add_epi32(lo[0], lo[1]));
-    if constexpr (BITS == 8) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * (x.code_sums[2 * b] + x.code_sums[2 * b + 1])));
     const int64_t g = b / runs_per_group;
-    const __m512 scale = halves(reinterpret_cast<const uint8_t*>(scales + kGroup * g));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x.steps[b])), acc);
-    if (mins != nullptr)   // the group's mins meet x's float sum over it, its runs' sums in turn
-      acc_mins = _mm512_fmadd_ps(halves(reinterpret_cast<const uint8_t*>(mins + kGroup * g)), _mm512_set1_ps(x.sums[b]), acc_mins);
-  }
-  return _mm512_add_ps(acc, acc_mins);
-}
-
-// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of an int4 / int8 weight
-// (``groups`` of them): each group against every row of x in turn.
-template <int BITS>
-inline void linear_quant_groups(const float* x, int64_t M, int64_t K, const uint8_t* q, const at::Half* scales,
-                                const at::Half* mins, int64_t groups, int64_t group_size, const float* bias, float* y,
-                                int64_t y_stride) {
-  std::vector<BlockCodes> xs;
-  for (int64_t m = 0; m < M; ++m) xs.push_back(block_codes(x + m * K, K));
-  const int64_t group_bytes = kGroup * K * BITS / 8, group_scales = kGroup * (K / group_size);
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
-      for (int64_t m = 0; m < M; ++m) {
-        const uint8_t* next = m == 0 && g + 1 < end ? q + (g + 1) * group_bytes : nullptr;
-        const __m512 v = dot_quant_group<BITS>(q + g * group_bytes, scales + g * group_scales,
-                                               mins ? mins + g * group_scales : nullptr, K, group_size, xs[m], next);
-        _mm512_storeu_ps(y + m * y_stride + kGroup * g, _mm512_add_ps(v, b));
-      }
+    const __m512 scale = halves(reinterpret_cast<const uint8_t*>(w.scales + kGroup * g));
+    const __m512 min = w.mins ? halves(reinterpret_cast<const uint8_t*>(w.mins + kGroup * g)) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      __m512i sums = combined(_mm512_add_epi32(hi[0][m], hi[1][m]), _mm512_add_epi32(lo[0][m], lo[1][m]));
+      if constexpr (BITS == 8)
+        sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * (x[m]->code_sums[2 * b] + x[m]->code_sums[2 * b + 1])));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x[m]->steps[b])), acc[m]);
+      if (w.mins)   // the group's mins meet x's float sum over it, its runs' sums in turn
+        acc_mins[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x[m]->sums[b]), acc_mins[m]);
     }
-  });
+  }
+  for (int m = 0; m < MT; ++m) out[m] = _mm512_add_ps(acc[m], acc_mins[m]);
 }
 
-// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them, each
-// 16 x row_bytes): each group against every row of x in turn.
+// Rows of x a kernel takes at once: as many as keep its sums in registers (Q6_K has twice the others').
+template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 2 : 4;
+
+// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them,
+// ``group_bytes`` apart from ``w``; ``layout`` a kernel's type, or QuantRows with the int4 / int8
+// format's scales and mins): each group against the rows of x, kRowsAtOnce at a time.
 template <class L>
-inline void linear_groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups, int64_t row_bytes,
-                          const float* bias, float* y, int64_t y_stride) {
+inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
+                          int64_t group_bytes, int64_t blocks, const float* bias, float* y, int64_t y_stride) {
   std::vector<BlockCodes> xs;
   for (int64_t m = 0; m < M; ++m) xs.push_back(block_codes(x + m * K, K));
-  const int64_t blocks = K / L::kElements, group_bytes = kGroup * row_bytes;
+  std::vector<const BlockCodes*> rows;
+  for (const auto& a : xs) rows.push_back(&a);
+  constexpr int kAtOnce = kRowsAtOnce<L>;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
+      const L at = layout.group(g);
       const uint8_t* group = w + g * group_bytes;
       const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
-      for (int64_t m = 0; m < M; ++m) {
+      __m512 out[kAtOnce];
+      for (int64_t m = 0; m < M;) {
         const uint8_t* next = m == 0 && g + 1 < end ? group + group_bytes : nullptr;
-        _mm512_storeu_ps(y + m * y_stride + kGroup * g, _mm512_add_ps(dot_group(L{}, group, blocks, xs[m], next), b));
+        const int64_t n = std::min<int64_t>(kAtOnce, M - m);
+        if (n == kAtOnce) dot_group<kAtOnce>(at, group, blocks, rows.data() + m, next, out);
+        else if (n >= 2) dot_group<2>(at, group, blocks, rows.data() + m, next, out);
+        else dot_group<1>(at, group, blocks, rows.data() + m, next, out);
+        const int64_t done = n == kAtOnce ? n : n >= 2 ? 2 : 1;
+        for (int64_t r = 0; r < done; ++r) _mm512_storeu_ps(y + (m + r) * y_stride + kGroup * g, _mm512_add_ps(out[r], b));
+        m += done;
       }
     }
   });

@@ -477,9 +477,12 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   };
   if (row_group != 1) {   // every row of x over the whole groups, and over the rows after them as they are
     const int64_t whole = N / interleaved::kGroup * interleaved::kGroup;
-    const auto groups = [&](auto run) { run(x.data_ptr<float>(), M, K, w, sp, mp, whole / interleaved::kGroup, group_size, bp, yp, N); };
-    if (bits == 4) groups(interleaved::linear_quant_groups<4>);
-    else groups(interleaved::linear_quant_groups<8>);
+    const auto groups = [&](auto layout) {
+      interleaved::linear_groups(layout, x.data_ptr<float>(), M, K, w, whole / interleaved::kGroup,
+                                 interleaved::kGroup * K * bits / 8, 0, bp, yp, N);
+    };
+    if (bits == 4) groups(interleaved::QuantRows<4>{sp, mp, K, group_size});
+    else groups(interleaved::QuantRows<8>{sp, mp, K, group_size});
     if (whole < N) {
       std::vector<float> rest(M * (N - whole));
       int8_path(whole, N - whole, rest.data());
