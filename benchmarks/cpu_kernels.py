@@ -25,6 +25,10 @@ from memory as in a real step; the best of five passes is kept.
 - prefill: a prefill step's GEMMs over quantized weights once expanded to float32 (all layers' q/k/v,
   o, gate/up, down for 64, 256 and 512 tokens): the backend's ``prefill_gemm`` (oneDNN where torch
   has it) against ``F.linear`` (MKL), interleaved passes.
+- held: each format the backend holds a model's linears in another layout (rows interleaved in groups of
+  16: int4, int8, Q5_0, Q4_K, Q6_K where the build has AVX-512 VNNI) against the same weight with its rows
+  in order, at the model's gate/up and down shapes, for 1, 8, 16, 64 and 128 rows of x (a decode step's
+  rows), 16 weights a pass, the layouts alternating.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
@@ -44,6 +48,7 @@ thread's CPU clock (time.thread_time), so time descheduled on a shared machine d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
@@ -212,6 +217,43 @@ def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     return rows
 
 
+def held_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
+    """Each held format's kernel against the same weight with its rows in order, at one gate/up and one down
+    shape of the model, 1 to 128 rows of x: 16 weights a pass, the two layouts alternating pass by pass."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    rows = []
+    for fmt in ("q5_0", "q4_k", "q6_k", "int4", "int8"):
+        for n, k in ((2 * i, h), (h, i)):
+            if fmt in BLOCK_TYPES:
+                t = BLOCK_TYPES[fmt]
+                k = -(-k // t.elements) * t.elements
+                weights = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen,
+                                                    dtype=torch.uint8), fmt, k) for _ in range(16)]
+            else:
+                bits = int(fmt[3:])
+                low, high = (0, 16) if bits == 4 else (-128, 128)
+                weights = [from_codes(torch.randint(low, high, (n, k), generator=gen),
+                                      torch.rand(n, k // 32, generator=gen) * 0.01,
+                                      torch.rand(n, k // 32, generator=gen) * 0.01, bits, 32) for _ in range(16)]
+            # hold_quantized may relay in place: it gets copies, the rows in order stay for the peer
+            copies = [dataclasses.replace(w, **{f: getattr(w, f).clone() for f in tensor_fields(w)}) for w in weights]
+            held = [backend.hold_quantized(w, torch.float32) for w in copies]
+            if held[0].row_group == 1:
+                continue
+            run = backend.ggml_linear if fmt in BLOCK_TYPES else backend.quant_linear
+            for tokens in (1, 8, 16, 64, 128):
+                x = torch.randn(tokens, k, generator=gen)
+                ours, peer = best_passes([lambda: [run(x, w) for w in held], lambda: [run(x, w) for w in weights]])
+                rows.append({"kernel": "held", "case": f"{fmt} {n} x {k}, {tokens} tokens", "ms": ours * 1e3,
+                             "peer": "rows in order", "peer_ms": peer * 1e3, "speedup": peer / ours,
+                             "max_abs_diff": (run(x, held[0]) - run(x, weights[0])).abs().max().item()})
+    return rows
+
+
+def tensor_fields(weight) -> list[str]:
+    return [f.name for f in dataclasses.fields(weight) if isinstance(getattr(weight, f.name), torch.Tensor)]
+
+
 def attention_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(1, cfg.num_key_value_heads, head_dim, BLOCK_SIZE, torch.float32, 0)
@@ -319,7 +361,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default="benchmarks/results/cpu_kernels.json")
-    parser.add_argument("--only", choices=["linear", "prefill", "ggml", "gemv", "attention"],
+    parser.add_argument("--only", choices=["linear", "prefill", "ggml", "gemv", "held", "attention"],
                         help="run one group of cases")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--ab", type=Path, help="another build's .so: quant_linear against it, one thread")
@@ -341,7 +383,7 @@ def main() -> None:
     cfg = read_model_config(args.model)
     backend, gen = CpuBackend(), torch.Generator().manual_seed(0)
     groups = {"linear": linear_rows, "prefill": prefill_rows, "ggml": ggml_rows, "gemv": gemv_rows,
-              "attention": attention_rows}
+              "held": held_rows, "attention": attention_rows}
     rows = [r for name, fn in groups.items() if args.only in (None, name) for r in fn(cfg, backend, gen)]
 
     print(f"\n{args.model}: {cfg.num_hidden_layers} layers; one pass over all of them; "
@@ -351,7 +393,7 @@ def main() -> None:
     for r in rows:
         rate = (f"{r['gflops']:.0f} / {r['peer_gflops']:.0f} GFLOP/s" if "gflops" in r
                 else f"{r['gbs']:.1f} / {r['peer_gbs']:.1f} GB/s" if "gbs" in r else "-")
-        print(f"| {r['kernel']} | {r['case']} | {r['ms']:.1f} | {r['peer']} | {r['peer_ms']:.1f} | "
+        print(f"| {r['kernel']} | {r['case']} | {r['ms']:.3g} | {r['peer']} | {r['peer_ms']:.3g} | "
               f"{r['speedup']:.2f}x | {rate} | {r['max_abs_diff']:.1e} |")
     out = Path(args.out)
     write_result(out, {"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,

@@ -31,9 +31,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
-from serve_throughput import WARM_UP_SALT, one_stream, spread, start_llama_server, stop  # noqa: E402
+from serve_throughput import WARM_UP_SALT, one_stream, start_llama_server, stop  # noqa: E402
 from throughput import TEXT  # noqa: E402
-from machine import write_result  # noqa: E402
+from machine import spread, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
