@@ -127,15 +127,18 @@ def _relaid(weight: W, row_group: int, in_place: bool) -> W:
 def _relaid_rows(t: torch.Tensor, relay, in_place: bool) -> torch.Tensor:
     """[rows, ...] ``t`` with each chunk of whole groups of 16 rows relaid (``relay``: uint8 [16 g, bytes] ->
     the same shape), into ``t`` itself where in_place and torch owns its memory, else into a new tensor."""
-    raw = t.view(torch.uint8)
-    # torch's own allocations are resizable; a tensor over a mapped file or another library's buffer is not
-    own = in_place and t.untyped_storage().resizable()
+    rows = t.contiguous()   # a transposed view (AWQ / GPTQ scales) as its rows: a copy of its own
+    raw = rows.reshape(-1).view(torch.uint8).reshape(rows.shape[0], -1)   # flat first: a [rows, 1] view's stride
+    # Relaid in place only where the bytes are the whole of an allocation torch made (resizable: not a mapped
+    # file's or another library's buffer), so no other tensor's bytes move with them.
+    storage = rows.untyped_storage()
+    own = in_place and storage.resizable() and storage.nbytes() == raw.numel()
     out = raw if own else raw.clone()
     whole, step = t.shape[0] // GROUP * GROUP, CHUNK_GROUPS * GROUP
     for start in range(0, whole, step):
         rows = slice(start, min(start + step, whole))
         out[rows] = relay(raw[rows])
-    return out.view(t.dtype)
+    return out.reshape(-1).view(t.dtype).reshape(t.shape)
 
 
 def _blocks(rows: torch.Tensor, segments, blocks: int, nbytes: int, row_group: int) -> torch.Tensor:
