@@ -72,9 +72,9 @@ class CpuBackend(Backend):
         q = weight
         if x.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the packed weight (csrc/quant_linear.h)
             return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
-                                         q.row_group)
+                                         **kernels.row_group_args(q))
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
-        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size, q.row_group)
+        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size, **kernels.row_group_args(q))
         return prefill_gemm(x, w, bias)
 
     def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
@@ -84,9 +84,11 @@ class CpuBackend(Backend):
             return super().ggml_linear(x, weight, bias)
         x2 = x.reshape(-1, weight.in_features)
         if x2.shape[0] <= SMALL_BATCH_TOKENS:  # decode: over the blocks (csrc/ggml_linear.h)
-            y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias, weight.row_group)
+            y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias,
+                                     **kernels.row_group_args(weight))
         else:  # prefill: the weight expanded once for a GEMM
-            w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features, weight.row_group)
+            w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features,
+                                         **kernels.row_group_args(weight))
             y = prefill_gemm(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
 
@@ -98,10 +100,10 @@ class CpuBackend(Backend):
         compiled = kernels.load() if dtype == torch.float32 else None
         if compiled is None or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
             return weight
-        if isinstance(weight, ops.QuantizedWeight):
-            held = weight.bits in compiled.quant_interleaved_bits()
+        if isinstance(weight, ops.QuantizedWeight):   # (a build from before interleaved rows has neither list)
+            held = weight.bits in getattr(compiled, "quant_interleaved_bits", list)()
         else:
-            held = weight.type_name in compiled.ggml_interleaved_types()
+            held = weight.type_name in getattr(compiled, "ggml_interleaved_types", list)()
         return interleaved.interleave(weight, in_place=True) if held else weight
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -105,11 +105,12 @@ def _bind_linear(linears: ops.Linears, compiled) -> Callable[[torch.Tensor], tor
     weight, bias = linears.weight, linears.bias
     if isinstance(weight, ops.QuantizedWeight):
         qweight, scales, mins = weight.qweight, weight.scales, kernels.kernel_mins(weight)
-        bits, group_size, rows = weight.bits, weight.group_size, weight.row_group
-        return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias, rows)
+        bits, group_size, rows = weight.bits, weight.group_size, kernels.row_group_args(weight)
+        return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias, **rows)
     if isinstance(weight, ops.GGMLWeight):
-        blocks, type_name, in_features, rows = weight.blocks, weight.type_name, weight.in_features, weight.row_group
-        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias, rows)
+        blocks, type_name, in_features = weight.blocks, weight.type_name, weight.in_features
+        rows = kernels.row_group_args(weight)
+        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias, **rows)
     return lambda x: compiled.small_linear(x, weight, bias)
 
 
@@ -120,10 +121,10 @@ def _bind_linear_native(linears: ops.Linears, compiled) -> list:
         weight, bias = part.weight, part.bias
         if isinstance(weight, ops.QuantizedWeight):
             bound.append(compiled.BoundLinear("quant", weight.qweight, bias, weight.scales, kernels.kernel_mins(weight),
-                                              weight.bits, weight.group_size, row_group=weight.row_group))
+                                              weight.bits, weight.group_size, **kernels.row_group_args(weight)))
         elif isinstance(weight, ops.GGMLWeight):
             bound.append(compiled.BoundLinear("ggml", weight.blocks, bias, type=weight.type_name,
-                                              in_features=weight.in_features, row_group=weight.row_group))
+                                              in_features=weight.in_features, **kernels.row_group_args(weight)))
         else:
             bound.append(compiled.BoundLinear("float", weight, bias))
     return bound

@@ -45,6 +45,12 @@ def kernel_mins(weight) -> torch.Tensor | None:
     return None if weight.zero_mins else weight.mins
 
 
+def row_group_args(weight) -> dict[str, int]:
+    """A quantized weight's row grouping as the linear kernels take it (``row_group=``): nothing for rows in
+    order, so that a build from before interleaved rows (benchmarks/decode_profile.py --kernels) takes the call."""
+    return {} if weight.row_group == 1 else {"row_group": weight.row_group}
+
+
 def attention_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 
