@@ -83,8 +83,10 @@ def test_load_use_unload_under_load(server):
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "hot", "lora_path": path})
     assert r.status_code == 200, r.text
     assert "hot" in [m.id for m in client(server).models.list().data]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(complete, server, "hot", p, 48) for p in prompts() * 2]
+    requests = prompts() * 2
+    # a thread each: every request is sent before the unload (a queued one would arrive after it, refused)
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        running = [pool.submit(complete, server, "hot", p, 48) for p in requests]
         first = complete(server, "hot", prompts()[0], 1)   # the adapter is serving by now
         assert first.model == "hot"
         r = post(server, "/v1/unload_lora_adapter", {"lora_name": "hot"})
