@@ -749,18 +749,15 @@ inline int64_t checked_inputs(const torch::Tensor& blocks, const std::string& ty
 
 // The types whose rows this build reads interleaved (interleaved_rows.h): its decode kernel is AVX-512's.
 inline std::vector<std::string> interleaved_types() {
-#ifdef LMPORT_QUANT_AVX512
-  return interleaved::type_names();
-#else
-  return {};
-#endif
+  return interleaved::kKernels ? interleaved::type_names() : std::vector<std::string>{};
 }
 
 inline void check_row_group(const std::string& type, int64_t row_group) {
-  const auto types = interleaved_types();
-  TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && std::find(types.begin(), types.end(), type) != types.end()),
+  const auto& types = interleaved::type_names();
+  TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && interleaved::kKernels &&
+                                 std::find(types.begin(), types.end(), type) != types.end()),
               "ggml: ", type, " rows interleaved in groups of ", row_group, ": this build reads groups of ",
-              interleaved::kGroup, " of ", types.empty() ? std::string("no type") : c10::Join(", ", types),
+              interleaved::kGroup, " of ", interleaved::kKernels ? c10::Join(", ", types) : std::string("no type"),
               " (lmport.weights.interleaved.file_layout gives the file's rows back)");
 }
 
@@ -773,11 +770,9 @@ inline void linear_interleaved(const float* x, int64_t M, int64_t K, const uint8
   const int64_t row_bytes = K / T::kElements * T::kBytes, whole = N / interleaved::kGroup * interleaved::kGroup;
   interleaved::linear_groups(typename RowsOf<T>::type{}, x, M, K, w, whole / interleaved::kGroup,
                              interleaved::kGroup * row_bytes, K / T::kElements, bias, y, N);
-  if (whole == N) return;
-  std::vector<float> rest(M * (N - whole));
-  linear_int8<T>(x, M, K, w + whole * row_bytes, N - whole, bias ? bias + whole : nullptr, rest.data());
-  for (int64_t m = 0; m < M; ++m)
-    std::copy(rest.begin() + m * (N - whole), rest.begin() + (m + 1) * (N - whole), y + m * N + whole);
+  interleaved::rows_after_groups(M, N, y, [&](int64_t first, int64_t count, float* out) {
+    linear_int8<T>(x, M, K, w + first * row_bytes, count, bias ? bias + first : nullptr, out);
+  });
 }
 #endif
 

@@ -58,7 +58,17 @@ struct Q6_KRows {   // ql (vector k: bytes 4 k ..), qh (likewise), scales (sub-b
 };
 
 // The GGUF block types with an interleaved layout (lmport.weights.interleaved.SEGMENTS).
-inline std::vector<std::string> type_names() { return {"q5_0", "q4_k", "q6_k"}; }
+inline const std::vector<std::string>& type_names() {
+  static const std::vector<std::string> names{"q5_0", "q4_k", "q6_k"};
+  return names;
+}
+
+// Whether this build has the kernels that read interleaved rows (AVX-512 VNNI's).
+#ifdef LMPORT_QUANT_AVX512
+constexpr bool kKernels = true;
+#else
+constexpr bool kKernels = false;
+#endif
 
 // Row r's units of a segment of ``length`` bytes (UNIT bytes each) from its vectors ``c``, to ``out``.
 template <int UNIT>
@@ -157,6 +167,12 @@ inline void dot4(__m512i codes, const BlockCodes* const* x, int64_t k, __m512i* 
   for (int m = 0; m < MT; ++m) dot4(codes, *x[m], k, hi[m], lo[m]);
 }
 
+template <int T, int MT>
+inline void clear(__m512i (&hi)[T][MT], __m512i (&lo)[T][MT]) {
+  for (int t = 0; t < T; ++t)
+    for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
+}
+
 template <int MT>
 inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
                       __m512* out) {
@@ -168,8 +184,7 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
     __m512i hi[2][MT], lo[2][MT];   // two chains each, so that the vpdpbusd chains are half as long
-    for (int t = 0; t < 2; ++t)
-      for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
+    clear(hi, lo);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
       const __m512i v = _mm512_loadu_si512(c + Q5_0Rows::kNibbles + 64 * j);
@@ -220,8 +235,7 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
     for (int m = 0; m < MT; ++m) block[m] = block_mins[m] = _mm512_setzero_ps();
     for (int q = 0; q < 4; ++q) {   // sub-blocks 2 q (low nibbles of qs bytes 32 q ..) and 2 q + 1 (high)
       __m512i hi[2][MT], lo[2][MT];
-      for (int t = 0; t < 2; ++t)
-        for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
+      clear(hi, lo);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_loadu_si512(c + Q4_KRows::kNibbles + 64 * (8 * q + j));
@@ -263,8 +277,7 @@ inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bloc
     for (int h = 0; h < 2; ++h)
       for (int half = 0; half < 2; ++half) {   // inputs 128 h + 32 t + 16 half + .., sub-block 8 h + 2 t + half
         __m512i hi[4][MT], lo[4][MT];
-        for (int t = 0; t < 4; ++t)
-          for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
+        clear(hi, lo);
 #pragma GCC unroll 4
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * half + jj;   // bytes 4 j .. of each 32-byte run of ql and of qh
@@ -321,8 +334,7 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
     const uint8_t* c = q + 64 * kVectors * b;
     prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);
     __m512i hi[2][MT], lo[2][MT];
-    for (int t = 0; t < 2; ++t)
-      for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
+    clear(hi, lo);
 #pragma GCC unroll 8
     for (int j = 0; j < kVectors; ++j) {
       const __m512i v = _mm512_loadu_si512(c + 64 * j);
@@ -380,6 +392,17 @@ inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const 
       }
     }
   });
+}
+
+// The rows of y [M, N] after the weight's last whole group: ``rows(first, count, out)`` computes them into
+// out [M, count] by a row-by-row path, copied into their columns.
+template <class Rows>
+inline void rows_after_groups(int64_t M, int64_t N, float* y, Rows rows) {
+  const int64_t whole = N / kGroup * kGroup, count = N - whole;
+  if (count == 0) return;
+  std::vector<float> out(M * count);
+  rows(whole, count, out.data());
+  for (int64_t m = 0; m < M; ++m) std::copy(out.begin() + m * count, out.begin() + (m + 1) * count, y + m * N + whole);
 }
 #endif
 

@@ -423,17 +423,13 @@ inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t*
 // Rows interleaved in groups of 16 (``row_group``, lmport.weights.interleaved) where this build reads them
 // so: with AVX-512 VNNI.
 inline std::vector<int64_t> quant_interleaved_bits() {
-#ifdef LMPORT_QUANT_AVX512
-  return {4, 8};
-#else
-  return {};
-#endif
+  return interleaved::kKernels ? std::vector<int64_t>{4, 8} : std::vector<int64_t>{};
 }
 
 inline void check_row_group(int64_t row_group) {
-  TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && !quant_interleaved_bits().empty()),
+  TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && interleaved::kKernels),
               "quant: rows interleaved in groups of ", row_group, ": this build reads ",
-              quant_interleaved_bits().empty() ? "none (no AVX-512 VNNI)" : "groups of 16",
+              interleaved::kKernels ? "groups of 16" : "none (no AVX-512 VNNI)",
               " (lmport.weights.interleaved.file_layout gives the rows back in order)");
 }
 
@@ -483,12 +479,7 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     };
     if (bits == 4) groups(interleaved::QuantRows<4>{sp, mp, K, group_size});
     else groups(interleaved::QuantRows<8>{sp, mp, K, group_size});
-    if (whole < N) {
-      std::vector<float> rest(M * (N - whole));
-      int8_path(whole, N - whole, rest.data());
-      for (int64_t m = 0; m < M; ++m)
-        std::copy(rest.begin() + m * (N - whole), rest.begin() + (m + 1) * (N - whole), yp + m * N + whole);
-    }
+    interleaved::rows_after_groups(M, N, yp, int8_path);
     return y;
   }
 #endif
