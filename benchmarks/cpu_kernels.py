@@ -28,7 +28,8 @@ from memory as in a real step; the best of five passes is kept.
 - held: each format the backend holds a model's linears in another layout (rows interleaved in groups of
   16: int4, int8, Q5_0, Q4_K, Q6_K where the build has AVX-512 VNNI) against the same weight with its rows
   in order, at the model's gate/up and down shapes, for 1, 8, 16, 64 and 128 rows of x (a decode step's
-  rows), 16 weights a pass, the layouts alternating.
+  rows) and 256 and 512 (a prefill's: held, the integer kernels; in order, the weight expanded to float32
+  for the GEMM), 16 weights a pass, the layouts alternating.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
@@ -219,7 +220,7 @@ def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
 
 def held_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     """Each held format's kernel against the same weight with its rows in order, at one gate/up and one down
-    shape of the model, 1 to 128 rows of x: 16 weights a pass, the two layouts alternating pass by pass."""
+    shape of the model, 1 to 512 rows of x: 16 weights a pass, the two layouts alternating pass by pass."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     rows = []
     for fmt in ("q5_0", "q4_k", "q6_k", "int4", "int8"):
@@ -241,7 +242,7 @@ def held_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
             if held[0].row_group == 1:
                 continue
             run = backend.ggml_linear if fmt in BLOCK_TYPES else backend.quant_linear
-            for tokens in (1, 8, 16, 64, 128):
+            for tokens in (1, 8, 16, 64, 128, 256, 512):
                 x = torch.randn(tokens, k, generator=gen)
                 ours, peer = best_passes([lambda: [run(x, w) for w in held], lambda: [run(x, w) for w in weights]])
                 rows.append({"kernel": "held", "case": f"{fmt} {n} x {k}, {tokens} tokens", "ms": ours * 1e3,

@@ -16,7 +16,7 @@ Up to ``quant_int8_rows()`` rows of x (AVX-512 VNNI), the types the kernel lists
 one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the
 reference's own result at x so rounded. Each case runs again with the weight as the backend holds a
 model's linears where that differs from the file's layout (cpu with AVX-512 VNNI: Q5_0, Q4_K and Q6_K rows
-interleaved in groups of 16), whose kernel holds x as two int8 codes for every step up to 128 rows.
+interleaved in groups of 16), whose kernel holds x as two int8 codes for every step, a prefill's too.
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
     for b in (None, bias):
         got = ggml_backend.ggml_linear(x.to(ggml_backend.device), weight, None if b is None else b.to(x.device))
         want = ops.ggml_linear(x, weight, b)
-        # rows interleaved: every step the kernel takes (up to 128 rows, not a prefill) holds x as two int8 codes
-        interleaved = weight.row_group != 1 and not shape.startswith("prefill")
+        # rows interleaved: every step the kernel takes (a prefill's too) holds x as two int8 codes
+        interleaved = weight.row_group != 1
         int8_path = interleaved or (SHAPES[shape] <= int8_rows() and type_name in int8_types())
         rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
         bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
@@ -130,14 +130,15 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
 @pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
 def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
     """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit.
-    Rows interleaved as the backend holds them: so for every step up to 128 rows (a batched decode)."""
+    Rows interleaved as the backend holds them: so for every step, a batched decode or a prefill (259 rows:
+    more than one of the kernel's chunks of rows at these inputs)."""
     if type_name not in int8_types() or int8_rows() < 2:
         pytest.skip("this build runs no few-row int8 path (no AVX-512 VNNI)")
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=8)
     rows = int8_rows()
     if layout == "held":
-        weight, rows = CpuBackend().hold_quantized(weight, torch.float32), SMALL_BATCH_TOKENS
+        weight, rows = CpuBackend().hold_quantized(weight, torch.float32), 2 * SMALL_BATCH_TOKENS + 3
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(9))
     call = kernels.load().ggml_linear
     together = call(x, weight.blocks, type_name, weight.in_features, None, weight.row_group)

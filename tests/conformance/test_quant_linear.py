@@ -96,8 +96,8 @@ def native_backend(backend_name, backend_class, record_property) -> Backend:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, layout):
     """``held``: the weight as the backend holds a model's linears where that differs (cpu with AVX-512 VNNI:
-    rows interleaved in groups of 16, 6 groups and 3 rows after them, x as two int8 codes for every step up
-    to 128 rows)."""
+    rows interleaved in groups of 16, 6 groups and 3 rows after them, x as two int8 codes for every step, a
+    prefill's too)."""
     if group not in native_backend.capabilities.weight_group_sizes:
         pytest.skip(f"group {group} not declared")
     name = native_backend.capabilities.device_type
@@ -118,7 +118,7 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, 
         want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
         if name == "cpu":
             w = ops.dequantize(weight)
-            interleaved = weight.row_group != 1 and not shape.startswith("prefill")
+            interleaved = weight.row_group != 1
             int8_path = interleaved or SHAPES[shape] <= int8_rows()
             rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
             bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
@@ -216,14 +216,15 @@ def test_cpu_dequantize_kernel_is_the_reference():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_cpu_held_rows_are_each_rows_own_result_for_every_decode_step(bits):
+def test_cpu_held_rows_are_each_rows_own_result_for_every_step(bits):
     """Rows interleaved as the backend holds them: each row of x's result is the one it has alone, bit for
-    bit, for every step up to 128 rows (a batched decode does not change a sequence's logits)."""
+    bit, for every step (a batched decode does not change a sequence's logits), a prefill's too (259 rows:
+    more than one of the kernel's chunks of rows at these inputs)."""
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
     weight = CpuBackend().hold_quantized(random_weight(bits, 32, n=99, k=288, seed=6), torch.float32)
     if weight.row_group == 1:
         pytest.skip("this build holds the rows in order (no AVX-512 VNNI)")
-    x = torch.randn(SMALL_BATCH_TOKENS, weight.in_features, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(2 * SMALL_BATCH_TOKENS + 3, weight.in_features, generator=torch.Generator().manual_seed(7))
 
     def call(rows_of_x: torch.Tensor) -> torch.Tensor:
         return kernels.load().quant_linear(rows_of_x, weight.qweight, weight.scales, weight.mins, bits, 32, None, 16)

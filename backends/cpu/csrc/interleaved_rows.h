@@ -363,6 +363,8 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
 // Rows of x a kernel takes at once: as many as keep its sums in registers (Q6_K has twice the others').
 template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 2 : 4;
 
+constexpr int64_t kCodeBytesInCache = 128 * 1024;
+
 // y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them,
 // ``group_bytes`` apart from ``w``; ``layout`` a kernel's type, or QuantRows with the int4 / int8
 // format's scales and mins): each group against the rows of x, kRowsAtOnce at a time.
@@ -374,21 +376,28 @@ inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const 
   std::vector<const BlockCodes*> rows;
   for (const auto& a : xs) rows.push_back(&a);
   constexpr int kAtOnce = kRowsAtOnce<L>;
+  // A prefill's rows go a chunk at a time whose codes (2 bytes an input) stay in L2 while they meet every
+  // group of the thread; a decode step's are one chunk.
+  const int64_t chunk = std::max<int64_t>(kAtOnce, kCodeBytesInCache / (2 * K) / kAtOnce * kAtOnce);
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const L at = layout.group(g);
-      const uint8_t* group = w + g * group_bytes;
-      const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
-      __m512 out[kAtOnce];
-      for (int64_t m = 0; m < M;) {
-        const uint8_t* next = m == 0 && g + 1 < end ? group + group_bytes : nullptr;
-        const int64_t n = std::min<int64_t>(kAtOnce, M - m);
-        if (n == kAtOnce) dot_group<kAtOnce>(at, group, blocks, rows.data() + m, next, out);
-        else if (n >= 2) dot_group<2>(at, group, blocks, rows.data() + m, next, out);
-        else dot_group<1>(at, group, blocks, rows.data() + m, next, out);
-        const int64_t done = n == kAtOnce ? n : n >= 2 ? 2 : 1;
-        for (int64_t r = 0; r < done; ++r) _mm512_storeu_ps(y + (m + r) * y_stride + kGroup * g, _mm512_add_ps(out[r], b));
-        m += done;
+    for (int64_t first = 0; first < M; first += chunk) {
+      const int64_t last = std::min(M, first + chunk);
+      for (int64_t g = begin; g < end; ++g) {
+        const L at = layout.group(g);
+        const uint8_t* group = w + g * group_bytes;
+        const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
+        __m512 out[kAtOnce];
+        for (int64_t m = first; m < last;) {
+          const uint8_t* next = m == first && g + 1 < end ? group + group_bytes : nullptr;
+          const int64_t n = std::min<int64_t>(kAtOnce, last - m);
+          if (n == kAtOnce) dot_group<kAtOnce>(at, group, blocks, rows.data() + m, next, out);
+          else if (n >= 2) dot_group<2>(at, group, blocks, rows.data() + m, next, out);
+          else dot_group<1>(at, group, blocks, rows.data() + m, next, out);
+          const int64_t done = n == kAtOnce ? n : n >= 2 ? 2 : 1;
+          for (int64_t r = 0; r < done; ++r)
+            _mm512_storeu_ps(y + (m + r) * y_stride + kGroup * g, _mm512_add_ps(out[r], b));
+          m += done;
+        }
       }
     }
   });
