@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from lmport import ops
 from lmport.backends.cpu import CpuBackend, kernels
 from lmport.kv.layout import KVLayout
+from lmport.weights import tensors
 from lmport.weights.format import from_codes
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
 from machine import write_result
@@ -237,7 +238,7 @@ def held_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
                                       torch.rand(n, k // 32, generator=gen) * 0.01,
                                       torch.rand(n, k // 32, generator=gen) * 0.01, bits, 32) for _ in range(16)]
             # hold_quantized may relay in place: it gets copies, the rows in order stay for the peer
-            copies = [dataclasses.replace(w, **{f: getattr(w, f).clone() for f in tensor_fields(w)}) for w in weights]
+            copies = [dataclasses.replace(w, **{name: t.clone() for name, t in tensors(w).items()}) for w in weights]
             held = [backend.hold_quantized(w, torch.float32) for w in copies]
             if held[0].row_group == 1:
                 continue
@@ -249,10 +250,6 @@ def held_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
                              "peer": "rows in order", "peer_ms": peer * 1e3, "speedup": peer / ours,
                              "max_abs_diff": (run(x, held[0]) - run(x, weights[0])).abs().max().item()})
     return rows
-
-
-def tensor_fields(weight) -> list[str]:
-    return [f.name for f in dataclasses.fields(weight) if isinstance(getattr(weight, f.name), torch.Tensor)]
 
 
 def attention_rows(cfg, backend: CpuBackend, gen) -> list[dict]:

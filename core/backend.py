@@ -178,6 +178,15 @@ class Backend:
         """x @ dequantize(weight)^T (+ bias) for a weight held in its GGUF blocks."""
         return ops.ggml_linear(x, weight, bias)
 
+    def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of an embedding table in the internal quantized format, as ``dtype``
+        [*ids.shape, in_features]; the table in any layout ``hold_quantized`` gave it (a tied LM head's)."""
+        return ops.quant_embedding(ids, weight, dtype)
+
+    def ggml_embedding(self, ids: torch.Tensor, weight: ops.GGMLWeight, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of an embedding table held in its GGUF blocks, as ``quant_embedding``."""
+        return ops.ggml_embedding(ids, weight, dtype)
+
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
                        dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
         """A linear's quantized weight (int4 / int8, or GGUF blocks) in the layout this backend's kernels read

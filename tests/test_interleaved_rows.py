@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent / "conformance"))
 from ggml_cases import copied, random_blocks  # noqa: E402
 
 from lmport import ops  # noqa: E402
-from lmport.weights.interleaved import GROUP, SEGMENTS, file_layout, interleave  # noqa: E402
+from lmport.weights.interleaved import GROUP, SEGMENTS, file_layout, file_rows, interleave  # noqa: E402
 
 
 @pytest.mark.parametrize("rows", [16, 35, 48])
@@ -48,7 +48,7 @@ def test_int4_and_int8_weights_interleave_and_come_back(bits, rows):
     back = file_layout(held)
     assert all(torch.equal(getattr(back, f), getattr(weight, f)) for f in ("qweight", "scales", "mins"))
     assert torch.equal(ops.dequantize(held), ops.dequantize(weight))
-    with pytest.raises(ValueError, match="interleaved in groups of 16: take them from its file layout"):
+    with pytest.raises(ValueError, match="groups of 16: take them with lmport.weights.interleaved.file_rows"):
         held.rows(torch.tensor([0]))
 
 
@@ -108,8 +108,52 @@ def test_interleaved_rows_refuse_what_needs_the_files_rows():
     held = interleave(random_blocks("q5_0", 32, 64))
     with pytest.raises(ValueError, match="interleaved already"):
         interleave(held)
-    with pytest.raises(ValueError, match="interleaved in groups of 16: take them from its file layout"):
+    with pytest.raises(ValueError, match="groups of 16: take them with lmport.weights.interleaved.file_rows"):
         held.rows(torch.tensor([0]))
+
+
+def int_weight(bits: int, rows: int, seed: int = 0):
+    from lmport.weights.format import from_codes
+    g = torch.Generator().manual_seed(seed)
+    low, high = (0, 16) if bits == 4 else (-128, 128)
+    return from_codes(torch.randint(low, high, (rows, 128), generator=g), torch.rand(rows, 4, generator=g),
+                      torch.rand(rows, 4, generator=g), bits, 32)
+
+
+# Rows of whole groups (first, last lanes), past the last whole group, repeated, out of order.
+LOOKUP = torch.tensor([[0, 15, 16, 17, 3], [111, 112, 116, 3, 50]])
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", *sorted(SEGMENTS)])
+def test_file_rows_are_the_files_rows(kind):
+    """An embedding lookup in an interleaved table reads each row out of its group: the file's rows."""
+    weight = int_weight(int(kind[3:]), 117) if kind.startswith("int") else random_blocks(kind, 117, 512)
+    got, want = file_rows(interleave(weight), LOOKUP.reshape(-1)), weight.rows(LOOKUP.reshape(-1))
+    assert got.row_group == 1
+    assert all(torch.equal(getattr(got, f.name), getattr(want, f.name)) for f in dataclasses.fields(want)
+               if isinstance(getattr(want, f.name), torch.Tensor))
+
+
+@pytest.mark.parametrize("layout", ["file", "held"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "q5_0", "q4_k", "q6_k", "q2_k", "iq4_xs"])
+def test_the_cpu_backends_embedding_is_the_reference(kind, layout):
+    """The cpu backend's lookup (its dequantize kernel over the rows asked for) against the reference op, rows
+    in order and as the backend holds a tied LM head's table."""
+    from lmport.backends.cpu import CpuBackend
+    backend = CpuBackend()
+    weight = int_weight(int(kind[3:]), 117) if kind.startswith("int") else random_blocks(kind, 117, 512)
+    held = backend.hold_quantized(copied(weight), torch.float32) if layout == "held" else weight
+    if layout == "held" and held.row_group == 1:
+        pytest.skip(f"the cpu backend holds {kind} as it is")
+    lookup, reference = ((backend.quant_embedding, ops.quant_embedding) if kind.startswith("int")
+                         else (backend.ggml_embedding, ops.ggml_embedding))
+    got, want = lookup(LOOKUP, held, torch.float32), reference(LOOKUP, weight, torch.float32)
+    if kind.startswith("int"):   # as test_cpu_dequantize_kernel_is_the_reference
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(got, want)
+    assert got.shape == (*LOOKUP.shape, weight.in_features)
+    assert torch.equal(reference(LOOKUP, held, torch.float32), want)   # the reference over any layout
 
 
 def test_the_cpu_backend_holds_only_what_its_kernels_read_interleaved():

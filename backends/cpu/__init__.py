@@ -94,6 +94,23 @@ class CpuBackend(Backend):
             y = prefill_gemm(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
 
+    def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        compiled = kernels.load() if dtype == torch.float32 else None
+        if compiled is None or not kernels.dequantize_takes_rows(compiled):
+            return super().quant_embedding(ids, weight, dtype)
+        rows = compiled.quant_dequantize(weight.qweight, weight.scales, weight.mins, weight.bits, weight.group_size,
+                                         rows=ids.reshape(-1), **kernels.row_group_args(weight))
+        return rows.view(*ids.shape, weight.in_features)
+
+    def ggml_embedding(self, ids: torch.Tensor, weight: ops.GGMLWeight, dtype: torch.dtype) -> torch.Tensor:
+        compiled = kernels.load() if dtype == torch.float32 else None
+        if (compiled is None or weight.type_name not in self.capabilities.ggml_types
+                or not kernels.dequantize_takes_rows(compiled)):
+            return super().ggml_embedding(ids, weight, dtype)
+        rows = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features, rows=ids.reshape(-1),
+                                        **kernels.row_group_args(weight))
+        return rows.view(*ids.shape, weight.in_features)
+
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
                        dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
         """Rows interleaved in groups of 16 for the formats the kernels' decode reads so

@@ -51,6 +51,13 @@ def row_group_args(weight) -> dict[str, int]:
     return {} if weight.row_group == 1 else {"row_group": weight.row_group}
 
 
+@functools.cache
+def dequantize_takes_rows(compiled) -> bool:
+    """Whether a build's dequantize kernels take ``rows`` (an embedding lookup's): a build from before them (an
+    older commit's, benchmarks/decode_profile.py --kernels) leaves lookups to the reference ops."""
+    return "rows" in (compiled.quant_dequantize.__doc__ or "")
+
+
 def attention_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from lmport import ops
 from lmport.backend import Backend
+from lmport.weights import tensors
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
 from lmport.weights.residency import page_out
@@ -78,36 +79,40 @@ class GGMLLinear(_Linear[GGMLWeight]):
 
 
 class _Embedding(HoldsWeight[W]):
-    def __init__(self, weight: W, dtype: torch.dtype):
+    def __init__(self, weight: W, dtype: torch.dtype, backend: Backend):
         super().__init__(weight)
         self.dtype = dtype
+        self.backend = backend
 
 
 class QuantEmbedding(_Embedding[QuantizedWeight]):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ops.quant_embedding(ids, self.quantized, self.dtype)
+        return self.backend.quant_embedding(ids, self.quantized, self.dtype)
 
 
 class GGMLEmbedding(_Embedding[GGMLWeight]):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ops.ggml_embedding(ids, self.quantized, self.dtype)
+        return self.backend.ggml_embedding(ids, self.quantized, self.dtype)
 
 
 def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> None:
     """Each quantized linear's weight in the layout the backend's kernels read it in
-    (``Backend.hold_quantized``), the pages under what it relaid handed back. An embedding's weight, and a
-    tied LM head's that shares it, stays as it is: a lookup reads rows of it."""
-    embedded = {_codes(m.quantized).data_ptr() for m in model.modules() if isinstance(m, _Embedding)}
+    (``Backend.hold_quantized``), the pages under what it relaid handed back. The embedding of a tied LM
+    head holds the head's weight as held (its lookup takes rows from any layout:
+    lmport.weights.interleaved.file_rows); an embedding of its own stays as it is."""
+    embeddings = [m for m in model.modules() if isinstance(m, _Embedding)]
     for module in model.modules():
-        if not isinstance(module, _Linear) or _codes(module.quantized).data_ptr() in embedded:
+        if not isinstance(module, _Linear):
             continue
         old = module.quantized
-        before = [t for f in dataclasses.fields(old) if isinstance(t := getattr(old, f.name), torch.Tensor)]
+        before = list(tensors(old).values())
         held = backend.hold_quantized(old, dtype)
         if held is not old:
             module.hold(held)
-            kept = {getattr(held, f.name).data_ptr() for f in dataclasses.fields(held)
-                    if isinstance(getattr(held, f.name), torch.Tensor)}
+            for embedding in embeddings:
+                if _codes(embedding.quantized).data_ptr() == _codes(old).data_ptr():
+                    embedding.hold(held)
+            kept = {t.data_ptr() for t in tensors(held).values()}
             page_out([t for t in before if t.data_ptr() not in kept])   # what was copied, not what was relaid
 
 
@@ -124,9 +129,7 @@ def quantized_linear(backend: Backend, x: torch.Tensor, weight: QuantizedWeight 
 
 def row_range(weight: W, start: int, stop: int) -> W:
     """The output rows [start, stop) of a quantized weight, as views of its tensors (no copy)."""
-    return dataclasses.replace(weight, **{f.name: getattr(weight, f.name)[start:stop]
-                                          for f in dataclasses.fields(weight)
-                                          if isinstance(getattr(weight, f.name), torch.Tensor)})
+    return dataclasses.replace(weight, **{name: t[start:stop] for name, t in tensors(weight).items()})
 
 
 # The names a loader hands a mixture-of-experts block's quantized experts under ("<block>.experts.gate_proj").
@@ -215,7 +218,7 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight]
                              f"but the model config makes it {list(want)}")
         blocks = isinstance(weight, GGMLWeight)
         if isinstance(old, nn.Embedding):
-            new = GGMLEmbedding(weight, dtype) if blocks else QuantEmbedding(weight, dtype)
+            new = GGMLEmbedding(weight, dtype, backend) if blocks else QuantEmbedding(weight, dtype, backend)
         else:
             bias = floats.get(f"{module_name}.bias")   # also loaded by name with the other floats
             bias = None if bias is None else bias.to(dtype)

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from lmport.weights.ggml import GGMLWeight
-from lmport.weights.interleaved import file_layout
+from lmport.weights.interleaved import file_layout, file_rows
 
 
 def dequantize_ggml(weight: GGMLWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -26,4 +26,4 @@ def ggml_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None =
 
 def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` of a GGUF block embedding table; only the gathered rows are dequantized."""
-    return dequantize_ggml(weight.rows(ids.reshape(-1)), dtype).reshape(*ids.shape, weight.in_features)
+    return dequantize_ggml(file_rows(weight, ids.reshape(-1)), dtype).reshape(*ids.shape, weight.in_features)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from lmport.weights.format import QuantizedWeight, unpack_int4
-from lmport.weights.interleaved import file_layout
+from lmport.weights.interleaved import file_layout, file_rows
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -24,4 +24,4 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
 
 def quant_embedding(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` of a quantized embedding table; only the gathered rows are dequantized."""
-    return dequantize(weight.rows(ids.reshape(-1)), dtype).reshape(*ids.shape, weight.in_features)
+    return dequantize(file_rows(weight, ids.reshape(-1)), dtype).reshape(*ids.shape, weight.in_features)

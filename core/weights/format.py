@@ -50,7 +50,7 @@ class QuantizedWeight:
         """The weight of the output rows ``index`` (an embedding lookup's rows)."""
         if self.row_group != 1:
             raise ValueError(f"rows of an int{self.bits} weight interleaved in groups of {self.row_group}: take them "
-                             "from its file layout (lmport.weights.interleaved.file_layout)")
+                             "with lmport.weights.interleaved.file_rows")
         return QuantizedWeight(self.qweight[index], self.scales[index], self.mins[index], self.bits, self.group_size,
                                self.zero_mins)
 

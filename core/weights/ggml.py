@@ -51,7 +51,7 @@ class GGMLWeight:
         """The weight of the output rows ``index`` (an embedding lookup's rows, a q/k row permutation)."""
         if self.row_group != 1:
             raise ValueError(f"rows of a {self.type_name} weight interleaved in groups of {self.row_group}: "
-                             "take them from its file layout (lmport.weights.interleaved.file_layout)")
+                             "take them with lmport.weights.interleaved.file_rows")
         return GGMLWeight(self.blocks[index], self.type_name, self.in_features)
 
     def check(self, name: str = "weight") -> GGMLWeight:

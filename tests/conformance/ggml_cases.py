@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from lmport.weights import tensors
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
 
 # Byte offsets of each block's float16 fields (llama.cpp's ggml-common.h).
@@ -37,5 +38,4 @@ def random_blocks(type_name: str, out_features: int, in_features: int, seed: int
 def copied(weight):
     """A quantized weight with its own copies of the tensors: what a backend's hold_quantized may relay in
     place is then not the original, which a test still reads."""
-    return dataclasses.replace(weight, **{f.name: getattr(weight, f.name).clone() for f in dataclasses.fields(weight)
-                                          if isinstance(getattr(weight, f.name), torch.Tensor)})
+    return dataclasses.replace(weight, **{name: t.clone() for name, t in tensors(weight).items()})

@@ -36,6 +36,7 @@
 #include "linear.h"
 #include "quant_linear.h"   // defines LMPORT_QUANT_AVX512 where the CPU has AVX-512 VNNI, before:
 #include "interleaved_rows.h"
+#include "row_index.h"
 
 namespace lmport {
 
@@ -818,24 +819,28 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
   return y;
 }
 
+// W in float32; with ``rows`` (int64 indices) only those rows, in that order (an embedding lookup).
 inline torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& type, int64_t in_features,
-                                     int64_t row_group) {
+                                     int64_t row_group, c10::optional<torch::Tensor> rows = c10::nullopt) {
   using namespace ggml_detail;
   const int64_t K = checked_inputs(blocks, type, in_features), N = blocks.size(0);
   check_row_group(type, row_group);
   blocks = blocks.contiguous();
-  auto out = torch::empty({N, K}, blocks.options().dtype(torch::kFloat));
+  const torch::Tensor picked = checked_rows(rows, N, "ggml_dequantize");
+  const int64_t* index = rows ? picked.data_ptr<int64_t>() : nullptr;
+  const int64_t count = rows ? picked.numel() : N;
+  auto out = torch::empty({count, K}, blocks.options().dtype(torch::kFloat));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   with_type(type, [&](auto t) {
     using T = decltype(t);
     const int64_t row_bytes = K / T::kElements * T::kBytes;
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
       RowBuffer buf(K);
       std::vector<uint8_t> scratch(row_bytes);
-      for (int64_t n = begin; n < end; ++n) {
-        decode_row<T>(file_row<T>(w, N, row_bytes, row_group, n, scratch.data()), K, buf);
-        expand_row<T>(buf, K, op + n * K);
+      for (int64_t i = begin; i < end; ++i) {
+        decode_row<T>(file_row<T>(w, N, row_bytes, row_group, index ? index[i] : i, scratch.data()), K, buf);
+        expand_row<T>(buf, K, op + i * K);
       }
     });
   });

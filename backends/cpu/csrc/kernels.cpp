@@ -33,16 +33,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("group_size"), py::arg("bias") = py::none(), py::arg("row_group") = 1);
   m.def("quant_int8_rows", &lmport::quant_int8_rows, "rows of x up to which quant_linear holds x as two int8 codes (0: none)");
-  m.def("quant_dequantize", &lmport::quant_dequantize, "W in lmport's int4/int8 format -> float32",
+  m.def("quant_dequantize", &lmport::quant_dequantize, "W in lmport's int4/int8 format -> float32 (rows: only those, in that order)",
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group_size"),
-        py::arg("row_group") = 1);
+        py::arg("row_group") = 1, py::arg("rows") = py::none());
   m.def("quant_interleaved_bits", &lmport::quant_interleaved_bits,
         "the int4/int8 widths quant_linear and quant_dequantize read with rows interleaved in groups of 16");
   m.def("ggml_linear", &lmport::ggml_linear, "x W^T (+ b), W in GGUF blocks of the named type, x float32 rows",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::arg("row_group") = 1);
-  m.def("ggml_dequantize", &lmport::ggml_dequantize, "W in GGUF blocks of the named type -> float32",
-        py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("row_group") = 1);
+  m.def("ggml_dequantize", &lmport::ggml_dequantize, "W in GGUF blocks of the named type -> float32 (rows: only those, in that order)",
+        py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("row_group") = 1,
+        py::arg("rows") = py::none());
   m.def("ggml_types", &lmport::ggml_kernel_types, "the GGUF block types ggml_linear runs");
   m.def("ggml_interleaved_types", &lmport::ggml_interleaved_types,
         "the GGUF block types ggml_linear and ggml_dequantize read with rows interleaved in groups of 16");

@@ -28,6 +28,7 @@
 #include "int8_rows.h"   // the path for up to kInt8Rows rows of x in int8 arithmetic
 #endif
 #include "interleaved_rows.h"   // rows interleaved in groups of 16 (with AVX-512 VNNI)
+#include "row_index.h"
 
 namespace lmport {
 
@@ -523,8 +524,10 @@ inline int64_t quant_int8_rows() {
 #endif
 }
 
+// W in float32; with ``rows`` (int64 indices) only those rows, in that order (an embedding lookup).
 inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                                      int64_t group_size, int64_t row_group = 1) {
+                                      int64_t group_size, int64_t row_group = 1,
+                                      c10::optional<torch::Tensor> rows = c10::nullopt) {
   using namespace quant_detail;
   check_quantized(qweight, scales, mins, bits, group_size);
   check_row_group(row_group);
@@ -533,18 +536,23 @@ inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scale
   mins = mins.contiguous();
   const int64_t N = qweight.size(0), K = qweight.size(1) * 8 / bits, groups = K / group_size;
   const int64_t row_bytes = K * bits / 8;
-  auto out = torch::empty({N, K}, scales.options().dtype(torch::kFloat));
+  const torch::Tensor picked = checked_rows(rows, N, "quant_dequantize");
+  const int64_t* index = rows ? picked.data_ptr<int64_t>() : nullptr;
+  const int64_t count = rows ? picked.numel() : N;
+  auto out = torch::empty({count, K}, scales.options().dtype(torch::kFloat));
   const uint8_t* w = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
   const int64_t whole = row_group == 1 ? 0 : N / interleaved::kGroup * interleaved::kGroup;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> row(row_bytes);
     std::vector<at::Half> row_scales(groups), row_mins(groups);
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = index ? index[i] : i;
+      float* out_row = op + i * K;
       if (n >= whole) {
-        dequantize_row(w + n * row_bytes, sp + n * groups, mp + n * groups, K, group_size, bits, op + n * K);
+        dequantize_row(w + n * row_bytes, sp + n * groups, mp + n * groups, K, group_size, bits, out_row);
         continue;
       }
       // an interleaved row back in order: its units out of its group's vectors
@@ -555,7 +563,7 @@ inline torch::Tensor quant_dequantize(torch::Tensor qweight, torch::Tensor scale
                                    reinterpret_cast<uint8_t*>(row_scales.data()));
       interleaved::unpack_units<2>(reinterpret_cast<const uint8_t*>(mp + first * groups), r, static_cast<int>(2 * groups),
                                    reinterpret_cast<uint8_t*>(row_mins.data()));
-      dequantize_row(row.data(), row_scales.data(), row_mins.data(), K, group_size, bits, op + n * K);
+      dequantize_row(row.data(), row_scales.data(), row_mins.data(), K, group_size, bits, out_row);
     }
   });
   return out;
