@@ -167,6 +167,16 @@ inline void dot4(__m512i codes, const BlockCodes* const* x, int64_t k, __m512i* 
   for (int m = 0; m < MT; ++m) dot4(codes, *x[m], k, hi[m], lo[m]);
 }
 
+// Chains of vpdpbusd sums a row of x keeps (then added): two for one or two rows, so that each chain is half
+// as long; more rows give enough chains of their own. Integer sums: the result is the same either way.
+template <int MT> constexpr int kChains = MT <= 2 ? 2 : 1;
+
+template <int C, int MT>
+inline __m512i chained(const __m512i (&sums)[C][MT], int m) {
+  if constexpr (C == 2) return _mm512_add_epi32(sums[0][m], sums[1][m]);
+  else return sums[0][m];
+}
+
 template <int T, int MT>
 inline void clear(__m512i (&hi)[T][MT], __m512i (&lo)[T][MT]) {
   for (int t = 0; t < T; ++t)
@@ -183,7 +193,8 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
-    __m512i hi[2][MT], lo[2][MT];   // two chains each, so that the vpdpbusd chains are half as long
+    constexpr int C = kChains<MT>;
+    __m512i hi[C][MT], lo[C][MT];
     clear(hi, lo);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
@@ -194,13 +205,13 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
       __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       low = _mm512_mask_add_epi8(low, _cvtu64_mask64(first), low, sixteen);
       high = _mm512_mask_add_epi8(high, _cvtu64_mask64(second), high, sixteen);
-      dot4<MT>(low, x, 32 * i + 4 * j, hi[j % 2], lo[j % 2]);
-      dot4<MT>(high, x, 32 * i + 16 + 4 * j, hi[j % 2], lo[j % 2]);
+      dot4<MT>(low, x, 32 * i + 4 * j, hi[j % C], lo[j % C]);
+      dot4<MT>(high, x, 32 * i + 16 + 4 * j, hi[j % C], lo[j % C]);
     }
     const __m512 d = halves(c);
     for (int m = 0; m < MT; ++m) {
       const __m512i sums = _mm512_sub_epi32(
-          combined(_mm512_add_epi32(hi[0][m], hi[1][m]), _mm512_add_epi32(lo[0][m], lo[1][m])),
+          combined(chained(hi, m), chained(lo, m)),
           _mm512_set1_epi32(16 * (x[m]->code_sums[2 * i] + x[m]->code_sums[2 * i + 1])));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x[m]->steps[i])), acc[m]);
     }
@@ -333,23 +344,24 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
   for (int64_t b = 0; b < w.K / 32; ++b) {
     const uint8_t* c = q + 64 * kVectors * b;
     prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);
-    __m512i hi[2][MT], lo[2][MT];
+    constexpr int C = kChains<MT>;
+    __m512i hi[C][MT], lo[C][MT];
     clear(hi, lo);
 #pragma GCC unroll 8
     for (int j = 0; j < kVectors; ++j) {
       const __m512i v = _mm512_loadu_si512(c + 64 * j);
       if constexpr (BITS == 4) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
         dot4<MT>(_mm512_and_si512(v, low4), x, 32 * b + 4 * j, hi[0], lo[0]);
-        dot4<MT>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, 32 * b + 16 + 4 * j, hi[1], lo[1]);
+        dot4<MT>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, 32 * b + 16 + 4 * j, hi[1 % C], lo[1 % C]);
       } else {
-        dot4<MT>(_mm512_xor_si512(v, flip), x, 32 * b + 4 * j, hi[j % 2], lo[j % 2]);
+        dot4<MT>(_mm512_xor_si512(v, flip), x, 32 * b + 4 * j, hi[j % C], lo[j % C]);
       }
     }
     const int64_t g = b / runs_per_group;
     const __m512 scale = halves(reinterpret_cast<const uint8_t*>(w.scales + kGroup * g));
     const __m512 min = w.mins ? halves(reinterpret_cast<const uint8_t*>(w.mins + kGroup * g)) : _mm512_setzero_ps();
     for (int m = 0; m < MT; ++m) {
-      __m512i sums = combined(_mm512_add_epi32(hi[0][m], hi[1][m]), _mm512_add_epi32(lo[0][m], lo[1][m]));
+      __m512i sums = combined(chained(hi, m), chained(lo, m));
       if constexpr (BITS == 8)
         sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * (x[m]->code_sums[2 * b] + x[m]->code_sums[2 * b + 1])));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(x[m]->steps[b])), acc[m]);
@@ -360,8 +372,19 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
   for (int m = 0; m < MT; ++m) out[m] = _mm512_add_ps(acc[m], acc_mins[m]);
 }
 
-// Rows of x a kernel takes at once: as many as keep its sums in registers (Q6_K has twice the others').
-template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 2 : 4;
+// Rows of x a kernel takes at once: as many as keep their sums in registers (Q4_K keeps two sub-blocks'
+// sums a row, Q6_K four). Five: a speculative verification's step (four proposals and the last token).
+template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 2 : std::is_same_v<L, Q4_KRows> ? 4 : 5;
+
+// Up to MT rows of x (``n`` left) through the kernel that takes as many at once as there are: how many it took.
+template <int MT, class L>
+inline int64_t dot_rows(L at, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, int64_t n,
+                        const uint8_t* next, __m512* out) {
+  if constexpr (MT > 1)
+    if (n < MT) return dot_rows<MT - 1>(at, group, blocks, x, n, next, out);
+  dot_group<MT>(at, group, blocks, x, next, out);
+  return MT;
+}
 
 constexpr int64_t kCodeBytesInCache = 128 * 1024;
 
@@ -389,11 +412,7 @@ inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const 
         __m512 out[kAtOnce];
         for (int64_t m = first; m < last;) {
           const uint8_t* next = m == first && g + 1 < end ? group + group_bytes : nullptr;
-          const int64_t n = std::min<int64_t>(kAtOnce, last - m);
-          if (n == kAtOnce) dot_group<kAtOnce>(at, group, blocks, rows.data() + m, next, out);
-          else if (n >= 2) dot_group<2>(at, group, blocks, rows.data() + m, next, out);
-          else dot_group<1>(at, group, blocks, rows.data() + m, next, out);
-          const int64_t done = n == kAtOnce ? n : n >= 2 ? 2 : 1;
+          const int64_t done = dot_rows<kAtOnce>(at, group, blocks, rows.data() + m, last - m, next, out);
           for (int64_t r = 0; r < done; ++r)
             _mm512_storeu_ps(y + (m + r) * y_stride + kGroup * g, _mm512_add_ps(out[r], b));
           m += done;
