@@ -715,19 +715,18 @@ constexpr bool kInt8 = std::is_same_v<T, Q5_0> || std::is_same_v<T, Q4_K> || std
 // Rows of x beyond kIntegerRows: tiles of weight rows expanded to float32 in cache, as quant_linear.h's
 // linear_by_tiles does.
 template <class T>
-inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_group,
-                            const float* bias, float* y) {
+inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                            float* y) {
   using linear_detail::kRows;
   const int64_t row_bytes = K / T::kElements * T::kBytes;
   at::parallel_for(0, (N + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
     RowBuffer buf(K);
-    std::vector<uint8_t> scratch(row_bytes);
     std::vector<float> tile(kRows * K);
     const float* next[kRows] = {tile.data(), tile.data(), tile.data(), tile.data()};
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * kRows, rows = std::min<int64_t>(kRows, N - n);
       for (int64_t r = 0; r < rows; ++r) {
-        decode_row<T>(file_row<T>(w, N, row_bytes, row_group, n + r, scratch.data()), K, buf);
+        decode_row<T>(w + (n + r) * row_bytes, K, buf);
         expand_row<T>(buf, K, tile.data() + r * K);
       }
       linear_detail::rows_times_x(tile.data(), rows, K, x, M, y + n, N, bias ? bias + n : nullptr, next);
@@ -806,7 +805,7 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
     }
 #endif
     if (M > kIntegerRows) {
-      linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, row_group, bp, y.data_ptr<float>());
+      linear_by_tiles<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());
 #ifdef LMPORT_QUANT_AVX512
     } else if (kInt8<T> && M <= quant512::kInt8Rows) {
       linear_int8<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());

@@ -2,14 +2,14 @@
 // documents the layout): vector lane r is row r, so a block's codes of 16 rows meet x's codes for those
 // inputs broadcast to every lane, the 16 rows' scales are one load and their results one store.
 //
-// The rows of x of a decode step (up to 128: every row each on its own, while the group's bytes stay in
-// L1) with AVX-512 VNNI, x held as two int8 codes per input as int8_rows.h holds it (hi and lo, as fine
-// as int16): vpdpbusd over the rows' unsigned codes and hi, and again over lo,
+// Every row of x of a step, a decode step's or a prefill's (each row on its own, while the group's bytes
+// stay in L1; a prefill's a chunk of rows at a time whose codes stay in L2) with AVX-512 VNNI, x held as
+// two int8 codes per input as int8_rows.h holds it (hi and lo, as fine as int16): vpdpbusd over the rows'
+// unsigned codes and hi, and again over lo,
 // gives each lane's exact int32 sums 256 hi + lo per sub-block; a type whose codes are offset (Q5_0's
 // q + 16, Q6_K's q + 32) takes the offset times x's codes summed back off. The sums are scaled in
-// float32 by the rows' scales times x's step; Q4_K's mins meet the float sums of x. A prefill, and a
-// build without AVX-512 VNNI, read each row back in the file's layout (file_row) for the row-by-row
-// kernels.
+// float32 by the rows' scales times x's step; Q4_K's mins meet the float sums of x. The dequantize
+// kernels (an embedding lookup in a tied LM head's table) read a row back in the file's layout (file_row).
 #pragma once
 
 #include <immintrin.h>
