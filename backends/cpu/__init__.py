@@ -18,7 +18,7 @@ from lmport.weights import interleaved
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS, except over quantized
 # rows held interleaved (hold_quantized), whose integer kernels run a prefill faster than a GEMM
-# over the weight expanded to float32 (benchmarks/cpu_kernels.py --only prefill).
+# over the weight expanded to float32 (benchmarks/cpu_kernels.py --only held).
 SMALL_BATCH_TOKENS = 128
 
 
