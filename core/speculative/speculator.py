@@ -50,7 +50,10 @@ class Payoff:
     SAMPLES = 8          # timed steps of a kind before a judgment
     WEIGHT = 0.2         # weight of the latest step in a rate's exponential average
     FIRST_PAUSE = 32     # decode steps without speculation after it is judged slower; doubles each time
-    MAX_PAUSE = 1024
+    # At most a sequence's own longest pause: a judgment made on one workload is not to outlive it. A
+    # sequence backs off from its own rejected proposals; a longer pause here would only keep the next
+    # answer, one that repeats its prompt, from speculating.
+    MAX_PAUSE = 64
 
     def __init__(self):
         self.rates: dict[tuple[int, bool], float] = {}    # (sequences, verified) -> tokens per second
