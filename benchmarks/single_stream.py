@@ -26,6 +26,7 @@ would then use: there, pass --llama-cmake-args "-DGGML_NATIVE=OFF -DGGML_AVX2=ON
 -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" (the flags this CPU has, without AMX).
 
 Run: python benchmarks/single_stream.py [--threads 2] [--repeats 5] [--files Q4_1,Q8_0,Q4_K_M]
+(--files also takes paths of other GGUF files, e.g. a random-weight model of another architecture's shapes)
 """
 from __future__ import annotations
 
@@ -168,7 +169,7 @@ def main() -> None:
     ap.add_argument("--llama-src", type=Path, help="build llama.cpp from this source tree instead of --llama-bin")
     ap.add_argument("--llama-cmake-args", default=NATIVE_CMAKE_ARGS,
                     help="cmake flags for --llama-src (a VM that misreports AMX: name the ISA flags, see above)")
-    ap.add_argument("--files", default=",".join(TYPES), help=f"among {', '.join(TYPES)}")
+    ap.add_argument("--files", default=",".join(TYPES), help=f"among {', '.join(TYPES)}, or paths of GGUF files")
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--paths", default=",".join(LMPORT_PATHS), help=f"lmport's kernel paths: {', '.join(LMPORT_PATHS)}")
     ap.add_argument("--threads", type=int, default=2)
@@ -193,8 +194,9 @@ def main() -> None:
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
                "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
-    for label in [f for f in args.files.split(",") if f]:
-        path = gguf_file(label, args.files_dir, bin_dir)
+    for name in [f for f in args.files.split(",") if f]:
+        path = Path(name) if name.endswith(".gguf") else gguf_file(name, args.files_dir, bin_dir)
+        label = path.name if name.endswith(".gguf") else name
         workers = {name: Worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
         rounds = []
         for _ in range(args.repeats):

@@ -48,3 +48,21 @@ def test_table_grows_to_the_largest_position_and_follows_the_dtype():
     assert table.cos.shape[0] == 601   # the position needed (more than double the 256 rows it had)
     cos, _ = table(module, torch.zeros(1, 64, dtype=torch.float64), torch.tensor([7]), 8)
     assert cos.dtype == torch.float64
+
+
+def test_gemma3_layer_types_are_looked_up_from_their_tables():
+    """Gemma 3's module keeps a rope type per layer type ({"sliding_attention": "default", ...}): each
+    kind's rows come from its own table, equal to the module's own for that kind."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+    module = Gemma3RotaryEmbedding(Gemma3TextConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
+                                                    num_hidden_layers=6, max_position_embeddings=1024))
+    assert isinstance(module.rope_type, dict)
+    x, pos = torch.zeros(1, 32), torch.tensor([700, 3, 299])
+    for kind in ("sliding_attention", "full_attention"):
+        table = RopeTable(kind)
+        got = table(module, x, pos, 701)
+        assert table.cos is not None and not rows_depend_on_length(module, kind)
+        want = module(x, pos[None], kind)
+        torch.testing.assert_close(got[0], want[0][0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1][0], rtol=0, atol=1e-6)

@@ -12,9 +12,12 @@ import torch
 from torch import nn
 
 
-def rows_depend_on_length(rotary: nn.Module) -> bool:
-    """Whether the module's cos/sin for a position change with the positions it is given."""
+def rows_depend_on_length(rotary: nn.Module, kind: str | None = None) -> bool:
+    """Whether the module's cos/sin for a position change with the positions it is given; ``kind``: the
+    layer type, where the module keeps a rope type per layer type (Gemma 3's {layer type: rope type})."""
     rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict) and kind in rope_type:
+        rope_type = rope_type[kind]
     return not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope"
 
 
@@ -37,7 +40,7 @@ class RopeTable:
     def __call__(self, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                  max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``positions`` (all below ``max_position``, a host int: no device sync)."""
-        if rows_depend_on_length(rotary):
+        if rows_depend_on_length(rotary, self.kind):
             cos, sin = self._call(rotary, x, positions[None])
             return cos[0], sin[0]
         cos, sin = self.cos, self.sin
