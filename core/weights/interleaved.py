@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import torch
 
+from lmport.weights import tensors
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
 
@@ -96,56 +97,27 @@ def file_layout(weight: W) -> W:
     """``weight`` with its rows in order, as the file lays them out (itself where they are; else new tensors)."""
     if weight.row_group == 1:
         return weight
-    _check_layout(weight)
+    if weight.row_group != GROUP or (isinstance(weight, GGMLWeight) and weight.type_name not in SEGMENTS):
+        raise ValueError(f"{_kind(weight)} rows interleaved in groups of {weight.row_group}: no such layout "
+                         f"(groups of {GROUP} of {', '.join(['int4', 'int8', *SEGMENTS])})")
     return _relaid(weight, 1, in_place=False)
 
 
 def file_rows(weight: W, index: torch.Tensor) -> W:
-    """Rows ``index`` (1-d) of ``weight`` as the file lays them out, each taken out of its group where the
-    rows are interleaved: an embedding lookup in the table of a tied LM head held so reads the groups of
-    the rows it looks up, not the table."""
+    """Rows ``index`` (1-d) of ``weight`` as the file lays them out: an embedding lookup in the table of a
+    tied LM head held interleaved puts back in order only the groups of the rows it looks up."""
     if weight.row_group == 1:
         return weight.rows(index)
-    _check_layout(weight)
-    if isinstance(weight, QuantizedWeight):
-        picked = {name: _file_rows(getattr(weight, name), index, unit=unit) for name, unit in QUANTIZED_UNITS.items()}
-    else:
-        picked = {"blocks": _file_rows(weight.blocks, index, SEGMENTS[weight.type_name], weight.block_type.nbytes)}
-    return dataclasses.replace(weight, row_group=1, **picked)
-
-
-def _check_layout(weight: GGMLWeight | QuantizedWeight) -> None:
-    if weight.row_group != GROUP or (isinstance(weight, GGMLWeight) and weight.type_name not in SEGMENTS):
-        raise ValueError(f"{_kind(weight)} rows interleaved in groups of {weight.row_group}: no such layout "
-                         f"(groups of {GROUP} of {', '.join(['int4', 'int8', *SEGMENTS])})")
-
-
-def _file_rows(t: torch.Tensor, index: torch.Tensor, segments=None, nbytes: int = 0, unit: int = 0) -> torch.Tensor:
-    """Rows ``index`` of ``t`` [rows, ...] in the file's layout, its whole groups of 16 rows interleaved as
-    blocks of ``nbytes`` made of ``segments``, or (the int4 / int8 format's tensors) as whole rows of
-    ``unit`` bytes a unit."""
-    raw = t.contiguous().reshape(-1).view(torch.uint8).reshape(t.shape[0], -1)
-    row_bytes, whole = raw.shape[1], t.shape[0] // GROUP * GROUP
-    if segments is None:
-        segments, nbytes = ((0, row_bytes, unit),), row_bytes
-    if whole == 0:
-        return t[index]
-    rows = index.clamp(max=whole - 1)   # a row past the last whole group: its own bytes replace these below
-    n, lanes = torch.arange(len(rows)), rows % GROUP
-    groups = raw[:whole].reshape(-1, row_bytes // nbytes, GROUP * nbytes)[rows // GROUP]   # [rows, blocks, 16 x block]
-    parts = []
-    for start, length, unit in segments:
-        vectors = groups[..., GROUP * start:GROUP * (start + length)]
-        if unit == NIBBLE:   # vector k (8 bytes): lane r's unit k in bits 4 r .. 4 r + 3, two units a byte
-            held = vectors.unflatten(-1, (-1, 8))[n, :, :, lanes // 2]   # [rows, blocks, units]
-            units = (held >> (4 * (lanes % 2)).to(torch.uint8)[:, None, None]) & 0xF
-            parts.append(units[..., 0::2] | (units[..., 1::2] << 4))
-        else:   # [rows, blocks, units, 16 lanes, unit] -> the row's lane
-            parts.append(vectors.unflatten(-1, (-1, GROUP, unit))[n, :, :, lanes].flatten(-2))
-    out = torch.cat(parts, -1).reshape(len(rows), row_bytes)
-    if whole < t.shape[0]:   # the rows past the last whole group are as the file lays them out
-        out = torch.where((index < whole)[:, None], out, raw[index])
-    return out.reshape(-1).view(t.dtype).reshape(len(index), *t.shape[1:])
+    whole = weight.out_features // GROUP * GROUP
+    grouped = index < whole
+    groups = torch.unique(index[grouped] // GROUP)
+    # the groups' rows (whole groups, so still interleaved), then the rows past the last whole group
+    picked = torch.cat([(groups[:, None] * GROUP + torch.arange(GROUP)).reshape(-1),
+                        torch.arange(whole, weight.out_features)])
+    in_order = file_layout(dataclasses.replace(weight, **{name: t[picked] for name, t in tensors(weight).items()}))
+    position = torch.where(grouped, torch.searchsorted(groups, index // GROUP) * GROUP + index % GROUP,
+                           len(groups) * GROUP + index - whole)
+    return in_order.rows(position)
 
 
 def _kind(weight: GGMLWeight | QuantizedWeight) -> str:
