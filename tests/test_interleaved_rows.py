@@ -165,3 +165,18 @@ def test_the_cpu_backend_holds_only_what_its_kernels_read_interleaved():
     assert backend.hold_quantized(weight, torch.bfloat16) is weight    # the kernels take float32 activations only
     assert backend.hold_quantized(random_blocks("q5_0", 15, 64), torch.float32).row_group == 1   # no whole group
     assert backend.hold_quantized(random_blocks("q2_k", 32, 256), torch.float32).row_group == 1   # no layout
+
+
+def test_the_cpu_dequantize_kernels_name_a_row_they_do_not_have():
+    """A lookup of a row past the table, or indices that are not 1-d: an error naming the row or the shape."""
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    if compiled is None or not kernels.dequantize_takes_rows(compiled):
+        pytest.skip("no cpu kernels with row lookups")
+    w, blocks = int_weight(8, 117), random_blocks("q4_k", 117, 512)
+    with pytest.raises(RuntimeError, match="quant_dequantize: row 117 of a weight with 117 rows"):
+        compiled.quant_dequantize(w.qweight, w.scales, w.mins, 8, 32, rows=torch.tensor([3, 117]))
+    with pytest.raises(RuntimeError, match="ggml_dequantize: row -1 of a weight with 117 rows"):
+        compiled.ggml_dequantize(blocks.blocks, "q4_k", 512, rows=torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="ggml_dequantize: rows must be 1-d indices"):
+        compiled.ggml_dequantize(blocks.blocks, "q4_k", 512, rows=torch.tensor([[0, 1]]))
