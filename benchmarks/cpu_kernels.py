@@ -27,9 +27,10 @@ from memory as in a real step; the best of five passes is kept.
   has it) against ``F.linear`` (MKL), interleaved passes.
 - held: each format the backend holds a model's linears in another layout (rows interleaved in groups of
   16: int4, int8, Q5_0, Q4_K, Q6_K where the build has AVX-512 VNNI) against the same weight with its rows
-  in order, at the model's gate/up and down shapes, for 1, 8, 16, 64 and 128 rows of x (a decode step's
-  rows) and 256 and 512 (a prefill's: held, the integer kernels; in order, the weight expanded to float32
-  for the GEMM), 16 weights a pass, the layouts alternating.
+  in order, at the model's gate/up and down shapes (and int8 at the LM head's, a Q8_0 file's tied table),
+  for 1, 8, 16, 64 and 128 rows of x (a decode step's rows) and 256 and 512 (a prefill's: held, the integer
+  kernels; in order, the weight expanded to float32 for the GEMM), 16 weights a pass (the LM head 2), the
+  layouts alternating.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
@@ -221,22 +222,24 @@ def gemv_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
 
 def held_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     """Each held format's kernel against the same weight with its rows in order, at one gate/up and one down
-    shape of the model, 1 to 512 rows of x: 16 weights a pass, the two layouts alternating pass by pass."""
+    shape of the model (16 weights a pass) and, int8 as a Q8_0 file's tied table, the LM head (2 a pass), 1 to
+    512 rows of x, the two layouts alternating pass by pass."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     rows = []
     for fmt in ("q5_0", "q4_k", "q6_k", "int4", "int8"):
-        for n, k in ((2 * i, h), (h, i)):
+        lm_head = ((cfg.vocab_size, h, 2),) if fmt == "int8" else ()
+        for n, k, count in ((2 * i, h, 16), (h, i, 16), *lm_head):
             if fmt in BLOCK_TYPES:
                 t = BLOCK_TYPES[fmt]
                 k = -(-k // t.elements) * t.elements
                 weights = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen,
-                                                    dtype=torch.uint8), fmt, k) for _ in range(16)]
+                                                    dtype=torch.uint8), fmt, k) for _ in range(count)]
             else:
                 bits = int(fmt[3:])
                 low, high = (0, 16) if bits == 4 else (-128, 128)
                 weights = [from_codes(torch.randint(low, high, (n, k), generator=gen),
                                       torch.rand(n, k // 32, generator=gen) * 0.01,
-                                      torch.rand(n, k // 32, generator=gen) * 0.01, bits, 32) for _ in range(16)]
+                                      torch.rand(n, k // 32, generator=gen) * 0.01, bits, 32) for _ in range(count)]
             # hold_quantized may relay in place: it gets copies, the rows in order stay for the peer
             copies = [dataclasses.replace(w, **{name: t.clone() for name, t in tensors(w).items()}) for w in weights]
             held = [backend.hold_quantized(w, torch.float32) for w in copies]
