@@ -22,10 +22,12 @@ mismatch. ``--quick`` keeps a few shapes of each kind.
     .venv/bin/python benchmarks/cuda_kernels.py                 # GPU timings
     .venv/bin/python benchmarks/cuda_kernels.py --check         # correctness of the shape set
     .venv/bin/python benchmarks/cuda_kernels.py --check --quick
+    .venv/bin/python benchmarks/cuda_kernels.py --tilings       # decode attention's tilings (GPU)
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -264,6 +266,45 @@ def run_timing(shape_list: list[Shape], dtype: torch.dtype, device: torch.device
     return rows
 
 
+TILINGS = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (64, 4, 4), (128, 8, 3)]
+
+
+def run_tilings(dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """Decode attention under each tiling (tile tokens, warps, stages; a quantized K scored from its codes or
+    dequantized), policies 0/8/4, at two serving shapes: ms, the fraction of a copy's bandwidth, and the
+    largest difference from the default tiling's output (which the conformance tests hold to the reference)."""
+    from triton.testing import do_bench
+
+    from lmport.backends.cuda import decode_attention as decode
+    copy_bw = measured_bandwidth(device)
+    rows = []
+    for batch, ctx in ((16, 4096), (256, 1024)):
+        for policy in (0, 8, 4):
+            shape = Shape("decode", batch, 1, ctx, 32, 8, 128, policy)
+            cache, meta, q, _, _ = build(shape, dtype, device)
+            attend = functools.partial(decode.decode_attention, q, cache, meta, 1 / math.sqrt(shape.head_dim))
+            base = attend()
+            for codes in ((False, True) if policy else (False,)):
+                for block_n, warps, stages in TILINGS:
+                    tiling = decode.DecodeTiling(block_n, warps, stages, codes)
+                    try:
+                        diff = (attend(tiling=tiling).float() - base.float()).abs().max().item()
+                        ms = do_bench(functools.partial(attend, tiling=tiling), warmup=10, rep=50)
+                    except Exception as exc:   # a tiling Triton cannot compile for this GPU: recorded, not fatal
+                        rows.append(dict(shape=shape.name, tiling=tiling._asdict(), error=str(exc)[:300]))
+                        print(f"| {shape.name} | {tuple(tiling)} | failed: {str(exc)[:100]} |", flush=True)
+                        continue
+                    moved, _ = work(shape, dtype)
+                    row = dict(shape=shape.name, tiling=tiling._asdict(), ms=ms, max_diff=diff,
+                               copy_fraction=moved / (ms * 1e-3) / copy_bw)
+                    rows.append(row)
+                    print(f"| {shape.name} | {tuple(tiling)} | {ms:.3f} | {100 * row['copy_fraction']:.0f}% | "
+                          f"{diff:.2g} |", flush=True)
+            del attend, base
+            torch.cuda.empty_cache()
+    return rows
+
+
 def measured_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy: a stand-in for an unknown device's peak."""
     from triton.testing import do_bench
@@ -294,6 +335,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="check the shape set (scaled down) vs the reference")
     parser.add_argument("--quick", action="store_true", help="a few shapes of each kind")
+    parser.add_argument("--tilings", action="store_true", help="decode attention under each tiling (GPU only)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     args = parser.parse_args(argv)
@@ -308,7 +350,15 @@ def main(argv=None) -> int:
     env = dict(python=platform.python_version(), torch=torch.__version__,
                device=torch.cuda.get_device_name(device) if gpu else "cpu (Triton interpreter)",
                dtype=args.dtype, mode="check" if args.check else "timing")
-    if args.check:
+    if args.tilings:
+        if not gpu:
+            print("--tilings times kernels: it needs a GPU", file=sys.stderr)
+            return 2
+        print("| shape | tiling (tokens, warps, stages, K from codes) | ms | of copy BW | diff from default |\n"
+              "|---|---|---|---|---|", flush=True)
+        rows = run_tilings(dtype, device)
+        failed = []
+    elif args.check:
         rows = run_check(shape_list, dtype, device)
         failed = [r for r in rows if not r["ok"]]
         print(f"\n{len(rows) - len(failed)}/{len(rows)} shapes match the reference ({env['device']})")
@@ -316,7 +366,8 @@ def main(argv=None) -> int:
         print(HEADER, flush=True)
         rows = run_timing(shape_list, dtype, device)
         failed = []
-    out = args.out or ROOT / "benchmarks" / "results" / f"cuda_kernels{'_check' if args.check else ''}.json"
+    suffix = "_tilings" if args.tilings else "_check" if args.check else ""
+    out = args.out or ROOT / "benchmarks" / "results" / f"cuda_kernels{suffix}.json"
     write_result(out, dict(env=env, rows=rows))
     return 1 if failed else 0
 

@@ -14,6 +14,8 @@ captured CUDA graph) is still correct, the extra splits exit at once.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,7 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
                   GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+                  DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, K_CODES: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,6 +64,14 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
     vp_head = v_qp + kv_head * p_h
     table = block_tables + seq * st_b
 
+    if K_CODES:
+        # Scores from K's codes: q . ((c - zero) * scale) = (q . c - zero * sum(q)) * scale. An INT4 row's low
+        # nibbles are its even elements and the high ones its odd elements, so q is split the same way.
+        offs_b = tl.arange(0, BLOCK_D // 2)
+        mask_b = offs_b < HEAD_DIM // 2
+        q_even, q_odd = tl.split(tl.reshape(qt, (BLOCK_G, BLOCK_D // 2, 2)))
+        q_sum = tl.sum(qt.to(tl.float32), 1)
+
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
@@ -70,9 +80,25 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
         mask_n = (offs_n < end) & (offs_n >= lo)   # every tile holds a key >= lo: m stays finite
         block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
         slots = offs_n % PAGE
-        kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
-                          c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
-        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
+        if K_CODES:
+            rows = block_ids.to(tl.int64) * c_b + slots * c_s
+            qp_rows = block_ids.to(tl.int64) * p_b + slots * p_s
+            scale = tl.load(kp_head + qp_rows, mask=mask_n, other=0.0).to(tl.float32)
+            zero = tl.load(kp_head + qp_rows + p_2, mask=mask_n, other=0.0).to(tl.float32)
+            if QUANT == 4:
+                codes = tl.load(k_head + rows[:, None] + offs_b[None, :] * c_d,
+                                mask=mask_n[:, None] & mask_b[None, :], other=0)
+                s = tl.dot(q_even, tl.trans((codes & 0xF).to(DOT_DTYPE)), input_precision=DOT_PREC)
+                s += tl.dot(q_odd, tl.trans((codes >> 4).to(DOT_DTYPE)), input_precision=DOT_PREC)
+            else:
+                codes = tl.load(k_head + rows[:, None] + offs_d[None, :] * c_d,
+                                mask=mask_n[:, None] & mask_d[None, :], other=0)
+                s = tl.dot(qt, tl.trans(codes.to(DOT_DTYPE)), input_precision=DOT_PREC)
+            s = (s - q_sum[:, None] * zero[None, :]) * (scale * sm_scale_log2)[None, :]
+        else:
+            kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                              c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+            s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
         if SOFTCAP:
             s = soft_cap_log2(s, softcap)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -112,6 +138,19 @@ def _reduce_kernel(part_out, part_lse, o, num_splits,
     tl.store(o + seq * so_t + head * so_h + offs_d * so_d, out.to(o.dtype.element_ty), mask=mask_d)
 
 
+class DecodeTiling(NamedTuple):
+    """How the split kernel walks a sequence's KV: tokens a tile, warps and pipeline stages a program, and
+    whether a quantized K is scored from its codes (the scale and zero applied to the scores, not to K)."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    k_codes: bool = False
+
+
+def decode_tiling(quant_policy: int) -> DecodeTiling:
+    return DecodeTiling()
+
+
 def _splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
     """KV splits a sequence: enough programs for ~2 waves of the GPU, at least one tile each."""
     tiles = triton.cdiv(max_kv_len, block_n)
@@ -120,12 +159,13 @@ def _splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int, device: to
 
 
 def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, softmax_scale: float,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, tiling: DecodeTiling | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one token a sequence) -> [B, Hq, D]."""
     batch, q_heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
     group = q_heads // kv_heads
-    block_n = 64
+    tiling = tiling or decode_tiling(cache.quant_policy)
+    block_n = tiling.block_n
     if num_splits is None:
         num_splits = _splits(batch, kv_heads, meta.max_kv_len, block_n, q.device)
     # Each split covers whole tiles; recount so no split starts past max_kv_len.
@@ -146,7 +186,8 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim,
         BLOCK_G=max(16, pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         QUANT=cache.quant_policy, ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
-        SOFTCAP=meta.softcap is not None, num_warps=4, num_stages=2,
+        SOFTCAP=meta.softcap is not None, K_CODES=tiling.k_codes and cache.quant_policy > 0,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     _reduce_kernel[(batch, q_heads)](
         part_out, part_lse, out, num_splits,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import platform
@@ -148,6 +149,9 @@ def step_conformance(args) -> dict:
     cmd = [sys.executable, "-m", "pytest", "tests/conformance", "-v", "-p", "no:cacheprovider", "-m", "",
            "-k", f"cuda and ({args.tests})" if args.tests else "cuda", f"--junitxml={junit}",
            "-o", "junit_family=legacy", "--timeout", "600"]
+    if GPU and importlib.util.find_spec("xdist"):
+        # Triton compiles every shape and constexpr variant afresh: compile on several cores at once.
+        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     if not GPU:
         if not args.smoke:
             raise Skip(NO_GPU)
@@ -363,6 +367,11 @@ def step_kernels(args) -> dict:
             if r.get("triton_ms") and r.get("bytes"):
                 r["copy_fraction"] = r["bytes"] / (r["triton_ms"] * 1e-3) / bw
         data["quant_linear"] = quant_linear_rows(bw)
+        tilings = [sys.executable, str(ROOT / "benchmarks" / "cuda_kernels.py"), "--tilings",
+                   "--out", str(work / "cuda_kernels_tilings.json")]
+        print("$", " ".join(tilings[1:]), flush=True)
+        if subprocess.run(tilings, cwd=ROOT).returncode == 0:
+            data["tilings"] = json.loads((work / "cuda_kernels_tilings.json").read_text())["rows"]
     if proc.returncode != 0:
         raise Failed(f"benchmarks/cuda_kernels.py exited {proc.returncode}", data)
     if not GPU:

@@ -187,6 +187,20 @@ def test_decode_split_counts(cuda, num_splits):
     _check_attention(out, q, cache, meta, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=["fp16", "fp32", "bf16"])
+@pytest.mark.parametrize("policy,head_dim", [(8, 64), (4, 64), (8, 96), (4, 96), (0, 64)])
+@pytest.mark.parametrize("tiling", [(32, 4, 2, True), (64, 4, 2, True), (128, 8, 3, False)],
+                         ids=["n32-codes", "n64-codes", "n128-w8-s3"])
+def test_decode_tilings(cuda, tiling, policy, head_dim, dtype):
+    """Every tiling the kernel takes, K scored from its codes among them, matches the reference."""
+    backend, _ = cuda
+    decode, _ = _kernels()
+    q_lens, kv_lens = [1] * 4, [1, 16, 200, 37]
+    cache, meta, q = _setup(backend.device, policy, 16, head_dim, 3, dtype, q_lens, kv_lens)
+    out = decode.decode_attention(q, cache, meta, 1 / math.sqrt(head_dim), tiling=decode.DecodeTiling(*tiling))
+    _check_attention(out, q, cache, meta, head_dim)
+
+
 def test_prefill_gpu_tiles(cuda):
     """The Hopper tile configuration (128 x 64, several query tiles) runs the same code path."""
     backend, _ = cuda
