@@ -66,3 +66,26 @@ def test_gemma3_layer_types_are_looked_up_from_their_tables():
         want = module(x, pos[None], kind)
         torch.testing.assert_close(got[0], want[0][0], rtol=0, atol=1e-6)
         torch.testing.assert_close(got[1], want[1][0], rtol=0, atol=1e-6)
+
+
+def test_longrope_rows_follow_the_calls_largest_position():
+    """Phi-3's "longrope": short factors while a call's positions stay below
+    original_max_position_embeddings, long ones for every position of a call past it; both from
+    tables, equal to the module's own cos/sin for the same call."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    half = 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(half)],
+            "long_factor": [2.0 + i / 4 for i in range(half)]}
+    cfg = Phi3Config(hidden_size=64, num_attention_heads=2, max_position_embeddings=2048,
+                     original_max_position_embeddings=512, rope_scaling=rope)
+    module, table = Phi3RotaryEmbedding(config=cfg), RopeTable()
+    x = torch.zeros(1, 32)
+    for positions in ([5], [0, 300, 511], [3, 512], [1500, 7], [9]):
+        pos = torch.tensor(positions)
+        got = table(module, x, pos, max(positions) + 1)
+        want = module(x, pos[None])
+        torch.testing.assert_close(got[0], want[0][0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1][0], rtol=0, atol=1e-6)
+    short, long = table(module, x, torch.tensor([3]), 4), table(module, x, torch.tensor([3, 600]), 601)
+    assert not torch.allclose(short[0][0], long[0][0])   # the two factor sets differ at position 3

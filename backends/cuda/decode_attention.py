@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lmport.backends.cuda.launch import dot_args, pow2, qparam_args, sm_count, tl_dtype
-from lmport.backends.cuda.paged_kv import load_kv_tile
+from lmport.backends.cuda.paged_kv import load_int4_halves, load_kv_tile, load_qparams
 from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.backends.cuda.soft_cap import soft_cap_log2
 from lmport.kv.layout import LayerCache
@@ -64,17 +64,19 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
     vp_head = v_qp + kv_head * p_h
     table = block_tables + seq * st_b
 
-    if K_CODES:
-        # Scores from K's codes: q . ((c - zero) * scale) = (q . c - zero * sum(q)) * scale. An INT4 row's low
-        # nibbles are its even elements and the high ones its odd elements, so q is split the same way.
-        offs_b = tl.arange(0, BLOCK_D // 2)
-        mask_b = offs_b < HEAD_DIM // 2
-        q_even, q_odd = tl.split(tl.reshape(qt, (BLOCK_G, BLOCK_D // 2, 2)))
-        q_sum = tl.sum(qt.to(tl.float32), 1)
+    # An INT4 row's low nibbles are its even elements and the high ones its odd elements: q and the output
+    # are split the same way, so the tiles are never interleaved (load_int4_halves).
+    offs_b = tl.arange(0, BLOCK_D // 2)
+    mask_b = offs_b < HEAD_DIM // 2
+    q_even, q_odd = tl.split(tl.reshape(qt, (BLOCK_G, BLOCK_D // 2, 2)))
+    # Scores from K's codes (K_CODES): q . ((c - zero) * scale) = (q . c - zero * sum(q)) * scale.
+    q_sum = tl.sum(qt.to(tl.float32), 1)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    acc_even = tl.full([BLOCK_G, BLOCK_D // 2], 0.0, tl.float32)   # QUANT == 4: acc's even and odd columns
+    acc_odd = tl.full([BLOCK_G, BLOCK_D // 2], 0.0, tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n < end) & (offs_n >= lo)   # every tile holds a key >= lo: m stays finite
@@ -82,9 +84,7 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
         slots = offs_n % PAGE
         if K_CODES:
             rows = block_ids.to(tl.int64) * c_b + slots * c_s
-            qp_rows = block_ids.to(tl.int64) * p_b + slots * p_s
-            scale = tl.load(kp_head + qp_rows, mask=mask_n, other=0.0).to(tl.float32)
-            zero = tl.load(kp_head + qp_rows + p_2, mask=mask_n, other=0.0).to(tl.float32)
+            scale, zero = load_qparams(kp_head, block_ids, slots, mask_n, p_b, p_s, p_2)
             if QUANT == 4:
                 codes = tl.load(k_head + rows[:, None] + offs_b[None, :] * c_d,
                                 mask=mask_n[:, None] & mask_b[None, :], other=0)
@@ -106,10 +106,21 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.reduce(p, 1, SUM)
-        vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
-                          c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
+        if QUANT == 4:
+            v_even, v_odd = load_int4_halves(v_head, vp_head, block_ids, slots, offs_b, mask_n, mask_b,
+                                             c_b, c_s, c_d, p_b, p_s, p_2, ATT_DTYPE)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v_even.to(DOT_DTYPE),
+                                                          input_precision=DOT_PREC)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v_odd.to(DOT_DTYPE),
+                                                        input_precision=DOT_PREC)
+        else:
+            vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                              c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
         m = m_new
+
+    if QUANT == 4:
+        acc = tl.interleave(acc_even, acc_odd)
 
     # An empty split (past this sequence's end, or before its window) leaves l = 0: weight 0 in the reduction.
     has = l > 0
@@ -148,7 +159,8 @@ class DecodeTiling(NamedTuple):
 
 
 def decode_tiling(quant_policy: int) -> DecodeTiling:
-    return DecodeTiling()
+    """The fastest of ``benchmarks/cuda_kernels.py --tilings`` on an H200 at both of its shapes (docs/cuda.md)."""
+    return DecodeTiling(128, 4, 2, True) if quant_policy else DecodeTiling()
 
 
 def _splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:

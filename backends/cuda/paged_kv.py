@@ -26,21 +26,40 @@ def load_kv_tile(cache_ptr, qp_ptr, block_ids, slots, offs_d, mask_n, mask_d,
     if QUANT == 0:
         x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
         out = x.to(OUT_DTYPE)
+    elif QUANT == 4:
+        # Each byte is loaded once, the row's bytes side by side (reading every byte twice, at offs_d // 2,
+        # defeats vector loads), and the two halves interleaved back into element order.
+        offs_b, _ = tl.split(tl.reshape(offs_d // 2, (offs_d.shape[0] // 2, 2)))
+        mask_b, _ = tl.split(tl.reshape(mask_d, (offs_d.shape[0] // 2, 2)))
+        even, odd = load_int4_halves(cache_ptr, qp_ptr, block_ids, slots, offs_b, mask_n, mask_b, stride_b,
+                                     stride_s, stride_d, qp_stride_b, qp_stride_s, qp_stride_2, OUT_DTYPE)
+        out = tl.interleave(even, odd)
     else:
-        if QUANT == 4:
-            # Two values a byte: element 2i in the low nibble, 2i + 1 in the high one. Each byte is loaded
-            # once, the row's bytes side by side (reading every byte twice, at offs_d // 2, defeats vector
-            # loads), and the nibbles are interleaved back into element order.
-            offs_b, _ = tl.split(tl.reshape(offs_d // 2, (offs_d.shape[0] // 2, 2)))
-            mask_b, _ = tl.split(tl.reshape(mask_d, (offs_d.shape[0] // 2, 2)))
-            raw = tl.load(cache_ptr + rows[:, None] + offs_b[None, :] * stride_d,
-                          mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
-            raw = tl.interleave(raw & 0xF, raw >> 4)
-        else:
-            raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0)
-            raw = raw.to(tl.int32)
-        qp_rows = block_ids.to(tl.int64) * qp_stride_b + slots * qp_stride_s
-        scale = tl.load(qp_ptr + qp_rows, mask=mask_n, other=0.0).to(tl.float32)
-        zero = tl.load(qp_ptr + qp_rows + qp_stride_2, mask=mask_n, other=0.0).to(tl.float32)
+        raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0)
+        scale, zero = load_qparams(qp_ptr, block_ids, slots, mask_n, qp_stride_b, qp_stride_s, qp_stride_2)
         out = ((raw.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
     return out
+
+
+@triton.jit
+def load_qparams(qp_ptr, block_ids, slots, mask_n, qp_stride_b, qp_stride_s, qp_stride_2):
+    """(scale, zero) in float32 of the token rows ``(block_ids[n], slots[n])``; 0 where masked."""
+    qp_rows = block_ids.to(tl.int64) * qp_stride_b + slots * qp_stride_s
+    scale = tl.load(qp_ptr + qp_rows, mask=mask_n, other=0.0).to(tl.float32)
+    zero = tl.load(qp_ptr + qp_rows + qp_stride_2, mask=mask_n, other=0.0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def load_int4_halves(cache_ptr, qp_ptr, block_ids, slots, offs_b, mask_n, mask_b,
+                     stride_b, stride_s, stride_d, qp_stride_b, qp_stride_s, qp_stride_2, OUT_DTYPE: tl.constexpr):
+    """An INT4 tile as its even and its odd elements ([BLOCK_N, len(offs_b)] each, dequantized): byte i holds
+    element 2i in its low nibble and 2i + 1 in its high one, so a kernel that keeps the halves apart (a
+    product whose other side it splits the same way) never interleaves them."""
+    rows = block_ids.to(tl.int64) * stride_b + slots * stride_s
+    raw = tl.load(cache_ptr + rows[:, None] + offs_b[None, :] * stride_d,
+                  mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
+    scale, zero = load_qparams(qp_ptr, block_ids, slots, mask_n, qp_stride_b, qp_stride_s, qp_stride_2)
+    even = (((raw & 0xF).to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
+    odd = (((raw >> 4).to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
+    return even, odd

@@ -35,7 +35,7 @@ def random_blocks(type_name: str, out_features: int, in_features: int, seed: int
     return GGMLWeight(blocks.reshape(out_features, nblocks * t.nbytes), type_name, in_features).check()
 
 
-def copied(weight):
-    """A quantized weight with its own copies of the tensors: what a backend's hold_quantized may relay in
-    place is then not the original, which a test still reads."""
-    return dataclasses.replace(weight, **{name: t.clone() for name, t in tensors(weight).items()})
+def copied(weight, device: torch.device | str | None = None):
+    """A quantized weight with its own copies of the tensors (on ``device``, where given): what a backend's
+    hold_quantized may relay in place is then not the original, which a test still reads."""
+    return dataclasses.replace(weight, **{name: t.to(device, copy=True) for name, t in tensors(weight).items()})

@@ -70,18 +70,20 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
     if name != "cpu" and ggml_backend.device.type == "cpu" and shape not in ("decode-1", "batch-9", "prefill-129"):
         pytest.skip("the Triton interpreter is slow: three shapes keep the run short")
     weight = random_blocks(type_name, OUT, inputs(type_name))
+    device = ggml_backend.device
     if layout == "held":
-        held = ggml_backend.hold_quantized(copied(weight), torch.float32)
+        held = ggml_backend.hold_quantized(copied(weight, device), torch.float32)
         if held.row_group == 1:
             pytest.skip(f"{name} holds {type_name} as the file lays it out")
-        assert not torch.equal(held.blocks, weight.blocks)
-        weight = held
+        assert not torch.equal(held.blocks.cpu(), weight.blocks)
+        weight = copied(held, "cpu")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SHAPES[shape], weight.in_features, generator=g)
     bias = torch.randn(OUT, generator=g)
     w = ops.dequantize_ggml(weight)
+    on_device = copied(weight, device)   # the reference below reads the host copy
     for b in (None, bias):
-        got = ggml_backend.ggml_linear(x.to(ggml_backend.device), weight, None if b is None else b.to(x.device))
+        got = ggml_backend.ggml_linear(x.to(device), on_device, None if b is None else b.to(device))
         want = ops.ggml_linear(x, weight, b)
         # rows interleaved: every step the kernel takes (a prefill's too) holds x as two int8 codes
         interleaved = weight.row_group != 1

@@ -113,8 +113,10 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, 
     dtype = DTYPES[name]
     x = torch.randn(SHAPES[shape], weight.in_features, generator=g).to(dtype)
     bias = torch.randn(weight.out_features, generator=g).to(dtype)
+    device = native_backend.device
+    on_device = copied(weight, device)   # the reference below reads the host copy
     for b in (None, bias):
-        got = native_backend.quant_linear(x, weight, b)
+        got = native_backend.quant_linear(x.to(device), on_device, None if b is None else b.to(device)).cpu()
         want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
         if name == "cpu":
             w = ops.dequantize(weight)
