@@ -26,16 +26,20 @@ def load_kv_tile(cache_ptr, qp_ptr, block_ids, slots, offs_d, mask_n, mask_d,
     if QUANT == 0:
         x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
         out = x.to(OUT_DTYPE)
-    elif QUANT == 4:
-        # Each byte is loaded once, the row's bytes side by side (reading every byte twice, at offs_d // 2,
-        # defeats vector loads), and the two halves interleaved back into element order.
-        offs_b, _ = tl.split(tl.reshape(offs_d // 2, (offs_d.shape[0] // 2, 2)))
-        mask_b, _ = tl.split(tl.reshape(mask_d, (offs_d.shape[0] // 2, 2)))
-        even, odd = load_int4_halves(cache_ptr, qp_ptr, block_ids, slots, offs_b, mask_n, mask_b, stride_b,
-                                     stride_s, stride_d, qp_stride_b, qp_stride_s, qp_stride_2, OUT_DTYPE)
-        out = tl.interleave(even, odd)
     else:
-        raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0)
+        if QUANT == 4:
+            # Two values a byte: element 2i in the low nibble, 2i + 1 in the high one. Each byte is loaded
+            # once, the row's bytes side by side (reading every byte twice, at offs_d // 2, defeats vector
+            # loads), and the nibbles are interleaved back into element order. (Interleaving the two
+            # halves after dequantizing them instead fails Triton's NVIDIA lowering in the prefill kernel.)
+            offs_b, _ = tl.split(tl.reshape(offs_d // 2, (offs_d.shape[0] // 2, 2)))
+            mask_b, _ = tl.split(tl.reshape(mask_d, (offs_d.shape[0] // 2, 2)))
+            raw = tl.load(cache_ptr + rows[:, None] + offs_b[None, :] * stride_d,
+                          mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
+            raw = tl.interleave(raw & 0xF, raw >> 4)
+        else:
+            raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0)
+            raw = raw.to(tl.int32)
         scale, zero = load_qparams(qp_ptr, block_ids, slots, mask_n, qp_stride_b, qp_stride_s, qp_stride_2)
         out = ((raw.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
     return out

@@ -86,6 +86,10 @@ def render(steps: dict[str, dict], runs: list[dict]) -> str:
         parts.append(md_table(["x @ W^T", "weights", "ms", "of copy BW"],
                               [[r["shape"], r["format"], _ms(r["ms"]), pct(r["copy_fraction"])]
                                for r in k["quant_linear"]]))
+    if k and k.get("tilings"):
+        parts.append("**Decode attention's tilings** (`cuda_kernels.py --tilings`; tiling: tokens a tile, warps, "
+                     "stages, K scored from its codes):")
+        parts.append(_tilings_table(k["tilings"]))
     t = data.get("throughput")
     if t:
         parts.append(f"**Engine throughput**: {t.get('model')}, {t.get('requests')} requests:")
@@ -113,6 +117,20 @@ def render(steps: dict[str, dict], runs: list[dict]) -> str:
 
 def _ms(x) -> str | None:
     return None if x is None else f"{x:.3f}"
+
+
+def _tilings_table(rows: list[dict]) -> str:
+    """Per shape: the kernel's first tiling (64, 4, 2, K dequantized), the fastest one and its ms."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape and "ms" in r]
+        first = next((r for r in mine if tuple(r["tiling"].values()) == (64, 4, 2, False)), None)
+        best = min(mine, key=lambda r: r["ms"], default=None)
+        if first and best:
+            out.append([shape, _ms(first["ms"]), pct(first["copy_fraction"]), str(tuple(best["tiling"].values())),
+                        _ms(best["ms"]), pct(best["copy_fraction"]), f"{first['ms'] / best['ms']:.2f}x"])
+    return md_table(["shape", "(64, 4, 2, no) ms", "of copy BW", "fastest tiling", "ms", "of copy BW", "speedup"],
+                    out)
 
 
 def _engine_table(rows: list[dict]) -> str:
