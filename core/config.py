@@ -61,7 +61,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8         # the most; a sequence's proposals grow and shrink (ProposalLength)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None                # the draft model (a path or short name) for method "draft"

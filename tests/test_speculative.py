@@ -13,7 +13,7 @@ import pytest
 import lmport
 from lmport.config import ConfigError, EngineConfig, GenerationConfig, SpeculativeConfig
 from lmport.speculative import ngram
-from lmport.speculative.speculator import FIRST_PAUSE, Payoff, Speculator
+from lmport.speculative.speculator import FIRST_PAUSE, Payoff, ProposalLength, Speculator
 from support.paging_invariants import check_block_manager
 from support.model_helpers import tiny_model_dir
 
@@ -293,7 +293,7 @@ def test_a_format_dead_end_inside_a_proposal_ends_the_request_as_without_specula
     verified proposal (which must happen here, or the test proves nothing)."""
     from lmport.guided import Matcher
     from lmport.models.loader import load_tokenizer
-    dead_at = 10
+    dead_at = 9
     fill, accept, rollback, proposal_bitmask = (Matcher.fill_next_token_bitmask, Matcher.accept_token,
                                                 Matcher.rollback, Matcher.proposal_bitmask)
     dead_in_proposals = []
@@ -334,6 +334,22 @@ def test_a_format_dead_end_inside_a_proposal_ends_the_request_as_without_specula
     assert usage["spec_accepted_tokens"] > 0 and any(dead_in_proposals)
 
 
+def test_proposals_grow_while_accepted_whole_and_shrink_when_cut_short():
+    """transformers' heuristic schedule: from half the most, two longer after a proposal accepted whole, one
+    shorter after one cut short, within [1, num_speculative_tokens]."""
+    from lmport.sequence import Sequence
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=7, min_acceptance=0), session_len=1000,
+                      num_running=lambda: 1)
+    seq = Sequence("a", [1, 2, 3] * 10, GenerationConfig(max_new_tokens=100))
+    lengths = []
+    for accepted_share in (1, 1, 1, 1, 0, 0.5, 0, 0, 0, 0):
+        n = spec.lookahead(seq)
+        lengths.append(n)
+        spec.record(seq, n, int(n * accepted_share))
+    assert lengths == [3, 5, 7, 7, 7, 6, 5, 4, 3, 2]
+    assert ProposalLength.next(1, 1, 0, 7) == 1 and ProposalLength.first(1) == 1
+
+
 def test_opt_out_and_batch_cut_off_mean_no_speculation():
     model, prompts = tiny_model_dir("llama"), repeating_prompts(8, seed=13)
     _, usage, _ = generate(model, prompts, GenerationConfig(max_new_tokens=16, ignore_eos=True, speculate=False),
@@ -354,7 +370,7 @@ def test_low_acceptance_pauses_a_sequence():
         spec.record(seq, 2, 0)
     assert spec.usage()["spec_pauses"] == 1
     assert [spec.lookahead(seq) for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
-    assert spec.lookahead(seq) == 4
+    assert spec.lookahead(seq) == 4 - 2 * ProposalLength.SHRINK   # two proposals cut short
     busy = Speculator(SpeculativeConfig(disable_by_batch_size=2), session_len=1000, num_running=lambda: 3)
     assert busy.lookahead(seq) == 0
     short = Speculator(SpeculativeConfig(), session_len=1000, num_running=lambda: 1)

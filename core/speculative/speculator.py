@@ -88,6 +88,28 @@ class _SeqState:
     acceptance: float = 1.0     # exponential average of accepted / proposed
     pause: int = 0              # steps left without proposals
     next_pause: int = FIRST_PAUSE
+    length: int = 0             # tokens the next proposal may have (ProposalLength)
+
+
+class ProposalLength:
+    """How many tokens a sequence proposes: transformers' "heuristic" schedule for assisted generation. A
+    proposal accepted whole lets the next be two tokens longer, one cut short makes it one shorter, between
+    1 and ``num_speculative_tokens``, from half of that. Where the output copies long spans (the prompt's
+    code or text) proposals grow to the most; where they are rejected they shrink, and a verification that
+    proposed fewer tokens costs less."""
+
+    GROW = 2
+    SHRINK = 1
+
+    @staticmethod
+    def first(most: int) -> int:
+        return max(1, most // 2)
+
+    @classmethod
+    def next(cls, length: int, proposed: int, accepted: int, most: int) -> int:
+        if accepted == proposed:
+            return min(most, length + cls.GROW)
+        return max(1, length - cls.SHRINK)
 
 
 class Speculator:
@@ -116,7 +138,9 @@ class Speculator:
             return 0
         # Room: no position past session_len, and no more tokens than the request may still emit (the
         # target adds one of its own after the accepted ones).
-        room = min(cfg.num_speculative_tokens, self.session_len - seq.num_tokens,
+        if not state.length:
+            state.length = ProposalLength.first(cfg.num_speculative_tokens)
+        room = min(state.length, self.session_len - seq.num_tokens,
                    seq.gen_config.max_new_tokens - len(seq.output_ids) - 1)
         if room < 1:
             return 0
@@ -156,6 +180,8 @@ class Speculator:
         self.stats["proposed_tokens"] += proposed
         self.stats["accepted_tokens"] += accepted
         state = self._states.setdefault(seq, _SeqState())
+        state.length = ProposalLength.next(state.length or proposed, proposed, accepted,
+                                           self.config.num_speculative_tokens)
         state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
         if state.acceptance < self.config.min_acceptance:
             state.pause, state.next_pause = state.next_pause, min(2 * state.next_pause, MAX_PAUSE)
