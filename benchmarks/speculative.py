@@ -26,7 +26,7 @@ speculation off and on, alternating, and reports output tok/s: speculation is to
 batch fills (disable_by_batch_size), so on should be no slower than off.
 
 llama.cpp peer: its `llama-lookup` (n-gram speculation from the context, drafting up to the same
-num_speculative_tokens as lmport's n-gram column, 4) from --llama-bin (default
+num_speculative_tokens as lmport's n-gram column, 8) from --llama-bin (default
 /root/.cache/llamacpp/build/bin) on the same Q4_1 file and the same chat-formatted prompts, greedy, run
 twice a prompt in the same rounds: with no drafts (`--spec-draft-n-max 0`, its plain decode) and with
 drafts; decode tok/s and acceptance are the ones it prints; it too stops at the end of the answer. Compare
