@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "vec8.h"
@@ -203,11 +204,14 @@ torch::Tensor attention_over(const torch::Tensor& q, const Pool<kBits>& pool, co
   float* op = out.data_ptr<float>();
   const auto run = D == 64 ? attend<64, kBits> : D == 128 ? attend<128, kBits> : attend<0, kBits>;
 
-  // Work items are (token, part of its keys). Fewer tokens than threads (a decode step of a few
-  // sequences) split each token's keys into parts, attended apart and merged by their softmax
-  // statistics, so every thread has work; otherwise a token is one item.
+  // Work items are (token, part of its keys). A small step (a decode step of a few sequences, a
+  // verification of a few proposed tokens) splits each token's keys into parts, attended apart and
+  // merged by their softmax statistics, so that the items share out evenly: threads / gcd(T, threads)
+  // parts, each thread then taking the same part of every token (five tokens on two threads: each
+  // thread half the keys of all five, where whole tokens would go three to one thread and two to the
+  // other). Larger steps (prefill) take a token an item.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = T < threads ? threads / T : 1, items = T * parts;
+  const int64_t parts = T < 4 * threads ? threads / std::gcd(T, threads) : 1, items = T * parts;
   std::vector<float> part_out(parts > 1 ? items * Hq * D : 0), part_stats(parts > 1 ? items * Hq * 2 : 0);
   // Items go round-robin to the workers, so prefill rows, whose cost grows with position, are
   // shared evenly.
