@@ -4,7 +4,8 @@ Matches ``lmport.ops.paged_attention`` when ``meta.is_decode`` (one new token
 a sequence). Stage 1 runs one program per (sequence, KV head, split): the
 query heads that share the KV head (GQA group, padded to >= 16 rows for
 ``tl.dot``) attend to the split's tokens, gathered through the block table and
-dequantized inline, with an online softmax. Stage 2 merges the splits of each
+dequantized inline (or, for a quantized K, scored from its codes: the tiling
+says which), with an online softmax. Stage 2 merges the splits of each
 (sequence, query head) by their log-sum-exp. Splitting the KV keeps the GPU
 full when batch x KV heads is small and contexts are long.
 
