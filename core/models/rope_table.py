@@ -13,6 +13,8 @@ the module's own for the same positions.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -33,9 +35,10 @@ def longrope_switch(rotary: nn.Module, kind: str | None = None) -> int | None:
         rope_type = rope_type.get(kind)
     if rope_type != "longrope":
         return None
-    params = getattr(rotary.config, "rope_parameters", None) or {}
+    config: Any = rotary.config   # a transformers config (nn.Module types attributes as tensors or modules)
+    params = getattr(config, "rope_parameters", None) or {}
     params = params.get(kind, params) if kind else params
-    return params.get("original_max_position_embeddings") or rotary.config.original_max_position_embeddings
+    return int(params.get("original_max_position_embeddings") or config.original_max_position_embeddings)
 
 
 class RopeTable:
