@@ -284,6 +284,7 @@ def run_tilings(dtype: torch.dtype, device: torch.device) -> list[dict]:
             cache, meta, q, _, _ = build(shape, dtype, device)
             attend = functools.partial(decode.decode_attention, q, cache, meta, 1 / math.sqrt(shape.head_dim))
             base = attend()
+            moved, _ = work(shape, dtype)
             for codes in ((False, True) if policy else (False,)):
                 for block_n, warps, stages in TILINGS:
                     tiling = decode.DecodeTiling(block_n, warps, stages, codes)
@@ -294,7 +295,6 @@ def run_tilings(dtype: torch.dtype, device: torch.device) -> list[dict]:
                         rows.append(dict(shape=shape.name, tiling=tiling._asdict(), error=str(exc)[:300]))
                         print(f"| {shape.name} | {tuple(tiling)} | failed: {str(exc)[:100]} |", flush=True)
                         continue
-                    moved, _ = work(shape, dtype)
                     row = dict(shape=shape.name, tiling=tiling._asdict(), ms=ms, max_diff=diff,
                                copy_fraction=moved / (ms * 1e-3) / copy_bw)
                     rows.append(row)

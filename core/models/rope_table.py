@@ -19,21 +19,25 @@ import torch
 from torch import nn
 
 
-def rows_depend_on_length(rotary: nn.Module, kind: str | None = None) -> bool:
-    """Whether the module's cos/sin for a position change with the positions it is given; ``kind``: the
-    layer type, where the module keeps a rope type per layer type (Gemma 3's {layer type: rope type})."""
+def _rope_type(rotary: nn.Module, kind: str | None):
+    """The module's rope type for layers of ``kind``, where it keeps one per layer type (Gemma 3's {layer type:
+    rope type}); else its one rope type (a dict without ``kind`` stays a dict)."""
     rope_type = getattr(rotary, "rope_type", "default")
     if isinstance(rope_type, dict) and kind in rope_type:
-        rope_type = rope_type[kind]
+        return rope_type[kind]
+    return rope_type
+
+
+def rows_depend_on_length(rotary: nn.Module, kind: str | None = None) -> bool:
+    """Whether the module's cos/sin for a position change with the positions it is given; ``kind``: the
+    layer type, where the module keeps a rope type per layer type."""
+    rope_type = _rope_type(rotary, kind)
     return not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope"
 
 
 def longrope_switch(rotary: nn.Module, kind: str | None = None) -> int | None:
     """The length past which a "longrope" module takes its long factors; None for other rope types."""
-    rope_type = getattr(rotary, "rope_type", "default")
-    if isinstance(rope_type, dict):
-        rope_type = rope_type.get(kind)
-    if rope_type != "longrope":
+    if _rope_type(rotary, kind) != "longrope":
         return None
     config: Any = rotary.config   # a transformers config (nn.Module types attributes as tensors or modules)
     params = getattr(config, "rope_parameters", None) or {}

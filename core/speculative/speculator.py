@@ -88,7 +88,7 @@ class _SeqState:
     acceptance: float = 1.0     # exponential average of accepted / proposed
     pause: int = 0              # steps left without proposals
     next_pause: int = FIRST_PAUSE
-    length: int = 0             # tokens the next proposal may have (ProposalLength)
+    length: int = 1             # tokens the next proposal may have (ProposalLength)
 
 
 class ProposalLength:
@@ -132,14 +132,12 @@ class Speculator:
         if (not seq.gen_config.speculate or seq.pooling is not None
                 or self.num_running() > cfg.disable_by_batch_size or (self.payoff and self.payoff.pause)):
             return 0
-        state = self._states.setdefault(seq, _SeqState())
+        state = self._state(seq)
         if state.pause:
             state.pause -= 1
             return 0
         # Room: no position past session_len, and no more tokens than the request may still emit (the
         # target adds one of its own after the accepted ones).
-        if not state.length:
-            state.length = ProposalLength.first(cfg.num_speculative_tokens)
         room = min(state.length, self.session_len - seq.num_tokens,
                    seq.gen_config.max_new_tokens - len(seq.output_ids) - 1)
         if room < 1:
@@ -179,9 +177,8 @@ class Speculator:
         self.stats["verifications"] += 1
         self.stats["proposed_tokens"] += proposed
         self.stats["accepted_tokens"] += accepted
-        state = self._states.setdefault(seq, _SeqState())
-        state.length = ProposalLength.next(state.length or proposed, proposed, accepted,
-                                           self.config.num_speculative_tokens)
+        state = self._state(seq)
+        state.length = ProposalLength.next(state.length, proposed, accepted, self.config.num_speculative_tokens)
         state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
         if state.acceptance < self.config.min_acceptance:
             state.pause, state.next_pause = state.next_pause, min(2 * state.next_pause, MAX_PAUSE)
@@ -189,6 +186,12 @@ class Speculator:
             self.stats["pauses"] += 1
         elif accepted == proposed:
             state.next_pause = FIRST_PAUSE
+
+    def _state(self, seq: Sequence) -> _SeqState:
+        state = self._states.get(seq)
+        if state is None:
+            state = self._states[seq] = _SeqState(length=ProposalLength.first(self.config.num_speculative_tokens))
+        return state
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` ended: drop what is kept about it."""
