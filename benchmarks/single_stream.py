@@ -181,6 +181,10 @@ def main() -> None:
         return worker_main(args.worker, args.threads)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    names = [f for f in args.files.split(",") if f]
+    for name in names:   # before llama.cpp is built or anything measured
+        if name.endswith(".gguf") and not Path(name).is_file():
+            raise SystemExit(f"--files: no GGUF file at {name}: give the path of one, or one of {', '.join(TYPES)}")
     bin_dir = build_llama(args.llama_src, args.llama_cmake_args) if args.llama_src else Path(args.llama_bin)
     if not (bin_dir / "llama-bench").exists():
         raise SystemExit(f"no llama-bench in {bin_dir}: pass --llama-bin (a llama.cpp build's bin directory) or "
@@ -189,14 +193,15 @@ def main() -> None:
     unknown = set(paths) - set(LMPORT_PATHS)
     if unknown:
         raise SystemExit(f"unknown --paths {sorted(unknown)}: among {', '.join(LMPORT_PATHS)}")
+    # label -> the GGUF file (a type of the default model's made with llama-quantize where missing)
+    files = {Path(name).name if name.endswith(".gguf") else name:
+             Path(name) if name.endswith(".gguf") else gguf_file(name, args.files_dir, bin_dir) for name in names}
     import gguf
     cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
                "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
-    for name in [f for f in args.files.split(",") if f]:
-        path = Path(name) if name.endswith(".gguf") else gguf_file(name, args.files_dir, bin_dir)
-        label = path.name if name.endswith(".gguf") else name
+    for label, path in files.items():
         workers = {name: Worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
         rounds = []
         for _ in range(args.repeats):
