@@ -23,6 +23,7 @@ from lmport.parallel import TPGroup
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 from lmport.weights.ggml import GGMLWeight
+from lmport.weights.residency import back_with_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
         bar.update()
         move_keeping_shared(paged, lambda t: t.to(backend.device))
         quantized_layers.hold_for_backend(paged, backend, dtype)
+        back_with_huge_pages([*paged.parameters(), *paged.buffers()])
         paged.eval()
         bar.update()
     eos_ids = eos | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())

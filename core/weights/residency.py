@@ -1,4 +1,5 @@
-"""Paging of memory-mapped checkpoints: read ahead before a load, handed back once copied.
+"""Paging of weights: a memory-mapped checkpoint read ahead before a load and handed back once copied,
+the loaded weights backed with huge pages.
 
 Weights copied out of a memory-mapped checkpoint (a GGUF's Q4_1 blocks split into codes and scales,
 projections merged into one linear) leave the pages they were copied from resident: the file's other
@@ -16,6 +17,7 @@ import torch
 
 MADV_WILLNEED = 3
 MADV_PAGEOUT = 21   # Linux 5.4+ (asm-generic/mman-common.h); Python's mmap module may not name it
+MADV_COLLAPSE = 25   # Linux 6.1+: back a range with transparent huge pages now, whatever the THP setting
 
 
 def read_ahead(tensor: torch.Tensor) -> None:
@@ -29,11 +31,12 @@ def page_out(tensors: list[torch.Tensor]) -> None:
     _advise(tensors, MADV_PAGEOUT, outer=False)
 
 
-def _advise(tensors: list[torch.Tensor], advice: int, outer: bool) -> None:
-    """madvise over each host tensor's pages: those it touches (``outer``) or only those it fills whole."""
+def _advise(tensors: list[torch.Tensor], advice: int, outer: bool, page: int = mmap.PAGESIZE) -> bool:
+    """madvise over each host tensor's pages: those it touches (``outer``) or only those it fills whole.
+    A hint: whether the OS took every call."""
     if not sys.platform.startswith("linux"):
-        return
-    libc, page = ctypes.CDLL(None, use_errno=True), mmap.PAGESIZE
+        return False
+    libc, taken = ctypes.CDLL(None, use_errno=True), True
     for t in tensors:
         if t.device.type != "cpu":
             continue
@@ -41,4 +44,25 @@ def _advise(tensors: list[torch.Tensor], advice: int, outer: bool) -> None:
         start = first // page * page if outer else -(-first // page) * page
         end = -(-last // page) * page if outer else last // page * page
         if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)   # a hint: errors ignored
+            taken &= libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
+    return taken
+
+
+def back_with_huge_pages(tensors: list[torch.Tensor]) -> None:
+    """Ask the OS to back the memory under these host tensors with huge pages (Linux ``MADV_COLLAPSE``,
+    which keeps their contents). A decode step reads every weight once: in 4 KiB pages that is a TLB miss,
+    a page walk (two levels of tables deep under a hypervisor), every 4 KiB; in 2 MiB pages almost none.
+    A tensor gets the huge pages that cover it, which may hold its neighbours too (harmless), or where
+    those reach past its mapping (a large tensor is mapped on its own), the ones it fills whole."""
+    page = _huge_page_size()
+    for t in tensors:
+        if not _advise([t], MADV_COLLAPSE, outer=True, page=page):
+            _advise([t], MADV_COLLAPSE, outer=False, page=page)
+
+
+def _huge_page_size() -> int:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
