@@ -1,8 +1,10 @@
-// A step's decoder layers in one call, for the cpu backend's decoder runner (decoder_runner.py):
-// the same kernels, in the same order, with the same arguments as the runner's Python loop made them
-// (lmport.ops.decoder describes one layer), so the hidden states are the same bit for bit; what goes
-// is the Python between them: about 25 calls a layer through pybind11 and torch's Python bindings,
-// which at batch 1 cost as much as a good share of the weight reads.
+// A step's decoder layers in one call, for the cpu backend's decoder runner (decoder_runner.py): the
+// kernels the runner's Python loop calls (lmport.ops.decoder describes one layer), in the same order with
+// the same arguments, and between them the norms, rotary and residual adds done in place on the step's
+// rows by the row functions those kernels use, so the hidden states are the same bit for bit. What goes
+// is the Python between the kernels (about 25 calls a layer through pybind11 and torch's Python
+// bindings, which at batch 1 cost as much as a good share of the weight reads) and torch's dispatch and
+// allocation for the ops between them.
 #pragma once
 
 #include <torch/extension.h>
@@ -100,30 +102,67 @@ class DecoderLayers {
                 "decoder layers: ", n, " layers, got ", cos.size(), " cos, ", sin.size(), " sin, ", k_caches.size(),
                 " K caches, ", v_caches.size(), " V caches, ", windows.size(), " windows and ", softcaps.size(),
                 " soft caps");
-    const int64_t t = x.size(0);
+    const int64_t t = x.size(0), width = x.size(1);
+    // The hidden states, updated in place (a copy: the caller's x stays as it is), and their norm; the
+    // glue between the kernels (norms, rotary, residual adds) runs on these buffers' rows, with no torch
+    // op of its own, and gives the same floats as the kernels it stands for.
+    torch::Tensor hidden = x.contiguous().clone(), normed = torch::empty_like(hidden);
+    float* h = hidden.data_ptr<float>();
+    float* hn = normed.data_ptr<float>();
+    // hidden += delta (after delta's own norm, where the layer has one); then ``next`` (if any) of it into normed.
+    const auto add = [&](torch::Tensor delta, const c10::optional<BoundNorm>& own, const BoundNorm* next) {
+      delta = delta.contiguous();
+      float* d = delta.data_ptr<float>();
+      at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          float *dr = d + r * width, *xr = h + r * width;
+          if (own) rms_norm_row(dr, own->weight.data_ptr<float>(), dr, width, own->eps);
+          for (int64_t e = 0; e < width; ++e) xr[e] += dr[e];
+          if (next) rms_norm_row(xr, next->weight.data_ptr<float>(), hn + r * width, width, next->eps);
+        }
+      });
+    };
+    const auto slots = slot_mapping.to(torch::kLong).contiguous();   // converted once, not once a layer
+    const BoundNorm& first = layers_[0].attention_norm;
+    at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(h + r * width, first.weight.data_ptr<float>(), hn + r * width, width, first.eps);
+    });
     for (size_t i = 0; i < n; ++i) {
       const BoundLayer& l = layers_[i];
-      auto qkv = run_parts(l.qkv, rms_norm(x, l.attention_norm.weight, l.attention_norm.eps))
-                     .view({t, -1, l.head_dim})
-                     .split_with_sizes({l.num_heads, l.num_kv_heads, l.num_kv_heads}, 1);
-      auto [q, k] = apply_rotary(norm(l.q_norm, qkv[0]), norm(l.k_norm, qkv[1]), cos[i], sin[i]);
+      const int64_t D = l.head_dim, heads = l.num_heads + l.num_kv_heads;
+      torch::Tensor qkv = run_parts(l.qkv, normed).contiguous();
+      // q and k heads in place: their norms (where the layer has them), then the rotation.
+      const auto c = cos[i].contiguous(), s = sin[i].contiguous();
+      float* qkv_rows = qkv.data_ptr<float>();
+      at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          for (int64_t head = 0; head < heads; ++head) {
+            float* row = qkv_rows + r * qkv.size(1) + head * D;
+            const auto& own = head < l.num_heads ? l.q_norm : l.k_norm;
+            if (own) rms_norm_row(row, own->weight.data_ptr<float>(), row, D, own->eps);
+            rotate_row(row, row, c.data_ptr<float>() + r * D, s.data_ptr<float>() + r * D, D);
+          }
+      });
+      const auto parts = qkv.view({t, -1, D}).split_with_sizes({l.num_heads, l.num_kv_heads, l.num_kv_heads}, 1);
+      const torch::Tensor q = parts[0].contiguous(), &k = parts[1], &v = parts[2];
       torch::Tensor out;
       if (bits) {
-        fill_kv_cache_codes(k, qkv[2], k_caches[i], v_caches[i], k_params[i], v_params[i], bits, slot_mapping);
+        fill_kv_cache_codes(k, v, k_caches[i], v_caches[i], k_params[i], v_params[i], bits, slots);
         out = paged_attention_codes(q, k_caches[i], v_caches[i], k_params[i], v_params[i], bits, block_tables,
                                     q_start_loc, kv_lens, l.scale, windows[i], softcaps[i]);
       } else {
-        fill_kv_cache(k, qkv[2], k_caches[i], v_caches[i], slot_mapping);
+        fill_kv_cache(k, v, k_caches[i], v_caches[i], slots);
         out = paged_attention(q, k_caches[i], v_caches[i], block_tables, q_start_loc, kv_lens, l.scale, windows[i],
                               softcaps[i]);
       }
-      x = x + norm(l.attention_output_norm, run_parts(l.o, out.view({t, -1})));
-      auto gate_up = run_parts(l.gate_up, rms_norm(x, l.mlp_norm.weight, l.mlp_norm.eps)).chunk(2, -1);
+      add(run_parts(l.o, out.view({t, -1})), l.attention_output_norm, &l.mlp_norm);
+      auto gate_up = run_parts(l.gate_up, normed).chunk(2, -1);
       const torch::Tensor gated = l.gelu_tanh ? at::gelu(gate_up[0], "tanh") * gate_up[1]
                                               : silu_and_mul(gate_up[0], gate_up[1]);
-      x = x + norm(l.mlp_output_norm, run_parts(l.down, gated));
+      add(run_parts(l.down, gated), l.mlp_output_norm, i + 1 < n ? &layers_[i + 1].attention_norm : nullptr);
     }
-    return x;
+    return hidden;
   }
 
  private:

@@ -9,24 +9,26 @@
 
 namespace lmport {
 
+// One head's row of D at a position whose table rows are cos, sin: out may be x.
+inline void rotate_row(const float* x, float* out, const float* cos, const float* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    out[i] = a * cos[i] - b * sin[i];
+    out[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
 namespace detail {
 
 // x, out [T, H, D]; cos, sin [T, D].
 inline void rotate(const float* x, float* out, const float* cos, const float* sin, int64_t T, int64_t H,
                    int64_t D) {
-  const int64_t half = D / 2;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + t * D;
       const float* s = sin + t * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* xi = x + (t * H + h) * D;
-        float* o = out + (t * H + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = xi[i] * c[i] - xi[i + half] * s[i];
-          o[i + half] = xi[i + half] * c[i + half] + xi[i] * s[i + half];
-        }
-      }
+      for (int64_t h = 0; h < H; ++h) rotate_row(x + (t * H + h) * D, out + (t * H + h) * D, c, s, D);
     }
   });
 }
