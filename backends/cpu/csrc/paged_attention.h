@@ -92,11 +92,11 @@ void attend_floats(const float* q, float* out, float* stats, const int32_t* bloc
     // loops below run a fixed eight keys and their accumulators stay in registers.
     int64_t keys_at[8];
     for (int64_t u = 0; u < 8; ++u) keys_at[u] = rows[j + std::min(u, keys - 1)];
-    if (prefetch) {
+    if (prefetch) {   // into L2 (locality 2): the L1's few miss buffers would hold the loads back
       for (int64_t u = 0; u < keys; ++u)
-        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.v, rows[j + u], 0) + f);
+        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.v, rows[j + u], 0) + f, 0, 2);
       for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
-        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.k, rows[u], 0) + f);
+        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.k, rows[u], 0) + f, 0, 2);
     }
     for (int64_t h = 0; h < q_heads; ++h) {
       const float* qh = q + h * D;
