@@ -165,10 +165,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], t
             tokens = {sampled[j]: token for j, token in zip(drawn, chosen)}
     greedy = [i for i in range(len(seqs)) if i not in tokens]
     if greedy:
-        # max's indices, not argmax: the same first index of the largest value, and faster on cpu.
-        tokens.update(zip(greedy, rows_of(logits, greedy).max(-1).indices.tolist()))
+        tokens.update(zip(greedy, greedy_tokens(rows_of(logits, greedy))))
     token_list = [tokens[i] for i in range(len(seqs))]
     return token_list, token_logprobs(raw, seqs, token_list)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest value: on the host (float32) by numpy's argmax, which is
+    vectorised and several times faster than torch's there; elsewhere by max's indices, which torch
+    computes faster than argmax's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.max(-1).indices.tolist()
 
 
 def rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmport.config import GenerationConfig
-from lmport.sampling import TEMPERATURE_FLOOR, sample
+from lmport.sampling import TEMPERATURE_FLOOR, greedy_tokens, sample
 from lmport.sequence import Sequence
 
 VOCAB = 50
@@ -49,6 +49,26 @@ def test_tiny_temperature_is_greedy():
     x = torch.randn(1, VOCAB)
     for i in range(5):
         assert sample(x, [_seq(i, temperature=1e-300)])[0] == [int(x.argmax())]
+
+
+def test_greedy_tokens_are_torch_max_indices():
+    """The host's numpy argmax picks what torch's max does: the first of tied largest values, -inf rows included."""
+    x = torch.randn(6, 49152)
+    x[1, [5, 900, 40000]] = 100.0                # ties: the first
+    x[2] = float("-inf")                          # nothing finite: index 0
+    x[3] = float("-inf")
+    x[3, 49151] = -1e30
+    x[4, 123] = float("inf")
+    x[5] = 0.0
+    assert greedy_tokens(x) == x.max(-1).indices.tolist() == [int(x[0].argmax()), 5, 0, 49151, 123, 0]
+    assert greedy_tokens(x[::2]) == x[::2].max(-1).indices.tolist()   # rows of a strided view
+
+
+def test_greedy_never_picks_nan():
+    x = torch.randn(1, VOCAB)
+    x[0, 3] = float("nan")
+    x[0, 8] = 50.0
+    assert sample(x, [Sequence("s", [1, 2], GenerationConfig())])[0] == [8]
 
 
 def test_sampling_still_follows_the_distribution():

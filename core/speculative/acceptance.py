@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmport.sampling import adjusted_logits, draw_one, samples, sampling_probs, token_logprobs
+from lmport.sampling import adjusted_logits, draw_one, greedy_tokens, samples, sampling_probs, token_logprobs
 from lmport.sequence import Sequence
 
 
@@ -43,7 +43,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]
     views = [s if j == 0 else dataclasses.replace(s, output_ids=s.output_ids + p[:j])
              for s, p in zip(seqs, proposals) for j in range(len(p) + 1)]
     adjusted = adjusted_logits(logits, views, masks)
-    greedy = adjusted.max(-1).indices.tolist()
+    greedy = greedy_tokens(adjusted)
     drawn = [r for r, v in enumerate(views) if samples(v)]
     probs: dict[int, torch.Tensor] = {}
     if drawn:

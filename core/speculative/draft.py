@@ -39,7 +39,7 @@ from lmport.models.loader import ModelNotFound, load_tokenizer, read_model_confi
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import kv_window
 from lmport.runner import ModelRunner, StepInput
-from lmport.sampling import adjusted_logits, draw_one, samples, sampling_probs
+from lmport.sampling import adjusted_logits, draw_one, greedy_tokens, samples, sampling_probs
 from lmport.sequence import Sequence
 from lmport.weights.checkpoint import check_backend
 
@@ -243,7 +243,7 @@ class DraftModel:
         already proposed; for a sampling sequence with the probabilities it was drawn from."""
         views = [dataclasses.replace(s, output_ids=s.output_ids + p) if p else s for s, p in zip(seqs, proposed)]
         adjusted = adjusted_logits(logits.float(), views)
-        tokens: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in adjusted.max(-1).indices.tolist()]
+        tokens: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in greedy_tokens(adjusted)]
         drawn = [i for i, v in enumerate(views) if samples(v)]
         if drawn:
             rows = sampling_probs(adjusted[drawn], [views[i] for i in drawn])
