@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -150,7 +151,9 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
         bar.update()
         move_keeping_shared(paged, lambda t: t.to(backend.device))
         quantized_layers.hold_for_backend(paged, backend, dtype)
-        back_with_huge_pages([*paged.parameters(), *paged.buffers()])
+        # In the background: collapsing copies every page (about a second a GB), which serving need not wait for.
+        threading.Thread(target=back_with_huge_pages, args=([*paged.parameters(), *paged.buffers()],),
+                         name="lmport-huge-pages", daemon=True).start()
         paged.eval()
         bar.update()
     eos_ids = eos | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
