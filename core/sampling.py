@@ -7,7 +7,6 @@ probability (NaN or -inf logits) falls back to the greedy choice instead of rais
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -124,11 +123,8 @@ def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence],
                     masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
     """float32 logits after NaN removal, logit bias, structured-output masks and the penalties: the greedy
     choice is their argmax, and sampling_probs() turns them into the distribution a token is drawn from."""
-    # NaN would win argmax and poison softmax: it counts as "never this token" (and an infinity becomes the
-    # largest finite value). On the host a finite sum shows there is neither, and the copy is left out.
-    logits = logits.float()
-    if logits.device.type != "cpu" or not math.isfinite(float(logits.sum())):
-        logits = logits.nan_to_num(nan=float("-inf"))
+    # NaN would win argmax and poison softmax: it counts as "never this token".
+    logits = logits.float().nan_to_num(nan=float("-inf"))
     logits = apply_logit_bias(logits, seqs)
     if masks is not None:
         logits = apply_bitmask(logits, *masks)
