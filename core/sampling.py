@@ -7,7 +7,6 @@ probability (NaN or -inf logits) falls back to the greedy choice instead of rais
 """
 from __future__ import annotations
 
-
 import torch
 
 from lmport.guided import apply_bitmask
