@@ -5,7 +5,8 @@ Through the model's modules, a decode step of the default model makes about 400 
 through a module's forward, a backend method and its checks. At batch 1 that Python is a large
 share of the step: the weights streaming through the caches between calls leave it running cold.
 The runner makes the same kernel calls with nothing in between, in C++ (csrc/decoder_layers.h: one
-call a step) or, with ``loop="python"``, in a Python loop over the kernels one by one (what
+call a step, the norms, rotary and residual adds done in place by the kernels' row functions, to the
+same floats) or, with ``loop="python"``, in a Python loop over the kernels one by one (what
 benchmarks/decode_profile.py times op by op). It covers the steps the kernels cover as the
 backend's methods would pick them (float32, a float32 cache or one of 8-/4-bit codes with float32 params, up to
 SMALL_BATCH_TOKENS tokens)

@@ -54,11 +54,6 @@ struct BoundNorm {
   double eps = 0;
 };
 
-// What a layer may leave out (q/k norms, norms on the attention's and MLP's outputs) passes x through.
-inline torch::Tensor norm(const c10::optional<BoundNorm>& n, const torch::Tensor& x) {
-  return n ? rms_norm(x, n->weight, n->eps) : x;
-}
-
 struct BoundLayer {
   BoundNorm attention_norm, mlp_norm;
   c10::optional<BoundNorm> q_norm, k_norm, attention_output_norm, mlp_output_norm;
