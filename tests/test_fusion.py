@@ -62,6 +62,19 @@ def test_parts_of_different_kinds_are_concatenated(parts):
     torch.testing.assert_close(merged(x), torch.cat([p(x) for p in parts], -1), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_neighbours_of_one_kind_are_stacked_within_a_concat(bias):
+    # As a Q4_K_M file has them: q and k in one format, v in another (and k beside v in another layer).
+    q, k, v = (quant_linear(n, bits, 32, seed, bias) for seed, (n, bits) in enumerate(((64, 4), (32, 4), (32, 8))))
+    merged = merge_linears([q, k, v])
+    assert isinstance(merged, ConcatLinear) and len(merged.parts) == 2
+    assert isinstance(merged.parts[0], QuantLinear) and merged.parts[0].quantized.qweight.shape[0] == 96
+    assert merged.parts[1] is v
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(merged(x), torch.cat([p(x) for p in (q, k, v)], -1), atol=1e-6, rtol=1e-6)
+    assert [p.quantized.qweight.shape[0] for p in merge_linears([v, q, k]).parts] == [32, 96]
+
+
 @pytest.mark.parametrize("parts", [
     lambda: [float_linear(32, True, 0), float_linear(32, False, 1)],         # a bias on one part only
     lambda: [float_linear(32, False, 0), float_linear(32, False, 1).to(torch.bfloat16)],   # other dtypes

@@ -6,7 +6,9 @@ of weight it reads (the call, the threads, a quantized kernel's pass over the ac
 leaves 4 calls a layer instead of 7. The merged weight stacks the parts' rows in order
 (under tensor parallelism, this rank's rows of each), so its output splits back into theirs exactly.
 Parts of different kinds (float beside quantized, int4 beside int8, other group sizes or GGUF block
-types) become a ``ConcatLinear`` that calls each; parts with and without a bias stay separate.
+types) become a ``ConcatLinear`` that calls each run of neighbouring parts of one kind as one weight (a
+Q4_K_M file's q and k in Q5_0 beside v in Q8_0: two calls, not three); parts with and without a bias stay
+separate.
 """
 from __future__ import annotations
 
@@ -27,14 +29,32 @@ def merge_linears(parts: list[nn.Module]) -> nn.Module | None:
     biases = [p.bias for p in parts]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    merged = _one_weight(parts, bias)
+    merged = _one_weight(parts, _stacked(biases))
     if merged is not None:
         return merged
     float_dtypes = {p.weight.dtype for p in parts if isinstance(p, Linear)}
     if len(float_dtypes) <= 1 and all(linear_weights(p) is not None for p in parts):
-        return ConcatLinear(parts)
+        return ConcatLinear(_runs_merged(parts, biases))
     return None
+
+
+def _runs_merged(parts: list[nn.Module], biases: list) -> list[nn.Module]:
+    """``parts`` with each run of neighbours that stack into one weight as that weight (the longest run from
+    each part on)."""
+    out, start = [], 0
+    while start < len(parts):
+        for end in range(len(parts), start, -1):
+            merged = parts[start] if end == start + 1 else _one_weight(parts[start:end], _stacked(biases[start:end]))
+            if merged is not None:
+                break
+        out.append(merged)
+        start = end
+    return out
+
+
+def _stacked(biases: list) -> torch.Tensor | None:
+    """The parts' biases end to end (all present, or all None: then None)."""
+    return None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
 def _one_weight(parts: list[nn.Module], bias: torch.Tensor | None) -> nn.Module | None:
@@ -95,6 +115,7 @@ def fuse_projections(model: nn.Module) -> int:
             setattr(module, merged_name, fused)
             for name in part_names:
                 delattr(module, name)
-            page_out([t for p in parts for t in [*p.parameters(), *p.buffers()]])
+            kept = set(fused.modules())   # a ConcatLinear's parts that are not stacked run as they are
+            page_out([t for p in parts if p not in kept for t in [*p.parameters(), *p.buffers()]])
             merges += 1
     return merges
