@@ -7,6 +7,9 @@ probability (NaN or -inf logits) falls back to the greedy choice instead of rais
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from lmport.guided import apply_bitmask
@@ -120,11 +123,10 @@ def samples(seq: Sequence) -> bool:
 
 def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence],
                     masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
-    """float32 logits after NaN removal, logit bias, structured-output masks and the penalties: the greedy
-    choice is their argmax, and sampling_probs() turns them into the distribution a token is drawn from."""
-    # NaN would win argmax and poison softmax: it counts as "never this token".
-    logits = logits.float().nan_to_num(nan=float("-inf"))
-    logits = apply_logit_bias(logits, seqs)
+    """float32 logits after logit bias, structured-output masks and the penalties: the greedy choice is
+    greedy_tokens() of them, and sampling_probs() turns them into the distribution a token is drawn from.
+    A NaN stays (the adjustments keep it NaN): both read it as -inf, "never this token"."""
+    logits = apply_logit_bias(logits.float(), seqs)
     if masks is not None:
         logits = apply_bitmask(logits, *masks)
     logits = apply_repetition_penalty(logits, seqs)
@@ -136,7 +138,7 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top-p and min-p; a row with no finite probability is all zeros (the greedy token stands)."""
     cfgs = [s.gen_config for s in seqs]
     dev, vocab = logits.device, logits.shape[-1]
-    rows = logits
+    rows = logits.nan_to_num(nan=float("-inf"))   # NaN would poison the softmax: never this token
     if any(c.temperature != 1.0 for c in cfgs):
         rows = logits / torch.tensor([c.temperature for c in cfgs], device=dev)[:, None]
         rows = rows.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
@@ -171,12 +173,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], masks: tuple[list[int], t
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's first index of its largest value: on the host (float32) by numpy's argmax, which is
-    vectorised and several times faster than torch's there; elsewhere by max's indices, which torch
-    computes faster than argmax's."""
+    """Each row's first index of its largest value, NaN counting as -inf: on the host (float32) by numpy's
+    argmax, which is vectorised and several times faster than torch's there (it picks a row's first NaN, if
+    any: only such a row is searched again without them); elsewhere by max's indices, which torch computes
+    faster than argmax's."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(-1).tolist()
-    return logits.max(-1).indices.tolist()
+        values = logits.numpy()
+        tokens = values.argmax(-1).tolist()
+        for row, token in enumerate(tokens):
+            if math.isnan(values[row, token]):
+                tokens[row] = int(np.nan_to_num(values[row], nan=-np.inf).argmax())
+        return tokens
+    return logits.nan_to_num(nan=float("-inf")).max(-1).indices.tolist()
 
 
 def rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

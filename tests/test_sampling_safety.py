@@ -64,6 +64,22 @@ def test_greedy_tokens_are_torch_max_indices():
     assert greedy_tokens(x[::2]) == x[::2].max(-1).indices.tolist()   # rows of a strided view
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["host numpy", "torch max"])
+def test_greedy_tokens_read_nan_as_minus_infinity(dtype):
+    x = torch.randn(5, 49152)
+    x[0, [3, 700]] = float("nan")                 # before and after the largest value
+    x[0, 500] = 50.0
+    x[1] = float("nan")                           # nothing but NaN: index 0, as for -inf
+    x[2] = float("-inf")
+    x[2, [0, 9]] = float("nan")
+    x[2, 40000] = -1e30
+    x[4, 0] = float("nan")
+    expected = x.nan_to_num(nan=float("-inf")).max(-1).indices.tolist()
+    assert expected[:3] == [500, 0, 40000]
+    assert greedy_tokens(x.to(dtype)) == expected
+    assert greedy_tokens(x.to(dtype)[::2]) == expected[::2]   # rows of a strided view
+
+
 def test_greedy_never_picks_nan():
     x = torch.randn(1, VOCAB)
     x[0, 3] = float("nan")
