@@ -11,7 +11,7 @@ import lmport
 from lmport import ops
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.models.fusion import ConcatLinear
-from lmport.models.quantized import GGMLLinear, QuantLinear
+from lmport.models.quantized import GGMLLinear, QuantLinear, hold_for_backend
 from lmport.weights.format import from_codes
 from lmport.weights.ggml import GGMLWeight
 from support.model_helpers import tiny_model_dir
@@ -66,6 +66,31 @@ def ggml_layers(model) -> None:
             linear = getattr(parent, name)
             setattr(parent, name, ggml_blocks(linear.weight, linear.bias, kind, model.backend))
     model._runner = None   # the runner binds the weights: built again over the new ones
+
+
+def mixed_layers(model) -> None:
+    """As a Q4_K_M file mixes formats within qkv: q in Q5_0 beside k and v in lmport's int8, the other
+    projections in Q5_0."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        q = attn.num_heads * attn.head_dim
+        kv = torch.nn.Linear(w.shape[1], w.shape[0] - q, bias=b is not None)
+        kv.weight.data, kv.backend = w[q:].detach().clone(), model.backend
+        if b is not None:
+            kv.bias.data = b[q:].detach().clone()
+        attn.qkv_proj = ConcatLinear([ggml_blocks(w[:q], None if b is None else b[:q], "q5_0", model.backend),
+                                      quantized(kv, 8, 32)])
+        for parent, name in [(attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]:
+            linear = getattr(parent, name)
+            setattr(parent, name, ggml_blocks(linear.weight, linear.bias, "q5_0", model.backend))
+    model._runner = None
+
+
+def interleave_layers(model) -> None:
+    """Every quantized projection's rows interleaved where the kernels read them so, as a model loads."""
+    hold_for_backend(model, model.backend, torch.float32)
+    model._runner = None
 
 
 def hidden_states(engine, prompts: list[list[int]], decode_steps: int, use_runner: bool) -> list[torch.Tensor]:
@@ -176,3 +201,33 @@ def test_python_loop_gives_the_native_loops_hidden_states(arch, weights):
     python = hidden_states(engine, PROMPTS, 4, use_runner=True)
     for a, b in zip(python, native, strict=True):
         assert torch.equal(a, b)
+
+
+# Interleaved weights: decode steps run as one parallel region (csrc/decoder_layers.h's team). Qwen2's biases,
+# a sliding window (mistral-sw32), Qwen3's q/k norms, and a projection of two formats (q5_0+int8).
+TEAM_CASES = [("llama", "int8"), ("qwen2", "int4"), ("mistral-sw32", "int4"), ("qwen3", "int8"), ("llama", "q5_0+int8")]
+
+
+@pytest.mark.parametrize("sequences", [1, 2])
+@pytest.mark.parametrize(("arch", "weights"), TEAM_CASES)
+def test_a_team_gives_the_modules_hidden_states(arch, weights, sequences):
+    """Each thread of the team takes its share of every op; the hidden states are the modules' kernel calls',
+    bit for bit, for one sequence (on two threads, attention's keys split between them, then merged) and for
+    two (a token a thread)."""
+    from lmport.backends.cpu import kernels
+    from lmport.backends.cpu.decoder_runner import _bind_layer_native
+    compiled = kernels.load()
+    if compiled is None or not compiled.quant_interleaved_bits():
+        pytest.skip("this build reads no interleaved rows (no AVX-512 VNNI)")
+    engine = engine_for(arch, cache_max_entry_count=16)
+    if weights == "q5_0+int8":
+        mixed_layers(engine.model)
+    else:
+        quantize_layers(engine.model, int(weights[3]), 32)
+    interleave_layers(engine.model)
+    specs = [layer.spec() for layer in engine.model.model.layers]
+    assert compiled.DecoderLayers([_bind_layer_native(spec, compiled) for spec in specs]).runs_as_team()
+    want = hidden_states(engine, PROMPTS[:sequences], 4, use_runner=False)
+    got = hidden_states(engine, PROMPTS[:sequences], 4, use_runner=True)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

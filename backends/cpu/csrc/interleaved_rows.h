@@ -388,9 +388,37 @@ inline int64_t dot_rows(L at, const uint8_t* group, int64_t blocks, const BlockC
 
 constexpr int64_t kCodeBytesInCache = 128 * 1024;
 
-// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them,
-// ``group_bytes`` apart from ``w``; ``layout`` a kernel's type, or QuantRows with the int4 / int8
-// format's scales and mins): each group against the rows of x, kRowsAtOnce at a time.
+// Groups [begin, end) of W (``group_bytes`` apart from ``w``; ``layout`` a kernel's type, or QuantRows with the
+// int4 / int8 format's scales and mins) against the M rows of x (``x``, their codes; K inputs): each group
+// against the rows of x, kRowsAtOnce at a time, into y [M, groups * 16] (rows ``y_stride`` apart).
+template <class L>
+inline void groups_range(L layout, const BlockCodes* const* x, int64_t M, int64_t K, const uint8_t* w,
+                         int64_t begin, int64_t end, int64_t group_bytes, int64_t blocks, const float* bias, float* y,
+                         int64_t y_stride) {
+  constexpr int kAtOnce = kRowsAtOnce<L>;
+  // A prefill's rows go a chunk at a time whose codes (2 bytes an input) stay in L2 while they meet every
+  // group of the thread; a decode step's are one chunk.
+  const int64_t chunk = std::max<int64_t>(kAtOnce, kCodeBytesInCache / (2 * K) / kAtOnce * kAtOnce);
+  for (int64_t first = 0; first < M; first += chunk) {
+    const int64_t last = std::min(M, first + chunk);
+    for (int64_t g = begin; g < end; ++g) {
+      const L at = layout.group(g);
+      const uint8_t* group = w + g * group_bytes;
+      const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
+      __m512 out[kAtOnce];
+      for (int64_t m = first; m < last;) {
+        const uint8_t* next = m == first && g + 1 < end ? group + group_bytes : nullptr;
+        const int64_t done = dot_rows<kAtOnce>(at, group, blocks, x + m, last - m, next, out);
+        for (int64_t r = 0; r < done; ++r)
+          _mm512_storeu_ps(y + (m + r) * y_stride + kGroup * g, _mm512_add_ps(out[r], b));
+        m += done;
+      }
+    }
+  }
+}
+
+// y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them): the
+// threads share the groups (groups_range).
 template <class L>
 inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                           int64_t group_bytes, int64_t blocks, const float* bias, float* y, int64_t y_stride) {
@@ -398,27 +426,8 @@ inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const 
   for (int64_t m = 0; m < M; ++m) xs.push_back(block_codes(x + m * K, K));
   std::vector<const BlockCodes*> rows;
   for (const auto& a : xs) rows.push_back(&a);
-  constexpr int kAtOnce = kRowsAtOnce<L>;
-  // A prefill's rows go a chunk at a time whose codes (2 bytes an input) stay in L2 while they meet every
-  // group of the thread; a decode step's are one chunk.
-  const int64_t chunk = std::max<int64_t>(kAtOnce, kCodeBytesInCache / (2 * K) / kAtOnce * kAtOnce);
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < M; first += chunk) {
-      const int64_t last = std::min(M, first + chunk);
-      for (int64_t g = begin; g < end; ++g) {
-        const L at = layout.group(g);
-        const uint8_t* group = w + g * group_bytes;
-        const __m512 b = bias ? _mm512_loadu_ps(bias + kGroup * g) : _mm512_setzero_ps();
-        __m512 out[kAtOnce];
-        for (int64_t m = first; m < last;) {
-          const uint8_t* next = m == first && g + 1 < end ? group + group_bytes : nullptr;
-          const int64_t done = dot_rows<kAtOnce>(at, group, blocks, rows.data() + m, last - m, next, out);
-          for (int64_t r = 0; r < done; ++r)
-            _mm512_storeu_ps(y + (m + r) * y_stride + kGroup * g, _mm512_add_ps(out[r], b));
-          m += done;
-        }
-      }
-    }
+    groups_range(layout, rows.data(), M, K, w, begin, end, group_bytes, blocks, bias, y, y_stride);
   });
 }
 

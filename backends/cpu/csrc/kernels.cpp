@@ -100,5 +100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_codes", &lmport::DecoderLayers::run_codes, py::arg("x"), py::arg("cos"), py::arg("sin"),
            py::arg("k_caches"), py::arg("v_caches"), py::arg("k_params"), py::arg("v_params"), py::arg("bits"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"),
-           py::arg("windows"), py::arg("softcaps"));
+           py::arg("windows"), py::arg("softcaps"))
+      .def("runs_as_team", &lmport::DecoderLayers::runs_as_team,
+           "whether steps of a few tokens over a float32 cache run as one parallel region (interleaved weights)");
 }

@@ -171,11 +171,96 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
   }
 }
 
-// q [T, Hq, D]; the pool [blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
-// q_start_loc [B + 1]; kv_lens [B]. Token t of sequence b sits at position
-// kv_lens[b] - q_len + (t - q_start_loc[b]) and attends to positions <= that; with a
-// sliding window (window > 0) only to those > that - window. softcap > 0: scores become
+// A step's attention work, from its metadata: block_tables [B, max_blocks]; q_start_loc [B + 1]; kv_lens [B].
+// Token t of sequence b sits at position kv_lens[b] - q_len + (t - q_start_loc[b]) and attends to positions
+// <= that; with a sliding window (window > 0) only to those > that - window.
+//
+// Work items are (token, part of its keys). A small step (a decode step of a few sequences, a verification
+// of a few proposed tokens) splits each token's keys into parts, attended apart and merged by their softmax
+// statistics, so that the items share out evenly: threads / gcd(T, threads) parts, each thread then taking
+// the same part of every token (five tokens on two threads: each thread half the keys of all five, where
+// whole tokens would go three to one thread and two to the other). Larger steps (prefill) take a token an
+// item. Items go round-robin to the workers, so prefill rows, whose cost grows with position, are shared
+// evenly.
+struct AttentionWork {
+  torch::Tensor tables, starts, lens;
+  const int32_t *tab, *st, *kl;
+  int64_t T, Hq, D, width, parts, items, workers;
+  std::vector<int64_t> seq_of;
+  std::vector<float> part_out, part_stats;   // each item's output and its heads' softmax statistics (parts > 1)
+
+  AttentionWork(const torch::Tensor& block_tables, const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
+                int64_t T_, int64_t Hq_, int64_t D_, int64_t threads)
+      // The step metadata is int32 (AttentionMetadata): .to() is then a no-op, not a copy per layer.
+      : tables(block_tables.to(torch::kInt).contiguous()), starts(q_start_loc.to(torch::kInt).contiguous()),
+        lens(kv_lens.to(torch::kInt).contiguous()), tab(tables.data_ptr<int32_t>()), st(starts.data_ptr<int32_t>()),
+        kl(lens.data_ptr<int32_t>()), T(T_), Hq(Hq_), D(D_), width(tables.size(1)) {
+    const int64_t B = lens.size(0);
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && starts.numel() == B + 1 && st[B] == T,
+                "paged_attention: block_tables [B, max_blocks], q_start_loc [B + 1] ending at the ", T,
+                " query tokens, kv_lens [B]; got ", tables.sizes(), ", ", starts.sizes(), " and ", lens.sizes());
+    seq_of.resize(T);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = st[b]; t < st[b + 1]; ++t) seq_of[t] = b;
+    parts = T < 4 * threads ? threads / std::gcd(T, threads) : 1;
+    items = T * parts;
+    workers = std::min(threads, items);
+    part_out.resize(parts > 1 ? items * Hq * D : 0);
+    part_stats.resize(parts > 1 ? items * Hq * 2 : 0);
+  }
+};
+
+// Worker ``worker``'s items of ``work``: query token t's heads at q + t * q_stride, its output at out + t * Hq * D
+// (where a token is one item; else the item's share, merged by merge_parts). softcap > 0: scores become
 // softcap * tanh(scores / softcap) before the softmax.
+template <int kBits>
+void attend_items(AttentionWork& work, int64_t worker, const float* q, int64_t q_stride, const Pool<kBits>& pool,
+                  float* out, double scale, int64_t window, double softcap, Scratch& scratch) {
+  const int64_t Hq = work.Hq, D = work.D, parts = work.parts;
+  const auto run = D == 64 ? attend<64, kBits> : D == 128 ? attend<128, kBits> : attend<0, kBits>;
+  const int32_t *st = work.st, *kl = work.kl;
+  for (int64_t i = worker; i < work.items; i += work.workers) {
+    const int64_t t = i / parts, part = i % parts, b = work.seq_of[t];
+    const int64_t end = kl[b] - (st[b + 1] - t) + 1;  // token t sits at position end - 1
+    const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    const int64_t lo = first + (end - first) * part / parts, hi = first + (end - first) * (part + 1) / parts;
+    float* stats = parts > 1 ? work.part_stats.data() + i * Hq * 2 : nullptr;
+    if (lo == hi) {  // more parts than keys: this one weighs nothing in the merge
+      for (int64_t h = 0; h < Hq; ++h) stats[2 * h] = -INFINITY, stats[2 * h + 1] = 0.f;
+      continue;
+    }
+    // A decode token reads its history cold; prefill tokens of one sequence share it in cache.
+    const bool decode = st[b + 1] - st[b] == 1;
+    run(q + t * q_stride, parts > 1 ? work.part_out.data() + i * Hq * D : out + t * Hq * D, stats,
+        work.tab + b * work.width, lo, hi, Hq, pool, static_cast<float>(scale), static_cast<float>(softcap), decode,
+        scratch);
+  }
+}
+
+// Each head's parts of ``work`` into out [T, Hq, D], weighed by their share of the softmax mass:
+// exp(max_part - max) * sum_part. Nothing to do where a token is one item.
+inline void merge_parts(AttentionWork& work, float* out) {
+  const int64_t T = work.T, Hq = work.Hq, D = work.D, parts = work.parts;
+  std::vector<float> weight(parts);
+  for (int64_t t = 0; t < T && parts > 1; ++t)
+    for (int64_t h = 0; h < Hq; ++h) {
+      float m = -INFINITY, total = 0.f;
+      for (int64_t part = 0; part < parts; ++part) m = std::max(m, work.part_stats[((t * parts + part) * Hq + h) * 2]);
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* st2 = work.part_stats.data() + ((t * parts + part) * Hq + h) * 2;
+        weight[part] = st2[1] > 0.f ? std::exp(st2[0] - m) * st2[1] : 0.f;
+        total += weight[part];
+      }
+      float* o = out + (t * Hq + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* src = work.part_out.data() + ((t * parts + part) * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += weight[part] / total * src[d];
+      }
+    }
+}
+
+// q [T, Hq, D]; the pool [blocks, block_size, Hkv, D]; the metadata as AttentionWork takes it.
 template <int kBits>
 torch::Tensor attention_over(const torch::Tensor& q, const Pool<kBits>& pool, const torch::Tensor& block_tables,
                              const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, double scale,
@@ -183,76 +268,16 @@ torch::Tensor attention_over(const torch::Tensor& q, const Pool<kBits>& pool, co
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && Hq % pool.kv_heads == 0,
               "paged_attention needs head_dim % 8 == 0, head_dim <= 256 and whole GQA groups");
-  // The step metadata is int32 (AttentionMetadata): .to() is then a no-op, not a copy per layer.
-  auto tables = block_tables.to(torch::kInt).contiguous();
-  auto starts = q_start_loc.to(torch::kInt).contiguous();
-  auto lens = kv_lens.to(torch::kInt).contiguous();
-  const int32_t* tab = tables.data_ptr<int32_t>();
-  const int32_t* st = starts.data_ptr<int32_t>();
-  const int32_t* kl = lens.data_ptr<int32_t>();
-  const int64_t width = tables.size(1), B = lens.size(0);
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && starts.numel() == B + 1 && st[B] == T,
-              "paged_attention: block_tables [B, max_blocks], q_start_loc [B + 1] ending at the ", T,
-              " query tokens, kv_lens [B]; got ", tables.sizes(), ", ", starts.sizes(), " and ", lens.sizes());
-
-  std::vector<int64_t> seq_of(T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = st[b]; t < st[b + 1]; ++t) seq_of[t] = b;
-
+  AttentionWork work(block_tables, q_start_loc, kv_lens, T, Hq, D, at::get_num_threads());
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const auto run = D == 64 ? attend<64, kBits> : D == 128 ? attend<128, kBits> : attend<0, kBits>;
-
-  // Work items are (token, part of its keys). A small step (a decode step of a few sequences, a
-  // verification of a few proposed tokens) splits each token's keys into parts, attended apart and
-  // merged by their softmax statistics, so that the items share out evenly: threads / gcd(T, threads)
-  // parts, each thread then taking the same part of every token (five tokens on two threads: each
-  // thread half the keys of all five, where whole tokens would go three to one thread and two to the
-  // other). Larger steps (prefill) take a token an item.
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = T < 4 * threads ? threads / std::gcd(T, threads) : 1, items = T * parts;
-  std::vector<float> part_out(parts > 1 ? items * Hq * D : 0), part_stats(parts > 1 ? items * Hq * 2 : 0);
-  // Items go round-robin to the workers, so prefill rows, whose cost grows with position, are
-  // shared evenly.
-  const int64_t workers = std::min(threads, items);
-  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
+  at::parallel_for(0, work.workers, 1, [&](int64_t first_worker, int64_t last_worker) {
     Scratch scratch;
     for (int64_t w = first_worker; w < last_worker; ++w)
-      for (int64_t i = w; i < items; i += workers) {
-        const int64_t t = i / parts, part = i % parts, b = seq_of[t];
-        const int64_t end = kl[b] - (st[b + 1] - t) + 1;  // token t sits at position end - 1
-        const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-        const int64_t lo = first + (end - first) * part / parts, hi = first + (end - first) * (part + 1) / parts;
-        float* stats = parts > 1 ? part_stats.data() + i * Hq * 2 : nullptr;
-        if (lo == hi) {  // more parts than keys: this one weighs nothing in the merge
-          for (int64_t h = 0; h < Hq; ++h) stats[2 * h] = -INFINITY, stats[2 * h + 1] = 0.f;
-          continue;
-        }
-        // A decode token reads its history cold; prefill tokens of one sequence share it in cache.
-        const bool decode = st[b + 1] - st[b] == 1;
-        run(qp + t * Hq * D, parts > 1 ? part_out.data() + i * Hq * D : op + t * Hq * D, stats, tab + b * width, lo,
-            hi, Hq, pool, static_cast<float>(scale), static_cast<float>(softcap), decode, scratch);
-      }
+      attend_items(work, w, qp, Hq * D, pool, op, scale, window, softcap, scratch);
   });
-  // Each head's parts weigh by their share of the softmax mass: exp(max_part - max) * sum_part.
-  std::vector<float> weight(parts);
-  for (int64_t t = 0; t < T && parts > 1; ++t)
-    for (int64_t h = 0; h < Hq; ++h) {
-      float m = -INFINITY, total = 0.f;
-      for (int64_t part = 0; part < parts; ++part) m = std::max(m, part_stats[((t * parts + part) * Hq + h) * 2]);
-      for (int64_t part = 0; part < parts; ++part) {
-        const float* st2 = part_stats.data() + ((t * parts + part) * Hq + h) * 2;
-        weight[part] = st2[1] > 0.f ? std::exp(st2[0] - m) * st2[1] : 0.f;
-        total += weight[part];
-      }
-      float* o = op + (t * Hq + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      for (int64_t part = 0; part < parts; ++part) {
-        const float* src = part_out.data() + ((t * parts + part) * Hq + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += weight[part] / total * src[d];
-      }
-    }
+  merge_parts(work, op);
   return out;
 }
 
