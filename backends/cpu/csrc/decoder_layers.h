@@ -4,7 +4,8 @@
 // rows by the row functions those kernels use, so the hidden states are the same bit for bit. What goes
 // is the Python between the kernels (about 25 calls a layer through pybind11 and torch's Python
 // bindings, which at batch 1 cost as much as a good share of the weight reads) and torch's dispatch and
-// allocation for the ops between them.
+// allocation for the ops between them. A step of a few tokens over interleaved weights goes further: one
+// parallel region for all the layers (DecoderLayers' team).
 #pragma once
 
 #include <torch/extension.h>
@@ -238,6 +239,7 @@ class DecoderLayers {
     // Everything a member reads besides the weights, settled before the region (no torch op runs in it).
     std::vector<torch::Tensor> held;
     std::vector<const float*> c(n), s(n);
+    std::vector<float*> k_data(n), v_data(n);
     std::vector<Pool<32>> pools;
     for (size_t i = 0; i < n; ++i) {
       const auto& k = k_caches[i];
@@ -249,7 +251,8 @@ class DecoderLayers {
                   ", ", D, "] alike; got ", k.sizes(), " and ", v.sizes());
       held.push_back(cos[i].contiguous()), c[i] = held.back().data_ptr<float>();
       held.push_back(sin[i].contiguous()), s[i] = held.back().data_ptr<float>();
-      pools.push_back({k.data_ptr(), v.data_ptr(), nullptr, nullptr, k.size(1), k.size(2), D});
+      k_data[i] = k.data_ptr<float>(), v_data[i] = v.data_ptr<float>();
+      pools.push_back({k_data[i], v_data[i], nullptr, nullptr, k.size(1), k.size(2), D});
     }
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t pool_slots = k_caches[0].size(0) * k_caches[0].size(1);
@@ -278,11 +281,8 @@ class DecoderLayers {
           if (member == 0) {   // q and k heads in place; the new K and V rows into the cache
             rotate_rows(l, qkv.data(), W, c[i], s[i], 0, t);
             for (int64_t r = 0; r < t; ++r) {
-              const float* row = qkv.data() + r * W + Hq * D;
-              std::memcpy(static_cast<float*>(const_cast<void*>(pools[i].k)) + slot[r] * kv_row, row,
-                          kv_row * sizeof(float));
-              std::memcpy(static_cast<float*>(const_cast<void*>(pools[i].v)) + slot[r] * kv_row, row + kv_row,
-                          kv_row * sizeof(float));
+              const float* k = qkv.data() + r * W + Hq * D;
+              fill_kv_row(k, k + kv_row, k_data[i], v_data[i], kv_row, slot[r]);
             }
           }
           barrier.wait();

@@ -12,6 +12,12 @@
 
 namespace lmport {
 
+// Token rows k and v (``row`` floats each) into the float32 caches' slot ``slot``.
+inline void fill_kv_row(const float* k, const float* v, float* k_cache, float* v_cache, int64_t row, int64_t slot) {
+  std::memcpy(k_cache + slot * row, k, row * sizeof(float));
+  std::memcpy(v_cache + slot * row, v, row * sizeof(float));
+}
+
 inline void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor slot_mapping) {
   TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
@@ -36,10 +42,7 @@ inline void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cach
   const float* vp = vc.data_ptr<float>();
   float* kd = k_cache.data_ptr<float>();
   float* vd = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kd + sp[t] * row, kp + t * row, row * sizeof(float));
-    std::memcpy(vd + sp[t] * row, vp + t * row, row * sizeof(float));
-  }
+  for (int64_t t = 0; t < T; ++t) fill_kv_row(kp + t * row, vp + t * row, kd, vd, row, sp[t]);
 }
 
 // One (token, KV head) row of D floats as lmport.kv.quant.quantize computes it, step for step (the same
