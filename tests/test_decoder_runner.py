@@ -214,6 +214,22 @@ def test_a_team_gives_the_modules_hidden_states(arch, weights, sequences):
     """Each thread of the team takes its share of every op; the hidden states are the modules' kernel calls',
     bit for bit, for one sequence (on two threads, attention's keys split between them, then merged) and for
     two (a token a thread)."""
+    assert_team_matches_modules(arch, weights, sequences)
+
+
+def test_more_threads_than_cpus_still_give_the_modules_hidden_states():
+    """More threads than CPUs would have team members spinning at a barrier for one without a core: such a
+    step calls the kernels one at a time instead, to the same hidden states."""
+    import os
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)) + 1)
+    try:
+        assert_team_matches_modules("llama", "int8", 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_team_matches_modules(arch: str, weights: str, sequences: int) -> None:
     from lmport.backends.cpu import kernels
     from lmport.backends.cpu.decoder_runner import _bind_layer_native
     compiled = kernels.load()
@@ -231,3 +247,4 @@ def test_a_team_gives_the_modules_hidden_states(arch, weights, sequences):
     got = hidden_states(engine, PROMPTS[:sequences], 4, use_runner=True)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+

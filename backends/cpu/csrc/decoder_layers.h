@@ -10,8 +10,10 @@
 
 #include <torch/extension.h>
 #include <omp.h>
+#include <sched.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "activation.h"
@@ -100,6 +102,14 @@ inline void rotate_rows(const BoundLayer& l, float* qkv, int64_t stride, const f
     }
 }
 
+// The CPUs this process may run on. A team of more threads would have members waiting at a barrier for
+// one that has no core to run on.
+inline int usable_cpus() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                      : static_cast<int>(std::thread::hardware_concurrency());
+}
+
 // A layer's projections as a team runs them (team_linear.h).
 struct TeamLayer {
 #ifdef LMPORT_QUANT_AVX512
@@ -109,8 +119,8 @@ struct TeamLayer {
 
 // The layers, bound once; ``run`` takes a step's hidden states through all of them.
 //
-// A step of a few tokens over interleaved weights (every layer's projections, a float32 cache, a silu MLP)
-// runs as one parallel region: its threads take every op together, each its share of a projection's rows
+// A step of a few tokens over interleaved weights (every layer's projections, a float32 cache, a silu MLP),
+// with no more threads than CPUs to run them, runs as one parallel region: its threads take every op together, each its share of a projection's rows
 // or of attention's keys, the glue between on one of them, meeting at a spin barrier between ops. Other
 // steps call the kernels one at a time, each opening its own region. The two give the same floats.
 class DecoderLayers {
@@ -159,7 +169,7 @@ class DecoderLayers {
       for (int64_t r = begin; r < end; ++r)
         rms_norm_row(h + r * width, first.weight.data_ptr<float>(), hn + r * width, width, first.eps);
     });
-    if (bits == 0 && !team_.empty() && t <= kTeamTokens &&
+    if (bits == 0 && !team_.empty() && t <= kTeamTokens && at::get_num_threads() <= usable_cpus() &&
         run_team(h, hn, t, width, cos, sin, k_caches, v_caches, slots, block_tables, q_start_loc, kv_lens, windows,
                  softcaps))
       return hidden;

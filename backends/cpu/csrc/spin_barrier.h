@@ -1,11 +1,14 @@
 // The threads of one parallel region waiting for each other between a step's ops. A decode step's ops are
 // microseconds apart: the threads spin rather than sleep, on a count and a generation each on its own
-// cache line, which costs a fraction of what opening a parallel region for every op does.
+// cache line, which costs a fraction of what opening a parallel region for every op does. A thread that
+// has spun for a while yields its core at each look: with more threads than cores, the one it waits for
+// may be waiting for that core.
 #pragma once
 
 #include <immintrin.h>
 
 #include <atomic>
+#include <thread>
 
 namespace lmport {
 
@@ -20,11 +23,14 @@ class SpinBarrier {
       arrived_.store(0, std::memory_order_relaxed);
       generation_.store(generation + 1, std::memory_order_release);
     } else {
-      while (generation_.load(std::memory_order_acquire) == generation) _mm_pause();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins)
+        if (spins < kSpins) _mm_pause();
+        else std::this_thread::yield();
     }
   }
 
  private:
+  static constexpr int kSpins = 1 << 12;   // pauses before yielding: some microseconds
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<int> generation_{0};
   alignas(64) const int threads_;
