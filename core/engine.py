@@ -441,7 +441,7 @@ class Engine:
         on their sequences."""
         proposals = proposals or {}
         ids = [t for s, n in zip(seqs, num_new)
-               for t in s.token_ids[s.num_computed:s.num_computed + n] + proposals.get(s, [])]
+               for t in s.tokens(s.num_computed, s.num_computed + n) + proposals.get(s, [])]
         ends, rows, kept, scored, pool = 0, [], [], [], []
         for s, n in zip(seqs, num_new):
             start, ends = ends, ends + n

@@ -47,6 +47,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], without copying the rest of the sequence (a decode step's one new token)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt:end - prompt]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -71,3 +71,11 @@ def test_preemption_recomputes_and_keeps_tokens():
     assert batch.seqs == [a] and scheduler.num_preemptions == 1
     assert b.status is Status.WAITING and b.num_computed == 0 and b.output_ids == [99]
     assert scheduler.waiting[0] is b
+
+
+def test_a_sequences_tokens_are_its_token_ids_sliced():
+    seq = Sequence("s", [5, 6, 7], GenerationConfig())
+    seq.output_ids = [8, 9]
+    for start in range(6):
+        for end in range(start, 7):
+            assert seq.tokens(start, end) == seq.token_ids[start:end]
