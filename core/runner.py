@@ -20,7 +20,7 @@ from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.models.loader import load_model
 from lmport.models.lora import LoraLayers
-from lmport.ops import build_attention_metadata, build_lora_batch
+from lmport.ops import build_attention_metadata, build_lora_batch, host_tensor
 from lmport.paging import host_tier
 from lmport.parallel import TPGroup, tp_choices
 from lmport.units import ceil_div, fmt_bytes
@@ -109,7 +109,7 @@ class ModelRunner:
                 and self.graphs.takes(len(step.q_lens), max(map(len, step.block_tables)))):
             meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size,
                                             self.backend.device)
-            logits = self.graphs.run(torch.tensor(step.token_ids, dtype=torch.long).to(self.backend.device), meta)
+            logits = self.graphs.run(host_tensor(step.token_ids, torch.long).to(self.backend.device), meta)
             return logits[step.logits_rows]   # a copy: the replayed output is overwritten by the next run
         return self.forward(step, self.caches)
 
@@ -137,7 +137,7 @@ class ModelRunner:
         """The step's final hidden states [tokens, hidden], its K/V written to ``caches``."""
         device = self.backend.device
         meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size, device)
-        input_ids = torch.tensor(step.token_ids, dtype=torch.long).to(device)
+        input_ids = host_tensor(step.token_ids, torch.long).to(device)
         if self.lora is None:
             hidden = self.model(input_ids, meta, caches)
         else:

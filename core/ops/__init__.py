@@ -4,7 +4,7 @@ Tensor conventions (T = new tokens in the step, B = sequences):
 q [T, Hq, D]; k, v [T, Hkv, D]; caches as in ``lmport.kv.layout``, in the "bshd" order only
 (``LayerCache.axis_order``; the ops refuse another).
 """
-from lmport.ops.metadata import AttentionMetadata, build_attention_metadata
+from lmport.ops.metadata import AttentionMetadata, build_attention_metadata, host_tensor
 from lmport.ops.kv_fill import fill_kv_cache
 from lmport.ops.attention import paged_attention, gather_kv
 from lmport.ops.block_copy import copy_blocks
@@ -20,7 +20,7 @@ from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
 
 __all__ = [
-    "AttentionMetadata", "build_attention_metadata", "fill_kv_cache", "paged_attention",
+    "AttentionMetadata", "build_attention_metadata", "host_tensor", "fill_kv_cache", "paged_attention",
     "gather_kv", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe", "moe_by_expert", "route",
     "QuantizedWeight", "dequantize", "quant_linear", "quant_embedding",
     "GGMLWeight", "dequantize_ggml", "ggml_linear", "ggml_embedding", "DecoderLayerSpec", "DecoderRunner",

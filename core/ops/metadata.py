@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -56,6 +57,15 @@ class AttentionMetadata:
         return self.slot_mapping.shape[0]
 
 
+NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of a list (or equal-length lists) of ints, made through numpy: torch.tensor() of a
+    short list costs several times as much, and a step makes several."""
+    return torch.from_numpy(np.array(values, dtype=NUMPY_DTYPES[dtype]))
+
+
 def build_attention_metadata(q_lens: list[int], kv_lens: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
     if not (len(q_lens) == len(kv_lens) == len(block_tables)) or not q_lens:
@@ -74,7 +84,7 @@ def build_attention_metadata(q_lens: list[int], kv_lens: list[int], block_tables
         start.append(start[-1] + n)
 
     def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return host_tensor(values, dtype).to(device, non_blocking=True)
 
     return AttentionMetadata(
         q_start_loc=tensor(start, torch.int32),
