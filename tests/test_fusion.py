@@ -72,7 +72,9 @@ def test_neighbours_of_one_kind_are_stacked_within_a_concat(bias):
     assert merged.parts[1] is v
     x = torch.randn(3, 64)
     torch.testing.assert_close(merged(x), torch.cat([p(x) for p in (q, k, v)], -1), atol=1e-6, rtol=1e-6)
-    assert [p.quantized.qweight.shape[0] for p in merge_linears([v, q, k]).parts] == [32, 96]
+    reordered = merge_linears([v, q, k])
+    assert isinstance(reordered, ConcatLinear)
+    assert [p.quantized.qweight.shape[0] for p in reordered.parts] == [32, 96]
 
 
 @pytest.mark.parametrize("parts", [
