@@ -204,8 +204,10 @@ def test_python_loop_gives_the_native_loops_hidden_states(arch, weights):
 
 
 # Interleaved weights: decode steps run as one parallel region (csrc/decoder_layers.h's team). Qwen2's biases,
-# a sliding window (mistral-sw32), Qwen3's q/k norms, and a projection of two formats (q5_0+int8).
-TEAM_CASES = [("llama", "int8"), ("qwen2", "int4"), ("mistral-sw32", "int4"), ("qwen3", "int8"), ("llama", "q5_0+int8")]
+# a sliding window (mistral-sw32), Qwen3's q/k norms, a projection of two formats (q5_0+int8), and Gemma's
+# gelu-tanh MLP, output norms and soft caps (gemma2) and rope bases (gemma3).
+TEAM_CASES = [("llama", "int8"), ("qwen2", "int4"), ("mistral-sw32", "int4"), ("qwen3", "int8"), ("llama", "q5_0+int8"),
+              ("gemma2", "int4"), ("gemma3", "int8")]
 
 
 @pytest.mark.parametrize("sequences", [1, 2])

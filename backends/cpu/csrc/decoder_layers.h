@@ -119,8 +119,8 @@ struct TeamLayer {
 
 // The layers, bound once; ``run`` takes a step's hidden states through all of them.
 //
-// A step of a few tokens over interleaved weights (every layer's projections, a float32 cache, a silu MLP),
-// with no more threads than CPUs to run them, runs as one parallel region: its threads take every op together, each its share of a projection's rows
+// A step of a few tokens over interleaved weights (every layer's projections, a float32 cache), with no
+// more threads than CPUs to run them, runs as one parallel region: its threads take every op together, each its share of a projection's rows
 // or of attention's keys, the glue between on one of them, meeting at a spin barrier between ops. Other
 // steps call the kernels one at a time, each opening its own region. The two give the same floats.
 class DecoderLayers {
@@ -215,15 +215,15 @@ class DecoderLayers {
   static constexpr int64_t kTeamTokens = 16;
 
   // Every layer's projections as a team runs them, or none where a layer does not fit: a projection not
-  // interleaved, a gelu MLP, an MLP width the silu's eight-at-a-time rows would split differently, or
-  // layers of different attention shapes.
+  // interleaved, an MLP width the silu's eight-at-a-time rows would split differently, or layers of
+  // different attention shapes.
   static std::vector<TeamLayer> bind_team(const std::vector<BoundLayer>& layers) {
     std::vector<TeamLayer> team;
 #ifdef LMPORT_QUANT_AVX512
     for (const BoundLayer& l : layers) {
       auto qkv = TeamLinear::of(l.qkv), o = TeamLinear::of(l.o), gate_up = TeamLinear::of(l.gate_up),
            down = TeamLinear::of(l.down);
-      if (!qkv || !o || !gate_up || !down || l.gelu_tanh || gate_up->width() % 16 ||
+      if (!qkv || !o || !gate_up || !down || gate_up->width() % 16 ||
           down->in_features() * 2 != gate_up->width() || l.num_heads != layers[0].num_heads ||
           l.head_dim != layers[0].head_dim || qkv->width() != (l.num_heads + 2 * l.num_kv_heads) * l.head_dim ||
           o->in_features() != l.num_heads * l.head_dim)
@@ -246,7 +246,8 @@ class DecoderLayers {
     int64_t qkv_width = 0, gate_up_width = 0;
     for (const TeamLayer& l : team_)
       qkv_width = std::max(qkv_width, l.qkv.width()), gate_up_width = std::max(gate_up_width, l.gate_up.width());
-    // Everything a member reads besides the weights, settled before the region (no torch op runs in it).
+    // Everything a member reads besides the weights, settled before the region (no torch op runs in it but a
+    // gelu MLP's).
     std::vector<torch::Tensor> held;
     std::vector<const float*> c(n), s(n);
     std::vector<float*> k_data(n), v_data(n);
@@ -271,7 +272,8 @@ class DecoderLayers {
                   " is outside the ", pool_slots, " slots of the cache");
     const int threads = at::get_num_threads();
     AttentionWork work(block_tables, q_start_loc, kv_lens, t, Hq, D, threads);
-    std::vector<float> qkv(t * qkv_width), attention(t * Hq * D), delta(t * width), gate_up(t * gate_up_width);
+    std::vector<float> qkv(t * qkv_width), attention(t * Hq * D), delta(t * width), gate_up(t * gate_up_width),
+        gelu_gated(t * gate_up_width / 2);
     SpinBarrier barrier(threads);
     bool whole = true;
 #pragma omp parallel num_threads(threads)
@@ -310,11 +312,23 @@ class DecoderLayers {
           barrier.wait();
           team.gate_up.run_share(member, threads, hn, t, gate_up.data());
           barrier.wait();
-          // Each member its own silu(gate) * up, the down projection's input.
-          for (int64_t r = 0; r < t; ++r)
-            silu_and_mul_row(gate_up.data() + r * 2 * inner, gate_up.data() + r * 2 * inner + inner,
-                             gated.data() + r * inner, 0, inner);
-          team.down.run_share(member, threads, gated.data(), t, delta.data());
+          if (l.gelu_tanh) {
+            // torch's gelu, as a step of one kernel at a time runs it, on one member (inside a parallel region
+            // torch runs it on the calling thread), for all
+            if (member == 0) {
+              const auto halves = torch::from_blob(gate_up.data(), {t, 2 * inner}, torch::kFloat).chunk(2, -1);
+              const torch::Tensor g = at::gelu(halves[0], "tanh") * halves[1];
+              std::memcpy(gelu_gated.data(), g.data_ptr<float>(), t * inner * sizeof(float));
+            }
+            barrier.wait();
+            team.down.run_share(member, threads, gelu_gated.data(), t, delta.data());
+          } else {
+            // each member its own silu(gate) * up, the down projection's input
+            for (int64_t r = 0; r < t; ++r)
+              silu_and_mul_row(gate_up.data() + r * 2 * inner, gate_up.data() + r * 2 * inner + inner,
+                               gated.data() + r * inner, 0, inner);
+            team.down.run_share(member, threads, gated.data(), t, delta.data());
+          }
           barrier.wait();
           if (member == 0)
             add_rows(h, hn, delta.data(), 0, t, width, l.mlp_output_norm,
