@@ -250,3 +250,27 @@ def assert_team_matches_modules(arch: str, weights: str, sequences: int) -> None
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 
+
+
+@pytest.mark.parametrize("team", [True, False], ids=["team", "one call at a time"])
+def test_a_slot_outside_the_cache_is_refused_before_anything_runs(team):
+    """A step whose block table names a block past the cache is refused with the slot named, by the team as by
+    the kernels called one at a time (cache of 16 blocks; block 99)."""
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    if compiled is None or (team and not compiled.quant_interleaved_bits()):
+        pytest.skip("this build has no cpu kernels, or reads no interleaved rows (no AVX-512 VNNI)")
+    engine = engine_for("llama", cache_max_entry_count=16)
+    quantize_layers(engine.model, 8, 32)
+    if team:
+        interleave_layers(engine.model)
+    model, size = engine.model, engine.layout.block_size
+    runner = model.decoder_runner()
+    x = torch.randn(1, model.config.hidden_size)
+    meta = ops.build_attention_metadata([1], [1], [[99]], size)
+    ropes = {kind: table(model.rotary, x, meta.positions, meta.max_kv_len) for kind, table in model.rope_tables.items()}
+    before = [c.k.clone() for c in engine.caches]
+    where = "decoder layers" if team else "fill_kv_cache"
+    with pytest.raises(RuntimeError, match=where + r": slot \d+ of token 0 is outside the \d+ slots of the cache"):
+        runner(x, [ropes[kind] for kind in model.rope_kinds], engine.caches, [meta] * len(model.model.layers))
+    assert all(torch.equal(b, c.k) for b, c in zip(before, engine.caches))

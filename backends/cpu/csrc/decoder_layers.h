@@ -266,10 +266,7 @@ class DecoderLayers {
       pools.push_back({k_data[i], v_data[i], nullptr, nullptr, k.size(1), k.size(2), D});
     }
     const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t pool_slots = k_caches[0].size(0) * k_caches[0].size(1);
-    for (int64_t r = 0; r < t; ++r)
-      TORCH_CHECK(slot[r] >= 0 && slot[r] < pool_slots, "decoder layers: slot ", slot[r], " of token ", r,
-                  " is outside the ", pool_slots, " slots of the cache");
+    check_slots("decoder layers", slot, t, k_caches[0].size(0) * k_caches[0].size(1));
     const int threads = at::get_num_threads();
     AttentionWork work(block_tables, q_start_loc, kv_lens, t, Hq, D, threads);
     std::vector<float> qkv(t * qkv_width), attention(t * Hq * D), delta(t * width), gate_up(t * gate_up_width),

@@ -12,6 +12,13 @@
 
 namespace lmport {
 
+// Every token's slot (``slot``, T of them) within the cache's ``slots``; ``op`` names the caller in the error.
+inline void check_slots(const char* op, const int64_t* slot, int64_t T, int64_t slots) {
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, op, ": slot ", slot[t], " of token ", t, " is outside the ", slots,
+                " slots of the cache");
+}
+
 // Token rows k and v (``row`` floats each) into the float32 caches' slot ``slot``.
 inline void fill_kv_row(const float* k, const float* v, float* k_cache, float* v_cache, int64_t row, int64_t slot) {
   std::memcpy(k_cache + slot * row, k, row * sizeof(float));
@@ -34,9 +41,7 @@ inline void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cach
               " and ", v.sizes());
   const auto slot = slot_mapping.to(torch::kLong).contiguous();
   const int64_t* sp = slot.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "fill_kv_cache: slot ", sp[t], " of token ", t, " is outside the ",
-                slots, " slots of the cache");
+  check_slots("fill_kv_cache", sp, T, slots);
   const auto kc = k.contiguous(), vc = v.contiguous();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
@@ -91,9 +96,7 @@ inline void fill_kv_cache_codes(torch::Tensor k, torch::Tensor v, torch::Tensor 
               " and ", v.sizes());
   const auto slot = slot_mapping.to(torch::kLong).contiguous();
   const int64_t* sp = slot.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "fill_kv_cache_codes: slot ", sp[t], " of token ", t,
-                " is outside the ", slots, " slots of the cache");
+  check_slots("fill_kv_cache_codes", sp, T, slots);
   const auto kc = k.contiguous(), vc = v.contiguous();
   for (auto [x, cache, params] : {std::tuple{kc.data_ptr<float>(), k_cache.data_ptr<uint8_t>(), k_params.data_ptr<float>()},
                                   std::tuple{vc.data_ptr<float>(), v_cache.data_ptr<uint8_t>(), v_params.data_ptr<float>()}})
