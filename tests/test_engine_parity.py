@@ -100,3 +100,12 @@ def test_tiny_models_greedy_and_logits(arch):
     # float32 both sides; differences come from summation order only.
     torch.testing.assert_close(torch.cat(logits), ref, atol=2e-4, rtol=1e-4)
     pipe.close()
+
+
+@pytest.mark.parametrize("rows", [[0], [3], [1, 2, 3], [0, 1, 2, 3, 4], [0, 2], [1, 3, 4]])
+def test_a_steps_logits_rows_are_those_rows_and_consecutive_ones_a_view(rows):
+    from lmport.runner import rows_of
+    x = torch.arange(20.0).view(5, 4)
+    picked = rows_of(x, rows)
+    torch.testing.assert_close(picked, x[rows], rtol=0, atol=0)
+    assert (picked.data_ptr() == x[rows[0]].data_ptr()) == (rows[-1] - rows[0] == len(rows) - 1)
