@@ -13,6 +13,9 @@ min-max of the rounds, and every round is kept in the JSON.
 - lmport twice: its kernels built for this CPU (AVX-512 where it has it) and with LMPORT_CPU_ISA=avx2
   (the AVX2 path a CPU without AVX-512 runs). Each runs in a worker process of its own, kept across
   rounds.
+- With --llama-avx2-bin, llama.cpp a second time, built without AVX-512 (as a CPU without it builds it
+  natively: ``-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_BMI2=ON``): the AVX2 path's peer, the ratio a user of such a CPU sees.
 - The memory read bandwidth is measured in the same run with the same threads (machine.py); a
   decode step reads every weight once, so bandwidth / weight bytes is the fastest decode can be
   (the "limit" row).
@@ -49,6 +52,7 @@ DEPTHS = (0, PROMPT_TOKENS)
 MEASURES = ("prefill", *(f"decode@{d}" for d in DEPTHS))
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON"
 LMPORT_PATHS = {"lmport": "native", "lmport avx2": "avx2"}
+AVX2_PEER = "llama.cpp avx2"   # llama.cpp without AVX-512 (--llama-avx2-bin): the peer of lmport's AVX2 path
 
 
 # ---- llama.cpp ----
@@ -169,6 +173,8 @@ def main() -> None:
     ap.add_argument("--llama-src", type=Path, help="build llama.cpp from this source tree instead of --llama-bin")
     ap.add_argument("--llama-cmake-args", default=NATIVE_CMAKE_ARGS,
                     help="cmake flags for --llama-src (a VM that misreports AMX: name the ISA flags, see above)")
+    ap.add_argument("--llama-avx2-bin", type=Path,
+                    help="the bin directory of a llama.cpp built without AVX-512: the AVX2 path's peer")
     ap.add_argument("--files", default=",".join(TYPES), help=f"among {', '.join(TYPES)}, or paths of GGUF files")
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--paths", default=",".join(LMPORT_PATHS), help=f"lmport's kernel paths: {', '.join(LMPORT_PATHS)}")
@@ -189,6 +195,11 @@ def main() -> None:
     if not (bin_dir / "llama-bench").exists():
         raise SystemExit(f"no llama-bench in {bin_dir}: pass --llama-bin (a llama.cpp build's bin directory) or "
                          f"--llama-src (its source, built here with {NATIVE_CMAKE_ARGS})")
+    peers = {"llama.cpp": bin_dir}
+    if args.llama_avx2_bin:
+        if not (args.llama_avx2_bin / "llama-bench").exists():
+            raise SystemExit(f"--llama-avx2-bin: no llama-bench in {args.llama_avx2_bin}")
+        peers[AVX2_PEER] = args.llama_avx2_bin
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(LMPORT_PATHS)
     if unknown:
@@ -200,12 +211,13 @@ def main() -> None:
     cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
                "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
+               "peers": {name: {"bin": str(b), "version": llama_version(b)} for name, b in peers.items()},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
     for label, path in files.items():
         workers = {name: Worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
         rounds = []
         for _ in range(args.repeats):
-            rounds.append({"llama.cpp": llama_round(bin_dir, path, args.threads),
+            rounds.append({**{name: llama_round(b, path, args.threads) for name, b in peers.items()},
                            **{name: w.round() for name, w in workers.items()}})
             print(f"{label} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
         file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
@@ -228,6 +240,8 @@ def print_table(results: dict) -> None:
           f"before, {results['load_average_after']} after")
     print(f"llama.cpp {results['llama_cpp']['version']} ({results['llama_cpp']['bin']}, "
           f"cmake {results['llama_cpp']['cmake_args']})")
+    if AVX2_PEER in results["peers"]:
+        print(f"{AVX2_PEER}: {results['peers'][AVX2_PEER]['version']} ({results['peers'][AVX2_PEER]['bin']})")
     print(f"read bandwidth {gbs:.1f} GB/s ({results['bandwidth_after']['best_gbs']:.1f} after; "
           f"{bw['method']}, {bw['threads']} threads); medians of {results['repeats']} interleaved rounds, min-max\n")
     print("| file | engine | threads | prefill 256 tok/s | decode @0 tok/s | decode @256 tok/s | weight bytes |")
@@ -235,20 +249,20 @@ def print_table(results: dict) -> None:
     cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
     for label, f in results["files"].items():
         for engine, s in f["summary"].items():
-            weights = f["gguf_tensor_bytes"] if engine == "llama.cpp" else f["lmport"][engine]["weight_bytes"]
+            weights = f["gguf_tensor_bytes"] if engine in results["peers"] else f["lmport"][engine]["weight_bytes"]
             threads = f["rounds"][0][engine]["threads"]
             print(f"| {label} | {engine} | {threads} | {cell(s['prefill'])} | {cell(s['decode@0'])} | "
                   f"{cell(s['decode@256'])} | {weights:,} |")
         limit = gbs * 1e9 / f["gguf_tensor_bytes"]
         print(f"| {label} | byte limit (bandwidth / file bytes) | | | {limit:.0f} | {limit:.0f} | |")
         ratios = {}
-        for engine in f["summary"]:
-            if engine == "llama.cpp":
-                continue
-            ratios[engine] = {k: f["summary"][engine][k]["median"] / f["summary"]["llama.cpp"][k]["median"]
-                              for k in MEASURES}
-            r = ratios[engine]
-            print(f"| {label} | {engine} / llama.cpp | | {r['prefill']:.2f}x | {r['decode@0']:.2f}x | "
+        pairs = [(engine, "llama.cpp") for engine in f["summary"] if engine not in results["peers"]]
+        if AVX2_PEER in f["summary"] and "lmport avx2" in f["summary"]:
+            pairs.append(("lmport avx2", AVX2_PEER))
+        for engine, peer in pairs:
+            r = {k: f["summary"][engine][k]["median"] / f["summary"][peer][k]["median"] for k in MEASURES}
+            ratios[engine if peer == "llama.cpp" else f"{engine} / {peer}"] = r
+            print(f"| {label} | {engine} / {peer} | | {r['prefill']:.2f}x | {r['decode@0']:.2f}x | "
                   f"{r['decode@256']:.2f}x | |")
         f["ratios_over_llama_cpp"] = ratios
         f["byte_limit_tok_s"] = limit

@@ -1,4 +1,5 @@
-"""benchmarks/single_stream.py refuses a --files path that is not a GGUF file before it builds or measures."""
+"""benchmarks/single_stream.py: a --files path that is not a GGUF file refused before anything is built or
+measured; the table's ratios, the AVX2 path's against a llama.cpp without AVX-512 too."""
 from __future__ import annotations
 
 import subprocess
@@ -15,3 +16,29 @@ def test_a_missing_gguf_path_is_named_before_anything_runs(tmp_path):
     assert out.returncode != 0
     assert f"--files: no GGUF file at {missing}: give the path of one, or one of Q4_1" in out.stderr
     assert "llama-bench" not in out.stderr   # found before the llama.cpp build is looked for
+
+
+def test_the_avx2_path_is_also_set_against_llama_cpp_without_avx512(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import single_stream
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    speeds = {"llama.cpp": 100.0, single_stream.AVX2_PEER: 80.0, "lmport": 150.0, "lmport avx2": 120.0}
+    summary = {engine: {k: {"median": v, "min": v, "max": v} for k in single_stream.MEASURES}
+               for engine, v in speeds.items()}
+    results = {"machine": {"model": "cpu", "cores": 2, "kernel_flags": ["avx2"], "load_average": (0, 0, 0)},
+               "bandwidth": {"best_gbs": 30.0, "method": "m", "threads": 2}, "bandwidth_after": {"best_gbs": 30.0},
+               "load_average_after": (0, 0, 0), "repeats": 5,
+               "llama_cpp": {"version": "v", "bin": "b", "cmake_args": "a"},
+               "peers": {"llama.cpp": {"bin": "b", "version": "v"},
+                         single_stream.AVX2_PEER: {"bin": "c", "version": "v"}},
+               "files": {"Q4_1": {"gguf_tensor_bytes": 10**8, "summary": summary, "lmport": {
+                   "lmport": {"weight_bytes": 1}, "lmport avx2": {"weight_bytes": 1}},
+                   "rounds": [{engine: {"threads": 2} for engine in speeds}]}}}
+    single_stream.print_table(results)
+    ratios = results["files"]["Q4_1"]["ratios_over_llama_cpp"]
+    assert ratios["lmport"]["decode@0"] == 1.5
+    assert ratios["lmport avx2"]["decode@0"] == 1.2
+    assert ratios[f"lmport avx2 / {single_stream.AVX2_PEER}"]["decode@0"] == 1.5
+    assert "| Q4_1 | lmport avx2 / llama.cpp avx2 | | 1.50x | 1.50x | 1.50x | |" in capsys.readouterr().out
