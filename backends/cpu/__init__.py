@@ -114,7 +114,7 @@ class CpuBackend(Backend):
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
                        dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
         """Rows interleaved in groups of 16 for the formats the kernels' decode reads so
-        (csrc/interleaved_rows.h: a build with AVX-512 VNNI), where float32 activations reach the kernels;
+        (csrc/interleaved_rows.h: on the AVX-512 and the AVX2 path), where float32 activations reach the kernels;
         relaid in place where torch owns the tensors (``weight`` is not to be used after)."""
         compiled = kernels.load() if dtype == torch.float32 else None
         if compiled is None or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
