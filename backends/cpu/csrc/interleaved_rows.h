@@ -78,6 +78,15 @@ constexpr bool kKernels = true;
 constexpr bool kKernels = false;
 #endif
 
+// Whether a prefill's rows (more than a decode step's) are best run by these kernels rather than by the weight
+// expanded to float32 for a GEMM: with AVX-512 VNNI (vpdpbusd, 64 products an instruction, the codes as they
+// are), not on the AVX2 path (vpmaddwd, 16, the codes widened first), where the GEMM is faster.
+#ifdef LMPORT_QUANT_AVX512
+constexpr bool kPrefill = true;
+#else
+constexpr bool kPrefill = false;
+#endif
+
 // Row r's units of a segment of ``length`` bytes (UNIT bytes each) from its vectors ``c``, to ``out``.
 template <int UNIT>
 inline void unpack_units(const uint8_t* c, int r, int length, uint8_t* out) {

@@ -428,6 +428,10 @@ inline std::vector<int64_t> quant_interleaved_bits() {
   return interleaved::kKernels ? std::vector<int64_t>{4, 8} : std::vector<int64_t>{};
 }
 
+// Whether the cpu backend runs a prefill over interleaved rows through quant_linear / ggml_linear (their group
+// kernels) rather than through the weight dequantized for a GEMM; both take it.
+inline bool interleaved_prefill() { return interleaved::kPrefill; }
+
 inline void check_row_group(int64_t row_group) {
   TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && interleaved::kKernels),
               "quant: rows interleaved in groups of ", row_group, ": this build reads ",
