@@ -456,10 +456,12 @@ inline BlockCodes block_codes(const float* x, int64_t K) {
 }
 
 // Without VNNI there is no byte dot product to take x's codes whole: vpmaddubsw's int16 pair sums of unsigned
-// weight codes times int8 x codes would saturate for int8 weights, and int8 x alone is too coarse. So each
+// weight codes times int8 x codes would saturate for int8 weights (q + 128 up to 255, times -128, twice), and
+// int8 x alone is too coarse. So each
 // kernel takes a group's 16 rows as two halves of 8 (lane r: row 8 h + r, the bytes at 32 h of each 64-byte
 // vector), widens their codes to int16 (zero-extended: every code is unsigned, as the AVX-512 kernels take
-// them) and vpmaddwd sums them with x's int16 codes, a pair of inputs a lane: exact, nothing saturates.
+// them) and vpmaddwd sums them with x's int16 codes, a pair of inputs a lane: a product is at most
+// 255 x 32767, so a run's int32 sums are exact and nothing saturates.
 
 // 8 rows' codes (lane r: row r's 4 bytes) as int16, in the order unpacking leaves them: rows 0, 1, 4, 5
 // (``a``) and rows 2, 3, 6, 7 (``b``), 4 inputs each.
@@ -501,7 +503,7 @@ inline void dot4(const Wide& w, const BlockCodes* const* x, int64_t k, Sums* s) 
 // The 8 rows' int32 sums, in row order (vphaddd pairs lanes 0, 1 of ``a``, then 2, 3, then ``b``'s, per 128 bits).
 inline __m256i total(const Sums& s) { return _mm256_hadd_epi32(s.a, s.b); }
 
-// The 8 rows' results less ``offset`` times x's codes summed (``code_sum``), as float32.
+// The 8 rows' int32 sums less ``offset_sum`` (a type's code offset times x's codes summed), as float32.
 inline __m256 floats(const Sums& s, int32_t offset_sum) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(total(s), _mm256_set1_epi32(offset_sum)));
 }
