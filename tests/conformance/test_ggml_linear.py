@@ -17,7 +17,8 @@ one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tes
 reference's own result at x so rounded. Each case runs again with the weight as the backend holds a
 model's linears where that differs from the file's layout (cpu: Q5_0, Q4_K and Q6_K rows interleaved in
 groups of 16), whose kernel holds x as the one-row path does for every step, a prefill's too: two int8
-codes with AVX-512 VNNI, int16 on the AVX2 path.
+codes with AVX-512 VNNI, int16 on the AVX2 path (whose backend runs a prefill over them as a GEMM on the
+dequantized weight, within the same bound).
 """
 from __future__ import annotations
 

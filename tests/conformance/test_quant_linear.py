@@ -14,7 +14,7 @@ int8 codes an input instead (quant_linear.h): a step of max|x_run| / (127 * 256)
 each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the reference's
 own result at x so rounded. Rows interleaved as the backend holds them (``held``) take every row of x,
 a prefill's too, as the build's one-row path holds it: two int8 codes with AVX-512 VNNI, int16 on the
-AVX2 path.
+AVX2 path (whose backend runs a prefill over them as a GEMM on the dequantized weight, within the same bound).
 """
 from __future__ import annotations
 
