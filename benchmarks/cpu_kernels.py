@@ -26,7 +26,7 @@ from memory as in a real step; the best of five passes is kept.
   o, gate/up, down for 64, 256 and 512 tokens): the backend's ``prefill_gemm`` (oneDNN where torch
   has it) against ``F.linear`` (MKL), interleaved passes.
 - held: each format the backend holds a model's linears in another layout (rows interleaved in groups of
-  16: int4, int8, Q5_0, Q4_K, Q6_K where the build has AVX-512 VNNI) against the same weight with its rows
+  16: int4, int8, Q5_0, Q4_K, Q6_K, on the AVX-512 and the AVX2 path alike) against the same weight with its rows
   in order, at the model's gate/up and down shapes (and int8 at the LM head's, a Q8_0 file's tied table),
   for 1, 8, 16, 64 and 128 rows of x (a decode step's rows) and 256 and 512 (a prefill's: held, the integer
   kernels; in order, the weight expanded to float32 for the GEMM), 16 weights a pass (the LM head 2), the

@@ -236,7 +236,7 @@ def assert_team_matches_modules(arch: str, weights: str, sequences: int) -> None
     from lmport.backends.cpu.decoder_runner import _bind_layer_native
     compiled = kernels.load()
     if compiled is None or not compiled.quant_interleaved_bits():
-        pytest.skip("this build reads no interleaved rows (no AVX-512 VNNI)")
+        pytest.skip("this build reads no interleaved rows")
     engine = engine_for(arch, cache_max_entry_count=16)
     if weights == "q5_0+int8":
         mixed_layers(engine.model)
@@ -259,7 +259,7 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_runs(team):
     from lmport.backends.cpu import kernels
     compiled = kernels.load()
     if compiled is None or (team and not compiled.quant_interleaved_bits()):
-        pytest.skip("this build has no cpu kernels, or reads no interleaved rows (no AVX-512 VNNI)")
+        pytest.skip("this build has no cpu kernels, or reads no interleaved rows")
     engine = engine_for("llama", cache_max_entry_count=16)
     quantize_layers(engine.model, 8, 32)
     if team:

@@ -17,8 +17,9 @@ from lmport.weights import interleaved
 
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS, except over quantized
-# rows held interleaved (hold_quantized), whose integer kernels run a prefill faster than a GEMM
-# over the weight expanded to float32 (benchmarks/cpu_kernels.py --only held).
+# rows held interleaved (hold_quantized) where the build's integer kernels run a prefill faster than a
+# GEMM over the weight expanded to float32 (AVX-512 VNNI, kernels.held_prefill; benchmarks/cpu_kernels.py
+# --only held).
 SMALL_BATCH_TOKENS = 128
 
 
@@ -72,7 +73,7 @@ class CpuBackend(Backend):
         if compiled is None or x.dim() != 2:
             return super().quant_linear(x, weight, bias)
         q = weight
-        if x.shape[0] <= SMALL_BATCH_TOKENS or q.row_group != 1:  # decode, or held rows (SMALL_BATCH_TOKENS)
+        if x.shape[0] <= SMALL_BATCH_TOKENS or (q.row_group != 1 and kernels.held_prefill(compiled)):  # decode
             return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
                                          **kernels.row_group_args(q))
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
@@ -85,7 +86,7 @@ class CpuBackend(Backend):
         if compiled is None or weight.type_name not in self.capabilities.ggml_types:
             return super().ggml_linear(x, weight, bias)
         x2 = x.reshape(-1, weight.in_features)
-        if x2.shape[0] <= SMALL_BATCH_TOKENS or weight.row_group != 1:  # decode, or held rows (SMALL_BATCH_TOKENS)
+        if x2.shape[0] <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and kernels.held_prefill(compiled)):  # decode
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias,
                                      **kernels.row_group_args(weight))
         else:  # prefill: the weight expanded once for a GEMM
@@ -114,7 +115,7 @@ class CpuBackend(Backend):
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
                        dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
         """Rows interleaved in groups of 16 for the formats the kernels' decode reads so
-        (csrc/interleaved_rows.h: a build with AVX-512 VNNI), where float32 activations reach the kernels;
+        (csrc/interleaved_rows.h: on the AVX-512 and the AVX2 path), where float32 activations reach the kernels;
         relaid in place where torch owns the tensors (``weight`` is not to be used after)."""
         compiled = kernels.load() if dtype == torch.float32 else None
         if compiled is None or weight.row_group != 1 or weight.out_features < interleaved.GROUP:

@@ -51,6 +51,13 @@ def row_group_args(weight) -> dict[str, int]:
     return {} if weight.row_group == 1 else {"row_group": weight.row_group}
 
 
+def held_prefill(compiled) -> bool:
+    """Whether a prefill over a weight held interleaved runs through the build's group kernels (AVX-512 VNNI) rather
+    than the weight dequantized for a GEMM (the AVX2 path). A build from before the AVX2 path's group kernels
+    held weights so only with AVX-512 VNNI, and does not say."""
+    return getattr(compiled, "interleaved_prefill", lambda: True)()
+
+
 @functools.cache
 def dequantize_takes_rows(compiled) -> bool:
     """Whether a build's dequantize kernels take ``rows`` (an embedding lookup's): a build from before them (an

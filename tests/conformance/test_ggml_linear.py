@@ -15,8 +15,10 @@ Up to ``quant_int8_rows()`` rows of x (AVX-512 VNNI), the types the kernel lists
 (Q5_0, Q4_K, Q6_K) hold x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
 one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the
 reference's own result at x so rounded. Each case runs again with the weight as the backend holds a
-model's linears where that differs from the file's layout (cpu with AVX-512 VNNI: Q5_0, Q4_K and Q6_K rows
-interleaved in groups of 16), whose kernel holds x as two int8 codes for every step, a prefill's too.
+model's linears where that differs from the file's layout (cpu: Q5_0, Q4_K and Q6_K rows interleaved in
+groups of 16), whose kernel holds x as the one-row path does for every step, a prefill's too: two int8
+codes with AVX-512 VNNI, int16 on the AVX2 path (whose backend runs a prefill over them as a GEMM on the
+dequantized weight, within the same bound).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from lmport import ops
 from lmport.backend import Backend
 from lmport.weights.ggml import BLOCK_TYPES
 from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
-                               rounded_to_int8_pairs)
+                               rounded_as_held)
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
 OUT = 99
@@ -85,9 +87,9 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
     for b in (None, bias):
         got = ggml_backend.ggml_linear(x.to(device), on_device, None if b is None else b.to(device))
         want = ops.ggml_linear(x, weight, b)
-        # rows interleaved: every step the kernel takes (a prefill's too) holds x as two int8 codes
+        # rows interleaved: every step the kernel takes (a prefill's too) holds x as the one-row path does
         interleaved = weight.row_group != 1
-        int8_path = interleaved or (SHAPES[shape] <= int8_rows() and type_name in int8_types())
+        int8_path = (SHAPES[shape] <= int8_rows() or interleaved) and type_name in int8_types()
         rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
         bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
         if name != "cpu":   # float32 dot products of float32 weights: summation order only
@@ -107,13 +109,11 @@ def test_reference_dequantizer_is_gguf_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("layout", ["file", "held"])
 @pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
-def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
-    """One row of x over the int8 path's types: the integer sums are exact, so the result is the
-    reference's at x as the path holds it (two int8 codes) up to float32 summation. Q4_K's mins meet
-    x's own sums (not the rounded x's), so here its blocks' dmin is zeroed. ``held``: rows interleaved
-    as the backend holds a model's linears, where it does."""
-    if type_name not in int8_types():
-        pytest.skip("this build's one-row path rounds x to int16 (no AVX-512 VNNI)")
+def test_cpu_one_row_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
+    """One row of x over the interleaved types: the integer sums are exact, so the result is the
+    reference's at x as the path holds it (two int8 codes with AVX-512 VNNI, int16 on the AVX2 path) up to
+    float32 summation. Q4_K's mins meet x's own sums (not the rounded x's), so here its blocks' dmin is
+    zeroed. ``held``: rows interleaved as the backend holds a model's linears, where it does."""
     from lmport.backends.cpu import CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=4)
     if type_name == "q4_k":
@@ -124,7 +124,7 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
     x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(5))
     got = kernels.load().ggml_linear(x, held.blocks, type_name, weight.in_features, None, held.row_group)
     w = ops.dequantize_ggml(weight)
-    want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
+    want = (rounded_as_held(x).double() @ w.double().T).float()
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
 
 
@@ -133,14 +133,15 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
 def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
     """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit.
     Rows interleaved as the backend holds them: so for every step, a batched decode or a prefill (259 rows:
-    more than one of the kernel's chunks of rows at these inputs)."""
-    if type_name not in int8_types() or int8_rows() < 2:
+    more than one of the kernel's chunks of rows at these inputs), on either ISA's path."""
+    if layout == "file" and (type_name not in int8_types() or int8_rows() < 2):
         pytest.skip("this build runs no few-row int8 path (no AVX-512 VNNI)")
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=8)
     rows = int8_rows()
     if layout == "held":
         weight, rows = CpuBackend().hold_quantized(weight, torch.float32), 2 * SMALL_BATCH_TOKENS + 3
+        assert weight.row_group == 16
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(9))
     call = kernels.load().ggml_linear
     together = call(x, weight.blocks, type_name, weight.in_features, None, weight.row_group)

@@ -12,7 +12,9 @@ per run of 32 (step max|x_run| / 32767, error at most half a step), adding sum_k
 Up to the rows the kernel names in ``quant_int8_rows`` (8 with AVX-512 VNNI, 0 on the AVX2 path) it holds x as two
 int8 codes an input instead (quant_linear.h): a step of max|x_run| / (127 * 256), at most one step
 each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the reference's
-own result at x so rounded.
+own result at x so rounded. Rows interleaved as the backend holds them (``held``) take every row of x,
+a prefill's too, as the build's one-row path holds it: two int8 codes with AVX-512 VNNI, int16 on the
+AVX2 path (whose backend runs a prefill over them as a GEMM on the dequantized weight, within the same bound).
 """
 from __future__ import annotations
 
@@ -52,6 +54,20 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def int8_pair_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / (127 * 256)           # [M, runs]
     return step.repeat_interleave(32, dim=1) @ w.abs().T
+
+
+def rounded_to_int16(x: torch.Tensor) -> torch.Tensor:
+    """x as the AVX2 path's integer kernels hold it, as float: per run of 32, d = max|x_run| / 32767 and
+    x / d (a float32 product by 1 / d) rounded to nearest even, x = d q."""
+    runs = x.reshape(x.shape[0], -1, 32)
+    d = runs.abs().amax(-1, keepdim=True) / 32767
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(runs * inv).double() * d.double()).reshape(x.shape).float()
+
+
+def rounded_as_held(x: torch.Tensor) -> torch.Tensor:
+    """x as the cpu kernels' one-row path holds it: two int8 codes with AVX-512 VNNI, int16 on the AVX2 path."""
+    return rounded_to_int8_pairs(x) if int8_rows() > 0 else rounded_to_int16(x)
 
 
 def rounded_to_int8_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -95,8 +111,8 @@ def native_backend(backend_name, backend_class, record_property) -> Backend:
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, layout):
-    """``held``: the weight as the backend holds a model's linears where that differs (cpu with AVX-512 VNNI:
-    rows interleaved in groups of 16, 6 groups and 3 rows after them, x as two int8 codes for every step, a
+    """``held``: the weight as the backend holds a model's linears where that differs (cpu: rows interleaved in
+    groups of 16, 6 groups and 3 rows after them, x held as the one-row path holds it for every step, a
     prefill's too)."""
     if group not in native_backend.capabilities.weight_group_sizes:
         pytest.skip(f"group {group} not declared")
@@ -121,7 +137,7 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, 
         if name == "cpu":
             w = ops.dequantize(weight)
             interleaved = weight.row_group != 1
-            int8_path = interleaved or SHAPES[shape] <= int8_rows()
+            int8_path = SHAPES[shape] <= int8_rows() or (interleaved and int8_rows() > 0)
             rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
             bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
             assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
@@ -137,12 +153,10 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, 
 @pytest.mark.parametrize("layout", ["rows", "held"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(bits, group, layout):
-    """One row of x where the kernel holds it as two int8 codes: the integer sums are exact, so the
-    result is the reference's at x so rounded up to float32 summation. The mins meet x's own sums (not
-    the rounded x's), so here they are zero. ``held``: rows interleaved as the backend holds them."""
-    if int8_rows() < 1:
-        pytest.skip("this build's decode path rounds x to int16 (no AVX-512 VNNI)")
+def test_cpu_one_row_path_is_the_reference_at_x_as_it_holds_it(bits, group, layout):
+    """One row of x, held as two int8 codes (AVX-512 VNNI) or int16 (the AVX2 path): the integer sums are
+    exact, so the result is the reference's at x so rounded up to float32 summation. The mins meet x's own
+    sums (not the rounded x's), so here they are zero. ``held``: rows interleaved as the backend holds them."""
     from lmport.backends.cpu import CpuBackend, kernels
     weight = random_weight(bits, group, n=99, k=288 if group == 32 else 256, seed=4)
     weight.mins.zero_()
@@ -153,7 +167,7 @@ def test_cpu_int8_path_is_the_reference_at_x_as_it_holds_it(bits, group, layout)
     got = kernels.load().quant_linear(x, weight.qweight, weight.scales, weight.mins, bits, group, None,
                                       weight.row_group)
     w = ops.dequantize(weight)
-    want = (rounded_to_int8_pairs(x).double() @ w.double().T).float()
+    want = (rounded_as_held(x).double() @ w.double().T).float()
     assert ((got - want).abs() <= float32_summation_bound(x, w) + 1e-6).all(), (got - want).abs().max()
 
 
@@ -225,7 +239,7 @@ def test_cpu_held_rows_are_each_rows_own_result_for_every_step(bits):
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
     weight = CpuBackend().hold_quantized(random_weight(bits, 32, n=99, k=288, seed=6), torch.float32)
     if weight.row_group == 1:
-        pytest.skip("this build holds the rows in order (no AVX-512 VNNI)")
+        pytest.skip("this build holds the rows in order (no interleaved kernels)")
     x = torch.randn(2 * SMALL_BATCH_TOKENS + 3, weight.in_features, generator=torch.Generator().manual_seed(7))
 
     def call(rows_of_x: torch.Tensor) -> torch.Tensor:

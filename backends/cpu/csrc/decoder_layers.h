@@ -112,7 +112,7 @@ inline int usable_cpus() {
 
 // A layer's projections as a team runs them (team_linear.h).
 struct TeamLayer {
-#ifdef LMPORT_QUANT_AVX512
+#ifdef LMPORT_INTERLEAVED
   TeamLinear qkv, o, gate_up, down;
 #endif
 };
@@ -219,7 +219,7 @@ class DecoderLayers {
   // different attention shapes.
   static std::vector<TeamLayer> bind_team(const std::vector<BoundLayer>& layers) {
     std::vector<TeamLayer> team;
-#ifdef LMPORT_QUANT_AVX512
+#ifdef LMPORT_INTERLEAVED
     for (const BoundLayer& l : layers) {
       auto qkv = TeamLinear::of(l.qkv), o = TeamLinear::of(l.o), gate_up = TeamLinear::of(l.gate_up),
            down = TeamLinear::of(l.down);
@@ -240,7 +240,7 @@ class DecoderLayers {
                 const std::vector<torch::Tensor>& v_caches, const torch::Tensor& slots,
                 const torch::Tensor& block_tables, const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
                 const std::vector<int64_t>& windows, const std::vector<double>& softcaps) const {
-#ifdef LMPORT_QUANT_AVX512
+#ifdef LMPORT_INTERLEAVED
     const size_t n = layers_.size();
     const int64_t Hq = layers_[0].num_heads, D = layers_[0].head_dim;
     int64_t qkv_width = 0, gate_up_width = 0;

@@ -9,7 +9,7 @@
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
 // - Q5_0, Q4_K and Q6_K rows interleaved in groups of 16 (a model's linears, as the cpu backend holds
-//   them with AVX-512 VNNI): every row of x a decode step passes, by interleaved_rows.h's kernels.
+//   them): every row of x a step passes, by interleaved_rows.h's kernels.
 // - Up to 8 rows of x (decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
 //   codes per input (as fine as int16), the blocks' codes unpacked to bytes a run pair at a time and
 //   dotted with each by vpdpbusd (int8_rows.h), 8 weight rows at a time.
@@ -747,7 +747,7 @@ inline int64_t checked_inputs(const torch::Tensor& blocks, const std::string& ty
   return in_features;
 }
 
-// The types whose rows this build reads interleaved (interleaved_rows.h): its decode kernel is AVX-512's.
+// The types whose rows this build reads interleaved (interleaved_rows.h).
 inline std::vector<std::string> interleaved_types() {
   return interleaved::kKernels ? interleaved::type_names() : std::vector<std::string>{};
 }
@@ -761,9 +761,10 @@ inline void check_row_group(const std::string& type, int64_t row_group) {
               " (lmport.weights.interleaved.file_layout gives the file's rows back)");
 }
 
-#ifdef LMPORT_QUANT_AVX512
-// Rows of x over a weight whose whole groups are interleaved: the groups by the interleaved kernel,
-// the rows after them (as the file lays them out) by linear_int8, x held alike by both.
+#ifdef LMPORT_INTERLEAVED
+// Rows of x over a weight whose whole groups are interleaved: the groups by the interleaved kernel, the rows
+// after them (as the file lays them out) row by row, x held alike by both (each row of x on its own): by
+// linear_int8 with AVX-512 VNNI, by the int16 integer path on the AVX2 path.
 template <class T>
 inline void linear_interleaved(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                                float* y) {
@@ -771,7 +772,11 @@ inline void linear_interleaved(const float* x, int64_t M, int64_t K, const uint8
   interleaved::linear_groups(typename RowsOf<T>::type{}, x, M, K, w, whole / interleaved::kGroup,
                              interleaved::kGroup * row_bytes, K / T::kElements, bias, y, N);
   interleaved::rows_after_groups(M, N, y, [&](int64_t first, int64_t count, float* out) {
+#ifdef LMPORT_QUANT_AVX512
     linear_int8<T>(x, M, K, w + first * row_bytes, count, bias ? bias + first : nullptr, out);
+#else
+    linear_integer<T>(quantize(x, M, K), M, w + first * row_bytes, count, bias ? bias + first : nullptr, out);
+#endif
   });
 }
 #endif
@@ -797,7 +802,7 @@ inline torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const st
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   with_type(type, [&](auto t) {
     using T = decltype(t);
-#ifdef LMPORT_QUANT_AVX512
+#ifdef LMPORT_INTERLEAVED
     if (row_group != 1) {   // a type with a layout (check_row_group)
       if constexpr (!std::is_void_v<typename RowsOf<T>::type>)
         linear_interleaved<T>(x.data_ptr<float>(), M, K, w, N, bp, y.data_ptr<float>());

@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_group") = 1, py::arg("rows") = py::none());
   m.def("quant_interleaved_bits", &lmport::quant_interleaved_bits,
         "the int4/int8 widths quant_linear and quant_dequantize read with rows interleaved in groups of 16");
+  m.def("interleaved_prefill", &lmport::interleaved_prefill,
+        "whether a prefill over interleaved rows is best run by quant_linear / ggml_linear, not a GEMM on the dequantized weight");
   m.def("ggml_linear", &lmport::ggml_linear, "x W^T (+ b), W in GGUF blocks of the named type, x float32 rows",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::arg("row_group") = 1);

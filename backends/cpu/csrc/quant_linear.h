@@ -11,8 +11,9 @@
 // step. More rows (a batched decode step): tiles of weight rows expanded to float32 in cache
 // (linear_by_tiles). quant_dequantize (prefill) expands the whole weight to float32 for the BLAS.
 // A weight whose rows are interleaved in groups of 16 (``row_group``: a model's linears as the cpu
-// backend holds them with AVX-512 VNNI) runs every row of x a decode step passes through
-// interleaved_rows.h's kernel instead; quant_dequantize reads its rows back in order.
+// backend holds them) runs every row of x a step passes through interleaved_rows.h's kernel instead
+// (x as two int8 codes with AVX-512 VNNI, int16 on the AVX2 path); quant_dequantize reads its rows
+// back in order.
 #pragma once
 
 #include <immintrin.h>
@@ -27,7 +28,7 @@
 #define LMPORT_QUANT_AVX512 1
 #include "int8_rows.h"   // the path for up to kInt8Rows rows of x in int8 arithmetic
 #endif
-#include "interleaved_rows.h"   // rows interleaved in groups of 16 (with AVX-512 VNNI)
+#include "interleaved_rows.h"   // rows interleaved in groups of 16
 #include "row_index.h"
 
 namespace lmport {
@@ -422,15 +423,19 @@ inline void linear_by_tiles(const float* x, int64_t M, int64_t K, const uint8_t*
 }  // namespace quant_detail
 
 // Rows interleaved in groups of 16 (``row_group``, lmport.weights.interleaved) where this build reads them
-// so: with AVX-512 VNNI.
+// so (interleaved::kKernels).
 inline std::vector<int64_t> quant_interleaved_bits() {
   return interleaved::kKernels ? std::vector<int64_t>{4, 8} : std::vector<int64_t>{};
 }
 
+// Whether the cpu backend runs a prefill over interleaved rows through quant_linear / ggml_linear (their group
+// kernels) rather than through the weight dequantized for a GEMM; both take it.
+inline bool interleaved_prefill() { return interleaved::kPrefill; }
+
 inline void check_row_group(int64_t row_group) {
   TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && interleaved::kKernels),
               "quant: rows interleaved in groups of ", row_group, ": this build reads ",
-              interleaved::kKernels ? "groups of 16" : "none (no AVX-512 VNNI)",
+              interleaved::kKernels ? "groups of 16" : "none (no AVX2)",
               " (lmport.weights.interleaved.file_layout gives the rows back in order)");
 }
 
@@ -472,6 +477,30 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     if (bits == 4) quant512::linear_int8_rows<4>(xs, wn, sn, mn0, rows, rpg_shift, bn, out);
     else quant512::linear_int8_rows<8>(xs, wn, sn, mn0, rows, rpg_shift, bn, out);
   };
+#else
+  // rows n0 .. n0 + rows of W against every row of x, each on its own rounded to int16, into ``out`` [M, rows]
+  const auto int16_path = [&](int64_t n0, int64_t rows, float* out) {
+    const int64_t runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
+    const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
+    // Threads split the output rows, so the packed weight is read once in all.
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> sd(runs);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t n = n0 + i;
+        for (int64_t m = 0; m < M; ++m) {
+          const int16_t* xc = xq.codes.data() + m * K;
+          const float* xd = xq.scales.data() + m * runs;
+          const float* xs = xq.sums.data() + m * runs;
+          const at::Half* mins_n = mp ? mp + n * groups : nullptr;
+          const float v = bits == 4
+              ? dot_row<4>(w + n * row_bytes, sp + n * groups, mins_n, runs, group_size / kRun, xc, xd, xs, sd.data())
+              : dot_row<8>(w + n * row_bytes, sp + n * groups, mins_n, runs, group_size / kRun, xc, xd, xs, sd.data());
+          out[m * rows + i] = v + (bp ? bp[n] : 0.f);
+        }
+      }
+    });
+  };
+#endif
   if (row_group != 1) {   // every row of x over the whole groups, and over the rows after them as they are
     const int64_t whole = N / interleaved::kGroup * interleaved::kGroup;
     const auto groups = [&](auto layout) {
@@ -480,10 +509,14 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     };
     if (bits == 4) groups(interleaved::QuantRows<4>{sp, mp, K, group_size});
     else groups(interleaved::QuantRows<8>{sp, mp, K, group_size});
+    // each row of x on its own, as in the groups: a row's result does not depend on the rows beside it
+#ifdef LMPORT_QUANT_AVX512
     interleaved::rows_after_groups(M, N, yp, int8_path);
+#else
+    interleaved::rows_after_groups(M, N, yp, int16_path);
+#endif
     return y;
   }
-#endif
   if (M > kIntegerRows) {
     linear_by_tiles(x.data_ptr<float>(), M, K, w, sp, mp, N, group_size, bits, bp, yp);
     return y;
@@ -492,24 +525,7 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   static_assert(quant512::kInt8Rows == kIntegerRows, "the int8 path is the only integer path with AVX-512 VNNI");
   int8_path(0, N, yp);
 #else
-  const int64_t runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
-  // Threads split the output rows, so the packed weight is read once in all.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> sd(runs);
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t m = 0; m < M; ++m) {
-        const int16_t* xc = xq.codes.data() + m * K;
-        const float* xd = xq.scales.data() + m * runs;
-        const float* xs = xq.sums.data() + m * runs;
-        const at::Half* mins_n = mp ? mp + n * groups : nullptr;
-        const float v = bits == 4
-            ? dot_row<4>(w + n * row_bytes, sp + n * groups, mins_n, runs, group_size / kRun, xc, xd, xs, sd.data())
-            : dot_row<8>(w + n * row_bytes, sp + n * groups, mins_n, runs, group_size / kRun, xc, xd, xs, sd.data());
-        yp[m * N + n] = v + (bp ? bp[n] : 0.f);
-      }
-    }
-  });
+  int16_path(0, N, yp);
 #endif
   return y;
 }

@@ -16,7 +16,7 @@
 
 namespace lmport {
 
-#ifdef LMPORT_QUANT_AVX512
+#ifdef LMPORT_INTERLEAVED
 // One part: ``groups`` groups of ``group_bytes``, its outputs from column ``column``; ``run`` computes groups
 // [begin, end) for M rows of x (their codes) into y (the part's first column; rows y_stride apart).
 struct GroupedPart {
