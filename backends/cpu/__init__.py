@@ -73,7 +73,8 @@ class CpuBackend(Backend):
         if compiled is None or x.dim() != 2:
             return super().quant_linear(x, weight, bias)
         q = weight
-        if x.shape[0] <= SMALL_BATCH_TOKENS or (q.row_group != 1 and kernels.held_prefill(compiled)):  # decode
+        # a decode step, or a prefill over held rows where the build's group kernels beat the GEMM
+        if x.shape[0] <= SMALL_BATCH_TOKENS or (q.row_group != 1 and kernels.held_prefill(compiled)):
             return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
                                          **kernels.row_group_args(q))
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
@@ -86,7 +87,8 @@ class CpuBackend(Backend):
         if compiled is None or weight.type_name not in self.capabilities.ggml_types:
             return super().ggml_linear(x, weight, bias)
         x2 = x.reshape(-1, weight.in_features)
-        if x2.shape[0] <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and kernels.held_prefill(compiled)):  # decode
+        # a decode step, or a prefill over held rows where the build's group kernels beat the GEMM
+        if x2.shape[0] <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and kernels.held_prefill(compiled)):
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias,
                                      **kernels.row_group_args(weight))
         else:  # prefill: the weight expanded once for a GEMM

@@ -435,7 +435,7 @@ inline bool interleaved_prefill() { return interleaved::kPrefill; }
 inline void check_row_group(int64_t row_group) {
   TORCH_CHECK(row_group == 1 || (row_group == interleaved::kGroup && interleaved::kKernels),
               "quant: rows interleaved in groups of ", row_group, ": this build reads ",
-              interleaved::kKernels ? "groups of 16" : "none (no AVX2)",
+              interleaved::kKernels ? "groups of 16" : "none (neither AVX-512 VNNI nor AVX2 with FMA and F16C)",
               " (lmport.weights.interleaved.file_layout gives the rows back in order)");
 }
 
