@@ -23,6 +23,7 @@ from lmport.models.lora import LoraLayers
 from lmport.ops import build_attention_metadata, build_lora_batch, host_tensor
 from lmport.paging import host_tier
 from lmport.parallel import TPGroup, tp_choices
+from lmport.sampling import rows_of
 from lmport.units import ceil_div, fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -168,14 +169,6 @@ class ModelRunner:
 
     def close(self) -> None:
         self.caches, self.host_caches, self.graphs = [], [], None
-
-
-def rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows] for ascending ``rows``: a view where they are consecutive (a decode step's every row, a prompt's
-    last), which costs a fraction of gathering them."""
-    if rows[-1] - rows[0] == len(rows) - 1:
-        return x[rows[0]:rows[-1] + 1]
-    return x[rows]
 
 
 def measure_activation_reserve(runner) -> int | None:

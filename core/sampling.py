@@ -188,8 +188,11 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 
 def rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows], without a copy when that is all of x (rows are ascending)."""
-    return x if len(rows) == len(x) else x[rows]
+    """x[rows] for ascending ``rows``: a view, not a gathered copy, where they are consecutive (all of x, a decode
+    step's every row, a prompt's last)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        return x[rows[0]:rows[-1] + 1]
+    return x[rows]
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
