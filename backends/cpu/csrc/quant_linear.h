@@ -464,8 +464,9 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 #ifdef LMPORT_QUANT_AVX512
-  // rows n0 .. n0 + rows of W against every row of x in int8 arithmetic, into ``out`` [M, rows]
-  const auto int8_path = [&](int64_t n0, int64_t rows, float* out) {
+  // This build's integer path: rows n0 .. n0 + rows of W against every row of x, into ``out`` [M, rows]. With
+  // AVX-512 VNNI in int8 arithmetic:
+  const auto integer_rows = [&](int64_t n0, int64_t rows, float* out) {
     const int rpg_shift = __builtin_ctzll(group_size / kRun), groups = K / group_size;
     std::vector<quant512::Int8Activations> xs;
     for (int64_t m = 0; m < M; ++m)
@@ -478,8 +479,8 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     else quant512::linear_int8_rows<8>(xs, wn, sn, mn0, rows, rpg_shift, bn, out);
   };
 #else
-  // rows n0 .. n0 + rows of W against every row of x, each on its own rounded to int16, into ``out`` [M, rows]
-  const auto int16_path = [&](int64_t n0, int64_t rows, float* out) {
+  // on the AVX2 path each row of x on its own, rounded to int16:
+  const auto integer_rows = [&](int64_t n0, int64_t rows, float* out) {
     const int64_t runs = K / kRun, groups = K / group_size, row_bytes = K * bits / 8;
     const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
     // Threads split the output rows, so the packed weight is read once in all.
@@ -510,11 +511,7 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
     if (bits == 4) groups(interleaved::QuantRows<4>{sp, mp, K, group_size});
     else groups(interleaved::QuantRows<8>{sp, mp, K, group_size});
     // each row of x on its own, as in the groups: a row's result does not depend on the rows beside it
-#ifdef LMPORT_QUANT_AVX512
-    interleaved::rows_after_groups(M, N, yp, int8_path);
-#else
-    interleaved::rows_after_groups(M, N, yp, int16_path);
-#endif
+    interleaved::rows_after_groups(M, N, yp, integer_rows);
     return y;
   }
   if (M > kIntegerRows) {
@@ -523,10 +520,8 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch:
   }
 #ifdef LMPORT_QUANT_AVX512
   static_assert(quant512::kInt8Rows == kIntegerRows, "the int8 path is the only integer path with AVX-512 VNNI");
-  int8_path(0, N, yp);
-#else
-  int16_path(0, N, yp);
 #endif
+  integer_rows(0, N, yp);
   return y;
 }
 
