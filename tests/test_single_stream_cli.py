@@ -1,5 +1,6 @@
-"""benchmarks/single_stream.py: a --files path that is not a GGUF file refused before anything is built or
-measured; the table's ratios, the AVX2 path's against a llama.cpp without AVX-512 too."""
+"""benchmarks/single_stream.py: a --files path that is not a GGUF file, or an --llama-avx2-bin without
+llama-bench, refused before anything is built or measured; the table's ratios, the AVX2 path's against a
+llama.cpp without AVX-512 too."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,6 +18,18 @@ def test_a_missing_gguf_path_is_named_before_anything_runs(tmp_path):
     assert out.returncode != 0
     assert f"--files: no GGUF file at {missing}: give the path of one, or one of Q4_1" in out.stderr
     assert "llama-bench" not in out.stderr   # found before the llama.cpp build is looked for
+
+
+def test_an_avx2_peer_without_llama_bench_is_named_before_anything_runs(tmp_path):
+    native, empty = tmp_path / "native", tmp_path / "empty"
+    native.mkdir()
+    empty.mkdir()
+    (native / "llama-bench").touch()   # only looked for here: nothing runs it before the refusal
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "single_stream.py"), "--files", "Q4_1",
+                          "--llama-bin", str(native), "--llama-avx2-bin", str(empty)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--llama-avx2-bin: no llama-bench in {empty}" in out.stderr
 
 
 def test_the_avx2_path_is_also_set_against_llama_cpp_without_avx512(capsys):
