@@ -27,7 +27,9 @@ from lmport.kv.layout import LayerCache
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "kernels.cpp"]  # includes the csrc/*.h kernels
+# The kernel sources (benchmarks/kernel_ab.py points a worker at another checkout's to compare two builds).
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ["kernels.cpp"]  # includes the csrc/*.h kernels
 
 
 # What the kernels take besides float32 tensors (the backend's methods and its decoder runner ask).
@@ -107,7 +109,7 @@ def source_tag() -> str:
     """A short hash of the kernel sources (every csrc file): the build directory is named after it, so
     checkouts with different sources sharing one extensions cache never load each other's build."""
     digest = hashlib.sha1()
-    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+    for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:8]
 
@@ -129,13 +131,13 @@ def staged_sources(directory: Path) -> list[str]:
     every process that alternated between them."""
     staged = directory / "csrc"
     staged.mkdir(parents=True, exist_ok=True)
-    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+    for path in sorted(CSRC.iterdir()):
         target = staged / path.name
         if not target.exists():   # never rewritten: a newer mtime would make ninja rebuild
             partial = staged / f".{path.name}.{os.getpid()}"
             shutil.copyfile(path, partial)
             os.replace(partial, target)   # whole or absent for a process building beside this one
-    return [str(staged / s.name) for s in SOURCES]
+    return [str(staged / name) for name in SOURCES]
 
 
 # Written after a build succeeds: the module's size and mtime. torch's loader takes a lock file in the build

@@ -170,7 +170,7 @@ def test_one_build_per_source_version_wherever_the_sources_lie(tmp_path):
     assert kernels.build_directory().name == kernels.build_name()
     sources = kernels.staged_sources(tmp_path)
     staged = sorted(p.name for p in (tmp_path / "csrc").iterdir())
-    assert staged == sorted(p.name for p in (kernels.SOURCES[0].parent).iterdir())
+    assert staged == sorted(p.name for p in kernels.CSRC.iterdir())
     assert sources == [str(tmp_path / "csrc" / "kernels.cpp")]
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "csrc").iterdir()}
     assert kernels.staged_sources(tmp_path) == sources

@@ -1,0 +1,57 @@
+"""benchmarks/kernel_ab.py: a --base that is not a checkout refused before anything is measured; each
+round's ratio paired; the worker's other sources named by kernels.CSRC, built under their own name."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from lmport.backends.cpu import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_kernel_ab():
+    sys.path.insert(0, str(ROOT / "benchmarks"))   # its own imports are the benchmarks' modules
+    try:
+        spec = importlib.util.spec_from_file_location("kernel_ab", ROOT / "benchmarks" / "kernel_ab.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_a_base_without_kernel_sources_is_named_before_anything_runs(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--base", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--base {tmp_path}: give a checkout of lmport (one with backends/cpu/csrc/kernels.cpp)" in out.stderr
+
+
+def test_each_rounds_ratio_is_paired():
+    kernel_ab = load_kernel_ab()
+    rounds = [{"A": {"decode@0": 100.0, "decode@256": 80.0}, "B": {"decode@0": 110.0, "decode@256": 80.0}},
+              {"A": {"decode@0": 50.0, "decode@256": 40.0}, "B": {"decode@0": 60.0, "decode@256": 36.0}}]
+    summary = kernel_ab.summary(rounds, "A", "B")
+    assert summary["decode@0"]["B / A"] == {"median": 1.15, "min": 1.1, "max": 1.2}   # not 85 / 75
+    assert summary["decode@256"]["B / A"] == {"median": 0.95, "min": 0.9, "max": 1.0}
+    assert summary["decode@0"]["A"] == {"median": 75.0, "min": 50.0, "max": 100.0}
+
+
+def test_other_sources_build_under_a_name_of_their_own(tmp_path, monkeypatch):
+    other = tmp_path / "csrc"
+    shutil.copytree(kernels.CSRC, other)
+    same = kernels.source_tag()
+    monkeypatch.setattr(kernels, "CSRC", other)
+    assert kernels.source_tag() == same   # the same bytes: the same build
+    with open(other / "kernels.cpp", "a") as f:
+        f.write("// another version\n")
+    assert kernels.source_tag() != same
+    assert kernels.source_tag() in kernels.build_name()
+    staged = kernels.staged_sources(tmp_path / "build")
+    assert (tmp_path / "build" / "csrc" / "kernels.cpp").read_text().endswith("// another version\n")
+    assert staged == [str(tmp_path / "build" / "csrc" / "kernels.cpp")]
