@@ -19,43 +19,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
 from machine import cpu_info, memory_bandwidth, write_result
+from worker_process import WorkerProcess
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 64
 DEPTHS = (0, PROMPT_TOKENS)
 
 
-class Worker:
+def worker(model: Path, csrc: Path, threads: int) -> WorkerProcess:
     """This script run as ``--worker FILE CSRC``: one engine on kernels built from CSRC, a round per request."""
-
-    def __init__(self, model: Path, csrc: Path, threads: int):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(model), str(csrc), "--threads",
-                                      str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self._read()   # sent once the engine is loaded and warm
-
-    def _read(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"a worker died (exit {self.proc.wait()}); its error is above")
-        return json.loads(line)
-
-    def round(self) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("round\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait()
+    return WorkerProcess([sys.executable, __file__, "--worker", str(model), str(csrc), "--threads", str(threads)])
 
 
 def worker_main(model: str, csrc: str, threads: int) -> None:
@@ -130,7 +108,7 @@ def main() -> None:
                "csrc": {k: str(v) for k, v in csrc.items()}, "bandwidth": memory_bandwidth(args.threads), "files": {}}
     a, b = csrc
     for label, path in files.items():
-        workers = {side: Worker(path, src, args.threads) for side, src in csrc.items()}
+        workers = {side: worker(path, src, args.threads) for side, src in csrc.items()}
         rounds = []
         for i in range(args.rounds):
             order = [a, b] if i % 2 == 0 else [b, a]

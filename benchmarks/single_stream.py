@@ -46,6 +46,7 @@ import torch
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
 from machine import cpu_info, memory_bandwidth, write_result
+from worker_process import WorkerProcess
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
 DEPTHS = (0, PROMPT_TOKENS)
@@ -93,32 +94,10 @@ def llama_round(bin_dir: Path, model: Path, threads: int) -> dict:
 
 # ---- lmport, one worker process per kernel path ----
 
-class Worker:
+def lmport_worker(model: Path, isa: str, threads: int) -> WorkerProcess:
     """This script run as ``--worker FILE`` under LMPORT_CPU_ISA=``isa``: one engine, a round per request."""
-
-    def __init__(self, model: Path, isa: str, threads: int):
-        env = dict(os.environ, LMPORT_CPU_ISA=isa)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(model), "--threads", str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self._read()   # sent once the engine is loaded and warm
-
-    def _read(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"an lmport worker died (exit {self.proc.wait()}); its error is above")
-        return json.loads(line)
-
-    def round(self) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("round\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait()
+    return WorkerProcess([sys.executable, __file__, "--worker", str(model), "--threads", str(threads)],
+                         dict(os.environ, LMPORT_CPU_ISA=isa))
 
 
 def worker_main(model: str, threads: int) -> None:
@@ -214,7 +193,7 @@ def main() -> None:
                "peers": {name: {"bin": str(b), "version": llama_version(b)} for name, b in peers.items()},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
     for label, path in files.items():
-        workers = {name: Worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
+        workers = {name: lmport_worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
         rounds = []
         for _ in range(args.repeats):
             rounds.append({**{name: llama_round(b, path, args.threads) for name, b in peers.items()},

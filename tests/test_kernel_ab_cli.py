@@ -2,27 +2,15 @@
 round's ratio paired; the worker's other sources named by kernels.CSRC, built under their own name."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from benchmark_module import load_benchmark
 from lmport.backends.cpu import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_kernel_ab():
-    sys.path.insert(0, str(ROOT / "benchmarks"))   # its own imports are the benchmarks' modules
-    try:
-        spec = importlib.util.spec_from_file_location("kernel_ab", ROOT / "benchmarks" / "kernel_ab.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_a_base_without_kernel_sources_is_named_before_anything_runs(tmp_path):
@@ -33,7 +21,7 @@ def test_a_base_without_kernel_sources_is_named_before_anything_runs(tmp_path):
 
 
 def test_each_rounds_ratio_is_paired():
-    kernel_ab = load_kernel_ab()
+    kernel_ab = load_benchmark("kernel_ab")
     rounds = [{"A": {"decode@0": 100.0, "decode@256": 80.0}, "B": {"decode@0": 110.0, "decode@256": 80.0}},
               {"A": {"decode@0": 50.0, "decode@256": 40.0}, "B": {"decode@0": 60.0, "decode@256": 36.0}}]
     summary = kernel_ab.summary(rounds, "A", "B")

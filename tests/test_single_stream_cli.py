@@ -3,10 +3,11 @@ llama-bench, refused before anything is built or measured; the table's ratios, t
 llama.cpp without AVX-512 too."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmark_module import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,14 +34,7 @@ def test_an_avx2_peer_without_llama_bench_is_named_before_anything_runs(tmp_path
 
 
 def test_the_avx2_path_is_also_set_against_llama_cpp_without_avx512(capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))   # its own imports are the benchmarks' modules
-    try:
-        spec = importlib.util.spec_from_file_location("single_stream", ROOT / "benchmarks" / "single_stream.py")
-        assert spec is not None and spec.loader is not None
-        single_stream = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(single_stream)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    single_stream = load_benchmark("single_stream")
     speeds = {"llama.cpp": 100.0, single_stream.AVX2_PEER: 80.0, "lmport": 150.0, "lmport avx2": 120.0}
     summary = {engine: {k: {"median": v, "min": v, "max": v} for k in single_stream.MEASURES}
                for engine, v in speeds.items()}
