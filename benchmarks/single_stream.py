@@ -19,6 +19,7 @@ min-max of the rounds, and every round is kept in the JSON.
 - The memory read bandwidth is measured in the same run with the same threads (machine.py); a
   decode step reads every weight once, so bandwidth / weight bytes is the fastest decode can be
   (the "limit" row).
+- The ratios: of the medians, and the median (min-max) of each round's own ratio ("round by round").
 
 llama.cpp, as its users build it: `cmake -B build -DGGML_NATIVE=ON && cmake --build build --config
 Release --target llama-bench llama-quantize` (its README's build). Either pass the bin directory of
@@ -226,6 +227,7 @@ def print_table(results: dict) -> None:
     print("| file | engine | threads | prefill 256 tok/s | decode @0 tok/s | decode @256 tok/s | weight bytes |")
     print("|---|---|---:|---:|---:|---:|---:|")
     cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
+    spread = lambda v: f"{statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"   # noqa: E731
     for label, f in results["files"].items():
         for engine, s in f["summary"].items():
             weights = f["gguf_tensor_bytes"] if engine in results["peers"] else f["lmport"][engine]["weight_bytes"]
@@ -243,7 +245,17 @@ def print_table(results: dict) -> None:
             ratios[engine if peer == "llama.cpp" else f"{engine} / {peer}"] = r
             print(f"| {label} | {engine} / {peer} | | {r['prefill']:.2f}x | {r['decode@0']:.2f}x | "
                   f"{r['decode@256']:.2f}x | |")
+        # Each round's ratio too: the engines' runs of a round follow one another, so the memory bandwidth a
+        # shared host gives, which drifts over the run, meets them more alike than it meets the medians.
+        per_round = {}
+        for engine, peer in pairs:
+            r = {k: [rnd[engine][k] / rnd[peer][k] for rnd in f["rounds"]] for k in MEASURES}
+            per_round[engine if peer == "llama.cpp" else f"{engine} / {peer}"] = {
+                k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in r.items()}
+            print(f"| {label} | {engine} / {peer}, round by round | | {spread(r['prefill'])} | "
+                  f"{spread(r['decode@0'])} | {spread(r['decode@256'])} | |")
         f["ratios_over_llama_cpp"] = ratios
+        f["ratios_round_by_round"] = per_round
         f["byte_limit_tok_s"] = limit
 
 

@@ -46,10 +46,19 @@ def test_the_avx2_path_is_also_set_against_llama_cpp_without_avx512(capsys):
                          single_stream.AVX2_PEER: {"bin": "c", "version": "v"}},
                "files": {"Q4_1": {"gguf_tensor_bytes": 10**8, "summary": summary, "lmport": {
                    "lmport": {"weight_bytes": 1}, "lmport avx2": {"weight_bytes": 1}},
-                   "rounds": [{engine: {"threads": 2} for engine in speeds}]}}}
+                   "rounds": [{engine: {"threads": 2, **{k: v for k in single_stream.MEASURES}}
+                               for engine, v in speeds.items()},
+                              {engine: {"threads": 2, **{k: v * (2 if engine == "lmport" else 1)
+                                                         for k in single_stream.MEASURES}}
+                               for engine, v in speeds.items()}]}}}
     single_stream.print_table(results)
     ratios = results["files"]["Q4_1"]["ratios_over_llama_cpp"]
     assert ratios["lmport"]["decode@0"] == 1.5
     assert ratios["lmport avx2"]["decode@0"] == 1.2
     assert ratios[f"lmport avx2 / {single_stream.AVX2_PEER}"]["decode@0"] == 1.5
-    assert "| Q4_1 | lmport avx2 / llama.cpp avx2 | | 1.50x | 1.50x | 1.50x | |" in capsys.readouterr().out
+    # round by round: lmport's second round twice its first against the same llama.cpp, 1.5x and 3.0x
+    per_round = results["files"]["Q4_1"]["ratios_round_by_round"]
+    assert per_round["lmport"]["decode@0"] == {"median": 2.25, "min": 1.5, "max": 3.0}
+    out = capsys.readouterr().out
+    assert "| Q4_1 | lmport avx2 / llama.cpp avx2 | | 1.50x | 1.50x | 1.50x | |" in out
+    assert "| Q4_1 | lmport / llama.cpp, round by round | | 2.25x (1.50-3.00) |" in out
