@@ -142,8 +142,8 @@ struct QuantRows {
 };
 
 // The next group's block, fetched into L2 while this one is worked on (none: ``next`` null). Not for int8
-// codes: their kernel does the least work a byte, the hardware prefetchers keep ahead of it alone, and the
-// prefetches only cost it load slots (docs/weight-quantization.md, "Prefetching int8 codes").
+// codes with AVX-512: that kernel does the least work a byte, the hardware prefetchers keep ahead of it
+// alone, and the prefetches only cost it load slots (docs/weight-quantization.md, "Prefetching int8 codes").
 inline void prefetch(const uint8_t* next, int64_t bytes) {
   if (next != nullptr)
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
@@ -687,7 +687,7 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
     for (int m = 0; m < MT; ++m) acc[h][m] = acc_mins[h][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.K / 32; ++b) {
     const uint8_t* c = q + 64 * kVectors * b;
-    if constexpr (BITS == 4) prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);   // see prefetch()
+    prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);
     const int64_t g = b / runs_per_group;
     for (int h = 0; h < 2; ++h) {
       Sums s[MT];
