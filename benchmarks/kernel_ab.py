@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
-from machine import cpu_info, memory_bandwidth, write_result
+from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 64
@@ -67,17 +66,16 @@ def worker_main(model: str, csrc: str, threads: int) -> None:
         print(json.dumps({f"decode@{d}": decode(d) for d in DEPTHS}), flush=True)
 
 
-def spread(values: list[float], digits: int) -> dict:
-    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
-            "max": round(max(values), digits)}
+def rounded(values: list[float], digits: int) -> dict:
+    return {k: round(v, digits) for k, v in median_min_max(values).items()}
 
 
 def summary(rounds: list[dict], a: str, b: str) -> dict:
     out = {}
     for d in DEPTHS:
         key = f"decode@{d}"
-        out[key] = {a: spread([r[a][key] for r in rounds], 1), b: spread([r[b][key] for r in rounds], 1),
-                    "B / A": spread([r[b][key] / r[a][key] for r in rounds], 3)}
+        out[key] = {a: rounded([r[a][key] for r in rounds], 1), b: rounded([r[b][key] for r in rounds], 1),
+                    "B / A": rounded([r[b][key] / r[a][key] for r in rounds], 3)}
     return out
 
 

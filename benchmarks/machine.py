@@ -66,6 +66,11 @@ def line(info: dict) -> str:
             f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
 
 
+def median_min_max(values: list[float]) -> dict:
+    """A benchmark's rounds as the JSON keeps them."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def spread(values: list[float], fmt: str = ".3g") -> str:
     """A benchmark's rounds as "median (min-max)", each in ``fmt``; "-" for none."""
     if not values:

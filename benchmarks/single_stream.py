@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
-from machine import cpu_info, memory_bandwidth, write_result
+from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
@@ -140,11 +139,7 @@ def worker_main(model: str, threads: int) -> None:
 # ---- the run ----
 
 def summary(rounds: list[dict], engine: str) -> dict:
-    out = {}
-    for k in MEASURES:
-        values = [r[engine][k] for r in rounds]
-        out[k] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
+    return {k: median_min_max([r[engine][k] for r in rounds]) for k in MEASURES}
 
 
 def main() -> None:
@@ -227,7 +222,7 @@ def print_table(results: dict) -> None:
     print("| file | engine | threads | prefill 256 tok/s | decode @0 tok/s | decode @256 tok/s | weight bytes |")
     print("|---|---|---:|---:|---:|---:|---:|")
     cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
-    spread = lambda v: f"{statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"   # noqa: E731
+    ratio_cell = lambda s: f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"   # noqa: E731
     for label, f in results["files"].items():
         for engine, s in f["summary"].items():
             weights = f["gguf_tensor_bytes"] if engine in results["peers"] else f["lmport"][engine]["weight_bytes"]
@@ -236,24 +231,24 @@ def print_table(results: dict) -> None:
                   f"{cell(s['decode@256'])} | {weights:,} |")
         limit = gbs * 1e9 / f["gguf_tensor_bytes"]
         print(f"| {label} | byte limit (bandwidth / file bytes) | | | {limit:.0f} | {limit:.0f} | |")
-        ratios = {}
+        ratios, per_round = {}, {}
         pairs = [(engine, "llama.cpp") for engine in f["summary"] if engine not in results["peers"]]
         if AVX2_PEER in f["summary"] and "lmport avx2" in f["summary"]:
             pairs.append(("lmport avx2", AVX2_PEER))
         for engine, peer in pairs:
-            r = {k: f["summary"][engine][k]["median"] / f["summary"][peer][k]["median"] for k in MEASURES}
-            ratios[engine if peer == "llama.cpp" else f"{engine} / {peer}"] = r
+            name = engine if peer == "llama.cpp" else f"{engine} / {peer}"
+            r = ratios[name] = {k: f["summary"][engine][k]["median"] / f["summary"][peer][k]["median"]
+                                for k in MEASURES}
             print(f"| {label} | {engine} / {peer} | | {r['prefill']:.2f}x | {r['decode@0']:.2f}x | "
                   f"{r['decode@256']:.2f}x | |")
         # Each round's ratio too: the engines' runs of a round follow one another, so the memory bandwidth a
         # shared host gives, which drifts over the run, meets them more alike than it meets the medians.
-        per_round = {}
         for engine, peer in pairs:
-            r = {k: [rnd[engine][k] / rnd[peer][k] for rnd in f["rounds"]] for k in MEASURES}
-            per_round[engine if peer == "llama.cpp" else f"{engine} / {peer}"] = {
-                k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in r.items()}
-            print(f"| {label} | {engine} / {peer}, round by round | | {spread(r['prefill'])} | "
-                  f"{spread(r['decode@0'])} | {spread(r['decode@256'])} | |")
+            name = engine if peer == "llama.cpp" else f"{engine} / {peer}"
+            r = per_round[name] = {k: median_min_max([rnd[engine][k] / rnd[peer][k] for rnd in f["rounds"]])
+                                   for k in MEASURES}
+            print(f"| {label} | {engine} / {peer}, round by round | | {ratio_cell(r['prefill'])} | "
+                  f"{ratio_cell(r['decode@0'])} | {ratio_cell(r['decode@256'])} | |")
         f["ratios_over_llama_cpp"] = ratios
         f["ratios_round_by_round"] = per_round
         f["byte_limit_tok_s"] = limit
