@@ -33,3 +33,17 @@ def gguf_file(kind: str, files_dir: Path = DEFAULT_DIR, llama_bin: Path | None =
                    capture_output=True)
     partial.rename(target)
     return target
+
+
+def check_paths(names: list[str]) -> None:
+    """Refuse a name in ``--files`` that is a path (``.gguf``) with no file there, before anything runs."""
+    for name in names:
+        if name.endswith(".gguf") and not Path(name).is_file():
+            raise SystemExit(f"--files: no GGUF file at {name}: give the path of one, or one of {', '.join(TYPES)}")
+
+
+def files_by_label(names: list[str], files_dir: Path, llama_bin: Path | None) -> dict[str, Path]:
+    """``--files`` as label -> GGUF file: a path's file name, or a type of the default model (gguf_file)."""
+    check_paths(names)
+    return {Path(name).name if name.endswith(".gguf") else name:
+            Path(name) if name.endswith(".gguf") else gguf_file(name, files_dir, llama_bin) for name in names}

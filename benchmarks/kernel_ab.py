@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, files_by_label
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess
 
@@ -100,8 +100,7 @@ def main() -> None:
     csrc = {"A (base)": args.base / "backends" / "cpu" / "csrc",
             "B (this checkout)": Path(__file__).resolve().parents[1] / "backends" / "cpu" / "csrc"}
     names = [f for f in args.files.split(",") if f]
-    files = {Path(n).name if n.endswith(".gguf") else n:
-             Path(n) if n.endswith(".gguf") else gguf_file(n, args.files_dir, args.llama_bin) for n in names}
+    files = files_by_label(names, args.files_dir, args.llama_bin)
     results = {"machine": cpu_info(), "threads": args.threads, "isa": os.environ.get("LMPORT_CPU_ISA", "native"),
                "csrc": {k: str(v) for k, v in csrc.items()}, "bandwidth": memory_bandwidth(args.threads), "files": {}}
     a, b = csrc

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, check_paths, files_by_label
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess
 
@@ -163,9 +163,7 @@ def main() -> None:
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     names = [f for f in args.files.split(",") if f]
-    for name in names:   # before llama.cpp is built or anything measured
-        if name.endswith(".gguf") and not Path(name).is_file():
-            raise SystemExit(f"--files: no GGUF file at {name}: give the path of one, or one of {', '.join(TYPES)}")
+    check_paths(names)   # before llama.cpp is built or anything measured
     bin_dir = build_llama(args.llama_src, args.llama_cmake_args) if args.llama_src else Path(args.llama_bin)
     if not (bin_dir / "llama-bench").exists():
         raise SystemExit(f"no llama-bench in {bin_dir}: pass --llama-bin (a llama.cpp build's bin directory) or "
@@ -180,8 +178,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown --paths {sorted(unknown)}: among {', '.join(LMPORT_PATHS)}")
     # label -> the GGUF file (a type of the default model's made with llama-quantize where missing)
-    files = {Path(name).name if name.endswith(".gguf") else name:
-             Path(name) if name.endswith(".gguf") else gguf_file(name, args.files_dir, bin_dir) for name in names}
+    files = files_by_label(names, args.files_dir, bin_dir)
     import gguf
     cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,

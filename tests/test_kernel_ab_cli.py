@@ -1,5 +1,6 @@
-"""benchmarks/kernel_ab.py: a --base that is not a checkout refused before anything is measured; each
-round's ratio paired; the worker's other sources named by kernels.CSRC, built under their own name."""
+"""benchmarks/kernel_ab.py: a --base that is not a checkout, one round, or a --files path with no GGUF file
+refused before anything is measured; each round's ratio paired; the worker's other sources named by
+kernels.CSRC, built under their own name."""
 from __future__ import annotations
 
 import shutil
@@ -18,6 +19,18 @@ def test_a_base_without_kernel_sources_is_named_before_anything_runs(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert f"--base {tmp_path}: give a checkout of lmport (one with backends/cpu/csrc/kernels.cpp)" in out.stderr
+
+
+def test_one_round_or_a_missing_gguf_path_is_refused_before_anything_runs(tmp_path):
+    script = [sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--base", str(ROOT)]
+    out = subprocess.run([*script, "--rounds", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--rounds must be at least 2 (each build leads every other round)" in out.stderr
+    missing = tmp_path / "nowhere.gguf"
+    out = subprocess.run([*script, "--files", f"Q4_1,{missing}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--files: no GGUF file at {missing}: give the path of one, or one of Q4_1" in out.stderr
+    assert "round 1" not in out.stdout
 
 
 def test_each_rounds_ratio_is_paired():
