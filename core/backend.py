@@ -34,6 +34,9 @@ class Capabilities:
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     default_dtype: str = "float16"
     default_cache_max_entry_count: float = 0.8
+    # Dtypes an unquantized K/V cache may be kept in besides the model's own (EngineConfig.kv_cache_dtype),
+    # which the backend's fill and attention ops read and write. Empty: the model's dtype only.
+    kv_cache_dtypes: frozenset[str] = frozenset()
     # Axis order of each K/V cache block: "bshd" = [block, slot, head, dim].
     kv_axis_order: str = "bshd"
     # Quantized weight formats run natively (docs/weight-quantization.md): "int4", "int8", and the

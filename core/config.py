@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["Adjustment", "ConfigError", "EngineConfig", "GenerationConfig", "SpeculativeConfig"]
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = DTYPES   # "auto": the model's dtype
 WEIGHT_FORMATS = ("auto", "dequantize")
 MAX_LORA_RANK = 256
 EXECUTORS = ("mp", "ray")
@@ -122,6 +123,10 @@ class EngineConfig:
     block_size: int | None = None            # None: the backend's default
     cache_max_entry_count: float | int | None = None  # None: the backend's default fraction
     quant_policy: int = 0
+    # The dtype an unquantized cache (quant_policy 0) keeps K and V in; "auto": the model's dtype. A float32 model's
+    # cache in float16 (Capabilities.kv_cache_dtypes: cpu) holds twice the tokens, and a decode step reads half the
+    # bytes of its history, as llama.cpp's default f16 cache (docs/kv-quantization.md).
+    kv_cache_dtype: str = "auto"
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
     # Prompt tokens a step may compute while other sequences decode (decode-first chunked prefill): a running
@@ -171,6 +176,8 @@ class EngineConfig:
                f"(exact number of blocks), got {c!r}")
         _check(self.quant_policy in (0, 4, 8) and _is_int(self.quant_policy),
                f"quant_policy must be 0 (off), 8 (INT8) or 4 (INT4), got {self.quant_policy!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("max_batch_size", "max_prefill_token_num", "tp", "nnodes"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")

@@ -201,7 +201,8 @@ class Engine:
             self.plan.num_blocks, self.config.block_size, enable_prefix_caching=prefix_caching,
             num_host_blocks=num_host_blocks, bytes_per_block=self.layout.bytes_per_block,
             flops_per_token=2 * self.config.tp * loaded.num_parameters,   # ~2 FLOPs a parameter a token
-            seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy),
+            seed=model_fingerprint(model, cfg.to_dict(), self.config.dtype, self.config.quant_policy,
+                                   self.config.kv_cache_dtype),
             window=window)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num,
                                    self.config.decode_prefill_tokens)

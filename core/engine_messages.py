@@ -61,6 +61,7 @@ class EngineInfo:
     device_type: str
     dtype: str
     quant_policy: int
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -68,7 +69,7 @@ class EngineInfo:
         return cls(engine.model_name, engine.model_config.vocab_size, engine.model_config.hidden_size,
                    engine.session_len,
                    list(engine.eos_token_ids), cfg.max_batch_size, cfg.max_prefill_token_num,
-                   engine.plan.num_blocks, cfg.device_type, cfg.dtype, cfg.quant_policy)
+                   engine.plan.num_blocks, cfg.device_type, cfg.dtype, cfg.quant_policy, cfg.kv_cache_dtype)
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)

@@ -48,7 +48,8 @@ def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLa
     check_tp(model_cfg, config.tp)
     return KVLayout(num_layers=model_cfg.num_hidden_layers, num_kv_heads=kv_heads_per_rank(model_cfg, config.tp),
                     head_dim=head_dim_of(model_cfg), block_size=config.block_size,
-                    dtype=torch_dtype(config.dtype), quant_policy=config.quant_policy, axis_order=axis_order)
+                    dtype=torch_dtype(config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype),
+                    quant_policy=config.quant_policy, axis_order=axis_order)
 
 
 def draft_bytes_per_block(config: EngineConfig) -> int:

@@ -39,9 +39,10 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         eager_mode = True
     for a in adjustments:
         log.warning("config adjusted: %s %r -> %r (%s)", *a)
+    dtype = caps.default_dtype if config.dtype == "auto" else config.dtype
     return dataclasses.replace(
-        config, device_type=caps.device_type, block_size=block_size, eager_mode=eager_mode,
-        dtype=caps.default_dtype if config.dtype == "auto" else config.dtype,
+        config, device_type=caps.device_type, block_size=block_size, eager_mode=eager_mode, dtype=dtype,
+        kv_cache_dtype=dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         cache_max_entry_count=(caps.default_cache_max_entry_count if config.cache_max_entry_count is None
                                else config.cache_max_entry_count),
         adjustments=tuple(adjustments), resolved_backend=backend_cls)
@@ -78,6 +79,17 @@ def check_against(config: EngineConfig, caps: Capabilities) -> None:
     if config.dtype != "auto" and config.dtype not in caps.dtypes:
         raise ConfigError(f"dtype={config.dtype!r} is not supported on device {caps.device_type!r}; use one of "
                           f"{', '.join(caps.dtypes)}")
+    dtype, kv_dtype = caps.default_dtype if config.dtype == "auto" else config.dtype, config.kv_cache_dtype
+    if kv_dtype not in ("auto", dtype) and config.quant_policy:
+        raise ConfigError(f"kv_cache_dtype={kv_dtype!r} with quant_policy={config.quant_policy}: a quantized cache "
+                          f"keeps codes, not values of a dtype; use kv_cache_dtype='auto' or quant_policy=0")
+    if kv_dtype not in ("auto", dtype) and kv_dtype not in caps.kv_cache_dtypes:
+        others = f" or {', '.join(sorted(caps.kv_cache_dtypes))}" if caps.kv_cache_dtypes else ""
+        raise ConfigError(
+            f"kv_cache_dtype={kv_dtype!r} with dtype={dtype!r} is not supported on device {caps.device_type!r} "
+            f"(it keeps K/V in the model's dtype{others}); a {kv_dtype} cache is kept on "
+            f"{', '.join(_devices(lambda c: kv_dtype in c.kv_cache_dtypes)) or 'no installed device'}; "
+            f"use kv_cache_dtype='auto' on {caps.device_type}")
 
 
 def _backend_class(device_type: str):

@@ -138,14 +138,20 @@ CASES += [("llama", "ggml"), ("qwen2", "ggml")]
 CASES += [(arch, weights) for arch in ("qwen3", "gemma2", "gemma3") for weights in ("float32", "int4")]
 
 
-# An 8- and a 4-bit KV cache (codes and their float32 params, filled and read by the same kernels).
-CASES += [("llama", "float32, kv 8"), ("gemma2", "int4, kv 4")]
+# An 8- and a 4-bit KV cache (codes and their float32 params, filled and read by the same kernels), and a float16
+# one (kv_cache_dtype).
+CASES += [("llama", "float32, kv 8"), ("gemma2", "int4, kv 4"), ("qwen2", "float32, kv float16")]
+
+
+def kv_config(kv: str) -> dict:
+    """The EngineConfig fields a case's ", kv ..." names: a quant_policy (8, 4) or a kv_cache_dtype."""
+    return {} if not kv else {"quant_policy": int(kv)} if kv.isdigit() else {"kv_cache_dtype": kv}
 
 
 @pytest.mark.parametrize(("arch", "weights"), CASES)
 def test_runner_gives_the_modules_hidden_states(arch, weights):
     weights, _, kv = weights.partition(", kv ")
-    engine = engine_for(arch, cache_max_entry_count=16, quant_policy=int(kv or 0))
+    engine = engine_for(arch, cache_max_entry_count=16, **kv_config(kv))
     if weights == "ggml":
         ggml_layers(engine.model)
         assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, ConcatLinear)
@@ -206,8 +212,9 @@ def test_python_loop_gives_the_native_loops_hidden_states(arch, weights):
 # Interleaved weights: decode steps run as one parallel region (csrc/decoder_layers.h's team). Qwen2's biases,
 # a sliding window (mistral-sw32), Qwen3's q/k norms, a projection of two formats (q5_0+int8), and Gemma's
 # gelu-tanh MLP, output norms and soft caps (gemma2) and rope bases (gemma3).
+# A float16 cache (kv_cache_dtype) too.
 TEAM_CASES = [("llama", "int8"), ("qwen2", "int4"), ("mistral-sw32", "int4"), ("qwen3", "int8"), ("llama", "q5_0+int8"),
-              ("gemma2", "int4"), ("gemma3", "int8")]
+              ("gemma2", "int4"), ("gemma3", "int8"), ("llama", "int8, kv float16"), ("gemma3", "int4, kv float16")]
 
 
 @pytest.mark.parametrize("sequences", [1, 2])
@@ -237,7 +244,9 @@ def assert_team_matches_modules(arch: str, weights: str, sequences: int) -> None
     compiled = kernels.load()
     if compiled is None or not compiled.quant_interleaved_bits():
         pytest.skip("this build reads no interleaved rows")
-    engine = engine_for(arch, cache_max_entry_count=16)
+    weights, _, kv = weights.partition(", kv ")
+    engine = engine_for(arch, cache_max_entry_count=16, **kv_config(kv))
+    assert engine.caches[0].k.dtype == (torch.float16 if kv == "float16" else torch.float32)
     if weights == "q5_0+int8":
         mixed_layers(engine.model)
     else:

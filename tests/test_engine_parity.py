@@ -54,10 +54,12 @@ def run_engine(model, ids, max_new_tokens, **config):
     return [r.token_ids for r in responses], usage
 
 
-@pytest.mark.parametrize("block_size,blocks", [(16, 200), (1, 1200), (64, 40)])
-def test_default_model_greedy_matches_transformers(block_size, blocks):
+@pytest.mark.parametrize("block_size,blocks,kv_cache_dtype", [(16, 200, "auto"), (1, 1200, "auto"), (64, 40, "auto"),
+                                                              (16, 200, "float16")])
+def test_default_model_greedy_matches_transformers(block_size, blocks, kv_cache_dtype):
+    """Tokens identical, also with K and V kept in float16 (transformers keeps them in float32)."""
     tokens, usage = run_engine("smollm2", prompt_ids(), NEW_TOKENS, block_size=block_size,
-                               cache_max_entry_count=blocks)
+                               cache_max_entry_count=blocks, kv_cache_dtype=kv_cache_dtype)
     assert tokens == reference_tokens()
 
 

@@ -1,6 +1,7 @@
 """`lmport plan`: reads only the config, and its numbers are the ones the engine really allocates."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -69,6 +70,7 @@ def test_smollm2_plan_reads_no_weights_and_matches_the_engine(monkeypatch):
     EngineConfig(device_type="cpu", cache_max_entry_count=0.001, quant_policy=8, block_size=32),
     EngineConfig(device_type="cpu", cache_max_entry_count=0.002, quant_policy=4, session_len=256,
                  max_prefill_token_num=512),
+    EngineConfig(device_type="cpu", cache_max_entry_count=0.001, kv_cache_dtype="float16"),
 ])
 def test_tiny_model_plan_matches_the_engine(config):
     model = tiny_model_dir("llama")
@@ -82,6 +84,11 @@ def test_tiny_model_plan_matches_the_engine(config):
     assert report["kv"]["bytes_per_block"] == engine.layout.bytes_per_block
     if isinstance(config.cache_max_entry_count, int):
         assert engine.plan.num_blocks == config.cache_max_entry_count
+    if config.kv_cache_dtype == "float16":   # half a float32 cache's bytes a block: twice the blocks
+        assert engine.caches[0].k.dtype == torch.float16
+        f32 = plan.build_plan(model, dataclasses.replace(config, kv_cache_dtype="auto"),
+                              device_memory=free + engine.weight_bytes)
+        assert report["kv"]["bytes_per_block"] * 2 == f32["kv"]["bytes_per_block"]
 
 
 @pytest.mark.parametrize("model", ["gemma3", "smollm2"])

@@ -28,6 +28,7 @@ class CpuBackend(Backend):
         device_type="cpu",
         torch_device="cpu",
         kv_quant_policies=frozenset({0, 4, 8}),
+        kv_cache_dtypes=frozenset({"float16"}),   # a float32 model's K and V in half the bytes
         weight_formats=frozenset({"int4", "int8"}),
         ggml_types=kernels.GGML_TYPES,
         default_block_size=16,

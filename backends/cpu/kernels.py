@@ -72,10 +72,10 @@ def attention_takes(head_dim: int) -> bool:
 
 
 def cache_takes(cache: LayerCache) -> bool:
-    """Whether the kernels read and write ``cache``: float32 values, or 8-/4-bit codes with float32 params (a
-    float32 model's; a 16-bit model's float16 params go to the reference ops)."""
+    """Whether the kernels read and write ``cache``: float32 or float16 values, or 8-/4-bit codes with float32
+    params (a float32 model's; a 16-bit model's float16 params go to the reference ops)."""
     if cache.quant_policy == 0:
-        return cache.k.dtype == torch.float32
+        return cache.k.dtype in (torch.float32, torch.float16)
     return cache.k_qparams is not None and cache.k_qparams.dtype == torch.float32
 
 

@@ -94,7 +94,7 @@ class Frontend:
         # settings that change outputs.
         self.fingerprint = "fp_lmport_" + hashlib.sha256(repr((
             lmport_version(), self.model_name, info.device_type, info.dtype,
-            info.quant_policy)).encode()).hexdigest()[:12]
+            info.quant_policy, info.kv_cache_dtype)).encode()).hexdigest()[:12]
         self.live: set[asyncio.Queue] = set()   # the output queues of jobs in flight (see abort_all)
 
     def engine_problem(self) -> str | None:

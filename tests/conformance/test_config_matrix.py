@@ -145,6 +145,24 @@ def test_camb_quant8_names_device_supported_devices_and_fix():
     assert "use quant_policy=0" in message
 
 
+def test_kv_cache_dtype_resolves_where_the_backend_keeps_it():
+    """cpu keeps a float32 model's K/V in float16 too; "auto" and the model's own dtype resolve everywhere;
+    another dtype elsewhere, or beside KV quantization, is refused with the fix named."""
+    assert resolve_config(EngineConfig(device_type="cpu", kv_cache_dtype="float16")).kv_cache_dtype == "float16"
+    assert resolve_config(EngineConfig(device_type="cpu")).kv_cache_dtype == "float32"
+    assert resolve_config(EngineConfig(device_type="camb", dtype="bfloat16")).kv_cache_dtype == "bfloat16"
+    assert resolve_config(EngineConfig(device_type="camb", kv_cache_dtype="float16")).kv_cache_dtype == "float16"
+    with pytest.raises(ConfigError) as info:
+        resolve_config(EngineConfig(device_type="camb", dtype="bfloat16", kv_cache_dtype="float16"))
+    message = str(info.value)
+    assert "kv_cache_dtype='float16'" in message and "camb" in message and "cpu" in message, message
+    assert "use kv_cache_dtype='auto'" in message
+    with pytest.raises(ConfigError, match="quant_policy=8: a quantized cache keeps codes"):
+        resolve_config(EngineConfig(device_type="cpu", quant_policy=8, kv_cache_dtype="float16"))
+    resolved = resolve_config(EngineConfig(device_type="cpu", quant_policy=8))
+    assert resolve_config(dataclasses.replace(resolved, resolved_backend=None)).quant_policy == 8
+
+
 def test_camb_block_size_64_is_adjusted_to_16():
     cfg = EngineConfig(device_type="camb", block_size=64)
     resolved = resolve_config(cfg)
@@ -215,6 +233,7 @@ BAD_FIELDS = [
     ("session_len", 0), ("session_len", -5), ("session_len", "long"),
     ("tp", 0), ("tp", 1.0),
     ("dtype", "int3"), ("dtype", None), ("dtype", ""),
+    ("kv_cache_dtype", "fp8"), ("kv_cache_dtype", None), ("kv_cache_dtype", "int8"),
     ("block_size", 0), ("block_size", -16), ("block_size", 16.0), ("block_size", True), ("block_size", "16"),
     ("host_cache_gib", -1), ("host_cache_gib", "2"), ("host_cache_gib", True),
     ("enable_prefix_caching", "yes"), ("enable_prefix_caching", 1),
@@ -235,6 +254,7 @@ GOOD_FIELDS = [
     ("cache_max_entry_count", 1.0), ("cache_max_entry_count", 0.5), ("cache_max_entry_count", 1),
     ("cache_max_entry_count", 4096), ("cache_max_entry_count", None), ("session_len", None),
     ("host_cache_gib", 0), ("host_cache_gib", 2.5), ("dtype", "bfloat16"), ("enable_prefix_caching", True),
+    ("kv_cache_dtype", "float16"), ("kv_cache_dtype", "auto"),
 ]
 
 

@@ -3,9 +3,11 @@ silu-and-mul) against the reference ops.
 
 The kernel must build here (gcc and ninja are part of the test environment):
 a build that silently fell back to the reference ops would leave it untested.
-Attention matrix: block sizes 1/16/64, head dims 64/128, GQA groups 1/3, decode and
-mixed prefill batches (a chunk over cached history, a block-exact sequence,
-a one-token sequence). Tolerance: fp32 summation order only, 2e-5.
+Attention matrix: block sizes 1/16/64, head dims 64/128, GQA groups 1/3/4 (the AVX-512 path takes
+a KV head's query heads three at a time: 4 leaves one over), float32 and float16 caches (a float32
+model's kv_cache_dtype="float16"), decode and mixed prefill batches (a chunk over cached history, a
+block-exact sequence, a one-token sequence). Tolerance: fp32 summation order only, 2e-5 (the float16
+values are the reference's too).
 """
 from __future__ import annotations
 
@@ -31,13 +33,15 @@ BATCHES = {
 }
 
 
-def _case(block_size, head_dim, group, q_lens, kv_lens, dtype=torch.float32, policy=0, seed=0):
-    """A cache on shuffled blocks holding every sequence's KV, the step's metadata, and q."""
+def _case(block_size, head_dim, group, q_lens, kv_lens, dtype=torch.float32, policy=0, seed=0, cache_dtype=None):
+    """A cache (of ``cache_dtype``, default ``dtype``) on shuffled blocks holding every sequence's KV, the step's
+    metadata, and q."""
     gen = torch.Generator().manual_seed(seed)
     counts = [-(-n // block_size) for n in kv_lens]
     ids = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
     tables = [ids[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
-    cache = KVLayout(1, KV_HEADS, head_dim, block_size, dtype, policy).allocate(sum(counts) + 1, "cpu")[0]
+    cache = KVLayout(1, KV_HEADS, head_dim, block_size, cache_dtype or dtype, policy).allocate(sum(counts) + 1,
+                                                                                               "cpu")[0]
     history = ops.build_attention_metadata(kv_lens, kv_lens, tables, block_size)
     k, v = (torch.randn(sum(kv_lens), KV_HEADS, head_dim, generator=gen).to(dtype) for _ in range(2))
     ops.fill_kv_cache(k, v, cache, history.slot_mapping)
@@ -53,12 +57,13 @@ def test_kernel_builds_here():
     assert kernels.build_name().startswith(f"lmport_cpu_kernels_{kernels.machine_tag()}_{kernels.source_tag()}")
 
 
+@pytest.mark.parametrize("cache_dtype", (torch.float32, torch.float16), ids=str)
 @pytest.mark.parametrize("kind", BATCHES)
-@pytest.mark.parametrize("group", (1, 3))
+@pytest.mark.parametrize("group", (1, 3, 4))
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("block_size", (1, 16, 64))
-def test_paged_attention_matches_reference(block_size, head_dim, group, kind):
-    cache, meta, q = _case(block_size, head_dim, group, *BATCHES[kind](block_size))
+def test_paged_attention_matches_reference(block_size, head_dim, group, kind, cache_dtype):
+    cache, meta, q = _case(block_size, head_dim, group, *BATCHES[kind](block_size), cache_dtype=cache_dtype)
     scale = head_dim ** -0.5
     out = kernels.load().paged_attention(q, cache.k, cache.v, meta.block_tables, meta.q_start_loc,
                                           meta.kv_lens, scale)
@@ -66,11 +71,15 @@ def test_paged_attention_matches_reference(block_size, head_dim, group, kind):
     torch.testing.assert_close(CpuBackend().paged_attention(q, cache, meta, scale), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cache_dtype", (torch.float32, torch.float16), ids=str)
 @pytest.mark.parametrize("q_lens,kv_lens", [([1], [37]), ([1, 1, 1], [5, 16, 300]), ([20, 37], [20, 40])], ids=str)
-def test_fill_kv_cache_matches_reference(q_lens, kv_lens):
-    cache, meta, _ = _case(16, 64, 1, q_lens, kv_lens)
+def test_fill_kv_cache_matches_reference(q_lens, kv_lens, cache_dtype):
+    """The reference's values bit for bit; into a float16 cache rounded as torch rounds (to nearest even, a
+    tie among the values), huge values to infinity, tiny ones to float16's subnormals."""
+    cache, meta, _ = _case(16, 64, 1, q_lens, kv_lens, cache_dtype=cache_dtype)
     k, v = (torch.randn(sum(q_lens), KV_HEADS, 64) for _ in range(2))
-    want = KVLayout(1, KV_HEADS, 64, 16, torch.float32, 0).allocate(cache.k.shape[0], "cpu")[0]
+    k[0, 0, :6] = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 7e4, -1e9, 3e-7, 65519.0])
+    want = KVLayout(1, KV_HEADS, 64, 16, cache_dtype, 0).allocate(cache.k.shape[0], "cpu")[0]
     want.k.copy_(cache.k)
     want.v.copy_(cache.v)
     ops.fill_kv_cache(k, v, want, meta.slot_mapping)
@@ -100,13 +109,14 @@ def test_fill_of_codes_is_the_references_bits(policy, head_dim):
         assert torch.equal(getattr(cache, name), getattr(want, name)), name
 
 
+@pytest.mark.parametrize("cache_dtype", (torch.float32, torch.float16), ids=str)
 @pytest.mark.parametrize("threads", (2, 3, 8))
 @pytest.mark.parametrize("kv_lens", ([1], [5], [300], [7, 300]), ids=str)
 @pytest.mark.parametrize("window", (0, 40))
-def test_decode_attention_split_over_threads_matches_reference(threads, kv_lens, window):
+def test_decode_attention_split_over_threads_matches_reference(threads, kv_lens, window, cache_dtype):
     """Fewer decode tokens than threads: each token's keys are split into parts (some empty when
     there are fewer keys than parts) whose softmax statistics merge them."""
-    cache, meta, q = _case(16, 64, 3, [1] * len(kv_lens), kv_lens)
+    cache, meta, q = _case(16, 64, 3, [1] * len(kv_lens), kv_lens, cache_dtype=cache_dtype)
     meta = meta.for_layer(window or None)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -134,10 +144,12 @@ def test_paged_attention_over_codes_matches_reference(block_size, head_dim, grou
                                ops.paged_attention(q, cache, windowed, 0.125), **TOL)
 
 
-@pytest.mark.parametrize("dtype,policy,head_dim", [(torch.bfloat16, 8, 64), (torch.bfloat16, 0, 64),
-                                                   (torch.float32, 0, 36), (torch.float32, 8, 36)])
-def test_cases_the_kernel_does_not_cover_use_the_reference(dtype, policy, head_dim):
-    cache, meta, q = _case(16, head_dim, 3, *BATCHES["mixed"](16), dtype=dtype, policy=policy)
+@pytest.mark.parametrize("dtype,policy,head_dim,cache_dtype", [
+    (torch.bfloat16, 8, 64, None), (torch.bfloat16, 0, 64, None), (torch.float32, 0, 36, None),
+    (torch.float32, 8, 36, None), (torch.float32, 0, 64, torch.bfloat16), (torch.float16, 0, 64, None)])
+def test_cases_the_kernel_does_not_cover_use_the_reference(dtype, policy, head_dim, cache_dtype):
+    cache, meta, q = _case(16, head_dim, 3, *BATCHES["mixed"](16), dtype=dtype, policy=policy,
+                           cache_dtype=cache_dtype)
     out = CpuBackend().paged_attention(q, cache, meta, 0.125)
     assert torch.equal(out, ops.paged_attention(q, cache, meta, 0.125))
 

@@ -119,7 +119,7 @@ struct TeamLayer {
 
 // The layers, bound once; ``run`` takes a step's hidden states through all of them.
 //
-// A step of a few tokens over interleaved weights (every layer's projections, a float32 cache), with no
+// A step of a few tokens over interleaved weights (every layer's projections, a float32 or float16 cache), with no
 // more threads than CPUs to run them, runs as one parallel region: its threads take every op together, each its share of a projection's rows
 // or of attention's keys, the glue between on one of them, meeting at a spin barrier between ops. Other
 // steps call the kernels one at a time, each opening its own region. The two give the same floats.
@@ -138,8 +138,8 @@ class DecoderLayers {
                      windows, softcaps);
   }
 
-  // The same over caches of 8- or 4-bit codes (``bits``) with their float32 params; bits 0: float32 caches
-  // (no params), as ``run``.
+  // The same over caches of 8- or 4-bit codes (``bits``) with their float32 params; bits 0: float32 or float16
+  // caches (no params), as ``run``.
   torch::Tensor run_codes(torch::Tensor x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                           const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                           const std::vector<torch::Tensor>& k_params, const std::vector<torch::Tensor>& v_params,
@@ -250,20 +250,28 @@ class DecoderLayers {
     // gelu MLP's).
     std::vector<torch::Tensor> held;
     std::vector<const float*> c(n), s(n);
-    std::vector<float*> k_data(n), v_data(n);
+    // The caches: float32 or float16 (every layer's alike), as pools of one kind and the other.
+    const bool half = k_caches[0].scalar_type() == torch::kHalf;
     std::vector<Pool<32>> pools;
+    std::vector<Pool<16>> half_pools;
+    std::vector<void*> k_data(n), v_data(n);
     for (size_t i = 0; i < n; ++i) {
       const auto& k = k_caches[i];
       const auto& v = v_caches[i];
-      TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat && k.is_contiguous() &&
+      const auto dtype = half ? torch::kHalf : torch::kFloat;
+      TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k.is_contiguous() &&
                       v.is_contiguous() && k.dim() == 4 && v.sizes() == k.sizes() && k.size(3) == D &&
                       k.size(2) == layers_[i].num_kv_heads,
-                  "decoder layers: layer ", i, "'s caches are float32 [blocks, block_size, ", layers_[i].num_kv_heads,
-                  ", ", D, "] alike; got ", k.sizes(), " and ", v.sizes());
+                  "decoder layers: layer ", i, "'s caches are ", half ? "float16" : "float32", " [blocks, block_size, ",
+                  layers_[i].num_kv_heads, ", ", D, "] alike, as the first layer's; got ", k.scalar_type(), " ",
+                  k.sizes(), " and ", v.scalar_type(), " ", v.sizes());
       held.push_back(cos[i].contiguous()), c[i] = held.back().data_ptr<float>();
       held.push_back(sin[i].contiguous()), s[i] = held.back().data_ptr<float>();
-      k_data[i] = k.data_ptr<float>(), v_data[i] = v.data_ptr<float>();
-      pools.push_back({k_data[i], v_data[i], nullptr, nullptr, k.size(1), k.size(2), D});
+      k_data[i] = k.data_ptr(), v_data[i] = v.data_ptr();
+      if (half)
+        half_pools.push_back({k_data[i], v_data[i], nullptr, nullptr, k.size(1), k.size(2), D});
+      else
+        pools.push_back({k_data[i], v_data[i], nullptr, nullptr, k.size(1), k.size(2), D});
     }
     const int64_t* slot = slots.data_ptr<int64_t>();
     check_slots("decoder layers", slot, t, k_caches[0].size(0) * k_caches[0].size(1));
@@ -291,11 +299,19 @@ class DecoderLayers {
             rotate_rows(l, qkv.data(), W, c[i], s[i], 0, t);
             for (int64_t r = 0; r < t; ++r) {
               const float* k = qkv.data() + r * W + Hq * D;
-              fill_kv_row(k, k + kv_row, k_data[i], v_data[i], kv_row, slot[r]);
+              if (half)
+                fill_kv_row(k, k + kv_row, static_cast<uint16_t*>(k_data[i]), static_cast<uint16_t*>(v_data[i]),
+                            kv_row, slot[r]);
+              else
+                fill_kv_row(k, k + kv_row, static_cast<float*>(k_data[i]), static_cast<float*>(v_data[i]), kv_row,
+                            slot[r]);
             }
           }
           barrier.wait();
-          if (member < work.workers)
+          if (member < work.workers && half)
+            attend_items(work, member, qkv.data(), W, half_pools[i], attention.data(), l.scale, windows[i],
+                         softcaps[i], scratch);
+          else if (member < work.workers)
             attend_items(work, member, qkv.data(), W, pools[i], attention.data(), l.scale, windows[i], softcaps[i],
                          scratch);
           barrier.wait();

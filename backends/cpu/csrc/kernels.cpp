@@ -12,7 +12,7 @@
 #include "rotary.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 block pool",
+  m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 or float16 block pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_start_loc"),
         py::arg("kv_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_attention_codes", &lmport::paged_attention_codes,
@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_params"), py::arg("v_params"),
         py::arg("bits"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 bshd block pool",
+  m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 or float16 bshd block pool",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("fill_kv_cache_codes", &lmport::fill_kv_cache_codes,
         "quantize new K/V rows into a bshd pool of 8- or 4-bit codes and their float32 params",

@@ -1,4 +1,4 @@
-// Writes a step's new K and V rows into the paged float32 cache (bshd: [blocks, block_size,
+// Writes a step's new K and V rows into the paged float32 or float16 cache (bshd: [blocks, block_size,
 // kv_heads, head_dim]) at their slots: one call instead of the reference's views and two index
 // copies, which at batch 1 cost more in dispatch than the copy itself.
 #pragma once
@@ -9,6 +9,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+
+#include "vec8.h"
 
 namespace lmport {
 
@@ -25,11 +27,29 @@ inline void fill_kv_row(const float* k, const float* v, float* k_cache, float* v
   std::memcpy(v_cache + slot * row, v, row * sizeof(float));
 }
 
+// ``n`` floats as float16 (their bits), rounded to nearest even as torch's .half() rounds them.
+inline void to_halves(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store_half(out + i, load(x + i));
+  for (; i < n; ++i) {
+    const _Float16 h = static_cast<_Float16>(x[i]);
+    std::memcpy(out + i, &h, sizeof(h));
+  }
+}
+
+// The same into float16 caches.
+inline void fill_kv_row(const float* k, const float* v, uint16_t* k_cache, uint16_t* v_cache, int64_t row,
+                        int64_t slot) {
+  to_halves(k, k_cache + slot * row, row);
+  to_halves(v, v_cache + slot * row, row);
+}
+
 inline void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor slot_mapping) {
+  const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
-                  k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
-              "fill_kv_cache takes float32 k, v and caches");
+                  (dtype == torch::kFloat || dtype == torch::kHalf) && v_cache.scalar_type() == dtype,
+              "fill_kv_cache takes float32 k and v, and float32 or float16 caches alike");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes(),
               "fill_kv_cache: the caches are contiguous [blocks, block_size, kv_heads, head_dim] alike; got ",
@@ -45,9 +65,13 @@ inline void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cach
   const auto kc = k.contiguous(), vc = v.contiguous();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
-  float* kd = k_cache.data_ptr<float>();
-  float* vd = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) fill_kv_row(kp + t * row, vp + t * row, kd, vd, row, sp[t]);
+  const auto fill = [&](auto* kd, auto* vd) {
+    for (int64_t t = 0; t < T; ++t) fill_kv_row(kp + t * row, vp + t * row, kd, vd, row, sp[t]);
+  };
+  if (dtype == torch::kHalf)
+    fill(static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()));
+  else
+    fill(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
 }
 
 // One (token, KV head) row of D floats as lmport.kv.quant.quantize computes it, step for step (the same

@@ -1,8 +1,8 @@
 // Paged attention for the cpu backend. It reads K/V straight from the block
 // pool (no gathered copy); each query token is one work item over all its heads.
-// The pool holds float32 values, or lmport.kv.quant's codes (8 bits, or 4 bits two a
-// byte with element 2i in the low nibble) with a float32 scale and integer zero per
-// (token, KV head): value = (code - zero) * scale.
+// The pool holds float32 or float16 values (kv_cache_dtype), or lmport.kv.quant's codes
+// (8 bits, or 4 bits two a byte with element 2i in the low nibble) with a float32 scale
+// and integer zero per (token, KV head): value = (code - zero) * scale.
 #pragma once
 
 #include <torch/extension.h>
@@ -20,7 +20,7 @@ namespace lmport {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// kBits: 32 for float32 values, 8 or 4 for codes.
+// kBits: 32 for float32 values, 16 for float16 values, 8 or 4 for codes.
 template <int kBits>
 struct Pool {
   const void* k;
@@ -43,6 +43,8 @@ template <int kBits>
 inline vec8 load8(const char* row, int64_t d) {
   if constexpr (kBits == 32) {
     return load(reinterpret_cast<const float*>(row) + d);
+  } else if constexpr (kBits == 16) {
+    return load_half(reinterpret_cast<const uint16_t*>(row) + d);
   } else if constexpr (kBits == 8) {
     u8x8 codes;
     std::memcpy(&codes, row + d, 8);
@@ -60,17 +62,76 @@ struct Scratch {
   std::vector<int64_t> rows;    // pool position of each visible key
   std::vector<float> scores;    // [Hq, n rounded up to 8]
   std::vector<float> values;    // codes: the visible K and V rows dequantized, [2, n, Hkv, D]
+  std::vector<float> inv;       // each head's 1 / sum of its softmax numerators
 };
 
-// Query token with heads q[Hq, D] at position end - 1 of a sequence whose blocks are
-// ``blocks``, over the keys at positions [first, end) (at least one): out[Hq, D], and when
-// ``stats`` is given each head's largest score and sum of exp(score - largest) in
-// stats[2h], stats[2h + 1], which merge attention over parts of the keys. kD is the head dim
-// when known at compile time (then the output accumulators live in registers), 0 to
-// read it from the pool.
+// Heads taken together against each key's row (one KV head's, so each K and V vector loaded serves them
+// all): as many as keep their accumulators in registers (eight keys' dot products a head; AVX-512 has 32
+// vector registers, AVX2 16).
+#ifdef __AVX512F__
 template <int64_t kD>
-void attend_floats(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
-                   int64_t q_heads, const Pool<32>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
+constexpr int64_t kHeadChunk = kD == 64 ? 3 : 1;
+#else
+template <int64_t kD>
+constexpr int64_t kHeadChunk = 1;
+#endif
+
+// The scores of kC heads (q: D floats apart) against eight keys' K rows (at their KV head), scaled (and soft
+// capped), into the first ``keys`` places of each head's row of ``scores`` (rows ``width`` apart).
+template <int64_t kC, int64_t kD, int kBits>
+inline void score_keys(const float* q, int64_t D, const char* const* k_rows, float scale, float softcap,
+                       int64_t keys, float* scores, int64_t width) {
+  if constexpr (kD != 0) D = kD;
+  vec8 acc[kC][8] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    vec8 qd[kC];
+    for (int64_t c = 0; c < kC; ++c) qd[c] = load(q + c * D + d);
+    for (int u = 0; u < 8; ++u) {
+      const vec8 k = load8<kBits>(k_rows[u], d);
+      for (int64_t c = 0; c < kC; ++c) acc[c][u] += qd[c] * k;
+    }
+  }
+  for (int64_t c = 0; c < kC; ++c) {
+    const vec8 s = sum8(acc[c]) * scale;
+    float* row = scores + c * width;
+    if (softcap > 0)  // Gemma 2's attention-logit soft cap
+      for (int64_t u = 0; u < keys; ++u) row[u] = softcap * std::tanh(s[u] / softcap);
+    else if (keys == 8)
+      store(row, s);
+    else
+      for (int64_t u = 0; u < keys; ++u) row[u] = s[u];
+  }
+}
+
+// out (kC heads, D floats apart) = the sum over the n keys of p * their V row (at KV head kv), times each
+// head's ``inv``; p: the heads' softmax numerators, rows ``width`` apart.
+template <int64_t kC, int64_t kD, int kBits>
+inline void sum_values(const float* p, int64_t width, const int64_t* rows, int64_t n, const Pool<kBits>& pool,
+                       int64_t kv, int64_t D, const float* inv, float* out) {
+  if constexpr (kD != 0) D = kD;
+  vec8 acc[kC][(kD ? kD : kMaxHeadDim) / 8] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const char* vj = pool.row(pool.v, rows[j], kv);
+    for (int64_t i = 0; i < D / 8; ++i) {
+      const vec8 v = load8<kBits>(vj, 8 * i);
+      for (int64_t c = 0; c < kC; ++c) acc[c][i] += p[c * width + j] * v;
+    }
+  }
+  for (int64_t c = 0; c < kC; ++c)
+    for (int64_t i = 0; i < D / 8; ++i) store(out + c * D + 8 * i, acc[c][i] * inv[c]);
+}
+
+// Query token with heads q[Hq, D] at position end - 1 of a sequence whose blocks are
+// ``blocks``, over the keys at positions [first, end) (at least one) of a pool of float32 or float16
+// values (kBits 32 or 16): out[Hq, D], and when ``stats`` is given each head's largest score and sum of
+// exp(score - largest) in stats[2h], stats[2h + 1], which merge attention over parts of the keys. kD is
+// the head dim when known at compile time (then the output accumulators live in registers), 0 to read it
+// from the pool.
+template <int64_t kD, int kBits>
+void attend_values(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
+                   int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch,
+                   Scratch& scratch) {
+  static_assert(kBits == 32 || kBits == 16, "values: float32 or float16");
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.kv_heads * pool.row_bytes();
   const int64_t n = end - first;  // visible keys; row j below is position first + j
   const int64_t group = q_heads / pool.kv_heads, width = (n + 7) / 8 * 8;
@@ -82,40 +143,50 @@ void attend_floats(const float* q, float* out, float* stats, const int32_t* bloc
   }
   auto& scores = scratch.scores;
   scores.assign(q_heads * width, -INFINITY);  // the padding keys get exp() == 0
+  // Each chunk of heads: its first head and how many (one KV head's, kHeadChunk or fewer).
+  const auto chunk_at = [&](int64_t h) { return std::min<int64_t>(kHeadChunk<kD>, (h / group + 1) * group - h); };
 
-  // Scores, eight keys at a time: their K rows (every kv head) stay in L1 while
-  // each head's eight dot products are summed in one go. For a decode token the
-  // V rows, and the next eight K rows, are prefetched meanwhile.
+  // Scores, eight keys at a time: their K rows (every kv head) stay in L1 while each
+  // chunk of heads sums its dot products in one go. For a decode token the lines of the K rows
+  // kPrefetchKeys ahead and of these keys' V rows are asked for meanwhile (into L2: the L1's few
+  // miss buffers would hold the loads back), spread over the chunks so that the requests go out
+  // alongside the arithmetic rather than in one burst that waits on the miss buffers.
+  constexpr int64_t kPrefetchKeys = 16;
+  const int64_t row_lines = (row + 63) / 64;
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t keys = std::min<int64_t>(8, n - j);
     // A last group short of eight repeats its final key (its scores are not kept), so the
     // loops below run a fixed eight keys and their accumulators stay in registers.
     int64_t keys_at[8];
     for (int64_t u = 0; u < 8; ++u) keys_at[u] = rows[j + std::min(u, keys - 1)];
-    if (prefetch) {   // into L2 (locality 2): the L1's few miss buffers would hold the loads back
-      for (int64_t u = 0; u < keys; ++u)
-        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.v, rows[j + u], 0) + f, 0, 2);
-      for (int64_t u = j + 8; u < std::min(n, j + 16); ++u)
-        for (int64_t f = 0; f < row; f += 64) __builtin_prefetch(pool.row(pool.k, rows[u], 0) + f, 0, 2);
+    const char* ahead[16];   // the rows asked for, row_lines lines each
+    int64_t rows_ahead = 0;
+    if (prefetch) {
+      for (int64_t u = j + kPrefetchKeys; u < std::min(n, j + kPrefetchKeys + 8); ++u)
+        ahead[rows_ahead++] = pool.row(pool.k, rows[u], 0);
+      for (int64_t u = 0; u < keys; ++u) ahead[rows_ahead++] = pool.row(pool.v, rows[j + u], 0);
     }
-    for (int64_t h = 0; h < q_heads; ++h) {
-      const float* qh = q + h * D;
-      const int64_t kv = h / group;
-      const char* k_rows[8];
-      for (int u = 0; u < 8; ++u) k_rows[u] = pool.row(pool.k, keys_at[u], kv);
-      vec8 acc[8] = {};
-      for (int64_t d = 0; d < D; d += 8) {
-        const vec8 qd = load(qh + d);
-        for (int u = 0; u < 8; ++u) acc[u] += qd * load8<32>(k_rows[u], d);
+    const int64_t lines = rows_ahead * row_lines, per_head = (lines + q_heads - 1) / q_heads;
+    int64_t asked = 0, r = 0, line = 0;   // lines asked for so far; the next one: line ``line`` of row r
+    for (int64_t h = 0, chunk; h < q_heads; h += chunk) {
+      chunk = chunk_at(h);
+      for (const int64_t stop = std::min(lines, (h + chunk) * per_head); asked < stop; ++asked) {
+        __builtin_prefetch(ahead[r] + 64 * line, 0, 2);
+        if (++line == row_lines) line = 0, ++r;
       }
-      const vec8 s = sum8(acc) * scale;
-      if (softcap > 0)  // Gemma 2's attention-logit soft cap
-        for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = softcap * std::tanh(s[u] / softcap);
+      const char* k_rows[8];
+      for (int u = 0; u < 8; ++u) k_rows[u] = pool.row(pool.k, keys_at[u], h / group);
+      float* chunk_scores = scores.data() + h * width + j;
+      if (chunk == kHeadChunk<kD>)
+        score_keys<kHeadChunk<kD>, kD, kBits>(q + h * D, D, k_rows, scale, softcap, keys, chunk_scores, width);
       else
-        for (int64_t u = 0; u < keys; ++u) scores[h * width + j + u] = s[u];
+        for (int64_t c = 0; c < chunk; ++c)
+          score_keys<1, kD, kBits>(q + (h + c) * D, D, k_rows, scale, softcap, keys, chunk_scores + c * width, width);
     }
   }
-  // Softmax, then V per head so its accumulators stay in registers across keys.
+  // Softmax per head, then V a chunk of heads at a time, their accumulators in registers across keys.
+  auto& inv = scratch.inv;
+  inv.resize(q_heads);
   for (int64_t h = 0; h < q_heads; ++h) {
     float* s = scores.data() + h * width;
     vec8 m8 = load(s);
@@ -127,26 +198,27 @@ void attend_floats(const float* q, float* out, float* stats, const int32_t* bloc
       store(s + j, e);
       total += e;
     }
-    const float inv = 1.f / sum(total);
+    inv[h] = 1.f / sum(total);
     if (stats) stats[2 * h] = m, stats[2 * h + 1] = sum(total);
-
-    vec8 acc[(kD ? kD : kMaxHeadDim) / 8] = {};
-    const int64_t kv = h / group;
-    for (int64_t j = 0; j < n; ++j) {
-      const char* vj = pool.row(pool.v, rows[j], kv);
-      const float p = s[j];
-      for (int64_t i = 0; i < D / 8; ++i) acc[i] += p * load8<32>(vj, 8 * i);
-    }
-    for (int64_t i = 0; i < D / 8; ++i) store(out + h * D + 8 * i, acc[i] * inv);
+  }
+  for (int64_t h = 0, chunk; h < q_heads; h += chunk) {
+    chunk = chunk_at(h);
+    const float* p = scores.data() + h * width;
+    if (chunk == kHeadChunk<kD>)
+      sum_values<kHeadChunk<kD>, kD>(p, width, rows.data(), n, pool, h / group, D, inv.data() + h, out + h * D);
+    else
+      for (int64_t c = 0; c < chunk; ++c)
+        sum_values<1, kD>(p + c * width, width, rows.data(), n, pool, h / group, D, inv.data() + h + c,
+                          out + (h + c) * D);
   }
 }
 
-// The same over a pool of codes (kBits 8 or 4), or a float32 pool (kBits 32) as attend_floats.
+// The same over a pool of codes (kBits 8 or 4), or of values (kBits 32 or 16) as attend_values.
 template <int64_t kD, int kBits>
 void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
             int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
-  if constexpr (kBits == 32) {
-    attend_floats<kD>(q, out, stats, blocks, first, end, q_heads, pool, scale, softcap, prefetch, scratch);
+  if constexpr (kBits == 32 || kBits == 16) {
+    attend_values<kD>(q, out, stats, blocks, first, end, q_heads, pool, scale, softcap, prefetch, scratch);
   } else {
     // Codes: the visible rows dequantized once, (code - zero) * scale as the reference computes them, into
     // a float32 pool of one block that the float path then reads (each KV head's rows serve its whole
@@ -167,7 +239,7 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
     }
     const Pool<32> flat{values, values + n * H * D, nullptr, nullptr, n, H, D};
     const int32_t only_block = 0;
-    attend_floats<kD>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, false, scratch);
+    attend_values<kD>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, false, scratch);
   }
 }
 
@@ -281,21 +353,26 @@ torch::Tensor attention_over(const torch::Tensor& q, const Pool<kBits>& pool, co
   return out;
 }
 
-// Over a float32 pool: k_cache, v_cache [blocks, block_size, Hkv, D].
+// Over a pool of values: k_cache, v_cache [blocks, block_size, Hkv, D], float32 or float16 alike.
 inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor q_start_loc,
                                      torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "paged_attention takes float32 q and caches");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && (dtype == torch::kFloat || dtype == torch::kHalf) &&
+              v_cache.scalar_type() == dtype, "paged_attention takes float32 q and float32 or float16 caches alike");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention takes contiguous q and caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) == q.size(2) &&
               v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
               "head_dim] alike; got ", q.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
-  const Pool<32> pool{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, k_cache.size(1), k_cache.size(2),
-                      q.size(2)};
-  return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
+  const auto over = [&](auto pool) {
+    return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
+  };
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), D = q.size(2);
+  if (dtype == torch::kHalf)
+    return over(Pool<16>{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, bs, kv_heads, D});
+  return over(Pool<32>{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, bs, kv_heads, D});
 }
 
 // Over a pool of 8- or 4-bit codes: k_cache, v_cache [blocks, block_size, Hkv, D * bits / 8] uint8, their

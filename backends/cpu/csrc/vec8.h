@@ -1,8 +1,13 @@
 // SIMD helpers shared by the cpu kernels: eight floats in one register (AVX on
-// x86) through GCC/Clang vector extensions, so no intrinsics header is needed.
+// x86) through GCC/Clang vector extensions; F16C's conversions for float16 rows
+// (the compilers' own vector conversion of _Float16 goes one lane at a time).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace lmport {
 
@@ -14,6 +19,27 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 inline vec8 load(const float* p) { return *reinterpret_cast<const vec8_unaligned*>(p); }
 inline void store(float* p, vec8 v) { *reinterpret_cast<vec8_unaligned*>(p) = v; }
 inline vec8 splat(float x) { return vec8{} + x; }
+
+// Eight IEEE half floats (as their bits) to floats, and back rounding to nearest even (torch's .half()).
+inline vec8 load_half(const uint16_t* p) {
+#ifdef __F16C__
+  return reinterpret_cast<vec8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  _Float16 h[8];
+  std::memcpy(h, p, sizeof(h));
+  return vec8{h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]};
+#endif
+}
+inline void store_half(uint16_t* p, vec8 v) {
+#ifdef __F16C__
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  _Float16 h[8];
+  for (int i = 0; i < 8; ++i) h[i] = static_cast<_Float16>(v[i]);
+  std::memcpy(p, h, sizeof(h));
+#endif
+}
 inline vec8 vmax(vec8 a, vec8 b) { return a > b ? a : b; }
 inline float sum(vec8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 inline float max(vec8 v) {
