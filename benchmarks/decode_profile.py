@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, gguf_file
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, gguf_file
 from machine import cpu_info, memory_bandwidth
 
 LINEAR_KERNELS = ("quant_linear", "ggml_linear", "small_linear")
@@ -60,8 +60,9 @@ def weight_tensor_and_bytes(w) -> tuple[torch.Tensor, int]:
     from lmport import ops
     if isinstance(w, ops.GGMLWeight):
         return w.blocks, w.blocks.numel()
-    if isinstance(w, ops.QuantizedWeight):
-        return w.qweight, w.nbytes()
+    if isinstance(w, ops.QuantizedWeight):   # the mins only where the kernels read them (not all zero)
+        read = (w.qweight, w.scales) if w.zero_mins else (w.qweight, w.scales, w.mins)
+        return w.qweight, sum(t.numel() * t.element_size() for t in read)
     return w, w.numel() * w.element_size()
 
 
@@ -221,6 +222,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0, help="context tokens before the decode")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, help=KV_CACHE_DTYPE_HELP)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the untimed steps")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, for --threads 1 on a loaded machine")
@@ -239,7 +241,8 @@ def main() -> None:
     from lmport.engine import Engine
     path = Path(args.file) if args.file.endswith(".gguf") else gguf_file(args.file, args.files_dir, args.llama_bin)
     engine = Engine(str(path), EngineConfig(device_type="cpu", cache_max_entry_count=64,
-                                            max_prefill_token_num=max(256, args.depth)))
+                                            max_prefill_token_num=max(256, args.depth),
+                                            kv_cache_dtype=args.kv_cache_dtype))
     prompt = (engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks. " * 60)
               * 8)[:max(args.depth, 1)]
     bandwidth = memory_bandwidth(args.threads, now=now)
@@ -262,7 +265,8 @@ def main() -> None:
     rows = table(clock, args.tokens, untimed, bandwidth["best_gbs"])
     machine = cpu_info()
     kernel_isa = os.environ.get("LMPORT_CPU_ISA", "native")
-    print(f"\n{path.name}, decode at depth {args.depth}, {args.tokens} tokens, {args.threads} threads; "
+    print(f"\n{path.name}, decode at depth {args.depth}, {args.tokens} tokens, {args.threads} threads, "
+          f"K/V {args.kv_cache_dtype}; "
           f"{machine['model']} ({' '.join(machine['kernel_flags'])}); kernels {kernel_isa}; "
           f"read bandwidth {bandwidth['best_gbs']:.1f} GB/s (best of {bandwidth['method']}); "
           f"load average {machine['load_average']}; untimed step {untimed_ms:.2f} ms "
@@ -280,6 +284,7 @@ def main() -> None:
     out = Path(args.out or f"benchmarks/results/decode_profile_{path.stem}_d{args.depth}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"file": str(path), "depth": args.depth, "tokens": args.tokens, "threads": args.threads,
+                               "kv_cache_dtype": args.kv_cache_dtype,
                                "clock": args.clock,
                                "kernels": kernel_isa, "machine": machine, "bandwidth": bandwidth,
                                "untimed_step_ms": untimed, "untimed_round_ms": steps,

@@ -10,6 +10,10 @@ DEFAULT_DIR = Path.home() / ".cache" / "lmport-files"
 # Where a llama.cpp build's bin directory is looked for unless LMPORT_LLAMA_CPP_BIN or --llama-bin says.
 DEFAULT_LLAMA_BIN = Path(os.environ.get("LMPORT_LLAMA_CPP_BIN", Path.home() / ".cache" / "llamacpp" / "build" / "bin"))
 TYPES = ("Q4_1", "Q8_0", "Q4_K_M")
+# lmport's kv_cache_dtype in the benchmarks against llama.cpp: the cache llama.cpp keeps by default (its
+# --cache-type-k / --cache-type-v f16), so both engines read the same bytes of history a token.
+KV_CACHE_DTYPE = "float16"
+KV_CACHE_DTYPE_HELP = f"lmport's kv_cache_dtype (default {KV_CACHE_DTYPE}, as llama.cpp's default f16 cache)"
 
 
 def gguf_file(kind: str, files_dir: Path = DEFAULT_DIR, llama_bin: Path | None = None) -> Path:

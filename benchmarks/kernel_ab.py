@@ -8,7 +8,8 @@ minutes, falls on both alike; each round's ratio compares two runs made seconds 
 gives each side's median (min-max) tok/s and the median (min-max) of the per-round ratios.
 
 - decode: 64 tokens at context depth 0 (after a one-token prompt) and at depth 256, as single_stream.py.
-- LMPORT_CPU_ISA applies to both workers (avx2: both AVX2 builds).
+- LMPORT_CPU_ISA applies to both workers (avx2: both AVX2 builds); --kv-cache-dtype to both engines (default
+  float16, as single_stream.py; auto for a base whose kernels read only float32 caches).
 
     git worktree add /tmp/base HEAD~1
     .venv/bin/python benchmarks/kernel_ab.py --base /tmp/base [--files Q8_0,Q4_K_M] [--rounds 7]
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, files_by_label
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, files_by_label
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess
 
@@ -30,12 +31,13 @@ PROMPT_TOKENS, DECODE_TOKENS = 256, 64
 DEPTHS = (0, PROMPT_TOKENS)
 
 
-def worker(model: Path, csrc: Path, threads: int) -> WorkerProcess:
+def worker(model: Path, csrc: Path, threads: int, kv_cache_dtype: str) -> WorkerProcess:
     """This script run as ``--worker FILE CSRC``: one engine on kernels built from CSRC, a round per request."""
-    return WorkerProcess([sys.executable, __file__, "--worker", str(model), str(csrc), "--threads", str(threads)])
+    return WorkerProcess([sys.executable, __file__, "--worker", str(model), str(csrc), "--threads", str(threads),
+                          "--kv-cache-dtype", kv_cache_dtype])
 
 
-def worker_main(model: str, csrc: str, threads: int) -> None:
+def worker_main(model: str, csrc: str, threads: int, kv_cache_dtype: str) -> None:
     import torch
     torch.set_num_threads(threads)
     from lmport.backends.cpu import kernels
@@ -43,7 +45,7 @@ def worker_main(model: str, csrc: str, threads: int) -> None:
     from lmport.config import EngineConfig, GenerationConfig
     from lmport.engine import Engine
     engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=40,
-                                        max_prefill_token_num=PROMPT_TOKENS))
+                                        max_prefill_token_num=PROMPT_TOKENS, kv_cache_dtype=kv_cache_dtype))
     prompt = engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks. " * 40)
     prompt = prompt[:PROMPT_TOKENS]
 
@@ -86,12 +88,13 @@ def main() -> None:
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN, help="llama-quantize, for a missing file")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, help=KV_CACHE_DTYPE_HELP)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/kernel_ab.json")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker_main(*args.worker, args.threads)
+        return worker_main(*args.worker, args.threads, args.kv_cache_dtype)
     if args.base is None or not (args.base / "backends" / "cpu" / "csrc" / "kernels.cpp").is_file():
         raise SystemExit(f"--base {args.base}: give a checkout of lmport (one with backends/cpu/csrc/kernels.cpp), "
                          "e.g. from `git worktree add /tmp/base HEAD~1`")
@@ -102,10 +105,11 @@ def main() -> None:
     names = [f for f in args.files.split(",") if f]
     files = files_by_label(names, args.files_dir, args.llama_bin)
     results = {"machine": cpu_info(), "threads": args.threads, "isa": os.environ.get("LMPORT_CPU_ISA", "native"),
+               "kv_cache_dtype": args.kv_cache_dtype,
                "csrc": {k: str(v) for k, v in csrc.items()}, "bandwidth": memory_bandwidth(args.threads), "files": {}}
     a, b = csrc
     for label, path in files.items():
-        workers = {side: worker(path, src, args.threads) for side, src in csrc.items()}
+        workers = {side: worker(path, src, args.threads, args.kv_cache_dtype) for side, src in csrc.items()}
         rounds = []
         for i in range(args.rounds):
             order = [a, b] if i % 2 == 0 else [b, a]
@@ -123,7 +127,8 @@ def main() -> None:
 def print_table(results: dict) -> None:
     m = results["machine"]
     print(f"\n{m['model']}, {m['cores']} cores ({' '.join(m['kernel_flags'])}), kernels {results['isa']}, "
-          f"{results['threads']} threads; read bandwidth {results['bandwidth']['best_gbs']:.1f} GB/s "
+          f"{results['threads']} threads, K/V {results['kv_cache_dtype']}; "
+          f"read bandwidth {results['bandwidth']['best_gbs']:.1f} GB/s "
           f"({results['bandwidth_after']['best_gbs']:.1f} after); A: {results['csrc']['A (base)']}\n")
     print("| file | decode | A tok/s | B tok/s | B / A, per round |")
     print("|---|---|---:|---:|---:|")

@@ -12,7 +12,7 @@ min-max of the rounds, and every round is kept in the JSON.
   part of a decode step.
 - lmport twice: its kernels built for this CPU (AVX-512 where it has it) and with LMPORT_CPU_ISA=avx2
   (the AVX2 path a CPU without AVX-512 runs). Each runs in a worker process of its own, kept across
-  rounds.
+  rounds. Its K/V cache is float16 (--kv-cache-dtype), as llama.cpp keeps its own by default.
 - With --llama-avx2-bin, llama.cpp a second time, built without AVX-512 (as a CPU without it builds it
   natively: ``-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
   -DGGML_BMI2=ON``): the AVX2 path's peer, the ratio a user of such a CPU sees.
@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, check_paths, files_by_label
+from gguf_files import (DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, check_paths,
+                        files_by_label)
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess
 
@@ -94,19 +95,19 @@ def llama_round(bin_dir: Path, model: Path, threads: int) -> dict:
 
 # ---- lmport, one worker process per kernel path ----
 
-def lmport_worker(model: Path, isa: str, threads: int) -> WorkerProcess:
+def lmport_worker(model: Path, isa: str, threads: int, kv_cache_dtype: str) -> WorkerProcess:
     """This script run as ``--worker FILE`` under LMPORT_CPU_ISA=``isa``: one engine, a round per request."""
-    return WorkerProcess([sys.executable, __file__, "--worker", str(model), "--threads", str(threads)],
-                         dict(os.environ, LMPORT_CPU_ISA=isa))
+    return WorkerProcess([sys.executable, __file__, "--worker", str(model), "--threads", str(threads),
+                          "--kv-cache-dtype", kv_cache_dtype], dict(os.environ, LMPORT_CPU_ISA=isa))
 
 
-def worker_main(model: str, threads: int) -> None:
+def worker_main(model: str, threads: int, kv_cache_dtype: str) -> None:
     torch.set_num_threads(threads)
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig, GenerationConfig
     from lmport.engine import Engine
     engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=40,
-                                        max_prefill_token_num=PROMPT_TOKENS))
+                                        max_prefill_token_num=PROMPT_TOKENS, kv_cache_dtype=kv_cache_dtype))
     text = "Paged attention keeps keys and values in fixed-size blocks. " * 40
     prompt = engine.tokenizer.encode(text)[:PROMPT_TOKENS]
 
@@ -154,12 +155,13 @@ def main() -> None:
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--paths", default=",".join(LMPORT_PATHS), help=f"lmport's kernel paths: {', '.join(LMPORT_PATHS)}")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, help=KV_CACHE_DTYPE_HELP)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/single_stream.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker_main(args.worker, args.threads)
+        return worker_main(args.worker, args.threads, args.kv_cache_dtype)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     names = [f for f in args.files.split(",") if f]
@@ -182,11 +184,12 @@ def main() -> None:
     import gguf
     cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
+               "kv_cache_dtype": args.kv_cache_dtype,
                "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
                "peers": {name: {"bin": str(b), "version": llama_version(b)} for name, b in peers.items()},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
     for label, path in files.items():
-        workers = {name: lmport_worker(path, LMPORT_PATHS[name], args.threads) for name in paths}
+        workers = {name: lmport_worker(path, LMPORT_PATHS[name], args.threads, args.kv_cache_dtype) for name in paths}
         rounds = []
         for _ in range(args.repeats):
             rounds.append({**{name: llama_round(b, path, args.threads) for name, b in peers.items()},
@@ -215,7 +218,8 @@ def print_table(results: dict) -> None:
     if AVX2_PEER in results["peers"]:
         print(f"{AVX2_PEER}: {results['peers'][AVX2_PEER]['version']} ({results['peers'][AVX2_PEER]['bin']})")
     print(f"read bandwidth {gbs:.1f} GB/s ({results['bandwidth_after']['best_gbs']:.1f} after; "
-          f"{bw['method']}, {bw['threads']} threads); medians of {results['repeats']} interleaved rounds, min-max\n")
+          f"{bw['method']}, {bw['threads']} threads); lmport's K/V cache {results.get('kv_cache_dtype', 'float32')}; "
+          f"medians of {results['repeats']} interleaved rounds, min-max\n")
     print("| file | engine | threads | prefill 256 tok/s | decode @0 tok/s | decode @256 tok/s | weight bytes |")
     print("|---|---|---:|---:|---:|---:|---:|")
     cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
