@@ -1,9 +1,10 @@
-"""Single-stream decode on the cpu backend with a float32, an 8-bit and a 4-bit KV cache (quant_policy 0, 8, 4).
+"""Single-stream decode on the cpu backend with a float32, a float16, an 8-bit and a 4-bit KV cache
+(quant_policy 0; kv_cache_dtype="float16"; quant_policy 8, 4).
 
-One engine a policy on the default model, all built first; each round decodes --tokens tokens after a
-prompt of each --depths length with every policy in turn, so a load from elsewhere falls on all of them
-alike. Prints decode tok/s, median (min-max) over --rounds rounds, each policy against policy 0, and
-writes JSON.
+One engine a cache on the default model, all built first; each round decodes --tokens tokens after a
+prompt of each --depths length with every cache in turn, so a load from elsewhere falls on all of them
+alike. Prints decode tok/s, median (min-max) over --rounds rounds, each cache against the float32 one
+(the ratio of the medians), and writes JSON.
 
     .venv/bin/python benchmarks/kv_quant_decode.py [--depths 1 256 1024] [--rounds 5] [--threads 2]
 """
@@ -20,7 +21,9 @@ from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine import Engine
 from machine import describe, line, spread, write_result
 
-POLICIES = (0, 8, 4)
+# Each cache: its EngineConfig fields.
+CACHES = {"float32": {}, "float16": {"kv_cache_dtype": "float16"}, "int8": {"quant_policy": 8},
+          "int4": {"quant_policy": 4}}
 
 
 def decode_rate(engine: Engine, prompt: list[int], tokens: int) -> float:
@@ -43,29 +46,30 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kv_quant_decode.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engines = {p: Engine(args.model, EngineConfig(device_type="cpu", quant_policy=p, cache_max_entry_count=160,
-                                                  max_prefill_token_num=max(args.depths)))
-               for p in POLICIES}
+    engines = {c: Engine(args.model, EngineConfig(device_type="cpu", cache_max_entry_count=160,
+                                                  max_prefill_token_num=max(args.depths), **fields))
+               for c, fields in CACHES.items()}
     text = (Path(__file__).parent / "data" / "alice29.txt").read_text()
-    prompt = engines[0].tokenizer.encode(text)
-    rates = {(p, d): [] for p in POLICIES for d in args.depths}
-    for p in POLICIES:   # warm-up
-        decode_rate(engines[p], prompt[:8], 4)
+    prompt = engines["float32"].tokenizer.encode(text)
+    rates = {(c, d): [] for c in CACHES for d in args.depths}
+    for c in CACHES:   # warm-up
+        decode_rate(engines[c], prompt[:8], 4)
     for _ in range(args.rounds):
         for d in args.depths:
-            for p in POLICIES:
-                rates[p, d].append(decode_rate(engines[p], prompt[:d], args.tokens))
+            for c in CACHES:
+                rates[c, d].append(decode_rate(engines[c], prompt[:d], args.tokens))
     info = describe(args.threads)
     print(f"\n{args.model}, {args.threads} threads; decode tok/s of {args.tokens} tokens, median (min-max) of "
           f"{args.rounds} interleaved rounds; {line(info)}\n")
-    print("| depth | " + " | ".join(f"quant_policy {p}" for p in POLICIES) + " | 8 / 0 | 4 / 0 |")
-    print("|---:|" + "---|" * (len(POLICIES) + 2))
+    others = [c for c in CACHES if c != "float32"]
+    print("| depth | " + " | ".join(CACHES) + " | " + " | ".join(f"{c} / float32" for c in others) + " |")
+    print("|---:|" + "---|" * (len(CACHES) + len(others)))
     for d in args.depths:
-        med = {p: statistics.median(rates[p, d]) for p in POLICIES}
-        print(f"| {d} | " + " | ".join(spread(rates[p, d], ".1f") for p in POLICIES)
-              + f" | {med[8] / med[0]:.2f}x | {med[4] / med[0]:.2f}x |")
+        med = {c: statistics.median(rates[c, d]) for c in CACHES}
+        print(f"| {d} | " + " | ".join(spread(rates[c, d], ".1f") for c in CACHES) + " | "
+              + " | ".join(f"{med[c] / med['float32']:.2f}x" for c in others) + " |")
     write_result(Path(args.out), {"machine": info, "model": args.model, "threads": args.threads, "tokens": args.tokens,
-                                  "rates": {f"policy {p}, depth {d}": r for (p, d), r in rates.items()}})
+                                  "caches": CACHES, "rates": {f"{c} cache, depth {d}": r for (c, d), r in rates.items()}})
 
 
 if __name__ == "__main__":
