@@ -69,7 +69,8 @@ def main() -> None:
         print(f"| {d} | " + " | ".join(spread(rates[c, d], ".1f") for c in CACHES) + " | "
               + " | ".join(f"{med[c] / med['float32']:.2f}x" for c in others) + " |")
     write_result(Path(args.out), {"machine": info, "model": args.model, "threads": args.threads, "tokens": args.tokens,
-                                  "caches": CACHES, "rates": {f"{c} cache, depth {d}": r for (c, d), r in rates.items()}})
+                                  "caches": CACHES,
+                                  "rates": {f"{c} cache, depth {d}": r for (c, d), r in rates.items()}})
 
 
 if __name__ == "__main__":

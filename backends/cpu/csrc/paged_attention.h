@@ -143,7 +143,7 @@ void attend_values(const float* q, float* out, float* stats, const int32_t* bloc
   }
   auto& scores = scratch.scores;
   scores.assign(q_heads * width, -INFINITY);  // the padding keys get exp() == 0
-  // Each chunk of heads: its first head and how many (one KV head's, kHeadChunk or fewer).
+  // How many heads the chunk from head h takes: kHeadChunk, fewer where its KV head's group ends first.
   const auto chunk_at = [&](int64_t h) { return std::min<int64_t>(kHeadChunk<kD>, (h / group + 1) * group - h); };
 
   // Scores, eight keys at a time: their K rows (every kv head) stay in L1 while each
