@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, files_by_label
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
-from worker_process import WorkerProcess
+from worker_process import WorkerProcess, step
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 64
 DEPTHS = (0, PROMPT_TOKENS)
@@ -52,10 +52,10 @@ def worker_main(model: str, csrc: str, threads: int, kv_cache_dtype: str) -> Non
     def decode(depth: int) -> float:
         """Decode tok/s of DECODE_TOKENS tokens after ``depth`` tokens of context (the prompt's step left out)."""
         engine.add_request(prompt[:max(depth, 1)], GenerationConfig(max_new_tokens=1 + DECODE_TOKENS, ignore_eos=True))
-        engine.step()
+        step(engine)
         start = time.perf_counter()
         while engine.has_unfinished():
-            engine.step()
+            step(engine)
         return DECODE_TOKENS / (time.perf_counter() - start)
 
     compiled = kernels.load()

@@ -47,7 +47,7 @@ import torch
 from gguf_files import (DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, check_paths,
                         files_by_label)
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
-from worker_process import WorkerProcess
+from worker_process import WorkerProcess, step
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128
 DEPTHS = (0, PROMPT_TOKENS)
@@ -116,10 +116,10 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str) -> None:
         first step (the prompt's prefill, which gives the first token) left out."""
         engine.add_request(tokens, GenerationConfig(max_new_tokens=new, ignore_eos=True))
         t0 = time.perf_counter()
-        engine.step()
+        step(engine)
         t1 = time.perf_counter()
         while engine.has_unfinished():
-            engine.step()
+            step(engine)
         return time.perf_counter() - (t1 if decode_only else t0)
 
     def one_round() -> dict:

@@ -29,3 +29,11 @@ class WorkerProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def step(engine) -> None:
+    """One step of a worker's engine. A request it ended with an error (a kernel build that refuses this
+    checkout's cache, say) ends the worker: a round timed over a failure would print a figure of nothing."""
+    for out in engine.step():
+        if out.error:
+            raise SystemExit(f"the engine ended a request with an error: {out.error}")

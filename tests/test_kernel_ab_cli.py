@@ -1,6 +1,6 @@
 """benchmarks/kernel_ab.py: a --base that is not a checkout, one round, or a --files path with no GGUF file
 refused before anything is measured; each round's ratio paired; the worker's other sources named by
-kernels.CSRC, built under their own name."""
+kernels.CSRC, built under their own name; a worker whose engine fails a request stops with the error."""
 from __future__ import annotations
 
 import shutil
@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmark_module import load_benchmark
 from lmport.backends.cpu import kernels
+from lmport.output_processor import RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,3 +59,22 @@ def test_other_sources_build_under_a_name_of_their_own(tmp_path, monkeypatch):
     staged = kernels.staged_sources(tmp_path / "build")
     assert (tmp_path / "build" / "csrc" / "kernels.cpp").read_text().endswith("// another version\n")
     assert staged == [str(tmp_path / "build" / "csrc" / "kernels.cpp")]
+
+
+def test_a_request_the_engine_failed_ends_the_worker():
+    """A build that refuses this checkout's cache (one from before float16 caches, with the default
+    --kv-cache-dtype) fails every forward; the worker stops with the error rather than timing the failures."""
+    worker_process = load_benchmark("worker_process")
+
+    class Engine:
+        def __init__(self, error):
+            self.error = error
+
+        def step(self):
+            return [RequestOutput(request_id="1", token_ids=[], text="", delta_token_ids=[], delta_text="",
+                                  finished=True, finish_reason="error" if self.error else None, prompt_tokens=1,
+                                  error=self.error)]
+
+    worker_process.step(Engine(None))
+    with pytest.raises(SystemExit, match="the engine ended a request with an error: forward failed: caches"):
+        worker_process.step(Engine("forward failed: caches"))
