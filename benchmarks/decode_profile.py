@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, gguf_file
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, add_kv_cache_dtype_argument, gguf_file
 from machine import cpu_info, memory_bandwidth
 
 LINEAR_KERNELS = ("quant_linear", "ggml_linear", "small_linear")
@@ -60,8 +60,10 @@ def weight_tensor_and_bytes(w) -> tuple[torch.Tensor, int]:
     from lmport import ops
     if isinstance(w, ops.GGMLWeight):
         return w.blocks, w.blocks.numel()
-    if isinstance(w, ops.QuantizedWeight):   # the mins only where the kernels read them (not all zero)
-        read = (w.qweight, w.scales) if w.zero_mins else (w.qweight, w.scales, w.mins)
+    if isinstance(w, ops.QuantizedWeight):   # the mins only where the kernels read them (kernel_mins)
+        from lmport.backends.cpu.kernels import kernel_mins
+        mins = kernel_mins(w)
+        read = (w.qweight, w.scales) if mins is None else (w.qweight, w.scales, mins)
         return w.qweight, sum(t.numel() * t.element_size() for t in read)
     return w, w.numel() * w.element_size()
 
@@ -222,7 +224,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0, help="context tokens before the decode")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, help=KV_CACHE_DTYPE_HELP)
+    add_kv_cache_dtype_argument(ap)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the untimed steps")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, for --threads 1 on a loaded machine")

@@ -2,6 +2,7 @@
 requantized by llama.cpp's `llama-quantize --allow-requantize IN OUT TYPE` (made once, then reused)."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 from pathlib import Path
@@ -13,7 +14,6 @@ TYPES = ("Q4_1", "Q8_0", "Q4_K_M")
 # lmport's kv_cache_dtype in the benchmarks against llama.cpp: the cache llama.cpp keeps by default (its
 # --cache-type-k / --cache-type-v f16), so both engines read the same bytes of history a token.
 KV_CACHE_DTYPE = "float16"
-KV_CACHE_DTYPE_HELP = f"lmport's kv_cache_dtype (default {KV_CACHE_DTYPE}, as llama.cpp's default f16 cache)"
 
 
 def gguf_file(kind: str, files_dir: Path = DEFAULT_DIR, llama_bin: Path | None = None) -> Path:
@@ -51,3 +51,11 @@ def files_by_label(names: list[str], files_dir: Path, llama_bin: Path | None) ->
     check_paths(names)
     return {Path(name).name if name.endswith(".gguf") else name:
             Path(name) if name.endswith(".gguf") else gguf_file(name, files_dir, llama_bin) for name in names}
+
+
+def add_kv_cache_dtype_argument(ap: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``: lmport's cache, one of EngineConfig's kv_cache_dtypes (a typo refused before anything
+    runs), KV_CACHE_DTYPE unless given."""
+    from lmport.config import KV_CACHE_DTYPES
+    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, choices=KV_CACHE_DTYPES,
+                    help=f"lmport's kv_cache_dtype (default {KV_CACHE_DTYPE}, as llama.cpp's default f16 cache)")

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, files_by_label
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, add_kv_cache_dtype_argument, files_by_label
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess, step
 
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN, help="llama-quantize, for a missing file")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, help=KV_CACHE_DTYPE_HELP)
+    add_kv_cache_dtype_argument(ap)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/kernel_ab.json")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)

@@ -44,8 +44,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_files import (DEFAULT_DIR, DEFAULT_LLAMA_BIN, KV_CACHE_DTYPE, KV_CACHE_DTYPE_HELP, TYPES, check_paths,
-                        files_by_label)
+from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, add_kv_cache_dtype_argument, check_paths, files_by_label
 from machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess, step
 
@@ -155,7 +154,7 @@ def main() -> None:
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--paths", default=",".join(LMPORT_PATHS), help=f"lmport's kernel paths: {', '.join(LMPORT_PATHS)}")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE, help=KV_CACHE_DTYPE_HELP)
+    add_kv_cache_dtype_argument(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/single_stream.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

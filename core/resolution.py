@@ -39,7 +39,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         eager_mode = True
     for a in adjustments:
         log.warning("config adjusted: %s %r -> %r (%s)", *a)
-    dtype = caps.default_dtype if config.dtype == "auto" else config.dtype
+    dtype = _model_dtype(config, caps)
     return dataclasses.replace(
         config, device_type=caps.device_type, block_size=block_size, eager_mode=eager_mode, dtype=dtype,
         kv_cache_dtype=dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
@@ -79,7 +79,7 @@ def check_against(config: EngineConfig, caps: Capabilities) -> None:
     if config.dtype != "auto" and config.dtype not in caps.dtypes:
         raise ConfigError(f"dtype={config.dtype!r} is not supported on device {caps.device_type!r}; use one of "
                           f"{', '.join(caps.dtypes)}")
-    dtype, kv_dtype = caps.default_dtype if config.dtype == "auto" else config.dtype, config.kv_cache_dtype
+    dtype, kv_dtype = _model_dtype(config, caps), config.kv_cache_dtype
     if kv_dtype not in ("auto", dtype) and config.quant_policy:
         raise ConfigError(f"kv_cache_dtype={kv_dtype!r} with quant_policy={config.quant_policy}: a quantized cache "
                           f"keeps codes, not values of a dtype; use kv_cache_dtype='auto' or quant_policy=0")
@@ -90,6 +90,11 @@ def check_against(config: EngineConfig, caps: Capabilities) -> None:
             f"(it keeps K/V in the model's dtype{others}); a {kv_dtype} cache is kept on "
             f"{', '.join(_devices(lambda c: kv_dtype in c.kv_cache_dtypes)) or 'no installed device'}; "
             f"use kv_cache_dtype='auto' on {caps.device_type}")
+
+
+def _model_dtype(config: EngineConfig, caps: Capabilities) -> str:
+    """The dtype the model runs in on ``caps``: the asked one, or the backend's default for "auto"."""
+    return caps.default_dtype if config.dtype == "auto" else config.dtype
 
 
 def _backend_class(device_type: str):

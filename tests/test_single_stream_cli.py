@@ -1,6 +1,6 @@
-"""benchmarks/single_stream.py: a --files path that is not a GGUF file, or an --llama-avx2-bin without
-llama-bench, refused before anything is built or measured; the table's ratios, the AVX2 path's against a
-llama.cpp without AVX-512 too."""
+"""benchmarks/single_stream.py: a --files path that is not a GGUF file, a --kv-cache-dtype EngineConfig does not take,
+or an --llama-avx2-bin without llama-bench, refused before anything is built or measured; the table's ratios, the
+AVX2 path's against a llama.cpp without AVX-512 too."""
 from __future__ import annotations
 
 import subprocess
@@ -19,6 +19,14 @@ def test_a_missing_gguf_path_is_named_before_anything_runs(tmp_path):
     assert out.returncode != 0
     assert f"--files: no GGUF file at {missing}: give the path of one, or one of Q4_1" in out.stderr
     assert "llama-bench" not in out.stderr   # found before the llama.cpp build is looked for
+
+
+def test_a_kv_cache_dtype_engine_config_does_not_take_is_refused_before_anything_runs(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "single_stream.py"), "--kv-cache-dtype", "f16",
+                          "--llama-bin", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--kv-cache-dtype: invalid choice: 'f16' (choose from" in out.stderr
+    assert "llama-bench" not in out.stderr
 
 
 def test_an_avx2_peer_without_llama_bench_is_named_before_anything_runs(tmp_path):
