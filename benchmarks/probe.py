@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import sys
 import tempfile
@@ -273,9 +274,191 @@ CASES = {
 }
 
 
+# -- liveness (issue 63, item 3): a stopped engine core, an adapter load that would block ----------------------
+# The FIFO case needs `--server-args "--enable-lora-loading"` (403 without it).
+
+def core_pid(pid: int) -> int:
+    """The engine core process: the server's child forked from it (the same command line)."""
+    def cmdline(p):
+        with open(f"/proc/{p}/cmdline", "rb") as f:
+            return f.read()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                if cmdline(child) == cmdline(pid):
+                    return child
+    raise RuntimeError(f"no engine core process under {pid}")
+
+
+async def stopped_core(self):
+    """3. The engine core stopped (SIGSTOP) for 15 s with a request pending: when does /health say so?"""
+    core, start, seen = core_pid(self.pid), time.monotonic(), []
+    os.kill(core, signal.SIGSTOP)
+    try:
+        pending = asyncio.create_task(self.post("/v1/completions", self.completion(max_tokens=4)))
+        while time.monotonic() - start < 15:
+            status = (await self.http.get(self.url + "/health")).status_code
+            if not seen or seen[-1][1] != status:
+                seen.append((round(time.monotonic() - start, 1), status))
+            await asyncio.sleep(0.2)
+    finally:
+        os.kill(core, signal.SIGCONT)
+    request = answer(await pending)   # the core has stepped again once it is answered
+    after = (await self.http.get(self.url + "/health")).status_code
+    return f"/health {', '.join(f'{s} at {t} s' for t, s in seen)}; {after} after SIGCONT; request {request}"
+
+
+async def fifo_adapter(self):
+    """3. A LoRA load whose adapter_config.json is a FIFO (it blocked the core's steps 13.9 s)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.mkfifo(Path(tmp) / "adapter_config.json")
+        return answer(await self.post("/v1/load_lora_adapter", {"lora_name": "fifo", "lora_path": tmp}))
+
+
+for _case in (stopped_core, fifo_adapter):
+    setattr(Cases, _case.__name__, _case)
+CASES.update({
+    "stopped-core": ("stopped_core", "/health 200 throughout 32 s of SIGSTOP while requests hung"),
+    "fifo-adapter": ("fifo_adapter", "engine core blocked 13.9 s; /health 200"),
+})
+
+
+# -- answers, integers and JSON depth (issue 63, items 1, 4 and 6) ---------------------------------------------
+
+async def big_answer(self):
+    """1. A whole chat answer of n=16 x 2048 tokens with top_logprobs 20 (48 MB): built off the event loop?"""
+    r = await self.post("/v1/chat/completions", self.chat(n=16, max_tokens=2048, ignore_eos=True, logprobs=True,
+                                                          top_logprobs=20))
+    return f"{answer(r)}, {len(r.content) / 2**20:.0f} MiB"
+
+
+async def impossible_answer(self):
+    """1. A whole answer that could hold more than --max-answer-entries (n=16 x 65536 x 21): 400 before generating."""
+    return answer(await self.post("/v1/completions", self.completion(n=16, max_tokens=65536, logprobs=20)))
+
+
+async def huge_max_tokens(self):
+    """4. max_tokens 2^64 on each route, whole and streamed."""
+    bodies = {"/v1/completions": self.completion(max_tokens=2**64), "/v1/chat/completions": self.chat(max_tokens=2**64),
+              "/v1/messages": self.chat(max_tokens=2**64),
+              "/v1/responses": {"model": self.model, "input": "hi", "max_output_tokens": 2**64}}
+    answers = []
+    for path, body in bodies.items():
+        for stream in (False, True):
+            r = await self.post(path, {**body, "stream": stream})
+            answers.append(f"{r.status_code}")
+    return " ".join(answers)
+
+
+async def deep_json(self):
+    """6. 1000 nested arrays in the body of each route."""
+    deep = b'{"model": "m", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    answers = []
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                 "/v1/responses"):
+        r = await self.http.post(self.url + path, content=deep, headers={"Content-Type": "application/json"})
+        answers.append(str(r.status_code))
+    return f"{' '.join(answers)}; {answer(r)}"
+
+
+for _case in (big_answer, impossible_answer, huge_max_tokens, deep_json):
+    setattr(Cases, _case.__name__, _case)
+CASES.update({
+    "big-answer": ("big_answer", "event loop stopped 23 s (/health 23.3 s, another client's stream stalled)"),
+    "impossible-answer": ("impossible_answer", "(new: accepted, then built whole)"),
+    "huge-max-tokens": ("huge_max_tokens", "500 (OverflowError packing the engine message); streamed: 200, then cut"),
+    "deep-json": ("deep_json", "500 RecursionError on /v1/messages, count_tokens, /v1/responses; 400 elsewhere"),
+})
+
+
+# -- uploads, connections, leaks (issue 63, items 2, 5 and 8) ---------------------------------------------------
+
+def _raw(url: str, head: bytes) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(head)
+    return sock
+
+
+async def chunked_upload(self):
+    """2. A 300 MB chunked body to /v1/embeddings: bytes the server took before its answer."""
+    def run() -> str:
+        sock = _raw(self.url, b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                              b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sent, chunk = 0, b"%x\r\n%s\r\n" % (2**16, b" " * 2**16)
+        try:
+            while sent < 300 * 2**20:
+                sock.sendall(chunk)
+                sent += 2**16
+        except OSError:
+            pass
+        sock.settimeout(30)
+        try:
+            status = sock.recv(64).split(b"\r\n")[0].decode()
+        except OSError as exc:
+            status = type(exc).__name__
+        sock.close()
+        return f"{status}; {sent / 2**20:.0f} MiB sent before it"
+    return await asyncio.to_thread(run)
+
+
+async def slow_connections(self):
+    """2. 1023 connections from one address sending half their headers, then /health."""
+    socks = []
+    try:
+        for _ in range(1023):
+            try:
+                socks.append(await asyncio.to_thread(_raw, self.url, b"POST /v1/completions HTTP/1.1\r\n"))
+            except OSError:
+                break
+        return f"{len(socks)} held; /health {answer(await self.http.get(self.url + '/health'))}"
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+async def aborted_uploads(self):
+    """5. Twenty uploads that stop mid-body (the server's log has one INFO line each at most, no traceback)."""
+    for _ in range(20):
+        sock = await asyncio.to_thread(_raw, self.url, b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                       b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+        await asyncio.sleep(0.05)
+        sock.close()
+    return answer(await self.http.get(self.url + "/health"))
+
+
+async def cached_over_n(self):
+    """8. cached_tokens of a cached prompt with n=4, against prompt_tokens."""
+    body = self.completion(prompt="hello " * 300, max_tokens=1, n=4)
+    for _ in range(2):
+        r = await self.post("/v1/completions", body)
+    if r.status_code != 200:
+        return answer(r)
+    usage = r.json()["usage"]
+    return f"cached {usage['prompt_tokens_details']['cached_tokens']} of {usage['prompt_tokens']} prompt tokens"
+
+
+async def long_404(self):
+    """8. A 404 for a 60 KB path: the length of its message."""
+    r = await self.http.get(self.url + "/v1/" + "a" * 60000)
+    return f"{r.status_code}; message {len(r.json()['error']['message'])} characters"
+
+
+for _case in (chunked_upload, slow_connections, aborted_uploads, cached_over_n, long_404):
+    setattr(Cases, _case.__name__, _case)
+CASES.update({
+    "chunked-upload": ("chunked_upload", "413 after the whole body; front end 386 -> 943 MiB"),
+    "slow-connections": ("slow_connections", "every route, /health included, 503 while they were held"),
+    "aborted-uploads": ("aborted_uploads", "two ERROR tracebacks each (158 KB of log for twenty)"),
+    "cached-over-n": ("cached_over_n", "cached_tokens summed over the n choices, above prompt_tokens"),
+    "long-404": ("long_404", "the 70 KB path echoed back"),
+})
+
+
 async def run(url: str, model: str, pid: int, names: list[str]) -> list[dict]:
     rows = []
     cases = Cases(url, model)
+    cases.pid = pid   # the liveness cases signal the server's engine core
     for name in names:
         method, before = CASES[name]
         async with Bystander(url, model, pid) as watch:

@@ -84,6 +84,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits")
     g.add_argument("--max-engine-requests-per-request", type=int, default=256, metavar="N",
                    help="most generations (prompts x n) one HTTP request may start (default: 256)")
+    g.add_argument("--max-answer-entries", type=int, default=2**20, metavar="N",
+                   help="largest non-streamed answer, in token entries: choices x max_tokens x (1 + top logprobs); "
+                        "a request that could go beyond gets 400 (stream it instead) (default: 1048576)")
     g.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
                    help="longest prompt in characters, checked before tokenizing (default: 16 x session_len)")
     g.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
@@ -91,6 +94,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 4 x max_batch_size)")
     g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a request not finished this long after it arrived (default: none)")
+    g.add_argument("--engine-stall-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="/health answers 503 while the engine core has had requests pending and finished no step "
+                        "for this long (default: 10)")
     g.add_argument("--cache-salt-by-api-key", action="store_true",
                    help="share prefix-cache blocks only between requests sent with the same API key")
     g = p.add_argument_group("connections")
@@ -108,6 +114,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="close idle keep-alive connections after this long (default: 5)")
     g.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="open connections beyond which new ones get 503 (default: 1024)")
+    g.add_argument("--max-connections-per-address", type=int, default=256, metavar="N",
+                   help="open connections one client address may hold; beyond it (or --max-connections) the oldest "
+                        "one without a running request is closed (default: 256; 0: no cap)")
     g = p.add_argument_group("lifecycle")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, let in-flight requests finish for this long, then abort them "
@@ -139,6 +148,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-lora-loading", action="store_true",
                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read paths on this "
                         "machine: use with --api-key; max_loras defaults to at least 1)")
+    g.add_argument("--expose-adapter-paths", action="store_true",
+                   help="show clients adapters' server paths (in /v1/models) and why an adapter failed to load "
+                        "(default: only the server's log does)")
 
 
 def cmd_worker(args) -> int:

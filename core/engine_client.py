@@ -13,7 +13,8 @@ request's asyncio queue. If the core stops for any reason (an exception, the pro
 killed), every open request gets an error output at once, new requests raise EngineStopped, and
 ``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``Engine.usage()`` after its
 last step, which /metrics reads without waiting for the engine; ``adapters`` the LoRA adapters it serves,
-as the core's replies to ``load_adapter`` and ``unload_adapter`` left them.
+as the core's replies to ``load_adapter`` and ``unload_adapter`` left them. ``stalled_since`` tells /health how
+long the core has had requests and sent nothing back (``lmport.server.liveness``).
 
 The data-parallel front end (``lmport.dp.frontend.DataParallel``) offers the server the same calls.
 """
@@ -26,6 +27,7 @@ import logging
 import multiprocessing
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import wait
 from typing import Protocol
@@ -91,6 +93,9 @@ class EngineClient:
         self._send_lock = threading.Lock()   # the reader sends aborts too: one message at a time on the pipe
         # Each open request's output state, used under _lock (the reader processes, generate adds).
         self.outputs = OutputProcessor(tokenizer, cumulative=False)
+        # Liveness: the requests the core has not finished, and when it last sent anything (both under _lock).
+        self._in_core: set[str] = set()
+        self._heard = time.monotonic()
         self._closing = False
         self.process: multiprocessing.process.BaseProcess | None = None   # the core's, when it has its own
         self._reader = threading.Thread(target=self._read, name="lmport-engine-outputs", daemon=True)
@@ -182,6 +187,9 @@ class EngineClient:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
             self.outputs.add(request.request_id, request.gen_config)
+            if not self._in_core:   # an idle core owed nothing until now
+                self._heard = time.monotonic()
+            self._in_core.add(request.request_id)
         self._post(["add", request.to_wire()])
         finished = False
         try:
@@ -237,6 +245,12 @@ class EngineClient:
             raise error
         return value
 
+    def stalled_since(self) -> float | None:
+        """time.monotonic() of the core's last message while it has unfinished requests; None when it has none
+        (an idle core owes no message)."""
+        with self._lock:
+            return self._heard if self._in_core else None
+
     def problem(self) -> str | None:
         """Why no request can be served now, or None."""
         if self.failure is not None:
@@ -258,17 +272,22 @@ class EngineClient:
             while True:
                 message = unpack(self._receive())
                 kind = message[0]
+                with self._lock:
+                    self._heard = time.monotonic()
                 if kind == "outputs":
                     self.snapshot, self.engine_failure = message[2], message[3]
                     if message[1]:
                         with self._lock:
-                            outputs, ended = self.outputs.process(map(output_from_wire, message[1]))
+                            core_outputs = [output_from_wire(o) for o in message[1]]
+                            self._in_core.difference_update(o.request_id for o in core_outputs if o.finished)
+                            outputs, ended = self.outputs.process(core_outputs)
                         for out in ended:   # a stop string: the client's request is over, the core's not yet
                             self.abort(out.request_id)
                         self._deliver([(o.request_id, o) for o in outputs])
                 elif kind == "rejected":
                     with self._lock:
                         self.outputs.forget(message[1])
+                        self._in_core.discard(message[1])
                     self._deliver([(message[1], error_from_wire(message[2]))])
                 elif kind == "reply":
                     self._settle(message[1], (message[2], None if message[3] is None else error_from_wire(message[3])))
@@ -313,6 +332,7 @@ class EngineClient:
             self.failure = reason
             request_ids = list(self._streams)
             self.outputs.requests.clear()
+            self._in_core.clear()
             calls = list(self._calls)
         for call_id in calls:
             self._settle(call_id, (None, EngineStopped(reason)))

@@ -7,7 +7,9 @@ process (tests that reach into the Engine; a data-parallel replica, ``lmport.dp.
 are ``lmport.engine_messages``: msgpack bytes, the same in both.
 
 Between steps the core takes every message waiting (adds, aborts, control calls such as loading a LoRA
-adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. An
+adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. A LoRA
+load reads its files on a thread of its own (``lmport.lora.reads``) and copies the weights in between two steps
+once read, so no file a client names can hold the steps. An
 exception out of a step stops the core: the front end is told why (``["failed", reason]``) and fails every
 open request with that reason.
 """
@@ -24,10 +26,12 @@ from lmport.engine import Engine, RequestError
 from lmport.engine_messages import (CALLS, EngineInfo, EngineRequest, adapter_to_wire, error_to_wire, output_to_wire,
                                     pack, unpack)
 from lmport.lora import AdapterError
+from lmport.lora.reads import AdapterReads
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT = 0.5   # seconds the idle core waits for a message before looking again
+READ_POLL = 0.02  # ... and while an adapter is being read, so that its load is answered promptly
 
 Receive = Callable[[float | None], "bytes | None"]   # a message, or None when none came within the timeout
 Send = Callable[[bytes], None]
@@ -41,13 +45,15 @@ def serve(engine: Engine, receive: Receive, send: Send) -> None:
     """Run ``engine`` for the front end until it asks for shutdown (or its queue closes)."""
     engine.output_processor = None   # outputs of token ids only: the front end decodes them (lmport.engine_client)
     usage_sent = None
+    reads = AdapterReads(engine.read_adapter)
     try:
         while True:
-            wait = None if engine.has_unfinished() else IDLE_WAIT
-            message = receive(0.0 if wait is None else wait)
+            wait = 0.0 if engine.has_unfinished() else READ_POLL if reads.busy() else IDLE_WAIT
+            message = receive(wait)
             while message is not None:
-                _handle(engine, unpack(message), send)
+                _handle(engine, unpack(message), send, reads)
                 message = receive(0.0)
+            _finish_loads(engine, reads, send)
             if not engine.has_unfinished():
                 usage = engine.usage()
                 if usage != usage_sent:   # the last step's counters, once the core goes idle
@@ -62,7 +68,7 @@ def serve(engine: Engine, receive: Receive, send: Send) -> None:
             engine.abort(request_id)
 
 
-def _handle(engine: Engine, message: list, send: Send) -> None:
+def _handle(engine: Engine, message: list, send: Send, reads: AdapterReads) -> None:
     kind = message[0]
     if kind == "add":
         request = EngineRequest.from_wire(message[1])
@@ -80,6 +86,10 @@ def _handle(engine: Engine, message: list, send: Send) -> None:
         try:
             if name not in CALLS:
                 raise RequestError(f"unknown engine call {name!r}")
+            if name == "load_adapter":   # answered by _finish_loads once its files are read
+                engine.adapters.check_name(args[0])   # a name in use is refused before any file is read
+                reads.start(call_id, *args)
+                return
             send(pack(["reply", call_id, adapter_to_wire(getattr(engine, name)(*args)), None]))
         except Exception as exc:   # the caller's error, never the core's
             if not isinstance(exc, (RequestError, AdapterError)):
@@ -89,6 +99,20 @@ def _handle(engine: Engine, message: list, send: Send) -> None:
         raise Shutdown
     else:
         log.error("unknown message %r from the front end", kind)
+
+
+def _finish_loads(engine: Engine, reads: AdapterReads, send: Send) -> None:
+    """Load each adapter whose read has ended (between steps: the weights go into the engine's slots)."""
+    for call_id, (name, path), adapter, error in reads.finished():
+        try:
+            if error is not None:
+                raise error
+            send(pack(["reply", call_id, adapter_to_wire(engine.load_adapter(name, path, adapter)), None]))
+        except Exception as exc:
+            if not isinstance(exc, (RequestError, AdapterError)):   # the details stay in the server's log
+                log.error("loading the LoRA adapter %r from %s failed", name, path, exc_info=exc)
+                exc = AdapterError("lora_path: the adapter could not be loaded", param="lora_path")
+            send(pack(["reply", call_id, None, error_to_wire(exc)]))
 
 
 def failure_reason(exc: BaseException) -> str:

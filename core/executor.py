@@ -19,7 +19,6 @@ import datetime
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -61,12 +60,6 @@ class LocalExecutor:
         self.runner.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ranks_per_node(config: EngineConfig) -> int:
     return config.tp // config.nnodes
 
@@ -80,8 +73,12 @@ def _error_key(rank: int) -> str:
 
 
 def _connect(config: EngineConfig, addr: str, rank: int):
-    """The rendezvous store at ``addr`` (rank 0 hosts it); a clear error when it cannot be reached."""
+    """The rendezvous store at ``addr`` (rank 0 hosts it: at port 0 on a port the OS picks, ``store.port``);
+    a clear error when it cannot be reached."""
     host, _, port = addr.rpartition(":")
+    if rank != 0 and int(port) == 0:
+        raise WorkerFailed(f"rank {rank}: the rendezvous address {addr} has port 0; give the address node 0 "
+                           f"logged (`the tensor-parallel rendezvous listens at HOST:PORT`)")
     timeout = datetime.timedelta(seconds=config.dist_timeout)
     try:
         store = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]
@@ -175,13 +172,19 @@ class DistributedExecutor:
                               f"torch.distributed group); close it first, or run the engines in separate processes")
         self.failure: str | None = None
         self.config = config
-        self.addr = config.dist_init_addr or f"{self._host()}:{free_port()}"
+        # Rank 0 binds the store's port itself (port 0 by default: the OS picks one, which nobody can take
+        # between choosing and binding); the workers are then told the port it got.
+        host, _, port = (config.dist_init_addr or f"{self._host()}:0").rpartition(":")
+        self.store = _connect(config, f"{host}:{port}", 0)
+        self.addr = f"{host}:{self.store.port}"
+        if config.nnodes > 1 and int(port) == 0:
+            log.warning("the tensor-parallel rendezvous listens at %s: start `lmport worker --dist-init-addr %s` "
+                        "on nodes 1..%d", self.addr, self.addr, config.nnodes - 1)
         backend_cls = type(backend)
         self.procs: dict[int, subprocess.Popen] = {}
         self.runner = None
         atexit.register(self.close)
         try:
-            self.store = _connect(config, self.addr, 0)
             local_world = self._start_workers(model, backend_cls)
             self._wait_for_ranks()
             tp, self.control = _join(config, backend_cls, self.store, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from support.background_runs import background
@@ -23,9 +24,16 @@ def _uses_background(item) -> bool:
     return any(name in background.names for name in getattr(item, "fixturenames", ()))
 
 
+# pyproject.toml gives each test 120 s; a slow-marked case (make test-all) may take up to this, unless it names its own.
+SLOW_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(session, config, items):
     # The tests that wait for a background subprocess go last, giving it time to finish.
     items.sort(key=_uses_background)
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 def pytest_collection_finish(session):

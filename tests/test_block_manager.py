@@ -5,7 +5,8 @@ holds a digest of the token prefix its token ends, written when the token is
 "computed", moved by the queued host<->device copies, and checked before each
 forward. A sequence whose history reads back wrong digests would have attended
 to another prefix's KV: that is what a bad hit, a lost copy or a reused block
-would show as. Invariants are checked after every step.
+would show as. Invariants are checked after every step. With speculation, the KV of rejected proposals
+is written too, and must never be read.
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import random
 import pytest
 
 from lmport.config import GenerationConfig
-from lmport.paging.allocator import BlockAllocator
+from lmport.paging.allocator import BlockAllocator, OutOfBlocks
 from lmport.paging.block_manager import BlockManager
 from lmport.paging.host_tier import CopyQueue
-from lmport.paging.prefix_cache import block_hash, model_fingerprint
+from lmport.paging.prefix_cache import PrefixCache, block_hash, model_fingerprint
 from lmport.scheduler import Scheduler
 from lmport.sequence import Sequence, Status
 from support.paging_invariants import check_block_manager
@@ -32,7 +33,7 @@ def colliding_hash(parent, tokens, extra):
 
 class FakeEngine:
     def __init__(self, num_blocks=24, block_size=4, budget=32, max_batch=6, caching=True, host_blocks=0,
-                 link_bytes_per_flop=1.0, seed=0):
+                 link_bytes_per_flop=1.0, seed=0, speculate=False):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_host_blocks=host_blocks,
                                bytes_per_block=1, flops_per_token=1.0, link_bytes_per_flop=link_bytes_per_flop)
         self.sched = Scheduler(self.bm, max_batch, budget)
@@ -44,6 +45,12 @@ class FakeEngine:
         self.max_new: dict[Sequence, int] = {}
         self._digests: dict[Sequence, list[int]] = {}
         self.steps = 0
+        # Speculation as the engine runs it: random proposals verified with the sequence's last token, a
+        # random number of them accepted, the KV slots of the rejected ones given back (BlockManager.rollback).
+        self.proposals: dict[Sequence, list[int]] = {}
+        self.accepted = self.rejected = 0
+        if speculate:
+            self.sched.lookahead = self.lookahead
 
     def add(self, prompt, max_new=4, salt=None) -> Sequence:
         seq = Sequence(f"r{len(self.seqs)}", list(prompt), GEN, cache_salt=salt)
@@ -59,6 +66,20 @@ class FakeEngine:
             d.append(hash((d[-1] if d else None, t)))
         return d
 
+    def lookahead(self, seq) -> int:
+        room = self.max_new[seq] - len(seq.output_ids) - 1   # the target adds a token of its own
+        self.proposals[seq] = [self.rng.randrange(50) for _ in range(max(0, min(self.rng.randrange(5), room)))]
+        return len(self.proposals[seq])
+
+    def propose(self, seq, slots: int) -> list[int]:
+        """The proposal for the ``slots`` the scheduler reserved; now and then a shorter one, whose unused
+        slots are given back as the engine gives them back."""
+        proposal = self.proposals.pop(seq)[:slots]
+        if proposal and self.rng.random() < 0.2:
+            proposal = proposal[:self.rng.randrange(len(proposal))]
+            self.bm.rollback(seq, seq.num_computed + 1 + len(proposal))
+        return proposal
+
     def slot(self, seq, pos):
         return self.pools[False][seq.block_table[pos // self.block_size]][pos % self.block_size]
 
@@ -67,25 +88,36 @@ class FakeEngine:
 
     def step(self) -> None:
         batch = self.sched.schedule()
+        proposals = {seq: self.propose(seq, n - 1) for seq, n in zip(batch.seqs, batch.num_new)
+                     if n > seq.num_uncomputed}
+        num_new = [1 + len(proposals[seq]) if seq in proposals else n for seq, n in zip(batch.seqs, batch.num_new)]
         for b in self.bm.take_copies():
             assert len(set(b.dst)) == len(b.dst), "a batch writes a block twice: the result is undefined"
             src, dst = self.pools[b.source == "host"], self.pools[b.target == "host"]
             rows = [list(src[s]) for s in b.src]    # read all, then write: one batched copy
             for d, row in zip(b.dst, rows):
                 dst[d] = row
-        for seq, n in zip(batch.seqs, batch.num_new):
-            want = self.digests(seq)
+        for seq, n in zip(batch.seqs, num_new):
+            want = list(self.digests(seq))
             for pos in range(seq.num_computed):
                 assert self.slot(seq, pos) == want[pos], f"{seq.request_id} reads wrong KV at {pos}"
+            for t in proposals.get(seq, ()):    # the proposed tokens' KV, as if they were the sequence's
+                want.append(hash((want[-1], t)))
             for pos in range(seq.num_computed, seq.num_computed + n):
                 self.pools[False][seq.block_table[pos // self.block_size]][pos % self.block_size] = want[pos]
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
+        for seq, n in zip(batch.seqs, num_new):
+            proposal = proposals.get(seq, [])
+            seq.num_computed += n - len(proposal)
             if seq.num_uncomputed == 0:
-                seq.output_ids.append(self.rng.randrange(50))
+                accepted = self.rng.randrange(len(proposal) + 1)
+                self.accepted, self.rejected = self.accepted + accepted, self.rejected + len(proposal) - accepted
+                seq.output_ids += proposal[:accepted] + [self.rng.randrange(50)]
+                seq.num_computed += accepted
                 if len(seq.output_ids) >= self.max_new[seq]:
                     self.sched.finish(seq)
                     seq.finish("length")
+                elif proposal:
+                    self.bm.rollback(seq)
         self.steps += 1
         self.check()
 
@@ -130,6 +162,51 @@ def test_allocator_states_and_lru():
     assert min(a.ref_counts) == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_allocator_random_operations_match_a_model(seed):
+    """Every operation in every state it is allowed in, checked against plain dicts after each: ref counts,
+    free + used + cached = total, and the LRU order of cached blocks (released or hit last: most recent)."""
+    rng, total = random.Random(seed), 16
+    a = BlockAllocator(total)
+    refs: dict[int, int] = {}
+    cached: list[int] = []        # least recently used first
+    for _ in range(1500):
+        op = rng.choice(["allocate", "incref", "decref", "decref", "take", "evict"])
+        free = total - len(refs) - len(cached)
+        if op == "allocate":
+            n = rng.randint(1, free + 1)
+            if n > free:
+                with pytest.raises(OutOfBlocks):
+                    a.allocate(n)
+                continue
+            for b in a.allocate(n):
+                assert b not in refs and b not in cached, "allocated a block that is not free"
+                refs[b] = 1
+        elif op == "incref" and refs:
+            b = rng.choice(list(refs))
+            a.incref(b)
+            refs[b] += 1
+        elif op == "decref" and refs:
+            b, keep = rng.choice(list(refs)), rng.random() < 0.5
+            refs[b] -= 1
+            assert a.decref(b, keep=keep) == (refs[b] == 0)
+            if not refs[b]:
+                del refs[b]
+                if keep:
+                    cached.append(b)
+        elif op == "take" and cached:
+            b = rng.choice(cached)
+            a.take(b)
+            cached.remove(b)
+            refs[b] = 1
+        elif op == "evict" and cached:
+            a.evict(cached.pop(0))
+        a.check_invariants()
+        assert a.ref_counts == [refs.get(b, 0) for b in range(total)]
+        assert (a.num_free, a.num_used, a.num_cached) == (total - len(refs) - len(cached), len(refs), len(cached))
+        assert list(a.lru()) == cached
+
+
 def test_copy_queue_keeps_order_and_batches_by_direction():
     q = CopyQueue()
     q.add(1, 7, to_host=True)
@@ -156,6 +233,16 @@ def test_block_hash_is_stable_and_covers_parent_tokens_and_extras():
               block_hash(seed, [1, 2, 3, 4], (("cache_salt", "a"),)), block_hash(h, [1, 2, 3, 4]),
               block_hash(seed, [1, 2, 3, 4], (("cache_salt", ""),)), block_hash(seed, [1, 2, 3])]
     assert len({h, *others}) == 1 + len(others)
+
+
+def test_a_blocks_hash_names_its_whole_prefix():
+    """chain(): a block's hash changes with any earlier block, so equal blocks under different prefixes are
+    different entries (found by hash, not only refused by the parent check)."""
+    cache = PrefixCache(4, model_fingerprint("m"))
+    a = cache.chain([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], (), [], 3)
+    b = cache.chain([1, 2, 3, 0, 5, 6, 7, 8, 9, 10, 11, 12], (), [], 3)   # only the first block differs
+    assert len(set(a) | set(b)) == 6
+    assert a == cache.chain([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], (), a[:1], 3)   # extends a chain
 
 
 # -- lookups, sharing, eviction ----------------------------------------------------------------------------------------
@@ -207,6 +294,18 @@ def test_forced_collision_never_returns_wrong_blocks():
     assert eng.bm.stats["hash_collisions"] >= 1
     d = _run_one(eng, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert d.num_cached_prefix == 8                  # a true hit still hits
+
+
+def test_forced_collision_on_the_same_tokens_under_another_parent_is_refused():
+    """colliding_hash ignores the parent: block B after C finds the entry of B after A, equal tokens and all.
+    Only the parent check refuses it (reading it would read KV computed after A)."""
+    eng = FakeEngine(num_blocks=16, block_size=4)
+    eng.bm.cache.hash_fn = colliding_hash
+    a, b, c = [3, 3, 3, 3], [1, 0, 0, 0], [2, 0, 0, 0]   # one of the three hash values each
+    _run_one(eng, a + b + [9])
+    _run_one(eng, c + [9])
+    assert _run_one(eng, c + b + [9]).num_cached_prefix == 4   # C only
+    assert _run_one(eng, a + b + [7]).num_cached_prefix == 8   # a true hit still hits
 
 
 def test_lru_eviction_order_and_leaves_first():
@@ -369,6 +468,20 @@ def test_random_workloads_keep_invariants_and_data(seed):
     assert eng.bm.allocator.num_used == 0 and (eng.bm.host is None or eng.bm.host.num_used == 0)
     if caching and seed % 3:
         assert u["prefix_cache_hit_rate"] > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_speculation_keeps_invariants_and_data(seed):
+    """Proposals verified with each decoding sequence's last token, partly accepted: the rejected tokens' slots
+    are given back, and neither the sequence nor a later prefix-cache hit ever reads their KV."""
+    rng = random.Random(2000 + seed)
+    caching = seed % 4 != 3
+    eng = FakeEngine(num_blocks=rng.randrange(12, 40), block_size=rng.choice([1, 2, 4]), budget=rng.choice([8, 32]),
+                     max_batch=rng.randrange(1, 8), caching=caching, host_blocks=rng.choice([0, 8, 32]),
+                     link_bytes_per_flop=rng.choice([0.0, float("inf")]), seed=seed, speculate=True)
+    random_workload(eng, rng, 30)
+    assert eng.accepted > 0 and eng.rejected > 0
+    assert eng.bm.allocator.num_used == 0 and (eng.bm.host is None or eng.bm.host.num_used == 0)
 
 
 @pytest.mark.parametrize("seed", range(12))

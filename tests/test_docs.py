@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP = ("core", "backends", "tests", "benchmarks", "plugins", "docs")
+TOP = ("core", "backends", "tests", "benchmarks", "plugins", "docs", "requirements")
 # A backticked path that starts at one of the repository's folders, or at `lmport/` (the import name).
 CITED = re.compile(r"`((?:lmport|" + "|".join(TOP) + r")/[A-Za-z0-9_./-]*)`")
 # Paths a doc names that are not files of this repository, and why.

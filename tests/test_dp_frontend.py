@@ -1,6 +1,6 @@
 """Data-parallel replicas behind the routing front end, without Ray: two tiny engines in this process
-(lmport.dp.cluster.in_process) served over HTTP and asked through the openai client. Ray's own placement,
-actors and restarts are in tests/test_ray.py (slow)."""
+(lmport.dp.cluster.in_process) served over HTTP and asked through the openai client. Replicas as Ray actors
+are in tests/test_ray.py (their restarts slow)."""
 from __future__ import annotations
 
 import threading

@@ -101,12 +101,14 @@ def test_chat_prompt_stop_string_and_stream():
     assert full.text == pipe.tokenizer.decode(full.token_ids, skip_special_tokens=True)
     assert "".join(pipe.stream("Count from 1 to 10, separated by commas.",
                                GenerationConfig(max_new_tokens=40))) == full.text
-    # Cut at the first "3": the text stops before the stop string.
-    cut = pipe("Count from 1 to 10, separated by commas.", GenerationConfig(max_new_tokens=40, stop_words=["3"]))
-    assert "3" in full.text and cut.finish_reason == "stop"
-    assert cut.text == full.text[:full.text.index("3")]
+    # Cut at a stop string taken from the middle of the model's own text (whatever it wrote): the text stops
+    # before the string's first occurrence.
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = pipe("Count from 1 to 10, separated by commas.", GenerationConfig(max_new_tokens=40, stop_words=[stop]))
+    assert len(stop) == 3 and cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(stop)]
     streamed = pipe.stream("Count from 1 to 10, separated by commas.",
-                           GenerationConfig(max_new_tokens=40, stop_words=["3"]))
+                           GenerationConfig(max_new_tokens=40, stop_words=[stop]))
     assert "".join(streamed) == cut.text  # nothing of the stop string was sent and taken back
     batch = pipe(["Hi!", [{"role": "user", "content": "Hi!"}]], GenerationConfig(max_new_tokens=5))
     assert batch[0].token_ids == batch[1].token_ids

@@ -75,8 +75,10 @@ def test_length_cut_and_bad_formats():
         GenerationConfig(response_format={"type": "yaml"})
     with pytest.raises(ConfigError, match="not a valid JSON schema"):
         GenerationConfig(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}})
-    with pytest.raises(RequestError, match="grammar cannot be compiled"):
-        tiny_pipe().engine.add_request([1, 2], GenerationConfig(response_format={"type": "grammar", "grammar": "r"}))
+    # A string literal never closed: no grammar parser takes it. lmport's words, not the grammar engine's reason.
+    with pytest.raises(RequestError, match="^response_format: the grammar cannot be compiled: "):
+        tiny_pipe().engine.add_request([1, 2], GenerationConfig(response_format={"type": "grammar",
+                                                                                 "grammar": 'root ::= "a'}))
     assert not tiny_pipe().engine.has_unfinished()
 
 

@@ -64,5 +64,23 @@ def test_weights_move_to_huge_pages_with_their_contents():
     region.close()
 
 
-def test_tensors_off_the_host_are_left_alone():
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is only called on Linux")
+def test_tensors_off_the_host_are_left_alone(monkeypatch):
+    """No madvise for a tensor with no host memory under it (a meta tensor's data_ptr is 0: advising there would
+    name pages that are not its), while a host tensor's pages are advised."""
+    from lmport.weights import residency
+    calls = []
+
+    class Libc:   # records madvise(start, length, advice) instead of asking the OS
+        def madvise(self, start, length, advice):
+            calls.append((start.value, length.value, advice))
+            return 0
+
+    monkeypatch.setattr(residency.ctypes, "CDLL", lambda *args, **kwargs: Libc())
     back_with_huge_pages([torch.empty(0), torch.ones(3, device="meta")])
+    assert calls == []
+    host = torch.ones(1 << 20)
+    back_with_huge_pages([host])
+    assert calls and all(advice == MADV_COLLAPSE for _, _, advice in calls)
+    start, length, _ = calls[0]
+    assert start <= host.data_ptr() and host.data_ptr() + 4 * host.numel() <= start + length

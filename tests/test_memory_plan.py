@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from unittest import mock
 
 import pytest
 import torch
 import transformers
-from transformers import modeling_gguf_pytorch_utils
 
 from lmport import cli, memory, plan, units
 from lmport.backends.cpu import CpuBackend
@@ -17,6 +17,7 @@ from lmport.engine import Engine
 from lmport.models import loader
 from lmport.resolution import resolve_config
 from lmport.weights import gguf as gguf_weights
+from lmport.weights.gguf_header import GGUFHeader
 from support.model_helpers import default_model_path, tiny_model_dir
 from test_get_ppl import CONFIG, FREE, smollm2_pipeline
 
@@ -32,24 +33,24 @@ def run_plan(capsys):
 
 def test_smollm2_plan_reads_no_weights_and_matches_the_engine(monkeypatch):
     engine = smollm2_pipeline().engine      # started with FREE bytes free once its weights were loaded
-    gguf_reads = []
-    real_read = modeling_gguf_pytorch_utils.load_gguf_checkpoint
-
-    def metadata_only(*args, **kwargs):
-        gguf_reads.append(kwargs.get("return_tensors", False))
-        return real_read(*args, **kwargs)
+    # Fresh caches for this test (the engine read the config and header already): the plan reads the file itself.
+    fresh_config = functools.cache(loader.read_model_config.__wrapped__)
+    monkeypatch.setattr(loader, "read_model_config", fresh_config)
+    monkeypatch.setattr(plan, "read_model_config", fresh_config)
+    monkeypatch.setattr(gguf_weights, "_read", functools.lru_cache(maxsize=4)(gguf_weights._read.__wrapped__))
+    headers = []
+    read_header = gguf_weights.read_header
+    monkeypatch.setattr(gguf_weights, "read_header", lambda path, *a: headers.append(path) or read_header(path, *a))
 
     def no_weights(*args, **kwargs):
         raise AssertionError("lmport plan must not load or convert weights")
 
-    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", metadata_only)
+    monkeypatch.setattr(GGUFHeader, "data", no_weights)   # every tensor's bytes are read through it
     monkeypatch.setattr(loader, "load_model", no_weights)
     monkeypatch.setattr(gguf_weights, "load_tensors", no_weights)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
-    misses = plan.read_model_config.cache_info().misses
     report = plan.build_plan("smollm2", CONFIG, device_memory=FREE + engine.weight_bytes)
-    if plan.read_model_config.cache_info().misses > misses:   # not read earlier in this process
-        assert gguf_reads == [False]     # the GGUF's metadata, no tensor
+    assert headers == [loader.resolve_model_path("smollm2")]   # the GGUF's header, read once; no tensor
 
     assert report["weights"]["bytes"] == engine.weight_bytes
     assert report["weights"]["bytes_by_dtype"] == {"float32": engine.weight_bytes}

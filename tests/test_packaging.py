@@ -6,6 +6,7 @@ import importlib
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -105,26 +106,54 @@ def test_no_python_folder_without_init():
     assert not orphans, f"folders with modules but no __init__.py: {sorted(set(orphans))}"
 
 
-@pytest.mark.slow
-def test_wheel_contains_every_package(tmp_path):
-    # Build from a copy, so no build/ or egg-info lands in the working tree.
+def _copy_sources(tmp_path: Path) -> Path:
+    """What a wheel is built from, copied, so that no build/ or egg-info lands in the working tree."""
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     for folder in PACKAGE_ROOTS:
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
+    return src
+
+
+def _check_wheel(names: set[str], entry_points: str) -> None:
+    """``names``: the wheel's files; ``entry_points``: its entry_points.txt."""
+    assert "lmport/backends/cuda/__init__.py" in names
+    assert "lmport/backends/cpu/csrc/paged_attention.h" in names  # the cpu kernels build from it at run time
+    for package in _package_folders():
+        assert f"{package.replace('.', '/')}/__init__.py" in names, package
+    for name in IN_TREE:
+        assert f"{name} = lmport.backends.{name}:" in entry_points
+
+
+def test_the_wheels_files_as_setuptools_lists_them(tmp_path, monkeypatch):
+    """The wheel's contract without building one: setuptools' build_py lists the files it would copy and
+    egg_info writes the entry points, from pyproject.toml (test_wheel_contains_every_package builds the wheel)."""
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    monkeypatch.chdir(_copy_sources(tmp_path))   # setuptools reads the package-dir paths relative to here
+    dist = Distribution()
+    dist.script_name = "setup.py"   # build_py asks for a setup script's name; none exists or runs
+    apply_configuration(dist, "pyproject.toml")
+    build_py = dist.get_command_obj("build_py")
+    build_py.ensure_finalized()
+    with warnings.catch_warnings():   # csrc/ is package data, which setuptools warns could be a package
+        warnings.simplefilter("ignore")
+        outputs = build_py.get_outputs(include_bytecode=False)   # runs egg_info, as a wheel build does
+    names = {Path(p).relative_to(build_py.build_lib).as_posix() for p in outputs}
+    entry_points = Path(dist.get_command_obj("egg_info").egg_info, "entry_points.txt").read_text()
+    _check_wheel(names, entry_points)
+
+
+@pytest.mark.slow
+def test_wheel_contains_every_package(tmp_path):
+    src = _copy_sources(tmp_path)
     out = tmp_path / "wheels"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [wheel] = out.glob("lmport-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "lmport/backends/cuda/__init__.py" in names
-    assert "lmport/backends/cpu/csrc/paged_attention.h" in names  # the cpu kernels build from it at run time
-    for package in _package_folders():
-        assert f"{package.replace('.', '/')}/__init__.py" in names, package
     [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    for name in IN_TREE:
-        assert f"{name} = lmport.backends.{name}:" in text
+    _check_wheel(names, zipfile.ZipFile(wheel).read(entry_points).decode())

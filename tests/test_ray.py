@@ -1,8 +1,13 @@
-"""Ray (an optional extra, ``pip install 'lmport[ray]'``): the Ray executor and data-parallel replicas as actors,
-on a local Ray cluster of this machine (cpu backend, gloo, tiny models). Slow: Ray starts several processes.
+"""Ray: the Ray executor and data-parallel replicas as actors, on a local Ray cluster of this machine (cpu
+backend, gloo, tiny models).
 
-The cluster is started with few logical CPUs (the machine's cores are shared) and shut down when the module
-ends, so no Ray process outlives the tests.
+In `make test`: tp=2 over Ray gives transformers' greedy tokens (the multiprocess executor's are checked against
+the same in tests/test_tensor_parallel.py), and two replicas answer through the OpenAI client with a shared
+prefix kept on one of them. The fault cases (a killed rank actor, a killed replica actor and its restart) are
+slow. Ray is in the test extra, so a missing Ray fails the run here instead of skipping it.
+
+One cluster serves the module, started with few logical CPUs (the machine's cores are shared) and shut down
+when the module ends, so no Ray process outlives the tests.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+import ray
 from test_dp_frontend import family
 from test_server import ServerThread
 from test_tensor_parallel import GREEDY, PROMPTS, greedy
@@ -22,9 +28,6 @@ from lmport.config import EngineConfig
 from lmport.engine import Engine
 from lmport.models.loader import load_tokenizer
 from lmport.server.app import create_app
-
-ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'lmport[ray]' (make test-ray)")
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,10 +41,10 @@ def local_cluster():
     ray.shutdown()
 
 
-def test_tp2_over_ray_matches_the_multiprocess_executor_tp1_and_transformers():
+def test_tp2_over_ray_matches_tp1_and_transformers():
     model = tiny_model_dir("llama")
     tokens = {}
-    for name, config in (("ray", dict(tp=2, executor="ray")), ("mp", dict(tp=2, executor="mp")), ("tp1", {})):
+    for name, config in (("ray", dict(tp=2, executor="ray")), ("tp1", {})):
         engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=64, **config))
         try:
             if name == "ray":
@@ -49,11 +52,11 @@ def test_tp2_over_ray_matches_the_multiprocess_executor_tp1_and_transformers():
             tokens[name] = greedy(engine)
         finally:
             engine.close()
-    assert tokens["ray"] == tokens["mp"] == tokens["tp1"] == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
-    assert not ray.util.placement_group_table() or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())   # closed: nothing held
+    assert tokens["ray"] == tokens["tp1"] == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())   # closed: nothing held
 
 
+@pytest.mark.slow
 def test_a_killed_rank_actor_ends_every_request_with_an_error_naming_its_rank():
     engine = Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", tp=2, executor="ray",
                                                           cache_max_entry_count=64))
@@ -87,18 +90,21 @@ def replicas(server) -> list[dict]:
 
 
 def test_dp2_answers_through_openai_and_a_shared_prefix_stays_on_one_replica(dp2):
-    server, front = dp2
+    server, _ = dp2
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    before = [r["routed"] for r in replicas(server)]   # counted from here: the module's other tests route too
     for i in range(4):
         out = client.completions.create(model="tiny", prompt=family("A", i), max_tokens=3)
         assert out.choices[0].finish_reason == "length"
+        if i:
+            assert out.usage.prompt_tokens_details.cached_tokens >= 64   # the family's blocks, cached
+    assert sorted(r["routed"] - b for r, b in zip(replicas(server), before)) == [0, 4]
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat.choices[0].finish_reason == "length"
-    rates = sorted(s["usage"]["prefix_cache_hit_rate"] for s in front.status())
-    assert rates[0] == 0.0 and rates[1] > 0.5       # the family's replica hits, the other holds no prefix of it
-    assert sorted(r["routed"] for r in replicas(server)) == [1, 4]
+    assert all(r["healthy"] for r in replicas(server))
 
 
+@pytest.mark.slow
 def test_killing_a_replica_actor_loses_only_its_requests_and_it_comes_back(dp2):
     server, front = dp2
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)

@@ -14,7 +14,7 @@ from support.scheduler_workload import maybe_abort, run_batch
 
 
 def check(scheduler: Scheduler, bm: BlockManager) -> None:
-    check_block_manager(bm)
+    check_block_manager(bm, [*scheduler.running, *scheduler.waiting])   # ref count = the tables holding a block
     held = [b for s in scheduler.running for b in s.block_table]
     assert len(held) == len(set(held)), "two running sequences share a block"
     assert bm.num_blocks - bm.num_free == len(held), "used blocks must be exactly the running sequences' blocks"

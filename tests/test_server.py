@@ -8,14 +8,11 @@ overlaps the other tests.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,7 +20,9 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.cli_helpers import lmport_command
 from support.model_helpers import tiny_model_dir
+from support.serve_process import ServeProcess
 
 from lmport.config import EngineConfig
 from lmport.engine import Engine
@@ -31,12 +30,6 @@ from lmport.server.app import create_app
 
 API_KEY = "sk-lmport-test"
 TINY_BODY_LIMIT = 256 * 1024
-
-
-def lmport_command() -> list[str]:
-    """The `lmport` console script beside this interpreter (``-m lmport.cli`` without one)."""
-    script = Path(sys.executable).parent / "lmport"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lmport.cli"]
 
 
 class ServerThread:
@@ -76,25 +69,43 @@ def smol():
 def tiny():
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=512))
     server = ServerThread(create_app(engine, model_name="tiny", max_body_bytes=TINY_BODY_LIMIT))
+    server.engine = engine
     yield server
     server.stop()
+
+
+@contextlib.contextmanager
+def steps_held(engine: Engine, after: int = 0):
+    """The engine's steps after the next ``after`` wait until the block ends, so that no request can finish
+    meanwhile; yields an Event set once a step waits."""
+    waiting, released, step = threading.Event(), threading.Event(), engine.step
+    left = [after]
+
+    def held():
+        if left[0] > 0:
+            left[0] -= 1
+        else:
+            waiting.set()
+            released.wait(120)   # a hang guard only
+        return step()
+
+    engine.step = held   # the engine core calls engine.step() anew each step
+    try:
+        yield waiting
+    finally:
+        del engine.step   # the class's step again
+        released.set()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def serve_command(tmp_path_factory):
     """`lmport serve` in a subprocess, with the API key from LMPORT_API_KEY."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [*lmport_command(), "serve", tiny_model_dir("llama"), "--host", "127.0.0.1", "--port", str(port),
-             "--cache-max-entry-count", "64"],
-            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, LMPORT_API_KEY="from-env"))
-    yield proc, f"http://127.0.0.1:{port}", log
-    proc.terminate()
-    proc.wait(timeout=30)
+    server = ServeProcess(lmport_command(), [tiny_model_dir("llama"), "--host", "127.0.0.1",
+                                             "--cache-max-entry-count", "64"],
+                          tmp_path_factory.mktemp("serve") / "serve.log", env={"LMPORT_API_KEY": "from-env"})
+    yield server
+    server.proc.terminate()
+    server.proc.wait(timeout=30)
 
 
 def client(server, api_key=API_KEY) -> openai.OpenAI:
@@ -246,10 +257,20 @@ BAD_INPUT = [
 
 
 def test_bad_input_gets_a_4xx_naming_the_field_while_a_normal_request_completes(tiny):
-    normal = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=1800,
+    normal = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=64,
                   temperature=0, extra_body={"ignore_eos": True})
     expected = client(tiny).chat.completions.create(**normal).choices[0].message.content
+    with steps_held(tiny.engine, after=1):   # one step (its first token), then it waits: still running after
+        streamed, worker = _bad_input_during_a_stream(tiny, normal)
+        assert streamed[-1] is not None   # still running
+    worker.join(120)
+    assert streamed[-1] is None and "".join(streamed[:-1]) == expected
+    m = wait_idle(tiny)
+    assert m["lmport_requests_running"] == 0 and m["lmport_kv_blocks_used"] == 0
 
+
+def _bad_input_during_a_stream(tiny, normal: dict) -> tuple[list, threading.Thread]:
+    """Starts a stream of ``normal``, sends every BAD_INPUT case once it has a token; (its deltas, its thread)."""
     streamed, first_token = [], threading.Event()
 
     def run_normal():
@@ -278,13 +299,8 @@ def test_bad_input_gets_a_4xx_naming_the_field_while_a_normal_request_completes(
             assert error["type"] and error["message"]
         assert http.get("/nope").status_code == 404
         assert http.get("/chat/completions").status_code == 405
-    still_running = streamed[-1] is not None
     print("\n".join(f"{status}  {case:32}  param={param!s:20} {message}" for case, status, param, message in table))
-    worker.join(120)
-    assert still_running, "the normal request finished before the bad ones were sent; make it longer"
-    assert streamed[-1] is None and "".join(streamed[:-1]) == expected
-    m = wait_idle(tiny)
-    assert m["lmport_requests_running"] == 0 and m["lmport_kv_blocks_used"] == 0
+    return streamed, worker
 
 
 def _abort_count(m) -> float:
@@ -324,9 +340,18 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(tiny):
 
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(tiny):
     before = metrics(tiny)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(tiny.url + "/v1/completions", timeout=1.0,
-                   json={"model": "tiny", "prompt": "a", "max_tokens": 2000, "ignore_eos": True})
+    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 2000, "ignore_eos": True}).encode()
+    host, port = tiny.url.removeprefix("http://").split(":")
+    with steps_held(tiny.engine, after=1) as running:   # the request cannot finish before its client leaves
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert running.wait(60)
+        # The client is gone: its request leaves the server's admission (then the engine), unanswered.
+        deadline = time.monotonic() + 60
+        while metrics(tiny)["lmport_requests_admitted"] != 0:
+            assert time.monotonic() < deadline, "the server did not notice the client leave"
+            time.sleep(0.05)
     after = wait_idle(tiny)
     assert after["lmport_requests_running"] == 0 and after["lmport_kv_blocks_used"] == 0
     assert _abort_count(after) - _abort_count(before) == 1
@@ -346,17 +371,7 @@ def test_metrics_exposes_engine_state_and_latency_histograms(tiny):
 # -- the command ------------------------------------------------------------------------------------------
 
 def test_lmport_serve_command(serve_command):
-    proc, url, log = serve_command
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, f"`lmport serve` exited {proc.returncode}:\n{log.read_text()}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"`lmport serve` did not answer:\n{log.read_text()}"
-        time.sleep(0.2)
+    url = serve_command.ready().url   # --port 0: the address from the line `lmport serve` prints
     assert httpx.get(url + "/v1/models").status_code == 401  # LMPORT_API_KEY is enforced
     c = openai.OpenAI(base_url=url + "/v1", api_key="from-env", max_retries=0)
     model = c.models.list().data[0].id

@@ -247,7 +247,11 @@ def test_default_model_messages_stream_and_tool_round_trip(smol_server):
     chat = openai.OpenAI(base_url=smol_server.url + "/v1", api_key=KEY, max_retries=0)
     ask = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     m = smol.messages.create(model="smollm2", max_tokens=20, messages=ask, extra_body=GREEDY)
-    assert m.stop_reason == "end_turn" and "Paris" in m.content[0].text
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.content[0].type == "text"
+    # What the model answers is its own: the same greedy reply as through chat completions.
+    same = chat.chat.completions.create(model="smollm2", max_tokens=20, temperature=0, messages=ask)
+    assert m.content[0].text == same.choices[0].message.content
+    assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[same.choices[0].finish_reason]
     with smol.messages.stream(model="smollm2", max_tokens=20, messages=ask, extra_body=GREEDY) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -257,7 +261,7 @@ def test_default_model_messages_stream_and_tool_round_trip(smol_server):
                                 tool_choice={"type": "any"}, extra_body=GREEDY)
     assert call.stop_reason == "tool_use"
     use = call.content[-1]
-    assert use.name == "get_weather" and use.input["city"] == "Paris"
+    assert use.name == "get_weather"
     jsonschema.validate(use.input, WEATHER["input_schema"])
     answer = smol.messages.create(model="smollm2", max_tokens=30, tools=[WEATHER], extra_body=GREEDY, messages=[
         *weather, {"role": "assistant", "content": [b.model_dump(include={"type", "id", "name", "input", "text"})

@@ -155,9 +155,10 @@ def test_text_format_json_schema(tiny):
     ({"tools": [{**WEATHER, "parameters": {"type": "wat"}}]}, "tools.0.parameters", "not a valid JSON schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text.format",
      "not a valid JSON schema"),
-    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", "Field required"),
-    ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
-    ({"temperature": 3}, "temperature", "less than or equal to 2"),
+    # Missing or out of range: the words after the field are pydantic's, not checked; the value is lmport's.
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", ""),
+    ({"max_output_tokens": 0}, "max_output_tokens", "(got 0)"),
+    ({"temperature": 3}, "temperature", "(got 3)"),
     ({"background": True}, "background", "not supported"),
 ])
 def test_bad_input_names_the_field(tiny_server, fields, field, fragment):

@@ -1,12 +1,15 @@
 """Tensor parallelism on the cpu backend over gloo: the same greedy tokens as tp=1 and transformers.
 
-Each tp engine starts worker processes (seconds on a small machine), so one engine is
-shared by several tests (a process runs one tensor-parallel engine at a time); the default model at tp=3,
-the command-line paths and two nodes are marked slow.
+Each test builds (and closes) its own engines, tiny random-weight models at tp 2 or 4: a process runs one
+tensor-parallel engine at a time, and a test may break its engine. Two nodes and a server stopped by SIGTERM
+run as subprocesses on loopback; the default model at tp=3 is marked slow.
 """
 from __future__ import annotations
 
+import logging
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
@@ -14,10 +17,13 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from support.cli_helpers import lmport_command
 from support.model_helpers import default_model_path, hf_greedy, tiny_model_dir
+from support.serve_process import ServeProcess
 
 from lmport import plan, plan_format
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
@@ -31,7 +37,10 @@ GREEDY = GenerationConfig(max_new_tokens=12, ignore_eos=True)
 def greedy(engine: Engine, prompts=PROMPTS, gen=GREEDY) -> list[list[int]]:
     ids = [engine.add_request(p, gen) for p in prompts]
     done = {}
+    deadline = time.monotonic() + 600   # a hang guard (an engine that stops scheduling loops here)
     while len(done) < len(ids):
+        assert time.monotonic() < deadline, (f"the engine makes no progress: {engine.usage()}, {len(done)} of "
+                                             f"{len(ids)} done, {len(engine.scheduler.waiting)} waiting")
         for out in engine.step():
             if out.finished:
                 assert out.error is None, out.error
@@ -92,68 +101,61 @@ def test_quant_policy_8_and_prefix_caching_with_host_tier_match_tp1():
     assert stats[0]["lookup_device"] > 0 and stats[0]["lookup_host"] > 0   # both tiers were hit
 
 
-@pytest.fixture(scope="module")
-def llama_tp2():
-    engine = Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", tp=2, cache_max_entry_count=64))
-    yield engine
-    engine.close()
+TINY = dict(device_type="cpu", cache_max_entry_count=64)
 
 
-def test_tp2_tokens_match_tp1_and_transformers(llama_tp2):
-    engine = Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", cache_max_entry_count=64))
+def get_ppl(engine: Engine) -> list[float]:
+    from lmport.api import Pipeline
+    pipe = Pipeline.__new__(Pipeline)          # a Pipeline over this engine
+    pipe.engine, pipe.tokenizer = engine, engine.tokenizer
+    return pipe.get_ppl([PROMPTS[0]], logits_budget_bytes=8 * 49152 * 4)   # chunks of 8 positions
+
+
+def test_tp2_tokens_and_perplexity_match_tp1_and_transformers():
+    """Greedy tokens, and get_ppl through the ranks."""
+    results = []
+    for tp in (1, 2):
+        engine = Engine(tiny_model_dir("llama"), EngineConfig(tp=tp, **TINY))
+        try:
+            results.append((greedy(engine), get_ppl(engine)))
+        finally:
+            engine.close()
+    (tp1, ppl1), (tp2, ppl2) = results
+    assert tp2 == tp1 == hf_greedy(tiny_model_dir("llama"), PROMPTS, GREEDY.max_new_tokens)
+    assert ppl2 == pytest.approx(ppl1, rel=1e-5)
+
+
+def test_a_killed_worker_ends_every_request_with_an_error_naming_its_rank():
+    engine = Engine(tiny_model_dir("llama"), EngineConfig(tp=2, **TINY))
     try:
-        tp1 = greedy(engine)
+        pids = list(engine.executor.worker_pids.values())
+        client = TestClient(create_app(engine))
+        assert client.get("/health").status_code == 200
+        results = []
+
+        def ask(i):
+            r = client.post("/v1/completions", json={"model": engine.model_name, "prompt": f"count {i}",
+                                                     "max_tokens": 200, "ignore_eos": True})
+            results.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120   # a hang guard
+        while engine.stats["generated_tokens"] < 6:
+            assert time.monotonic() < deadline, "generation did not start"
+            time.sleep(0.005)
+        os.kill(pids[0], signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=120)   # the collective fails at once; this only guards against a hang
+        assert len(results) == 3
+        for status, body in results:
+            # 500: it was running; 503: it reached the engine after the failure (a loaded machine is slow to start it)
+            assert status in (500, 503) and "rank 1" in body["error"]["message"], body
+        health = client.get("/health")
+        assert health.status_code == 503 and "rank 1" in health.text
     finally:
         engine.close()
-    assert greedy(llama_tp2) == tp1 == hf_greedy(tiny_model_dir("llama"), PROMPTS, GREEDY.max_new_tokens)
-
-
-def test_get_ppl_runs_through_the_ranks(llama_tp2):
-    from lmport.api import Pipeline
-    pipe = Pipeline.__new__(Pipeline)          # a Pipeline over the shared engine
-    pipe.engine, pipe.tokenizer = llama_tp2, llama_tp2.tokenizer
-    tp2 = pipe.get_ppl([PROMPTS[0]], logits_budget_bytes=8 * 49152 * 4)   # chunks of 8 positions
-    pipe.engine = Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", cache_max_entry_count=64))
-    try:
-        tp1 = pipe.get_ppl([PROMPTS[0]], logits_budget_bytes=8 * 49152 * 4)
-    finally:
-        pipe.engine.close()
-    assert tp2 == pytest.approx(tp1, rel=1e-5)
-
-
-def test_a_killed_worker_ends_every_request_with_an_error_naming_its_rank(llama_tp2):
-    """Runs last of the llama_tp2 tests: it breaks the shared engine. Bound: each request ends within
-    30 s of the kill (the collective fails at once; 30 s leaves room for a loaded machine)."""
-    engine = llama_tp2
-    pids = list(engine.executor.worker_pids.values())
-    client = TestClient(create_app(engine))
-    assert client.get("/health").status_code == 200
-    results = []
-
-    def ask(i):
-        r = client.post("/v1/completions", json={"model": engine.model_name, "prompt": f"count {i}",
-                                                 "max_tokens": 200, "ignore_eos": True})
-        results.append((r.status_code, r.json(), time.monotonic()))
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while engine.stats["generated_tokens"] < 6:
-        assert time.monotonic() < deadline, "generation did not start"
-        time.sleep(0.005)
-    os.kill(pids[0], signal.SIGKILL)
-    killed = time.monotonic()
-    for t in threads:
-        t.join(timeout=30)
-    assert len(results) == 3
-    for status, body, ended in results:
-        # 500: it was running; 503: it reached the engine after the failure (a loaded machine is slow to start it)
-        assert status in (500, 503) and "rank 1" in body["error"]["message"], body
-        assert ended - killed < 30
-    health = client.get("/health")
-    assert health.status_code == 503 and "rank 1" in health.text
-    engine.close()
     assert not any(alive(p) for p in pids)
 
 
@@ -198,7 +200,7 @@ def test_plan_per_rank_figures_add_up_to_the_model():
     assert "rank 1" in plan_format.format_plan(tp2)
 
 
-# -- slow: the default model, the command line, two nodes ------------------------------------------------------
+# -- the default model at tp=3 (slow); two nodes and the command line, in subprocesses -----------------------------
 
 @pytest.mark.slow
 def test_default_model_tp3_matches_tp1_on_8_prompts_of_32_tokens():
@@ -221,59 +223,100 @@ def test_default_model_tp3_matches_tp1_on_8_prompts_of_32_tokens():
     assert tp3 == tp1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# What node 0's executor logs when its rendezvous port was 0 (chosen by the OS).
+RENDEZVOUS = re.compile(r"tensor-parallel rendezvous listens at ([\w.\-]+:\d+)")
 
 
-@pytest.mark.slow
+class _Rendezvous(logging.Handler):
+    """The address node 0's executor logs, for the test to start node 1 with (None: node 0 failed first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: queue.Queue = queue.Queue()
+
+    def emit(self, record):
+        if match := RENDEZVOUS.search(record.getMessage()):
+            self.found.put(match.group(1))
+
+
 def test_two_nodes_on_loopback_match_tp1():
+    """Node 0 (rank 0, an engine in this process) binds its rendezvous at port 0 and logs the address it got;
+    node 1 (`lmport worker`, rank 1) is started with that address and ends when node 0's engine does."""
     model = tiny_model_dir("mistral")
-    addr = f"127.0.0.1:{free_port()}"
-    flags = ["--device", "cpu", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--cache-max-entry-count", "64"]
-    worker = subprocess.Popen([sys.executable, "-m", "lmport.cli", "worker", model, "--node-rank", "1", *flags])
+    rendezvous, started, node1 = _Rendezvous(), [], None
+
+    def start_node0():   # returns once every rank has joined
+        try:
+            started.append(Engine(model, EngineConfig(tp=2, nnodes=2, dist_init_addr="127.0.0.1:0", **TINY)))
+        except BaseException as exc:
+            started.append(exc)
+            rendezvous.found.put(None)
+
+    logging.getLogger("lmport.executor").addHandler(rendezvous)
+    node0 = threading.Thread(target=start_node0)
+    node0.start()
     try:
-        engine = Engine(model, EngineConfig(device_type="cpu", tp=2, nnodes=2, dist_init_addr=addr,
-                                            cache_max_entry_count=64))
+        addr = rendezvous.found.get(timeout=300)   # a hang guard
+        assert addr is not None, started
+        node1 = subprocess.Popen([*lmport_command(), "worker", model, "--device", "cpu", "--tp", "2", "--nnodes", "2",
+                                  "--node-rank", "1", "--dist-init-addr", addr, "--cache-max-entry-count", "64"])
+        node0.join(300)
+        (engine,) = started
+        assert isinstance(engine, Engine), engine
         try:
             tp2 = greedy(engine)
         finally:
             engine.close()
-        assert worker.wait(timeout=30) == 0
+        assert node1.wait(timeout=120) == 0
     finally:
-        if worker.poll() is None:
-            worker.kill()
+        logging.getLogger("lmport.executor").removeHandler(rendezvous)
+        if node1 is not None and node1.poll() is None:
+            node1.kill()
+            node1.wait()
     assert tp2 == hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+
+
+def test_sigterm_to_a_tp2_server_leaves_no_process_behind(tmp_path):
+    import psutil
+    model = tiny_model_dir("llama")
+    server = ServeProcess(lmport_command(), [model, "--device", "cpu", "--tp", "2", "--cache-max-entry-count", "64"],
+                          tmp_path / "serve.log")
+    try:
+        server.ready()
+        children = psutil.Process(server.proc.pid).children(recursive=True)   # the engine core and the tp worker
+        assert sum("_stdin_worker" in " ".join(c.cmdline()) for c in children) == 1
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": model, "prompt": "a", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=120) == 0, server.log.read_text()
+    finally:
+        server.stop()
+    assert not any(alive(c.pid) for c in children)
 
 
 @pytest.mark.slow
 def test_a_worker_that_cannot_reach_the_rendezvous_names_the_address():
-    addr = f"127.0.0.1:{free_port()}"
-    out = subprocess.run([sys.executable, "-m", "lmport.cli", "worker", tiny_model_dir("llama"), "--device", "cpu",
-                          "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
-                          "--dist-timeout", "3"], capture_output=True, text=True, timeout=120)
+    with socket.socket() as unreachable:   # bound, never listening: connections are refused, and nobody else
+        unreachable.bind(("127.0.0.1", 0))   # can take the port while the worker tries it
+        addr = f"127.0.0.1:{unreachable.getsockname()[1]}"
+        out = subprocess.run([sys.executable, "-m", "lmport.cli", "worker", tiny_model_dir("llama"), "--device",
+                              "cpu", "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--dist-timeout", "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and f"cannot reach the tensor-parallel rendezvous at {addr}" in out.stderr
 
 
 @pytest.mark.slow
-def test_server_with_tp3_streamed_and_whole_chat_agree_and_sigterm_leaves_no_worker():
+def test_server_with_tp3_streamed_and_whole_chat_agree_and_sigterm_leaves_no_worker(tmp_path):
     import openai
     import psutil
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "lmport.cli", "serve", "smollm2", "--device", "cpu", "--tp", "3",
-                               "--weight-format", "dequantize", "--port", str(port), "--cache-max-entry-count", "200"])
+    server = ServeProcess([sys.executable, "-m", "lmport.cli"], ["smollm2", "--device", "cpu", "--tp", "3",
+                                                                  "--weight-format", "dequantize",
+                                                                  "--cache-max-entry-count", "200"],
+                          tmp_path / "serve.log")
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.5)
-        children = psutil.Process(server.pid).children(recursive=True)   # the engine core and the tp workers
+        client = openai.OpenAI(base_url=server.ready().url + "/v1", api_key="none", max_retries=0)
+        children = psutil.Process(server.proc.pid).children(recursive=True)   # the engine core and the tp workers
         workers = [c.pid for c in children]
         assert sum("_stdin_worker" in " ".join(c.cmdline()) for c in children) == 2
         messages = [{"role": "user", "content": "Name three colours."}]
@@ -281,7 +324,8 @@ def test_server_with_tp3_streamed_and_whole_chat_agree_and_sigterm_leaves_no_wor
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
             model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True) if chunk.choices)
         assert whole.choices[0].message.content == streamed and streamed
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0, server.log.read_text()
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+        server.stop()
     assert not any(alive(p) for p in workers)

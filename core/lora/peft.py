@@ -9,8 +9,11 @@ biases, ``modules_to_save``, ``alpha_pattern``, other target modules, tensors of
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +22,10 @@ import torch
 from lmport.lora import AdapterError
 from lmport.models.lora import TARGET_MODULES
 
+log = logging.getLogger(__name__)
+
 CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 2**20   # a peft adapter_config.json is a few KB; more is not an adapter's config
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (the adapter name, if saved, before .weight)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(layers\.\d+\.(?:self_attn|mlp)\.(\w+))"
@@ -41,12 +47,36 @@ def _refuse(message: str) -> AdapterError:
     return AdapterError(f"lora_path: {message}", param="lora_path")
 
 
+def _unloadable(why: str, file: Path) -> AdapterError:
+    """A refusal that names no server path (the client may not know the server's disk); the log has the path."""
+    log.warning("LoRA adapter file %s refused: %s", file, why)
+    return AdapterError(f"lora_path: the adapter could not be loaded: {why}", param="lora_path")
+
+
+def _read_regular(file: Path, limit: int) -> bytes:
+    """The bytes of ``file``, a regular file of at most ``limit`` bytes; AdapterError otherwise. Opened without
+    blocking, so a FIFO or device never holds the reader."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _unloadable(f"{file.name} is not a regular file", file)
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise _unloadable(f"{file.name} is larger than {limit} bytes", file)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_config(path: Path) -> dict:
     if not path.is_dir():
         raise _refuse(f"{str(path)!r} is not a directory (a peft adapter directory holds {CONFIG_FILE} and "
                       f"{WEIGHT_FILES[0]})")
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
+        config = json.loads(_read_regular(path / CONFIG_FILE, MAX_CONFIG_BYTES).decode())
     except FileNotFoundError:
         raise _refuse(f"{str(path)!r} has no {CONFIG_FILE}: give a directory saved by peft's "
                       f"save_pretrained") from None
@@ -84,6 +114,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         file = path / name
         if not file.exists():
             continue
+        if not file.is_file():   # a FIFO or device would block the reader
+            raise _unloadable(f"{name} is not a regular file", file)
         try:
             if name.endswith(".safetensors"):
                 from safetensors.torch import load_file

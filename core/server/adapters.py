@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from lmport.config import ConfigError
 from lmport.lora import AdapterError
-from lmport.server.protocol import APIError, brief, validation_error
+from lmport.server import jsonbody
+from lmport.server.protocol import APIError, bounded_int, brief
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class LoadLoraAdapter(BaseModel):
 class UnloadLoraAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
-    lora_int_id: int | None = None   # vLLM's clients send it; the name decides here
+    lora_int_id: int | None = bounded_int(None)   # vLLM's clients send it; the name decides here
 
 
 def parse_loras(specs: list[str]) -> dict[str, str]:
@@ -55,7 +56,13 @@ def max_loras_for(requested: int, loras: dict[str, str], loading: bool) -> int:
     return requested
 
 
-def adapter_error(exc: AdapterError) -> APIError:
+def adapter_error(exc: AdapterError, expose_paths: bool = False) -> APIError:
+    """The client's error for ``exc``. A lora_path error tells what is on the server's disk (which directories
+    exist, bytes of its files): unless ``expose_paths``, the client gets one message for all and the log the rest."""
+    if exc.param == "lora_path" and exc.status == 400 and not expose_paths:
+        log.warning("an adapter could not be loaded: %s", exc)
+        return APIError(400, "lora_path: the adapter could not be loaded (the server's log says why)",
+                        param="lora_path", code="lora_adapter_invalid")
     code = {404: "model_not_found" if exc.param == "model" else "lora_adapter_not_found", 409: "conflict"}
     return APIError(exc.status, str(exc), param=exc.param, code=code.get(exc.status))
 
@@ -73,7 +80,8 @@ def adapter_for(frontend, model: str) -> str | None:
 
 def model_cards(frontend) -> list[dict]:
     """/v1/models' entries for the loaded adapters (vLLM's shape: ``root`` the path, ``parent`` the base)."""
-    return [{"id": a.name, "object": "model", "created": a.created, "owned_by": "lmport", "root": a.path,
+    return [{"id": a.name, "object": "model", "created": a.created, "owned_by": "lmport",
+             **({"root": a.path} if frontend.expose_adapter_paths else {}),   # a path on the server's disk
              "parent": frontend.model_name, "max_model_len": frontend.info.session_len}
             for a in list(frontend.core.adapters.values())]
 
@@ -83,10 +91,7 @@ async def _body(frontend, request: Request, cls):
     if len(body) > frontend.max_body_bytes:
         raise APIError(413, f"the request body is larger than the server's limit of {frontend.max_body_bytes} bytes",
                        code="request_too_large")
-    try:
-        return cls.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    return jsonbody.validate(cls, body)
 
 
 def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
@@ -107,9 +112,9 @@ def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
         try:
             loaded = await frontend.core.load_adapter(req.lora_name, req.lora_path)
         except AdapterError as exc:
-            raise adapter_error(exc) from None
+            raise adapter_error(exc, frontend.expose_adapter_paths) from None
         return {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
-                "root": loaded.path, "parent": frontend.model_name}
+                **({"root": loaded.path} if frontend.expose_adapter_paths else {}), "parent": frontend.model_name}
 
     @app.post("/v1/unload_lora_adapter", dependencies=auth)
     async def unload_lora_adapter(request: Request):

@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from lmport.engine import RequestOutput
 from lmport.server import openai_mapping, routes, streaming
 from lmport.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest,
-                                    JSONPathRequest, _Request)
+                                    JSONPathRequest, _Request, bounded_int)
 from lmport.server.frontend import Frontend, Job
 from lmport.server.replies import pieces, renamed, reply_calls, stop_sequence
 from lmport.server.streaming import event
@@ -145,12 +145,12 @@ class CountTokensRequest(_Conversation):
 
 class MessagesRequest(_Conversation):
     """POST /v1/messages. Sampling bounds are Anthropic's (temperature 0 to 1)."""
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = bounded_int(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)                   # 0: off
+    top_k: int = bounded_int(0, ge=0)             # 0: off
     metadata: dict | None = None                  # accepted (user_id), changes nothing
     output_config: OutputConfig | None = None
 
@@ -361,8 +361,8 @@ class _Reply:
                                                             "delta": delta})
                 if out.finished:
                     final = out
-        except APIError as exc:   # a timeout, shutdown or failed generation ends the stream with an error event
-            yield event("error", error_body(exc))
+        except Exception as exc:   # a timeout, shutdown, failed generation or bug: the stream ends with an error event
+            yield event("error", error_body(streaming.stream_error(exc)))
             return
         if open_kind is not None:
             yield event("content_block_stop", {"type": "content_block_stop", "index": index})

@@ -36,11 +36,13 @@ from lmport.engine_client import EngineClient, EngineHandle
 from lmport.guided import Grammars
 from lmport.server import adapters, embeddings
 from lmport.server import openapi as openapi_doc
-from lmport.server import anthropic, responses, routes
+from lmport.server import anthropic, liveness, responses, routes
+from lmport.server.bodies import BodyLimit
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
 from lmport.server.metrics import ReplicaCollector
 from lmport.server.protocol import APIError, brief
+from lmport.server.quiet_log import Throttled
 from lmport.server.frontend import MAX_BODY_BYTES, Frontend
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
                docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
-               tokenizer=None) -> FastAPI:
+               tokenizer=None, expose_adapter_paths: bool = False) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.frontend``).
     ``engine``: what runs the requests, already started (an engine core's client, or data-parallel replicas'
@@ -60,7 +62,8 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     either, ``tokenizer`` is the model's), or an Engine, whose core then runs in a thread of this process.
     ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
     shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
-    answer (lmport.server.adapters)."""
+    answer (lmport.server.adapters); ``expose_adapter_paths``: clients see adapters' server paths and why one
+    failed to load (else only the server's log does)."""
     if isinstance(engine, Engine):
         # A private tokenizer: the engine's is used on the core's thread, the client's copy on its reader thread.
         core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
@@ -70,6 +73,7 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
         core = engine
         grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
     frontend = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
+    frontend.expose_adapter_paths = expose_adapter_paths
     info = core.info
     replicas = getattr(core, "status", None)   # data-parallel replicas, each with its health and usage
     if replicas is not None:
@@ -107,10 +111,13 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
         frontend.metrics.rejected.labels(str(exc.status)).inc()
         return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
+    faults = Throttled(log)   # a fault a client can repeat at will must not flood the log
+
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception):
         # A bug must still answer in OpenAI's shape (JSON, not Starlette's plain text), and leave a traceback.
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        faults.log(logging.ERROR, type(exc).__name__, "%s %s failed", request.method, request.url.path[:100],
+                   exc_info=exc)
         return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {brief(str(exc), 200)}",
                                                  type="server_error", code="internal_error"))
 
@@ -118,8 +125,9 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     async def http_error(request: Request, exc: StarletteHTTPException):
         # 405 keeps Starlette's Allow header (RFC 9110); the code is a name, as in every other error.
         code = HTTP_ERROR_CODES.get(exc.status_code, "_".join(str(exc.detail).lower().split()) or None)
-        return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                                  f"{exc.detail}", code=code, headers=exc.headers))
+        path = request.url.path if len(request.url.path) <= 100 else request.url.path[:97] + "..."
+        return await api_error(request, APIError(exc.status_code, f"{request.method} {path}: {exc.detail}",
+                                                 code=code, headers=exc.headers))
 
     if docs:  # behind the API key like every other route but /health
         @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
@@ -144,6 +152,8 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
             return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
         if frontend.admission.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if (stalled := liveness.stall(frontend.core, frontend.limits.engine_stall_timeout)) is not None:
+            return JSONResponse(stalled, status_code=503)
         if replicas is not None:
             return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
         return {"status": "ok"}
@@ -195,6 +205,8 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    # Every body read bounded in bytes and time (413, 408), whichever route reads it.
+    app.add_middleware(BodyLimit, max_bytes=frontend.max_body_bytes, timeout=frontend.limits.body_timeout)
     app.add_middleware(Guards, allowed_hosts=allowed_hosts, error_body=error_body,
                        json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                                              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
@@ -215,6 +227,7 @@ def serve(args) -> int:
     from lmport.models.loader import load_tokenizer
     from lmport.server.connections import ConnectionLimits
     from lmport.server.guards import allowed_host_names, is_loopback
+    from lmport.server.listen import ADDRESS_IN_USE_EXIT_CODE, AddressInUse, listen
     from lmport.server.shutdown import GracefulServer
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("LMPORT_API_KEY")
@@ -226,17 +239,26 @@ def serve(args) -> int:
     if args.cache_salt_by_api_key and not api_key:
         raise ConfigError("--cache-salt-by-api-key needs --api-key (or LMPORT_API_KEY)")
     limits = Limits(max_engine_requests=args.max_engine_requests_per_request, max_prompt_chars=args.max_prompt_chars,
+                    max_answer_entries=args.max_answer_entries,
                     max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
-                    body_timeout=args.body_timeout, send_timeout=args.send_timeout)
+                    body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+                    engine_stall_timeout=args.engine_stall_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections, max_unsent_bytes=args.max_unsent_bytes,
-                                   send_timeout=args.send_timeout)
+                                   send_timeout=args.send_timeout,
+                                   max_connections_per_address=args.max_connections_per_address)
     if args.dp < 1:
         raise ConfigError(f"--dp must be >= 1 (engine replicas), got {args.dp}")
     loras = adapters.parse_loras(args.lora)
     settings = engine_config(args)
     settings = dataclasses.replace(settings, max_loras=adapters.max_loras_for(settings.max_loras, loras,
                                                                               args.enable_lora_loading))
+    # The port first: one already taken is reported at once, not after the model has loaded.
+    try:
+        sock = listen(args.host, args.port)
+    except AddressInUse as exc:
+        print(f"lmport serve: {exc}", file=sys.stderr, flush=True)
+        return ADDRESS_IN_USE_EXIT_CODE
     # The engine core in its own process (started first, before this process starts a thread), or data-parallel
     # replicas as Ray actors behind a routing front end (docs/distributed.md); the tokenizer here.
     core: EngineHandle
@@ -255,7 +277,8 @@ def serve(args) -> int:
                          allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
                          cors_origins=args.cors_origins, docs=args.docs,
                          cache_salt_by_api_key=args.cache_salt_by_api_key,
-                         enable_lora_loading=args.enable_lora_loading, tokenizer=load_tokenizer(args.model))
+                         enable_lora_loading=args.enable_lora_loading, tokenizer=load_tokenizer(args.model),
+                         expose_adapter_paths=args.expose_adapter_paths)
     except BaseException:
         core.shutdown()
         raise
@@ -264,11 +287,15 @@ def serve(args) -> int:
                     "adapter directories on this machine")
     if not is_loopback(args.host) and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
-    print(f"lmport serve: {args.model} on http://{args.host}:{args.port} (session_len {core.info.session_len}, "
-          f"{core.info.num_blocks} {where}){'; API key required' if api_key else ''}", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=logging.getLevelName(
         logging.getLogger().level).lower(), **connections.uvicorn_kwargs())
+    # Listening since before the model loaded; the line below names the port bound (--port 0: one the OS picks):
+    # a client that reads it may connect at once, and is answered once uvicorn starts.
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"lmport serve: {args.model} on http://{host}:{sock.getsockname()[1]} (session_len "
+          f"{core.info.session_len}, {core.info.num_blocks} {where}){'; API key required' if api_key else ''}",
+          file=sys.stderr, flush=True)
     server = GracefulServer(config, app.state.frontend, shutdown_timeout=args.shutdown_timeout,
                             exit_on_engine_failure=args.exit_on_engine_failure)
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_code

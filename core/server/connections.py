@@ -20,6 +20,13 @@ plus the socket's send queue) stay above ``max_unsent_bytes`` without
 shrinking for ``send_timeout`` seconds (a client that reads, but too slowly
 to keep up). The app then sees the client gone, which aborts its engine
 requests and frees their slots (the disconnect path).
+
+Slow or idle connections cannot crowd out the rest: one client address holds at most
+``max_connections_per_address`` connections, and when a new connection would pass either cap, the oldest
+connection (of that address, or of all) that has no request admitted is closed to make room: one still
+sending its headers or body, or idle between requests. So /health and new requests keep answering, and a
+request already admitted (running or streaming) is never the one closed. Only when every connection of the
+address holds an admitted request is the new one refused.
 """
 from __future__ import annotations
 
@@ -34,8 +41,10 @@ from dataclasses import dataclass
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lmport.errors import ConfigError
+from lmport.server.quiet_log import Throttled
 
 log = logging.getLogger(__name__)
+crowded_log = Throttled(log)
 
 _TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)   # Linux: bytes in a socket's send queue
 
@@ -48,19 +57,27 @@ class ConnectionLimits:
     max_header_bytes: int = 64 * 1024  # h11's limit on the request line and headers
     max_unsent_bytes: int = 2**20     # output the client has not taken beyond which send_timeout runs
     send_timeout: float = 30.0        # seconds waiting output may go untaken, or stay above max_unsent_bytes
+    max_connections_per_address: int = 256  # open connections one client address may hold; 0: no cap
 
     def __post_init__(self):
         if isinstance(self.max_unsent_bytes, bool) or not isinstance(self.max_unsent_bytes, int) \
                 or self.max_unsent_bytes <= 0:
             raise ConfigError(f"max_unsent_bytes must be a positive int, got {self.max_unsent_bytes!r}")
+        per_address = self.max_connections_per_address
+        if isinstance(per_address, bool) or not isinstance(per_address, int) or per_address < 0:
+            raise ConfigError(f"max_connections_per_address must be an int >= 0, got {per_address!r}")
 
     def uvicorn_kwargs(self) -> dict:
         header_timeout, max_unsent, send_timeout = self.header_timeout, self.max_unsent_bytes, self.send_timeout
+        limits = self
 
         class Protocol(HeaderTimeoutH11):
             timeout = header_timeout
             max_unsent_bytes = max_unsent
             unsent_timeout = send_timeout
+            max_connections = limits.max_connections
+            max_per_address = limits.max_connections_per_address
+            open_connections: dict = {}   # this server's own
 
         return dict(http=Protocol, timeout_keep_alive=self.keep_alive_timeout,
                     limit_concurrency=self.max_connections, h11_max_incomplete_event_size=self.max_header_bytes)
@@ -103,6 +120,9 @@ class HeaderTimeoutH11(H11Protocol):
     timeout = 10.0               # header_timeout
     max_unsent_bytes = 2**20
     unsent_timeout = 30.0        # send_timeout
+    max_connections = 1024       # uvicorn's limit_concurrency
+    max_per_address = 0          # max_connections_per_address; 0: no cap
+    open_connections: dict = {}  # protocol -> None, oldest first (uvicorn_kwargs gives each server its own)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -113,6 +133,7 @@ class HeaderTimeoutH11(H11Protocol):
         self._taken_last: int | None = None       # bytes the client had taken at the last check
         self._idle_since: float | None = None     # since when output waits and the client takes none of it
         self._unsent_timer = self.loop.call_later(self._check_every(), self._check_unsent)
+        self._make_room()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -122,7 +143,40 @@ class HeaderTimeoutH11(H11Protocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
         self._unsent_timer.cancel()
+        self.open_connections.pop(self, None)
         super().connection_lost(exc)
+
+    def _address(self) -> str | None:
+        return self.client[0] if self.client else None
+
+    def _admitted(self) -> bool:
+        """A request of this connection is running or answering (its body is in, or its response started)."""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete and (not cycle.more_body or cycle.response_started)
+
+    def _make_room(self) -> None:
+        """Keeps this new connection within the per-address and overall caps by closing the oldest connection
+        that has no request admitted; refuses this one when every connection of its address has one."""
+        mine = [p for p in self.open_connections if p._address() == self._address()]
+        if self.max_per_address and len(mine) >= self.max_per_address:
+            crowd, cap = mine, f"{self.max_per_address} from {self._address()} (--max-connections-per-address)"
+        elif len(self.open_connections) >= self.max_connections - 1:   # uvicorn's 503 counts this one too
+            crowd, cap = list(self.open_connections), f"{self.max_connections} (--max-connections)"
+        else:
+            self.open_connections[self] = None
+            return
+        victim = next((p for p in crowd if not p._admitted()), None)
+        if victim is None and crowd is mine:
+            crowded_log.log(logging.WARNING, "refused", "refused a connection: over %s, all with requests running",
+                            cap)
+            self.transport.close()
+            return
+        if victim is not None:
+            crowded_log.log(logging.WARNING, "closed", "closed the oldest connection without a running request: "
+                            "over %s", cap)
+            self.open_connections.pop(victim, None)
+            victim.transport.close()
+        self.open_connections[self] = None
 
     def _start_header_timer(self) -> None:
         if self._header_timer is not None:

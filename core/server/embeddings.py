@@ -16,15 +16,15 @@ import uuid
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from lmport.config import GenerationConfig
 from lmport.engine import RequestError
 from lmport.engine_messages import EngineRequest
 from lmport.models.loader import resolve_model_path
 from lmport.pooling import PoolingConfig, finish, pooling_config
-from lmport.server.protocol import APIError, brief, validation_error
-from lmport.server import streaming
+from lmport.server.protocol import APIError, bounded_int, brief
+from lmport.server import jsonbody, streaming
 from lmport.server.frontend import Job
 
 Input = str | list[str] | list[int] | list[list[int]]
@@ -35,7 +35,7 @@ class EmbeddingRequest(BaseModel):
     input: Input
     model: str
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: int | None = bounded_int(None, ge=1)
     user: str | None = None
 
 
@@ -51,10 +51,7 @@ async def embed(frontend, pooling: PoolingConfig, request: Request):
     if len(body) > frontend.max_body_bytes:
         raise APIError(413, f"the request body is larger than the server's limit of {frontend.max_body_bytes} bytes",
                        code="request_too_large")
-    try:
-        req = EmbeddingRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    req = jsonbody.validate(EmbeddingRequest, body)
     if req.model != frontend.model_name:
         raise APIError(404, f"model: {brief(req.model)} does not exist for embeddings; this server embeds with "
                             f"{frontend.model_name!r} (LoRA adapters do not embed)", param="model",

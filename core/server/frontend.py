@@ -17,16 +17,15 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Request
 from prometheus_client import Gauge
-from pydantic import ValidationError
 
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import check_prompt
 from lmport.engine_client import EngineHandle
 from lmport.guided import Grammars
-from lmport.server import adapters
+from lmport.server import adapters, jsonbody
 from lmport.server.limits import Admission, Limits
 from lmport.server.metrics import Metrics
-from lmport.server.protocol import APIError, brief, validation_error
+from lmport.server.protocol import APIError, brief
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,8 @@ class Job:
 
 
 class Frontend:
+    expose_adapter_paths = False   # clients see adapters' server paths (create_app's expose_adapter_paths)
+
     def __init__(self, core: EngineHandle, tokenizer, grammars: Grammars, model_name: str | None = None,
                  api_key: str | list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  limits: Limits | None = None, cache_salt_by_api_key: bool = False):
@@ -149,10 +150,7 @@ class Frontend:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s",
                            code="body_timeout") from None
-        try:
-            req = cls.model_validate_json(bytes(body))
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        req = jsonbody.validate(cls, bytes(body))   # with the JSON depth limit, as on every route
         adapters.adapter_for(self, req.model)   # the base model or a loaded LoRA adapter, else a 404
         for problem in (req.unsupported_problem(), req.stop_problem()):
             if problem is not None:

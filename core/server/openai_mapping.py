@@ -209,11 +209,15 @@ def _logprob(tokenizer, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def usage(job: Job, outs: list[RequestOutput]) -> dict:
+def usage(job: Job, outs: list[RequestOutput | None]) -> dict:
+    """``outs`` by choice (None: a choice with no output)."""
     prompt = sum(len(p) for p in job.prompts)
-    completion = sum(len(o.token_ids) for o in outs)
+    completion = sum(len(o.token_ids) for o in outs if o is not None)
+    # A prompt counts once however many choices it has, so do its cached tokens: the most any choice found.
+    cached = sum(max((o.cached_tokens for o in outs[p * job.n:(p + 1) * job.n] if o is not None), default=0)
+                 for p in range(len(job.prompts)))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_reason(out: RequestOutput) -> str | None:

@@ -50,6 +50,7 @@ class ModelList(BaseModel):
 class Health(BaseModel):
     status: str
     reason: str | None = None
+    since: str | None = None   # an engine core not progressing: when it last finished a step (ISO 8601, UTC)
 
 
 class PromptTokensDetails(BaseModel):

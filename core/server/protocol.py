@@ -17,6 +17,15 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # each stop string is matched against the text's end at every token
 REPETITION_PENALTY_RANGE = (0.01, 100.0)   # beyond it logits over- or underflow float32
 MAX_LOGIT_BIAS, LOGIT_BIAS_LIMIT = 300, 100   # OpenAI's: at most 300 tokens, each biased by -100..100
+# Every integer a request gives is bounded at validation, the same on every route, so that none reaches the
+# engine's (msgpack) messages too big to pack: counts (tokens, choices, top_k, ...) fit in 32 bits, a seed in 64.
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-2**63, 2**64 - 1)
+
+
+def bounded_int(default=..., *, ge: int = 0, le: int = INT32_MAX):
+    """An integer field's bounds (``Field``): from ``ge`` to ``le``, at most INT32_MAX unless said otherwise."""
+    return Field(default, ge=ge, le=le)
 
 
 class APIError(Exception):
@@ -48,8 +57,16 @@ def validation_error(exc: ValidationError, body=None) -> APIError:
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
     param = ".".join(loc) or None
     got = brief(err.get("input"))
+    if err["type"] in _BOUNDS:   # lmport's words for a number out of its field's bounds
+        key, words = _BOUNDS[err["type"]]
+        return APIError(400, f"{param}: out of range, give a value {words} {err.get('ctx', {}).get(key)} (got {got})",
+                        param=param)
     message = f"{param}: {err['msg']}" + ("" if err["type"] == "missing" else f" (got {got})")
     return APIError(400, message, param=param)
+
+
+_BOUNDS = {"greater_than_equal": ("ge", "of at least"), "greater_than": ("gt", "greater than"),
+           "less_than_equal": ("le", "of at most"), "less_than": ("lt", "less than")}
 
 
 def brief(value, limit: int = 80) -> str:
@@ -136,7 +153,7 @@ class JSONPathRequest(_Request):
         except ValidationError as exc:
             try:
                 body = json.loads(json_data)
-            except ValueError:
+            except (ValueError, RecursionError):   # lmport.server.jsonbody bounds the depth before this
                 body = None
             raise validation_error(exc, body) from None
 
@@ -149,16 +166,16 @@ class StreamOptions(_Request):
 class _Sampling(_Request):
     """Fields shared by both routes. temperature 0 is greedy; > 0 samples (OpenAI's default is 1)."""
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = bounded_int(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)                  # extension (vLLM, LMDeploy); 0 or -1: off
+    top_k: int = bounded_int(0, ge=-1)            # extension (vLLM, LMDeploy); 0 or -1: off
     min_p: float = Field(0.0, ge=0, lt=1)         # extension
     repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)   # OpenAI's, over generated tokens
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    n: int = bounded_int(1, ge=1, le=16)
+    seed: int | None = bounded_int(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None           # checked in stop_problem() for messages that name the limit
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -169,7 +186,7 @@ class _Sampling(_Request):
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS)          # OpenAI's bounds; the ids are checked against the vocabulary
     # OpenAI fields lmport does not implement: refused (unsupported_problem) rather than silently ignored.
-    best_of: int | None = None
+    best_of: int | None = bounded_int(None, ge=1)
     functions: list | None = None
     function_call: str | dict | None = None
 
@@ -259,9 +276,9 @@ class _Structured(_Sampling):
 
 class ChatCompletionRequest(_Structured):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for max_tokens
+    max_completion_tokens: int | None = bounded_int(None, ge=1)  # the newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = bounded_int(None, ge=0, le=20)
     tools: list[dict] | None = None               # checked by lmport.server.tools
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
@@ -273,6 +290,6 @@ class ChatCompletionRequest(_Structured):
 
 class CompletionRequest(_Structured):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)      # OpenAI's default for completions; 0 only with echo
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = bounded_int(16, ge=0)  # OpenAI's default for completions; 0 only with echo
+    logprobs: int | None = bounded_int(None, ge=0, le=20)
     echo: bool = False                            # the prompt (and its logprobs) before the completion

@@ -25,7 +25,7 @@ from pydantic_core import PydanticCustomError
 
 from lmport.engine import RequestOutput
 from lmport.server import openai_mapping, routes, streaming
-from lmport.server.protocol import APIError, ChatCompletionRequest, JSONPathRequest, _Request
+from lmport.server.protocol import APIError, ChatCompletionRequest, JSONPathRequest, _Request, bounded_int
 from lmport.server.frontend import Frontend, Job
 from lmport.server.replies import pieces, renamed, reply_calls
 from lmport.server.streaming import event
@@ -138,7 +138,7 @@ class ResponsesRequest(JSONPathRequest):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = bounded_int(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stream: bool = False
@@ -149,7 +149,7 @@ class ResponsesRequest(JSONPathRequest):
     include: list[str] | None = None              # accepted; there is nothing more to include
     reasoning: dict | None = None                 # accepted; the model writes no separate reasoning
     truncation: Literal["auto", "disabled"] = "disabled"
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = bounded_int(None, ge=0, le=20)
     background: bool = False
     previous_response_id: str | None = None
     conversation: str | dict | None = None
@@ -391,7 +391,8 @@ class _Reply:
                                           output_index=len(output) - 1, delta=piece.text)
                 if out.finished:
                     final = out
-        except APIError as exc:   # a timeout, shutdown or failed generation: an error event, then response.failed
+        except Exception as caught:   # a timeout, shutdown, failed generation or bug: an error event, response.failed
+            exc = streaming.stream_error(caught)
             yield self._event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
             yield self._event("response.failed", response=self.response(
                 "failed", output, error={"code": exc.code or exc.type, "message": exc.message}))

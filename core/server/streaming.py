@@ -21,10 +21,10 @@ from lmport.engine import RequestError, RequestOutput
 from lmport.engine_client import EngineStopped
 from lmport.engine_messages import EngineRequest
 from lmport.lora import AdapterError
-from lmport.server import adapters
+from lmport.server import adapters, answers
 from lmport.server.frontend import Frontend, Job
 from lmport.server.openai_mapping import Chunks, generation_error, usage
-from lmport.server.protocol import APIError
+from lmport.server.protocol import APIError, brief
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +32,21 @@ log = logging.getLogger(__name__)
 async def respond(frontend: Frontend, request: Request, job: Job, events: Callable[[], AsyncIterator[str]],
                   body: Callable[[list[RequestOutput]], dict], *, stream: bool):
     """An admitted job's reply: ``events()`` (server-sent event lines) as a stream, or ``body(final outputs)``
-    once all are done; 499 when the client left first."""
+    once all are done, within the size limit and built off the event loop (lmport.server.answers); 499 when
+    the client left first."""
     if stream:
         timeout = frontend.limits.request_timeout
         return EventStream(events(), on_close=job.release, headers={"Cache-Control": "no-cache"},
                            send_timeout=frontend.limits.send_timeout,
                            deadline=None if timeout is None else job.received + timeout)
     try:
+        answers.check_size(frontend, job)   # before anything is generated
         outs = await until_done_or_gone(frontend, request, job)
     finally:
         job.release()
     if outs is None:
         return Response(status_code=499)  # nobody is listening
-    return body(outs)
+    return await answers.json_response(lambda: body(outs))
 
 
 # -- fan-in ---------------------------------------------------------------------------------------------------
@@ -227,6 +229,16 @@ class _SendTimeout(Exception):
     """A send to a client that does not read waited past its limit."""
 
 
+def stream_error(exc: Exception) -> APIError:
+    """What ends a stream that fails after its 200: its APIError, or for anything else (a bug) a 500, logged with
+    its traceback, so that the client still gets the API's error event and the stream's end, not a cut."""
+    if isinstance(exc, APIError):
+        return exc
+    log.error("a stream failed after its 200", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {brief(str(exc), 200)}", type="server_error",
+                    code="internal_error")
+
+
 def sse(data: dict | str) -> str:
     """An unnamed event, as OpenAI's streams send them: a dict as JSON, or text such as ``[DONE]``."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
@@ -243,7 +255,7 @@ async def event_lines(frontend: Frontend, job: Job, chunks: Chunks) -> AsyncIter
 
     ``out.text`` never shows what may still turn out to be a stop string: the engine holds it back.
     """
-    finals: list[RequestOutput] = []
+    finals: list[RequestOutput | None] = [None] * len(job.configs)   # by choice
     sent_text = [0] * len(job.configs)
     sent_logprobs = [0] * len(job.configs)
     stream = outputs(frontend, job)
@@ -251,7 +263,7 @@ async def event_lines(frontend: Frontend, job: Job, chunks: Chunks) -> AsyncIter
         try:
             async for choice, out in stream:
                 if out.finished:
-                    finals.append(out)
+                    finals[choice] = out
                 if out.finished and out.finish_reason == "error":
                     yield sse(generation_error(out, choice).body())
                     continue
@@ -266,8 +278,8 @@ async def event_lines(frontend: Frontend, job: Job, chunks: Chunks) -> AsyncIter
                         piece["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(out.token_ids),
                                           "total_tokens": prompt + len(out.token_ids)}
                     yield sse(piece)
-        except APIError as exc:  # timeout, shutdown, engine stopped: the stream still ends properly
-            yield sse(exc.body())
+        except Exception as exc:  # timeout, shutdown, engine stopped, a bug: the stream still ends properly
+            yield sse(stream_error(exc).body())
             yield sse("[DONE]")
             return
         if job.include_usage:

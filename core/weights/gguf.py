@@ -25,6 +25,7 @@ import torch
 from lmport.config import ConfigError
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
+from lmport.weights.gguf_checks import DamagedHeader, check_metadata
 from lmport.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from lmport.weights.residency import page_out, read_ahead
 
@@ -49,7 +50,8 @@ def _types():
 
 def read(path: Path) -> GGUFHeader:
     """The file's header (the tensor data memory-mapped, none of it read), parsed once for the checks,
-    the config and the tensors."""
+    the config and the tensors. Every GGUF load starts here, so a damaged header
+    (lmport.weights.gguf_checks) is refused before anything is built from it."""
     stat = path.stat()
     return _read(path, stat.st_size, stat.st_mtime_ns)
 
@@ -57,8 +59,13 @@ def read(path: Path) -> GGUFHeader:
 @functools.lru_cache(maxsize=4)
 def _read(path: Path, size: int, mtime_ns: int) -> GGUFHeader:
     try:
-        return read_header(path)
-    except (ValueError, struct.error, OSError) as exc:
+        header = read_header(path)
+        if header.metadata.get("general.architecture") in SUPPORTED_ARCHITECTURES:   # others: architecture()
+            check_metadata(header.metadata, header.tensors)
+        return header
+    except DamagedHeader as exc:
+        raise ConfigError(f"{path.name}: {exc}") from None
+    except (ValueError, struct.error, OverflowError, OSError) as exc:
         raise ConfigError(f"{path.name} is not a readable GGUF file: {exc}") from None
 
 

@@ -62,3 +62,22 @@ _OFF_DEVICE = {
 
 def reference_device(backend: Backend) -> torch.device:
     return backend.device
+
+
+class _ReferenceCalled(Exception):
+    pass
+
+
+def own_result(backend: Backend, op: str, *args):
+    """``backend.<op>(*args)``, or None where the backend hands these inputs to the reference op (``lmport.ops.<op>``):
+    such a cell compares the reference with itself, so the caller skips it as not applicable."""
+    from lmport import ops
+
+    def reference(*_args, **_kwargs):
+        raise _ReferenceCalled
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, op, reference)
+        try:
+            return getattr(backend, op)(*args)
+        except _ReferenceCalled:
+            return None

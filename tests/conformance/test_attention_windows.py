@@ -5,7 +5,8 @@ prefill chunk over history beside a decode, with block sizes 16 and 64; windows 
 40 (not a multiple of any block size), with and without Gemma 2's soft cap. Freed blocks
 (negative ids: lmport.paging.window) are read as block 0 and must not change the result.
 cuda runs its Triton kernels under the interpreter here; ascend and camb, simulated, take
-their stated fallback (the reference op) for windowed and soft-capped layers.
+their stated fallback (the reference op) for windowed and soft-capped layers: those cells are skipped as not
+applicable (the reference compared with itself tests nothing).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from harness import op_backend  # noqa: E402
+from harness import op_backend, own_result  # noqa: E402
 from lmport import ops  # noqa: E402
 from lmport.kv.layout import KVLayout  # noqa: E402
 from lmport.paging.window import HOLE, first_kept_block  # noqa: E402
@@ -61,7 +62,9 @@ def test_windowed_attention_matches_reference(backend_name, batch, block_size, w
     q_lens, kv_lens = BATCHES[batch]
     cache, meta, q = _case(backend, block_size, q_lens, kv_lens, window, dtype)
     meta = meta.for_layer(window, softcap)
-    out = backend.paged_attention(q, cache, meta, HEAD_DIM ** -0.5)
+    out = own_result(backend, "paged_attention", q, cache, meta, HEAD_DIM ** -0.5)
+    if out is None:
+        pytest.skip(f"n/a: {backend_name} runs the reference op for windowed or soft-capped layers")
     bshd = cache if caps.kv_axis_order == "bshd" else dataclasses.replace(
         cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2), axis_order="bshd")   # the reference reads bshd
     ref = ops.paged_attention(q, bshd, meta, HEAD_DIM ** -0.5)

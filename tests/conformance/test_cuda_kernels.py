@@ -187,10 +187,19 @@ def test_decode_split_counts(cuda, num_splits):
     _check_attention(out, q, cache, meta, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=["fp16", "fp32", "bf16"])
-@pytest.mark.parametrize("policy,head_dim", [(8, 64), (4, 64), (8, 96), (4, 96), (0, 64)])
-@pytest.mark.parametrize("tiling", [(32, 4, 2, True), (64, 4, 2, True), (128, 8, 3, False)],
-                         ids=["n32-codes", "n64-codes", "n128-w8-s3"])
+TILINGS = {"n32-codes": (32, 4, 2, True), "n64-codes": (64, 4, 2, True), "n128-w8-s3": (128, 8, 3, False)}
+TILING_POLICIES = [(8, 64), (4, 64), (8, 96), (4, 96), (0, 64)]
+TILING_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
+# A third of the grid runs by default, chosen so that every pair of tiling, policy and dtype still meets; the rest
+# is slow.
+TILING_CASES = [pytest.param(tiling, policy, head_dim, dtype, id=f"{t}-{policy}-{head_dim}-{d}",
+                             marks=() if (i + j + k) % 3 == 0 else pytest.mark.slow)
+                for i, (t, tiling) in enumerate(TILINGS.items())
+                for j, (policy, head_dim) in enumerate(TILING_POLICIES)
+                for k, (d, dtype) in enumerate(TILING_DTYPES.items())]
+
+
+@pytest.mark.parametrize("tiling,policy,head_dim,dtype", TILING_CASES)
 def test_decode_tilings(cuda, tiling, policy, head_dim, dtype):
     """Every tiling the kernel takes, K scored from its codes among them, matches the reference."""
     backend, _ = cuda

@@ -1,0 +1,60 @@
+"""Every request body read bounded in bytes and in time, on every route, as one ASGI middleware.
+
+The app's ``receive`` is wrapped: bytes are counted as they arrive, so a body over ``max_bytes`` is refused
+with 413 the moment it crosses the limit (or at once, by its Content-Length), never read whole first; a body
+not complete ``timeout`` seconds after its request arrived gets 408. Both answers carry ``Connection: close``,
+so the server reads nothing more of that body. A client that goes away mid-body is its own doing, not a
+server fault: it is logged once at INFO, without a traceback, and throttled (lmport.server.quiet_log).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.requests import ClientDisconnect
+
+from lmport.server.protocol import APIError
+from lmport.server.quiet_log import Throttled
+
+log = logging.getLogger(__name__)
+gone_log = Throttled(log)
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
+                        code="request_too_large", headers={"Connection": "close"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        received, complete = 0, False
+
+        async def bounded_receive():
+            nonlocal received, complete
+            if complete:   # the body is in; what follows (a disconnect) has no deadline
+                return await receive()
+            if length.isdigit() and int(length) > self.max_bytes:
+                raise self._too_large()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:   # TimeoutError itself only from Python 3.11
+                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s",
+                               code="body_timeout", headers={"Connection": "close"}) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()
+                complete = not message.get("more_body", False)
+            return message
+
+        try:
+            await self.app(scope, bounded_receive, send)
+        except ClientDisconnect:
+            gone_log.log(logging.INFO, "client_gone", "%s %s: the client closed the connection after %d bytes of "
+                         "the request body", scope["method"], scope["path"][:100], received)
