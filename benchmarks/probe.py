@@ -274,7 +274,14 @@ CASES = {
 }
 
 
-# -- liveness (issue 63, item 3): a stopped engine core, an adapter load that would block ----------------------
+def add_cases(cases: dict) -> None:
+    """More cases: name -> (a function of the Cases object, what the findings reported before the fixes)."""
+    for name, (function, before) in cases.items():
+        setattr(Cases, function.__name__, function)
+        CASES[name] = (function.__name__, before)
+
+
+# -- liveness: a stopped engine core, an adapter load that would block ----------------------
 # The FIFO case needs `--server-args "--enable-lora-loading"` (403 without it).
 
 def core_pid(pid: int) -> int:
@@ -315,15 +322,13 @@ async def fifo_adapter(self):
         return answer(await self.post("/v1/load_lora_adapter", {"lora_name": "fifo", "lora_path": tmp}))
 
 
-for _case in (stopped_core, fifo_adapter):
-    setattr(Cases, _case.__name__, _case)
-CASES.update({
-    "stopped-core": ("stopped_core", "/health 200 throughout 32 s of SIGSTOP while requests hung"),
-    "fifo-adapter": ("fifo_adapter", "engine core blocked 13.9 s; /health 200"),
+add_cases({
+    "stopped-core": (stopped_core, "/health 200 throughout 32 s of SIGSTOP while requests hung"),
+    "fifo-adapter": (fifo_adapter, "engine core blocked 13.9 s; /health 200"),
 })
 
 
-# -- answers, integers and JSON depth (issue 63, items 1, 4 and 6) ---------------------------------------------
+# -- answers, integers and JSON depth ---------------------------------------------
 
 async def big_answer(self):
     """1. A whole chat answer of n=16 x 2048 tokens with top_logprobs 20 (48 MB): built off the event loop?"""
@@ -361,17 +366,15 @@ async def deep_json(self):
     return f"{' '.join(answers)}; {answer(r)}"
 
 
-for _case in (big_answer, impossible_answer, huge_max_tokens, deep_json):
-    setattr(Cases, _case.__name__, _case)
-CASES.update({
-    "big-answer": ("big_answer", "event loop stopped 23 s (/health 23.3 s, another client's stream stalled)"),
-    "impossible-answer": ("impossible_answer", "(new: accepted, then built whole)"),
-    "huge-max-tokens": ("huge_max_tokens", "500 (OverflowError packing the engine message); streamed: 200, then cut"),
-    "deep-json": ("deep_json", "500 RecursionError on /v1/messages, count_tokens, /v1/responses; 400 elsewhere"),
+add_cases({
+    "big-answer": (big_answer, "event loop stopped 23 s (/health 23.3 s, another client's stream stalled)"),
+    "impossible-answer": (impossible_answer, "(new: accepted, then built whole)"),
+    "huge-max-tokens": (huge_max_tokens, "500 (OverflowError packing the engine message); streamed: 200, then cut"),
+    "deep-json": (deep_json, "500 RecursionError on /v1/messages, count_tokens, /v1/responses; 400 elsewhere"),
 })
 
 
-# -- uploads, connections, leaks (issue 63, items 2, 5 and 8) ---------------------------------------------------
+# -- uploads, connections, leaks ---------------------------------------------------
 
 def _raw(url: str, head: bytes) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
@@ -444,14 +447,12 @@ async def long_404(self):
     return f"{r.status_code}; message {len(r.json()['error']['message'])} characters"
 
 
-for _case in (chunked_upload, slow_connections, aborted_uploads, cached_over_n, long_404):
-    setattr(Cases, _case.__name__, _case)
-CASES.update({
-    "chunked-upload": ("chunked_upload", "413 after the whole body; front end 386 -> 943 MiB"),
-    "slow-connections": ("slow_connections", "every route, /health included, 503 while they were held"),
-    "aborted-uploads": ("aborted_uploads", "two ERROR tracebacks each (158 KB of log for twenty)"),
-    "cached-over-n": ("cached_over_n", "cached_tokens summed over the n choices, above prompt_tokens"),
-    "long-404": ("long_404", "the 70 KB path echoed back"),
+add_cases({
+    "chunked-upload": (chunked_upload, "413 after the whole body; front end 386 -> 943 MiB"),
+    "slow-connections": (slow_connections, "every route, /health included, 503 while they were held"),
+    "aborted-uploads": (aborted_uploads, "two ERROR tracebacks each (158 KB of log for twenty)"),
+    "cached-over-n": (cached_over_n, "cached_tokens summed over the n choices, above prompt_tokens"),
+    "long-404": (long_404, "the 70 KB path echoed back"),
 })
 
 
