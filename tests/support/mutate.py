@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
         for compiled in (path.parent / "__pycache__").glob(path.stem + ".*.pyc"):
             compiled.unlink(missing_ok=True)
-    print(f"mutant {'caught' if code else 'SURVIVED'}: {path} restored")
+    print(f"mutant {'caught' if code else 'SURVIVED'}: {path}: {old.strip()!r} -> {new.strip()!r}", file=sys.stderr)
     return 0 if code else 1
 
 
