@@ -86,14 +86,6 @@ def model_cards(frontend) -> list[dict]:
             for a in list(frontend.core.adapters.values())]
 
 
-async def _body(frontend, request: Request, cls):
-    body = await request.body()
-    if len(body) > frontend.max_body_bytes:
-        raise APIError(413, f"the request body is larger than the server's limit of {frontend.max_body_bytes} bytes",
-                       code="request_too_large")
-    return jsonbody.validate(cls, body)
-
-
 def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
     """The load/unload routes (answering 403 unless ``enabled``)."""
 
@@ -105,7 +97,7 @@ def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
     @app.post("/v1/load_lora_adapter", dependencies=auth)
     async def load_lora_adapter(request: Request):
         check_enabled()
-        req = await _body(frontend, request, LoadLoraAdapter)
+        req = await jsonbody.read(request, LoadLoraAdapter)
         if req.lora_name == frontend.model_name:
             raise APIError(400, f"lora_name: {brief(req.lora_name)} is the base model's name; choose another",
                            param="lora_name")
@@ -119,7 +111,7 @@ def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
     @app.post("/v1/unload_lora_adapter", dependencies=auth)
     async def unload_lora_adapter(request: Request):
         check_enabled()
-        req = await _body(frontend, request, UnloadLoraAdapter)
+        req = await jsonbody.read(request, UnloadLoraAdapter)
         try:
             unloaded = await frontend.core.unload_adapter(req.lora_name)
         except AdapterError as exc:

@@ -72,8 +72,8 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
             raise TypeError("create_app: give the model's tokenizer with an engine core client")
         core = engine
         grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
-    frontend = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key)
-    frontend.expose_adapter_paths = expose_adapter_paths
+    frontend = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key,
+                        expose_adapter_paths)
     info = core.info
     replicas = getattr(core, "status", None)   # data-parallel replicas, each with its health and usage
     if replicas is not None:

@@ -47,11 +47,7 @@ def _inputs(value: Input) -> list:
 
 async def embed(frontend, pooling: PoolingConfig, request: Request):
     received = time.perf_counter()
-    body = await request.body()
-    if len(body) > frontend.max_body_bytes:
-        raise APIError(413, f"the request body is larger than the server's limit of {frontend.max_body_bytes} bytes",
-                       code="request_too_large")
-    req = jsonbody.validate(EmbeddingRequest, body)
+    req = await jsonbody.read(request, EmbeddingRequest)
     if req.model != frontend.model_name:
         raise APIError(404, f"model: {brief(req.model)} does not exist for embeddings; this server embeds with "
                             f"{frontend.model_name!r} (LoRA adapters do not embed)", param="model",

@@ -57,11 +57,10 @@ class Job:
 
 
 class Frontend:
-    expose_adapter_paths = False   # clients see adapters' server paths (create_app's expose_adapter_paths)
-
     def __init__(self, core: EngineHandle, tokenizer, grammars: Grammars, model_name: str | None = None,
                  api_key: str | list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 limits: Limits | None = None, cache_salt_by_api_key: bool = False):
+                 limits: Limits | None = None, cache_salt_by_api_key: bool = False,
+                 expose_adapter_paths: bool = False):
         """``core``: what runs the requests, an engine core's client or, with data-parallel replicas, their front
         end (``lmport.dp.frontend.DataParallel``); ``tokenizer``: the front end's own (tokenizing and chat
         templates run here, never in the core); ``grammars``: compiles structured-output formats to check them
@@ -78,6 +77,7 @@ class Frontend:
         # Prefix-cache blocks are shared only between requests sent with the same key (and cache_salt).
         self.cache_salt_by_api_key = cache_salt_by_api_key
         self.max_body_bytes = max_body_bytes
+        self.expose_adapter_paths = expose_adapter_paths   # clients see adapters' server paths
         self.limits = limits or Limits()
         self.max_prompt_chars = self.limits.prompt_chars(info.session_len)
         self.admission = Admission(info.max_batch_size + self.limits.waiting(info.max_batch_size))

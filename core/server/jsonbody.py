@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from fastapi import Request
 from pydantic import ValidationError
 
 from lmport.server.protocol import APIError, validation_error
@@ -34,6 +35,12 @@ def check_depth(body: bytes) -> None:
     if (levels := depth(body)) > MAX_JSON_DEPTH:
         raise APIError(400, f"the request body nests JSON {levels} levels deep; the server allows at most "
                             f"{MAX_JSON_DEPTH} (nested arrays and objects): flatten it", code="json_too_deep")
+
+
+async def read(request: Request, cls):
+    """The request's body as a ``cls`` request. Its size and arrival time are bounded for every route by
+    lmport.server.bodies (413, 408) while it is read."""
+    return validate(cls, await request.body())
 
 
 def validate(cls, body: bytes):
