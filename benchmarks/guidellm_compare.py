@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
-from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from serve_load import LLAMA_SERVING, served_url, start_server, wait_ready  # noqa: E402
 from serve_throughput import start_llama_server, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,15 +83,15 @@ async def ready(url: str, proc: subprocess.Popen) -> None:
 
 
 def run_server(args, name: str, work: Path, tokenizer_dir: str) -> dict:
-    port = free_loopback_port()
-    url = f"http://127.0.0.1:{port}"
     if name == "lmport":
-        proc = start_server(args.model, port, args.serve_args.split(), work / "lmport.log", args.threads)
+        proc = start_server(args.model, args.serve_args.split(), work / "lmport.log", args.threads)
+        url = served_url(proc, work / "lmport.log", time.monotonic() + 600)
         model = args.model
     else:
         from lmport.models.loader import resolve_model_path
         gguf = str(resolve_model_path(args.model))
-        proc = start_llama_server(args.llama_server, gguf, port, args.threads, 16, work / "llama-server.log")
+        proc = start_llama_server(args.llama_server, gguf, args.threads, 16, work / "llama-server.log")
+        url = served_url(proc, work / "llama-server.log", time.monotonic() + 600, LLAMA_SERVING)
         model = Path(gguf).name
     results = {}
     try:

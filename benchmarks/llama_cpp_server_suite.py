@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from serve_load import served_url, start_server, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FILES = ["test_basic.py", "test_chat_completion.py", "test_completion.py", "test_tool_call.py",
@@ -132,13 +132,13 @@ def main() -> int:
     (suite / "lmport_adapter.py").write_text(ADAPTER)
     files = [f for f in args.files if (suite / "unit" / f).exists()]
 
-    port = free_loopback_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model, port, shlex.split(args.server_args), work / "server.log", None)
+    proc = start_server(args.model, shlex.split(args.server_args), work / "server.log", None)
     try:
+        url = served_url(proc, work / "server.log", time.monotonic() + 300)
+        port = url.rpartition(":")[2]
         asyncio.run(wait_ready(url, proc, time.monotonic() + 300))
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        env = dict(os.environ, DEBUG_EXTERNAL="1", PORT=str(port), LMPORT_SUITE_MODEL=model)
+        env = dict(os.environ, DEBUG_EXTERNAL="1", PORT=port, LMPORT_SUITE_MODEL=model)
         cmd = [args.python, "-m", "pytest", "-p", "lmport_adapter", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
                f"--junitxml={work / 'junit.xml'}", *(["-k", args.k] if args.k else []),
                *[f"unit/{f}" for f in files]]

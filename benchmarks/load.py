@@ -33,16 +33,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/machine.py
 from machine import spread  # noqa: E402
+from serve_load import LLAMA_SERVING, served_url  # noqa: E402
 
 LMPORT_CHILD = r"""
 import sys
@@ -81,12 +82,14 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-def measured(cmd: list[str], until=None) -> dict:
-    """Run ``cmd``; ``until(proc)`` (if given) returns once the first token is out, then the process is ended."""
+def measured(cmd: list[str], until=None, log: Path | None = None) -> dict:
+    """Run ``cmd``; ``until(proc)`` (if given) returns once the first token is out, then the process is ended.
+    With ``log``, the process's output goes there rather than to a pipe read here."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, stdout=log.open("w") if log else subprocess.PIPE,
+                            stderr=subprocess.STDOUT if log else subprocess.DEVNULL, text=True)
     out = ""
-    if until is None:
+    if until is None and log is None:
         out = proc.stdout.read() if proc.stdout else ""
     else:
         until(proc)
@@ -109,12 +112,10 @@ def lmport_round(path: Path) -> dict:
 
 
 def llama_round(bin_dir: Path, path: Path, threads: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="lmport-load-")) / "llama-server.log"
 
     def first_token(proc):
+        url = served_url(proc, log, time.monotonic() + 600, LLAMA_SERVING)
         while True:
             if proc.poll() is not None:
                 raise RuntimeError("llama-server exited before answering")
@@ -127,7 +128,7 @@ def llama_round(bin_dir: Path, path: Path, threads: int) -> dict:
         urllib.request.urlopen(urllib.request.Request(f"{url}/completion", body), timeout=120).read()
 
     return measured([str(bin_dir / "llama-server"), "-m", str(path), "-t", str(threads), "-c", "512",
-                     "--host", "127.0.0.1", "--port", str(port)], first_token)
+                     "--host", "127.0.0.1", "--port", "0"], first_token, log)
 
 
 # TinyLlama-1.1B's shape; the default model's tokenizer (49,152 tokens), copied into the file.

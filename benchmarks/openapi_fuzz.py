@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from serve_load import served_url, start_server, wait_ready  # noqa: E402
 
 # Pinned: a new release adds checks, and an unchanged tree must give the same result on every machine.
 SCHEMATHESIS = "schemathesis==4.32.5"
@@ -88,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT / "tests"))
         from support.model_helpers import tiny_tool_model_dir
         args.model = tiny_tool_model_dir()
-    port = free_loopback_port()
-    url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="lmport-openapi-fuzz-")) / "server.log"
-    proc = start_server(args.model, port, args.server_args.split(), log, threads=None)
+    proc = start_server(args.model, args.server_args.split(), log, threads=None)
     try:
+        url = served_url(proc, log, time.monotonic() + 300)
         asyncio.run(wait_ready(url, proc, time.monotonic() + 300))
         results = ROOT / "benchmarks" / "results"
         results.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from serve_load import served_url, start_server, wait_ready  # noqa: E402
 from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -504,12 +504,11 @@ def main() -> int:
     unknown = set(names) - set(CASES)
     if unknown:
         p.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
-    port = free_loopback_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkdtemp(prefix="lmport-probe-")) / "server.log"
     print(f"server log: {log_path}", file=sys.stderr)
-    proc = start_server(args.model, port, shlex.split(args.server_args), log_path, args.torch_threads)
+    proc = start_server(args.model, shlex.split(args.server_args), log_path, args.torch_threads)
     try:
+        url = served_url(proc, log_path, time.monotonic() + 300)
         asyncio.run(wait_ready(url, proc, time.monotonic() + 300))
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         rows = asyncio.run(run(url, model, proc.pid, names))

@@ -24,8 +24,8 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,10 +51,21 @@ def percentile(values: list[float], p: float) -> float | None:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# The lines lmport serve and llama-server print once they listen.
+SERVING = re.compile(r"^lmport serve: .* on (http://\S+) \(", re.M)
+LLAMA_SERVING = re.compile(r"server is listening on (http://\S+)")
+
+
+def served_url(proc: subprocess.Popen, log_path: Path, deadline: float, pattern: re.Pattern = SERVING) -> str:
+    """The address a server started with ``--port 0`` listens on, from the line it prints (the port is the
+    one it bound: no other process can take it in between)."""
+    while (match := pattern.search(log_path.read_text(errors="replace"))) is None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: see {log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server printed no address: see {log_path}")
+        time.sleep(0.1)
+    return match.group(1)
 
 
 def is_loopback(url: str) -> bool:
@@ -65,10 +76,10 @@ def is_loopback(url: str) -> bool:
         return host == "localhost"
 
 
-def start_server(model: str, port: int, extra: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
+def start_server(model: str, extra: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
     lmport = Path(sys.executable).parent / "lmport"
     cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport.cli"]
-    cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd += ["serve", model, "--host", "127.0.0.1", "--port", "0", *extra]
     print("starting:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -205,11 +216,10 @@ async def main_async(args) -> list[dict]:
             raise SystemExit(f"--url must be a loopback address (127.0.0.1, ::1, localhost), got {args.url}")
         url = args.url.rstrip("/")
     else:
-        port = free_loopback_port()
-        url = f"http://127.0.0.1:{port}"
         log_path = Path(tempfile.mkdtemp(prefix="lmport-serve-load-")) / "server.log"
         print(f"server log: {log_path}", file=sys.stderr)
-        proc = start_server(args.model, port, shlex.split(args.server_args), log_path, args.torch_threads)
+        proc = start_server(args.model, shlex.split(args.server_args), log_path, args.torch_threads)
+        url = served_url(proc, log_path, time.monotonic() + 300)
     try:
         await wait_ready(url, proc, time.monotonic() + 300)
         async with httpx.AsyncClient(timeout=30) as http:

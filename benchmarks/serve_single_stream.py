@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
-from serve_load import free_loopback_port, start_server, wait_ready  # noqa: E402
+from serve_load import LLAMA_SERVING, served_url, start_server, wait_ready  # noqa: E402
 from serve_throughput import WARM_UP_SALT, one_stream, start_llama_server, stop  # noqa: E402
 from throughput import TEXT  # noqa: E402
 from machine import spread, write_result  # noqa: E402
@@ -92,15 +92,14 @@ async def main_async(args) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="lmport-serve-single-stream-"))
     print(f"server logs: {logs}", file=sys.stderr)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    port = free_loopback_port()
-    served = start_server(args.model, port, args.serve_args.split(), logs / "lmport.log", args.threads)
+    served = start_server(args.model, args.serve_args.split(), logs / "lmport.log", args.threads)
     llama = None
-    columns = [("lmport serve", f"http://127.0.0.1:{port}", served)]
+    columns = [("lmport serve", served_url(served, logs / "lmport.log", time.monotonic() + 600), served)]
     if args.llama_server:
-        llama_port = free_loopback_port()
-        llama = start_llama_server(args.llama_server, str(resolve_model_path(args.model)), llama_port, args.threads,
-                                   1, logs / "llama-server.log")
-        columns.append(("llama-server", f"http://127.0.0.1:{llama_port}", llama))
+        llama = start_llama_server(args.llama_server, str(resolve_model_path(args.model)), args.threads, 1,
+                                   logs / "llama-server.log")
+        columns.append(("llama-server", served_url(llama, logs / "llama-server.log", time.monotonic() + 600,
+                                                   LLAMA_SERVING), llama))
     engine = None
     try:
         torch.set_num_threads(args.threads)

@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
-from serve_load import free_loopback_port, percentile, start_server, wait_ready  # noqa: E402
+from serve_load import LLAMA_SERVING, percentile, served_url, start_server, wait_ready  # noqa: E402
 from throughput import workload  # noqa: E402
 from machine import write_result  # noqa: E402
 
@@ -107,8 +107,9 @@ async def run_served(name: str, url: str, model: str, requests, timeout: float) 
                    len(requests), [e for _, _, _, e in results if e])
 
 
-def start_llama_server(binary: str, gguf: str, port: int, threads: int, slots: int, log: Path) -> subprocess.Popen:
-    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-np", str(slots),
+def start_llama_server(binary: str, gguf: str, threads: int, slots: int, log: Path) -> subprocess.Popen:
+    """llama-server on a port it picks (its address: serve_load.served_url with LLAMA_SERVING)."""
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "0", "-t", str(threads), "-np", str(slots),
            "-cb", "-c", str(slots * 2048)]
     print("starting:", " ".join(cmd), file=sys.stderr)
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -153,16 +154,14 @@ async def main_async(args) -> dict:
     os.environ.update(env_threads)
     engine_flags = ["--max-batch-size", str(args.max_batch_size), "--cache-max-entry-count", str(args.blocks),
                     "--dtype", "float32", *args.serve_args.split()]
-    port = free_loopback_port()
-    served = start_server(args.model, port, engine_flags, logs / "lmport.log", args.threads)
+    served = start_server(args.model, engine_flags, logs / "lmport.log", args.threads)
     llama = None
     llama_url = None
     if args.llama_server:
-        llama_port = free_loopback_port()
-        llama_url = f"http://127.0.0.1:{llama_port}"
-        llama = start_llama_server(args.llama_server, str(resolve_model_path(args.model)), llama_port, args.threads,
+        llama = start_llama_server(args.llama_server, str(resolve_model_path(args.model)), args.threads,
                                    args.llama_slots, logs / "llama-server.log")
-    url = f"http://127.0.0.1:{port}"
+        llama_url = served_url(llama, logs / "llama-server.log", time.monotonic() + 600, LLAMA_SERVING)
+    url = served_url(served, logs / "lmport.log", time.monotonic() + 600)
     engine = None
     try:
         import torch

@@ -38,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe import tree_rss  # noqa: E402
-from serve_load import _metric, free_loopback_port, percentile, start_server, wait_ready  # noqa: E402
+from serve_load import _metric, percentile, served_url, start_server, wait_ready  # noqa: E402
 from machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,12 +352,11 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "tests"))
         from support.model_helpers import tiny_model_dir
         args.model = tiny_model_dir("llama")
-    port = free_loopback_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkdtemp(prefix="lmport-soak-")) / "server.log"
     print(f"server log: {log_path}", file=sys.stderr)
-    proc = start_server(args.model, port, shlex.split(args.server_args), log_path, args.torch_threads)
+    proc = start_server(args.model, shlex.split(args.server_args), log_path, args.torch_threads)
     try:
+        url = served_url(proc, log_path, time.monotonic() + 300)
         asyncio.run(wait_ready(url, proc, time.monotonic() + 300))
         result = asyncio.run(run(args, url, proc.pid))
     finally:

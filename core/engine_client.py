@@ -90,7 +90,6 @@ class EngineClient:
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}   # control calls waiting
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()   # the reader sends aborts too: one message at a time on the pipe
         # Each open request's output state, used under _lock (the reader processes, generate adds).
         self.outputs = OutputProcessor(tokenizer, cumulative=False)
         # Liveness: the requests the core has not finished, and when it last sent anything (both under _lock).
@@ -157,20 +156,27 @@ class EngineClient:
             raise (ConfigError if first[2:] == ["config"] else RuntimeError)(first[1])
         info, usage, adapters = EngineInfo.from_wire(first[1]), first[2], [adapter_from_wire(a) for a in first[3]]
 
-        def send(data: bytes) -> None:
-            try:
-                requests.send_bytes(data)
-            except OSError:   # the core is gone; the reader reports why
-                pass
+        # Messages go to the pipe from a thread of their own: a write blocks while the pipe is full (a long prompt
+        # sent while the core is in a step), and the event loop that posts them must not.
+        outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+        def write() -> None:
+            while (data := outbox.get()) is not None:
+                try:
+                    requests.send_bytes(data)
+                except OSError:   # the core is gone; the reader reports why
+                    pass
+        threading.Thread(target=write, name="lmport-engine-requests", daemon=True).start()
 
         def stop(timeout: float) -> None:
+            outbox.put(None)   # after the shutdown message: the writer ends once it is sent
             process.join(timeout)
             if process.is_alive():
                 log.warning("the engine core did not stop within %.0f s; killing it", timeout)
                 process.kill()
                 process.join(5)
 
-        client = cls(info, usage, adapters, send, receive, stop, process.is_alive, tokenizer)
+        client = cls(info, usage, adapters, outbox.put, receive, stop, process.is_alive, tokenizer)
         client.process = process
         return client
 
@@ -211,9 +217,7 @@ class EngineClient:
         self._post(["abort", request_id])
 
     def _post(self, message: list) -> None:
-        data = pack(message)
-        with self._send_lock:
-            self._send(data)
+        self._send(pack(message))   # a queue's put: the reader thread posts aborts too
 
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         """Serve the peft adapter at ``path`` (on the core's disk) as ``name``; AdapterError naming the problem."""

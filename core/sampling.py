@@ -75,8 +75,9 @@ def apply_presence_frequency_penalties(logits: torch.Tensor, seqs: list[Sequence
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what top-k, top-p and min-p remove; rows with k=0, p=1, min_p=0 are untouched.
 
-    top-p and min-p are over the whole vocabulary's probabilities. Only the rows that filter are filtered, and
-    over their most likely tokens (a partial sort) where those hold every token a row can keep."""
+    In the order transformers, vLLM, LMDeploy and llama.cpp apply them: top-p's mass is measured over the
+    tokens top-k keeps (renormalised), min-p against the most likely token. Only the rows that filter are
+    filtered, and over their most likely tokens (a partial sort) where those hold every token a row can keep."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     rows = ((k < vocab) | (top_p < 1) | (min_p > 0)).nonzero()[:, 0]
@@ -85,7 +86,11 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     every_row = len(rows) == len(logits)
     x = logits if every_row else logits[rows]
     k, top_p, min_p = k[rows], top_p[rows], min_p[rows]
+    # top-p's whole: the mass of the row's top k (of every token where k is the vocabulary).
     log_total = x.logsumexp(-1, keepdim=True)
+    if (k_width := int(torch.where((top_p < 1) & (k < vocab), k, 0).max())) > 0:
+        in_k = x.topk(k_width, dim=-1).values.masked_fill(torch.arange(k_width, device=x.device) >= k[:, None], float("-inf"))
+        log_total = torch.where((k < vocab)[:, None], in_k.logsumexp(-1, keepdim=True), log_total)
     # The tokens a row can keep are within its top k and within those min-p keeps; top-p is first looked for
     # within the top CANDIDATES, and past them (a sort of the whole vocabulary) only if they hold too little.
     # (min-p's count a little wide: the rule below compares probabilities, rounded otherwise.)

@@ -182,3 +182,28 @@ def test_lmport_plan_prints_the_error_not_a_traceback(case, damaged, nothing_bui
     edit, message = CASES[case]
     assert cli.main(["plan", damaged(edit), "--device", "cpu", "--device-memory", "8GiB"]) == 2
     assert re.fullmatch(rf"error: damaged\.gguf: {message}.*{DAMAGED}\n", capsys.readouterr().err, re.S)
+
+
+def test_a_file_without_tensors_is_held_to_llama_cpps_layer_bound(tmp_path, nothing_built, capsys):
+    """A vocabulary-only file (no tensor to count layers against) claiming 10^9 layers: refused by the bound
+    llama.cpp loads models under, not built layer by layer."""
+    import gguf
+    path = tmp_path / "damaged.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(10**9)
+    for add, value in ((writer.add_context_length, 2048), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 128), (writer.add_head_count, 4)):
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_types([1, 1, 1])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    message = r"llama\.block_count is 1000000000, should be at most 512 \(llama\.cpp's LLAMA_MAX_LAYERS\)"
+    with pytest.raises(ConfigError, match=rf"damaged\.gguf: {message}.*{DAMAGED}"):
+        Engine(str(path), CPU)
+    assert cli.main(["plan", str(path), "--device", "cpu", "--device-memory", "8GiB"]) == 2
+    assert re.fullmatch(rf"error: damaged\.gguf: {message}.*{DAMAGED}\n", capsys.readouterr().err, re.S)

@@ -117,15 +117,31 @@ def test_min_p_is_relative_to_the_most_likely_token():
     assert torch.allclose(probs(logits, min_p=0.3)[:2], torch.tensor([2.0, 1.0]).softmax(-1))
 
 
-def test_top_k_top_p_and_min_p_together_are_each_over_the_whole_vocabulary():
+def test_top_p_is_over_what_top_k_keeps_renormalised():
     logits = log_probs(0.4, 0.3, 0.2, 0.1)
-    # top-p over all four: 0.4 < 0.5, so 0.3 is needed too (top-p over top-k's renormalised 4/7, 3/7
-    # would stop at the first, as transformers' chain of warpers does).
-    assert kept(logits, top_k=2, top_p=0.5) == {0, 1}
-    assert kept(logits, top_k=3, top_p=0.65) == {0, 1}
+    # top-k 2 leaves 4/7 and 3/7: 4/7 reaches 0.5 alone (over the whole vocabulary, 0.4 would not).
+    assert kept(logits, top_k=2, top_p=0.5) == {0}
+    assert kept(logits, top_k=3, top_p=0.65) == {0, 1}   # 4/9 < 0.65 <= 7/9
     assert kept(logits, top_k=3, min_p=0.6) == {0, 1}   # 0.3 / 0.4 = 0.75 >= 0.6 > 0.2 / 0.4
     assert kept(logits, top_p=0.95, min_p=0.4) == {0, 1, 2}
     assert kept(logits, top_k=3, top_p=0.95, min_p=0.6) == {0, 1}
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,scale", [
+    (3, 0.5, 0.0, 3.0), (5, 0.8, 0.0, 3.0), (4, 0.9, 0.1, 3.0), (9, 0.6, 0.05, 3.0),
+    (1400, 0.9, 0.0, 0.05),   # flat rows: top-p needs more tokens than the partial sort's candidates
+])
+def test_top_k_top_p_and_min_p_together_equal_transformers_chain(top_k, top_p, min_p, scale):
+    vocab = 1500
+    logits = torch.randn(100, vocab, generator=torch.Generator().manual_seed(3)) * scale
+    seqs = [seq(top_k=top_k, top_p=top_p, min_p=min_p) for _ in logits]
+    got = sampling_probs(adjusted_logits(logits, seqs), seqs)
+    want = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, logits.clone()))
+    if min_p:
+        want = MinPLogitsWarper(min_p)(None, want)
+    want = want.softmax(-1)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():

@@ -105,8 +105,9 @@ def full_sort_filter(logits, top_k, top_p, min_p):
         probs = row[order].softmax(-1)
         k = int(top_k[i]) if 0 < int(top_k[i]) < len(row) else len(row)
         remove = torch.arange(len(row)) >= k
-        if top_p[i] < 1:
-            remove |= (probs.cumsum(-1) - probs) >= top_p[i]
+        if top_p[i] < 1:   # over what top-k keeps, renormalised
+            in_k = row[order].masked_fill(remove, float("-inf")).softmax(-1)
+            remove |= (in_k.cumsum(-1) - in_k) >= top_p[i]
         remove |= probs < min_p[i] * probs[0]
         remove[0] = False
         out[i, order[remove]] = float("-inf")

@@ -107,6 +107,19 @@ def test_a_chunked_body_over_the_limit_is_refused_before_it_is_read(server, path
     assert sent < total // 4, sent
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                  "/v1/responses", "/v1/load_lora_adapter"])
+def test_a_body_whose_length_is_over_the_limit_gets_413_and_the_connection_serves_on(server, path):
+    """An ordinary client sends the whole body it declared before it reads: it gets the 413, not a reset, and its
+    connection (kept alive) serves its next request."""
+    body = json.dumps({"model": "tiny", "input": "x" * (32 << 20)})   # past the sockets buffers
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert str(BODY_LIMIT) in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/load_lora_adapter", "/v1/messages"])
 def test_a_slow_body_gets_408(server, path):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:

@@ -6,7 +6,8 @@ Two kinds. ``read_header`` makes the layout checks while it walks the file: coun
 bytes left, the alignment, each tensor's dims. ``check_metadata`` then checks the model's numbers against
 the tensors that hold them, as llama.cpp's loader checks every tensor's shape against its hyperparameters.
 A file with no tensors at all (a vocabulary-only file, as llama.cpp ships for its tokenizer tests) has
-nothing to check them against, so only the fields that stand on their own are checked there.
+nothing to check them against, so only the fields that stand on their own are checked there, and its layer
+count against llama.cpp's bound.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import cast
 from lmport.errors import ConfigError
 
 MAX_DIMS = 4                           # GGML_MAX_DIMS
+MAX_LAYERS = 512                       # LLAMA_MAX_LAYERS: llama.cpp loads no model of more
 MIN_KV_BYTES = 8 + 4 + 1               # a metadata entry: key length, value type, the smallest value
 MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8   # a tensor entry: name length, n_dims, one dim, type, offset
 # The special tokens transformers' GGUF tokenizer looks up in the token list.
@@ -62,8 +64,7 @@ def check_metadata(metadata: dict, tensors: tuple) -> None:
     """The model's numbers in ``metadata`` (a supported architecture's) against ``tensors`` (TensorInfo)."""
     arch = metadata["general.architecture"]
     table = {t.name: t for t in tensors}
-    if table:
-        _check_layers(metadata, arch, table)
+    _check_layers(metadata, arch, table)
     hidden = _check_width(metadata, f"{arch}.embedding_length", table, "token_embd.weight", -1, "width")
     _check_feed_forward(metadata, arch, table)
     _check_heads(metadata, arch, table, hidden)
@@ -71,6 +72,10 @@ def check_metadata(metadata: dict, tensors: tuple) -> None:
 
 
 def _check_layers(metadata: dict, arch: str, table: dict) -> None:
+    if not table:   # no tensor to count the layers of: llama.cpp's own bound
+        if (value := _positive(metadata, key := f"{arch}.block_count")) is not None and value > MAX_LAYERS:
+            raise DamagedHeader(key, value, f"at most {MAX_LAYERS} (llama.cpp's LLAMA_MAX_LAYERS)")
+        return
     layers = {int(m[1]) for name in table if (m := _LAYER.match(name))}
     count = max(layers) + 1 if layers else 0
     value = metadata.get(f"{arch}.block_count")

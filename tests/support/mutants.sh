@@ -22,6 +22,7 @@ mutant core/speculative/acceptance.py '    last = p[len(proposal)]' '    last = 
 mutant core/sampling.py 'remove |= ((mass - probs) >= top_p[:, None])' 'remove |= ((mass - probs) > top_p[:, None])' tests/test_sampling_rules.py
 mutant core/sampling.py 'remove |= probs < (min_p[:, None] * probs[:, :1])' 'remove |= probs < min_p[:, None]' tests/test_sampling_rules.py
 mutant core/sampling.py 'remove = ranks[None, :] >= k[:, None]' 'remove = ranks[None, :] > k[:, None]' tests/test_sampling_rules.py
+mutant core/sampling.py 'log_total = torch.where((k < vocab)[:, None], in_k.logsumexp(-1, keepdim=True), log_total)' 'log_total = log_total' tests/test_sampling_rules.py
 mutant core/sampling.py 'logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)' 'logits[i, seen] = values / penalty' tests/test_sampling_rules.py
 mutant core/sampling.py 'logits[rows] -= counts * freq + (counts > 0).float() * presence' 'logits[rows] -= (counts > 0).float() * freq + counts * presence' tests/test_sampling_rules.py
 mutant core/sampling.py 'rows = logits / torch.tensor([c.temperature' 'rows = logits * torch.tensor([c.temperature' tests/test_sampling_rules.py
