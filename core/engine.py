@@ -302,10 +302,10 @@ class Engine:
         if payoff is None or not all(s.num_uncomputed == 1 and s.pooling is None for s in batch.seqs):
             return self._run(batch, outputs)
         # A decode step: timed for the judgment whether verifying proposals pays (Payoff).
-        emitted, started = sum(len(s.output_ids) for s in batch.seqs), time.perf_counter()
+        emitted, started = sum(len(s.output_ids) for s in batch.seqs), payoff.clock()
         outputs = self._run(batch, outputs)
         payoff.observe(len(batch.seqs), sum(batch.num_new) > len(batch.seqs),
-                       sum(len(s.output_ids) for s in batch.seqs) - emitted, time.perf_counter() - started)
+                       sum(len(s.output_ids) for s in batch.seqs) - emitted, payoff.clock() - started)
         return outputs
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[RequestOutput]:

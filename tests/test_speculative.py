@@ -257,7 +257,7 @@ def test_structured_outputs_speculate_and_match_without_speculation():
 
 def test_a_structured_proposals_masks_are_filled_while_the_forward_runs(monkeypatch):
     """The verification masks of a constrained proposal are filled on the grammar threads beside the forward
-    that verifies it, not after: each verifying forward (held up for 0.2 s) ends with its proposal's fill done."""
+    that verifies it, not after: each verifying forward, held until its proposal's fill is done, ends."""
     import time
     from lmport.guided import Matcher
     from lmport.models.loader import load_tokenizer
@@ -278,7 +278,11 @@ def test_a_structured_proposals_masks_are_filled_while_the_forward_runs(monkeypa
         def slow_verification(step):
             logits = execute(step)
             if len(step.token_ids) > len(step.q_lens) and len(step.q_lens) == 1 and step.q_lens[0] <= 5:
-                time.sleep(0.2)   # a verifying forward of the one sequence (the prompt's is longer)
+                # a verifying forward of the one sequence (the prompt's is longer); a fill made only after the
+                # forward returns would hold it to the limit and be counted short
+                wanted, limit = len(fills_at_forward_end) + 1, time.monotonic() + 30
+                while len(fills) < wanted and time.monotonic() < limit:
+                    time.sleep(0.001)
                 fills_at_forward_end.append(len(fills))
             return logits
         pipe.engine.executor.execute = slow_verification

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 
 import pytest
 
@@ -101,20 +100,21 @@ def test_a_model_drafting_for_itself_has_every_proposal_accepted():
 
 
 def test_the_engine_stops_speculating_while_verification_steps_are_slower():
-    """A model drafting for itself, its verification made slow (a sleep in every forward with more tokens than
-    sequences, other than the prompt's): the engine's timing pauses speculation, and greedy output is unchanged;
-    without the check every decode step verifies."""
+    """A model drafting for itself, its verification made slow on the clock the engine times decode steps
+    with (a verifying forward counts 100 plain ones): the engine's timing pauses speculation, and greedy output
+    is unchanged; without the check every decode step verifies."""
     model, prompts = tiny_model_dir("llama"), repeating_prompts(1, seed=3)
     gen = GenerationConfig(max_new_tokens=160, ignore_eos=True)
     plain_steps, expected = {}, [r.token_ids for r in generate(model, prompts, gen)[0]]
     for check in (True, False):
         cfg = EngineConfig(device_type="cpu", speculative=draft_spec(model, pause_when_slower=check))
         with lmport.pipeline(model, backend_config=cfg) as pipe:
-            execute = pipe.engine.executor.execute
+            execute, now = pipe.engine.executor.execute, [0.0]
+            if pipe.engine.speculator.payoff is not None:
+                pipe.engine.speculator.payoff.clock = lambda now=now: now[0]
 
-            def slow_verification(step, execute=execute):
-                if 1 < len(step.token_ids) <= 5:   # the prompt is longer
-                    time.sleep(0.1)   # far beyond a plain step of this model, even on a loaded machine
+            def slow_verification(step, execute=execute, now=now):
+                now[0] += 1.0 if 1 < len(step.token_ids) <= 5 else 0.01   # the prompt is longer
                 return execute(step)
             pipe.engine.executor.execute = slow_verification
             out = pipe.generate(prompts, gen)

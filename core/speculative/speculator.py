@@ -24,6 +24,7 @@ Speculation backs off where it does not pay:
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ class Payoff:
     # answer, one that repeats its prompt, from speculating.
     MAX_PAUSE = 64
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock                                # what decode steps are timed with
         self.rates: dict[tuple[int, bool], float] = {}    # (sequences, verified) -> tokens per second
         self.samples: Counter[tuple[int, bool]] = Counter()
         self.pause = 0                                    # decode steps left without speculation
