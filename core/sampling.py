@@ -89,7 +89,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     # top-p's whole: the mass of the row's top k (of every token where k is the vocabulary).
     log_total = x.logsumexp(-1, keepdim=True)
     if (k_width := int(torch.where((top_p < 1) & (k < vocab), k, 0).max())) > 0:
-        in_k = x.topk(k_width, dim=-1).values.masked_fill(torch.arange(k_width, device=x.device) >= k[:, None], float("-inf"))
+        past_k = torch.arange(k_width, device=x.device) >= k[:, None]
+        in_k = x.topk(k_width, dim=-1).values.masked_fill(past_k, float("-inf"))
         log_total = torch.where((k < vocab)[:, None], in_k.logsumexp(-1, keepdim=True), log_total)
     # The tokens a row can keep are within its top k and within those min-p keeps; top-p is first looked for
     # within the top CANDIDATES, and past them (a sort of the whole vocabulary) only if they hold too little.
