@@ -124,6 +124,8 @@ def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None, add_genera
     switches (the assistant turn's opening; the last message continued, its turn left open).
     """
     if isinstance(prompt, str):
+        if tokenizer.chat_template is None:   # a base model: the text is the prompt
+            return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                for m in prompt):
@@ -131,7 +133,9 @@ def encode_prompt(tokenizer, prompt, tools: list[dict] | None = None, add_genera
     if not prompt:
         raise RequestError("the messages list is empty: give at least one message")
     if tokenizer.chat_template is None:
-        return tokenizer.encode("\n".join(m["content"] for m in prompt))
+        from lmport.chat_template import NO_TEMPLATE
+        raise RequestError(NO_TEMPLATE.replace("start the server with --chat-template FILE", "set "
+                                               "tokenizer.chat_template") + " (or give the prompt as a string)")
     return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message, tokenize=True,
                                               return_dict=False, **({"tools": tools} if tools else {})))

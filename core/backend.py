@@ -18,6 +18,12 @@ from lmport import ops
 from lmport.kv.layout import LayerCache
 
 
+# Attention variants a model may need (lmport.models.architectures.attention_variants): "sinks", a learned
+# logit per head in each softmax's denominator (gpt-oss); "chunked", each token attending within its own
+# chunk of positions (Llama 4's local layers).
+ATTENTION_VARIANTS = ("sinks", "chunked")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     device_type: str
@@ -51,6 +57,10 @@ class Capabilities:
     decode_graphs: bool = False
     # Whether ``Backend.add_lora`` runs here: LoRA adapters served over the base model (EngineConfig.max_loras).
     lora: bool = False
+    # Attention variants ``paged_attention`` honours beyond causal, sliding-window and soft-capped attention
+    # (ATTENTION_VARIANTS; lmport.ops.AttentionMetadata): a model that needs one a backend lacks is refused
+    # before any weight loads (lmport.resolution.check_model). Empty: none.
+    attention_variants: frozenset[str] = frozenset()
     # The Ray resource one tensor-parallel rank reserves in its placement-group bundle (docs/distributed.md):
     # "GPU" for cuda, a custom resource the cluster's nodes declare ("NPU", "MLU"), "CPU" for host memory.
     ray_resource: str = "CPU"

@@ -1,8 +1,10 @@
 """`lmport chat`: an interactive, streaming chat, in-process or against a server."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
+from lmport import reasoning
 from lmport.flags import engine_config, gen_config
 
 
@@ -18,17 +20,42 @@ def _turns():
             yield line
 
 
+def _show_thinking(text: str) -> None:
+    """A reasoning model's thinking, on stderr (dimmed on a terminal), apart from the reply."""
+    dim = sys.stderr.isatty()
+    print(f"\033[2m{text}\033[0m" if dim else text, end="", file=sys.stderr, flush=True)
+
+
 def chat(args) -> int:
     messages = []
     if args.url:
-        stream = _remote_stream(args.url, args.api_key, gen_config(args))
+        stream = _remote_stream(args.url, args.api_key, gen_config(args), on_thinking=_show_thinking)
     else:
         import lmport
         pipe = lmport.pipeline(args.model, backend_config=engine_config(args))
         cfg = gen_config(args)
+        parser = reasoning.for_template(pipe.tokenizer.chat_template)
+        if parser is not None and parser.keeps_special_tokens:   # gpt-oss: its markers are special tokens
+            cfg = dataclasses.replace(cfg, skip_special_tokens=False)
 
         def stream(messages):
-            return pipe.stream(messages, cfg)
+            if parser is None:
+                yield from pipe.stream(messages, cfg)
+                return
+            # The thinking shown apart and kept out of the history, as the server gives it (lmport.reasoning).
+            prompt = pipe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            splitter = parser.splitter(parser.starts_inside(prompt))
+            for delta in pipe.stream(messages, cfg):
+                thought, answer = splitter.feed(delta, False)
+                if thought:
+                    _show_thinking(thought)
+                if answer:
+                    yield answer
+            thought, answer = splitter.feed("", True)
+            if thought:
+                _show_thinking(thought)
+            if answer:
+                yield answer
     print("lmport chat: /exit to leave", file=sys.stderr)
     for line in _turns():
         messages.append({"role": "user", "content": line})
@@ -42,7 +69,9 @@ def chat(args) -> int:
     return 0
 
 
-def _remote_stream(url: str, api_key: str | None, cfg=None):
+def _remote_stream(url: str, api_key: str | None, cfg=None, on_thinking=None):
+    """A function of the messages that streams the server's reply text; its reasoning (``reasoning_content``)
+    goes to ``on_thinking`` when given."""
     import os
 
     from openai import OpenAI
@@ -52,8 +81,14 @@ def _remote_stream(url: str, api_key: str | None, cfg=None):
 
     def stream(messages):
         for chunk in client.chat.completions.create(model=model, messages=messages, stream=True, **params):
-            if chunk.choices and chunk.choices[0].delta.content:
-                yield chunk.choices[0].delta.content
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            thought = (delta.model_extra or {}).get("reasoning_content")
+            if thought and on_thinking is not None:
+                on_thinking(thought)
+            if delta.content:
+                yield delta.content
     return stream
 
 

@@ -14,6 +14,8 @@ from lmport import registry
 from lmport.config import SERVE_DECODE_PREFILL_TOKENS, EngineConfig, GenerationConfig
 from lmport.errors import ConfigError
 from lmport.flags import add_dataclass_flags, engine_config, gen_config
+from lmport.reasoning import NAMES as REASONING_PARSERS
+from lmport.tool_parsers import NAMES as TOOL_PARSERS
 from lmport.units import parse_bytes
 
 
@@ -141,6 +143,21 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="origins browsers may call the API from (default: none)")
     g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True,
                    help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)")
+    g = p.add_argument_group("logging")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one stderr line per request: method, route, status, latency, tokens in/out, request id, "
+                        "client address; never prompt text (default: on; --no-access-log turns it off)")
+    g.add_argument("--access-log-format", choices=("plain", "json"), default="plain",
+                   help="plain text, or one JSON object a line (default: plain)")
+    g = p.add_argument_group("chat format (docs/server.md)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template's text) to use instead of the model's; "
+                        "a model without one needs it for chat requests")
+    g.add_argument("--reasoning-parser", default=None, choices=(*REASONING_PARSERS, "none"),
+                   help="how the reply's thinking is told apart from its answer (default: from the chat template; "
+                        "none: no separation)")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the format tool calls are taught and parsed in (default: from the chat template)")
     g = p.add_argument_group("LoRA adapters (docs/lora.md)")
     g.add_argument("--lora", nargs="+", default=[], metavar="NAME=PATH",
                    help="peft adapter directories to serve from the start, each chosen by requests whose model is "

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import jsonschema
 import torch
@@ -51,7 +51,22 @@ def grammar_key(response_format: dict | None) -> tuple[str, str] | None:
     key = _grammar_key(response_format)
     if key is not None:
         check_budget(*key)
+        check_reasoning(response_format.get("reasoning"))
     return key
+
+
+def check_reasoning(reasoning) -> None:
+    """A format's ``reasoning`` entry: None, or {"end": token ids, "start": a token id or None, "inside": bool}
+    (lmport.reasoning.ThinkTags.gate): the format applies once the reply's thinking has ended."""
+    if reasoning is None:
+        return
+    ok = (isinstance(reasoning, dict) and isinstance(reasoning.get("end"), list) and reasoning["end"]
+          and all(isinstance(t, int) and t >= 0 for t in reasoning["end"])
+          and (reasoning.get("start") is None or isinstance(reasoning["start"], int) and reasoning["start"] >= 0)
+          and isinstance(reasoning.get("inside"), bool))
+    if not ok:
+        raise GuidedDecodingError('response_format.reasoning must be {"end": [token ids], "start": a token id or '
+                                  f'null, "inside": true or false}}, got {_short(reasoning)}')
 
 
 # What one format may ask of the compiler: xgrammar's time and memory grow faster than linearly with
@@ -263,6 +278,8 @@ class Grammars:
         self.stop_token_ids = sorted(stop_token_ids)
         self._tokenizer = tokenizer
         self._compiler: xgr.GrammarCompiler | None = None   # made by the first format compiled
+        self._info: xgr.TokenizerInfo | None = None
+        self._blank: torch.Tensor | None = None
         # Least recently used first; at most max_cached grammars are kept.
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self.max_cached = max_cached
@@ -304,7 +321,21 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)   # ours is keyed by format
+                self._info = info
             return self._compiler
+
+    @property
+    def blank_tokens(self) -> torch.Tensor:
+        """A bitmask row [ceil(V / 32)] of the tokens that are only spaces and line breaks (made on first use)."""
+        if self._blank is None:
+            self.compiler   # noqa: B018 (makes the tokenizer's view)
+            import xgrammar as xgr
+            row = xgr.allocate_token_bitmask(1, self.vocab_size)[0].zero_()
+            for token, text in enumerate(self._info.decoded_vocab):
+                if text and not text.strip(b" \t\r\n"):
+                    row[token // 32] |= (1 << token % 32) - (1 << 32 if token % 32 == 31 else 0)
+            self._blank = row
+        return self._blank
 
     def _can_start(self, compiled: xgr.CompiledGrammar) -> bool:
         """Whether any first token is allowed (an unsatisfiable format allows none, and would emit end tokens
@@ -330,7 +361,10 @@ class Grammars:
         if compiled is None:
             return None
         import xgrammar as xgr
-        return Matcher(xgr.GrammarMatcher(compiled), self.budget)
+        reasoning = cast(dict, response_format).get("reasoning")
+        if reasoning is None:
+            return Matcher(xgr.GrammarMatcher(compiled), self.budget)
+        return Matcher(xgr.GrammarMatcher(compiled), self.budget, reasoning=reasoning, blank=self.blank_tokens)
 
 
 class GrammarBudgetExceeded(GuidedDecodingError):
@@ -342,27 +376,86 @@ class Matcher:
 
     CPU time of the calling thread (``time.thread_time``), not wall time: a loaded machine does not make a
     cheap grammar look costly. xgrammar fills and advances on the calling thread with the GIL released.
-    """
 
-    def __init__(self, matcher: xgr.GrammarMatcher, budget: float = GRAMMAR_BUDGET_S):
+    With ``reasoning`` (check_reasoning), the grammar constrains only the answer, as vLLM's does: while the
+    reply thinks every token is allowed, and the grammar starts after the tokens that end the thinking. A reply
+    that may open its thinking itself ("inside" false, a "start" token) may take that token or the grammar's
+    first ones at its start. Right after the thinking, up to MAX_GAP tokens of only spaces and line breaks
+    (``blank``: their bitmask row) may come before the grammar's first token, as models write a blank line
+    after ``</think>``.
+    """
+    MAX_GAP = 4
+
+    def __init__(self, matcher: xgr.GrammarMatcher, budget: float = GRAMMAR_BUDGET_S, reasoning: dict | None = None,
+                 blank: torch.Tensor | None = None):
         self.matcher, self.budget, self.spent = matcher, budget, 0.0
+        self.blank, self.gap = blank, 0            # blank tokens taken after the thinking so far
+        self.end: tuple[int, ...] = tuple(reasoning["end"]) if reasoning else ()
+        self.start: int | None = reasoning.get("start") if reasoning else None
+        self.phase = "answer" if not reasoning else "reasoning" if reasoning["inside"] else \
+            "start" if self.start is not None else "answer"
+        self.thought: list[int] = []                 # the thinking's tokens so far (its end is found in them)
+        self.log: list[tuple[str, bool]] = []        # each accepted token: the phase before it, whether the
+                                                     # grammar took it (to roll back a rejected proposal)
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.phase == "reasoning":
+            bitmask[row] = -1   # every token
+            return
         started = time.thread_time()
         self.matcher.fill_next_token_bitmask(bitmask, row)
         self._charge(time.thread_time() - started)
+        if self.phase == "start":   # or the token that opens the thinking
+            word, bit = divmod(cast(int, self.start), 32)
+            if word < bitmask.shape[-1]:
+                bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
+        elif self.phase == "gap":   # or a blank token before the answer
+            bitmask[row] |= cast(torch.Tensor, self.blank).to(bitmask.device)
 
     def accept_token(self, token: int) -> bool:
+        phase = self.phase
+        if phase == "reasoning" or phase == "start" and token == self.start:
+            self.log.append((phase, False))
+            if phase == "start":
+                self.phase = "reasoning"
+            else:
+                self.thought.append(token)
+                if tuple(self.thought[-len(self.end):]) == self.end:
+                    self.phase = "gap" if self.blank is not None else "answer"
+            return True
+        if phase == "gap" and self._blank(token):
+            self.log.append((phase, False))
+            self.gap += 1
+            if self.gap == self.MAX_GAP:
+                self.phase = "answer"
+            return True
         started = time.thread_time()
         accepted = self.matcher.accept_token(token)
         self._charge(time.thread_time() - started)
+        if accepted:
+            self.log.append((phase, True))
+            self.phase = "answer"
         return accepted
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.phase in ("answer", "gap") and self.matcher.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        if not num_tokens:
+            return
+        undone = self.log[-num_tokens:]
+        del self.log[-num_tokens:]
+        if granted := sum(taken for _, taken in undone):
+            self.matcher.rollback(granted)
+        thought = sum(phase == "reasoning" for phase, _ in undone)
+        if thought:
+            del self.thought[-thought:]
+        self.gap -= sum(phase == "gap" and not taken for phase, taken in undone)
+        self.phase = undone[0][0]
+
+    def _blank(self, token: int) -> bool:
+        blank = cast(torch.Tensor, self.blank)
+        return token // 32 < blank.shape[0] and bool((int(blank[token // 32]) >> (token % 32)) & 1)
 
     def proposal_bitmask(self, proposal: list[int], vocab_size: int
                          ) -> tuple[list[int], torch.Tensor, int | None]:

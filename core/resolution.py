@@ -92,6 +92,19 @@ def check_against(config: EngineConfig, caps: Capabilities) -> None:
             f"use kv_cache_dtype='auto' on {caps.device_type}")
 
 
+def check_model(model_type: str, attention_variants: set[str], caps: Capabilities) -> None:
+    """A ConfigError when ``caps`` lacks an attention variant the model needs (``attention_variants``: what
+    lmport.models.architectures.attention_variants gives for its config), naming the installed devices that
+    run them; called before any weight loads."""
+    missing = sorted(attention_variants - caps.attention_variants)
+    if missing:
+        names = ", ".join(f"attention {v}" for v in missing)
+        runs = ", ".join(sorted(caps.attention_variants)) or "no attention variant beyond windows and soft caps"
+        where = ", ".join(_devices(lambda c: set(missing) <= c.attention_variants)) or "no installed device"
+        raise ConfigError(f"model type {model_type!r} needs {names}, which device {caps.device_type!r} does not run "
+                          f"(it runs {runs}); {names} run on {where}; use one of those devices")
+
+
 def _model_dtype(config: EngineConfig, caps: Capabilities) -> str:
     """The dtype the model runs in on ``caps``: the asked one, or the backend's default for "auto"."""
     return caps.default_dtype if config.dtype == "auto" else config.dtype

@@ -3,17 +3,26 @@ prompts of 1 to 200 tokens with block sizes 16 and 64, and the logits of a promp
 chunks within 2e-4 (absolute; 1e-4 relative) of transformers' forward, as for the Llama family
 (tests/test_engine_parity.py).
 
+The newer families (SmolLM3, GLM-4.5, gpt-oss, Llama 4 text; tests/support/tiny_float_models.py) against
+transformers' generate: the five prompts batched, 24 new tokens each, prefilled in chunks of 40 tokens (across
+block boundaries), with block sizes 16 and 64; after preemptions; and with prefix caching, a repeated prompt
+giving the same tokens from cached blocks. A GGUF of gpt-oss or Llama 4 is refused by its architecture name
+(SmolLM3 and GLM-4.5 files: tests/test_gguf_new_families.py).
+
 The tiny models (tests/models.py) have a 32-token window on their sliding layers, so the 200-token
 prompts cross it; Gemma 2's are soft-capped (attention and final logits). The other backends run the
 same models in tests/conformance/test_engine_backends.py.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
+from support import tiny_float_models
 from support.model_helpers import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
 
 ARCHS = ("gemma2", "gemma3", "phi3", "mixtral", "qwen3-moe")
@@ -60,5 +69,98 @@ def test_unsupported_architecture_names_the_supported_ones():
     import transformers
 
     from lmport.models.architectures import model_class
-    with pytest.raises(ValueError, match="not supported; supported: llama, mistral, qwen2, qwen3, gemma2"):
+    with pytest.raises(ValueError, match="not supported; supported: llama, mistral, qwen2, qwen3, smollm3, gemma2, "
+                                         "gemma3_text, phi3, mixtral, qwen3_moe, glm4_moe, gpt_oss, llama4_text$"):
         model_class(transformers.GPT2Config())
+
+
+# -- the newer families ---------------------------------------------------------------------------------------
+
+FAMILY_NEW_TOKENS = 24
+CHUNK = 40   # prefill tokens a step: chunks end inside blocks of 16 and of 64
+
+
+@functools.cache
+def family_reference(arch: str) -> tuple[list[int], ...]:
+    return tuple(hf_greedy(tiny_float_models.tiny_model_dir(arch), prompts(), FAMILY_NEW_TOKENS))
+
+
+def family_run(arch: str, prompt_ids: list[list[int]], **config) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of the prompts, submitted together (one batch), and the engine's usage once they finished."""
+    config = dict(device_type="cpu", dtype="float32", max_prefill_token_num=CHUNK) | config
+    with lmport.pipeline(tiny_float_models.tiny_model_dir(arch), backend_config=EngineConfig(**config)) as pipe:
+        out = pipe.generate(prompt_ids, GenerationConfig(max_new_tokens=FAMILY_NEW_TOKENS, ignore_eos=True))
+        usage = pipe.engine.usage()
+    assert usage["blocks_used"] == 0, "every block must be free once all requests finished"
+    return [r.token_ids for r in out], usage
+
+
+@pytest.mark.parametrize("arch", tiny_float_models.ARCHS)
+def test_family_matches_transformers_chunked_preempted_and_prefix_cached(arch):
+    """One run: the prompts in 40-token chunks, the 200-token one again at the end (its full blocks found in
+    the prefix cache), in 24 blocks of 16 tokens, fewer than the six sequences need (the scheduler preempts)."""
+    ps, want = prompts(), list(family_reference(arch))
+    tokens, usage = family_run(arch, [*ps, ps[-1]], block_size=16, cache_max_entry_count=24,
+                               enable_prefix_caching=True)
+    assert usage["preemptions"] > 0
+    assert usage["prefix_cache_hit_blocks_device"] > 0
+    assert tokens == [*want, want[-1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("arch", tiny_float_models.ARCHS)
+def test_family_greedy_matches_transformers_in_chunks(arch, block_size):
+    tokens, usage = family_run(arch, prompts(), block_size=block_size, cache_max_entry_count=4096 // block_size)
+    assert usage["preemptions"] == 0
+    assert tokens == list(family_reference(arch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size,blocks", [(16, 20), (64, 6)])
+@pytest.mark.parametrize("arch", tiny_float_models.ARCHS)
+def test_family_greedy_matches_transformers_after_preemption(arch, block_size, blocks):
+    # Too few blocks for the five sequences (about 420 tokens): the scheduler preempts.
+    tokens, usage = family_run(arch, prompts(), block_size=block_size, cache_max_entry_count=blocks)
+    assert usage["preemptions"] > 0
+    assert tokens == list(family_reference(arch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("arch", tiny_float_models.ARCHS)
+def test_family_prefix_cache_repeats_the_tokens(arch, block_size):
+    """The 200-token prompt again after the others: its full blocks come from the prefix cache."""
+    ps, want = prompts(), list(family_reference(arch))
+    tokens, usage = family_run(arch, [*ps, ps[-1]], block_size=block_size, cache_max_entry_count=4096 // block_size,
+                               enable_prefix_caching=True)
+    assert usage["prefix_cache_hit_blocks_device"] > 0
+    assert tokens == [*want, want[-1]]
+
+
+def test_a_backend_without_sinks_refuses_gpt_oss_before_loading(monkeypatch):
+    from lmport.errors import ConfigError
+    # Nothing may be read from the checkpoint's tensors before the refusal.
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: pytest.fail("weights loaded before the capability check"))
+    with pytest.raises(ConfigError, match="'gpt_oss' needs attention sinks, which device 'example' does not run"):
+        lmport.pipeline(tiny_float_models.tiny_model_dir("gpt-oss"), backend_config=EngineConfig(device_type="example"))
+
+
+@pytest.mark.parametrize("architecture", ["gpt-oss", "llama4"])
+def test_gguf_of_a_newer_family_is_refused_by_name(tmp_path, architecture):
+    """A GGUF of these families is not loaded (their tensors' names and layouts are a later step): refused by its
+    architecture, before any tensor is read."""
+    import gguf
+
+    from lmport.errors import ConfigError
+    path = tmp_path / f"tiny-{architecture}.gguf"
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=f"GGUF architecture '{architecture}' is not supported"):
+        lmport.pipeline(str(path), backend_config=EngineConfig(device_type="cpu"))

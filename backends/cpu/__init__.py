@@ -38,6 +38,7 @@ class CpuBackend(Backend):
         # Host RAM is shared with everything else on the machine: take a smaller share.
         default_cache_max_entry_count=0.05,
         lora=True,
+        attention_variants=frozenset({"sinks", "chunked"}),   # on the reference op (paged_attention below)
     )
 
     @classmethod
@@ -183,7 +184,9 @@ class CpuBackend(Backend):
                         softmax_scale: float) -> torch.Tensor:
         # The kernel covers the caches kernels.cache_takes names (in this backend's bshd order), head dims as
         # attention_takes says.
-        fits = kernels.attention_takes(q.shape[-1]) and kernels.cache_takes(cache)
+        # Sinks and chunks run on the reference op (the compiled kernel has neither).
+        fits = kernels.attention_takes(q.shape[-1]) and kernels.cache_takes(cache) and \
+            meta.sinks is None and meta.chunk is None
         compiled = _compiled_for(q) if fits else None
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale)

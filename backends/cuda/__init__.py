@@ -62,6 +62,7 @@ class CudaBackend(Backend):
         default_dtype="bfloat16",
         decode_graphs=True,
         lora=True,
+        attention_variants=frozenset({"sinks", "chunked"}),   # the Triton attention kernels take both
     )
 
     @classmethod

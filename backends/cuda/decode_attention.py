@@ -6,7 +6,9 @@ query heads that share the KV head (GQA group, padded to >= 16 rows for
 ``tl.dot``) attend to the split's tokens, gathered through the block table and
 dequantized inline (or, for a quantized K, scored from its codes: the tiling
 says which), with an online softmax. Stage 2 merges the splits of each
-(sequence, query head) by their log-sum-exp. Splitting the KV keeps the GPU
+(sequence, query head) by their log-sum-exp, adding the head's sink logit to the
+denominator where the layer has sinks (gpt-oss). A window or a chunk (Llama 4's
+local layers) hides the keys before it. Splitting the KV keeps the GPU
 full when batch x KV heads is small and contexts are long.
 
 Work is sized from host ints only (``meta.max_kv_len``, shapes): no syncs,
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from lmport.backends.cuda.launch import dot_args, pow2, qparam_args, sm_count, tl_dtype
 from lmport.backends.cuda.paged_kv import load_int4_halves, load_kv_tile, load_qparams
+from lmport.backends.cuda.prefill_attention import sinks_log2
 from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.backends.cuda.soft_cap import soft_cap_log2
 from lmport.kv.layout import LayerCache
@@ -33,7 +36,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_out, part_lse,
-                  sm_scale_log2, tokens_per_split, window, softcap,
+                  sm_scale_log2, tokens_per_split, window, chunk, softcap,
                   sq_t, sq_h, sq_d, st_b, st_n,
                   c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                   po_b, po_h, po_s, pl_b, pl_h,
@@ -45,8 +48,10 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens + seq)
-    # A sliding window (window > 0) hides the keys before lo; whole tiles of them are skipped.
+    # A sliding window (window > 0) or a chunk (chunk > 0) hides the keys before lo; whole tiles of them are
+    # skipped.
     lo = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    lo = tl.maximum(lo, tl.where(chunk > 0, (kv_len - 1) // tl.maximum(chunk, 1) * chunk, 0))
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, kv_len)
     start = tl.maximum(start, lo // BLOCK_N * BLOCK_N)
@@ -133,9 +138,9 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
 
 
 @triton.jit
-def _reduce_kernel(part_out, part_lse, o, num_splits,
+def _reduce_kernel(part_out, part_lse, o, num_splits, sinks_log2,
                    po_b, po_h, po_s, pl_b, pl_h, so_t, so_h, so_d,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -143,10 +148,14 @@ def _reduce_kernel(part_out, part_lse, o, num_splits,
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(part_lse + seq * pl_b + head * pl_h + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(lse - tl.reduce(lse, 0, MAX))      # the split of the last key holds tokens: the max is finite
+    top = tl.reduce(lse, 0, MAX)                   # the split of the last key holds tokens: the max is finite
+    w = tl.exp2(lse - top)
     parts = tl.load(part_out + seq * po_b + head * po_h + offs_s[:, None] * po_s + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.reduce(w[:, None] * parts, 0, SUM) / tl.reduce(w, 0, SUM)  # pyright: ignore[reportOperatorIssue]
+    denominator = tl.reduce(w, 0, SUM)
+    if SINKS:   # the head's sink logit (log2 units, like the scores) joins the denominator
+        denominator += tl.exp2(tl.load(sinks_log2 + head) - top)
+    out = tl.reduce(w[:, None] * parts, 0, SUM) / denominator  # pyright: ignore[reportOperatorIssue]
     tl.store(o + seq * so_t + head * so_h + offs_d * so_d, out.to(o.dtype.element_ty), mask=mask_d)
 
 
@@ -193,7 +202,7 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
     block_d = pow2(head_dim)
     _split_kernel[(batch, kv_heads, num_splits)](
         q, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.kv_lens, part_out, part_lse,
-        softmax_scale * LOG2E, tokens_per_split, meta.window or 0, meta.softcap or 0.0,
+        softmax_scale * LOG2E, tokens_per_split, meta.window or 0, meta.chunk or 0, meta.softcap or 0.0,
         *q.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2],
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim,
@@ -203,9 +212,9 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     _reduce_kernel[(batch, q_heads)](
-        part_out, part_lse, out, num_splits,
+        part_out, part_lse, out, num_splits, sinks_log2(meta, q.device),
         *part_out.stride()[:3], *part_lse.stride()[:2], *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_S=pow2(num_splits), BLOCK_D=block_d, SINKS=meta.sinks is not None,
         num_warps=4 if block_d >= 128 else 2,
     )
     return out

@@ -7,7 +7,9 @@ dequantized inline. A program owns one sequence, one KV head and a tile of
 BLOCK_M rows, each row a (new token, query head of the GQA group) pair: the
 group's query heads share every K/V tile they load. Keys all rows of the tile
 see (below the tile's first position) run unmasked; the causal tail is masked. Under a
-sliding window every tile from the first one a row can see is masked per row.
+sliding window or a chunk (Llama 4's local layers: a row sees its own chunk only) every tile from the
+first one a row can see is masked per row. With sinks (gpt-oss), each head's sink logit joins the
+softmax's denominator once every tile is summed.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
-            k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2, sm_scale_log2, window, softcap,
+            k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2, sm_scale_log2, first, softcap,
             CAUSAL: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
             ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
             WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One K/V tile of the online softmax: returns the updated (m, l, acc). WINDOWED: keys at or
-    before q_pos - window are masked too, and a row may see no key of a tile."""
+    """One K/V tile of the online softmax: returns the updated (m, l, acc). WINDOWED: keys before each row's
+    ``first`` visible position (its window's or its chunk's start) are masked too, and a row may see no key
+    of a tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < kv_len
     block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
@@ -45,7 +48,7 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
     if CAUSAL:
         seen = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         if WINDOWED:
-            seen = seen & (offs_n[None, :] > q_pos[:, None] - window)
+            seen = seen & (offs_n[None, :] >= first[:, None])
         s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.reduce(s, 1, MAX))
     if WINDOWED:  # a row with no key yet keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN
@@ -61,14 +64,14 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
 
 @triton.jit
 def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_loc, q_lens, kv_lens,
-                    sm_scale_log2, window, softcap,
+                    sm_scale_log2, window, chunk, softcap, sinks_log2,
                     sq_t, sq_h, sq_d, so_t, so_h, so_d, st_b, st_n,
                     c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     TOK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -102,12 +105,18 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         hi = tl.minimum(kv_len, ctx + tok0 + TOK_M)
         if WINDOWED:
+            # Each row's first visible key: its window's start (window > 0), its chunk's (chunk > 0), the later.
+            first = tl.maximum(tl.where(window > 0, q_pos - window + 1, 0),
+                               tl.where(chunk > 0, q_pos // tl.maximum(chunk, 1) * chunk, 0))
             # Every tile from the one holding the first row's first visible key is masked per row.
-            lo = tl.maximum(ctx + tok0 - window + 1, 0) // BLOCK_N * BLOCK_N
+            p0 = ctx + tok0
+            lo = tl.maximum(tl.where(window > 0, p0 - window + 1, 0),
+                            tl.where(chunk > 0, p0 // tl.maximum(chunk, 1) * chunk, 0))
+            lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
             for n0 in range(lo, hi, BLOCK_N):
                 m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
                                     k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                    sm_scale_log2, window, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
+                                    sm_scale_log2, first, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
                                     DOT_DTYPE, DOT_PREC, True, SOFTCAP)
         else:
             # Keys before ctx + tok0 are visible to every row: whole tiles of them need no mask.
@@ -115,19 +124,28 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
             for n0 in range(0, full_end, BLOCK_N):
                 m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
                                     k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                    sm_scale_log2, window, softcap, False, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
+                                    sm_scale_log2, q_pos, softcap, False, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
                                     DOT_DTYPE, DOT_PREC, False, SOFTCAP)
             # Every row sees key full_end <= its position, so m is finite after the first tile.
             for n0 in range(full_end, hi, BLOCK_N):
                 m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
                                     k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                    sm_scale_log2, window, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
+                                    sm_scale_log2, q_pos, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
                                     DOT_DTYPE, DOT_PREC, False, SOFTCAP)
 
+        if SINKS:   # each head's sink logit (log2 units, like the scores) joins the denominator
+            l += tl.exp2(tl.load(sinks_log2 + heads, mask=valid, other=0.0) - m)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]   # l = 0 only on padded rows, which are not stored
         out_rows = (q_row0 + tok) * so_t + heads * so_h
         tl.store(o + out_rows[:, None] + offs_d[None, :] * so_d, out.to(o.dtype.element_ty),
                  mask=valid[:, None] & mask_d[None, :])
+
+
+def sinks_log2(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """The layer's sink logits in the kernels' log2 units (float32), or an empty tensor where it has none."""
+    if meta.sinks is None:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    return meta.sinks.float() * LOG2E
 
 
 def tile_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -150,7 +168,8 @@ def tile_config(head_dim: int) -> tuple[int, int, int, int]:
 
 def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, softmax_scale: float,
                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions."""
+    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions (within the layer's window
+    or chunk where it has one; its sinks in the denominator where it has them)."""
     _, q_heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
     group = q_heads // kv_heads
@@ -163,12 +182,14 @@ def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadat
     grid = (triton.cdiv(meta.max_q_len, tok_m), kv_heads, meta.num_seqs)
     _prefill_kernel[grid](
         q, out, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.q_start_loc, meta.q_lens,
-        meta.kv_lens, softmax_scale * LOG2E, meta.window or 0, meta.softcap or 0.0,
+        meta.kv_lens, softmax_scale * LOG2E, meta.window or 0, meta.chunk or 0, meta.softcap or 0.0,
+        sinks_log2(meta, q.device),
         *q.stride(), *out.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim, TOK_M=tok_m, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=pow2(head_dim), QUANT=cache.quant_policy,
-        ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, WINDOWED=meta.window is not None,
-        SOFTCAP=meta.softcap is not None,
+        ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+        WINDOWED=meta.window is not None or meta.chunk is not None, SOFTCAP=meta.softcap is not None,
+        SINKS=meta.sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,4 +1,4 @@
-"""Paged-attention decoder for the Llama family (Llama, SmolLM2, Mistral), Qwen2 and Qwen3, and the
+"""Paged-attention decoder for the Llama family (Llama, SmolLM2, SmolLM3, Mistral), Qwen2 and Qwen3, and the
 ``PagedCausalLM`` every architecture subclasses (Gemma, Phi-3, the MoE models), which takes what differs
 between them as class attributes and hooks: the decoder layer, the norms' offset, the embedding scale,
 each layer's rope kind and window, the attention and final soft caps.
@@ -27,7 +27,20 @@ from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup, balanced, kv_heads_per_rank, split
 from lmport.units import ceil_div
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+# The rope kind of a layer that takes no rotary embedding (SmolLM3's and Llama 4's NoPE layers): its cos/sin are
+# ones and zeros, which leave q and k exactly as they are, so such a layer runs the same code (and decoder runner).
+NO_ROPE = "no_rope"
+
+
+def no_rope_layers(cfg) -> list[bool]:
+    """Per layer, whether it skips rotary: transformers' ``no_rope_layers`` holds 1 where a layer uses rope."""
+    flags = getattr(cfg, "no_rope_layers", None)
+    if not flags:
+        return [False] * cfg.num_hidden_layers
+    if len(flags) < cfg.num_hidden_layers:
+        raise ValueError(f"config.no_rope_layers has {len(flags)} entries for {cfg.num_hidden_layers} layers")
+    return [not bool(f) for f in flags[:cfg.num_hidden_layers]]
 
 
 class Attention(nn.Module):
@@ -46,13 +59,14 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, (q0 * d, q1 * d), qkv_bias, backend)
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, (k0 * d, k1 * d), qkv_bias, backend)
-        o_bias = getattr(cfg, "attention_bias", False) and cfg.model_type != "qwen2"
+        # Qwen2 and GLM-4.5 put a bias on q, k and v only (their o_proj has none).
+        o_bias = getattr(cfg, "attention_bias", False) and cfg.model_type not in ("qwen2", "glm4_moe")
         self.o_proj = RowParallelLinear((q0 * d, q1 * d), cfg.hidden_size, o_bias, backend, tp)
         # q, k and v as one linear once loaded (models/fusion.py), split back into these numbers of heads.
         self.qkv_proj: nn.Module | None = None
         self.qkv_heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
-        # Qwen3 normalizes each head of q and k before rotary.
-        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+        # Qwen3 (and GLM-4.5 where use_qk_norm) normalizes each head of q and k before rotary.
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe") or (cfg.model_type == "glm4_moe" and cfg.use_qk_norm)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
@@ -73,10 +87,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, backend: Backend, tp: TPGroup):
+    """The gated MLP; ``intermediate_size``: another width than the config's (an MoE model's shared experts)."""
+
+    def __init__(self, cfg, backend: Backend, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        part = balanced(cfg.intermediate_size, tp.size, tp.rank)
+        part = balanced(intermediate_size or cfg.intermediate_size, tp.size, tp.rank)
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, part, bias, backend)
         self.down_proj = RowParallelLinear(part, cfg.hidden_size, bias, backend, tp)
@@ -180,22 +196,34 @@ class PagedCausalLM(nn.Module):
         self.backend = backend
         self._runner: tuple[ops.DecoderRunner | None] | None = None   # decoder_runner(), once built
 
+    @classmethod
+    def attention_variants(cls, cfg) -> set[str]:
+        """The attention variants (lmport.backend.ATTENTION_VARIANTS) this model's layers need of a backend's
+        paged_attention; checked against its Capabilities before any weight loads (lmport.resolution)."""
+        return set()
+
     def embedding_scale(self, cfg) -> float | None:
         """What the embeddings are multiplied by (in their dtype) before the first layer; None: nothing."""
         return None
 
     def layer_rope_kinds(self, cfg) -> list[str | None]:
         """Per layer, the extra argument its rotary module call takes (Gemma 3's layer type: each kind has
-        its own rope base); None: the layer takes the model's one rope."""
-        return [None] * cfg.num_hidden_layers
+        its own rope base); None: the layer takes the model's one rope; NO_ROPE: none (``no_rope_layers``)."""
+        return [NO_ROPE if skip else None for skip in no_rope_layers(cfg)]
+
+    def rope_rows(self, kind: str | None, x: torch.Tensor, meta: ops.AttentionMetadata):
+        """cos and sin [tokens, rotary dim] of the step's positions for layers of ``kind``."""
+        if kind == NO_ROPE:
+            d = head_dim_of(self.config)
+            return x.new_ones(meta.num_tokens, d), x.new_zeros(meta.num_tokens, d)
+        return self.rope_tables[kind](self.rotary, x, meta.positions, meta.max_kv_len)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        ropes = {kind: table(self.rotary, x, meta.positions, meta.max_kv_len)
-                 for kind, table in self.rope_tables.items()}
+        ropes = {kind: self.rope_rows(kind, x, meta) for kind in self.rope_tables}
         metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
         runner = self.decoder_runner()
         out = None if runner is None else runner(x, [ropes[kind] for kind in self.rope_kinds], caches,

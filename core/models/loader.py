@@ -16,11 +16,12 @@ from tqdm import tqdm
 from lmport import ops
 from lmport.backend import Backend
 from lmport.models import quantized as quantized_layers
-from lmport.models.architectures import model_class
+from lmport.models.architectures import attention_variants, model_class
 from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
 from lmport.models.rotary import rotary_for
 from lmport.parallel import TPGroup
+from lmport.resolution import check_model
 from lmport.weights import gguf, packed_int
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 from lmport.weights.ggml import GGMLWeight
@@ -83,25 +84,10 @@ def load_tokenizer(model: str):
 
 
 def gguf_tokenizer(path: Path):
-    """The tokenizer ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` makes of a GGUF: the class it picks
-    for the file's config, built by transformers' GGUF tokenizer converter from the file's metadata. Without
-    AutoTokenizer's own pass over the file for the config (gguf's GGUFReader over every metadata array: seconds
-    for a 50k-token vocabulary); the config is lmport's, read from the header. AutoTokenizer also reads a
-    tokenizer_config.json lying beside the file; a GGUF carries its tokenizer, so this does not."""
-    from transformers import TokenizersBackend
-    from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING, TOKENIZER_MAPPING_NAMES,
-                                                            tokenizer_class_from_name)
-
-    from lmport.weights.gguf_config import GGUFLlamaConfig
-    cfg = read_model_config(str(path))
-    if isinstance(cfg, GGUFLlamaConfig):   # not transformers' class: its model type's entry, as for LlamaConfig
-        name = TOKENIZER_MAPPING_NAMES.get(cfg.model_type)
-        cls = tokenizer_class_from_name(name) if name else TokenizersBackend
-    else:
-        cls = TOKENIZER_MAPPING.get(type(cfg), TokenizersBackend)
-    if cls is None or cls.__name__ == "MistralCommonBackend":   # its format needs files a GGUF does not have
-        cls = TokenizersBackend
-    return cls.from_pretrained(path.parent, gguf_file=path.name)
+    """The tokenizer llama.cpp reads from a GGUF's metadata, token for token
+    (lmport.weights.gguf_tokenizer says how, and why not transformers' GGUF converter)."""
+    from lmport.weights.gguf_tokenizer import gguf_tokenizer as build
+    return build(path)
 
 
 @dataclass
@@ -122,6 +108,8 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
     from transformers import AutoModelForCausalLM
     path = resolve_model_path(model)
     keep_quantized = check_backend(path, backend.capabilities, weight_format)
+    model_cfg = read_model_config(model)
+    check_model(model_cfg.model_type, attention_variants(model_cfg), backend.capabilities)
     packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
     check_tensor_parallel(path, tp.size if tp is not None else 1, weight_format)
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
@@ -167,7 +155,8 @@ def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: 
     with torch.device("meta"):
         paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    names = [n for n, _ in paged.named_parameters(remove_duplicate=False) if not (tied and n == "lm_head.weight")]
+    # the state dict's names: the parameters and the persistent buffers (GLM-4.5's routing bias)
+    names = [n for n in paged.state_dict(keep_vars=True) if not (tied and n == "lm_head.weight")]
     quantized, floats = gguf.load_tensors(path, cfg, dtype, names, keep_quantized)
     _tie_lm_head(cfg, quantized, floats)   # before sharding, so the head is sliced as the embedding is
     paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)

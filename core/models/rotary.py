@@ -17,7 +17,8 @@ from torch import nn
 
 from lmport.models.rope_table import rows_depend_on_length
 
-LLAMA_ROTARY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
+LLAMA_ROTARY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "mixtral", "qwen2_moe",
+                                      "qwen3_moe"})
 
 
 class LlamaRotary(nn.Module):

@@ -28,8 +28,9 @@ def gather_kv(values: torch.Tensor, qparams: torch.Tensor | None, tables: torch.
 def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                     softmax_scale: float) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions, within
-    ``meta.window`` positions when the layer has a sliding window, scores soft-capped by
-    ``meta.softcap`` when it has one.
+    ``meta.window`` positions when the layer has a sliding window and within the token's own chunk
+    when it has ``meta.chunk``, scores soft-capped by ``meta.softcap`` when it has one, each head's
+    ``meta.sinks`` logit in the softmax's denominator when it has sinks.
 
     Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
     long chunk never pads every decode row to its length.
@@ -71,8 +72,13 @@ def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts) -> tor
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]          # [B, max_q, max_kv]; padded rows are dropped
     if meta.window is not None:
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - meta.window
+    if meta.chunk is not None:
+        mask &= kv_pos[None, None, :] // meta.chunk == q_pos[:, :, None] // meta.chunk
 
-    if meta.softcap is not None:
+    if meta.sinks is not None:
+        out = _attention_with_sinks(q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
+                                    softmax_scale, meta.softcap, meta.sinks)
+    elif meta.softcap is not None:
         out = _softcapped_attention(q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
                                     softmax_scale, meta.softcap)
     else:
@@ -90,3 +96,18 @@ def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.
     scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
     return scores @ v
+
+
+def _attention_with_sinks(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] with the sink's column dropped, times v, over [B, H, S, D] (GQA by repeat):
+    the order transformers' gpt-oss computes it in (the row's maximum subtracted first)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(-1)[..., :-1]
+    return probs.to(v.dtype) @ v

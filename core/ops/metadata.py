@@ -41,12 +41,20 @@ class AttentionMetadata:
     # softmax (Gemma 2), None for none.
     window: int | None = None
     softcap: float | None = None
+    # Attention variants a backend declares in Capabilities.attention_variants, per layer too:
+    # ``sinks`` [Hq] float32, a learned logit per query head that joins each row's softmax denominator
+    # and weighs no value (gpt-oss: out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j))), None for none;
+    # ``chunk``, a token at position p seeing only keys in its own chunk of ``chunk`` positions
+    # (p // chunk == j // chunk; Llama 4's local layers), None for none.
+    sinks: torch.Tensor | None = None
+    chunk: int | None = None
 
-    def for_layer(self, window: int | None, softcap: float | None = None) -> AttentionMetadata:
-        """This step's metadata as a layer with this attention window and soft cap reads it."""
-        if window == self.window and softcap == self.softcap:
+    def for_layer(self, window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  chunk: int | None = None) -> AttentionMetadata:
+        """This step's metadata as a layer with this attention window, soft cap, sinks and chunk reads it."""
+        if window == self.window and softcap == self.softcap and sinks is self.sinks and chunk == self.chunk:
             return self
-        return dataclasses.replace(self, window=window, softcap=softcap)
+        return dataclasses.replace(self, window=window, softcap=softcap, sinks=sinks, chunk=chunk)
 
     @property
     def num_seqs(self) -> int:

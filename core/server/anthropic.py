@@ -17,15 +17,15 @@ import uuid
 from typing import Annotated, ClassVar, Literal
 
 from fastapi import Request
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmport.engine import RequestOutput
-from lmport.server import openai_mapping, routes, streaming
+from lmport.server import access_log, openai_mapping, routes, streaming
 from lmport.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest,
-                                    JSONPathRequest, _Request, bounded_int)
+                                    JSONPathRequest, Unimplemented, _Request, bounded_int)
 from lmport.server.frontend import Frontend, Job
-from lmport.server.replies import pieces, renamed, reply_calls, stop_sequence
+from lmport.server.replies import pieces, renamed, reply_calls, reply_thinking, stop_sequence
 from lmport.server.streaming import event
 
 PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
@@ -38,7 +38,22 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 def error_body(exc: APIError) -> dict:
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}, "request_id": f"req_{uuid.uuid4().hex}"}
+    error = {"type": kind, "message": exc.message, **({"details": exc.details} if exc.details else {})}
+    return {"type": "error", "error": error, "request_id": access_log.request_id() or f"req_{uuid.uuid4().hex}"}
+
+
+# Fields of Anthropic's API that change what a request asks for and that this server does not implement: refused,
+# as Anthropic refuses what it does not know (docs/server.md, "Unknown fields"). ``thread`` carries the error_code
+# Anthropic's clients read to send the whole conversation again without one (the SDK's tool runner does).
+UNIMPLEMENTED = {
+    "thread": Unimplemented("server-held conversations", fix="send the whole conversation in messages, without thread",
+                            details={"error_code": "thread_unsupported_request"}),
+    "mcp_servers": Unimplemented("MCP servers, which Anthropic's servers call", fix="give their tools as custom tools"),
+    "container": Unimplemented("code execution containers, which run on Anthropic's servers"),
+    "context_management": Unimplemented("context editing", fix="send the conversation as the model should read it"),
+    "compaction": Unimplemented("compaction requests"),
+    "fallbacks": Unimplemented("fallback models"),
+}
 
 
 # -- requests ---------------------------------------------------------------------------------------------
@@ -121,12 +136,14 @@ class OutputConfig(_Request):
 
 class _Conversation(JSONPathRequest):
     """What a messages and a count_tokens request share."""
+    model_config = ConfigDict(extra="allow")
+    UNIMPLEMENTED = UNIMPLEMENTED
     model: str
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict | None = None                  # accepted; the model writes no separate thinking blocks
+    thinking: dict | None = None                  # accepted; a reasoning model's thinking comes back as thinking blocks
 
     def unsupported_problem(self) -> APIError | None:
         return None
@@ -140,11 +157,13 @@ class _Conversation(JSONPathRequest):
 
 class CountTokensRequest(_Conversation):
     """POST /v1/messages/count_tokens."""
+    ROUTE = "/v1/messages/count_tokens"
     top_k: ClassVar[int] = 0                      # Frontend.parse checks every request's top_k
 
 
 class MessagesRequest(_Conversation):
     """POST /v1/messages. Sampling bounds are Anthropic's (temperature 0 to 1)."""
+    ROUTE = "/v1/messages"
     max_tokens: int = bounded_int(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -295,8 +314,8 @@ async def messages(frontend: Frontend, request: Request):
                                  prompt.response_format, key=getattr(request.state, "api_key", None))
     frontend.admit(job)
     reply = _Reply(frontend, job, prompt, chat.stop_words)
-    return await streaming.respond(frontend, request, job, reply.events, lambda outs: reply.body(outs[0]),
-                                   stream=req.stream)
+    return await streaming.respond(frontend, request, job, reply.events,
+                                   access_log.counting_body(lambda outs: reply.body(outs[0])), stream=req.stream)
 
 
 def _tool_id() -> str:
@@ -308,6 +327,7 @@ class _Reply:
 
     def __init__(self, frontend: Frontend, job: Job, prompt: routes.ChatPrompt, stop_words: list[str] | None):
         self.frontend, self.job, self.tools, self.stop_words = frontend, job, prompt.tools, stop_words
+        self.reasoning = prompt.reasoning   # the model's thinking comes back as thinking blocks
 
     def _usage(self, out: RequestOutput) -> dict:
         # Anthropic counts the prompt tokens read from its cache apart from input_tokens.
@@ -328,8 +348,10 @@ class _Reply:
                 "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
     def body(self, out: RequestOutput) -> dict:
-        text, calls = reply_calls(out, self.tools)
-        content = [{"type": "text", "text": text}] if text else []
+        text, calls = reply_calls(out, self.tools, self.reasoning)
+        thought = reply_thinking(out, self.reasoning)
+        content = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []
+        content += [{"type": "text", "text": text}] if text else []
         content += [{"type": "tool_use", "id": _tool_id(), "name": c["function"]["name"],
                      "input": json.loads(c["function"]["arguments"])} for c in calls]
         return self._message(content, self._stop(out, bool(calls)), self._usage(out))
@@ -342,20 +364,23 @@ class _Reply:
         yield event("ping", {"type": "ping"})
         index, open_kind, called, final = -1, None, False, None
         try:
-            async for new, out in pieces(self.frontend, self.job, self.tools):
+            async for new, out in pieces(self.frontend, self.job, self.tools, self.reasoning):
+                access_log.note_output(0, out.token_ids)
                 for piece in new:
-                    kind = "text" if piece.kind == "text" else "tool_use"
+                    kind = piece.kind if piece.kind in ("text", "thinking") else "tool_use"
                     if piece.kind == "call" or kind != open_kind:
                         if open_kind is not None:
                             yield event("content_block_stop", {"type": "content_block_stop", "index": index})
                         index, open_kind = index + 1, kind
                         block = {"type": "text", "text": ""} if kind == "text" else {
+                            "type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {
                             "type": "tool_use", "id": _tool_id(), "name": piece.text, "input": {}}
                         called |= kind == "tool_use"
                         yield event("content_block_start", {"type": "content_block_start", "index": index,
                                                             "content_block": block})
                     if piece.kind != "call":
                         delta = {"type": "text_delta", "text": piece.text} if kind == "text" else {
+                            "type": "thinking_delta", "thinking": piece.text} if kind == "thinking" else {
                             "type": "input_json_delta", "partial_json": piece.text}
                         yield event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                             "delta": delta})

@@ -3,7 +3,7 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (``stream: true`` gives server-sent events ending in ``data: [DONE]``),
 Anthropic's POST /v1/messages and /v1/messages/count_tokens (``lmport.server.anthropic``),
-OpenAI's POST /v1/responses (``lmport.server.responses``),
+OpenAI's POST /v1/responses and /v1/responses/input_tokens (``lmport.server.responses``),
 GET /health (never needs the API key) and GET /metrics (Prometheus).
 
 The engine core runs in its own process under `lmport serve` (``lmport.engine_core``), joined to this
@@ -11,13 +11,15 @@ front end by a request queue and an output queue (``lmport.engine_client``); tes
 over an Engine they built. Each HTTP request becomes one engine request per choice (``n``). A client that
 goes away, streaming or not, aborts its engine requests, which frees their KV blocks at once. Bad input is
 refused before anything is queued, with an OpenAI-style error that names the field; see docs/server.md. The
-completion routes are in ``lmport.server.routes``.
+completion routes are in ``lmport.server.routes``; each request's access-log line is written by
+``lmport.server.access_log``.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import datetime
 import hmac
 import logging
 import os
@@ -34,9 +36,10 @@ from lmport.config import ConfigError
 from lmport.engine import Engine
 from lmport.engine_client import EngineClient, EngineHandle
 from lmport.guided import Grammars
-from lmport.server import adapters, embeddings
+from lmport.server import adapters, embeddings, tokenize
 from lmport.server import openapi as openapi_doc
-from lmport.server import anthropic, liveness, responses, routes
+from lmport.server import anthropic, chat_format, liveness, responses, routes
+from lmport.server import access_log
 from lmport.server.bodies import BodyLimit
 from lmport.server.guards import Guards
 from lmport.server.limits import Limits
@@ -54,7 +57,9 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
                max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
                allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
                docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
-               tokenizer=None, expose_adapter_paths: bool = False) -> FastAPI:
+               tokenizer=None, expose_adapter_paths: bool = False, chat_template: str | None = None,
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               access_log_format: str | None = "plain") -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.frontend``).
     ``engine``: what runs the requests, already started (an engine core's client, or data-parallel replicas'
@@ -63,7 +68,8 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
     shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
     answer (lmport.server.adapters); ``expose_adapter_paths``: clients see adapters' server paths and why one
-    failed to load (else only the server's log does)."""
+    failed to load (else only the server's log does); ``access_log_format``: "plain" or "json" lines on the
+    ``lmport.access`` logger (lmport.server.access_log), None for none."""
     if isinstance(engine, Engine):
         # A private tokenizer: the engine's is used on the core's thread, the client's copy on its reader thread.
         core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
@@ -74,6 +80,9 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
         grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
     frontend = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key,
                         expose_adapter_paths)
+    # The chat template, reasoning parser and tool-call format (lmport.server.chat_format): given, or the template's.
+    chat = chat_format.configure(frontend.tokenizer, chat_template, reasoning_parser, tool_call_parser)
+    frontend.reasoning_parser, frontend.tool_parser = chat.reasoning_parser, chat.tool_parser
     info = core.info
     replicas = getattr(core, "status", None)   # data-parallel replicas, each with its health and usage
     if replicas is not None:
@@ -164,23 +173,27 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
 
     adapters.register(app, frontend, auth, enable_lora_loading)
     embeddings.register(app, frontend, auth)
+    tokenize.register(app, frontend, auth)
 
     def model_card() -> dict:
         return {"id": frontend.model_name, "object": "model", "created": frontend.created, "owned_by": "lmport",
-                "max_model_len": info.session_len}
+                "max_model_len": info.session_len, **chat.card()}
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [model_card(), *adapters.model_cards(frontend)]}
+        cards = [with_anthropic_fields(card) for card in [model_card(), *adapters.model_cards(frontend)]]
+        # Anthropic's list shape beside OpenAI's: one page holds every model.
+        return {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"],
+                "last_id": cards[-1]["id"]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str):
         if model_id != frontend.model_name:
             if (card := next((c for c in adapters.model_cards(frontend) if c["id"] == model_id), None)) is not None:
-                return card
+                return with_anthropic_fields(card)
             raise APIError(404, f"model: {brief(model_id)} does not exist; this server serves "
                                 f"{frontend.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
-        return model_card()
+        return with_anthropic_fields(model_card())
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
@@ -202,6 +215,10 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     async def create_response(request: Request):
         return await responses.create(frontend, request)
 
+    @app.post("/v1/responses/input_tokens", dependencies=auth)
+    async def count_input_tokens(request: Request):
+        return await responses.input_tokens(frontend, request)
+
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -210,8 +227,19 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     app.add_middleware(Guards, allowed_hosts=allowed_hosts, error_body=error_body,
                        json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                                              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
+                                             "/v1/responses/input_tokens", "/tokenize", "/detokenize",
                                              *anthropic.PATHS}))
+    if access_log_format is not None:   # outermost: it times and logs every answer, refusals included
+        app.add_middleware(access_log.AccessLog, fmt=access_log_format)
     return app
+
+
+def with_anthropic_fields(card: dict) -> dict:
+    """An OpenAI model card with the fields Anthropic's model object has too (type, display_name, created_at as
+    RFC 3339), so both APIs' clients read it."""
+    created = datetime.datetime.fromtimestamp(card["created"], datetime.timezone.utc)
+    return {**card, "type": "model", "display_name": card["id"],
+            "created_at": created.isoformat().replace("+00:00", "Z")}
 
 
 def error_body(path: str, exc: APIError) -> dict:
@@ -230,6 +258,8 @@ def serve(args) -> int:
     from lmport.server.listen import ADDRESS_IN_USE_EXIT_CODE, AddressInUse, listen
     from lmport.server.shutdown import GracefulServer
 
+    access_log_format = args.access_log_format if args.access_log else None
+    access_log.configure(access_log_format)   # its lines go to stderr whatever --log-level says
     api_key = args.api_key if args.api_key is not None else os.environ.get("LMPORT_API_KEY")
     if isinstance(api_key, str):
         api_key = [api_key]
@@ -250,6 +280,8 @@ def serve(args) -> int:
     if args.dp < 1:
         raise ConfigError(f"--dp must be >= 1 (engine replicas), got {args.dp}")
     loras = adapters.parse_loras(args.lora)
+    # The chat format's flags checked before the model loads (a template file that cannot be read, a typo).
+    chat_template = chat_format.load_template(args.chat_template)
     settings = engine_config(args)
     settings = dataclasses.replace(settings, max_loras=adapters.max_loras_for(settings.max_loras, loras,
                                                                               args.enable_lora_loading))
@@ -278,7 +310,9 @@ def serve(args) -> int:
                          cors_origins=args.cors_origins, docs=args.docs,
                          cache_salt_by_api_key=args.cache_salt_by_api_key,
                          enable_lora_loading=args.enable_lora_loading, tokenizer=load_tokenizer(args.model),
-                         expose_adapter_paths=args.expose_adapter_paths)
+                         expose_adapter_paths=args.expose_adapter_paths, access_log_format=access_log_format,
+                         chat_template=chat_template, reasoning_parser=args.reasoning_parser,
+                         tool_call_parser=args.tool_call_parser)
     except BaseException:
         core.shutdown()
         raise

@@ -22,7 +22,8 @@ from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import check_prompt
 from lmport.engine_client import EngineHandle
 from lmport.guided import Grammars
-from lmport.server import adapters, jsonbody
+from lmport.reasoning import Parser, Reasoning
+from lmport.server import access_log, adapters, jsonbody
 from lmport.server.limits import Admission, Limits
 from lmport.server.metrics import Metrics
 from lmport.server.protocol import APIError, brief
@@ -98,6 +99,15 @@ class Frontend:
             info.quant_policy, info.kv_cache_dtype)).encode()).hexdigest()[:12]
         self.live: set[asyncio.Queue] = set()   # the output queues of jobs in flight (see abort_all)
 
+    # The chat format (lmport.server.app.create_app sets them): the reasoning parser, the tool-call format.
+    reasoning_parser: Parser | None = None
+    tool_parser: str | None = None
+
+    def reasoning_of(self, prompt: str) -> Reasoning | None:
+        """Where a reply to the rendered chat ``prompt`` thinks, or None without a reasoning parser."""
+        parser = self.reasoning_parser
+        return None if parser is None else Reasoning(parser, parser.starts_inside(prompt))
+
     def engine_problem(self) -> str | None:
         """Why no request can be served now, or None."""
         return self.core.problem()
@@ -114,6 +124,7 @@ class Frontend:
         if problem is not None:
             raise APIError(503, f"the server cannot generate: {problem}", type="server_error", code="engine_stopped")
         job.release = self.admission.admit(len(job.configs))
+        access_log.note_prompts(job.prompts)
 
     def abort_all(self, error: APIError) -> None:
         """End every job in flight with ``error`` (streams: a final error event and [DONE])."""
@@ -134,7 +145,9 @@ class Frontend:
 
     # -- request parsing ------------------------------------------------------------------------
     async def parse(self, request: Request, cls):
-        """Read the body (up to max_body_bytes) and validate it into ``cls``."""
+        """Read the body (up to max_body_bytes) and validate it into ``cls``. Its 413s come before
+        lmport.server.bodies' and without their ``Connection: close``: the rest of the body is read and dropped, so
+        a client still sending gets the answer rather than a reset connection."""
         too_large = APIError(413, f"the request body is larger than the server's limit of {self.max_body_bytes} "
                                   f"bytes", code="request_too_large")
         length = request.headers.get("content-length", "")
@@ -152,7 +165,7 @@ class Frontend:
                            code="body_timeout") from None
         req = jsonbody.validate(cls, bytes(body))   # with the JSON depth limit, as on every route
         adapters.adapter_for(self, req.model)   # the base model or a loaded LoRA adapter, else a 404
-        for problem in (req.unsupported_problem(), req.stop_problem()):
+        for problem in (req.unknown_field_problem(), req.unsupported_problem(), req.stop_problem()):
             if problem is not None:
                 raise problem
         vocab = self.info.vocab_size

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine import RequestError, RequestOutput, is_request_fault
+from lmport.reasoning import Reasoning
 from lmport.server import echo, tools
 from lmport.server.frontend import Frontend, Job
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -27,6 +28,9 @@ def job_for(frontend: Frontend, req: ChatCompletionRequest | CompletionRequest, 
     ``prompt_logprobs``: each choice also scores its prompt with that many alternatives (echo)."""
     info = frontend.info
     logit_bias = req.token_bias(info.vocab_size)
+    # A chat reply whose reasoning markers are special tokens (gpt-oss's harmony) is decoded with them kept.
+    parser = frontend.reasoning_parser
+    skip_special = not (isinstance(req, ChatCompletionRequest) and parser is not None and parser.keeps_special_tokens)
     configs = []
     for ids in prompts:
         try:
@@ -49,7 +53,7 @@ def job_for(frontend: Frontend, req: ChatCompletionRequest | CompletionRequest, 
                     random_seed=None if req.seed is None else (req.seed + i) % 2**64,
                     stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
                     response_format=response_format, logit_bias=logit_bias,
-                    prompt_logprobs=prompt_logprobs, speculate=req.speculate))
+                    prompt_logprobs=prompt_logprobs, speculate=req.speculate, skip_special_tokens=skip_special))
             except ConfigError as exc:
                 raise APIError(400, str(exc)) from None
     return frontend.job(prompts, configs, req.n, received, model=req.model, cache_salt=req.cache_salt, key=key)
@@ -87,11 +91,16 @@ def completion_job(frontend: Frontend, req: CompletionRequest, prompts: list[lis
 class ChatReply:
     """A chat job's outputs as OpenAI's chat completion, or as its stream's chunks."""
 
-    def __init__(self, tokenizer, job: Job, req: ChatCompletionRequest, setup: tools.ToolSetup | None):
+    def __init__(self, tokenizer, job: Job, req: ChatCompletionRequest, setup: tools.ToolSetup | None,
+                 reasoning: Reasoning | None = None):
+        """``reasoning``: where the reply thinks; its thinking is given apart from the answer (as
+        ``reasoning_content`` and, vLLM's newer name, ``reasoning``), or left out with include_reasoning false."""
         self.tokenizer, self.job, self.setup = tokenizer, job, setup
+        self.reasoning, self.show_reasoning = reasoning, req.include_reasoning
         self.top = chat_top_logprobs(req)
         choices = len(job.configs)
-        self.parsers = [tools.StreamParser(setup) for _ in range(choices)] if setup and req.stream else None
+        self.parsers = [tools.stream_parser(setup) for _ in range(choices)] if setup and req.stream else None
+        self.splitters = [reasoning.splitter() for _ in range(choices)] if reasoning and req.stream else None
         self.called = [False] * choices
         self.started = [False] * choices
 
@@ -105,11 +114,15 @@ class ChatReply:
         if not self.started[choice]:
             self.started[choice] = True
             chunks.append(one({"role": "assistant", "content": None}, None, None))
-        calls = []
+        calls, thought = [], ""
+        if self.splitters:
+            thought, text = self.splitters[choice].feed(text, out.finished)
         if self.parsers:
             text, calls = self.parsers[choice].feed(text, out.finished)
             self.called[choice] |= bool(calls)
         delta = {"content": text} if text else {}
+        if thought and self.show_reasoning:
+            delta.update(reasoning_content=thought, reasoning=thought)
         if calls:
             delta["tool_calls"] = calls
         top = self.top
@@ -127,8 +140,13 @@ class ChatReply:
         choices = []
         for c, o in enumerate(outs):
             message, finish = {"role": "assistant", "content": o.text}, finish_reason(o)
-            if self.setup is not None:
-                message["content"], calls = tools.parse(o.text, self.setup)
+            if self.reasoning is not None:
+                thought, answer = self.reasoning.split(o.text)
+                message["content"] = answer if answer or thought is None else None
+                if self.show_reasoning:
+                    message.update(reasoning_content=thought, reasoning=thought)
+            if self.setup is not None and message["content"] is not None:
+                message["content"], calls = tools.parse(message["content"], self.setup)
                 if calls:
                     message["tool_calls"] = calls
                     finish = "tool_calls" if finish == "stop" else finish

@@ -1,17 +1,25 @@
 """Request models of the OpenAI API subset lmport serves, and OpenAI-style errors.
 
 Requests are validated strictly (``"16"`` is not an int), so a wrong type is
-an error that names its field instead of a silent coercion. Unknown fields
-are ignored, as OpenAI clients send fields (``user``, ``metadata``) that do
-not change generation. Responses are plain dicts (``openai_mapping.py``;
-``anthropic.py`` and ``responses.py`` for their APIs).
+an error that names its field instead of a silent coercion. A request body's
+unknown top-level fields are never dropped silently: one that would change what
+the request asks for (each route's ``UNIMPLEMENTED``) is a 400 naming it, any
+other (``user``, ``service_tier``: clients send fields that do not change
+generation) is accepted and logged once. Responses are plain dicts
+(``openai_mapping.py``; ``anthropic.py`` and ``responses.py`` for their APIs).
 """
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256          # each stop string is matched against the text's end at every token
@@ -32,10 +40,12 @@ class APIError(Exception):
     """Becomes ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None,
+                 details: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers
+        self.details = details   # machine-readable cause, where an API defines one (Anthropic's error.details)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -122,10 +132,63 @@ def _nullable_in_schema(schema: dict, cls) -> None:
                                       **({"title": title} if title else {})}
 
 
+@dataclass(frozen=True)
+class Unimplemented:
+    """A field of an API that lmport does not implement and that changes what a request asks for: given (not
+    null, and not one of ``harmless`` values that ask for what lmport does anyway), it is a 400 naming it."""
+    why: str                              # what the field asks for, that this server does not do
+    harmless: tuple = ()
+    fix: str = "leave it out"
+    details: dict | None = None           # the API's machine-readable cause, for clients that branch on it
+
+    def problem(self, name: str, value) -> APIError | None:
+        if value is None or value in self.harmless:
+            return None
+        return APIError(400, f"{name}: not supported by this server ({self.why}); {self.fix}", param=name,
+                        code="unsupported_parameter", details=self.details)
+
+
+class UnknownFields:
+    """Logs each unknown (accepted) top-level field once per route, so a client's extra fields are seen in the
+    log without flooding it; at most ``limit`` names are remembered (a client can make up endless names)."""
+
+    def __init__(self, limit: int = 1024):
+        self.limit, self.seen, self.lock = limit, set(), threading.Lock()
+
+    def note(self, route: str, names) -> None:
+        for name in names:
+            with self.lock:
+                if (route, name) in self.seen or len(self.seen) >= self.limit:
+                    continue
+                self.seen.add((route, name))
+            # A warning, so that it shows at the server's default log level: once per route and name.
+            log.warning("%s: accepted and ignored the unknown field %s (it does not change the request)", route,
+                        brief(name, 60))
+
+
+unknown_fields = UnknownFields()
+
+
 class _Request(BaseModel):
     """A request body. An explicit ``null`` means the field's default, as OpenAI treats it (the openai SDK sends
     null for every argument given as None)."""
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_nullable_in_schema)
+    # A route's body (extra="allow"): its fields that lmport does not implement and that change the request's
+    # meaning are refused; any other unknown field is accepted and logged once (docs/server.md, "Unknown fields").
+    ROUTE: ClassVar[str] = ""
+    UNIMPLEMENTED: ClassVar[Mapping[str, Unimplemented]] = {}
+
+    def unknown_field_problem(self) -> APIError | None:
+        """A 400 for the first given field of UNIMPLEMENTED; the other unknown fields are noted in the log."""
+        extra = self.model_extra
+        if not extra:
+            return None
+        for name, value in extra.items():
+            rule = self.UNIMPLEMENTED.get(name)
+            if rule is not None and (problem := rule.problem(name, value)) is not None:
+                return problem
+        unknown_fields.note(self.ROUTE, [name for name in extra if name not in self.UNIMPLEMENTED])
+        return None
 
     @model_validator(mode="before")
     @classmethod
@@ -163,8 +226,28 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False          # vLLM's extension: every chunk carries the usage so far
 
 
+# vLLM's sampling extensions that lmport does not implement, refused on both completion routes unless they ask for
+# what lmport does anyway.
+VLLM_UNIMPLEMENTED = {
+    "min_tokens": Unimplemented("vLLM's minimum output length", harmless=(0,)),
+    "stop_token_ids": Unimplemented("vLLM's stop token ids", harmless=([],), fix="give stop strings in stop"),
+    "bad_words": Unimplemented("vLLM's banned words", harmless=([],), fix="use logit_bias"),
+    "allowed_token_ids": Unimplemented("vLLM's token allow-list", fix="use logit_bias or a structured output"),
+    "prompt_logprobs": Unimplemented("vLLM's prompt logprobs", fix="use echo with logprobs on /v1/completions"),
+    "truncate_prompt_tokens": Unimplemented("vLLM's prompt truncation", fix="shorten the prompt"),
+    "include_stop_str_in_output": Unimplemented("vLLM's stop string kept in the text", harmless=(False,)),
+    "skip_special_tokens": Unimplemented("vLLM's special tokens in the text", harmless=(True,)),
+    "spaces_between_special_tokens": Unimplemented("vLLM's detokenizing switch", harmless=(True,)),
+    "use_beam_search": Unimplemented("beam search", harmless=(False,)),
+    "guided_whitespace_pattern": Unimplemented("vLLM's JSON whitespace pattern"),
+    "return_tokens_as_token_ids": Unimplemented("vLLM's token ids as logprob tokens", harmless=(False,)),
+    "return_token_ids": Unimplemented("vLLM's token ids in the reply", harmless=(False,)),
+}
+
+
 class _Sampling(_Request):
     """Fields shared by both routes. temperature 0 is greedy; > 0 samples (OpenAI's default is 1)."""
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = bounded_int(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -237,9 +320,16 @@ class TextPart(_Request):
     text: str
 
 
+def empty_arguments(text: str) -> str:
+    """A call's arguments as JSON text, where blank text (clients send "" for a call without arguments) is {}."""
+    return text if text.strip() else "{}"
+
+
 class FunctionCall(_Request):
     name: str
     arguments: str                                # JSON text, as OpenAI sends it
+
+    _no_arguments = field_validator("arguments")(empty_arguments)
 
 
 class ToolCall(_Request):
@@ -261,11 +351,34 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` (its StructuredOutputsParams): one constraint, as the guided_* fields give it.
+    A key it does not know is an error naming it, so nothing a client asks for is dropped."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None       # refused (lmport.server.structured): no structural tags here
+    whitespace_pattern: str | None = None          # refused likewise: JSON is compiled without free whitespace
+    disable_any_whitespace: bool = False           # accepted: lmport's JSON never has free whitespace
+    disable_fallback: bool = False                 # accepted: there is no other grammar backend to fall back to
+    disable_additional_properties: bool = False    # accepted: schemas are compiled strictly
+
+    def constraints(self) -> list[tuple[str, Any]]:
+        """(key, value) of each constraint given: vLLM requires exactly one."""
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None, "structural_tag": self.structural_tag}
+        return [(key, value) for key, value in given.items() if value is not None]
+
+
 class _Structured(_Sampling):
-    """Structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields, or llama.cpp's
-    ``grammar`` / ``json_schema`` (the same as guided_grammar / guided_json); lmport.server.structured checks
-    that at most one is given."""
+    """Structured outputs: OpenAI's response_format, or vLLM's structured_outputs or one of its older guided_*
+    fields, or llama.cpp's ``grammar`` / ``json_schema`` (the same as guided_grammar / guided_json);
+    lmport.server.structured checks that at most one is given."""
     response_format: dict | None = None           # checked by lmport.guided: text, json_object, json_schema
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
@@ -275,6 +388,18 @@ class _Structured(_Sampling):
 
 
 class ChatCompletionRequest(_Structured):
+    ROUTE = "/v1/chat/completions"
+    UNIMPLEMENTED = {
+        **VLLM_UNIMPLEMENTED,
+        "audio": Unimplemented("audio output"),
+        "modalities": Unimplemented("output other than text", harmless=(["text"],)),
+        "web_search_options": Unimplemented("web search"),
+        "moderation": Unimplemented("moderation of the input and output"),
+        "chat_template": Unimplemented("a chat template of the request's own"),
+        "documents": Unimplemented("documents given to the chat template"),
+        "echo": Unimplemented("vLLM's echo of the last message", harmless=(False,)),
+        "add_special_tokens": Unimplemented("vLLM's special tokens added to the prompt", harmless=(False,)),
+    }
     messages: list[ChatMessage]
     max_completion_tokens: int | None = bounded_int(None, ge=1)  # the newer name for max_tokens
     logprobs: bool = False
@@ -286,9 +411,18 @@ class ChatCompletionRequest(_Structured):
     # message in place, without closing its turn (a prefill the reply extends); at most one of them
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (enable_thinking: false turns Qwen3's thinking off)
+    chat_template_kwargs: dict | None = None
+    include_reasoning: bool = True                # vLLM's: false leaves the reasoning out of the reply
 
 
 class CompletionRequest(_Structured):
+    ROUTE = "/v1/completions"
+    UNIMPLEMENTED = {
+        **VLLM_UNIMPLEMENTED,
+        "suffix": Unimplemented("text after the completion (fill-in-the-middle)", harmless=("",)),
+        "add_special_tokens": Unimplemented("vLLM's special tokens added to the prompt", harmless=(True,)),
+    }
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = bounded_int(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = bounded_int(None, ge=0, le=20)

@@ -14,6 +14,7 @@ from typing import Literal
 
 from lmport import detokenize
 from lmport.engine import RequestOutput
+from lmport.reasoning import Reasoning
 from lmport.server import tools
 from lmport.server.frontend import Frontend, Job
 from lmport.server.openai_mapping import finish_reason
@@ -23,19 +24,22 @@ from lmport.server.streaming import outputs
 
 @dataclass
 class Piece:
-    kind: Literal["text", "call", "arguments"]
-    text: str   # the text, the called function's name, or a piece of the call's arguments (JSON text)
+    kind: Literal["thinking", "text", "call", "arguments"]
+    text: str   # the thinking, the text, the called function's name, or a piece of the call's arguments (JSON text)
 
 
-async def pieces(frontend: Frontend, job: Job, setup: tools.ToolSetup | None
+async def pieces(frontend: Frontend, job: Job, setup: tools.ToolSetup | None, reasoning: Reasoning | None = None
                  ) -> AsyncIterator[tuple[list[Piece], RequestOutput]]:
     """The job's one choice as it is generated: (its new pieces, the output so far).
 
-    With tools, a call comes as a "call" piece (the function's name) and then its arguments' JSON text in
-    "arguments" pieces, which concatenate to the non-streamed call's arguments; text that may begin a call is
-    held back until it is known (lmport.server.tools.StreamParser). A failed generation raises APIError(500).
+    With ``reasoning``, the reply's thinking comes as "thinking" pieces (lmport.reasoning.Splitter), before
+    the answer. With tools, a call comes as a "call" piece (the function's name) and then its arguments' JSON
+    text in "arguments" pieces, which concatenate to the non-streamed call's arguments; text that may begin a
+    call is held back until it is known (lmport.server.tools.StreamParser). A failed generation raises
+    APIError(500).
     """
-    parser = tools.StreamParser(setup) if setup is not None else None
+    parser = tools.stream_parser(setup) if setup is not None else None
+    splitter = reasoning.splitter() if reasoning is not None else None
     sent = 0
     stream = outputs(frontend, job)
     try:
@@ -43,8 +47,10 @@ async def pieces(frontend: Frontend, job: Job, setup: tools.ToolSetup | None
             finish_reason(out)   # raises for a generation that failed in the engine
             delta = out.text[sent:]
             sent += len(delta)
+            thought, delta = splitter.feed(delta, out.finished) if splitter is not None else ("", delta)
             text, calls = parser.feed(delta, out.finished) if parser is not None else (delta, [])
-            new = [Piece("text", text)] if text else []
+            new = [Piece("thinking", thought)] if thought else []
+            new += [Piece("text", text)] if text else []
             for call in calls:
                 function = call["function"]
                 if "id" in call:   # a call's first delta names the function
@@ -56,12 +62,20 @@ async def pieces(frontend: Frontend, job: Job, setup: tools.ToolSetup | None
         await stream.aclose()
 
 
-def reply_calls(out: RequestOutput, setup: tools.ToolSetup | None) -> tuple[str, list[dict]]:
-    """A finished output's text and tool calls (OpenAI's chat shape: {"function": {"name", "arguments"}})."""
+def reply_calls(out: RequestOutput, setup: tools.ToolSetup | None, reasoning: Reasoning | None = None
+                ) -> tuple[str, list[dict]]:
+    """A finished output's answer text (without its thinking) and tool calls (OpenAI's chat shape:
+    {"function": {"name", "arguments"}})."""
+    answer = out.text if reasoning is None else reasoning.split(out.text)[1]
     if setup is None:
-        return out.text, []
-    text, calls = tools.parse(out.text, setup)
+        return answer, []
+    text, calls = tools.parse(answer, setup)
     return text or "", calls
+
+
+def reply_thinking(out: RequestOutput, reasoning: Reasoning | None) -> str | None:
+    """A finished output's thinking, or None when it has none."""
+    return None if reasoning is None else reasoning.split(out.text)[0]
 
 
 def stop_sequence(tokenizer, out: RequestOutput, stop_words: list[str] | None) -> str | None:

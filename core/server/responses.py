@@ -1,4 +1,5 @@
-"""OpenAI's Responses API, its stateless part: POST /v1/responses (docs/server.md).
+"""OpenAI's Responses API, its stateless part: POST /v1/responses and POST /v1/responses/input_tokens
+(docs/server.md).
 
 A request is validated by the models below (an error names the field in OpenAI's shape), translated into a
 chat completions request (instructions, input as a string or items: messages, function calls and their
@@ -20,14 +21,15 @@ import uuid
 from typing import Annotated, ClassVar, Literal
 
 from fastapi import Request
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmport.engine import RequestOutput
-from lmport.server import openai_mapping, routes, streaming
-from lmport.server.protocol import APIError, ChatCompletionRequest, JSONPathRequest, _Request, bounded_int
+from lmport.server import access_log, openai_mapping, routes, streaming
+from lmport.server.protocol import (APIError, ChatCompletionRequest, JSONPathRequest, Unimplemented, _Request,
+                                    bounded_int, empty_arguments)
 from lmport.server.frontend import Frontend, Job
-from lmport.server.replies import pieces, renamed, reply_calls
+from lmport.server.replies import pieces, renamed, reply_calls, reply_thinking
 from lmport.server.streaming import event
 
 
@@ -67,6 +69,8 @@ class FunctionCallItem(_Request):
     name: str = Field(min_length=1)
     arguments: str
 
+    _no_arguments = field_validator("arguments")(empty_arguments)
+
 
 class FunctionCallOutputItem(_Request):
     type: Literal["function_call_output"]         # the result of that call
@@ -76,13 +80,19 @@ class FunctionCallOutputItem(_Request):
 
 class UnsupportedItem(_Request):
     """Items of the API that need stored state, hosted tools or reasoning this server does not have: refused."""
-    type: Literal["item_reference", "reasoning", "file_search_call", "web_search_call", "computer_call",
+    type: Literal["item_reference", "file_search_call", "web_search_call", "computer_call",
                   "computer_call_output", "image_generation_call", "code_interpreter_call", "local_shell_call",
                   "local_shell_call_output", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
                   "mcp_call", "custom_tool_call", "custom_tool_call_output"]
 
 
-Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | UnsupportedItem,
+class ReasoningItem(_Request):
+    """An earlier turn's reasoning (as a client sends a response's output back): left out of the prompt, as
+    chat templates leave earlier turns' thinking out."""
+    type: Literal["reasoning"]
+
+
+Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | UnsupportedItem,
                  Field(discriminator="type")]
 
 
@@ -130,30 +140,30 @@ class TextConfig(_Request):
 
 STORED = ("previous_response_id", "conversation", "prompt")   # fields that need stored state: refused
 
+# Fields of the Responses API that change what a request asks for and that this server does not implement: refused
+# (docs/server.md, "Unknown fields"); the stored-state ones above and the rest it defines are handled by name below.
+UNIMPLEMENTED = {
+    "context_management": Unimplemented("context management (compaction) of a stored conversation"),
+    "moderation": Unimplemented("moderation of the input and output"),
+    "personality": Unimplemented("a model-owned style preset"),
+}
 
-class ResponsesRequest(JSONPathRequest):
+
+class _ResponsesInput(JSONPathRequest):
+    """What a response and an input-token count request share: the conversation the model reads."""
+    model_config = ConfigDict(extra="allow")
+    UNIMPLEMENTED = UNIMPLEMENTED
     model: str
     input: str | list[Item]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = bounded_int(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stream: bool = False
     parallel_tool_calls: bool = True              # accepted; a forced call is one call
-    store: bool = True                            # accepted; nothing is stored (the response says store: false)
-    metadata: dict[str, str] | None = None        # returned as given
-    user: str | None = None
-    include: list[str] | None = None              # accepted; there is nothing more to include
     reasoning: dict | None = None                 # accepted; the model writes no separate reasoning
     truncation: Literal["auto", "disabled"] = "disabled"
-    top_logprobs: int | None = bounded_int(None, ge=0, le=20)
-    background: bool = False
     previous_response_id: str | None = None
     conversation: str | dict | None = None
-    prompt: dict | None = None
     top_k: ClassVar[int] = 0                      # Frontend.parse checks every request's top_k
 
     @model_validator(mode="before")
@@ -167,19 +177,14 @@ class ResponsesRequest(JSONPathRequest):
 
     def unsupported_problem(self) -> APIError | None:
         for name in STORED:
-            if (value := getattr(self, name)) is not None:
+            if (value := getattr(self, name, None)) is not None:
                 code = "previous_response_not_found" if name == "previous_response_id" else None
                 return APIError(400, f"{name}: this server does not store responses or conversations, so "
                                      f"{value!r} cannot be used; send the whole conversation in input", param=name,
                                 code=code)
-        if self.background:
-            return APIError(400, "background: not supported (a background response is stored to be polled); "
-                                 "leave it out", param="background")
         if self.truncation == "auto":
             return APIError(400, 'truncation: "auto" is not supported (the conversation is never cut); leave it '
                                  'out or send "disabled"', param="truncation")
-        if self.top_logprobs:
-            return APIError(400, "top_logprobs: not supported on /v1/responses; leave it out", param="top_logprobs")
         return None
 
     def stop_problem(self) -> APIError | None:
@@ -187,6 +192,41 @@ class ResponsesRequest(JSONPathRequest):
 
     def token_bias(self, vocab: int) -> None:
         return None
+
+
+class ResponsesRequest(_ResponsesInput):
+    """POST /v1/responses."""
+    ROUTE = "/v1/responses"
+    max_output_tokens: int | None = bounded_int(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    store: bool = True                            # accepted; nothing is stored (the response says store: false)
+    metadata: dict[str, str] | None = None        # returned as given
+    user: str | None = None
+    include: list[str] | None = None              # accepted; there is nothing more to include
+    top_logprobs: int | None = bounded_int(None, ge=0, le=20)
+    background: bool = False
+    prompt: dict | None = None
+
+    def unsupported_problem(self) -> APIError | None:
+        if (problem := super().unsupported_problem()) is not None:
+            return problem
+        if self.background:
+            return APIError(400, "background: not supported (a background response is stored to be polled); "
+                                 "leave it out", param="background")
+        if self.top_logprobs:
+            return APIError(400, "top_logprobs: not supported on /v1/responses; leave it out", param="top_logprobs")
+        return None
+
+
+class InputTokensRequest(_ResponsesInput):
+    """POST /v1/responses/input_tokens: the input a response request would give the model, counted."""
+    ROUTE = "/v1/responses/input_tokens"
+    # What the chat request it stands for needs and a count does not take.
+    temperature: ClassVar[float] = 1.0
+    top_p: ClassVar[float] = 1.0
+    max_output_tokens: ClassVar[int | None] = None
 
 
 # -- the request as a chat request ----------------------------------------------------------------------------
@@ -201,13 +241,15 @@ def _text(content: str | list, where: str) -> str:
     return "".join(part.refusal if isinstance(part, Refusal) else part.text for part in content)
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+def to_chat(req: ResponsesRequest | InputTokensRequest) -> ChatCompletionRequest:
     """The chat completions request ``req`` stands for."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = req.input if isinstance(req.input, list) else [MessageItem(type="message", role="user",
                                                                        content=req.input)]
     for i, item in enumerate(items):
         where = f"input.{i}"
+        if isinstance(item, ReasoningItem):
+            continue
         if isinstance(item, UnsupportedItem):
             why = ("it refers to a stored item, and this server stores none: send the item itself"
                    if item.type == "item_reference" else "this server runs function tools and text messages")
@@ -263,19 +305,36 @@ async def create(frontend: Frontend, request: Request):
     """POST /v1/responses."""
     received = time.perf_counter()
     req: ResponsesRequest = await frontend.parse(request, ResponsesRequest)
-    if isinstance(req.input, list) and not req.input:
-        raise APIError(400, "input: the list is empty; give a string or at least one item", param="input")
-    chat = to_chat(req)
+    prompt, chat = await _prompt(frontend, req)
     try:
-        prompt = await routes.chat_prompt(frontend, chat)
         job = openai_mapping.job_for(frontend, chat, [prompt.ids], "input", req.max_output_tokens, None, received,
                                      prompt.response_format, key=getattr(request.state, "api_key", None))
     except APIError as exc:
         raise renamed(exc, _field) from None
     frontend.admit(job)
     reply = _Reply(frontend, job, prompt, req)
-    return await streaming.respond(frontend, request, job, reply.events, lambda outs: reply.body(outs[0]),
-                                   stream=req.stream)
+    return await streaming.respond(frontend, request, job, reply.events,
+                                   access_log.counting_body(lambda outs: reply.body(outs[0])), stream=req.stream)
+
+
+async def _prompt(frontend: Frontend,
+                  req: ResponsesRequest | InputTokensRequest) -> tuple[routes.ChatPrompt, ChatCompletionRequest]:
+    """The chat prompt ``req`` stands for and its chat request, with errors named as this API names them."""
+    if isinstance(req.input, list) and not req.input:
+        raise APIError(400, "input: the list is empty; give a string or at least one item", param="input")
+    chat = to_chat(req)
+    try:
+        prompt = await routes.chat_prompt(frontend, chat)
+    except APIError as exc:
+        raise renamed(exc, _field) from None
+    return prompt, chat
+
+
+async def input_tokens(frontend: Frontend, request: Request):
+    """POST /v1/responses/input_tokens: the input's tokens as the model would read it, tools included."""
+    req: InputTokensRequest = await frontend.parse(request, InputTokensRequest)
+    prompt, _ = await _prompt(frontend, req)
+    return {"object": "response.input_tokens", "input_tokens": len(prompt.ids)}
 
 
 def _id(prefix: str) -> str:
@@ -287,6 +346,7 @@ class _Reply:
 
     def __init__(self, frontend: Frontend, job: Job, prompt: routes.ChatPrompt, req: ResponsesRequest):
         self.frontend, self.job, self.tools, self.req = frontend, job, prompt.tools, req
+        self.reasoning = prompt.reasoning   # the model's thinking comes back as a reasoning item
         self.sequence = 0
 
     def response(self, status: str, output: list[dict], out: RequestOutput | None = None,
@@ -320,10 +380,17 @@ class _Reply:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or
                 status != "in_progress" else []}
 
+    @staticmethod
+    def _reasoning(text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": _id("rs"), "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
     def body(self, out: RequestOutput) -> dict:
-        text, calls = reply_calls(out, self.tools)
+        text, calls = reply_calls(out, self.tools, self.reasoning)
+        thought = reply_thinking(out, self.reasoning)
         status = self._status(out)
-        output = [self._message(text, status)] if text or not calls else []
+        output = [self._reasoning(thought, status)] if thought is not None else []
+        output += [self._message(text, status)] if text or not calls else []
         output += [{"type": "function_call", "id": _id("fc"), "call_id": _id("call"), "name": c["function"]["name"],
                     "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
         return self.response(status, output, out)
@@ -336,7 +403,11 @@ class _Reply:
     def _close(self, item: dict, index: int, status: str, text: str) -> list[str]:
         """The events that end an open output item (its text or arguments whole, then the item)."""
         lines = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            lines.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=text))
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             lines.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                      content_index=0, text=text, logprobs=[]))
@@ -367,20 +438,26 @@ class _Reply:
         text = ""                   # its text so far, when it is a message
         final = None
         try:
-            async for new, out in pieces(self.frontend, self.job, self.tools):
+            async for new, out in pieces(self.frontend, self.job, self.tools, self.reasoning):
+                access_log.note_output(0, out.token_ids)
                 for piece in new:
-                    in_message = item is not None and item["type"] == "message"
-                    if piece.kind == "call" or (piece.kind == "text") != in_message:
+                    kind = {"text": "message", "thinking": "reasoning"}.get(piece.kind, "function_call")
+                    if piece.kind == "call" or item is None or item["type"] != kind:
                         if item is not None:
                             for line in self._close(item, len(output) - 1, "completed", text):
                                 yield line
-                        item, text = self._message("", "in_progress") if piece.kind == "text" else {
-                            "type": "function_call", "id": _id("fc"), "call_id": _id("call"), "name": piece.text,
-                            "arguments": "", "status": "in_progress"}, ""
+                        item, text = self._message("", "in_progress") if kind == "message" else \
+                            self._reasoning("", "in_progress") if kind == "reasoning" else {
+                                "type": "function_call", "id": _id("fc"), "call_id": _id("call"),
+                                "name": piece.text, "arguments": "", "status": "in_progress"}, ""
                         for line in self._open(item, output):
                             yield line
                     current = output[-1]   # the open item (it was just opened if need be)
-                    if piece.kind == "text":
+                    if piece.kind == "thinking":
+                        text += piece.text
+                        yield self._event("response.reasoning_text.delta", item_id=current["id"],
+                                          output_index=len(output) - 1, content_index=0, delta=piece.text)
+                    elif piece.kind == "text":
                         text += piece.text
                         yield self._event("response.output_text.delta", item_id=current["id"],
                                           output_index=len(output) - 1, content_index=0, delta=piece.text,
@@ -400,6 +477,10 @@ class _Reply:
         if final is None:   # outputs() ends only once the choice has finished
             raise RuntimeError("the engine's output stream ended before the response's choice finished")
         status = self._status(final)
+        if item is not None and item["type"] == "reasoning":   # only thinking: closed, then the empty message
+            for line in self._close(item, len(output) - 1, status, text):
+                yield line
+            item, text = None, ""
         if item is None:   # nothing was said: one empty message, as the reply body has
             item = self._message("", "in_progress")
             for line in self._open(item, output):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from lmport.server import openai_mapping, streaming, structured, tools
+from lmport.server import access_log, openai_mapping, streaming, structured, tools
+from lmport.reasoning import Reasoning
 from lmport.server.frontend import Frontend
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief
 
@@ -25,9 +26,10 @@ async def chat_completions(frontend: Frontend, request: Request):
     job = openai_mapping.chat_job(frontend, req, prompt.ids, prompt.response_format, received,
                                   key=getattr(request.state, "api_key", None))
     frontend.admit(job)
-    reply = openai_mapping.ChatReply(frontend.tokenizer, job, req, prompt.tools)
-    return await streaming.respond(frontend, request, job, lambda: streaming.event_lines(frontend, job, reply.chunks),
-                                   reply.body, stream=req.stream)
+    reply = openai_mapping.ChatReply(frontend.tokenizer, job, req, prompt.tools, prompt.reasoning)
+    chunks, body = access_log.counting_chunks(reply.chunks), access_log.counting_body(reply.body)
+    return await streaming.respond(frontend, request, job, lambda: streaming.event_lines(frontend, job, chunks),
+                                   body, stream=req.stream)
 
 
 async def completions(frontend: Frontend, request: Request):
@@ -39,8 +41,9 @@ async def completions(frontend: Frontend, request: Request):
                                         key=getattr(request.state, "api_key", None))
     frontend.admit(job)
     reply = openai_mapping.CompletionReply(frontend.tokenizer, job, req, prompt.given)
-    return await streaming.respond(frontend, request, job, lambda: streaming.event_lines(frontend, job, reply.chunks),
-                                   reply.body, stream=req.stream)
+    chunks, body = access_log.counting_chunks(reply.chunks), access_log.counting_body(reply.body)
+    return await streaming.respond(frontend, request, job, lambda: streaming.event_lines(frontend, job, chunks),
+                                   body, stream=req.stream)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class ChatPrompt:
     ids: list[int]                       # the conversation through the chat template, with its tools
     tools: tools.ToolSetup | None        # the callable tools (None: no call is parsed from the reply)
     response_format: dict | None         # the structured-output format, or the grammar forcing a call
+    reasoning: Reasoning | None = None   # where the reply's thinking is (None: no separation)
 
 
 async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPrompt:
@@ -58,10 +62,10 @@ async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPro
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
     if (chars := sum(len(m.text()) for m in req.messages)) > frontend.max_prompt_chars:
         raise _too_long(frontend, "messages", chars)
-    setup = await structured.off_loop(frontend, tools.check, req, frontend.grammars) \
-        if req.tools or req.tool_choice else None
+    setup = await structured.off_loop(frontend, tools.check, req, frontend.grammars,
+                                      frontend.tool_parser or "hermes") if req.tools or req.tool_choice else None
     try:
-        ids = await frontend.tokenize(tools.encode, frontend.tokenizer, req, setup)
+        ids, text = await frontend.tokenize(tools.encode_text, frontend.tokenizer, req, setup)
     except APIError:
         raise
     except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
@@ -69,13 +73,15 @@ async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPro
                        param="messages") from None
     response_format, format_param = structured.request_format(req)
     await structured.check_format(frontend, response_format, format_param)
-    if setup is not None and setup.response_format is not None:
-        if structured.constrains(response_format):
-            raise APIError(400, f"{format_param}: cannot be combined with a tool_choice that forces a call",
-                           param=format_param)
-        response_format = setup.response_format
+    if setup is not None and (setup.response_format is not None or structured.constrains(response_format)):
+        # A forced call is generated in its own grammar (the format is for text turns); with tool_choice auto, the
+        # reply is a call or the format's output.
+        response_format = await structured.off_loop(frontend, tools.turn_format, response_format, setup)
         await structured.check_format(frontend, response_format, "tools")
-    return ChatPrompt(ids, setup, response_format)
+    reasoning = frontend.reasoning_of(text)
+    if reasoning is not None:
+        response_format = reasoning.gated(response_format, frontend.tokenizer)
+    return ChatPrompt(ids, setup, response_format, reasoning)
 
 
 @dataclass

@@ -19,8 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import cast
 
-from lmport.api import encode_prompt
-from lmport.guided import Grammars, GuidedDecodingError, enforceable_schema
+from lmport import chat_template
+from lmport.guided import Grammars, GuidedDecodingError, enforceable_schema, grammar_key
+from lmport.tool_parsers.formats import ARGS, FORMATS, ToolFormat, rebase
 from lmport.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -31,10 +32,9 @@ GENERIC_PROMPT = """You can call functions. The functions, as JSON schemas:
 <tools>
 {tools}
 </tools>
-To call a function, answer with one block per call, exactly like this:
-<tool_call>
-{{"name": <function-name>, "arguments": <arguments-json-object>}}
-</tool_call>"""
+To call a function, answer with {how}, exactly like this:
+{example}"""
+HERMES_EXAMPLE = '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
 
 
 @dataclass
@@ -43,10 +43,18 @@ class ToolSetup:
     names: list[str]
     choice: str                        # "auto", "required" or a function's name
     response_format: dict | None       # the grammar forcing a call ("required" or a named function)
+    format: ToolFormat | None = None   # the family's call format (lmport.tool_parsers), None: Hermes'
+    parallel: bool = True              # parallel_tool_calls: false keeps only a reply's first call
+
+    @property
+    def schemas(self) -> dict[str, dict]:
+        return {t["function"]["name"]: t["function"]["parameters"] for t in self.tools}
 
 
-def check(req: ChatCompletionRequest, grammars: Grammars) -> ToolSetup | None:
-    """The request's tools and tool_choice, each checked (a 400 naming the field); None when no tool may be called."""
+def check(req: ChatCompletionRequest, grammars: Grammars, format_name: str = "hermes") -> ToolSetup | None:
+    """The request's tools and tool_choice, each checked (a 400 naming the field), in the tool-call format
+    ``format_name`` (lmport.tool_parsers); None when no tool may be called."""
+    fmt = None if format_name == "hermes" else FORMATS[format_name]
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -97,38 +105,54 @@ def check(req: ChatCompletionRequest, grammars: Grammars) -> ToolSetup | None:
     forced = None
     if choice != "auto":
         chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-        forced = {"type": "grammar", "grammar": call_grammar(chosen)}
-    return ToolSetup(tools, names, choice, forced)
+        grammar = call_grammar(chosen, fmt)
+        if grammar is None:
+            raise APIError(400, f"tool_choice: a forced call cannot be constrained in the {format_name} format "
+                                f"(its arguments are not JSON); use tool_choice auto", param="tool_choice")
+        forced = {"type": "grammar", "grammar": grammar}
+    return ToolSetup(tools, names, choice, forced, fmt, req.parallel_tool_calls)
 
 
-def call_grammar(functions: list[dict]) -> str:
-    """EBNF for one call block of any of ``functions``, its arguments matching the function's parameters."""
+def call_grammar(functions: list[dict], fmt: ToolFormat | None = None) -> str | None:
+    """EBNF for one call of any of ``functions`` in the format ``fmt`` (None: a Hermes block), its arguments
+    matching the function's parameters; None where the format has no grammar."""
     import xgrammar as xgr   # only where a request forces a tool call
+    if fmt is not None:
+        grammar = fmt.grammar(functions)
+        return None if grammar is None else str(grammar)
     grammars = []
     for fn in functions:
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},
                   "required": ["name", "arguments"],
-                  "$defs": {ARGS.rsplit("/", 1)[1]: enforceable_schema(_rebase(fn["parameters"]))}}
+                  "$defs": {ARGS.rsplit("/", 1)[1]: enforceable_schema(rebase(fn["parameters"]))}}
         grammars.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= {json.dumps(OPEN + chr(10))}'),
                                            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
                                            xgr.Grammar.from_ebnf(f'root ::= {json.dumps(chr(10) + CLOSE)}')))
     return str(grammars[0] if len(grammars) == 1 else xgr.Grammar.union(*grammars))
 
 
-ARGS = "#/$defs/arguments"   # where call_grammar puts a function's parameters, so their own references resolve
+def turn_format(response_format: dict | None, setup: ToolSetup) -> dict | None:
+    """The format this turn is generated under. A forced call: its grammar alone (OpenAI applies the
+    request's format to text replies, and this reply is a call). tool_choice auto with a format: a call, or
+    the format's output (so the format never rules a call out)."""
+    if setup.response_format is not None or response_format is None or response_format.get("type") == "text":
+        return setup.response_format or response_format
+    import xgrammar as xgr
+    calls = call_grammar([t["function"] for t in setup.tools], setup.format)
+    if calls is None:   # no grammar for the format's calls: the format alone (a call cannot be generated then)
+        return response_format
+    kind, text = cast("tuple[str, str]", grammar_key(response_format))
+    if kind == "json_schema":
+        answer = xgr.Grammar.from_json_schema(json.dumps(enforceable_schema(json.loads(text))),
+                                              any_whitespace=False, strict_mode=True)
+    elif kind == "regex_schema":
+        answer = xgr.Grammar.from_regex(text)
+    else:
+        answer = xgr.Grammar.from_ebnf(text)
+    return {"type": "grammar", "grammar": str(xgr.Grammar.union(xgr.Grammar.from_ebnf(calls), answer))}
 
 
-def _rebase(node):
-    """A schema's local references (``#/$defs/x``, ``#``) made to point into it at ARGS."""
-    if isinstance(node, dict):
-        return {k: (ARGS + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase(v))
-                for k, v in node.items()}
-    if isinstance(node, list):
-        return [_rebase(v) for v in node]
-    return node
-
-
-def template_messages(req: ChatCompletionRequest, native: bool) -> list[dict]:
+def template_messages(req: ChatCompletionRequest, native: bool, fmt: ToolFormat | None = None) -> list[dict]:
     """The conversation as chat-template messages; tool turns as the template expects (``native``) or as text."""
     messages = []
     for i, m in enumerate(req.messages):
@@ -160,7 +184,8 @@ def template_messages(req: ChatCompletionRequest, native: bool) -> list[dict]:
             if native:
                 msg["tool_calls"] = calls
             else:
-                blocks = [f"{OPEN}\n{json.dumps(c['function'], ensure_ascii=False)}\n{CLOSE}" for c in calls]
+                blocks = [fmt.render([c["function"] for c in calls])] if fmt is not None else \
+                    [f"{OPEN}\n{json.dumps(c['function'], ensure_ascii=False)}\n{CLOSE}" for c in calls]
                 msg["content"] = "\n".join(filter(None, [msg["content"], *blocks]))
         messages.append(msg)
     return messages
@@ -184,18 +209,33 @@ def template_knows_tools(tokenizer) -> bool:
 
 
 def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> list[int]:
-    """Token ids of the conversation with its tools, through the chat template.
+    """Token ids of the conversation with its tools, through the chat template."""
+    return encode_text(tokenizer, req, setup)[0]
+
+
+def encode_text(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> tuple[list[int], str]:
+    """(token ids, text) of the conversation with its tools, through the chat template and with the request's
+    chat_template_kwargs.
 
     Only the template's own markup becomes special tokens: a special token's text inside a message,
     a tool call or a tool (``<|im_end|>`` typed by a user) is tokenized as plain text, so content
     cannot open or close turns.
     """
     turn = template_switches(req)
+    try:
+        kwargs = chat_template.check_kwargs(req.chat_template_kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="chat_template_kwargs") from None
+    if tokenizer.chat_template is None:
+        raise APIError(400, f"messages: {chat_template.NO_TEMPLATE}", param="messages", code="no_chat_template")
     native = template_knows_tools(tokenizer)
-    messages = template_messages(req, native)
+    fmt = setup.format if setup is not None else None
+    messages = template_messages(req, native, fmt)
     tools = setup.tools if setup is not None else None
     if setup is not None and not native:
-        prompt = GENERIC_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in setup.tools))
+        prompt = GENERIC_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in setup.tools),
+                                       how="the call" if fmt else "one block per call",
+                                       example=fmt.example if fmt else HERMES_EXAMPLE)
         if messages and messages[0]["role"] in ("system", "developer"):
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
         else:
@@ -204,7 +244,8 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
     special = _special_texts(tokenizer)
     found = special.search(json.dumps([messages, tools], ensure_ascii=False)) if special else None
     if found is None:
-        return encode_prompt(tokenizer, messages, tools, **turn)
+        text = chat_template.render(tokenizer, messages, tools, kwargs=kwargs, **turn)
+        return tokenizer.encode(text, add_special_tokens=False), text
     # Each special token's text in the input becomes a placeholder the template passes through; the
     # rendered prompt is tokenized with the template's specials, each placeholder as the plain text it stands for.
     nonce = f"lmportliteral{uuid.uuid4().hex}x"
@@ -222,18 +263,17 @@ def encode(tokenizer, req: ChatCompletionRequest, setup: ToolSetup | None) -> li
             return [hide(v) for v in value]
         return value
     messages, tools = hide(messages), hide(tools)
-    if tokenizer.chat_template is None:
-        rendered = "\n".join(m["content"] for m in messages)
-    else:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **turn,
-                                                 **({"tools": tools} if tools else {}))
+    rendered = chat_template.render(tokenizer, messages, tools, kwargs=kwargs, **turn)
     ids: list[int] = []
+    pieces = []
     for i, piece in enumerate(re.split(f"{nonce}([0-9]+)x", rendered)):
         if i % 2:
             ids += tokenizer.encode(texts[int(piece)], add_special_tokens=False, split_special_tokens=True)
+            pieces.append(texts[int(piece)])
         elif piece:
             ids += tokenizer.encode(piece, add_special_tokens=False)
-    return ids
+            pieces.append(piece)
+    return ids, "".join(pieces)
 
 
 def _special_texts(tokenizer) -> re.Pattern | None:
@@ -249,6 +289,25 @@ def _special_texts(tokenizer) -> re.Pattern | None:
 
 
 def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a reply, in the setup's format; only the first call without parallel calls."""
+    content, calls = _parse_hermes(text, setup) if setup.format is None else _parse_family(text, setup)
+    return content, calls if setup.parallel else calls[:1]
+
+
+def _parse_family(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
+    """A reply in one of lmport.tool_parsers' formats: the text before its calls, and the calls; the whole text
+    as content when what follows the marker is no call to a given tool."""
+    fmt = cast(ToolFormat, setup.format)
+    at = fmt.start(text)
+    found = fmt.read(text[at:], setup.schemas) if at is not None else None
+    if not found or any(name not in setup.names for name, _ in found):
+        return text, []
+    content = text[:at].strip()
+    return content or None, [{"id": fmt.call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+                             for name, args in found]
+
+
+def _parse_hermes(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a reply: every well-formed block naming a tool becomes a call.
 
     A reply with a malformed block is left as plain content (no calls), as the model did not
@@ -303,6 +362,61 @@ def _loads_or_none(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def stream_parser(setup: ToolSetup):
+    """A parser of one choice's streamed reply in the setup's format: ``feed(delta, finished)`` gives
+    (content, tool-call deltas); only the first call's deltas without parallel calls."""
+    parser = StreamParser(setup) if setup.format is None else FamilyStream(setup)
+    return parser if setup.parallel else FirstCallOnly(parser)
+
+
+class FirstCallOnly:
+    """A stream parser's deltas of its first call only (parallel_tool_calls false), as ``parse`` keeps it."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        content, calls = self.parser.feed(delta, finished)
+        return content, [c for c in calls if c["index"] == 0]
+
+
+class FamilyStream:
+    """A streamed reply in one of lmport.tool_parsers' formats: text until a marker (text that may begin one is
+    held back), then the calls, each sent whole once the reply has ended (as ``parse`` reads them)."""
+
+    def __init__(self, setup: ToolSetup):
+        self.setup, self.fmt = setup, cast(ToolFormat, setup.format)
+        self.buffer = ""
+        self.mode = "text"   # "calls" once a marker is seen; "plain" once a reply that must start with one did not
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        self.buffer += delta
+        content = ""
+        if self.mode == "text":
+            at = self.fmt.start(self.buffer)
+            if at is not None:
+                content, self.buffer, self.mode = self.buffer[:at], self.buffer[at:], "calls"
+            elif self.fmt.at_start:
+                head = self.buffer.lstrip()
+                if not finished and any(m.startswith(head) for m in self.fmt.markers):
+                    return "", []
+                self.mode = "plain"
+            else:
+                keep = 0 if finished else max(_partial_prefix(self.buffer, m) for m in self.fmt.markers)
+                content, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                return content, []
+        if self.mode == "plain":
+            content, self.buffer = content + self.buffer, ""
+            return content, []
+        if not finished:
+            return content, []
+        text, self.buffer = self.buffer, ""
+        rest, calls = _parse_family(text, self.setup)
+        if not calls:
+            return content + text, []
+        return content + (rest or ""), [{"index": i, **call} for i, call in enumerate(calls)]
 
 
 class StreamParser:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -30,12 +31,18 @@ from lmport.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from lmport.weights.residency import page_out, read_ahead
 
 log = logging.getLogger(__name__)
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 # GGUF architectures lmport runs -> what they hold (llama.cpp writes Mistral and Mixtral as "llama").
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama, Mistral, Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
-    "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3",
+    "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3", "smollm3": "SmolLM3",
+    "glm4moe": "GLM-4.5",
 }
+# GGUF architecture -> transformers model type, where they differ.
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "glm4moe": "glm4_moe"}
+# Architectures whose q/k rows (and biases) llama.cpp's converter interleaves for its rotary.
+_PERMUTED_QK = ("llama", "smollm3")
 # Tensors a converter may write that the model computes from its config instead.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Phi-3's checkpoint fusions: the fused projection -> its parts, in row order.
@@ -115,15 +122,18 @@ def transformers_config(path: Path):
 def config_fields(path: Path) -> tuple[str, dict]:
     """The transformers model type of a GGUF and the config fields its metadata gives (transformers_config)."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    from lmport.weights.gguf_config import EXTRA_CONFIG_MAPPING, architecture_fields
     header, arch = read(path), architecture(path)
     meta = header.metadata
-    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
+    model_type = _MODEL_TYPES.get(arch, arch)
     if arch == "llama" and meta.get("llama.expert_count"):
         model_type = "mixtral"
     elif arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
         model_type = "mistral"
     config = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
-    table = GGUF_CONFIG_MAPPING[{"gemma3_text": "gemma3", "mixtral": "llama"}.get(model_type, model_type)]
+    table = EXTRA_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING[
+        {"gemma3_text": "gemma3", "mixtral": "llama"}.get(model_type, model_type)]
     for prefix, keys in ((arch, table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
         config |= {hf: meta[f"{prefix}.{key}"] for key, hf in keys.items() if hf and f"{prefix}.{key}" in meta}
     if model_type == "mixtral":
@@ -131,7 +141,21 @@ def config_fields(path: Path) -> tuple[str, dict]:
                    "num_experts_per_tok": meta["llama.expert_used_count"]}
     config.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))   # a string array: its length
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
+    config |= architecture_fields(arch, model_type, meta, {t.name for t in header.tensors})
+    if "rope_parameters" in config:
+        config.pop("rope_theta", None)
     return model_type, config
+
+
+def _not_loaded(tensor: str, meta: dict, arch) -> bool:
+    """Tensors a file may hold that the model does not load: those it computes from its config, and the
+    multi-token-prediction layers GLM-4.5's converter appends after the model's layers (transformers drops
+    them too)."""
+    if tensor in _CONFIG_TENSORS:
+        return True
+    extra = meta.get(f"{arch}.nextn_predict_layers", 0)
+    return bool(extra) and (m := _LAYER.match(tensor)) is not None and (
+        int(m[1]) >= meta[f"{arch}.block_count"] - extra)
 
 
 def _int_weight(rows: np.ndarray, qtype) -> QuantizedWeight:
@@ -256,10 +280,12 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
             wanted[f"{g}.{suffix}"] = hf
         elif (g := name_map.get_name(hf)) is not None:   # a parameter without a suffix (stacked experts)
             wanted[f"{g}.weight"] = hf
+        elif hf.endswith("_bias") and (g := name_map.get_name(hf.removesuffix("_bias"))) is not None:
+            wanted[f"{g}.bias"] = hf   # a bias buffer (GLM's e_score_correction_bias)
     values, dequantized, float_types = {}, set(), _types()[1]
     read_ahead(_tensor_view(header.mapped[header.data_start:]))   # every tensor is read: one read, not faults
     for t in header.tensors:
-        if t.name in _CONFIG_TENSORS:
+        if _not_loaded(t.name, header.metadata, arch):
             continue
         hf = wanted.get(t.name)
         if hf is None:
@@ -294,7 +320,8 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
         if name not in values:   # consumed with its partner (an expert's up beside its gate)
             continue
         value = values[name]
-        if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        if arch in _PERMUTED_QK and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                   "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             values[name] = _rows(value, _unpermute_rows(_out_features(value), heads))
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
@@ -337,10 +364,11 @@ def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
     int_types, _ = _types()
     by_format: dict[str, int] = {}
     float_name = str(dtype).removeprefix("torch.")
-    for t in read(path).tensors:
+    header = read(path)
+    for t in header.tensors:
         numel, qtype = int(np.prod(t.shape)), _qtype(t)
         name = qtype.name.lower()
-        if t.name in _CONFIG_TENSORS:
+        if _not_loaded(t.name, header.metadata, header.metadata.get("general.architecture")):
             continue
         if qtype in int_types and len(t.shape) in (2, 3):
             key = int_types[qtype]

@@ -79,7 +79,9 @@ def _check_layers(metadata: dict, arch: str, table: dict) -> None:
     layers = {int(m[1]) for name in table if (m := _LAYER.match(name))}
     count = max(layers) + 1 if layers else 0
     value = metadata.get(f"{arch}.block_count")
-    if value != count:
+    # GLM-4.5's converter counts its multi-token-prediction layers in block_count, written or not
+    extra = metadata.get(f"{arch}.nextn_predict_layers", 0)
+    if value != count and not (extra and _whole(extra) and value == count + extra):
         held = f"blk.0 to blk.{count - 1}" if layers else "none"
         raise DamagedHeader(f"{arch}.block_count", value, f"{count}, the layers its tensor table holds ({held})")
 
@@ -98,9 +100,11 @@ def _check_feed_forward(metadata: dict, arch: str, table: dict) -> None:
     experts_width = f"{arch}.expert_feed_forward_length"   # Qwen3-MoE's; Mixtral's experts use the dense key
     if experts_width not in metadata:
         experts_width = f"{arch}.feed_forward_length"
-    _check_width(metadata, experts_width, table, "blk.0.ffn_down_exps.weight", -1, "input width")
+    # the first layer with experts (GLM-4.5's first layers are dense)
+    down = next((name for name in table if name.endswith(".ffn_down_exps.weight")), "blk.0.ffn_down_exps.weight")
+    _check_width(metadata, experts_width, table, down, -1, "input width")
     # A count of experts is a count of modules to build: checked like the layers.
-    experts = _check_width(metadata, f"{arch}.expert_count", table, "blk.0.ffn_down_exps.weight", 0, "experts")
+    experts = _check_width(metadata, f"{arch}.expert_count", table, down, 0, "experts")
     used = _positive(metadata, f"{arch}.expert_used_count")
     if experts is not None and used is not None and used > experts:
         raise DamagedHeader(f"{arch}.expert_used_count", used, f"at most {arch}.expert_count ({experts})")
@@ -117,8 +121,9 @@ def _check_heads(metadata: dict, arch: str, table: dict, hidden: int | None) -> 
     if heads % kv:
         raise DamagedHeader(kv_key, kv, f"a divisor of {heads_key} ({heads})")
     # The head size: llama.cpp's key_length, which transformers reads for Llama as rope.dimension_count (llama.cpp
-    # requires the two equal for Llama), else the width over the heads.
-    size_keys = [f"{arch}.attention.key_length"] + ([f"{arch}.rope.dimension_count"] if arch == "llama" else [])
+    # requires the two equal for Llama and SmolLM3), else the width over the heads.
+    size_keys = [f"{arch}.attention.key_length"] + ([f"{arch}.rope.dimension_count"]
+                                                    if arch in ("llama", "smollm3") else [])
     size_keys = [k for k in size_keys if k in metadata]
     if size_keys:
         source = size_keys[0]

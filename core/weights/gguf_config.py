@@ -68,3 +68,48 @@ def as_transformers_config(cfg):
         return cfg
     from transformers import LlamaConfig
     return LlamaConfig(**cfg.to_dict())
+
+
+# Metadata keys (under the architecture's prefix) -> config fields, for the architectures transformers' GGUF
+# loader has no table of (transformers.integrations.ggml.GGUF_CONFIG_MAPPING); the keys are the ones
+# llama.cpp's convert_hf_to_gguf.py writes for them.
+_COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads",
+                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+EXTRA_CONFIG_MAPPING = {
+    # SmolLM3: its rotary-less layers are every 4th, which llama.cpp does not store but assumes (as the config's
+    # default no_rope_layer_interval does)
+    "smollm3": _COMMON_KEYS,
+    "glm4_moe": _COMMON_KEYS | {
+        "attention.key_length": "head_dim", "expert_count": "n_routed_experts",
+        "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_count": "n_shared_experts", "leading_dense_block_count": "first_k_dense_replace",
+        "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
+        "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+        "nextn_predict_layers": "num_nextn_predict_layers"},
+}
+_SIGMOID_GATING = 2   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def architecture_fields(arch: str, model_type: str, meta: dict, tensor_names: set[str]) -> dict:
+    """The config fields of ``model_type`` that a GGUF of ``arch`` gives by its tensors or by keys whose meaning
+    differs from the config's: biases and q/k norms present, GLM's rotary width as a fraction of the head and
+    its layer count without the multi-token-prediction layers (which the converter counts in block_count)."""
+    fields = {}
+    if model_type in ("smollm3", "glm4_moe"):
+        fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if model_type == "glm4_moe":
+        if (gating := meta.get(f"{arch}.expert_gating_func", _SIGMOID_GATING)) != _SIGMOID_GATING:
+            from lmport.errors import ConfigError
+            raise ConfigError(f"{arch}.expert_gating_func is {gating}: GLM-4.5 routes experts by sigmoid "
+                              f"({_SIGMOID_GATING}); the file was not written by llama.cpp's converter")
+        head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // meta[
+            f"{arch}.attention.head_count"]
+        fields["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_names
+        fields["num_hidden_layers"] = meta[f"{arch}.block_count"] - meta.get(f"{arch}.nextn_predict_layers", 0)
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+                                     "partial_rotary_factor": meta.get(f"{arch}.rope.dimension_count", head_dim)
+                                     / head_dim}
+    return fields

@@ -69,8 +69,9 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
     if type_name not in ggml_backend.capabilities.ggml_types:
         pytest.skip(f"{type_name} not declared")
     name = ggml_backend.capabilities.device_type
-    if name != "cpu" and ggml_backend.device.type == "cpu" and shape not in ("decode-1", "batch-9", "prefill-129"):
-        pytest.skip("the Triton interpreter is slow: three shapes keep the run short")
+    if name != "cpu" and ggml_backend.device.type == "cpu" and shape not in ("decode-1", "batch-40"):
+        # one row, and 40 rows in the 64-row tile larger batches take (16-row tiles: test_cuda_ggml.py)
+        pytest.skip("the Triton interpreter is slow: two shapes keep the run short")
     weight = random_blocks(type_name, OUT, inputs(type_name))
     device = ggml_backend.device
     if layout == "held":

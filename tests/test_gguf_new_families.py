@@ -1,0 +1,170 @@
+"""GGUF files of the newer families (SmolLM3, GLM-4.5) made by llama.cpp's own converter, loaded by lmport (slow).
+
+llama.cpp is found as tests/test_gguf_llama_cpp.py finds it, and without its ``convert_hf_to_gguf.py`` (and
+its requirement ``sentencepiece``) or ``llama-quantize`` the tests are skipped, saying so.
+
+Files: the tiny random-weight models of tests/support/tiny_float_models.py saved as transformers directories,
+converted with ``convert_hf_to_gguf.py --outtype q8_0``, and with ``--outtype f16`` then ``llama-quantize`` to
+Q4_K_M. The converter reads GLM's vocabulary by GLM's special tokens (``[gMASK]``, ``<|user|>``,
+``<|observation|>``), so the GLM model's copy of the default tokenizer has three of its added tokens renamed
+to them (same ids, same vocabulary size).
+
+The reference is transformers' model of the source directory's config holding the file's tensors, each
+dequantized by gguf-py's reference dequantizer and put back under transformers' names (gguf's own name map;
+the q/k rows the converter interleaved for SmolLM3 put back in order; GLM's experts restacked): transformers'
+GGUF loader reads neither architecture. For each file: lmport's greedy tokens (cpu, float32 compute, the
+weights kept quantized) against that model's, 16 prompts x 32 tokens, decoded together and each alone, at
+least 15 of 16 identical either way; the weight bytes lmport holds at most 1.1x the file's tensor bytes. And
+a damaged header field of each architecture is refused by name.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from support import greedy
+from support.gguf_files import dequantized_tensors, tensor_bytes, unpermute_qk
+from support.tiny_float_models import tiny_config, tiny_model_dir
+from test_gguf_llama_cpp import _out_dir, _run, _tool, quantized
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = {"smollm3": gguf.MODEL_ARCH.SMOLLM3, "glm4-moe": gguf.MODEL_ARCH.GLM4_MOE}   # tiny model -> GGUF
+PROMPTS, NEW_TOKENS = 16, 32
+# GLM's special tokens the converter looks up -> the default tokenizer's added tokens they replace.
+_GLM_TOKENS = {"<repo_name>": "[gMASK]", "<reponame>": "<|user|>", "<file_sep>": "<|observation|>"}
+
+
+def _source_dir(arch: str) -> Path:
+    """The tiny model's directory as the converter is given it (GLM's: its tokenizer's tokens renamed)."""
+    source = Path(tiny_model_dir(arch))
+    if arch != "glm4-moe":
+        return source
+    target = _out_dir() / f"{source.name}-glm-vocab"
+    if not target.exists():
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        tokenizer = json.loads((tmp / "tokenizer.json").read_text())
+        for token in tokenizer["added_tokens"]:
+            token["content"] = _GLM_TOKENS.get(token["content"], token["content"])
+        vocab = tokenizer["model"]["vocab"]
+        for old, new in _GLM_TOKENS.items():
+            vocab[new] = vocab.pop(old)
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer))
+        tmp.rename(target)
+    return target
+
+
+@functools.cache
+def converted(arch: str, outtype: str) -> Path:
+    """``convert_hf_to_gguf.py --outtype OUTTYPE`` of the tiny model (run with this environment's python)."""
+    convert = _tool("convert_hf_to_gguf.py")
+    if subprocess.run([sys.executable, "-c", "import sentencepiece"], capture_output=True).returncode:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py needs its requirements importable (sentencepiece: "
+                    "pip install sentencepiece, or put it on PYTHONPATH)")
+    source = _source_dir(arch)
+    out = _out_dir() / f"tiny-{arch}-{Path(tiny_model_dir(arch)).name}-{outtype.upper()}.gguf"
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        _run([sys.executable, convert, source, "--outtype", outtype, "--outfile", tmp, "--model-name", "tiny-random"])
+        tmp.replace(out)
+    return out
+
+
+def _file(arch: str, preset: str) -> Path:
+    return converted(arch, "q8_0") if preset == "Q8_0" else quantized(converted(arch, "f16"), preset)
+
+
+def reference_model(arch: str, path: Path):
+    """transformers' model of the tiny model's config holding the file's dequantized tensors."""
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    deq = {name: torch.from_numpy(value.copy()) for name, value in dequantized_tensors(path).items()}
+    names = gguf.get_tensor_name_map(FAMILIES[arch], cfg.num_hidden_layers)
+    state = {}
+    for name in model.state_dict():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix(".gate_up_proj")
+            state[name] = torch.cat([deq[f"{names.get_name(base + '.gate_proj')}.weight"],
+                                     deq[f"{names.get_name(base + '.up_proj')}.weight"]], dim=1)
+        elif name.endswith("mlp.experts.down_proj"):
+            state[name] = deq[f"{names.get_name(name)}.weight"]
+        elif name.endswith("e_score_correction_bias"):
+            state[name] = deq[f"{names.get_name(name.removesuffix('_bias'))}.bias"]
+        else:
+            value = deq[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+            if arch == "smollm3" and re.search(r"\.[qk]_proj\.(weight|bias)$", name):
+                heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+                value = unpermute_qk(value, heads)
+            state[name] = value
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_tiny_models_converted_by_llama_cpp(arch, preset):
+    import lmport
+    from lmport import EngineConfig
+    path = _file(arch, preset)
+    ids = greedy.prompts(PROMPTS)
+    want = greedy.hf_greedy(reference_model(arch, path), ids, NEW_TOKENS)
+    cfg = EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=256)
+    with lmport.pipeline(str(path), backend_config=cfg) as pipe:
+        got = {mode: greedy.lmport_greedy(pipe, ids, NEW_TOKENS, alone=mode == "alone")
+               for mode in ("batched", "alone")}
+        held = pipe.engine.weight_bytes
+    file_bytes = tensor_bytes(path)
+    print(f"\n{path.name}: lmport {held:,} B, file tensors {file_bytes:,} B ({held / file_bytes:.3f}x)")
+    for mode, tokens in got.items():
+        same, diverged = greedy.agreement(tokens, want)
+        print(f"  {mode}: identical {same}/{len(ids)}; diverged: {diverged}")
+        assert same >= len(ids) - 1, (mode, diverged)
+    assert held <= 1.1 * file_bytes, (held, file_bytes)
+
+
+def _set_value(data: bytearray, key: str, value: int) -> None:
+    """Rewrite the integer metadata value of ``key`` in place."""
+    raw = key.encode()
+    at = data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
+    (kind,) = struct.unpack_from("<I", data, at)
+    struct.pack_into({4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind], data, at + 4, value)
+
+
+DAMAGED = [("smollm3", "smollm3.block_count", 10**9, r"smollm3\.block_count is 1000000000, should be 4"),
+           ("smollm3", "smollm3.attention.head_count", 8, r"smollm3\.attention\.head_count is 8, should be 4"),
+           ("smollm3", "smollm3.rope.dimension_count", 32, r"smollm3\.attention\.head_count is 4, should be 2: .*"
+                                                                r"\(smollm3\.rope\.dimension_count\)"),
+           # GLM's converter counts the multi-token-prediction layer in block_count (5 for 4 layers held)
+           ("glm4-moe", "glm4moe.block_count", 10**9, r"glm4moe\.block_count is 1000000000, should be 4"),
+           ("glm4-moe", "glm4moe.block_count", 3, r"glm4moe\.block_count is 3, should be 4"),
+           ("glm4-moe", "glm4moe.expert_count", 1000, r"glm4moe\.expert_count is 1000, should be 8"),
+           ("glm4-moe", "glm4moe.expert_used_count", 9, r"glm4moe\.expert_used_count is 9, should be at most"),
+           ("glm4-moe", "glm4moe.expert_feed_forward_length", 64,
+            r"glm4moe\.expert_feed_forward_length is 64, should be 32"),
+           ("glm4-moe", "glm4moe.attention.key_length", 32, r"glm4moe\.attention\.head_count is 4, should be 2")]
+
+
+@pytest.mark.parametrize(("arch", "key", "value", "message"), DAMAGED, ids=[f"{k}={v}" for _, k, v, _ in DAMAGED])
+def test_a_damaged_header_of_a_new_family_is_refused_by_name(tmp_path, arch, key, value, message):
+    import lmport
+    from lmport import EngineConfig
+    from lmport.errors import ConfigError
+    data = bytearray(converted(arch, "q8_0").read_bytes())
+    _set_value(data, key, value)
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError, match=message):
+        lmport.pipeline(str(path), backend_config=EngineConfig(device_type="cpu"))
