@@ -11,12 +11,11 @@ import contextlib
 import functools
 import os
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import torch
+
+from test_server import ServerThread
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 FAMILY_TEMPLATES = {
@@ -107,27 +106,6 @@ def scripted(engine, tokens: list[int]):
         yield script
     finally:
         del engine._sample   # the class's method again
-
-
-class ServerThread:
-    """A real uvicorn server on a free loopback port, in a thread of this process."""
-
-    def __init__(self, app):
-        import uvicorn
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 class FamilyServers:
