@@ -20,7 +20,7 @@ from torch import nn
 
 from lmport.backend import Backend
 from lmport.models.llama import MLP, PagedCausalLM
-from lmport.models.moe import Experts
+from lmport.models.moe import Experts, refuse_tp
 from lmport.ops import route_grouped
 from lmport.parallel import TPGroup
 
@@ -60,9 +60,7 @@ class Glm4MoeCausalLM(PagedCausalLM):
     model_types = GLM4_MOE_MODEL_TYPES
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"{cfg.model_type}: tensor parallelism (tp={tp.size}) is not supported for "
-                             f"mixture-of-experts models (the experts are not sharded); use tp=1")
+        refuse_tp(cfg, tp)
         if cfg.n_routed_experts % cfg.n_group:
             raise ValueError(f"{cfg.model_type}: n_routed_experts={cfg.n_routed_experts} is not a multiple of "
                              f"n_group={cfg.n_group}")

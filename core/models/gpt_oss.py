@@ -21,6 +21,7 @@ from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.models.layers import RMSNorm, apply_rope
 from lmport.models.llama import Attention, PagedCausalLM
+from lmport.models.moe import refuse_tp
 from lmport.parallel import TPGroup
 
 GPT_OSS_MODEL_TYPES = ("gpt_oss",)
@@ -94,9 +95,7 @@ class GptOssCausalLM(PagedCausalLM):
     layer_class = GptOssDecoderLayer
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"{cfg.model_type}: tensor parallelism (tp={tp.size}) is not supported for "
-                             f"mixture-of-experts models (the experts are not sharded); use tp=1")
+        refuse_tp(cfg, tp)
         super().__init__(cfg, backend, rotary, tp)
 
     @classmethod

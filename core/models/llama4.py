@@ -27,6 +27,7 @@ from lmport.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.models.layers import RMSNorm, apply_rope
 from lmport.models.llama import MLP, Attention, PagedCausalLM, no_rope_layers
+from lmport.models.moe import refuse_tp
 from lmport.parallel import TPGroup
 
 LLAMA4_MODEL_TYPES = ("llama4_text",)
@@ -125,9 +126,7 @@ class Llama4CausalLM(PagedCausalLM):
     model_types = LLAMA4_MODEL_TYPES
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"{cfg.model_type}: tensor parallelism (tp={tp.size}) is not supported for "
-                             f"mixture-of-experts models (the experts are not sharded); use tp=1")
+        refuse_tp(cfg, tp)
         super().__init__(cfg, backend, rotary, tp)
         self.model.layers = nn.ModuleList(Llama4DecoderLayer(cfg, backend, self.tp, i)
                                           for i in range(cfg.num_hidden_layers))

@@ -71,13 +71,18 @@ def is_sparse_layer(cfg, index: int) -> bool:
     return cfg.num_experts > 0 and (index + 1) % step == 0
 
 
+def refuse_tp(cfg, tp: TPGroup | None) -> None:
+    """Mixture-of-experts models run at tp=1 only: their experts are not sharded."""
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"{cfg.model_type}: tensor parallelism (tp={tp.size}) is not supported for "
+                         f"mixture-of-experts models (the experts are not sharded); use tp=1")
+
+
 class MoeCausalLM(PagedCausalLM):
     model_types = MOE_MODEL_TYPES
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"{cfg.model_type}: tensor parallelism (tp={tp.size}) is not supported for "
-                             f"mixture-of-experts models (the experts are not sharded); use tp=1")
+        refuse_tp(cfg, tp)
         super().__init__(cfg, backend, rotary, tp)
         for i, layer in enumerate(self.model.layers):
             if is_sparse_layer(cfg, i):
