@@ -26,13 +26,10 @@ lock:
 run: $(STAMP)
 	$(VENV)/bin/lmport generate "$(PROMPT)"
 
-# ruff, then pyright on the package under its import names (pyright cannot follow the editable install's
-# package-dir mapping, so core/ and backends/ are linked as build/typecheck/lmport) and on tests/ and benchmarks/
-# with the package's rules less the six pyproject.toml turns off for them, with why.
+# ruff, then pyright on the package and on tests/ and benchmarks/ with the package's rules less the six
+# pyproject.toml turns off for them, with why.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	rm -rf build/typecheck && mkdir -p build/typecheck
-	cp -rs "$(CURDIR)/core" build/typecheck/lmport && cp -rs "$(CURDIR)/backends" build/typecheck/lmport/backends
 	$(VENV)/bin/basedpyright -p pyproject.toml
 
 test: lint

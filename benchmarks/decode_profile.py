@@ -7,7 +7,7 @@ around the forward (scheduling, sampling, detokenizing) is timed with a clock ar
 time in the layer loop not inside a kernel is Python between the ops. The clocks cost a little: the
 untimed step (same engine, clocks off, measured before them) is printed beside their sum.
 
-The engine runs a step's layers in one C++ call (backends/cpu/decoder_runner.py); the op by op times
+The engine runs a step's layers in one C++ call (lmport/backends/cpu/decoder_runner.py); the op by op times
 come from the runner's Python loop, which makes the same kernel calls one by one. Both loops' untimed
 steps are printed, and the step without a runner (the model's modules calling the backend op by op),
 each the median (min-max) over --rounds interleaved rounds: their differences are what the Python
@@ -142,7 +142,7 @@ def use_kernels(path: Path) -> None:
 
 def instrument(engine, clock: Clock) -> None:
     """Clocks around the step, the forward's parts and every kernel of the decoder runner."""
-    import lmport.runner as runner_module
+    import lmport.worker.runner as runner_module
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
     from lmport.backends.cpu.decoder_runner import build
     model, runner = engine.model, engine.runner
@@ -240,7 +240,7 @@ def main() -> None:
         use_kernels(args.kernels)
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     path = Path(args.file) if args.file.endswith(".gguf") else gguf_file(args.file, args.files_dir, args.llama_bin)
     engine = Engine(str(path), EngineConfig(device_type="cpu", cache_max_entry_count=64,
                                             max_prefill_token_num=max(256, args.depth),

@@ -1,7 +1,7 @@
 """Single-stream decode with this checkout's cpu kernels against another checkout's, paired round by round.
 
 A change to the C++ kernels is judged by this: the same engine (this checkout's Python) on the same GGUF
-file in two worker processes, one built from this checkout's backends/cpu/csrc and one from --base's
+file in two worker processes, one built from this checkout's lmport/backends/cpu/csrc and one from --base's
 (``kernels.CSRC``; its Python must call both builds alike). The workers take turns round by round, in
 the order A B B A ..., so the memory bandwidth a shared host gives, which drifts over seconds and
 minutes, falls on both alike; each round's ratio compares two runs made seconds apart. The table
@@ -43,7 +43,7 @@ def worker_main(model: str, csrc: str, threads: int, kv_cache_dtype: str) -> Non
     from lmport.backends.cpu import kernels
     kernels.CSRC = Path(csrc)
     from lmport.config import EngineConfig, GenerationConfig
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=40,
                                         max_prefill_token_num=PROMPT_TOKENS, kv_cache_dtype=kv_cache_dtype))
     prompt = engine.tokenizer.encode("Paged attention keeps keys and values in fixed-size blocks. " * 40)
@@ -83,7 +83,7 @@ def summary(rounds: list[dict], a: str, b: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", type=Path, help="the other checkout (its backends/cpu/csrc is built as A)")
+    ap.add_argument("--base", type=Path, help="the other checkout (its lmport/backends/cpu/csrc is built as A)")
     ap.add_argument("--files", default="Q8_0,Q4_K_M", help=f"among {', '.join(TYPES)}, or paths of GGUF files")
     ap.add_argument("--files-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN, help="llama-quantize, for a missing file")
@@ -96,7 +96,7 @@ def main() -> None:
     if args.worker:
         return worker_main(*args.worker, args.threads, args.kv_cache_dtype)
     if args.base is None or not (args.base / "backends" / "cpu" / "csrc" / "kernels.cpp").is_file():
-        raise SystemExit(f"--base {args.base}: give a checkout of lmport (one with backends/cpu/csrc/kernels.cpp), "
+        raise SystemExit(f"--base {args.base}: give a checkout of lmport (with lmport/backends/cpu/csrc/kernels.cpp), "
                          "e.g. from `git worktree add /tmp/base HEAD~1`")
     if args.rounds < 2:
         raise SystemExit("--rounds must be at least 2 (each build leads every other round)")

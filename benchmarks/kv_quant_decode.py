@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from machine import describe, line, spread, write_result
 
 # Each cache: its EngineConfig fields.

@@ -15,7 +15,7 @@ that builds an Engine (cpu backend, a 16-block KV cache) and generates one token
 `llama-server -m FILE -t THREADS -c 512`, asked for one token as soon as /health answers. Measured by
 the parent: wall seconds to the first token, the child's peak RSS (its own VmHWM: read by the
 parent from /proc before ending llama-server, printed by the lmport child as it ends) and the bytes it
-wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (``lmport.engine`` imported, no
+wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (``lmport.engine.engine`` imported, no
 model) is measured too and printed beside lmport's RSS. The cpu kernels are built (once per CPU and source
 version, as llama.cpp is built beforehand) before the first round, so that no round times the compiler. Targets checked
 in the table: peak RSS at most 1.3x the file's tensor bytes plus the KV cache, nothing written, cold
@@ -48,7 +48,7 @@ from serve_load import LLAMA_SERVING, served_url  # noqa: E402
 LMPORT_CHILD = r"""
 import sys
 from lmport import EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 engine = Engine(sys.argv[1], EngineConfig(device_type="cpu", cache_max_entry_count=16))
 engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=1, ignore_eos=True))
 while not any(out.finished for out in engine.step()):
@@ -56,7 +56,7 @@ while not any(out.finished for out in engine.step()):
 print("kv_bytes", engine.plan.cache_bytes, "weight_bytes", engine.weight_bytes, flush=True)
 print("peak_rss_bytes", {VMHWM})
 """
-FLOOR_CHILD = "import lmport.engine\nprint('peak_rss_bytes', {VMHWM})"
+FLOOR_CHILD = "import lmport.engine.engine\nprint('peak_rss_bytes', {VMHWM})"
 # The cpu backend's kernels are compiled once per CPU and source version (llama.cpp's are built beforehand
 # too): built here before any round, so that no round times the compiler.
 BUILD_CHILD = ("from lmport.backends.cpu import kernels\n"
@@ -272,7 +272,7 @@ def main() -> None:
           f"{m['load_average']}, after {results['load_average_after']}")
     print(f"cpu kernels loaded (built if this source version was not) before the rounds: "
           f"{results['kernel_build']['seconds']:.2f} s")
-    print(f"python floor (lmport.engine imported, no model): {floor['seconds']:.2f} s, "
+    print(f"python floor (lmport.engine.engine imported, no model): {floor['seconds']:.2f} s, "
           f"peak RSS {floor['peak_rss'] / mib:.0f} MiB")
     print("| file | tensor MiB | engine | first token s, median (min-max) | peak RSS MiB, median (min-max) | "
           "RSS / (tensors + KV) | written MiB |")

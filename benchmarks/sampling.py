@@ -1,4 +1,4 @@
-"""A sampled step's sampling on the cpu: lmport.sampling.sample against transformers' logits warpers and
+"""A sampled step's sampling on the cpu: lmport.worker.sampling.sample against transformers' logits warpers and
 torch.multinomial, on the same logits, side by side.
 
 --rows rows of a --vocab vocabulary (default 16 x 49152, SmolLM2 at concurrency 16), random logits with
@@ -44,8 +44,8 @@ def transformers_sample(logits: torch.Tensor, setting: dict, generators: list[to
 
 def lmport_sample(logits: torch.Tensor, setting: dict, generators: list[torch.Generator]) -> list[int]:
     from lmport.config import GenerationConfig
-    from lmport.sampling import sample
-    from lmport.sequence import Sequence
+    from lmport.worker.sampling import sample
+    from lmport.sched.sequence import Sequence
     seqs = [Sequence(f"r{i}", [1], GenerationConfig(do_sample=True, **setting), frozenset(), generator=g)
             for i, g in enumerate(generators)]
     return sample(logits, seqs)[0]

@@ -78,7 +78,7 @@ def is_loopback(url: str) -> bool:
 
 def start_server(model: str, extra: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
     lmport = Path(sys.executable).parent / "lmport"
-    cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport.cli"]
+    cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport"]
     cmd += ["serve", model, "--host", "127.0.0.1", "--port", "0", *extra]
     print("starting:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))

@@ -85,7 +85,7 @@ async def main_async(args) -> dict:
     import torch
 
     from lmport import EngineConfig, GenerationConfig
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     from lmport.models.loader import load_tokenizer, resolve_model_path
 
     prompt = load_tokenizer(args.model).encode(TEXT, add_special_tokens=False)[:args.prompt_tokens - 1]

@@ -144,7 +144,7 @@ def table(rounds: list[list[dict]]) -> str:
 
 async def main_async(args) -> dict:
     from lmport import EngineConfig, GenerationConfig
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     from lmport.models.loader import load_tokenizer, resolve_model_path
 
     requests = workload(load_tokenizer(args.model), args.requests, args.seed)

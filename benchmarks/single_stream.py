@@ -104,7 +104,7 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str) -> None:
     torch.set_num_threads(threads)
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig, GenerationConfig
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=40,
                                         max_prefill_token_num=PROMPT_TOKENS, kv_cache_dtype=kv_cache_dtype))
     text = "Paged attention keeps keys and values in fixed-size blocks. " * 40

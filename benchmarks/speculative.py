@@ -239,7 +239,7 @@ def verify_cost(rounds: int, depth: int = 256, reps: int = 10) -> dict:
     (the engine is idle), so the values in them do not matter, only the work."""
     import lmport
     from lmport import EngineConfig
-    from lmport.runner import StepInput
+    from lmport.worker.runner import StepInput
     counts = sorted({1, 2, 3, ngram_tokens() + 1})
     with lmport.pipeline("smollm2", backend_config=EngineConfig(device_type="cpu")) as pipe:
         engine = pipe.engine

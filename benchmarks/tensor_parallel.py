@@ -20,7 +20,7 @@ import platform
 import time
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from machine import write_result
 
 

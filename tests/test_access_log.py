@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from lmport.cli import build_parser
+from lmport.entrypoints.cli import build_parser
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server import access_log
 from lmport.server.app import create_app
 from support.model_helpers import tiny_tool_model_dir

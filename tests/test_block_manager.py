@@ -15,12 +15,12 @@ import random
 import pytest
 
 from lmport.config import GenerationConfig
-from lmport.paging.allocator import BlockAllocator, OutOfBlocks
-from lmport.paging.block_manager import BlockManager
-from lmport.paging.host_tier import CopyQueue
-from lmport.paging.prefix_cache import PrefixCache, block_hash, model_fingerprint
-from lmport.scheduler import Scheduler
-from lmport.sequence import Sequence, Status
+from lmport.kv.allocator import BlockAllocator, OutOfBlocks
+from lmport.kv.block_manager import BlockManager
+from lmport.kv.host_tier import CopyQueue
+from lmport.kv.prefix_cache import PrefixCache, block_hash, model_fingerprint
+from lmport.sched.scheduler import Scheduler
+from lmport.sched.sequence import Sequence, Status
 from support.paging_invariants import check_block_manager
 
 GEN = GenerationConfig(max_new_tokens=1)

@@ -225,7 +225,7 @@ def test_responses_give_the_thinking_as_a_reasoning_item(servers):
 
 
 def test_lmport_chat_shows_the_thinking_apart_from_the_reply(servers):
-    from lmport.chat import _remote_stream
+    from lmport.entrypoints.chat import _remote_stream
     from lmport.config import GenerationConfig
     thread, engine = servers("qwen3")
     thinking: list[str] = []

@@ -11,10 +11,10 @@ import pytest
 from support.chat_families import TEMPLATES, ServerThread
 from support.model_helpers import tiny_model_dir
 
-from lmport.api import encode_prompt
+from lmport.entrypoints.api import encode_prompt
 from lmport.chat_template import load
 from lmport.config import ConfigError, EngineConfig
-from lmport.engine import Engine, RequestError
+from lmport.engine.engine import Engine, RequestError
 from lmport.server.app import create_app
 from lmport.server.chat_format import configure, load_template
 

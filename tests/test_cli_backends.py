@@ -1,7 +1,7 @@
 """`lmport backends`, run as the installed console script: one row and one reason per installed backend."""
 from __future__ import annotations
 
-from lmport import registry
+from lmport.platform import registry
 
 COLUMNS = ("backend", "available", "quant policies", "block size", "origin")
 

@@ -8,10 +8,12 @@ import os
 import pytest
 import torch
 
-from lmport import EngineConfig, registry
+from lmport import EngineConfig
+
+from lmport.platform import registry
 from lmport.backends.cuda.graphs import DEFAULT_BATCH_SIZES, DecodeGraphRunner, graph_batch_sizes
 from lmport.ops import build_attention_metadata
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 
 
 @pytest.mark.parametrize("name", registry.backend_names())
@@ -126,7 +128,7 @@ def test_model_runner_replays_decode_steps_only(monkeypatch):
     import lmport
     from lmport import GenerationConfig
     from lmport.backends.cuda import CudaBackend
-    from lmport.runner import ModelRunner
+    from lmport.worker.runner import ModelRunner
     from support.model_helpers import tiny_model_dir
     sizes = []
     monkeypatch.setattr(DecodeGraphRunner, "run", lambda self, ids, meta, run=DecodeGraphRunner.run:

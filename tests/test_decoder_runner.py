@@ -1,4 +1,4 @@
-"""The cpu backend's decoder runner (backends/cpu/decoder_runner.py) against the model's modules, which
+"""The cpu backend's decoder runner (lmport/backends/cpu/decoder_runner.py) against the model's modules, which
 stay the reference: the same steps give the same hidden states, bit for bit (the runner makes the same
 kernel calls), for float and quantized layers (the int4 / int8 format, and GGUF blocks: a Q4_K_M file's mix of
 block types within one merged projection among them); steps and models it does not cover go to the modules."""

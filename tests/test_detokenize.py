@@ -1,11 +1,11 @@
-"""Incremental decoding (lmport.detokenize.IncrementalDecoder) against decoding the whole output:
+"""Incremental decoding (lmport.engine.detokenize.IncrementalDecoder) against decoding the whole output:
 after every token its text is the whole output's text up to the last complete character."""
 from __future__ import annotations
 
 import random
 
 import pytest
-from lmport.detokenize import IncrementalDecoder
+from lmport.engine.detokenize import IncrementalDecoder
 from lmport.models.loader import load_tokenizer
 
 TEXT = ("Paged attention keeps keys and values in fixed-size blocks. Ünïcödé: naïve café, 日本語のテキスト, "

@@ -1,4 +1,4 @@
-"""The docs cite files by repository path (docs/architecture.md, "Path convention"), and every one exists."""
+"""The docs cite files by repository path, and every one exists."""
 from __future__ import annotations
 
 import re
@@ -6,9 +6,9 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP = ("core", "backends", "tests", "benchmarks", "plugins", "docs", "requirements")
-# A backticked path that starts at one of the repository's folders, or at `lmport/` (the import name).
-CITED = re.compile(r"`((?:lmport|" + "|".join(TOP) + r")/[A-Za-z0-9_./-]*)`")
+TOP = ("lmport", "tests", "benchmarks", "plugins", "docs", "requirements")
+# A backticked path that starts at one of the repository's folders.
+CITED = re.compile(r"`((?:" + "|".join(TOP) + r")/[A-Za-z0-9_./-]*)`")
 # Paths a doc names that are not files of this repository, and why.
 NOT_IN_REPO = {
     "docs/context/": "a folder of Ascend's op-plugin repository",
@@ -27,15 +27,12 @@ def _cited(text: str) -> list[str]:
 
 
 def test_docs_cite_repository_paths_that_exist():
-    wrong, missing = [], []
+    missing = []
     for doc in _docs():
         for path in _cited(doc.read_text()):
             name = f"{doc.relative_to(ROOT)}: {path}"
-            if path.startswith("lmport/"):
-                wrong.append(f"{name} (write core/{path[len('lmport/'):]})")
-            elif path not in NOT_IN_REPO and not path.startswith(WRITTEN_BY_SCRIPTS) and not (ROOT / path).exists():
+            if path not in NOT_IN_REPO and not path.startswith(WRITTEN_BY_SCRIPTS) and not (ROOT / path).exists():
                 missing.append(name)
-    assert not wrong, f"import paths cited as files: {wrong}"
     assert not missing, f"cited paths that do not exist: {missing}"
 
 
@@ -50,8 +47,8 @@ def test_code_cites_docs_that_exist():
 
 
 def test_the_check_finds_a_wrong_path():
-    assert _cited("see `lmport/engine.py` and `core/nowhere.py`, not `torch/nn.py`") == \
-        ["lmport/engine.py", "core/nowhere.py"]
+    assert _cited("see `lmport/engine.py` and `lmport/nowhere.py`, not `torch/nn.py`") == \
+        ["lmport/engine.py", "lmport/nowhere.py"]
 
 
 def test_readme_links_the_architecture():

@@ -6,8 +6,8 @@ import pytest
 
 from support.model_helpers import tiny_model_dir
 
-from lmport import plan, plan_format
-from lmport.cli import main
+from lmport.memory import plan, plan_format
+from lmport.entrypoints.cli import main
 from lmport.config import ConfigError, EngineConfig
 
 MEMORY = 2 * 2**30

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmport.dp.router import PrefixRouter
-from lmport.paging.prefix_cache import PrefixCache
+from lmport.kv.prefix_cache import PrefixCache
 
 BS = 4
 

@@ -15,8 +15,8 @@ import torch
 
 from lmport import EngineConfig, GenerationConfig
 from lmport.config import ConfigError
-from lmport.engine import Engine, RequestError
-from lmport.pooling import PoolingConfig, finish, pooling_config
+from lmport.engine.engine import Engine, RequestError
+from lmport.worker.pooling import PoolingConfig, finish, pooling_config
 from support.st_models import st_model, tiny_st_dir
 
 TEXTS = ["Hello world", "Paged attention keeps the KV cache in fixed-size blocks, so sequences grow without "

@@ -1,4 +1,4 @@
-"""The front end's handle on an engine core in its own process (lmport.engine_client)."""
+"""The front end's handle on an engine core in its own process (lmport.engine.client)."""
 from __future__ import annotations
 
 import subprocess

@@ -5,9 +5,9 @@ import pytest
 
 from support.model_helpers import tiny_model_dir
 
-import lmport.engine as engine_module
+import lmport.engine.engine as engine_module
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from lmport.config import GenerationConfig
-from lmport.engine import RequestOutput
-from lmport.engine_messages import (EngineRequest, adapter_from_wire, adapter_to_wire, error_from_wire, error_to_wire,
+from lmport.engine.engine import RequestOutput
+from lmport.engine.messages import (EngineRequest, adapter_from_wire, adapter_to_wire, error_from_wire, error_to_wire,
                                     output_from_wire, output_to_wire, pack, unpack)
 from lmport.lora import AdapterError
 from lmport.lora.table import LoadedAdapter

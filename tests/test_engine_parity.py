@@ -106,7 +106,7 @@ def test_tiny_models_greedy_and_logits(arch):
 
 @pytest.mark.parametrize("rows", [[0], [3], [1, 2, 3], [0, 1, 2, 3, 4], [0, 2], [1, 3, 4]])
 def test_a_steps_logits_rows_are_those_rows_and_consecutive_ones_a_view(rows):
-    from lmport.sampling import rows_of
+    from lmport.worker.sampling import rows_of
     x = torch.arange(20.0).view(5, 4)
     picked = rows_of(x, rows)
     torch.testing.assert_close(picked, x[rows], rtol=0, atol=0)

@@ -8,7 +8,7 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from lmport.engine import RequestError
+from lmport.engine.engine import RequestError
 from support.model_helpers import hf_model, tiny_model_dir
 
 

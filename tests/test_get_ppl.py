@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import lmport
-from lmport import scoring
+from lmport.worker import scoring
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
-from lmport.engine import RequestError
+from lmport.engine.engine import RequestError
 from support.model_helpers import hf_model
 
 FREE = 3 << 30   # free memory the engine sees once its weights are loaded: the same plan on every machine

@@ -15,7 +15,7 @@ import pytest
 
 from lmport import EngineConfig
 from lmport.config import ConfigError
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.weights.checkpoint import checkpoint_formats
 from support.gguf_files import write_gguf
 from support.tiny_hf_models import gguf_file, tiny_config, tiny_model

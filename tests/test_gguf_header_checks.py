@@ -11,8 +11,10 @@ import struct
 import pytest
 import torch
 
-from lmport import EngineConfig, cli
-from lmport.engine import Engine
+from lmport import EngineConfig
+
+from lmport.entrypoints import cli
+from lmport.engine.engine import Engine
 from lmport.errors import ConfigError
 from lmport.models.loader import resolve_model_path
 from support.tiny_hf_models import gguf_file

@@ -12,11 +12,11 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from lmport.cli import build_parser, gen_config
+from lmport.entrypoints.cli import build_parser, gen_config
 from lmport.config import ConfigError
-from lmport.engine import RequestError
-from lmport import guided
-from lmport.guided import apply_bitmask
+from lmport.engine.engine import RequestError
+from lmport.structured_output import grammar as guided
+from lmport.structured_output.grammar import apply_bitmask
 from support.model_helpers import tiny_model_dir
 
 SCHEMA = {"type": "object", "properties": {

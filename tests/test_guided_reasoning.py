@@ -1,4 +1,5 @@
-"""A structured output's grammar applied after the reply's thinking (lmport.guided.Matcher with ``reasoning``):
+"""A structured output's grammar applied after the reply's thinking
+(lmport.structured_output.grammar.Matcher with ``reasoning``):
 every token while it thinks, blank lines right after it, then only what the grammar allows; rolling back a
 speculative proposal across those phases leaves the matcher as if the tokens had never come."""
 from __future__ import annotations
@@ -7,7 +8,7 @@ import pytest
 import xgrammar as xgr
 from support.chat_families import EXTRA_VOCAB, family_model_dir
 
-from lmport.guided import Grammars, GuidedDecodingError, grammar_key
+from lmport.structured_output.grammar import Grammars, GuidedDecodingError, grammar_key
 from lmport.reasoning import PARSERS
 
 VOCAB = 49152 + EXTRA_VOCAB

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"lmport": ROOT / "core", "lmport.backends": ROOT / "backends"}
+PACKAGES = {"lmport": ROOT / "lmport"}
 
 
 def _modules() -> dict[str, Path]:
@@ -101,11 +101,11 @@ def test_import_graph_has_no_cycle():
 
 def test_the_walk_sees_imports():
     graph = _graph()
-    assert "lmport.flags" in graph["lmport.cli"]
-    assert "lmport.config" in graph["lmport.flags"]
-    assert "lmport.cli" not in graph["lmport.flags"]
-    assert "lmport.oom_advisor" in graph["lmport.memory"]
-    assert "lmport.memory" not in graph["lmport.oom_advisor"]   # only under TYPE_CHECKING
+    assert "lmport.entrypoints.flags" in graph["lmport.entrypoints.cli"]
+    assert "lmport.config" in graph["lmport.entrypoints.flags"]
+    assert "lmport.entrypoints.cli" not in graph["lmport.entrypoints.flags"]
+    assert "lmport.memory.oom_advisor" in graph["lmport.memory.budget"]
+    assert "lmport.memory.budget" not in graph["lmport.memory.oom_advisor"]   # only under TYPE_CHECKING
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -118,12 +118,13 @@ NOT_ON_IMPORT = ("xgrammar", "transformers.activations", "torch._dynamo", "torch
 def test_the_engine_and_server_leave_heavy_modules_out():
     import subprocess
     import sys
-    code = ("import sys, lmport.engine, lmport.server.app\n"
-            "from lmport.guided import Grammars, MaskBuilder\n"   # what a request without a format meets
+    code = ("import sys, lmport.engine.engine, lmport.server.app\n"
+            # what a request without a format meets
+            "from lmport.structured_output.grammar import Grammars, MaskBuilder\n"
             "assert Grammars(None, 8, []).matcher(None) is None and MaskBuilder(8).start([None]) is None\n"
             f"print(' '.join(m for m in {NOT_ON_IMPORT!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == [], f"importing lmport.engine and lmport.server.app imports {out.stdout.strip()}"
+    assert out.stdout.split() == [], f"the engine and the server app import {out.stdout.strip()}"
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -136,7 +137,7 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_walk_sees_imports_inside_functions(tmp_path):
-    assert "lmport.resolution" in _graph()["lmport.cli"]        # imported inside cmd_worker only
+    assert "lmport.platform.resolution" in _graph()["lmport.entrypoints.cli"]        # imported inside cmd_worker only
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from lmport.config import ConfigError\n    return ConfigError\n")
     assert _imports("lmport.units", lazy, _modules()) == {"lmport.config"}
@@ -145,5 +146,5 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
 def test_the_config_is_a_plain_value():
     """Importing lmport.config, lazily or not, reaches neither the registry nor any backend."""
     reached = _reachable(_graph(), "lmport.config")
-    assert not {m for m in reached if m in ("lmport.registry", "lmport.backend", "lmport.resolution")
+    assert not {m for m in reached if m.startswith("lmport.platform")
                 or m.startswith("lmport.backends")}, sorted(reached)

@@ -12,7 +12,7 @@ import pytest
 
 from benchmark_module import load_benchmark
 from lmport.backends.cpu import kernels
-from lmport.output_processor import RequestOutput
+from lmport.engine.output_processor import RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def test_a_base_without_kernel_sources_is_named_before_anything_runs(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--base", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert f"--base {tmp_path}: give a checkout of lmport (one with backends/cpu/csrc/kernels.cpp)" in out.stderr
+    assert f"--base {tmp_path}: give a checkout of lmport (one with lmport/backends/cpu/csrc/kernels.cpp)" in out.stderr
 
 
 def test_one_round_or_a_missing_gguf_path_is_refused_before_anything_runs(tmp_path):

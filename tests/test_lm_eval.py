@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import default_model_path
 from test_get_ppl import smollm2_pipeline

@@ -16,9 +16,9 @@ import torch
 
 from lmport import EngineConfig, GenerationConfig
 from lmport.config import ConfigError
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.lora import AdapterError
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 from support.model_helpers import hf_model, tiny_model_dir
 from support.lora_adapters import adapter_dir, greedy, merged_model
 
@@ -180,8 +180,8 @@ def test_config():
 
 
 def test_plan_counts_adapter_memory():
-    from lmport.plan import build_plan
-    from lmport.plan_format import format_plan
+    from lmport.memory.plan import build_plan
+    from lmport.memory.plan_format import format_plan
     model_dir = tiny_model_dir("llama")
     config = dict(device_type="cpu", dtype="float32", cache_max_entry_count=0.5)
     without = build_plan(model_dir, EngineConfig(**config), device_memory=2**30)

@@ -10,12 +10,16 @@ import pytest
 import torch
 import transformers
 
-from lmport import cli, memory, plan, units
+from lmport import units
+
+from lmport.entrypoints import cli
+
+from lmport.memory import budget as memory, plan
 from lmport.backends.cpu import CpuBackend
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.models import loader
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 from lmport.weights import gguf as gguf_weights
 from lmport.weights.gguf_header import GGUFHeader
 from support.model_helpers import default_model_path, tiny_model_dir

@@ -7,13 +7,17 @@ import re
 import pytest
 import torch
 
-from lmport import cli, memory, plan, units
+from lmport import units
+
+from lmport.entrypoints import cli
+
+from lmport.memory import budget as memory, plan
 from lmport.models import parameters
 from lmport.backends.cpu import CpuBackend
 from lmport.config import ConfigError, EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.kv.layout import KVLayout
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 from support.model_helpers import tiny_model_dir
 
 FREE = 128 << 20

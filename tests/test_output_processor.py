@@ -1,4 +1,4 @@
-"""The output processor (lmport.output_processor): the core's token-only outputs to text, as the engine made them
+"""The output processor (lmport.engine.output_processor): the core's token-only outputs to text, as the engine made them
 when it detokenized and checked stop strings itself (``engine_push`` below is that code), one token at a time or
 several in one output (speculative decoding); and under the server, a stop string ends the stream at once and
 aborts the request in the engine core."""
@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from lmport import detokenize
+from lmport.engine import detokenize
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine, RequestOutput
+from lmport.engine.engine import Engine, RequestOutput
 from lmport.models.loader import load_tokenizer
-from lmport.output_processor import OutputProcessor
+from lmport.engine.output_processor import OutputProcessor
 from lmport.server.app import create_app
 from support.model_helpers import tiny_model_dir
 from test_server import ServerThread

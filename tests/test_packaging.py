@@ -1,4 +1,4 @@
-"""Packaging: entry points, the core/ -> lmport and backends/ -> lmport.backends mapping, the console script."""
+"""Packaging: entry points, every package folder installed, the console script."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_TREE = {"ascend", "camb", "cpu", "cuda"}
-PACKAGE_ROOTS = {"core": "lmport", "backends": "lmport.backends"}
 
 
 def _load_toml(path: Path) -> dict:
@@ -58,7 +57,7 @@ def test_installed_entry_points_match_pyproject(pyproject):
 
 
 def test_console_script(pyproject):
-    assert pyproject["project"]["scripts"]["lmport"] == "lmport.cli:main"
+    assert pyproject["project"]["scripts"]["lmport"] == "lmport.entrypoints.cli:main"
     script = Path(sys.executable).parent / "lmport"
     assert script.exists(), f"no `lmport` console script next to {sys.executable}; run `make setup`"
 
@@ -70,39 +69,25 @@ def test_import_in_tree_backend(name):
 
 
 def _package_folders() -> dict[str, Path]:
-    """Every folder under core/ and backends/ with an __init__.py, by the package name it installs as."""
-    found = {}
-    for folder, package in PACKAGE_ROOTS.items():
-        for init in sorted((ROOT / folder).rglob("__init__.py")):
-            rel = init.parent.relative_to(ROOT / folder)
-            if "__pycache__" in rel.parts:
-                continue
-            found[".".join([package, *rel.parts])] = init.parent
-    return found
+    """Every folder under lmport/ with an __init__.py, by the package name it installs as (its path)."""
+    return {".".join(init.parent.relative_to(ROOT).parts): init.parent
+            for init in sorted((ROOT / "lmport").rglob("__init__.py")) if "__pycache__" not in init.parts}
 
 
-def test_package_dir_mapping(pyproject):
-    assert pyproject["tool"]["setuptools"]["package-dir"] == {"lmport": "core", "lmport.backends": "backends"}
-
-
-def test_every_package_folder_is_listed(pyproject):
-    listed = set(pyproject["tool"]["setuptools"]["packages"])
-    folders = _package_folders()
-    missing = sorted(set(folders) - listed)
-    assert not missing, (f"{missing} are packages in the tree but not in pyproject's [tool.setuptools] "
-                         f"packages: `pip install .` (non-editable) would leave them out")
-    stale = sorted(listed - set(folders))
-    assert not stale, f"pyproject lists {stale}, which have no folder with an __init__.py"
+def test_every_package_folder_is_found(pyproject):
+    """The folders are the packages: setuptools' find with pyproject's include installs each one, no other."""
+    from setuptools import find_packages
+    found = set(find_packages(str(ROOT), **pyproject["tool"]["setuptools"]["packages"]["find"]))
+    assert found == set(_package_folders())
 
 
 def test_no_python_folder_without_init():
     """A folder of modules without __init__.py is a namespace package that `packages` silently skips."""
     orphans = []
-    for folder in PACKAGE_ROOTS:
-        for path in (ROOT / folder).rglob("*.py"):
-            parent = path.parent
-            if "__pycache__" not in parent.parts and not (parent / "__init__.py").exists():
-                orphans.append(str(parent.relative_to(ROOT)))
+    for path in (ROOT / "lmport").rglob("*.py"):
+        parent = path.parent
+        if "__pycache__" not in parent.parts and not (parent / "__init__.py").exists():
+            orphans.append(str(parent.relative_to(ROOT)))
     assert not orphans, f"folders with modules but no __init__.py: {sorted(set(orphans))}"
 
 
@@ -110,8 +95,7 @@ def _copy_sources(tmp_path: Path) -> Path:
     """What a wheel is built from, copied, so that no build/ or egg-info lands in the working tree."""
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for folder in PACKAGE_ROOTS:
-        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    shutil.copytree(ROOT / "lmport", src / "lmport", ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     return src

@@ -77,8 +77,8 @@ def test_penalty_range_is_checked(field, value):
 
 
 def test_logit_bias_is_added_before_sampling_and_checked():
-    from lmport.sampling import sample
-    from lmport.sequence import Sequence
+    from lmport.worker.sampling import sample
+    from lmport.sched.sequence import Sequence
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]])
     seqs = [Sequence("a", [0], GenerationConfig(logit_bias={1: -100, 3: 4}), frozenset()),
             Sequence("b", [0], GenerationConfig(), frozenset())]

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from lmport import ConfigError, EngineConfig, registry
-from lmport.backend import Backend
-from lmport.resolution import resolve_config
+from lmport import ConfigError, EngineConfig
+
+from lmport.platform import registry
+from lmport.platform.backend import Backend
+from lmport.platform.resolution import resolve_config
 
 DIST = "lmport-example-device"
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +92,7 @@ def test_block_size_rule_is_applied(asked):
 
 
 NEW_PLUGIN = """
-from lmport.backend import Backend, Capabilities
+from lmport.platform.backend import Backend, Capabilities
 
 class FreshBackend(Backend):
     capabilities = Capabilities(device_type="fresh", torch_device="cpu", kv_quant_policies=frozenset({0, 8}),

@@ -68,7 +68,7 @@ def test_weights_are_the_gguf_values_exactly():
 
 
 def test_plan_counts_the_bytes_the_engine_holds():
-    from lmport import plan
+    from lmport.memory import plan
     engine = quantized_pipeline().engine
     report = plan.build_plan("smollm2", EngineConfig(device_type="cpu", cache_max_entry_count=400),
                              device_memory=1 << 34)

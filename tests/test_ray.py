@@ -25,7 +25,7 @@ from test_tensor_parallel import GREEDY, PROMPTS, greedy
 from support.model_helpers import hf_greedy, tiny_model_dir
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.models.loader import load_tokenizer
 from lmport.server.app import create_app
 

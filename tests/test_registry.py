@@ -6,9 +6,13 @@ import re
 
 import pytest
 
-from lmport import ConfigError, EngineConfig, cli, registry
+from lmport import ConfigError, EngineConfig
+
+from lmport.entrypoints import cli
+
+from lmport.platform import registry
 from lmport.backends.cpu import CpuBackend
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 
 IN_TREE = {"ascend", "camb", "cpu", "cuda"}
 
@@ -79,7 +83,7 @@ BROKEN_PLUGINS = {
     "not-a-backend": ("fake_broken_plugin:BrokenBackend", "class BrokenBackend:\n    pass\n",
                       None, "is not a lmport Backend"),
     "name-mismatch": ("fake_broken_plugin:BrokenBackend", """
-        from lmport.backend import Backend, Capabilities
+        from lmport.platform.backend import Backend, Capabilities
 
         class BrokenBackend(Backend):
             capabilities = Capabilities(device_type="other", torch_device="cpu", kv_quant_policies=frozenset({0}),
@@ -115,7 +119,7 @@ def test_plugin_that_fails_to_load_is_reported(install_fake_plugin, freeze_disco
     assert expected in report.probe.reason, report.probe.reason
     assert reports["cpu"].probe.available, "one broken plugin must not hide the others"
 
-    with caplog.at_level(logging.INFO, logger="lmport.registry"):
+    with caplog.at_level(logging.INFO, logger="lmport.platform.registry"):
         assert registry.select_auto().capabilities.device_type != "broken"
     assert "passing over broken" in caplog.text
 

@@ -1,6 +1,6 @@
 """The sampler's rules on small logits, exactly: which tokens top-k, top-p and min-p keep and with what
 probability, temperature before them, and the penalties' signs. Through the engine's own path,
-``sampling_probs(adjusted_logits(...))`` (lmport.sampling); each rule alone is compared with transformers'
+``sampling_probs(adjusted_logits(...))`` (lmport.worker.sampling); each rule alone is compared with transformers'
 logits processor for it.
 
 Where lmport chooses differently from transformers, the documented choice is tested (docs/engine.md,
@@ -16,8 +16,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from lmport.config import GenerationConfig
-from lmport.sampling import adjusted_logits, sampling_probs
-from lmport.sequence import Sequence
+from lmport.worker.sampling import adjusted_logits, sampling_probs
+from lmport.sched.sequence import Sequence
 
 
 def seq(prompt=(0,), output=(), **cfg) -> Sequence:

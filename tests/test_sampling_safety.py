@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lmport.config import GenerationConfig
-from lmport.sampling import TEMPERATURE_FLOOR, greedy_tokens, sample
-from lmport.sequence import Sequence
+from lmport.worker.sampling import TEMPERATURE_FLOOR, greedy_tokens, sample
+from lmport.sched.sequence import Sequence
 
 VOCAB = 50
 
@@ -117,7 +117,7 @@ def full_sort_filter(logits, top_k, top_p, min_p):
 def test_filter_equals_a_full_sort_of_every_row():
     """Rows that filter are filtered over their likeliest tokens, and a flat row's top-p past them; others
     untouched. Peaked and flat rows, every mix of top-k, top-p and min-p, at a real vocabulary's size."""
-    from lmport.sampling import CANDIDATES, _filter
+    from lmport.worker.sampling import CANDIDATES, _filter
     g = torch.Generator().manual_seed(0)
     vocab = 49152
     configs = [(0, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.8, 0.02), (0, 0.95, 0.0),
@@ -137,7 +137,7 @@ def test_filter_equals_a_full_sort_of_every_row():
 
 
 def test_draw_follows_the_distribution_and_is_each_rows_own():
-    from lmport.sampling import DRAW_CHUNK, draw
+    from lmport.worker.sampling import DRAW_CHUNK, draw
     probs = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 6.0]])   # unnormalised too
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     counts = torch.zeros(3, 4)

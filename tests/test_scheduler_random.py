@@ -6,9 +6,9 @@ import random
 import pytest
 
 from lmport.config import GenerationConfig
-from lmport.paging.block_manager import BlockManager
-from lmport.scheduler import Scheduler
-from lmport.sequence import Sequence, Status
+from lmport.kv.block_manager import BlockManager
+from lmport.sched.scheduler import Scheduler
+from lmport.sched.sequence import Sequence, Status
 from support.paging_invariants import check_block_manager
 from support.scheduler_workload import maybe_abort, run_batch
 

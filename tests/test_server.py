@@ -25,7 +25,7 @@ from support.model_helpers import tiny_model_dir
 from support.serve_process import ServeProcess
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 
 API_KEY = "sk-lmport-test"
@@ -192,7 +192,7 @@ def test_completion_with_a_stop_string(smol):
 
 
 def test_lmport_chat_url_client(smol):
-    from lmport.chat import _remote_stream
+    from lmport.entrypoints.chat import _remote_stream
     from lmport.config import GenerationConfig
     stream = _remote_stream(smol.url, API_KEY, GenerationConfig(max_new_tokens=40))
     text = "".join(stream([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]))

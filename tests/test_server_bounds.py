@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_model_dir
 from test_server import ServerThread
@@ -59,7 +59,7 @@ def test_cache_salt_and_api_key_key_the_prefix_cache(cached):
 
 
 def test_cache_salt_alone_separates_requests():
-    from lmport.engine_client import EngineClient
+    from lmport.engine.client import EngineClient
     from lmport.server.frontend import Frontend
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=64, session_len=512))
     server = Frontend(EngineClient.start_thread(engine), engine.tokenizer, engine.grammars, "tiny")
@@ -217,8 +217,8 @@ def plain():
 
 
 def test_echo_scoring_is_chunked_and_matches_the_pipeline(plain):
-    from lmport import scoring
-    from lmport.engine import SCORING_LOGITS_BUDGET
+    from lmport.worker import scoring
+    from lmport.engine.engine import SCORING_LOGITS_BUDGET
     vocab = plain.engine.model_config.vocab_size
     assert plain.engine.scoring_chunk * vocab * 4 <= SCORING_LOGITS_BUDGET
     ids = plain.engine.tokenizer.encode(PROMPT)
@@ -325,7 +325,7 @@ GRAMMAR = "root ::= [a-z]*"   # never has to end: only the budget ends the reque
 
 def test_a_grammar_over_its_budget_ends_its_request_as_its_fault_and_never_slows_the_batch(plain, monkeypatch):
     import threading
-    from lmport import guided
+    from lmport.structured_output import grammar as guided
 
     class CostlyMatcher(guided.Matcher):   # 20 ms of CPU a mask: a budget of 0.3 s is spent within 16 tokens
         def __init__(self, matcher, budget=guided.GRAMMAR_BUDGET_S):
@@ -369,7 +369,7 @@ def test_a_grammar_over_its_budget_ends_its_request_as_its_fault_and_never_slows
 
 
 def test_a_matcher_over_its_cpu_budget_raises_and_says_why():
-    from lmport.guided import GrammarBudgetExceeded, Matcher
+    from lmport.structured_output.grammar import GrammarBudgetExceeded, Matcher
 
     class Costly:   # 10 ms of CPU a call, masks and accepted tokens alike
         def fill_next_token_bitmask(self, bitmask, row):
@@ -394,7 +394,7 @@ def test_a_matcher_over_its_cpu_budget_raises_and_says_why():
 
 def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
     import threading
-    from lmport.guided import MaskBuilder
+    from lmport.structured_output.grammar import MaskBuilder
     stop, finished = threading.Event(), threading.Event()
 
     class Slow:   # busy on the CPU until the test ends, as an ambiguous grammar's fill is
@@ -422,7 +422,7 @@ def test_a_row_over_the_mask_budget_is_dropped_from_the_step():
 
 def test_a_fill_that_waits_for_a_core_is_not_over_the_mask_budget():
     import time
-    from lmport.guided import MaskBuilder
+    from lmport.structured_output.grammar import MaskBuilder
 
     class Descheduled:   # a cheap fill on a loaded machine: long in wall time, little CPU time
         def fill_next_token_bitmask(self, bitmask, row):
@@ -434,7 +434,7 @@ def test_a_fill_that_waits_for_a_core_is_not_over_the_mask_budget():
 
 
 def test_a_format_at_a_dead_end_ends_its_request_not_the_batch():
-    from lmport.guided import MaskBuilder
+    from lmport.structured_output.grammar import MaskBuilder
 
     class DeadEnd:   # what xgrammar fills when no token can continue or end the output
         def fill_next_token_bitmask(self, bitmask, row):
@@ -478,12 +478,12 @@ def test_a_long_prompt_is_prefilled_in_bounded_chunks_while_others_decode():
 def test_the_server_bounds_prefill_beside_streams_and_the_offline_engine_does_not():
     """`lmport serve` defaults to SERVE_DECODE_PREFILL_TOKENS; EngineConfig's default (offline use) leaves a step's
     prompt tokens bounded by max_prefill_token_num alone, decoding sequences or not."""
-    from lmport.cli import build_parser
+    from lmport.entrypoints.cli import build_parser
     from lmport.config import SERVE_DECODE_PREFILL_TOKENS
-    from lmport.flags import engine_config
-    from lmport.paging.block_manager import BlockManager
-    from lmport.scheduler import Scheduler
-    from lmport.sequence import Sequence
+    from lmport.entrypoints.flags import engine_config
+    from lmport.kv.block_manager import BlockManager
+    from lmport.sched.scheduler import Scheduler
+    from lmport.sched.sequence import Sequence
     assert engine_config(build_parser().parse_args(["serve"])).decode_prefill_tokens == SERVE_DECODE_PREFILL_TOKENS
     assert engine_config(build_parser().parse_args(["generate", "hi"])).decode_prefill_tokens is None
     for bound, expected in ((SERVE_DECODE_PREFILL_TOKENS, SERVE_DECODE_PREFILL_TOKENS), (None, 256 - 1)):

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_tool_model_dir
 from test_server import ServerThread

@@ -23,7 +23,7 @@ import pytest
 from anthropic import beta_tool
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.cli_helpers import lmport_command
 from support.model_helpers import tiny_tool_model_dir

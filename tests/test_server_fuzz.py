@@ -15,7 +15,7 @@ from support.model_helpers import tiny_model_dir
 from test_server import ServerThread
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 
 ORIGIN = "https://allowed.example"

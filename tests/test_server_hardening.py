@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server import openai_mapping
 from lmport.server.app import create_app
 from lmport.server.limits import Limits

@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_server import ServerThread
 
-from lmport import engine_core
+from lmport.engine import core_process as engine_core
 from lmport.config import ConfigError, EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server import adapters
 from lmport.server.app import create_app
 from support.model_helpers import hf_model, tiny_model_dir

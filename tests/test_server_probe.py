@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_tool_model_dir
 from test_server import ServerThread
@@ -141,7 +141,7 @@ def test_a_compile_leaves_the_event_loop_free(server, monkeypatch):
 
 def test_the_compiled_grammar_cache_is_bounded():
     from transformers import AutoTokenizer
-    from lmport.guided import Grammars
+    from lmport.structured_output.grammar import Grammars
     tok = AutoTokenizer.from_pretrained(tiny_tool_model_dir())
     grammars = Grammars(tok, 49152, [tok.eos_token_id], max_cached=3)
     for i in range(10):

@@ -44,7 +44,7 @@ WAIT = 60   # seconds: a guard against hangs, never what a test measures
 # ("tokenize") waits, after creating <file>.waiting; once LMPORT_TEST_FAULT_FILE exists, every step raises.
 HOOKS_SCRIPT = r"""
 import os, sys, time
-import lmport.engine as engine_module
+import lmport.engine.engine as engine_module
 from lmport.server.frontend import Frontend
 
 def hold(what):
@@ -72,7 +72,7 @@ async def tokenize(self, fn, *args):
 
 engine_module.Engine.step = step
 Frontend.tokenize = tokenize
-from lmport.cli import main
+from lmport.entrypoints.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -292,7 +292,7 @@ def test_half_sent_headers_are_cut_off_and_slow_bodies_get_408(shared):
 
 
 def test_an_empty_api_key_is_an_error():
-    proc = subprocess.run([sys.executable, "-m", "lmport.cli", "serve", tiny_model_dir("llama"), "--api-key", ""],
+    proc = subprocess.run([sys.executable, "-m", "lmport", "serve", tiny_model_dir("llama"), "--api-key", ""],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "API key is empty" in proc.stderr
 

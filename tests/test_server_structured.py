@@ -19,7 +19,7 @@ import pytest
 
 import lmport
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_tool_model_dir
 from test_server import ServerThread
@@ -186,7 +186,7 @@ def test_tools_and_formats_compile_off_the_event_loop():
     import asyncio
     import threading
 
-    from lmport.engine_client import EngineClient
+    from lmport.engine.client import EngineClient
     from lmport.server import routes
     from lmport.server.frontend import Frontend
     from lmport.server.protocol import ChatCompletionRequest

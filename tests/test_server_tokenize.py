@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support import gguf_files, llama_cpp_tokens
 from support.chat_families import ServerThread

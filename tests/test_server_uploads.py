@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from lmport.config import EngineConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from lmport.server.connections import ConnectionLimits
 from lmport.server.limits import Limits
@@ -234,7 +234,7 @@ def test_serve_finds_a_taken_port_before_loading_the_model(tmp_path):
     port = taken.getsockname()[1]
     try:
         # No model at this path: loading it would fail, so the answer shows what was tried first.
-        proc = subprocess.run([sys.executable, "-m", "lmport.cli", "serve", str(tmp_path / "no-model"),
+        proc = subprocess.run([sys.executable, "-m", "lmport", "serve", str(tmp_path / "no-model"),
                                "--port", str(port)], capture_output=True, text=True, timeout=300)
     finally:
         taken.close()

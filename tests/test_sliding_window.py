@@ -3,7 +3,7 @@ Mistral and a Gemma 2 with a 32-token window generate transformers' greedy token
 
 The engine case runs 200-token prompts and 64 new tokens with chunked prefill (64-token chunks) and a
 cache too small for every sequence at once (preemption), and asserts after every step that no sequence
-holds more blocks than the window bound (lmport.paging.window.blocks_bound).
+holds more blocks than the window bound (lmport.kv.window.blocks_bound).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import lmport
 from lmport import EngineConfig, GenerationConfig, ops
 from lmport.kv.layout import KVLayout
 from lmport.models.windows import kv_window, layer_windows
-from lmport.paging.block_manager import BlockManager
-from lmport.paging.window import HOLE, blocks_bound, first_kept_block
-from lmport.sequence import Sequence
+from lmport.kv.block_manager import BlockManager
+from lmport.kv.window import HOLE, blocks_bound, first_kept_block
+from lmport.sched.sequence import Sequence
 from support.paging_invariants import check_block_manager
 from support.model_helpers import hf_greedy, hf_model, logits_in_chunks, tiny_model_dir
 from support.scheduler_workload import maybe_abort, run_batch
@@ -175,8 +175,8 @@ def test_window_logits_in_three_chunks():
 
 
 def test_plan_session_len_is_not_capped_by_the_window():
-    from lmport import plan
-    from lmport.plan_format import format_plan
+    from lmport.memory import plan
+    from lmport.memory.plan_format import format_plan
     report = plan.build_plan(tiny_model_dir("mistral-sw32"), EngineConfig(device_type="cpu", block_size=16,
                                                                          cache_max_entry_count=20,
                                                                          max_prefill_token_num=64),
@@ -194,7 +194,7 @@ def test_random_workload_with_a_window_prefix_cache_and_host_tier(seed):
     holds after every step, no sequence exceeds the window's bound, and every block comes back."""
     import random
 
-    from lmport.scheduler import Scheduler
+    from lmport.sched.scheduler import Scheduler
     rng = random.Random(seed)
     bs, window, chunk = rng.choice([4, 16]), rng.choice([8, 33]), rng.choice([16, 48])
     bound = blocks_bound(window, bs, chunk)

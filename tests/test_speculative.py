@@ -259,7 +259,7 @@ def test_a_structured_proposals_masks_are_filled_while_the_forward_runs(monkeypa
     """The verification masks of a constrained proposal are filled on the grammar threads beside the forward
     that verifies it, not after: each verifying forward, held until its proposal's fill is done, ends."""
     import time
-    from lmport.guided import Matcher
+    from lmport.structured_output.grammar import Matcher
     from lmport.models.loader import load_tokenizer
     proposal_bitmask, fills, fills_at_forward_end = Matcher.proposal_bitmask, [], []
 
@@ -295,7 +295,7 @@ def test_a_format_dead_end_inside_a_proposal_ends_the_request_as_without_specula
     """A grammar that allows no token after its DEAD_AT-th: speculation emits the same tokens before the dead
     end and ends the request with the same error, whether the dead end falls on a plain step or inside a
     verified proposal (which must happen here, or the test proves nothing)."""
-    from lmport.guided import Matcher
+    from lmport.structured_output.grammar import Matcher
     from lmport.models.loader import load_tokenizer
     dead_at = 9
     fill, accept, rollback, proposal_bitmask = (Matcher.fill_next_token_bitmask, Matcher.accept_token,
@@ -341,7 +341,7 @@ def test_a_format_dead_end_inside_a_proposal_ends_the_request_as_without_specula
 def test_proposals_grow_while_accepted_whole_and_shrink_when_cut_short():
     """transformers' heuristic schedule: from half the most, two longer after a proposal accepted whole, one
     shorter after one cut short, within [1, num_speculative_tokens]."""
-    from lmport.sequence import Sequence
+    from lmport.sched.sequence import Sequence
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=7, min_acceptance=0), session_len=1000,
                       num_running=lambda: 1)
     seq = Sequence("a", [1, 2, 3] * 10, GenerationConfig(max_new_tokens=100))
@@ -366,7 +366,7 @@ def test_opt_out_and_batch_cut_off_mean_no_speculation():
 
 
 def test_low_acceptance_pauses_a_sequence():
-    from lmport.sequence import Sequence
+    from lmport.sched.sequence import Sequence
     spec = Speculator(SpeculativeConfig(min_acceptance=0.5), session_len=1000, num_running=lambda: 1)
     seq = Sequence("a", [1, 2, 3, 1, 2], GenerationConfig(max_new_tokens=100))
     assert spec.lookahead(seq) == 4           # 1 2 -> 3 1 2 3, the default num_speculative_tokens

@@ -18,7 +18,7 @@ import torch
 from lmport.config import GenerationConfig
 from lmport.speculative import acceptance
 from lmport.speculative.acceptance import accepts, residual, verify
-from lmport.sequence import Sequence
+from lmport.sched.sequence import Sequence
 
 # Hand-made distributions over 5 tokens. p0 gives token 4 no mass while q0 proposes it: it is never emitted.
 P = torch.tensor([[0.20, 0.30, 0.10, 0.40, 0.00],

@@ -12,7 +12,7 @@ import pytest
 
 import lmport
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.models.loader import load_tokenizer
 from lmport.speculative.draft import check_same_tokens
 from lmport.speculative.speculator import Payoff
@@ -238,10 +238,10 @@ def test_seeded_sampling_repeats_and_nothing_is_kept_after_the_requests():
 
 
 def test_the_draft_cache_is_planned_beside_the_target_cache():
-    from lmport.memory import draft_bytes_per_block
-    from lmport.plan import build_plan
-    from lmport.plan_format import format_plan
-    from lmport.resolution import resolve_config
+    from lmport.memory.budget import draft_bytes_per_block
+    from lmport.memory.plan import build_plan
+    from lmport.memory.plan_format import format_plan
+    from lmport.platform.resolution import resolve_config
     target, draft = tiny_model_dir("llama"), tiny_draft_dir("llama")
     spec = draft_spec(draft)
     alone = build_plan(target, EngineConfig(device_type="cpu"), device_memory=1 << 30)

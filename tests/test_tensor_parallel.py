@@ -25,9 +25,9 @@ from support.cli_helpers import lmport_command
 from support.model_helpers import default_model_path, hf_greedy, tiny_model_dir
 from support.serve_process import ServeProcess
 
-from lmport import plan, plan_format
+from lmport.memory import plan, plan_format
 from lmport.config import ConfigError, EngineConfig, GenerationConfig
-from lmport.engine import Engine
+from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 
 PROMPTS = [[1] + list(range(100 + 7 * i, 120 + 13 * i)) for i in range(4)]
@@ -105,7 +105,7 @@ TINY = dict(device_type="cpu", cache_max_entry_count=64)
 
 
 def get_ppl(engine: Engine) -> list[float]:
-    from lmport.api import Pipeline
+    from lmport.entrypoints.api import Pipeline
     pipe = Pipeline.__new__(Pipeline)          # a Pipeline over this engine
     pipe.engine, pipe.tokenizer = engine, engine.tokenizer
     return pipe.get_ppl([PROMPTS[0]], logits_budget_bytes=8 * 49152 * 4)   # chunks of 8 positions
@@ -163,7 +163,7 @@ def test_tp_the_model_cannot_split_is_refused_before_any_weight_loads(monkeypatc
     def no_load(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr("lmport.runner.load_model", no_load)
+    monkeypatch.setattr("lmport.worker.runner.load_model", no_load)
     with pytest.raises(ConfigError, match=r"tp=3 cannot split .* supports tp in \[1, 2, 4\]"):
         Engine(tiny_model_dir("llama"), EngineConfig(device_type="cpu", tp=3))
     # The default model: 9 heads, 3 KV heads (its config comes from the GGUF's metadata).
@@ -177,7 +177,7 @@ def test_quantized_weights_at_tp_above_1_are_refused_before_any_weight_loads(mon
     def no_load(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr("lmport.runner.load_model", no_load)
+    monkeypatch.setattr("lmport.worker.runner.load_model", no_load)
     refusal = r"tp=3: .*Q4_1.gguf holds quantized weights, which lmport does not shard .* use tp=1 .* " \
               r"weight_format='dequantize'"
     with pytest.raises(ConfigError, match=refusal):
@@ -252,7 +252,7 @@ def test_two_nodes_on_loopback_match_tp1():
             started.append(exc)
             rendezvous.found.put(None)
 
-    logging.getLogger("lmport.executor").addHandler(rendezvous)
+    logging.getLogger("lmport.executor.local").addHandler(rendezvous)
     node0 = threading.Thread(target=start_node0)
     node0.start()
     try:
@@ -269,7 +269,7 @@ def test_two_nodes_on_loopback_match_tp1():
             engine.close()
         assert node1.wait(timeout=120) == 0
     finally:
-        logging.getLogger("lmport.executor").removeHandler(rendezvous)
+        logging.getLogger("lmport.executor.local").removeHandler(rendezvous)
         if node1 is not None and node1.poll() is None:
             node1.kill()
             node1.wait()
@@ -300,7 +300,7 @@ def test_a_worker_that_cannot_reach_the_rendezvous_names_the_address():
     with socket.socket() as unreachable:   # bound, never listening: connections are refused, and nobody else
         unreachable.bind(("127.0.0.1", 0))   # can take the port while the worker tries it
         addr = f"127.0.0.1:{unreachable.getsockname()[1]}"
-        out = subprocess.run([sys.executable, "-m", "lmport.cli", "worker", tiny_model_dir("llama"), "--device",
+        out = subprocess.run([sys.executable, "-m", "lmport", "worker", tiny_model_dir("llama"), "--device",
                               "cpu", "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
                               "--dist-timeout", "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and f"cannot reach the tensor-parallel rendezvous at {addr}" in out.stderr
@@ -310,7 +310,7 @@ def test_a_worker_that_cannot_reach_the_rendezvous_names_the_address():
 def test_server_with_tp3_streamed_and_whole_chat_agree_and_sigterm_leaves_no_worker(tmp_path):
     import openai
     import psutil
-    server = ServeProcess([sys.executable, "-m", "lmport.cli"], ["smollm2", "--device", "cpu", "--tp", "3",
+    server = ServeProcess([sys.executable, "-m", "lmport"], ["smollm2", "--device", "cpu", "--tp", "3",
                                                                   "--weight-format", "dequantize",
                                                                   "--cache-max-entry-count", "200"],
                           tmp_path / "serve.log")

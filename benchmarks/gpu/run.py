@@ -9,7 +9,7 @@ Without a GPU (the dry run, ``make gpu-dry-run``): ``--dry-run`` runs the cuda b
 on this venv's packages; a step that needs a GPU is skipped with its reason, after a toy-size run of its code.
 
 It installs ``carry/wheels`` into ``--site`` (skipped when that already holds this set), links the repository's
-``core/`` and ``backends/`` there as the package ``lmport`` (with lmport's entry points, so the backends are
+``lmport/`` and ``lmport/backends/`` there as the package ``lmport`` (with lmport's entry points, so the backends are
 found), puts that first on PYTHONPATH (the machine's own torch, Triton and transformers stay), then runs each
 step (steps.py) as its own process with a time limit. A step that fails, times out or crashes is recorded and
 the next one runs. ``--out`` receives three files (the device returns at most eight):
@@ -76,10 +76,10 @@ def install_wheels(site: Path, dry_run: bool) -> str:
 
 
 def link_package(pkg: Path) -> None:
-    """``pkg/lmport``: the repository's core/ and backends/ as installed (files linked, so edits show at once),
+    """``pkg/lmport``: the repository's lmport/ and lmport/backends/ as installed (files linked, so edits show at once),
     and a dist-info with lmport's entry points (the registry finds backends through them)."""
     shutil.rmtree(pkg, ignore_errors=True)
-    for src, dst in ((ROOT / "core", pkg / "lmport"), (ROOT / "backends", pkg / "lmport" / "backends")):
+    for src, dst in ((ROOT / "lmport", pkg / "lmport"),):
         for path in src.rglob("*"):
             if "__pycache__" in path.parts or path.is_dir():
                 continue
@@ -93,7 +93,7 @@ def link_package(pkg: Path) -> None:
                                    + "".join(f"Requires-Dist: {r}\n" for r in project["dependencies"]))
     eps = project["entry-points"]["lmport.backends"]
     (info / "entry_points.txt").write_text(
-        "[console_scripts]\nlmport = lmport.cli:main\n\n[lmport.backends]\n"
+        "[console_scripts]\nlmport = lmport.entrypoints.cli:main\n\n[lmport.backends]\n"
         + "".join(f"{k} = {v}\n" for k, v in eps.items()))
 
 

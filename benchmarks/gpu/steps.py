@@ -84,7 +84,7 @@ def step_env(args) -> dict:
         except (OSError, subprocess.TimeoutExpired) as exc:
             data["nvidia_smi"] = f"unavailable: {exc}"
     import lmport
-    from lmport import registry
+    from lmport.platform import registry
     data["lmport"] = str(Path(lmport.__file__).parent)
     data["backends"] = {r.name: {"available": r.probe.available, "reason": r.probe.reason}
                         for r in registry.describe_backends()}
@@ -111,7 +111,8 @@ def step_env(args) -> dict:
         todo.extend(Requirement(r) for r in dist.requires or [])
     data["requirements_checked"] = len(seen)
     data["requirement_problems"] = problems
-    for module in ("lmport.server.app", "lmport.guided", "lmport.weights.gguf", "lmport.backends.cuda"):
+    for module in ("lmport.server.app", "lmport.structured_output.grammar", "lmport.weights.gguf",
+                   "lmport.backends.cuda"):
         __import__(module)
     print(json.dumps(data, indent=2))
     if problems:
@@ -275,7 +276,7 @@ def step_parity(args) -> dict:
 
 # -- CUDA graphs ----------------------------------------------------------------------------------------------
 def decode_step_input(batch: int, kv_len: int, block_size: int):
-    from lmport.runner import StepInput
+    from lmport.worker.runner import StepInput
     per = -(-kv_len // block_size)
     return StepInput([7] * batch, [1] * batch, [kv_len] * batch,
                      [list(range(s * per, (s + 1) * per)) for s in range(batch)], list(range(batch)))
@@ -518,8 +519,8 @@ def step_quant(args) -> dict:
     else:
         model, requests, blocks0 = str(kit_models.llama3_8b_dir(args.layers)), workload(args.requests), args.kv_blocks
     from lmport import EngineConfig
-    from lmport.memory import kv_layout
-    from lmport.resolution import resolve_config
+    from lmport.memory.budget import kv_layout
+    from lmport.platform.resolution import resolve_config
     from lmport.models.loader import read_model_config
     cfg = read_model_config(model)
     rows = []
@@ -555,7 +556,7 @@ def step_plan(args) -> dict:
         model = str(kit_models.tiny_model_dir("llama"))
         flags = ["--dtype", "float32", "--cache-max-entry-count", "64", "--device-memory", "8GiB"]
         config = dict(dtype="float32", cache_max_entry_count=64)
-    cmd = [sys.executable, "-m", "lmport.cli", "plan", model, "--device", "cuda", "--json", *flags]
+    cmd = [sys.executable, "-m", "lmport", "plan", model, "--device", "cuda", "--json", *flags]
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     print(proc.stdout[-4000:], proc.stderr[-4000:])

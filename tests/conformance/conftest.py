@@ -10,7 +10,7 @@ import pytest
 
 
 def installed_backend_names() -> list[str]:
-    from lmport import registry
+    from lmport.platform import registry
     return registry.backend_names()
 
 
@@ -22,7 +22,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def backend_class(backend_name):
-    from lmport import registry
+    from lmport.platform import registry
     return registry.load_backend_class(backend_name)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmport import registry
-from lmport.backend import Backend
+from lmport.platform import registry
+from lmport.platform.backend import Backend
 
 
 def op_backend(name: str) -> tuple[Backend, str]:

@@ -6,7 +6,7 @@ Llama 4's chunked mask (``transformers.masking_utils.chunked_overlay`` on a caus
 q, k and v held dense, for a prefill over history, a decode batch and a mixed batch. The backends: the same
 batches with block sizes 16 and 64, chunks of 8 and 40 tokens (ending inside blocks), sinks alone and with a
 sliding window, float32 (cuda's Triton kernels under the interpreter here). A backend that declares neither
-variant is checked to be refused such a model (lmport.resolution.check_model); a backend that hands the variant
+variant is checked to be refused such a model (lmport.platform.resolution.check_model); a backend that hands the variant
 to the reference op (cpu) is skipped as not applicable. Slow-marked: the tiny gpt-oss and Llama 4 models
 (tests/support/tiny_float_models.py) on each backend that declares their variant, greedy tokens equal to
 transformers'.
@@ -98,7 +98,7 @@ def test_reference_matches_transformers(batch, variant):
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_backend_matches_reference(backend_name, batch, block_size, variant, record_property):
-    from lmport import registry
+    from lmport.platform import registry
     caps = registry.load_backend_class(backend_name).capabilities
     needs = {"sinks"} if VARIANTS[variant][2] else set()
     needs |= {"chunked"} if VARIANTS[variant][1] else set()
@@ -122,8 +122,8 @@ def test_backend_matches_reference(backend_name, batch, block_size, variant, rec
 
 @pytest.mark.parametrize("variant", ["sinks", "chunked"])
 def test_a_backend_without_the_variant_refuses_the_model(backend_name, variant):
-    from lmport import registry
-    from lmport.resolution import check_model
+    from lmport.platform import registry
+    from lmport.platform.resolution import check_model
     caps = registry.load_backend_class(backend_name).capabilities
     if variant in caps.attention_variants:
         check_model("m", {variant}, caps)   # no error where the backend runs it
@@ -137,7 +137,7 @@ def test_a_backend_without_the_variant_refuses_the_model(backend_name, variant):
 
 
 def test_declared_variants_are_known(capabilities):
-    from lmport.backend import ATTENTION_VARIANTS
+    from lmport.platform.backend import ATTENTION_VARIANTS
     assert capabilities.attention_variants <= set(ATTENTION_VARIANTS)
 
 
@@ -145,7 +145,8 @@ def test_declared_variants_are_known(capabilities):
 @pytest.mark.parametrize("arch", ["gpt-oss", "llama4"])
 def test_family_on_the_backend_matches_transformers(backend_name, arch, record_property):
     import lmport
-    from lmport import EngineConfig, GenerationConfig, registry
+    from lmport import EngineConfig, GenerationConfig
+    from lmport.platform import registry
     from lmport.models.architectures import attention_variants
     from lmport.models.loader import read_model_config
     from support import tiny_float_models

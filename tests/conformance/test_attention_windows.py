@@ -3,7 +3,7 @@
 Batches: decodes of mixed lengths (one shorter than the window, others past it), and a
 prefill chunk over history beside a decode, with block sizes 16 and 64; windows 1, 7 and
 40 (not a multiple of any block size), with and without Gemma 2's soft cap. Freed blocks
-(negative ids: lmport.paging.window) are read as block 0 and must not change the result.
+(negative ids: lmport.kv.window) are read as block 0 and must not change the result.
 cuda runs its Triton kernels under the interpreter here; ascend and camb, simulated, take
 their stated fallback (the reference op) for windowed and soft-capped layers: those cells are skipped as not
 applicable (the reference compared with itself tests nothing).
@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 from harness import op_backend, own_result  # noqa: E402
 from lmport import ops  # noqa: E402
 from lmport.kv.layout import KVLayout  # noqa: E402
-from lmport.paging.window import HOLE, first_kept_block  # noqa: E402
+from lmport.kv.window import HOLE, first_kept_block  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM = 2, 2, 32
 BATCHES = {"decode": ([1, 1, 1], [5, 70, 130]), "mixed": ([40, 1], [110, 90])}

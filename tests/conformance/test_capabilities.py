@@ -10,8 +10,10 @@ import types
 import pytest
 import torch
 
-from lmport import cli, registry
-from lmport.backend import Backend, Capabilities, ProbeResult
+from lmport.entrypoints import cli
+
+from lmport.platform import registry
+from lmport.platform.backend import Backend, Capabilities, ProbeResult
 
 # SDKs present but broken, for probe(); torch's own imports of triton are left alone.
 BROKEN_SDKS = ("torch_npu", "torch_mlu", "torch_mlu_ops")
@@ -148,7 +150,7 @@ def test_probe_never_raises_on_a_broken_vendor_stack(backend_class, monkeypatch)
 
 
 RAISING_PLUGIN = """
-from lmport.backend import Backend, Capabilities, ProbeResult
+from lmport.platform.backend import Backend, Capabilities, ProbeResult
 
 def caps(name):
     return Capabilities(device_type=name, torch_device="cpu", kv_quant_policies=frozenset({0}),
@@ -193,7 +195,7 @@ def test_safe_probe_reports_a_probe_that_raises(install_fake_plugin, freeze_disc
     assert reports["raising"].origin == "lmport-raising-device"
 
     # device_type="auto" passes over it, priority 10000 notwithstanding, and says why.
-    with caplog.at_level(logging.INFO, logger="lmport.registry"):
+    with caplog.at_level(logging.INFO, logger="lmport.platform.registry"):
         chosen = registry.select_auto()
     assert chosen.capabilities.device_type not in ("raising", "notaresult")
     assert "passing over raising" in caplog.text and "vendor driver exploded" in caplog.text

@@ -165,7 +165,7 @@ def test_the_engine_loads_the_kernels_before_its_first_request(monkeypatch):
     """A build (a compiler of about 2 GB for a minute) must not happen inside the first request a server
     takes: the engine has the kernels once it is constructed, before any step."""
     from lmport.config import EngineConfig
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     from support.model_helpers import tiny_model_dir
     loads = []
     monkeypatch.setattr(kernels, "load", lambda: loads.append(1))

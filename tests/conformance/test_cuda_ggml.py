@@ -1,4 +1,4 @@
-"""The cuda backend's GGUF block kernel (backends/cuda/ggml_linear.py) against the reference op.
+"""The cuda backend's GGUF block kernel (lmport/backends/cuda/ggml_linear.py) against the reference op.
 
 Every type the backend declares in ``Capabilities.ggml_types``, x of 1, 3 and 17 rows in float32,
 float16 and bfloat16, with and without bias, on weights of random blocks (ggml_cases.py: every byte

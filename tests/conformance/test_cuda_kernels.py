@@ -272,7 +272,7 @@ def test_decode_graph_runner_padding(cuda):
 def test_torch_ops_are_the_reference(cuda):
     """copy_blocks, rms_norm and apply_rotary stay the reference torch ops (docs/cuda.md)."""
     backend, _ = cuda
-    from lmport.backend import Backend
+    from lmport.platform.backend import Backend
     for name in ("copy_blocks", "rms_norm", "apply_rotary"):
         assert getattr(type(backend), name) is getattr(Backend, name)
 

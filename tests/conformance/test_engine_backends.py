@@ -16,9 +16,9 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from lmport.backend import Backend
+from lmport.platform.backend import Backend
 from lmport.backends.cpu import CpuBackend
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 from support.model_helpers import tiny_model_dir
 
 from harness import op_backend

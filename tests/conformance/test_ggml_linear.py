@@ -30,7 +30,7 @@ import torch
 from ggml_cases import copied, random_blocks
 from harness import op_backend
 from lmport import ops
-from lmport.backend import Backend
+from lmport.platform.backend import Backend
 from lmport.weights.ggml import BLOCK_TYPES
 from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
                                rounded_as_held)

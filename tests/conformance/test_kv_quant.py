@@ -21,10 +21,12 @@ import math
 import pytest
 import torch
 
-from lmport import ConfigError, EngineConfig, ops, registry
+from lmport import ConfigError, EngineConfig, ops
+
+from lmport.platform import registry
 from lmport.kv import quant
 from lmport.kv.layout import KVLayout, LayerCache
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 from harness import op_backend
 
 POLICIES = (8, 4)

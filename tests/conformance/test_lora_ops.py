@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from harness import op_backend  # noqa: E402
 from lmport import ops  # noqa: E402
 from lmport.config import ConfigError, EngineConfig  # noqa: E402
-from lmport.resolution import resolve_config  # noqa: E402
+from lmport.platform.resolution import resolve_config  # noqa: E402
 
 SLOTS, RANK, IN, OUT = 4, 24, 40, 72
 # (new tokens, slot) of each sequence: -1 is the base model; slot 2 is loaded but unused.

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lmport import ops
-from lmport.backend import Backend
+from lmport.platform.backend import Backend
 from lmport.config import ConfigError, EngineConfig
 from lmport.weights.format import from_codes
 from ggml_cases import copied
@@ -266,8 +266,8 @@ def test_cpu_kernel_refuses_a_group_size_it_does_not_take():
 def test_backend_without_weight_formats_refuses_a_quantized_checkpoint(backend_name, capabilities, monkeypatch):
     if capabilities.weight_formats:
         pytest.skip(f"{backend_name} runs int4/int8 weights")
-    from lmport import runner
-    from lmport.engine import Engine
+    from lmport.worker import runner
+    from lmport.engine.engine import Engine
 
     def no_load(*args, **kwargs):
         raise AssertionError("refused only after loading weights")

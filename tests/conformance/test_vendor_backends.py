@@ -24,7 +24,7 @@ import torch
 
 from lmport import ConfigError, EngineConfig, GenerationConfig, ops
 from lmport.kv.layout import KVLayout, LayerCache
-from lmport.resolution import resolve_config
+from lmport.platform.resolution import resolve_config
 from harness import op_backend
 from support.model_helpers import tiny_model_dir
 
@@ -283,7 +283,7 @@ def _engine_settings(quant_policy: int) -> dict:
 
 
 def _greedy(config: EngineConfig, backend=None) -> list[list[int]]:
-    from lmport.engine import Engine
+    from lmport.engine.engine import Engine
     engine = Engine(tiny_model_dir("llama"), config, backend=backend)
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     ids = [engine.add_request(p, gen) for p in PROMPTS]

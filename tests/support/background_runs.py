@@ -37,7 +37,7 @@ class BlockVendorSDKs(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, BlockVendorSDKs())
 attempts = BlockVendorSDKs.attempts
 import torch
-from lmport import registry
+from lmport.platform import registry
 
 eps = registry._entry_points()
 plugin_modules = {ep.value.split(":")[0].split(".")[0] for group in eps.values() for ep in group} - {"lmport"}

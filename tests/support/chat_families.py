@@ -119,7 +119,7 @@ class FamilyServers:
         key = (family, tuple(sorted(options.items())))
         if key not in self.made:
             from lmport.config import EngineConfig
-            from lmport.engine import Engine
+            from lmport.engine.engine import Engine
             from lmport.server.app import create_app
             engine = Engine(family_model_dir(), EngineConfig(cache_max_entry_count=128))
             app = create_app(engine, model_name="tiny", chat_template=str(TEMPLATES / FAMILY_TEMPLATES[family]),

@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 def lmport_command() -> list[str]:
-    """The `lmport` console script of this interpreter's environment (``-m lmport.cli`` if it has none)."""
+    """The `lmport` console script of this interpreter's environment (``-m lmport.entrypoints.cli`` if it has none)."""
     script = Path(sys.executable).parent / ("lmport.exe" if os.name == "nt" else "lmport")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "lmport.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lmport"]
 
 
 def write_fake_distribution(site: Path, dist: str, entry_points: dict[str, str],

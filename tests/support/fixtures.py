@@ -60,7 +60,7 @@ def freeze_discovery(monkeypatch):
     Each scan reads every installed distribution (~20 ms) and one describe_backends()
     makes a dozen; call it once the test has checked discovery itself.
     """
-    from lmport import registry
+    from lmport.platform import registry
 
     def freeze():
         found = registry._entry_points()

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine import Engine
-from lmport.engine_client import EngineClient
-from lmport.engine_messages import EngineRequest
+from lmport.engine.engine import Engine
+from lmport.engine.client import EngineClient
+from lmport.engine.messages import EngineRequest
 
 
 def main(model: str, work: Path) -> int:

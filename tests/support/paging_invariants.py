@@ -1,13 +1,13 @@
 """The block manager's accounting, checked after every step of the tests' workloads: the pools, the
 prefix-cache index, the swapped-out blocks, and ref counts against the block tables holding them
-(the invariants are listed in lmport.paging.block_manager)."""
+(the invariants are listed in lmport.kv.block_manager)."""
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
 
-from lmport.paging.block_manager import BlockManager
-from lmport.sequence import Sequence
+from lmport.kv.block_manager import BlockManager
+from lmport.sched.sequence import Sequence
 
 
 def check_block_manager(bm: BlockManager, seqs: Iterable[Sequence] | None = None) -> None:

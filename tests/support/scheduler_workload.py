@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from lmport.scheduler import ScheduledBatch, Scheduler
-from lmport.sequence import Sequence
+from lmport.sched.scheduler import ScheduledBatch, Scheduler
+from lmport.sched.sequence import Sequence
 
 
 def run_batch(scheduler: Scheduler, batch: ScheduledBatch, rng: random.Random, targets: dict[str, int]) -> None:

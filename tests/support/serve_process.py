@@ -28,7 +28,7 @@ def wait_for_line(proc: subprocess.Popen, log: Path, pattern: re.Pattern, timeou
 
 class ServeProcess:
     """``command serve argv --port 0``, its output in ``log``; ``command`` is the `lmport` command, or a script
-    that hands its arguments to lmport.cli.main."""
+    that hands its arguments to lmport.entrypoints.cli.main."""
 
     def __init__(self, command: list[str], argv: list[str], log: Path, env: dict | None = None):
         self.log = log

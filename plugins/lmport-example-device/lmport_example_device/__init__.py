@@ -8,7 +8,7 @@ overrides ``fill_kv_cache``, ``paged_attention`` and friends with its own kernel
 """
 from __future__ import annotations
 
-from lmport.backend import Backend, Capabilities, ProbeResult
+from lmport.platform.backend import Backend, Capabilities, ProbeResult
 
 
 class ExampleBackend(Backend):

@@ -1,1 +1,0 @@
-"""Paging: block allocator, prefix cache, host tier, block manager."""

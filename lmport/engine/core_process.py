@@ -1,0 +1,196 @@
+"""The engine core's loop: requests in from one queue, one batch of outputs out a step on another.
+
+``serve`` runs an Engine (scheduler, block manager, executor, sampling) for the HTTP front end, either in
+its own process (``lmport serve``: ``process_main``, so that the engine's Python and the front end's event
+loop, tokenizing and SSE formatting do not share one interpreter lock) or in a thread of the front end's
+process (tests that reach into the Engine; a data-parallel replica, ``lmport.dp.replica``). The messages
+are ``lmport.engine.messages``: msgpack bytes, the same in both.
+
+Between steps the core takes every message waiting (adds, aborts, control calls such as loading a LoRA
+adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. A LoRA
+load reads its files on a thread of its own (``lmport.lora.reads``) and copies the weights in between two steps
+once read, so no file a client names can hold the steps. An
+exception out of a step stops the core: the front end is told why (``["failed", reason]``) and fails every
+open request with that reason.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from lmport.config import ConfigError, EngineConfig
+from lmport.engine.engine import Engine, RequestError
+from lmport.engine.messages import (CALLS, EngineInfo, EngineRequest, adapter_to_wire, error_to_wire, output_to_wire,
+                                    pack, unpack)
+from lmport.lora import AdapterError
+from lmport.lora.reads import AdapterReads
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT = 0.5   # seconds the idle core waits for a message before looking again
+READ_POLL = 0.02  # ... and while an adapter is being read, so that its load is answered promptly
+
+Receive = Callable[[float | None], "bytes | None"]   # a message, or None when none came within the timeout
+Send = Callable[[bytes], None]
+
+
+class Shutdown(Exception):
+    """The front end asked the core to stop, or went away."""
+
+
+def serve(engine: Engine, receive: Receive, send: Send) -> None:
+    """Run ``engine`` for the front end until it asks for shutdown (or its queue closes)."""
+    engine.output_processor = None   # outputs of token ids only: the front end decodes them (lmport.engine.client)
+    usage_sent = None
+    reads = AdapterReads(engine.read_adapter)
+    try:
+        while True:
+            wait = 0.0 if engine.has_unfinished() else READ_POLL if reads.busy() else IDLE_WAIT
+            message = receive(wait)
+            while message is not None:
+                _handle(engine, unpack(message), send, reads)
+                message = receive(0.0)
+            _finish_loads(engine, reads, send)
+            if not engine.has_unfinished():
+                usage = engine.usage()
+                if usage != usage_sent:   # the last step's counters, once the core goes idle
+                    send(pack(["outputs", [], usage, engine.failure]))
+                    usage_sent = usage
+                continue
+            outputs = engine.step()
+            usage_sent = engine.usage()
+            send(pack(["outputs", [output_to_wire(o) for o in outputs], usage_sent, engine.failure]))
+    except Shutdown:
+        for request_id in list(engine.seqs):
+            engine.abort(request_id)
+
+
+def _handle(engine: Engine, message: list, send: Send, reads: AdapterReads) -> None:
+    kind = message[0]
+    if kind == "add":
+        request = EngineRequest.from_wire(message[1])
+        try:
+            engine.add_request(request.prompt_ids, request.gen_config, request.request_id,
+                               cache_salt=request.cache_salt, adapter=request.adapter, pooling=request.pooling)
+        except Exception as exc:   # refused (RequestError, AdapterError) or unexpected: that request fails
+            if not isinstance(exc, (RequestError, AdapterError)):
+                log.exception("adding request %s failed", request.request_id)
+            send(pack(["rejected", request.request_id, error_to_wire(exc)]))
+    elif kind == "abort":
+        engine.abort(message[1])
+    elif kind == "call":
+        call_id, name, args = message[1:]
+        try:
+            if name not in CALLS:
+                raise RequestError(f"unknown engine call {name!r}")
+            if name == "load_adapter":   # answered by _finish_loads once its files are read
+                engine.adapters.check_name(args[0])   # a name in use is refused before any file is read
+                reads.start(call_id, *args)
+                return
+            send(pack(["reply", call_id, adapter_to_wire(getattr(engine, name)(*args)), None]))
+        except Exception as exc:   # the caller's error, never the core's
+            if not isinstance(exc, (RequestError, AdapterError)):
+                log.exception("engine call %s failed", name)
+            send(pack(["reply", call_id, None, error_to_wire(exc)]))
+    elif kind == "shutdown":
+        raise Shutdown
+    else:
+        log.error("unknown message %r from the front end", kind)
+
+
+def _finish_loads(engine: Engine, reads: AdapterReads, send: Send) -> None:
+    """Load each adapter whose read has ended (between steps: the weights go into the engine's slots)."""
+    for call_id, (name, path), adapter, error in reads.finished():
+        try:
+            if error is not None:
+                raise error
+            send(pack(["reply", call_id, adapter_to_wire(engine.load_adapter(name, path, adapter)), None]))
+        except Exception as exc:
+            if not isinstance(exc, (RequestError, AdapterError)):   # the details stay in the server's log
+                log.error("loading the LoRA adapter %r from %s failed", name, path, exc_info=exc)
+                exc = AdapterError("lora_path: the adapter could not be loaded", param="lora_path")
+            send(pack(["reply", call_id, None, error_to_wire(exc)]))
+
+
+def failure_reason(exc: BaseException) -> str:
+    return f"the engine stopped: {type(exc).__name__}: {exc}"
+
+
+# -- in a thread of the front end's process --------------------------------------------------------------
+def thread_main(engine: Engine, requests: queue.Queue, send: Send) -> None:
+    def receive(timeout: float | None) -> bytes | None:
+        try:
+            return requests.get(timeout=timeout) if timeout else requests.get_nowait()
+        except queue.Empty:
+            return None
+
+    try:
+        serve(engine, receive, send)
+    except BaseException as exc:  # noqa: BLE001 - whatever stops the core must reach every caller
+        log.critical("%s", failure_reason(exc), exc_info=True)
+        send(pack(["failed", failure_reason(exc)]))
+
+
+# -- in its own process ------------------------------------------------------------------------------------
+def load_adapters(engine: Engine, loras: dict[str, str]) -> None:
+    """The LoRA adapters named at start (NAME -> peft directory); ConfigError naming the one that fails."""
+    for name, path in loras.items():
+        if name == engine.model_name:
+            raise ConfigError(f"--lora {name}={path}: the name is the base model's; choose another")
+        try:
+            engine.load_adapter(name, path)
+        except AdapterError as exc:
+            raise ConfigError(f"--lora {name}={path}: {exc}") from None
+
+
+def ready_message(engine: Engine) -> bytes:
+    return pack(["ready", EngineInfo.of(engine).to_wire(), engine.usage(),
+                 [adapter_to_wire(a) for a in engine.adapters.by_name.values()]])
+
+
+def process_main(model: str, config: EngineConfig, loras: dict[str, str], requests: Connection,
+                 outputs: Connection, parent_ends: tuple[Connection, ...]) -> None:
+    """The engine core process: build the engine (and load ``loras``), say it is ready (or why not), serve
+    until told to stop."""
+    for end in parent_ends:   # inherited from the front end; only its own copies may keep the pipes open
+        end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front end, which shuts the core down
+
+    def send(data: bytes) -> None:
+        outputs.send_bytes(data)
+
+    def receive(timeout: float | None) -> bytes | None:
+        try:
+            if not requests.poll(timeout):
+                return None
+            return requests.recv_bytes()
+        except (EOFError, OSError):   # the front end is gone
+            raise Shutdown from None
+
+    engine = None
+    try:
+        engine = Engine(model, config)
+        load_adapters(engine, loras)
+    except BaseException as exc:  # noqa: BLE001 - the front end reports it and exits
+        if isinstance(exc, ConfigError):   # the front end reports it as it would its own
+            send(pack(["failed", str(exc), "config"]))
+        else:
+            log.critical("the engine could not start: %s: %s", type(exc).__name__, exc, exc_info=True)
+            send(pack(["failed", f"the engine could not start: {type(exc).__name__}: {exc}"]))
+        if engine is not None:
+            engine.close()
+        return
+    try:
+        send(ready_message(engine))
+        serve(engine, receive, send)
+    except BaseException as exc:  # noqa: BLE001
+        log.critical("%s", failure_reason(exc), exc_info=True)
+        try:
+            send(pack(["failed", failure_reason(exc)]))
+        except OSError:
+            pass
+    finally:
+        engine.close()

@@ -1,0 +1,1 @@
+"""The ways in: the `lmport` command, its flags, interactive chat and the Python pipeline."""

@@ -1,0 +1,1 @@
+"""Memory: the KV-cache budget, `lmport plan`'s report, and the advice when a model does not fit."""

@@ -1,0 +1,216 @@
+"""Memory planning: weights, activation reserve and KV cache (the advice when it does not fit:
+lmport.memory.oom_advisor).
+
+``plan_cache`` sizes the cache from a ``MemoryInputs`` for both the engine (free
+memory measured once the weights are loaded) and ``lmport plan`` (free memory
+computed from a device size, no weights loaded), so the two always agree.
+The semantics are documented in docs/memory.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from lmport.platform.backend import Capabilities
+from lmport.config import EngineConfig
+from lmport.dtypes import torch_dtype
+from lmport.errors import CacheDoesNotFit
+from lmport.kv.layout import KVLayout
+from lmport.models.dims import head_dim_of
+from lmport.models.loader import read_model_config
+from lmport.models.windows import kv_window
+from lmport.memory.oom_advisor import advise
+from lmport.kv.window import blocks_bound
+from lmport.parallel import check_tp, kv_heads_per_rank
+from lmport.units import ceil_div, fmt_bytes
+
+
+
+def model_limit(model_cfg) -> int:
+    """The longest sequence the engine runs: the model's context. A sliding attention window does not
+    cap it: the attention ops honour each layer's window (lmport.models.windows)."""
+    return getattr(model_cfg, "max_position_embeddings", None) or 1 << 30
+
+
+def window_blocks(model_cfg, config: EngineConfig) -> int | None:
+    """Most blocks one sequence holds however long it grows, when every layer slides and the blocks
+    behind the window are freed (lmport.kv.window); None when some layer reads the whole history."""
+    window = kv_window(model_cfg)
+    if window is None:
+        return None
+    return blocks_bound(window, config.block_size, config.max_prefill_token_num)
+
+
+def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLayout:
+    """The KV layout of one device: tensor parallelism splits the KV heads over ``config.tp`` devices
+    (and replicates them where tp exceeds the KV heads)."""
+    check_tp(model_cfg, config.tp)
+    return KVLayout(num_layers=model_cfg.num_hidden_layers, num_kv_heads=kv_heads_per_rank(model_cfg, config.tp),
+                    head_dim=head_dim_of(model_cfg), block_size=config.block_size,
+                    dtype=torch_dtype(config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype),
+                    quant_policy=config.quant_policy, axis_order=axis_order)
+
+
+def draft_bytes_per_block(config: EngineConfig) -> int:
+    """Bytes of one block of a speculative draft model's cache (lmport.speculative.draft; 0 without a draft),
+    from the draft's config alone. The draft runs whole (tp=1) on rank 0; under tensor parallelism every rank
+    plans with this cost, so the block count all ranks share (the smallest any plans) leaves rank 0 room for it."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft" or spec.model is None:
+        return 0
+    return kv_layout(read_model_config(spec.model), dataclasses.replace(config, tp=1)).bytes_per_block
+
+
+def activation_reserve(model_cfg, config: EngineConfig) -> int:
+    """Estimated peak activation bytes of one forward over ``max_prefill_token_num`` tokens (an upper estimate).
+
+    The widest live tensors in a layer are the MLP's gate, up and product ([T, intermediate]
+    each) beside the residual stream and q/k/v; tensor parallelism splits the MLP and the
+    heads. Logits are computed only for the last token of each sequence (at most
+    ``max_batch_size`` rows): the lm_head output, its float32 copy and sampling's copies.
+    Attention kernels are assumed not to materialize [T, T] scores (flash-style).
+    """
+    dtype_bytes = torch_dtype(config.dtype).itemsize
+    hidden, heads = model_cfg.hidden_size, model_cfg.num_attention_heads
+    per_token = (3 * model_cfg.intermediate_size + 3 * heads * head_dim_of(model_cfg)) / config.tp + 4 * hidden
+    tokens = config.max_prefill_token_num
+    logits = min(config.max_batch_size, tokens) * model_cfg.vocab_size * (dtype_bytes + 3 * 4)
+    return int((tokens * per_token * dtype_bytes + logits) * 1.25)
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the cache size depends on, for one model, device and resolved config."""
+
+    model_config: object        # the transformers config
+    config: EngineConfig        # resolved: block_size, dtype and cache_max_entry_count are set
+    capabilities: Capabilities
+    weight_bytes: int           # on one device
+    free_bytes: int             # device memory free once the weights are loaded
+    reserve_bytes: int          # activation reserve for one forward of max_prefill_token_num tokens
+    reserve_measured: bool
+    # A speculative draft model's cache mirrors the target's blocks (lmport.speculative.draft): each block
+    # costs these bytes more, so the usable memory is split between the two in proportion to their blocks.
+    draft_bytes_per_block: int = 0
+
+    @property
+    def layout(self) -> KVLayout:
+        return kv_layout(self.model_config, self.config)
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the cache may take at most: free memory less the activation reserve."""
+        return max(0, self.free_bytes - self.reserve_bytes)
+
+    def changed(self, **fields) -> MemoryInputs:
+        """These inputs with config fields changed; weights and reserve rescaled to match (for advice)."""
+        new = dataclasses.replace(self.config, **fields)
+        weights = self.weight_bytes * self.config.tp // new.tp
+        scale = activation_reserve(self.model_config, new) / activation_reserve(self.model_config, self.config)
+        return dataclasses.replace(self, config=new, weight_bytes=weights,
+                                   free_bytes=self.free_bytes + self.weight_bytes - weights,
+                                   reserve_bytes=int(self.reserve_bytes * scale))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block costs: the target's, and the draft model's mirror of it."""
+        return self.layout.bytes_per_block + self.draft_bytes_per_block
+
+    def blocks_in(self, num_bytes: float) -> int:
+        return int(num_bytes // self.block_bytes)
+
+    def cache_blocks(self) -> int:
+        """Blocks the cache gets: a float is a share of the usable memory, an int an exact count."""
+        count = self.config.cache_max_entry_count
+        if isinstance(count, int):
+            return count
+        return self.blocks_in(int(self.usable_bytes * float(count)))
+
+    def room_blocks(self) -> int:
+        """Blocks that ``cache_max_entry_count`` can give: its share for a float, all the usable memory for an int."""
+        if isinstance(self.config.cache_max_entry_count, int):
+            return self.blocks_in(self.usable_bytes)
+        return self.cache_blocks()
+
+    @property
+    def model_limit(self) -> int:
+        """The longest sequence the engine runs for this model (``model_limit``)."""
+        return model_limit(self.model_config)
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Most blocks one sequence holds when every layer slides (``window_blocks``), else None."""
+        return window_blocks(self.model_config, self.config)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    free_bytes: int             # device memory free once the weights are loaded
+    reserve_bytes: int          # activation reserve for one forward of max_prefill_token_num tokens
+    reserve_measured: bool      # False: the estimate (the backend cannot measure)
+    cache_bytes: int
+    bytes_per_block: int
+    block_size: int
+    num_blocks: int
+    session_len: int
+    window_blocks: int | None = None   # a sliding window bounds each sequence's blocks (window_blocks())
+    draft_cache_bytes: int = 0         # the speculative draft model's cache, as many blocks as the target's
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        blocks = ceil_div(self.session_len, self.block_size)
+        return blocks if self.window_blocks is None else min(blocks, self.window_blocks)
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences of the full session length the cache holds at once."""
+        return self.num_blocks // self.blocks_per_sequence
+
+
+def plan_cache(inp: MemoryInputs) -> CachePlan:
+    """The cache size and session length; raises CacheDoesNotFit (with advice) when the cache cannot work."""
+    layout, config = inp.layout, inp.config
+    num_blocks = inp.cache_blocks()
+    count = config.cache_max_entry_count
+    if num_blocks * inp.block_bytes > inp.usable_bytes:   # only an exact block count can get here
+        draft = " with the draft model's" if inp.draft_bytes_per_block else ""
+        raise CacheDoesNotFit(advise(inp, f"cache_max_entry_count={count} blocks{draft} need "
+                                          f"{fmt_bytes(num_blocks * inp.block_bytes)}, more than the "
+                                          f"{fmt_bytes(inp.usable_bytes)} left after weights and activation reserve"))
+    if num_blocks < 1:
+        raise CacheDoesNotFit(advise(inp, f"the KV cache gets no block: cache_max_entry_count={count} of "
+                                          f"{fmt_bytes(inp.usable_bytes)} is less than one "
+                                          f"{fmt_bytes(layout.bytes_per_block)} block"))
+    capacity = num_blocks * layout.block_size
+    limit, bounded = inp.model_limit, inp.window_blocks
+    if bounded is not None and bounded <= num_blocks:   # a sequence of any length fits in its window's blocks
+        capacity = limit
+    if config.session_len is None:
+        session_len = min(limit, capacity)
+    else:
+        session_len = min(config.session_len, limit)
+        if session_len > capacity:
+            raise CacheDoesNotFit(advise(inp, f"session_len={session_len} does not fit in the KV cache: "
+                                              f"{num_blocks} blocks x {layout.block_size} = {capacity} tokens"))
+    return CachePlan(inp.free_bytes, inp.reserve_bytes, inp.reserve_measured, num_blocks * layout.bytes_per_block,
+                     layout.bytes_per_block, layout.block_size, num_blocks, session_len, bounded,
+                     num_blocks * inp.draft_bytes_per_block)
+
+
+def allocate_cache(inp: MemoryInputs, plan: CachePlan, layout: KVLayout, backend) -> list:
+    """``layout.allocate`` for the plan; an allocator failure becomes CacheDoesNotFit with advice."""
+    try:
+        return layout.allocate(plan.num_blocks, backend.device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or the cpu allocator's "can't allocate memory"
+        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc).lower():
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        problem = f"allocating the KV cache ({plan.num_blocks} blocks, {fmt_bytes(plan.cache_bytes)}) failed: {reason}"
+    available, _ = backend.memory_info()   # outside the except block: the partial allocation is freed by now
+    raise CacheDoesNotFit(advise(inp, problem, available=available))

@@ -1,0 +1,163 @@
+"""The memory plan of a model on a backend, from the model's config alone (`lmport plan MODEL`; its text:
+``lmport.memory.plan_format``).
+
+No weight is read or converted: a GGUF's config comes from its metadata, the
+parameter count from the engine's model built on the meta device. The cache
+is sized by ``lmport.memory.budget.plan_cache``, the function the engine itself uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from lmport.platform import registry
+from lmport.platform.backend import Backend
+from lmport.config import EngineConfig
+from lmport.dtypes import torch_dtype
+from lmport.errors import ConfigError
+from lmport.memory.budget import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block, kv_layout,
+                                  model_limit, plan_cache)
+from lmport.models.dims import head_dim_of
+from lmport.models.loader import read_model_config, resolve_model_path
+from lmport.models.lora import lora_bytes
+from lmport.models.parameters import count_parameters
+from lmport.models.windows import layer_windows
+from lmport.parallel import TPGroup
+from lmport.platform.resolution import resolve_config
+from lmport.weights import gguf
+from lmport.weights.checkpoint import check_backend, check_tensor_parallel
+
+def build_plan(model: str, config: EngineConfig, device_memory: int | None = None, dp: int = 1) -> dict:
+    """The plan as a JSON-ready dict; ``device_memory``: plan for a device with this much memory free
+    before the weights load (default: the chosen device's free memory on this machine); ``dp``: data-parallel
+    replicas, each with its own tp devices and its own cache (``lmport serve --dp``)."""
+    if not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"dp must be an int >= 1 (engine replicas), got {dp!r}")
+    resolved = resolve_config(config)
+    backend_cls = resolved.backend_class()
+    caps = backend_cls.capabilities
+    model_cfg = read_model_config(model)
+    layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
+    params = count_parameters(model_cfg)
+    dtype = torch_dtype(resolved.dtype)
+    # Each rank's own shard (vocabulary and MLP pieces may differ by a row between ranks).
+    rank_bytes = [count_parameters(model_cfg, TPGroup(r, resolved.tp)) * dtype.itemsize for r in range(resolved.tp)]
+    weight_bytes = max(rank_bytes)
+    bytes_by_format = {resolved.dtype: weight_bytes}
+    path = resolve_model_path(model)
+    check_tensor_parallel(path, resolved.tp, resolved.weight_format)
+    if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
+        # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
+        bytes_by_format = gguf.planned_bytes(path, dtype)
+        weight_bytes = sum(bytes_by_format.values())
+        rank_bytes = [weight_bytes]
+
+    if device_memory is None:
+        probe = registry.safe_probe(backend_cls)
+        if not probe.available:
+            raise ConfigError(f"device {caps.device_type!r} is not available here ({probe.reason}); plan for one "
+                              f"with --device-memory, e.g. --device-memory 24GiB")
+        device_memory, _ = backend_cls().memory_info()
+        source = "free on this machine now"
+    else:
+        source = "--device-memory"
+    draft = draft_plan(model, resolved, caps, dtype)
+    draft_weights = draft["weight_bytes"] if draft else 0
+    measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
+    # The LoRA adapters' slots sit beside the weights (lmport.models.lora), allocated whether or not one is loaded.
+    adapter_bytes = lora_bytes(model_cfg, resolved.max_loras, resolved.max_lora_rank, dtype)
+    # A draft model sits beside the weights too (whole, on rank 0; counted on every rank, as the engine plans it),
+    # and its cache mirrors the target's blocks.
+    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes + draft_weights,
+                                max(0, device_memory - w - adapter_bytes - draft_weights),
+                                activation_reserve(model_cfg, resolved), reserve_measured=False,
+                                draft_bytes_per_block=draft["bytes_per_block"] if draft else 0) for w in rank_bytes]
+    inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
+
+    report = {
+        "model": {"name": model, "model_type": model_cfg.model_type, "layers": model_cfg.num_hidden_layers,
+                  "hidden_size": model_cfg.hidden_size, "attention_heads": model_cfg.num_attention_heads,
+                  "kv_heads": model_cfg.num_key_value_heads, "head_dim": head_dim_of(model_cfg),
+                  "vocab_size": model_cfg.vocab_size, "max_position_embeddings": model_limit(model_cfg),
+                  "sliding_window": getattr(model_cfg, "sliding_window", None),
+                  "layer_windows": list(layer_windows(model_cfg))},
+        "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
+        "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
+        "lora": {"max_loras": resolved.max_loras, "max_lora_rank": resolved.max_lora_rank, "bytes": adapter_bytes},
+        "draft": draft,
+        "activation_reserve": {
+            "bytes": inputs.reserve_bytes, "max_prefill_token_num": resolved.max_prefill_token_num,
+            "source": "estimate",
+            "note": (f"the {caps.device_type} engine measures it with one forward at start-up" if measures else
+                     f"{caps.device_type} cannot measure peak memory: the engine uses this estimate too")},
+        "free_after_weights_bytes": inputs.free_bytes,
+        "usable_for_cache_bytes": inputs.usable_bytes,
+        "kv": {"quant_policy": resolved.quant_policy, "block_size": layout.block_size,
+               "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token},
+        "cache": None,
+        "ranks": None,
+        "placement": None,
+        "config": {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)
+                   if f.name not in ("adjustments", "resolved_backend")},
+        "adjustments": [a._asdict() for a in resolved.adjustments],
+        "error": None,
+    }
+    try:
+        plan = plan_cache(inputs)
+    except CacheDoesNotFit as exc:
+        report["error"] = str(exc)
+        return report
+    report["ranks"] = [{"rank": r, "weight_bytes": inp.weight_bytes, "reserve_bytes": inp.reserve_bytes,
+                        "free_after_weights_bytes": inp.free_bytes, "num_blocks": plan.num_blocks,
+                        "cache_bytes": plan.cache_bytes} for r, inp in enumerate(rank_inputs)]
+    if draft:
+        draft.update(num_blocks=plan.num_blocks, cache_bytes=plan.draft_cache_bytes)
+    report["placement"] = placement(resolved, caps, dp, plan.num_blocks, plan.cache_bytes, plan.num_tokens)
+    report["cache"] = {
+        "cache_max_entry_count": resolved.cache_max_entry_count,
+        "meaning": ("exact number of blocks" if isinstance(resolved.cache_max_entry_count, int)
+                    else "share of the memory left after weights and activation reserve"),
+        "bytes": plan.cache_bytes, "num_blocks": plan.num_blocks, "num_tokens": plan.num_tokens,
+        "session_len": plan.session_len, "blocks_per_sequence": plan.blocks_per_sequence,
+        "window_blocks": plan.window_blocks,
+        "sequences_that_fit": plan.max_sequences,
+        "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
+    }
+    return report
+
+
+def draft_plan(model: str, config: EngineConfig, caps, dtype) -> dict | None:
+    """A speculative draft model's weights and cache block (lmport.speculative.draft), checked as the engine
+    checks it; None without one."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft" or spec.model is None:
+        return None
+    from lmport.speculative.draft import check_draft
+    check_draft(model, config)
+    draft_cfg, path = read_model_config(spec.model), resolve_model_path(spec.model)
+    params = count_parameters(draft_cfg)
+    weight_bytes = params * dtype.itemsize
+    if check_backend(path, caps, config.weight_format) and path.suffix == ".gguf":
+        weight_bytes = sum(gguf.planned_bytes(path, dtype).values())
+    return {"model": spec.model, "model_type": draft_cfg.model_type, "layers": draft_cfg.num_hidden_layers,
+            "parameters": params, "weight_bytes": weight_bytes, "bytes_per_block": draft_bytes_per_block(config),
+            "num_blocks": None, "cache_bytes": None,
+            "runs_on": "rank 0's device, whole, in the engine's process"}
+
+
+def placement(config: EngineConfig, caps, dp: int, num_blocks: int, cache_bytes: int, num_tokens: int) -> dict:
+    """What runs where: dp replicas of tp ranks, each rank one placement-group bundle of the backend's device
+    resource (docs/distributed.md); every replica plans and holds its own cache."""
+    from lmport.executor.ray_cluster import rank_bundle
+    ray = dp > 1 or config.executor == "ray"
+    bundle = rank_bundle(caps.ray_resource)
+    replicas = []
+    for i in range(dp):
+        ranks = [{"rank": r, "runs_in": ("the replica's actor" if dp > 1 else "the engine's process") if r == 0
+                  else ("a Ray actor" if ray else "a worker process"), "bundle": bundle if ray else None}
+                 for r in range(config.tp)]
+        replicas.append({"replica": i, "ranks": ranks, "num_blocks": num_blocks, "cache_bytes": cache_bytes,
+                         "num_tokens": num_tokens})
+    return {"dp": dp, "tp": config.tp, "executor": "ray" if ray else config.executor,
+            "devices": dp * config.tp, "bundles": [bundle] * (dp * config.tp) if ray else None,
+            "router": "prefix affinity over the first blocks' chained hashes, then the least loaded" if dp > 1
+            else None, "replicas": replicas}

@@ -1,0 +1,1 @@
+"""The backend contract, backend discovery and the config resolved against a backend."""

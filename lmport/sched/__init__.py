@@ -1,0 +1,1 @@
+"""Scheduling: which sequences run each step, and the sequences themselves."""

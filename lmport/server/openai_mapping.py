@@ -1,0 +1,255 @@
+"""OpenAI's API in the engine's terms and back: a request's GenerationConfigs, and outputs as OpenAI's chunks and
+bodies (logprobs, usage, finish reasons, a failed generation's error).
+
+Kept apart from the transport (``lmport.server.streaming``) so each shape is written once, whichever way the
+reply goes; Anthropic's and the Responses API's requests are mapped here too (as chat requests).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lmport.config import ConfigError, GenerationConfig
+from lmport.engine.engine import RequestError, RequestOutput, is_request_fault
+from lmport.reasoning import Reasoning
+from lmport.server import echo, tools
+from lmport.server.frontend import Frontend, Job
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+# (choice index, output so far, its new text, the first logprob not sent yet) -> the chunks to send
+Chunks = Callable[[int, RequestOutput, str, int], list[dict]]
+
+
+# -- requests -------------------------------------------------------------------------------------------------
+
+def job_for(frontend: Frontend, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], param: str,
+            max_tokens: int | None, logprobs: int | None, received: float, response_format: dict | None = None,
+            key: str | None = None, prompt_logprobs: int | None = None) -> Job:
+    """Check every prompt against the engine's facts and map the request to one GenerationConfig per choice.
+    ``prompt_logprobs``: each choice also scores its prompt with that many alternatives (echo)."""
+    info = frontend.info
+    logit_bias = req.token_bias(info.vocab_size)
+    # A chat reply whose reasoning markers are special tokens (gpt-oss's harmony) is decoded with them kept.
+    parser = frontend.reasoning_parser
+    skip_special = not (isinstance(req, ChatCompletionRequest) and parser is not None and parser.keeps_special_tokens)
+    configs = []
+    for ids in prompts:
+        try:
+            frontend.check_prompt(ids)
+        except RequestError as exc:
+            # OpenAI's clients look for this code to tell "shorten the prompt" from other errors.
+            code = "context_length_exceeded" if len(ids) >= info.session_len else None
+            raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
+        # No max_tokens: up to the session length, as OpenAI does up to the context.
+        max_new_tokens = info.session_len - len(ids) if max_tokens is None else max_tokens
+        for i in range(req.n):
+            try:
+                configs.append(GenerationConfig(
+                    max_new_tokens=max_new_tokens,
+                    temperature=req.temperature, do_sample=req.temperature > 0,
+                    top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
+                    repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    # n choices from one seed differ from each other yet repeat run to run.
+                    random_seed=None if req.seed is None else (req.seed + i) % 2**64,
+                    stop_words=req.stop_words, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                    response_format=response_format, logit_bias=logit_bias,
+                    prompt_logprobs=prompt_logprobs, speculate=req.speculate, skip_special_tokens=skip_special))
+            except ConfigError as exc:
+                raise APIError(400, str(exc)) from None
+    return frontend.job(prompts, configs, req.n, received, model=req.model, cache_salt=req.cache_salt, key=key)
+
+
+def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """How many alternatives each token's logprobs list, None for no logprobs."""
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def chat_job(frontend: Frontend, req: ChatCompletionRequest, prompt_ids: list[int], response_format: dict | None,
+             received: float, key: str | None) -> Job:
+    job = job_for(frontend, req, [prompt_ids], "messages", req.max_completion_tokens or req.max_tokens,
+                  chat_top_logprobs(req), received, response_format, key=key)
+    job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
+                  "model": req.model, "system_fingerprint": frontend.fingerprint}
+    job.stream_usage(req.stream_options)
+    return job
+
+
+def completion_job(frontend: Frontend, req: CompletionRequest, prompts: list[list[int]],
+                   response_format: dict | None, received: float, key: str | None) -> Job:
+    # echo with logprobs scores each prompt as the engine prefills it; with max_tokens 0 that is all it does.
+    scoring = (req.logprobs or 0) if req.echo and (req.logprobs is not None or req.max_tokens == 0) else None
+    job = job_for(frontend, req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
+                  key=key, prompt_logprobs=scoring)
+    job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                  "model": req.model, "system_fingerprint": frontend.fingerprint}
+    job.stream_usage(req.stream_options)
+    return job
+
+
+# -- replies --------------------------------------------------------------------------------------------------
+
+class ChatReply:
+    """A chat job's outputs as OpenAI's chat completion, or as its stream's chunks."""
+
+    def __init__(self, tokenizer, job: Job, req: ChatCompletionRequest, setup: tools.ToolSetup | None,
+                 reasoning: Reasoning | None = None):
+        """``reasoning``: where the reply thinks; its thinking is given apart from the answer (as
+        ``reasoning_content`` and, vLLM's newer name, ``reasoning``), or left out with include_reasoning false."""
+        self.tokenizer, self.job, self.setup = tokenizer, job, setup
+        self.reasoning, self.show_reasoning = reasoning, req.include_reasoning
+        self.top = chat_top_logprobs(req)
+        choices = len(job.configs)
+        self.parsers = [tools.stream_parser(setup) for _ in range(choices)] if setup and req.stream else None
+        self.splitters = [reasoning.splitter() for _ in range(choices)] if reasoning and req.stream else None
+        self.called = [False] * choices
+        self.started = [False] * choices
+
+    def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[dict]:
+        """OpenAI's stream: the role alone first, then only non-empty deltas, then an empty delta with the
+        finish reason. Logprobs go with the text they are of (text held back keeps them back too)."""
+        def one(delta, finish, logprobs):
+            return {**self.job.header, "choices": [{"index": choice, "delta": delta, "finish_reason": finish,
+                                                    "logprobs": logprobs}]}
+        chunks = []
+        if not self.started[choice]:
+            self.started[choice] = True
+            chunks.append(one({"role": "assistant", "content": None}, None, None))
+        calls, thought = [], ""
+        if self.splitters:
+            thought, text = self.splitters[choice].feed(text, out.finished)
+        if self.parsers:
+            text, calls = self.parsers[choice].feed(text, out.finished)
+            self.called[choice] |= bool(calls)
+        delta = {"content": text} if text else {}
+        if thought and self.show_reasoning:
+            delta.update(reasoning_content=thought, reasoning=thought)
+        if calls:
+            delta["tool_calls"] = calls
+        top = self.top
+        logprobs = chat_logprobs(self.tokenizer, out, lp_from, top) if top is not None and (delta or out.finished) \
+            else None
+        if delta:
+            chunks.append(one(delta, None, logprobs))
+        if out.finished:
+            finish = finish_reason(out)
+            chunks.append(one({}, "tool_calls" if finish == "stop" and self.called[choice] else finish,
+                              None if delta else logprobs))
+        return chunks
+
+    def body(self, outs: list[RequestOutput]) -> dict:
+        choices = []
+        for c, o in enumerate(outs):
+            message, finish = {"role": "assistant", "content": o.text}, finish_reason(o)
+            if self.reasoning is not None:
+                thought, answer = self.reasoning.split(o.text)
+                message["content"] = answer if answer or thought is None else None
+                if self.show_reasoning:
+                    message.update(reasoning_content=thought, reasoning=thought)
+            if self.setup is not None and message["content"] is not None:
+                message["content"], calls = tools.parse(message["content"], self.setup)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c, "message": message, "finish_reason": finish,
+                            "logprobs": chat_logprobs(self.tokenizer, o, 0, self.top) if self.top is not None
+                            else None})
+        return {**self.job.header, "object": "chat.completion", "usage": usage(self.job, outs), "choices": choices}
+
+
+class CompletionReply:
+    """A completion job's outputs as OpenAI's text completion, or as its stream's chunks."""
+
+    def __init__(self, tokenizer, job: Job, req: CompletionRequest, given: list[str | list[int]]):
+        """``given``: each prompt as the request gave it (text or token ids), for echo."""
+        self.tokenizer, self.job, self.top, self.echo, self.given = tokenizer, job, req.logprobs, req.echo, given
+
+    def _logprobs(self, out: RequestOutput, start: int) -> dict | None:
+        return None if self.top is None else completion_logprobs(self.tokenizer, out, start, self.top)
+
+    def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[dict]:
+        if not text and not out.finished:
+            return []
+        return [{**self.job.header, "choices": [{"index": choice, "text": text, "finish_reason": finish_reason(out),
+                                                 "logprobs": self._logprobs(out, lp_from)}]}]
+
+    def body(self, outs: list[RequestOutput]) -> dict:
+        if self.echo:
+            return self._echo_body(outs)
+        return {**self.job.header, "usage": usage(self.job, outs), "choices": [
+            {"index": c, "text": o.text, "finish_reason": finish_reason(o), "logprobs": self._logprobs(o, 0)}
+            for c, o in enumerate(outs)]}
+
+    def _echo_body(self, outs: list[RequestOutput]) -> dict:
+        """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
+        job, top = self.job, self.top
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in self.given]
+        choices = []
+        for c, o in enumerate(outs):
+            ids = job.prompt_of(c)
+            scores = None if top is None else echo.prompt_scores(ids, o.prompt_logprobs or [])
+            choices.append({"index": c, "text": texts[c // job.n] + o.text, "finish_reason": finish_reason(o),
+                            "logprobs": echo.merge(self.tokenizer, ids, scores, top, self._logprobs(o, 0))})
+        return {**job.header, "choices": choices, "usage": usage(job, outs)}
+
+
+# -- pieces of replies ----------------------------------------------------------------------------------------
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer, out: RequestOutput, start: int, top: int) -> dict:
+    content = []
+    for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**_logprob(tokenizer, token_id, entry[token_id]),
+                        "top_logprobs": [_logprob(tokenizer, t, lp) for t, lp in best]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, out: RequestOutput, start: int, top: int) -> dict:
+    """OpenAI's legacy logprobs for tokens ``start:``; text_offset counts the tokens' own texts."""
+    offset = sum(len(token_text(tokenizer, t)) for t in out.token_ids[:start])
+    tokens = [token_text(tokenizer, t) for t in out.token_ids[start:]]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [entry[t] for t, entry in zip(out.token_ids[start:], out.logprobs[start:])],
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in sorted(e.items(), key=lambda kv: -kv[1])[:top]}
+                             for e in out.logprobs[start:]],
+            "text_offset": offsets}
+
+
+def _logprob(tokenizer, token_id: int, logprob: float) -> dict:
+    text = token_text(tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def usage(job: Job, outs: list[RequestOutput | None]) -> dict:
+    """``outs`` by choice (None: a choice with no output)."""
+    prompt = sum(len(p) for p in job.prompts)
+    completion = sum(len(o.token_ids) for o in outs if o is not None)
+    # A prompt counts once however many choices it has, so do its cached tokens: the most any choice found.
+    cached = sum(max((o.cached_tokens for o in outs[p * job.n:(p + 1) * job.n] if o is not None), default=0)
+                 for p in range(len(job.prompts)))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    if out.finish_reason == "error":
+        raise generation_error(out)
+    return out.finish_reason
+
+
+def generation_error(out: RequestOutput, choice: int | None = None) -> APIError:
+    """The error that ended a choice: a 400 when its own format caused it (lmport.engine.engine.is_request_fault),
+    else a 500."""
+    where = "" if choice is None else f"choice {choice}: "
+    if is_request_fault(out.error):
+        return APIError(400, f"{where}{out.error}", param="response_format", code="format_failed")
+    return APIError(500, f"{where}generation failed: {out.error}", type="server_error")

@@ -1,0 +1,444 @@
+"""The server's OpenAPI document: every route with its request body, its responses and their schemas.
+
+The completion routes read their bodies themselves (size limit, body timeout, errors that name the
+field), so FastAPI cannot see the request models; this module puts them, and the response shapes the
+routes build, into the document. The ``model`` field lists the one model this server serves, so a
+schema-driven client (or test generator) sends a name the server knows.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from lmport.structured_output.grammar import MAX_ENUM_VALUES
+from lmport.server.adapters import LoadLoraAdapter, UnloadLoraAdapter
+from lmport.server.anthropic import CountTokensRequest, MessagesRequest
+from lmport.server.embeddings import EmbeddingRequest
+from lmport.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
+from lmport.server.responses import ResponsesRequest
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    reason: str | None = None
+    since: str | None = None   # an engine core not progressing: when it last finished a step (ISO 8601, UTC)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: CompletionLogprobs | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+# -- Anthropic's Messages API (lmport.server.anthropic) ----------------------------------------------------------
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorBody
+    request_id: str | None = None
+
+
+class AnthropicBlock(BaseModel):
+    """A text block (text) or a tool_use block (id, name, input)."""
+    type: Literal["text", "tool_use"]
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict | None = None
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class AnthropicMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class MessageTokensCount(BaseModel):
+    input_tokens: int
+
+
+class AnthropicStreamEvent(BaseModel):
+    """One event's data; ``type`` is also the event's name. message_start has ``message``; content_block_start
+    ``index`` and ``content_block``; content_block_delta ``index`` and ``delta`` (text_delta or input_json_delta);
+    content_block_stop ``index``; message_delta ``delta`` (stop_reason, stop_sequence) and ``usage``; error
+    ``error``."""
+    type: Literal["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+                  "message_delta", "message_stop", "error"]
+
+
+# -- OpenAI's Responses API (lmport.server.responses) --------------------------------------------------------------
+
+class OutputItem(BaseModel):
+    """A message (content: output_text parts) or a function_call (call_id, name, arguments)."""
+    type: Literal["message", "function_call"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] | None = None
+    content: list[dict] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict | None
+    incomplete_details: dict | None
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event's data; ``type`` is also the event's name. response.created, .in_progress, .completed,
+    .incomplete and .failed carry ``response``; the item, part, text and arguments events carry
+    ``output_index`` (and ``item_id``, ``content_index``, ``delta``, ``text``, ``arguments``, ``item``)."""
+    type: str
+    sequence_number: int
+
+
+ERRORS = {
+    400: "invalid request: the message names the field and the fix",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    408: "the request body did not arrive within --body-timeout",
+    413: "the request body is larger than the server's limit",
+    415: "the body is not application/json",
+    421: "the Host header is not served here",
+    403: "not allowed on this server (loading LoRA adapters is off)",
+    409: "conflicts with the server's state (an adapter of that name is loaded, or in use)",
+    500: "generation failed inside the engine for this request",
+    503: "the server is busy (Retry-After), shutting down, or its engine has stopped",
+    504: "not finished within --request-timeout",
+}
+
+
+def _stream(chunk: str) -> dict:
+    """text/event-stream: OpenAPI before 3.2 has ``schema`` describe one event, as a client parses it."""
+    return {"schema": {
+        "type": "object", "required": ["data"],
+        "description": "server-sent events: one `data: {chunk}` event per piece, an error object if the request "
+                       "fails midway, then `data: [DONE]`",
+        "properties": {
+            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+            "data": {"anyOf": [{"const": "[DONE]"}, {
+                "type": "string", "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk)},
+                                            {"$ref": REF.format(model="ErrorResponse")}]}}]}}}}
+
+
+def _named_stream(event: str, error: str | None = None) -> dict:
+    """text/event-stream of named events (``event: <type>``), as Anthropic's and the Responses API's streams."""
+    data = {"$ref": REF.format(model=event)} if error is None else {
+        "anyOf": [{"$ref": REF.format(model=event)}, {"$ref": REF.format(model=error)}]}
+    return {"schema": {
+        "type": "object", "required": ["event", "data"],
+        "description": "server-sent events, each `event: <type>` with `data: {json}` whose `type` is the same",
+        "properties": {"event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+                       "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data}}}}
+
+
+def _json(name: str) -> dict:
+    return {"application/json": {"schema": {"$ref": REF.format(model=name)}}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {str(s): {"description": ERRORS[s], "content": _json("ErrorResponse")} for s in statuses}
+
+
+def below(n: int) -> str:
+    """A regex of the decimal numbers 0 .. n - 1, without leading zeros."""
+    digits = str(n - 1)
+    parts = [f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):   # numbers of len(digits) digits up to n - 1: a prefix, then a smaller digit
+        low = "1" if i == 0 else "0"
+        if int(d) > int(low):
+            rest = len(digits) - i - 1
+            parts.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    parts.append(digits)
+    return "^(0|" + "|".join(parts) + ")$"
+
+
+def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
+    """The OpenAPI document of ``app``."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="lmport's OpenAI-compatible API, Anthropic's Messages API and OpenAI's Responses API "
+                                  "(docs/server.md)")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for cls in (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Health,
+                ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, MessagesRequest, CountTokensRequest,
+                ResponsesRequest, AnthropicError, AnthropicMessage, MessageTokensCount, AnthropicStreamEvent,
+                ResponseObject, ResponseStreamEvent, EmbeddingRequest, LoadLoraAdapter, UnloadLoraAdapter):
+        schema = cls.model_json_schema(ref_template=REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[cls.__name__] = schema
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [model_name], "description": "the served model (GET /v1/models)"}
+        # What the routes check beyond the models' types (each a 400 naming the field).
+        props["stop"]["anyOf"] = [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                                  {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                                   "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+                                  {"type": "null"}]
+        props["top_k"]["anyOf"][0]["maximum"] = vocab
+        bias = props["logit_bias"]["anyOf"][0]
+        bias["propertyNames"] = {"pattern": below(vocab)}
+        # Refused unless absent (unsupported_problem): the document says so instead of offering any value.
+        for name in ("functions", "function_call"):
+            props[name] = {"type": "null", "description": "not supported; leave it out"}
+        props["best_of"] = {"anyOf": [{"const": 1}, {"type": "null"}], "description": "only 1 (use n)"}
+    schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
+    # Only assistant messages carry tool_calls; a tool message names the call it answers.
+    schemas["ChatMessage"]["anyOf"] = [
+        {"properties": {"role": {"enum": ["system", "developer", "user"]}, "tool_calls": {"type": "null"}}},
+        {"properties": {"role": {"const": "assistant"}}},
+        {"properties": {"role": {"const": "tool"}, "tool_calls": {"type": "null"},
+                        "tool_call_id": {"type": "string", "minLength": 1}},
+         "required": ["tool_call_id"]}]
+    props = schemas["CompletionRequest"]["properties"]
+    token = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    props["prompt"]["anyOf"] = [{"type": "string", "minLength": 1},
+                                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                                {"type": "array", "minItems": 1, "items": token},
+                                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                                           "items": token}}]
+    props["guided_grammar"]["anyOf"][0]["minLength"] = 1
+    props["guided_choice"]["anyOf"][0].update(minItems=1, maxItems=MAX_ENUM_VALUES)
+    props["guided_choice"]["anyOf"][0]["items"]["minLength"] = 1
+    auth = (401,) if api_key else ()
+    common = (*auth, 400, 404, 408, 413, 415, 421, 500, 503, 504)
+    paths = doc["paths"]
+    for path, request, response in (("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion"),
+                                    ("/v1/completions", "CompletionRequest", "Completion")):
+        op = paths[path]["post"]
+        op["requestBody"] = {"required": True, "content": _json(request)}
+        op["responses"] = {"200": {"description": "the completion, or with stream: true its chunks as events",
+                                   "content": {**_json(response), "text/event-stream": _stream(response + "Chunk")}},
+                           **_errors(*common)}
+    for name in ("MessagesRequest", "CountTokensRequest", "ResponsesRequest", "EmbeddingRequest"):
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name],
+                                                "description": "the served model (GET /v1/models)"}
+    schemas["MessageItem"]["required"].remove("type")   # an input message may leave its type out
+    props = schemas["ResponsesRequest"]["properties"]
+    for name in ("previous_response_id", "conversation", "prompt"):   # refused: nothing is stored
+        props[name] = {"type": "null", "description": "not supported (this server stores nothing); leave it out"}
+    props["background"] = {"anyOf": [{"const": False}, {"type": "null"}], "description": "only false"}
+    props["truncation"] = {"anyOf": [{"const": "disabled"}, {"type": "null"}], "description": "only disabled"}
+    props["top_logprobs"] = {"anyOf": [{"const": 0}, {"type": "null"}], "description": "not supported"}
+    anthropic_errors = {str(s): {"description": ERRORS[s], "content": _json("AnthropicError")} for s in common}
+    paths["/v1/messages"]["post"].update(
+        requestBody={"required": True, "content": _json("MessagesRequest")},
+        responses={"200": {"description": "the message, or with stream: true its events",
+                           "content": {**_json("AnthropicMessage"),
+                                       "text/event-stream": _named_stream("AnthropicStreamEvent")}},
+                   **anthropic_errors})
+    paths["/v1/messages/count_tokens"]["post"].update(
+        requestBody={"required": True, "content": _json("CountTokensRequest")},
+        responses={"200": {"description": "the prompt's tokens", "content": _json("MessageTokensCount")},
+                   **anthropic_errors})
+    paths["/v1/responses"]["post"].update(
+        requestBody={"required": True, "content": _json("ResponsesRequest")},
+        responses={"200": {"description": "the response, or with stream: true its events",
+                           "content": {**_json("ResponseObject"), "text/event-stream": _named_stream(
+                               "ResponseStreamEvent")}},
+                   **_errors(*common)})
+    # A body is required (without one: 415); the replies are objects (docs/embeddings.md, docs/lora.md).
+    for path, request, statuses in (("/v1/embeddings", "EmbeddingRequest", common),
+                                    ("/v1/load_lora_adapter", "LoadLoraAdapter", (*common, 403, 409)),
+                                    ("/v1/unload_lora_adapter", "UnloadLoraAdapter", (*common, 403, 409))):
+        if path in paths:
+            paths[path]["post"].update(
+                requestBody={"required": True, "content": _json(request)},
+                responses={"200": {"description": "the result", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}, **_errors(*statuses)})
+    paths["/v1/models"]["get"]["responses"] = {"200": {"description": "the served model",
+                                                       "content": _json("ModelList")}, **_errors(*auth)}
+    paths["/v1/models/{model_id}"]["get"]["responses"] = {"200": {"description": "the served model",
+                                                                  "content": _json("ModelCard")},
+                                                          **_errors(*auth, 404)}
+    health = {"description": "ok; 503 with the reason when it cannot serve", "content": _json("Health")}
+    paths["/health"]["get"]["responses"] = {"200": health, "503": health}
+    paths["/metrics"]["get"]["responses"] = {
+        "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(*auth)}
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path != "/health":
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
+    return doc

@@ -1,0 +1,1 @@
+"""One step's device work: the model runner, sampling, pooling and prompt scoring."""
