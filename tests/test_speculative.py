@@ -168,6 +168,7 @@ def test_greedy_identical_with_int8_kv_and_the_host_tier():
     assert usage["spec_accepted_tokens"] > 0 and usage["blocks_from_host"] > 0, usage
 
 
+@pytest.mark.slow   # the default run has tp=2 speculation with a draft model (test_speculative_draft.py)
 def test_greedy_identical_at_tp2():
     """Under tensor parallelism the driver proposes and judges; every rank runs the verifying forward."""
     model, prompts = tiny_model_dir("llama"), repeating_prompts(6, seed=29)
