@@ -13,8 +13,9 @@ import pytest
 from support.chat_families import FamilyServers, reply_ids, scripted, template
 
 from lmport import tool_parsers
+from lmport.reasoning.harmony import HarmonyTags
 from lmport.server import tools
-from lmport.tool_parsers.formats import FORMATS
+from lmport.tool_parsers.formats import FORMATS, Unconstrainable
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {
@@ -40,7 +41,6 @@ CALLS = {
                            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
                            '{"city": "Paris"}<|call|>'),
 }
-NO_GRAMMAR = ("qwen3_coder", "glm45", "harmony")   # formats whose forced calls have no grammar
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_a_call_in_the_familys_format_comes_back_as_a_tool_call(servers, family)
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [("get_weather", {"city": "Paris"})]
 
 
-@pytest.mark.parametrize("family", sorted(f for f in CALLS if CALLS[f][0] not in NO_GRAMMAR))
+@pytest.mark.parametrize("family", sorted(CALLS))
 def test_a_forced_call_is_constrained_to_the_familys_format(servers, family):
     thread, engine = servers(family)
     choice, streamed, _, _, forbidden = _call_both_ways(thread, engine, CALLS[family][1], tools=[WEATHER, TIME],
@@ -107,13 +107,19 @@ def test_the_forced_grammar_refuses_another_familys_call(servers):
     assert script.forbidden and script.forbidden[0][0] == 0
 
 
-@pytest.mark.parametrize("family", sorted(f for f in CALLS if CALLS[f][0] in NO_GRAMMAR))
-def test_a_forced_call_in_a_format_without_a_grammar_is_refused(servers, family):
+EITHER = {"type": "function", "function": {"name": "set_value", "parameters": {"type": "object", "properties": {
+    "value": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}, "required": ["value"]}}}
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm45"])
+def test_a_forced_call_whose_parameter_the_format_cannot_state_is_refused_naming_it(servers, family):
+    """These formats write a string parameter as bare text and others as JSON: a value that may be either has
+    no one form, so forcing the call is refused rather than constrained to something the reader misreads."""
     thread, _ = servers(family)
     with pytest.raises(openai.BadRequestError) as caught:
-        _client(thread).chat.completions.create(model="tiny", messages=ASK, max_tokens=8, tools=[WEATHER],
+        _client(thread).chat.completions.create(model="tiny", messages=ASK, max_tokens=8, tools=[EITHER],
                                                 tool_choice="required")
-    assert caught.value.body["param"] == "tool_choice"
+    assert caught.value.body["param"] == "tool_choice" and "set_value.value" in caught.value.body["message"]
 
 
 @pytest.mark.parametrize("family", sorted(CALLS))
@@ -192,6 +198,64 @@ def test_with_tool_choice_auto_the_grammar_still_refuses_other_text(servers):
 
 
 # -- the parsers on exact texts ------------------------------------------------------------------------------
+
+OPTIONS = {"name": "options", "parameters": {"type": "object", "properties": {
+    "verbose": {"type": "boolean"}, "unit": {"type": "string", "enum": ["c", "f"]}, "limit": {"type": "integer"}}}}
+GRAMMAR_CALLS = [
+    {"name": "get_weather", "arguments": {"city": "Paris"}},
+    {"name": "get_weather", "arguments": {"city": "New York", "days": 3}},
+    {"name": "options", "arguments": {}},
+    {"name": "options", "arguments": {"unit": "f"}},
+    {"name": "options", "arguments": {"verbose": True, "limit": 5}},
+]
+WRONG_CALLS = [
+    {"name": "get_weather", "arguments": {"days": 3}},                    # the required city missing
+    {"name": "get_weather", "arguments": {"city": "Paris", "days": "three"}},  # days not an integer
+    {"name": "options", "arguments": {"unit": "k"}},                      # not one of the choices
+    {"name": "get_time", "arguments": {"zone": "CET"}},                   # not a tool of this request
+]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_formats_forced_grammar_takes_its_calls_and_nothing_else(name):
+    """The grammar of a forced call accepts each call as the format renders it (optional parameters left out
+    or given, in schema order) and refuses a call without a required parameter, with a wrong type, a value
+    outside the choices, or to a function the request does not offer."""
+    from xgrammar.testing import _is_grammar_accept_string
+    fmt = FORMATS[name]
+    grammar = fmt.grammar([WEATHER["function"], OPTIONS])
+    for call in GRAMMAR_CALLS:
+        text = _as_generated(fmt, call)
+        assert _is_grammar_accept_string(grammar, text), text
+        if fmt.spans_reasoning:   # the reply may think first
+            assert _is_grammar_accept_string(grammar, "<|channel|>analysis<|message|>Think first.<|end|>"
+                                                      "<|start|>assistant" + text)
+            text = HarmonyTags().split(text, True)[1]   # the answer the harmony format reads
+        read = fmt.read(text[fmt.start(text):], {**SCHEMAS, "options": OPTIONS["parameters"]})
+        assert [(n, json.loads(a)) for n, a in read] == [(call["name"], call["arguments"])]
+    for call in WRONG_CALLS:
+        assert not _is_grammar_accept_string(grammar, _as_generated(fmt, call)), call
+
+
+def _as_generated(fmt, call: dict) -> str:
+    """One call as the model writes it: the format's rendering, or for harmony the message gpt-oss writes."""
+    if fmt.name != "harmony":
+        return fmt.render([call])
+    return (f"<|channel|>commentary to=functions.{call['name']} <|constrain|>json<|message|>"
+            f"{json.dumps(call['arguments'])}<|call|>")
+
+
+@pytest.mark.parametrize("name, schema", [
+    ("qwen3_coder", {"anyOf": [{"type": "string"}, {"type": "integer"}]}),
+    ("glm45", {"type": "string", "pattern": "^[a-z]+$"}),
+    ("pythonic", {"type": "object", "properties": {"on": {"type": "boolean"}}}),
+    ("pythonic", {"type": "array", "items": {"type": "integer"}}),
+])
+def test_a_parameter_the_formats_text_cannot_state_is_named(name, schema):
+    function = {"name": "f", "parameters": {"type": "object", "properties": {"x": schema}, "required": ["x"]}}
+    with pytest.raises(Unconstrainable, match=r"f\.x: the \w+ format writes"):
+        FORMATS[name].grammar([function])
+
 
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
 

@@ -79,7 +79,7 @@ async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPro
         response_format = await structured.off_loop(frontend, tools.turn_format, response_format, setup)
         await structured.check_format(frontend, response_format, "tools")
     reasoning = frontend.reasoning_of(text)
-    if reasoning is not None:
+    if reasoning is not None and not (setup is not None and setup.forced_spans_reasoning):
         response_format = reasoning.gated(response_format, frontend.tokenizer)
     return ChatPrompt(ids, setup, response_format, reasoning)
 

@@ -21,7 +21,7 @@ from typing import cast
 
 from lmport import chat_template
 from lmport.structured_output.grammar import Grammars, GuidedDecodingError, enforceable_schema, grammar_key
-from lmport.tool_parsers.formats import ARGS, FORMATS, ToolFormat, rebase
+from lmport.tool_parsers.formats import ARGS, FORMATS, ToolFormat, Unconstrainable, rebase
 from lmport.server.protocol import APIError, ChatCompletionRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -45,6 +45,11 @@ class ToolSetup:
     response_format: dict | None       # the grammar forcing a call ("required" or a named function)
     format: ToolFormat | None = None   # the family's call format (lmport.tool_parsers), None: Hermes'
     parallel: bool = True              # parallel_tool_calls: false keeps only a reply's first call
+
+    @property
+    def forced_spans_reasoning(self) -> bool:
+        """Whether the forced call's grammar spells the reply from its start, reasoning included."""
+        return self.response_format is not None and self.format is not None and self.format.spans_reasoning
 
     @property
     def schemas(self) -> dict[str, dict]:
@@ -105,21 +110,20 @@ def check(req: ChatCompletionRequest, grammars: Grammars, format_name: str = "he
     forced = None
     if choice != "auto":
         chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
-        grammar = call_grammar(chosen, fmt)
-        if grammar is None:
-            raise APIError(400, f"tool_choice: a forced call cannot be constrained in the {format_name} format "
-                                f"(its arguments are not JSON); use tool_choice auto", param="tool_choice")
-        forced = {"type": "grammar", "grammar": grammar}
+        try:
+            forced = {"type": "grammar", "grammar": call_grammar(chosen, fmt)}
+        except Unconstrainable as exc:
+            raise APIError(400, f"tool_choice: a forced call in the {format_name} format cannot be constrained: "
+                                f"{exc}", param="tool_choice") from None
     return ToolSetup(tools, names, choice, forced, fmt, req.parallel_tool_calls)
 
 
-def call_grammar(functions: list[dict], fmt: ToolFormat | None = None) -> str | None:
+def call_grammar(functions: list[dict], fmt: ToolFormat | None = None) -> str:
     """EBNF for one call of any of ``functions`` in the format ``fmt`` (None: a Hermes block), its arguments
-    matching the function's parameters; None where the format has no grammar."""
+    matching the function's parameters (Unconstrainable: a parameter the format's text cannot state)."""
     import xgrammar as xgr   # only where a request forces a tool call
     if fmt is not None:
-        grammar = fmt.grammar(functions)
-        return None if grammar is None else str(grammar)
+        return str(fmt.grammar(functions))
     grammars = []
     for fn in functions:
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": ARGS}},
@@ -137,9 +141,12 @@ def turn_format(response_format: dict | None, setup: ToolSetup) -> dict | None:
     the format's output (so the format never rules a call out)."""
     if setup.response_format is not None or response_format is None or response_format.get("type") == "text":
         return setup.response_format or response_format
+    if setup.format is not None and setup.format.spans_reasoning:
+        return response_format   # the format applies to the final answer, which a call is not part of
     import xgrammar as xgr
-    calls = call_grammar([t["function"] for t in setup.tools], setup.format)
-    if calls is None:   # no grammar for the format's calls: the format alone (a call cannot be generated then)
+    try:
+        calls = call_grammar([t["function"] for t in setup.tools], setup.format)
+    except Unconstrainable:   # a tool the grammar cannot state: the format alone (no call can be generated then)
         return response_format
     kind, text = cast("tuple[str, str]", grammar_key(response_format))
     if kind == "json_schema":

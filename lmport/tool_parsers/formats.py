@@ -3,8 +3,9 @@
 Each format finds where a reply's calls begin (``markers``; for some, only at the reply's very start), reads
 the calls from there to the end (``read``: name and arguments as JSON text, or None when the text is no call
 the format knows), writes calls as text for a template that cannot (``render``), and, for a forced call,
-builds the grammar of one call in its own format (``grammar``; None where the format's values are not JSON
-and no grammar is written for it).
+builds the grammar of one call in its own format (``grammar``). Formats that write a parameter's value as
+text or as a Python literal constrain the parameters whose schema that text can state, and refuse the others
+(``Unconstrainable``, naming the parameter).
 """
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ import re
 import uuid
 
 
+class Unconstrainable(ValueError):
+    """A forced call's grammar cannot state a parameter's schema in the format's text (the message says which)."""
+
+
 class ToolFormat:
     name = ""
     markers: tuple[str, ...] = ()
     at_start = False      # calls are the whole reply (the marker, if any, comes first)
     example = ""          # one call as the format writes it, for a template that teaches none
+    spans_reasoning = False   # a forced call's grammar spells the whole reply, its reasoning included
 
     def read(self, text: str, schemas: dict[str, dict]) -> list[tuple[str, str]] | None:
         """The calls in ``text`` (which starts at a marker): [(name, arguments JSON text)], or None.
@@ -30,8 +36,9 @@ class ToolFormat:
         raise NotImplementedError
 
     def grammar(self, functions: list[dict]):
-        """An xgrammar Grammar of one call to any of ``functions`` in this format, or None."""
-        return None
+        """An xgrammar Grammar of one call to any of ``functions`` in this format (Unconstrainable: a parameter
+        this format cannot constrain)."""
+        raise NotImplementedError
 
     def call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -110,6 +117,81 @@ def _literal(text: str):
 def _union(grammars: list):
     import xgrammar as xgr
     return grammars[0] if len(grammars) == 1 else xgr.Grammar.union(*grammars)
+
+
+def _concat(grammars: list):
+    import xgrammar as xgr
+    return grammars[0] if len(grammars) == 1 else xgr.Grammar.concat(*grammars)
+
+
+def _optional(grammar):
+    return _union([grammar, _literal("")])
+
+
+def _parameters(function: dict, fmt: str) -> list[tuple[str, dict, bool]]:
+    """A function's parameters as (name, schema, required), their own ``$ref``s resolved, in schema order."""
+    parameters = function["parameters"]
+    if parameters.get("type", "object") != "object" or parameters.get("additionalProperties") not in (None, False) \
+            and not parameters.get("properties"):
+        raise Unconstrainable(f"{function['name']}: the {fmt} format writes named parameters; give its "
+                              f"parameters as an object with properties")
+    defs, required = parameters.get("$defs", {}), set(parameters.get("required", []))
+    out = []
+    for key, schema in parameters.get("properties", {}).items():
+        ref = schema.get("$ref", "") if isinstance(schema, dict) else ""
+        if ref.startswith("#/$defs/") and ref[len("#/$defs/"):] in defs:
+            schema = defs[ref[len("#/$defs/"):]]
+        out.append((key, schema, key in required))
+    return out
+
+
+def _parameter_error(function: dict, key: str, fmt: str, why: str) -> Unconstrainable:
+    return Unconstrainable(f"{function['name']}.{key}: the {fmt} format writes this parameter's value as "
+                           f"{why}; give it one type (string, integer, number, boolean, object or array), or use "
+                           f"tool_choice auto")
+
+
+STRING_CHECKS = ("pattern", "format", "minLength", "maxLength")
+
+
+def _text_value(function: dict, key: str, schema: dict, fmt: str):
+    """A parameter's value as Qwen3-Coder and GLM-4.5 write it: a string as plain text (no ``<``, which would
+    open the closing tag), any other type as JSON."""
+    import xgrammar as xgr
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if choices is not None:
+            if not all(isinstance(c, str) and "<" not in c for c in choices):
+                raise _parameter_error(function, key, fmt, "text, and its choices are not all text without '<'")
+            return _union([_literal(c) for c in choices])
+        if "pattern" in schema or "format" in schema:
+            raise _parameter_error(function, key, fmt, "plain text, which a pattern or format cannot constrain")
+        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        return xgr.Grammar.from_regex(f"[^<]{{{low},{high}}}")
+    if kind not in ("integer", "number", "boolean", "object", "array", "null"):
+        raise _parameter_error(function, key, fmt, "text when its type is string and as JSON otherwise")
+    return xgr.Grammar.from_json_schema(_arguments_schema(schema), any_whitespace=False, strict_mode=True)
+
+
+def _keyword_grammar(function: dict, fmt: str, piece, separator: str = ""):
+    """The parameters of one call, each ``piece(key, schema)`` (required ones always, optional ones when the
+    model writes them), in schema order, ``separator`` between two."""
+    params = _parameters(function, fmt)
+    pieces = [(piece(key, schema), needed) for key, schema, needed in params]
+    if not separator:
+        return _concat([g if needed else _optional(g) for g, needed in pieces]) if pieces else _literal("")
+    import xgrammar as xgr
+
+    def after_first(rest):   # the pieces that may follow one written piece, each led by the separator
+        return [xgr.Grammar.concat(_literal(separator), g) if needed else
+                _optional(xgr.Grammar.concat(_literal(separator), g)) for g, needed in rest]
+    first_required = next((i for i, (_, needed) in enumerate(pieces) if needed), None)
+    if first_required is not None:   # optional pieces before it would need a separator after them: put it first
+        head, rest = pieces[first_required], pieces[:first_required] + pieces[first_required + 1:]
+        return _concat([head[0], *after_first(rest)])
+    # All optional: none, or any piece first and the later ones after it.
+    return _union([_literal("")] + [_concat([g, *after_first(pieces[i + 1:])]) for i, (g, _) in enumerate(pieces)])
 
 
 class Llama3Json(ToolFormat):
@@ -285,6 +367,14 @@ class Qwen3Coder(ToolFormat):
             blocks.append(f"<tool_call>\n<function={c['name']}>\n{params}</function>\n</tool_call>")
         return "\n".join(blocks)
 
+    def grammar(self, functions):
+        return _union([_concat([
+            _literal(f"<tool_call>\n<function={f['name']}>\n"),
+            _keyword_grammar(f, self.name, lambda key, schema, f=f: _concat([
+                _literal(f"<parameter={key}>\n"), _text_value(f, key, schema, self.name),
+                _literal("\n</parameter>\n")])),
+            _literal("</function>\n</tool_call>")]) for f in functions])
+
 
 GLM_CALL = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>.*?</arg_value>\s*)*)</tool_call>", re.S)
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -321,6 +411,14 @@ class Glm45(ToolFormat):
             f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
             f"</arg_value>\n" for k, v in c["arguments"].items()) + "</tool_call>" for c in calls)
 
+    def grammar(self, functions):
+        return _union([_concat([
+            _literal(f"<tool_call>{f['name']}\n"),
+            _keyword_grammar(f, self.name, lambda key, schema, f=f: _concat([
+                _literal(f"<arg_key>{key}</arg_key>\n<arg_value>"), _text_value(f, key, schema, self.name),
+                _literal("</arg_value>\n")])),
+            _literal("</tool_call>")]) for f in functions])
+
 
 class Pythonic(ToolFormat):
     """Llama 4 and Llama 3.2's pythonic calls: the reply is ``[get_weather(city="Paris"), f(x=1)]``, each
@@ -352,6 +450,38 @@ class Pythonic(ToolFormat):
         return "[" + ", ".join(f"{c['name']}(" + ", ".join(f"{k}={v!r}" for k, v in c["arguments"].items()) + ")"
                                for c in calls) + "]"
 
+    def grammar(self, functions):
+        return _concat([_literal("["), _union([_concat([
+            _literal(f"{f['name']}("),
+            _keyword_grammar(f, self.name, lambda key, schema, f=f: _concat([
+                _literal(f"{key}="), _python_value(f, key, schema)]), separator=", "),
+            _literal(")")]) for f in functions]), _literal("]")])
+
+
+# A Python string literal in double or single quotes (render writes repr's), with only the escapes \\ \" \' \n \t.
+PYTHON_STRING = (r'("\"" ([^"\\\n] | "\\" ["\\nt])* "\"") | '
+                 r'("\'" ([^\'\\\n] | "\\" [\'\\nt])* "\'")')
+
+
+def _python_value(function: dict, key: str, schema: dict):
+    """A parameter's value as a Python literal: strings, numbers, True/False, None (an object or array would be
+    written with JSON's true/false/null, which Python does not read)."""
+    import xgrammar as xgr
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None) if kind else None
+    if choices is not None and all(isinstance(c, (str, int, float, bool)) or c is None for c in choices):
+        return _union([_literal(repr(c)) for c in choices])
+    if kind == "string" and not any(k in schema for k in STRING_CHECKS):
+        return xgr.Grammar.from_ebnf(f"root ::= {PYTHON_STRING}")
+    if kind in ("integer", "number"):
+        return xgr.Grammar.from_json_schema(_arguments_schema(schema), any_whitespace=False, strict_mode=True)
+    if kind == "boolean":
+        return _union([_literal("True"), _literal("False")])
+    if kind == "null":
+        return _literal("None")
+    raise _parameter_error(function, key, "pythonic", "a Python literal, which states a string without a pattern, "
+                           "format or length, a number, a boolean or null only")
+
 
 HARMONY_CALL = re.compile(r"<\|channel\|>commentary to=functions\.([^<\s]+)<\|message\|>(.*?)<\|call\|>", re.S)
 
@@ -363,6 +493,7 @@ class Harmony(ToolFormat):
     name = "harmony"
     markers = ("<|channel|>commentary to=functions.",)
     example = "<|channel|>commentary to=functions.<function-name> <|constrain|>json<|message|><arguments-json-object>"
+    spans_reasoning = True
 
     def read(self, text, schemas):
         calls, at = [], 0
@@ -379,6 +510,18 @@ class Harmony(ToolFormat):
     def render(self, calls):
         return "".join(f"<|channel|>commentary to=functions.{c['name']}<|message|>"
                        f"{json.dumps(c['arguments'], ensure_ascii=False)}<|call|>" for c in calls)
+
+    def grammar(self, functions):
+        """The whole reply after the template's ``<|start|>assistant``: an analysis message if the model thinks
+        first, then the call as a commentary message to the function, its body the arguments' JSON."""
+        import xgrammar as xgr
+        call = _union([_concat([
+            _literal(f"<|channel|>commentary to=functions.{f['name']} <|constrain|>json<|message|>"),
+            xgr.Grammar.from_json_schema(_arguments_schema(f["parameters"]), any_whitespace=False, strict_mode=True),
+            _literal("<|call|>")]) for f in functions])
+        thinking = xgr.Grammar.from_ebnf('root ::= "<|channel|>analysis<|message|>" ([^<] | "<" [^|])* '
+                                         '"<|end|><|start|>assistant"')
+        return _concat([_optional(thinking), call])
 
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Llama3Json(), Mistral(), DeepSeekV3(), DeepSeekV31(),
