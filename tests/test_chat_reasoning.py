@@ -50,6 +50,26 @@ def test_the_prompt_says_whether_the_reply_starts_inside_the_thinking(family, kw
     assert parser is not None and parser.starts_inside(_rendered(family, **kwargs)) is inside
 
 
+@pytest.mark.parametrize("parser, before, thinking, after, inside", [
+    ("qwen3", "<think>", "\nThe user greets me.\n", "</think>\n\nHello there.", False),
+    ("deepseek_r1", "", "Let me think: 2 + 2 is 4.", "</think>\n\nFour.", True),
+    ("qwen3", "", "", "Hello there.", False),
+    ("qwen3", "<think>", "cut off by the length limit", "", False),
+    ("harmony", "<|channel|>analysis<|message|>", "The user greets me.",
+     "<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|return|>", True),
+])
+def test_reasoning_tokens_are_the_tokens_of_the_thinking(parser, before, thinking, after, inside):
+    """The markers are tokens of their own in the families' tokenizers, so the thinking's tokens are those of
+    its text alone."""
+    from support.chat_families import family_model_dir
+
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer(family_model_dir())
+    ids = [tokenizer.encode(part, add_special_tokens=False) for part in (before, thinking, after)]
+    counted = reasoning.Reasoning(reasoning.PARSERS[parser], inside).token_count(sum(ids, []), tokenizer)
+    assert counted == len(ids[1])
+
+
 @pytest.mark.parametrize("parser, text, inside, expected", [
     ("qwen3", "<think>\nhmm\n</think>\n\nHello", False, ("\nhmm\n", "Hello")),
     ("qwen3", "Hello <think>not a block</think>", False, (None, "Hello <think>not a block</think>")),
@@ -212,10 +232,12 @@ def test_responses_give_the_thinking_as_a_reasoning_item(servers):
     streamed = events[-1].response
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == "\nThe user greets me.\n"
+    thinking = len(engine.tokenizer.encode("\nThe user greets me.\n", add_special_tokens=False))
     for response in (whole, streamed):
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output[0].content[0].text == "\nThe user greets me.\n"
         assert response.output_text == "Hello there."
+        assert response.usage.output_tokens_details.reasoning_tokens == thinking
     # a client sends the output back with the next turn: the reasoning item is accepted (and left out)
     with scripted(engine, _ids(engine, "Fine.")):
         nxt = client.responses.create(model="tiny", max_output_tokens=8, input=[

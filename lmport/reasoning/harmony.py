@@ -56,6 +56,10 @@ class HarmonySplitter:
         self.body: str | None = None   # in a message's body: its route ("reasoning", "answer" or "call")
         self.thought = False
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self.body == "reasoning"
+
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         self.buffer += delta
         reasoning = answer = ""

@@ -60,6 +60,16 @@ class Reasoning:
     def split(self, text: str) -> tuple[str | None, str]:
         return self.tags.split(text, self.inside)
 
+    def token_count(self, token_ids: list[int], tokenizer) -> int:
+        """How many of a reply's tokens are thinking (its markers not counted): each token's text fed to a
+        splitter in turn, counted where the splitter reads thinking both before and after it."""
+        splitter, count = self.splitter(), 0
+        for token in token_ids:
+            before = splitter.in_reasoning
+            splitter.feed(tokenizer.decode([token], skip_special_tokens=not self.tags.keeps_special_tokens), False)
+            count += before and splitter.in_reasoning
+        return count
+
     def gated(self, response_format: dict | None, tokenizer) -> dict | None:
         """``response_format`` applied to the answer only: the grammar starts once the thinking ends."""
         if response_format is None or response_format.get("type") == "text":
@@ -81,6 +91,10 @@ class Splitter:
         self.fresh = inside     # nothing read yet inside the block: a repeated opening tag is dropped
         self.thought = inside   # whether the reply had a thinking block at all
         self.trim = False       # just past the closing tag: the answer's leading blank lines are dropped
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.state == "reasoning"
 
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         """(reasoning, answer) pieces that ``delta`` completes; ``finished``: nothing more comes."""

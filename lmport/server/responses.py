@@ -24,7 +24,7 @@ from fastapi import Request
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from lmport.engine.engine import RequestOutput
+from lmport.engine.outputs import RequestOutput
 from lmport.server import access_log, openai_mapping, routes, streaming
 from lmport.server.protocol import (APIError, ChatCompletionRequest, JSONPathRequest, Unimplemented, _Request,
                                     bounded_int, empty_arguments)
@@ -354,8 +354,9 @@ class _Reply:
         req = self.req
         usage = None
         if out is not None:
+            thinking = self.reasoning.token_count(out.token_ids, self.frontend.tokenizer) if self.reasoning else 0
             usage = {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.cached_tokens},
-                     "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": thinking},
                      "total_tokens": out.prompt_tokens + len(out.token_ids)}
         fmt = req.text.format if req.text and req.text.format else FormatText(type="text")
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, ToolChoiceFunction) else \
