@@ -12,24 +12,28 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from lmport.config import ConfigError
 from lmport.lora import AdapterError
 from lmport.server import jsonbody
-from lmport.server.protocol import APIError, bounded_int, brief
+from lmport.server.protocol import APIError, Unimplemented, _Request, bounded_int, brief
 
 log = logging.getLogger(__name__)
 
 
-class LoadLoraAdapter(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoadLoraAdapter(_Request):
+    model_config = ConfigDict(extra="allow")
+    ROUTE = "/v1/load_lora_adapter"
+    UNIMPLEMENTED = {"load_inplace": Unimplemented("replacing a loaded adapter in place", harmless=(False,),
+                                                   fix="unload the adapter, then load it again")}
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraAdapter(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UnloadLoraAdapter(_Request):
+    model_config = ConfigDict(extra="allow")
+    ROUTE = "/v1/unload_lora_adapter"
     lora_name: str
     lora_int_id: int | None = bounded_int(None)   # vLLM's clients send it; the name decides here
 
@@ -98,6 +102,8 @@ def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
     async def load_lora_adapter(request: Request):
         check_enabled()
         req = await jsonbody.read(request, LoadLoraAdapter)
+        if (problem := req.unknown_field_problem()) is not None:
+            raise problem
         if req.lora_name == frontend.model_name:
             raise APIError(400, f"lora_name: {brief(req.lora_name)} is the base model's name; choose another",
                            param="lora_name")
@@ -112,6 +118,7 @@ def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
     async def unload_lora_adapter(request: Request):
         check_enabled()
         req = await jsonbody.read(request, UnloadLoraAdapter)
+        req.unknown_field_problem()   # notes unknown fields in the log; none here changes what is unloaded
         try:
             unloaded = await frontend.core.unload_adapter(req.lora_name)
         except AdapterError as exc:
