@@ -170,3 +170,20 @@ def test_a_model_not_served_is_a_404(tiny):
 def test_a_request_chat_template_is_refused(tiny):
     r = post(tiny, "/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_openapi_describes_the_routes_and_the_replies_conform(tiny):
+    import jsonschema
+    doc = httpx.get(tiny.url + "/openapi.json", timeout=10).json()
+    for path, request, response, body in (
+            ("/tokenize", "TokenizeRequest", "TokenizeResponse", {"prompt": "Hello", "return_token_strs": True}),
+            ("/detokenize", "DetokenizeRequest", "DetokenizeResponse", {"tokens": [1, 2, 3]}),
+            ("/v1/responses/input_tokens", "InputTokensRequest", "InputTokensCount", {"model": "tiny",
+                                                                                       "input": "Hello"})):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(request)
+        assert {"200", "400"} <= set(op["responses"])
+        jsonschema.validate(body, {**doc, "$ref": f"#/components/schemas/{request}"})
+        reply = post(tiny, path, body)
+        assert reply.status_code == 200, reply.text
+        jsonschema.validate(reply.json(), {**doc, "$ref": f"#/components/schemas/{response}"})

@@ -18,7 +18,8 @@ from lmport.server.adapters import LoadLoraAdapter, UnloadLoraAdapter
 from lmport.server.anthropic import CountTokensRequest, MessagesRequest
 from lmport.server.embeddings import EmbeddingRequest
 from lmport.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest
-from lmport.server.responses import ResponsesRequest
+from lmport.server.responses import InputTokensRequest, ResponsesRequest
+from lmport.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -243,6 +244,22 @@ class OutputItem(BaseModel):
     arguments: str | None = None
 
 
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None   # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class InputTokensCount(BaseModel):
+    object: Literal["response.input_tokens"]
+    input_tokens: int
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: PromptTokensDetails
@@ -342,7 +359,9 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
     for cls in (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList, Health,
                 ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, MessagesRequest, CountTokensRequest,
                 ResponsesRequest, AnthropicError, AnthropicMessage, MessageTokensCount, AnthropicStreamEvent,
-                ResponseObject, ResponseStreamEvent, EmbeddingRequest, LoadLoraAdapter, UnloadLoraAdapter):
+                ResponseObject, ResponseStreamEvent, EmbeddingRequest, LoadLoraAdapter, UnloadLoraAdapter,
+                TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, InputTokensRequest,
+                InputTokensCount):
         schema = cls.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[cls.__name__] = schema
@@ -425,6 +444,13 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
                 requestBody={"required": True, "content": _json(request)},
                 responses={"200": {"description": "the result", "content": {"application/json": {
                     "schema": {"type": "object"}}}}, **_errors(*statuses)})
+    for path, request, response in (("/tokenize", "TokenizeRequest", "TokenizeResponse"),
+                                    ("/detokenize", "DetokenizeRequest", "DetokenizeResponse"),
+                                    ("/v1/responses/input_tokens", "InputTokensRequest", "InputTokensCount")):
+        if path in paths:
+            paths[path]["post"].update(requestBody={"required": True, "content": _json(request)},
+                                       responses={"200": {"description": "the result", "content": _json(response)},
+                                                  **_errors(*common)})
     paths["/v1/models"]["get"]["responses"] = {"200": {"description": "the served model",
                                                        "content": _json("ModelList")}, **_errors(*auth)}
     paths["/v1/models/{model_id}"]["get"]["responses"] = {"200": {"description": "the served model",
