@@ -5,8 +5,8 @@ ids (128; a round's prompts are its own, so no round finds another's in the pref
 --output-tokens tokens (64, EOS ignored), sampled at temperature 1 as guidellm's requests are (greedy with
 --greedy); a new request is added as one finishes. The engine is configured as `lmport serve` configures
 it (prefix caching on, decode_prefill_tokens 128). Reports output tok/s, the median step and the time
-`Engine._sample` takes a call, median (min-max) over --rounds rounds. Prints a markdown table, writes JSON
-(default benchmarks/results/concurrent_engine.json).
+`lmport.worker.model_step.sample_each` (a step's sampling) takes a call, median (min-max) over --rounds rounds.
+Prints a markdown table, writes JSON (default benchmarks/results/concurrent_engine.json).
 
     .venv/bin/python benchmarks/concurrent_engine.py [--concurrency 16] [--requests 64] [--rounds 5]
 """
@@ -21,15 +21,16 @@ from pathlib import Path
 
 import torch
 
-import machine
+from lmport.bench import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_round(engine, prompts: list[list[int]], concurrency: int, config) -> dict:
     """The prompts through ``engine``, ``concurrency`` at a time; tok/s, step times and _sample's times."""
+    from lmport.worker import model_step
     sample_times: list[float] = []
-    sample = engine._sample
+    sample = model_step.sample_each
 
     def timed_sample(*args, **kwargs):
         start = time.perf_counter()
@@ -38,7 +39,7 @@ def one_round(engine, prompts: list[list[int]], concurrency: int, config) -> dic
         finally:
             sample_times.append(time.perf_counter() - start)
 
-    engine._sample = timed_sample
+    model_step.sample_each = timed_sample
     waiting = iter(enumerate(prompts))
     start = time.perf_counter()
 
@@ -58,7 +59,7 @@ def one_round(engine, prompts: list[list[int]], concurrency: int, config) -> dic
             if out.finished:
                 add_next()
     wall = time.perf_counter() - start
-    del engine._sample
+    model_step.sample_each = sample
     return {"output_tokens_per_s": tokens / wall, "wall_s": wall, "steps": len(steps),
             "step_median_ms": statistics.median(steps) * 1e3,
             "sample_median_ms": statistics.median(sample_times) * 1e3 if sample_times else 0.0}
@@ -103,7 +104,7 @@ def main() -> int:
           f"{machine.line(info)}\n")
     print("| metric | median (min-max) |\n|---|---|")
     for key, name in (("output_tokens_per_s", "output tok/s"), ("step_median_ms", "step ms (median of a round)"),
-                      ("sample_median_ms", "Engine._sample ms a call (median of a round)")):
+                      ("sample_median_ms", "sampling ms a call (median of a round)")):
         print(f"| {name} | {machine.spread([r[key] for r in rounds], '.2f')} |")
     machine.write_result(Path(args.out), {"args": vars(args), "rounds": rounds, "machine": info})
     return 0

@@ -91,7 +91,7 @@ class FakeEngine:
         proposals = {seq: self.propose(seq, n - 1) for seq, n in zip(batch.seqs, batch.num_new)
                      if n > seq.num_uncomputed}
         num_new = [1 + len(proposals[seq]) if seq in proposals else n for seq, n in zip(batch.seqs, batch.num_new)]
-        for b in self.bm.take_copies():
+        for b in batch.copies:   # the block copies scheduling queued
             assert len(set(b.dst)) == len(b.dst), "a batch writes a block twice: the result is undefined"
             src, dst = self.pools[b.source == "host"], self.pools[b.target == "host"]
             rows = [list(src[s]) for s in b.src]    # read all, then write: one batched copy

@@ -16,7 +16,7 @@ import torch
 from lmport import EngineConfig, GenerationConfig
 from lmport.config import ConfigError
 from lmport.engine.engine import Engine, RequestError
-from lmport.worker.pooling import PoolingConfig, finish, pooling_config
+from lmport.engine.pooling import PoolingConfig, finish, pooling_config
 from support.st_models import st_model, tiny_st_dir
 
 TEXTS = ["Hello world", "Paged attention keeps the KV cache in fixed-size blocks, so sequences grow without "
@@ -122,10 +122,16 @@ def test_server_embeddings_with_the_openai_client():
         check_close([d.embedding for d in ids.data], want)
         assert floats.model == "tiny-st" and [d.index for d in floats.data] == [0, 1, 2, 3]
         assert floats.usage.prompt_tokens == sum(len(engine.tokenizer.encode(t)) for t in TEXTS)
-        for bad, param in (({"dimensions": 7}, "dimensions"), ({"input": []}, "input"), ({"input": ""}, "input")):
+        for bad, param in (({"dimensions": 7}, "dimensions"), ({"input": []}, "input"), ({"input": ""}, "input"),
+                           ({"extra_body": {"truncate_prompt_tokens": 2}}, "truncate_prompt_tokens"),
+                           ({"extra_body": {"normalize": False}}, "normalize")):   # this model normalizes
             with pytest.raises(openai.BadRequestError) as err:
                 client.embeddings.create(**{"model": "tiny-st", "input": "hi", **bad})
             assert err.value.body["param"] == param
+        # what the model does anyway, and a field that names nothing, are accepted
+        same = client.embeddings.create(model="tiny-st", input=TEXTS, encoding_format="float",
+                                        extra_body={"normalize": True, "add_special_tokens": True, "x_note": 1})
+        assert [d.embedding for d in same.data] == [d.embedding for d in floats.data]
         with pytest.raises(openai.NotFoundError) as err:
             client.embeddings.create(model="other", input="hi")
         assert err.value.body["param"] == "model"

@@ -1,11 +1,11 @@
-"""Whatever raises inside Engine.step() for one request ends that request with an error, not the engine."""
+"""Whatever raises inside a step for one request ends that request with an error, not the engine."""
 from __future__ import annotations
 
 import pytest
 
 from support.model_helpers import tiny_model_dir
 
-import lmport.engine.engine as engine_module
+from lmport.worker import sampling
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
 
@@ -29,14 +29,14 @@ def _config():
 
 
 def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
-    real = engine_module.sample
+    real = sampling.sample
 
     def sample(logits, seqs, masks=None):
         if any(s.request_id == "bad" for s in seqs):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, seqs, masks)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(sampling, "sample", sample)
     ids = [engine.add_request([1, 2, 3], _config(), rid) for rid in ("good", "bad", "good2")]
     final = _run(engine, ids)
     assert final["bad"].finish_reason == "error" and "sampling failed" in final["bad"].error

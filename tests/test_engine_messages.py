@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from lmport.config import GenerationConfig
-from lmport.engine.engine import RequestOutput
+from lmport.engine.outputs import ErrorKind, FinishReason, RequestOutput
 from lmport.engine.messages import (EngineRequest, adapter_from_wire, adapter_to_wire, error_from_wire, error_to_wire,
                                     output_from_wire, output_to_wire, pack, unpack)
 from lmport.lora import AdapterError
@@ -25,6 +25,20 @@ def test_an_output_round_trips_as_its_token_deltas():
                         delta_logprobs=[{5: -0.25, 9: -2.0}], prompt_logprobs=[{2: -1.5}, {3: -0.5}])
     back = output_from_wire(unpack(pack(output_to_wire(out))))
     assert back == out
+
+
+def test_a_failed_output_keeps_its_reason_and_whose_fault_it_is():
+    """The finish reason and the error's kind cross as their strings and come back as the enums, so a format's
+    failure is still the request's fault (a 400) on the front end's side."""
+    out = RequestOutput("r-2", [], "", [], "", True, FinishReason.ERROR, 3, error="response_format: dead end",
+                        error_kind=ErrorKind.REQUEST)
+    wire = unpack(pack(output_to_wire(out)))
+    assert "error" in wire and "request" in wire   # plain strings on the wire
+    back = output_from_wire(wire)
+    assert back == out and back.finish_reason is FinishReason.ERROR and back.request_fault
+    engine_fault = RequestOutput("r-3", [], "", [], "", True, FinishReason.ERROR, 3, error="forward failed",
+                                 error_kind=ErrorKind.ENGINE)
+    assert not output_from_wire(unpack(pack(output_to_wire(engine_fault)))).request_fault
 
 
 def test_an_embedding_output_carries_its_vector():

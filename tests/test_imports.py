@@ -21,12 +21,16 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """lmport modules ``name`` imports; ``from pkg import mod`` counts as importing ``pkg.mod``."""
+def _imports(name: str, path: Path, modules: dict[str, Path], lazy: bool = True) -> set[str]:
+    """lmport modules ``name`` imports; ``from pkg import mod`` counts as importing ``pkg.mod``. ``lazy``: with
+    the imports inside functions (else only those that importing ``name`` runs)."""
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text())
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block)
                    for stmt in block.body for n in ast.walk(stmt)}
+    if not lazy:
+        typing_only |= {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for stmt in f.body for n in ast.walk(stmt)}
     out = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -86,10 +90,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(lazy: bool = True) -> dict[str, set[str]]:
     modules = _modules()
     # A package's __init__ re-exporting its submodules is not a cycle with them: drop package -> child edges.
-    return {name: {t for t in _imports(name, path, modules) if not t.startswith(name + ".")}
+    return {name: {t for t in _imports(name, path, modules, lazy) if not t.startswith(name + ".")}
             for name, path in modules.items()}
 
 
@@ -148,3 +152,33 @@ def test_the_config_is_a_plain_value():
     reached = _reachable(_graph(), "lmport.config")
     assert not {m for m in reached if m.startswith("lmport.platform")
                 or m.startswith("lmport.backends")}, sorted(reached)
+
+
+
+# The model side: what the HTTP front end must never load (it reads the engine's messages, errors and outputs).
+MODEL_SIDE = ("lmport.worker", "lmport.models", "lmport.ops", "lmport.backends", "lmport.executor")
+
+
+def _model_side(modules) -> list[str]:
+    return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in MODEL_SIDE))
+
+
+def test_the_server_app_imports_no_model_code():
+    """Importing the HTTP app (what ``lmport serve``'s front end loads before it starts the engine core) reaches
+    none of the model side, walked from the source: a package's __init__ counts as imported with any of its
+    modules, as Python imports it first."""
+    graph = _graph(lazy=False)
+    reached = _reachable(graph, "lmport.server.app")
+    reached |= {".".join(m.split(".")[:i]) for m in reached for i in range(2, m.count(".") + 1)}
+    assert not _model_side(reached), f"lmport.server.app reaches {_model_side(reached)}"
+    assert "lmport.engine.outputs" in reached   # the walk sees the app's imports
+
+
+def test_the_server_app_loads_no_model_code():
+    """The same, as Python runs it: importing the app in a fresh interpreter loads none of the model side."""
+    import subprocess
+    import sys
+    code = "import sys, lmport.server.app\nprint(' '.join(sorted(m for m in sys.modules if m.startswith('lmport'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    loaded = out.stdout.split()
+    assert "lmport.engine.outputs" in loaded and not _model_side(loaded), _model_side(loaded)

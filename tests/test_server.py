@@ -25,6 +25,7 @@ from support.model_helpers import tiny_model_dir
 from support.serve_process import ServeProcess
 
 from lmport.config import EngineConfig
+from lmport.engine.core import EngineCore
 from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 
@@ -67,7 +68,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def tiny():
-    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=512))
+    engine = EngineCore(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=512))
     server = ServerThread(create_app(engine, model_name="tiny", max_body_bytes=TINY_BODY_LIMIT))
     server.engine = engine
     yield server
@@ -75,7 +76,7 @@ def tiny():
 
 
 @contextlib.contextmanager
-def steps_held(engine: Engine, after: int = 0):
+def steps_held(engine: EngineCore, after: int = 0):
     """The engine's steps after the next ``after`` wait until the block ends, so that no request can finish
     meanwhile; yields an Event set once a step waits."""
     waiting, released, step = threading.Event(), threading.Event(), engine.step

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from lmport.config import EngineConfig, GenerationConfig
+from lmport.engine.core import EngineCore
 from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_model_dir
@@ -208,7 +209,7 @@ def test_the_unsent_rules(monkeypatch, samples, reset_at):
 @pytest.fixture(scope="module")
 def plain():
     from lmport.server.limits import Limits
-    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048))
+    engine = EngineCore(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048))
     app = create_app(engine, model_name="tiny", limits=Limits(request_timeout=4.0))
     server = ServerThread(app)
     server.engine, server.state = engine, app.state.frontend
@@ -218,7 +219,7 @@ def plain():
 
 def test_echo_scoring_is_chunked_and_matches_the_pipeline(plain):
     from lmport.worker import scoring
-    from lmport.engine.engine import SCORING_LOGITS_BUDGET
+    from lmport.engine.core import SCORING_LOGITS_BUDGET
     vocab = plain.engine.model_config.vocab_size
     assert plain.engine.scoring_chunk * vocab * 4 <= SCORING_LOGITS_BUDGET
     ids = plain.engine.tokenizer.encode(PROMPT)

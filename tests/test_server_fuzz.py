@@ -15,6 +15,7 @@ from support.model_helpers import tiny_model_dir
 from test_server import ServerThread
 
 from lmport.config import EngineConfig
+from lmport.engine.core import EngineCore
 from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 
@@ -105,7 +106,7 @@ def test_cors_only_for_the_given_origins(fuzz_server):
 
 
 def test_a_dead_engine_thread_errors_every_caller_and_turns_the_server_away():
-    engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=64))
+    engine = EngineCore(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=64))
     server = ServerThread(create_app(engine, model_name="tiny"))
     app_server = server.server.config.app.state.frontend
     fail = threading.Event()

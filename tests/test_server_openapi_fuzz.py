@@ -1,7 +1,7 @@
 """The server's OpenAPI document (/openapi.json).
 
 In `make test`: the document is well formed (every route of the app is in it with its methods, every schema is a
-valid JSON Schema, every reference resolves). Slow: schemathesis over it (benchmarks/openapi_fuzz.py: every
+valid JSON Schema, every reference resolves). Slow: schemathesis over it (tools/openapi_fuzz.py: every
 route, all checks, no failure; a server and a few hundred requests). The script installs the pinned schemathesis
 in its own virtualenv under ~/.cache/lmport-tests/ on first use (minutes, once), unless $LMPORT_SCHEMATHESIS
 names a schemathesis executable to use instead.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.testclient import TestClient
 
 from lmport.config import EngineConfig
@@ -48,8 +48,10 @@ def test_the_document_lists_every_route_and_its_schemas_are_valid():
     assert r.status_code == 200, r.text
     doc = r.json()
     assert doc["openapi"].startswith("3.1.")
-    routes = {(route.path_format, method.lower()) for route in app.routes
-              if isinstance(route, APIRoute) and route.include_in_schema for method in route.methods}
+    # The routes as the app serves them: each route module's APIRouter included in it.
+    routes = {(ctx.path_format, method.lower()) for ctx in iter_route_contexts(app.routes)
+              if isinstance(ctx.original_route, APIRoute) and ctx.original_route.include_in_schema
+              for method in ctx.original_route.methods}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"} <= {path for path, _ in routes}
     assert {(path, method) for path, ops in doc["paths"].items() for method in ops} == routes
     for path, ops in doc["paths"].items():
@@ -68,7 +70,7 @@ def test_the_document_lists_every_route_and_its_schemas_are_valid():
 @pytest.mark.timeout(1800)   # a few hundred requests on a shared CPU, and the first run installs schemathesis
 def test_schemathesis_finds_no_failure():
     # Its own process group: whatever ends the test (a failure, the timeout) ends the server and schemathesis too.
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "openapi_fuzz.py"), "--max-examples", "20"],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "openapi_fuzz.py"), "--max-examples", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)
     try:

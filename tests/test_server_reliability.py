@@ -44,7 +44,7 @@ WAIT = 60   # seconds: a guard against hangs, never what a test measures
 # ("tokenize") waits, after creating <file>.waiting; once LMPORT_TEST_FAULT_FILE exists, every step raises.
 HOOKS_SCRIPT = r"""
 import os, sys, time
-import lmport.engine.engine as engine_module
+from lmport.engine.core import EngineCore
 from lmport.server.frontend import Frontend
 
 def hold(what):
@@ -54,7 +54,7 @@ def hold(what):
         while os.path.exists(path):
             time.sleep(0.01)
 
-real_step = engine_module.Engine.step
+real_step = EngineCore.step
 
 def step(self):
     hold("steps")
@@ -70,7 +70,7 @@ async def tokenize(self, fn, *args):
         return fn(*a)
     return await real_tokenize(self, held, *args)
 
-engine_module.Engine.step = step
+EngineCore.step = step
 Frontend.tokenize = tokenize
 from lmport.entrypoints.cli import main
 sys.exit(main(sys.argv[1:]))

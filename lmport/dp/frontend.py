@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from lmport.dp.replica import error_output
 from lmport.dp.router import PrefixRouter
-from lmport.engine.engine import RequestOutput
+from lmport.engine.outputs import RequestOutput
 from lmport.engine.client import EngineStopped
 from lmport.engine.messages import EngineInfo, EngineRequest
 from lmport.lora import AdapterError

@@ -18,7 +18,8 @@ import asyncio
 import logging
 
 from lmport.config import EngineConfig
-from lmport.engine.engine import Engine, RequestOutput
+from lmport.engine.core import EngineCore
+from lmport.engine.outputs import ErrorKind, FinishReason, RequestOutput
 from lmport.engine.client import EngineClient
 from lmport.engine.messages import EngineRequest
 
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def error_output(request_id: str, error: str, prompt_tokens: int = 0) -> RequestOutput:
-    return RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error",
-                         prompt_tokens=prompt_tokens, error=error)
+    return RequestOutput(request_id, [], "", [], "", finished=True, finish_reason=FinishReason.ERROR,
+                         prompt_tokens=prompt_tokens, error=error, error_kind=ErrorKind.ENGINE)
 
 
 class Replica:
@@ -35,7 +36,7 @@ class Replica:
 
     def __init__(self, model: str, config: EngineConfig, index: int = 0):
         self.index = index
-        self.engine = Engine(model, config)
+        self.engine = EngineCore(model, config)
         self.core = EngineClient.start_thread(self.engine)
         self.outbox: list[RequestOutput] = []
         self.news: asyncio.Event | None = None     # made in the event loop that polls

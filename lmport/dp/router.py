@@ -15,7 +15,7 @@ and one that restarts starts empty (``forget`` drops its entries). A wrong belie
 a wrong answer.
 
 ``policy="round_robin"`` ignores prefixes and load (each request to the next healthy replica in turn): the
-baseline that benchmarks/data_parallel.py compares prefix affinity with.
+baseline prefix affinity is measured against (docs/distributed.md).
 """
 from __future__ import annotations
 

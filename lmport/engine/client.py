@@ -1,8 +1,8 @@
 """The front end's handle on the engine core: send requests, stream their outputs into asyncio.
 
 ``EngineClient.start_process(model, config)`` runs the core in its own process (``lmport serve``);
-``EngineClient.start_thread(engine)`` runs it in a thread over an Engine the caller built (tests reach into
-that Engine). Either way the two sides exchange the msgpack messages of ``lmport.engine.messages``: one
+``EngineClient.start_thread(engine)`` runs it in a thread over an engine core the caller built (tests reach into
+that core). Either way the two sides exchange the msgpack messages of ``lmport.engine.messages``: one
 request queue, one output queue.
 
 One reader thread receives the core's messages. The core's outputs carry token ids only: the reader gives
@@ -11,7 +11,7 @@ so that work stays off the core's steps, and aborts in the core each request a s
 stream sees finished at once. A step's outputs reach each event loop in one call, which puts each into its
 request's asyncio queue. If the core stops for any reason (an exception, the process
 killed), every open request gets an error output at once, new requests raise EngineStopped, and
-``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``Engine.usage()`` after its
+``on_failure`` (if set) is called with the reason. ``snapshot`` is the core's ``EngineCore.usage()`` after its
 last step, which /metrics reads without waiting for the engine; ``adapters`` the LoRA adapters it serves,
 as the core's replies to ``load_adapter`` and ``unload_adapter`` left them. ``stalled_since`` tells /health how
 long the core has had requests and sent nothing back (``lmport.server.liveness``).
@@ -30,16 +30,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import wait
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from lmport.engine import core_process as engine_core
 from lmport.config import ConfigError, EngineConfig
-from lmport.engine.engine import Engine, RequestError, RequestOutput
+from lmport.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from lmport.engine.messages import (EngineInfo, EngineRequest, adapter_from_wire, error_from_wire, output_from_wire,
                                     pack, unpack)
 from lmport.lora.table import LoadedAdapter
-from lmport.models.loader import load_tokenizer
 from lmport.engine.output_processor import OutputProcessor
+
+if TYPE_CHECKING:
+    from lmport.engine.core import EngineCore
+    from lmport.engine.llm import LLM
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,10 @@ class EngineClient:
 
     # -- starting the core ---------------------------------------------------------------------------------
     @classmethod
-    def start_thread(cls, engine: Engine) -> EngineClient:
+    def start_thread(cls, engine: EngineCore | LLM) -> EngineClient:
+        """Serve ``engine`` (an in-process LLM serves its core) from a thread of this process."""
+        from lmport.engine import core_process as engine_core   # the model code, only where a core runs here
+        engine = engine_core.core_of(engine)
         requests: queue.Queue = queue.Queue()
         outputs: queue.Queue = queue.Queue()
 
@@ -130,6 +135,8 @@ class EngineClient:
         build it, RuntimeError with the core's reason."""
         # fork: the core inherits the front end's imports (and any patches applied to them) without importing
         # again; the front end has started no thread and touched no device yet.
+        from lmport.engine import core_process as engine_core   # imported before the fork, as said
+        from lmport.models.loader import load_tokenizer
         context = multiprocessing.get_context("fork")
         core_requests, requests = context.Pipe(duplex=False)   # (reader, writer)
         outputs, core_outputs = context.Pipe(duplex=False)
@@ -340,8 +347,9 @@ class EngineClient:
             calls = list(self._calls)
         for call_id in calls:
             self._settle(call_id, (None, EngineStopped(reason)))
-        self._deliver([(request_id, RequestOutput(request_id, [], "", [], "", finished=True, finish_reason="error",
-                                                  prompt_tokens=0, error=reason)) for request_id in request_ids])
+        self._deliver([(request_id, RequestOutput(request_id, [], "", [], "", finished=True,
+                                                  finish_reason=FinishReason.ERROR, prompt_tokens=0, error=reason,
+                                                  error_kind=ErrorKind.ENGINE)) for request_id in request_ids])
         if self.on_failure is not None:
             try:
                 self.on_failure(reason)

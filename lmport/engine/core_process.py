@@ -1,9 +1,9 @@
 """The engine core's loop: requests in from one queue, one batch of outputs out a step on another.
 
-``serve`` runs an Engine (scheduler, block manager, executor, sampling) for the HTTP front end, either in
+``serve`` runs an EngineCore (scheduler, block manager, executor, sampling) for the HTTP front end, either in
 its own process (``lmport serve``: ``process_main``, so that the engine's Python and the front end's event
 loop, tokenizing and SSE formatting do not share one interpreter lock) or in a thread of the front end's
-process (tests that reach into the Engine; a data-parallel replica, ``lmport.dp.replica``). The messages
+process (tests that reach into the core; a data-parallel replica, ``lmport.dp.replica``). The messages
 are ``lmport.engine.messages``: msgpack bytes, the same in both.
 
 Between steps the core takes every message waiting (adds, aborts, control calls such as loading a LoRA
@@ -22,7 +22,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from lmport.config import ConfigError, EngineConfig
-from lmport.engine.engine import Engine, RequestError
+from lmport.engine.core import EngineCore
+from lmport.engine.llm import LLM
+from lmport.engine.outputs import RequestError
 from lmport.engine.messages import (CALLS, EngineInfo, EngineRequest, adapter_to_wire, error_to_wire, output_to_wire,
                                     pack, unpack)
 from lmport.lora import AdapterError
@@ -41,9 +43,13 @@ class Shutdown(Exception):
     """The front end asked the core to stop, or went away."""
 
 
-def serve(engine: Engine, receive: Receive, send: Send) -> None:
+def core_of(engine: EngineCore | LLM) -> EngineCore:
+    """The core an engine serves: an in-process LLM's own (its outputs of token ids: the front end decodes them)."""
+    return engine.core if isinstance(engine, LLM) else engine
+
+
+def serve(engine: EngineCore, receive: Receive, send: Send) -> None:
     """Run ``engine`` for the front end until it asks for shutdown (or its queue closes)."""
-    engine.output_processor = None   # outputs of token ids only: the front end decodes them (lmport.engine.client)
     usage_sent = None
     reads = AdapterReads(engine.read_adapter)
     try:
@@ -68,7 +74,7 @@ def serve(engine: Engine, receive: Receive, send: Send) -> None:
             engine.abort(request_id)
 
 
-def _handle(engine: Engine, message: list, send: Send, reads: AdapterReads) -> None:
+def _handle(engine: EngineCore, message: list, send: Send, reads: AdapterReads) -> None:
     kind = message[0]
     if kind == "add":
         request = EngineRequest.from_wire(message[1])
@@ -101,7 +107,7 @@ def _handle(engine: Engine, message: list, send: Send, reads: AdapterReads) -> N
         log.error("unknown message %r from the front end", kind)
 
 
-def _finish_loads(engine: Engine, reads: AdapterReads, send: Send) -> None:
+def _finish_loads(engine: EngineCore, reads: AdapterReads, send: Send) -> None:
     """Load each adapter whose read has ended (between steps: the weights go into the engine's slots)."""
     for call_id, (name, path), adapter, error in reads.finished():
         try:
@@ -120,7 +126,7 @@ def failure_reason(exc: BaseException) -> str:
 
 
 # -- in a thread of the front end's process --------------------------------------------------------------
-def thread_main(engine: Engine, requests: queue.Queue, send: Send) -> None:
+def thread_main(engine: EngineCore, requests: queue.Queue, send: Send) -> None:
     def receive(timeout: float | None) -> bytes | None:
         try:
             return requests.get(timeout=timeout) if timeout else requests.get_nowait()
@@ -135,7 +141,7 @@ def thread_main(engine: Engine, requests: queue.Queue, send: Send) -> None:
 
 
 # -- in its own process ------------------------------------------------------------------------------------
-def load_adapters(engine: Engine, loras: dict[str, str]) -> None:
+def load_adapters(engine: EngineCore, loras: dict[str, str]) -> None:
     """The LoRA adapters named at start (NAME -> peft directory); ConfigError naming the one that fails."""
     for name, path in loras.items():
         if name == engine.model_name:
@@ -146,7 +152,7 @@ def load_adapters(engine: Engine, loras: dict[str, str]) -> None:
             raise ConfigError(f"--lora {name}={path}: {exc}") from None
 
 
-def ready_message(engine: Engine) -> bytes:
+def ready_message(engine: EngineCore) -> bytes:
     return pack(["ready", EngineInfo.of(engine).to_wire(), engine.usage(),
                  [adapter_to_wire(a) for a in engine.adapters.by_name.values()]])
 
@@ -172,7 +178,7 @@ def process_main(model: str, config: EngineConfig, loras: dict[str, str], reques
 
     engine = None
     try:
-        engine = Engine(model, config)
+        engine = EngineCore(model, config)
         load_adapters(engine, loras)
     except BaseException as exc:  # noqa: BLE001 - the front end reports it and exits
         if isinstance(exc, ConfigError):   # the front end reports it as it would its own

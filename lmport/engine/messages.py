@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgpack
 
 from lmport.config import GenerationConfig
-from lmport.engine.engine import Engine, RequestError, RequestOutput
+from lmport.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from lmport.lora import AdapterError
 from lmport.lora.table import LoadedAdapter
 
-# The control calls the core runs between steps (Engine methods); each replies with a LoadedAdapter's dict.
+if TYPE_CHECKING:
+    from lmport.engine.core import EngineCore
+
+# The control calls the core runs between steps (EngineCore methods); each replies with a LoadedAdapter's dict.
 CALLS = ("load_adapter", "unload_adapter")
 
 
@@ -36,7 +39,7 @@ class EngineRequest:
     gen_config: GenerationConfig = field(default_factory=GenerationConfig)
     cache_salt: str | None = None   # only requests with the same salt share prefix-cache blocks
     adapter: str | None = None      # the loaded LoRA adapter it runs with (None: the base model)
-    pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.worker.pooling)
+    pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.engine.pooling)
 
     def to_wire(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
@@ -60,11 +63,11 @@ class EngineInfo:
     num_blocks: int
     device_type: str
     dtype: str
-    quant_policy: int
+    quant_policy: int | str   # 0, 8, 4 or "fp8"
     kv_cache_dtype: str = "auto"
 
     @classmethod
-    def of(cls, engine: Engine) -> EngineInfo:
+    def of(cls, engine: EngineCore) -> EngineInfo:
         cfg = engine.config
         return cls(engine.model_name, engine.model_config.vocab_size, engine.model_config.hidden_size,
                    engine.session_len,
@@ -81,15 +84,18 @@ class EngineInfo:
 
 def output_to_wire(out: RequestOutput) -> list:
     """A step's output as its deltas: token ids and no text (the core makes none; the front end's output
-    processor, lmport.engine.output_processor, decodes them)."""
+    processor, lmport.engine.output_processor, decodes them). The finish reason and error kind travel as their
+    strings."""
     return [out.request_id, out.delta_token_ids, out.delta_logprobs, out.finished, out.finish_reason, out.error,
-            out.prompt_tokens, out.cached_tokens, out.prompt_logprobs, out.embedding]
+            out.prompt_tokens, out.cached_tokens, out.prompt_logprobs, out.embedding, out.error_kind]
 
 
 def output_from_wire(data: list) -> RequestOutput:
-    (request_id, tokens, logprobs, finished, reason, error, prompt_tokens, cached, prompt_logprobs, embedding) = data
-    return RequestOutput(request_id, [], "", tokens, "", finished, reason, prompt_tokens, cached,
-                         error=error, delta_logprobs=logprobs, prompt_logprobs=prompt_logprobs, embedding=embedding)
+    (request_id, tokens, logprobs, finished, reason, error, prompt_tokens, cached, prompt_logprobs, embedding,
+     error_kind) = data
+    return RequestOutput(request_id, [], "", tokens, "", finished, None if reason is None else FinishReason(reason),
+                         prompt_tokens, cached, error=error, delta_logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                         embedding=embedding, error_kind=None if error_kind is None else ErrorKind(error_kind))
 
 
 def adapter_to_wire(adapter: LoadedAdapter) -> dict:

@@ -1,4 +1,4 @@
-"""A request's outputs (``RequestOutput``) and the one processor that gives them their text.
+"""The one processor that gives a request's outputs (``lmport.engine.outputs.RequestOutput``) their text.
 
 The engine core (scheduler, sampling, the grammar, stop token ids, max_new_tokens and session_len) emits each
 request's new token ids and their logprobs. ``OutputProcessor`` keeps each request's output state (its
@@ -6,14 +6,15 @@ incremental decoder, the text shown so far, its stop strings) and turns those ou
 with ``text`` and ``delta_text`` (``lmport.engine.detokenize``): a trailing partial character and text that may yet
 start a stop string are held back; a request that ends has its whole output decoded once, a partial last
 character too. A stop string ends the request here, at once: its text is cut before the stop string and its
-tokens end with the one that completed it; ``process`` reports it, and the caller aborts it in the core, which
-does not know the stop strings. A request whose text cannot be decoded ends with an error the same way.
+tokens end with the one that completed it; ``process`` reports it, and the caller ends it in the core, which
+does not know the stop strings (``EngineCore.finish_request``). A request whose text cannot be decoded ends with
+an error the same way.
 
 The grammar of a structured output is not output state: it stays in the core, beside sampling, because its
 token mask is needed before each token is drawn (and a speculative proposal's rows are masked with it).
 
 Under ``lmport serve`` it runs on the front end's side (``lmport.engine.client``), off the core's critical path;
-the in-process API runs the same processor after each ``Engine.step``.
+the in-process LLM (``lmport.engine.llm``) runs the same processor after each of its core's steps.
 """
 from __future__ import annotations
 
@@ -23,40 +24,9 @@ from dataclasses import dataclass, field
 
 from lmport.engine import detokenize
 from lmport.config import GenerationConfig
-from lmport.structured_output.grammar import FORMAT_FAULT
+from lmport.engine.outputs import ErrorKind, FinishReason, RequestOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]             # every generated token so far
-    text: str                        # the generated text so far
-    delta_token_ids: list[int]
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    error: str | None = None
-    delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
-    # gen_config.prompt_logprobs: on the finished output, log p(prompt[i]) with alternatives for i = 1 .. n-1
-    prompt_logprobs: list[dict[int, float]] | None = None
-    embedding: list[float] | None = None   # an embedding request's pooled hidden state, once done
-
-    @property
-    def request_fault(self) -> bool:
-        """Whether an error ended this request because of its own input (its format), not the server."""
-        return is_request_fault(self.error)
-
-
-def is_request_fault(error: str | None) -> bool:
-    """Whether an engine error is the request's fault (a format that reached a dead end or spent its grammar
-    budget); the server answers those as a 400, not a 500. Told by the error's start, which survives any
-    transport of the output."""
-    return error is not None and error.startswith(FORMAT_FAULT)
 
 
 @dataclass
@@ -102,7 +72,7 @@ class OutputProcessor:
             except Exception as exc:   # a tokenizer that fails on these ids: this request fails, no other
                 log.error("request %s failed in decoding: %s: %s", core_out.request_id, type(exc).__name__, exc)
                 error = f"decoding failed: {type(exc).__name__}: {exc}"
-                out = self._output(state, core_out, [], [], "", "error", error)
+                out = self._output(state, core_out, [], [], "", FinishReason.ERROR, error, ErrorKind.ENGINE)
             if out.finished:
                 del self.requests[out.request_id]
                 if not core_out.finished:
@@ -126,14 +96,14 @@ class OutputProcessor:
             last = i == len(tokens) - 1
             # A stop token ended it in the core: the stop strings are not looked for in its text (as before
             # they were moved here, a stop token is checked first and a stop string before max_new_tokens).
-            stop_token = last and reason == "stop"
+            stop_token = last and reason == FinishReason.STOP
             cut = None
             if state.stop_words and not stop_token:
                 cut = detokenize.first_stop(text, state.stop_words, len(old_text))
             if cut is not None:
                 state.text = text[:cut]
                 delta += detokenize.final_delta(state.text, old_text)
-                return self._output(state, core_out, tokens[:i + 1], logprobs[:i + 1], delta, "stop")
+                return self._output(state, core_out, tokens[:i + 1], logprobs[:i + 1], delta, FinishReason.STOP)
             if last and reason is not None:   # decoded whole, once: its exact text, a partial last character too
                 state.text = detokenize.decode(self.tokenizer, state.token_ids,
                                                skip_special_tokens=state.skip_special_tokens)
@@ -142,14 +112,16 @@ class OutputProcessor:
                 step_delta = detokenize.streamable_delta(text, old_text, state.stop_words)
                 state.text = old_text + step_delta
                 delta += step_delta
-        return self._output(state, core_out, tokens, logprobs, delta, reason, core_out.error)
+        return self._output(state, core_out, tokens, logprobs, delta, reason, core_out.error, core_out.error_kind)
 
     def _output(self, state: RequestState, core_out: RequestOutput, tokens: list[int], logprobs: list,
-                delta: str, reason: str | None, error: str | None = None) -> RequestOutput:
+                delta: str, reason: FinishReason | None, error: str | None = None,
+                error_kind: ErrorKind | None = None) -> RequestOutput:
         finished = reason is not None
         return RequestOutput(
             request_id=core_out.request_id, token_ids=list(state.token_ids) if self.cumulative else [],
             text=state.text, delta_token_ids=tokens, delta_text=delta, finished=finished, finish_reason=reason,
             prompt_tokens=core_out.prompt_tokens, cached_tokens=core_out.cached_tokens,
             logprobs=list(state.logprobs) if self.cumulative else [], error=error, delta_logprobs=logprobs,
-            prompt_logprobs=state.prompt_logprobs if finished else None, embedding=core_out.embedding)
+            prompt_logprobs=state.prompt_logprobs if finished else None, embedding=core_out.embedding,
+            error_kind=error_kind)

@@ -8,7 +8,8 @@ from typing import cast
 
 from lmport.worker import scoring
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine.engine import Engine, RequestError
+from lmport.engine.llm import LLM
+from lmport.engine.outputs import RequestError
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Response:
 
 class Pipeline:
     def __init__(self, model: str = "smollm2", backend_config: EngineConfig | None = None, backend=None):
-        self.engine = Engine(model, backend_config, backend=backend)
+        self.engine = LLM(model, backend_config, backend=backend)
         self.tokenizer = self.engine.tokenizer
 
     # -- prompts ----------------------------------------------------------

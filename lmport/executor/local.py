@@ -309,7 +309,7 @@ class DistributedExecutor:
 def make_executor(model: str, config: EngineConfig, backend: Backend):
     """tp=1: in this process (whatever ``config.executor`` says: there is no other rank to place); beyond,
     worker ranks as processes of this node and ``lmport worker`` ("mp"). The Ray executor ("ray") lives in
-    ``lmport.executor.ray_executor``, which builds on this module; ``lmport.engine.engine`` picks it."""
+    ``lmport.executor.ray_executor``, which builds on this module; ``lmport.engine.core`` picks it."""
     if config.tp == 1:
         return LocalExecutor(model, config, backend)
     return DistributedExecutor(model, config, backend)

@@ -14,16 +14,27 @@ Prefix-cache lookups happen at admission; a hit's tokens cost no budget.
 
 With speculative decoding, a decoding sequence also computes the tokens ``lookahead(seq)`` proposes
 (lmport.speculative); they are reserved only where the budget and free blocks allow without preempting.
+
+After the worker has run a batch, ``update_from_output`` advances its sequences by the worker's output
+(lmport.sched.output): the tokens computed, the tokens drawn appended until one ends the request (a stop token,
+a completed format, max_new_tokens, session_len), and the blocks of every request that ended freed.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from lmport.engine.outputs import Failure, FinishReason
 from lmport.kv.block_manager import BlockManager
+from lmport.kv.state_pool import StatePool
+from lmport.sched.output import ModelOutput, SequenceOutput, Update, failure_of
 from lmport.sched.sequence import Sequence, Status
+from lmport.structured_output.grammar import MASK_BUDGET_S, MaskTimeout
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +42,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new: list[int]      # tokens each sequence computes this step
+    num_new: list[int]      # tokens each sequence computes this step (a proposal's included)
+    copies: list = field(default_factory=list)   # device<->host block copies (CopyBatch) to run before it
+    # Speculative decoding: the tokens a decoding sequence verifies this step, and the draft probabilities
+    # they were drawn from (None: a point mass).
+    proposals: dict[Sequence, list[int]] = field(default_factory=dict)
+    draft_probs: dict[Sequence, torch.Tensor | None] = field(default_factory=dict)
 
     def __bool__(self):
         return bool(self.seqs)
@@ -50,6 +66,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Speculative decoding: proposed tokens a decoding sequence verifies this step (None: no speculation).
         self.lookahead: Callable[[Sequence], int] | None = None
+        self.session_len: int | None = None     # tokens a request may reach: it ends there ("length")
+        self.accept_budget = MASK_BUDGET_S      # seconds a grammar may take to accept one token
+        # A model with linear-attention layers (Qwen3-Next): each running sequence holds one recurrent-state slot,
+        # taken at admission and given back when it ends or is preempted (lmport.kv.state_pool); None otherwise.
+        self.state_pool: StatePool | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,8 +112,14 @@ class Scheduler:
             budget -= n
             if seq.num_uncomputed > 1:   # a prompt chunk (num_computed moves after the forward)
                 prefill -= n
+        self._admit(batch, budget, prefill)
+        batch.copies = self.block_manager.take_copies()
+        return batch
 
-        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_batch_size:
+    def _admit(self, batch: ScheduledBatch, budget: int, prefill: int) -> None:
+        """Waiting sequences join the batch while the budget, the blocks and max_batch_size allow."""
+        while (self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_batch_size
+               and (self.state_pool is None or self.state_pool.can_allocate())):
             seq = self.waiting[0]
             n = self.block_manager.admit(seq, seq.step_limit(min(budget, prefill)))
             if n is None:
@@ -100,15 +127,17 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.release_outside_window(seq)   # prefix-cache hits behind the window
             seq.status = Status.RUNNING
+            if self.state_pool is not None:
+                seq.state_slot = self.state_pool.allocate(seq)
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
             prefill -= n
-        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_state(seq)   # recomputed from its first token on readmission, which rebuilds the state
         swapped = self.block_manager.preempt(seq)   # sets num_computed = 0 unless swapped out
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -119,9 +148,87 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence that ended (stop, length, abort or error)."""
+        self._release_state(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.block_manager.free(seq)
+
+    def _release_state(self, seq: Sequence) -> None:
+        if self.state_pool is not None:
+            self.state_pool.free(seq)
+            seq.state_slot = -1
+
+    # -- after the worker ran the batch ----------------------------------------------------------------------
+    def update_from_output(self, batch: ScheduledBatch, output: ModelOutput) -> list[Update]:
+        """Advance each sequence of ``batch`` by what the worker made of it; one Update for each that gained
+        tokens or ended (its blocks freed)."""
+        if output.failure is not None:   # the forward failed: the batch's requests end with why
+            for seq in batch.seqs:
+                self.end(seq, FinishReason.ERROR, output.failure)
+            return [Update(seq, [], []) for seq in batch.seqs]
+        updates = []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            out = output.seqs.get(seq) or SequenceOutput()
+            # Proposed tokens count once accepted: their KV is in the cache, the rejected ones' slots are not.
+            seq.num_computed += n - len(batch.proposals.get(seq, ())) + (out.accepted or 0)
+            seq.prompt_logprobs += out.prompt_logprobs
+            update = self._update(seq, out)
+            if seq in batch.proposals and not seq.is_finished:
+                self.block_manager.rollback(seq)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _update(self, seq: Sequence, out: SequenceOutput) -> Update | None:
+        if out.pooled is not None:   # an embedding request: done once its last position is computed
+            if seq.num_uncomputed:
+                seq.pooled = out.pooled
+                return None
+            seq.pooled = None
+            self.end(seq, FinishReason.STOP)
+            vector = out.pooled / seq.num_tokens if seq.pooling == "mean" else out.pooled
+            return Update(seq, [], [], vector.tolist())
+        if seq.pooling is None and seq.gen_config.max_new_tokens == 0 and not seq.scoring:
+            self.end(seq, FinishReason.LENGTH)   # a prompt scored, nothing to generate
+            return Update(seq, [], [])
+        appended, logprobs = [], []
+        try:
+            for token, lp in zip(out.token_ids, out.logprobs):
+                self._append(seq, token)
+                appended.append(token)
+                if lp is not None:   # None: the request asked for none
+                    logprobs.append(lp)
+                if seq.is_finished:
+                    break
+        except Exception as exc:   # the grammar refusing the token: this request fails, not the engine
+            self.end(seq, FinishReason.ERROR, failure_of("decoding", exc))
+        if out.failure is not None and not seq.is_finished:
+            self.end(seq, FinishReason.ERROR, out.failure)
+        return Update(seq, appended, logprobs) if appended or seq.is_finished else None
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """Append one token: advance the grammar, check the stop token ids and the length. Stop strings are the
+        output processor's (text is not made here)."""
+        seq.output_ids.append(token)
+        if seq.grammar is not None:
+            started = time.thread_time()   # CPU time, as the masks are bounded
+            seq.grammar.accept_token(token)   # the mask allowed only tokens it accepts
+            if (took := time.thread_time() - started) > self.accept_budget:   # on this thread: bounded too
+                raise MaskTimeout(f"the grammar took {took * 1000:.0f} ms to accept one token, over the "
+                                  f"{self.accept_budget * 1000:.0f} ms budget: simplify it")
+        if token in seq.stop_token_ids or (seq.grammar is not None and seq.grammar.is_terminated()):
+            self.end(seq, FinishReason.STOP)
+        elif len(seq.output_ids) >= seq.gen_config.max_new_tokens or (
+                self.session_len is not None and seq.num_tokens >= self.session_len):
+            self.end(seq, FinishReason.LENGTH)
+
+    def end(self, seq: Sequence, reason: FinishReason, failure: Failure | None = None) -> None:
+        """End a sequence: free its blocks, and record why (a failure is logged)."""
+        if failure is not None:
+            log.log(logging.INFO if failure.kind == "request" else logging.ERROR, "request %s ended: %s",
+                    seq.request_id, failure.message)
+        self.finish(seq)
+        seq.finish(reason, failure)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmport.config import GenerationConfig
+from lmport.engine.outputs import ErrorKind, Failure, FinishReason
 
 
 class Status(enum.Enum):
@@ -32,8 +33,9 @@ class Sequence:
     cache_salt: str | None = None   # prefix-cache isolation: only requests with the same salt share blocks
     prefix_hits: dict[str, int] = field(default_factory=dict)  # prefix-cache blocks: "device"/"host" hits, "miss"
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    error: str | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None          # finish_reason ERROR: why
+    error_kind: ErrorKind | None = None   # ... and whose fault it is
     generator: torch.Generator | None = None
     grammar: object | None = None   # xgrammar matcher of a structured output, advanced per token
     # gen_config.prompt_logprobs: position i's entry is log p(prompt[i + 1] | prompt[:i + 1]) with the top
@@ -42,6 +44,8 @@ class Sequence:
     max_scoring_tokens: int = 0     # positions a step may score (their float32 logits stay within a budget)
     adapter_id: int = 0             # the LoRA adapter it runs with (lmport.lora.table), 0: the base model
     pooling: str | None = None      # an embedding request: "mean" or "last"; it generates nothing
+    pooled: torch.Tensor | None = None   # a "mean" embedding request's pooled sum over the chunks computed so far
+    state_slot: int = -1            # its recurrent-state slot while running (lmport.kv.state_pool), -1: none
 
     @property
     def token_ids(self) -> list[int]:
@@ -76,7 +80,8 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, failure: Failure | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
-        self.error = error
+        if failure is not None:
+            self.error, self.error_kind = failure.message, failure.kind

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import ConfigDict
 
 from lmport.config import ConfigError
 from lmport.lora import AdapterError
 from lmport.server import jsonbody
+from lmport.server.auth import AUTH
 from lmport.server.protocol import APIError, Unimplemented, _Request, bounded_int, brief
 
 log = logging.getLogger(__name__)
@@ -90,37 +91,41 @@ def model_cards(frontend) -> list[dict]:
             for a in list(frontend.core.adapters.values())]
 
 
-def register(app: FastAPI, frontend, auth: list, enabled: bool) -> None:
-    """The load/unload routes (answering 403 unless ``enabled``)."""
+def _loading_frontend(request: Request):
+    """The app's front end, once loading at run time is known to be on (a 403 otherwise)."""
+    if not request.app.state.lora_loading:
+        raise APIError(403, "loading LoRA adapters at run time is off: start the server with "
+                            "--enable-lora-loading (and an --api-key)", code="lora_loading_disabled")
+    return request.app.state.frontend
 
-    def check_enabled() -> None:
-        if not enabled:
-            raise APIError(403, "loading LoRA adapters at run time is off: start the server with "
-                                "--enable-lora-loading (and an --api-key)", code="lora_loading_disabled")
 
-    @app.post("/v1/load_lora_adapter", dependencies=auth)
-    async def load_lora_adapter(request: Request):
-        check_enabled()
-        req = await jsonbody.read(request, LoadLoraAdapter)
-        if (problem := req.unknown_field_problem()) is not None:
-            raise problem
-        if req.lora_name == frontend.model_name:
-            raise APIError(400, f"lora_name: {brief(req.lora_name)} is the base model's name; choose another",
-                           param="lora_name")
-        try:
-            loaded = await frontend.core.load_adapter(req.lora_name, req.lora_path)
-        except AdapterError as exc:
-            raise adapter_error(exc, frontend.expose_adapter_paths) from None
-        return {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
-                **({"root": loaded.path} if frontend.expose_adapter_paths else {}), "parent": frontend.model_name}
+router = APIRouter(dependencies=AUTH)
 
-    @app.post("/v1/unload_lora_adapter", dependencies=auth)
-    async def unload_lora_adapter(request: Request):
-        check_enabled()
-        req = await jsonbody.read(request, UnloadLoraAdapter)
-        req.unknown_field_problem()   # notes unknown fields in the log; none here changes what is unloaded
-        try:
-            unloaded = await frontend.core.unload_adapter(req.lora_name)
-        except AdapterError as exc:
-            raise adapter_error(exc) from None
-        return {"id": unloaded.name, "object": "model", "deleted": True}
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request):
+    frontend = _loading_frontend(request)
+    req = await jsonbody.read(request, LoadLoraAdapter)
+    if (problem := req.unknown_field_problem()) is not None:
+        raise problem
+    if req.lora_name == frontend.model_name:
+        raise APIError(400, f"lora_name: {brief(req.lora_name)} is the base model's name; choose another",
+                       param="lora_name")
+    try:
+        loaded = await frontend.core.load_adapter(req.lora_name, req.lora_path)
+    except AdapterError as exc:
+        raise adapter_error(exc, frontend.expose_adapter_paths) from None
+    return {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
+            **({"root": loaded.path} if frontend.expose_adapter_paths else {}), "parent": frontend.model_name}
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request):
+    frontend = _loading_frontend(request)
+    req = await jsonbody.read(request, UnloadLoraAdapter)
+    req.unknown_field_problem()   # notes unknown fields in the log; none here changes what is unloaded
+    try:
+        unloaded = await frontend.core.unload_adapter(req.lora_name)
+    except AdapterError as exc:
+        raise adapter_error(exc) from None
+    return {"id": unloaded.name, "object": "model", "deleted": True}

@@ -16,12 +16,13 @@ import time
 import uuid
 from typing import Annotated, ClassVar, Literal
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lmport.engine.engine import RequestOutput
+from lmport.engine.outputs import RequestOutput
 from lmport.server import access_log, openai_mapping, routes, streaming
+from lmport.server.auth import AUTH
 from lmport.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest,
                                     JSONPathRequest, Unimplemented, _Request, bounded_int)
 from lmport.server.frontend import Frontend, Job
@@ -396,3 +397,16 @@ class _Reply:
             yield event("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": stop_reason, "stop_sequence": word}, "usage": self._usage(final)})
         yield event("message_stop", {"type": "message_stop"})
+
+
+router = APIRouter(dependencies=AUTH)
+
+
+@router.post("/v1/messages")
+async def messages_route(request: Request):
+    return await messages(request.app.state.frontend, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens_route(request: Request):
+    return await count_tokens(request.app.state.frontend, request)

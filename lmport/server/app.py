@@ -1,4 +1,4 @@
-"""`lmport serve`: an OpenAI-compatible HTTP API over one Engine (FastAPI + uvicorn).
+"""`lmport serve`: an OpenAI-compatible HTTP API over one engine core (FastAPI + uvicorn).
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (``stream: true`` gives server-sent events ending in ``data: [DONE]``),
@@ -8,7 +8,7 @@ GET /health (never needs the API key) and GET /metrics (Prometheus).
 
 The engine core runs in its own process under `lmport serve` (``lmport.engine.core_process``), joined to this
 front end by a request queue and an output queue (``lmport.engine.client``); tests may run it in a thread
-over an Engine they built. Each HTTP request becomes one engine request per choice (``n``). A client that
+over an engine core they built. Each HTTP request becomes one engine request per choice (``n``). A client that
 goes away, streaming or not, aborts its engine requests, which frees their KV blocks at once. Bad input is
 refused before anything is queued, with an OpenAI-style error that names the field; see docs/server.md. The
 completion routes are in ``lmport.server.routes``; each request's access-log line is written by
@@ -19,26 +19,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import datetime
-import hmac
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
-from lmport.engine.engine import Engine
 from lmport.engine.client import EngineClient, EngineHandle
 from lmport.structured_output.grammar import Grammars
 from lmport.server import adapters, embeddings, tokenize
-from lmport.server import openapi as openapi_doc
-from lmport.server import anthropic, chat_format, liveness, responses, routes
+from lmport.server import anthropic, chat_format, responses, routes, service
 from lmport.server import access_log
 from lmport.server.bodies import BodyLimit
 from lmport.server.guards import Guards
@@ -48,14 +43,19 @@ from lmport.server.protocol import APIError, brief
 from lmport.server.quiet_log import Throttled
 from lmport.server.frontend import MAX_BODY_BYTES, Frontend
 
+if TYPE_CHECKING:
+    from lmport.engine.core import EngineCore
+    from lmport.engine.llm import LLM
+
 log = logging.getLogger(__name__)
 
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api_key: str | list[str] | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
-               allowed_hosts: set[str] | None = None, cors_origins: list[str] | None = None,
+def create_app(engine: EngineCore | LLM | EngineHandle, model_name: str | None = None,
+               api_key: str | list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               limits: Limits | None = None, allowed_hosts: set[str] | None = None,
+               cors_origins: list[str] | None = None,
                docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
                tokenizer=None, expose_adapter_paths: bool = False, chat_template: str | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
@@ -64,13 +64,14 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.frontend``).
     ``engine``: what runs the requests, already started (an engine core's client, or data-parallel replicas'
     front end, ``lmport.dp.frontend.DataParallel``, whose replicas /health and /metrics then report; with
-    either, ``tokenizer`` is the model's), or an Engine, whose core then runs in a thread of this process.
+    either, ``tokenizer`` is the model's), or an engine core (or an in-process LLM: its core), which then runs
+    in a thread of this process.
     ``api_key``: one key or several (any is accepted); ``cache_salt_by_api_key``: prefix-cache blocks are
     shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
     answer (lmport.server.adapters); ``expose_adapter_paths``: clients see adapters' server paths and why one
     failed to load (else only the server's log does); ``access_log_format``: "plain" or "json" lines on the
     ``lmport.access`` logger (lmport.server.access_log), None for none."""
-    if isinstance(engine, Engine):
+    if hasattr(engine, "step"):   # an engine core (or an LLM over one), not a handle on one already started
         # A private tokenizer: the engine's is used on the core's thread, the client's copy on its reader thread.
         core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
     else:
@@ -83,7 +84,6 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     # The chat template, reasoning parser and tool-call format (lmport.server.chat_format): given, or the template's.
     chat = chat_format.configure(frontend.tokenizer, chat_template, reasoning_parser, tool_call_parser)
     frontend.reasoning_parser, frontend.tool_parser = chat.reasoning_parser, chat.tool_parser
-    info = core.info
     replicas = getattr(core, "status", None)   # data-parallel replicas, each with its health and usage
     if replicas is not None:
         frontend.metrics.registry.register(ReplicaCollector(replicas))
@@ -96,129 +96,16 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
         frontend.compile_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="lmport", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.frontend = frontend
-
-    def require_key(request: Request) -> None:
-        if not frontend.api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not scheme and "x-api-key" in request.headers:   # where Anthropic's clients send the key
-            scheme, token = "bearer", request.headers["x-api-key"]
-        token = token.strip().encode()
-        # Every key is compared (in constant time), so the time taken does not tell which one nearly matched.
-        matches = [hmac.compare_digest(token, key.encode()) for key in frontend.api_keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>` (or "
-                                "`X-Api-Key: <key>`)",
-                           type="authentication_error", code="invalid_api_key")
-        request.state.api_key = frontend.api_keys[matches.index(True)]
-
-    auth = [Depends(require_key)]
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        frontend.metrics.rejected.labels(str(exc.status)).inc()
-        return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
-
-    faults = Throttled(log)   # a fault a client can repeat at will must not flood the log
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception):
-        # A bug must still answer in OpenAI's shape (JSON, not Starlette's plain text), and leave a traceback.
-        faults.log(logging.ERROR, type(exc).__name__, "%s %s failed", request.method, request.url.path[:100],
-                   exc_info=exc)
-        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {brief(str(exc), 200)}",
-                                                 type="server_error", code="internal_error"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        # 405 keeps Starlette's Allow header (RFC 9110); the code is a name, as in every other error.
-        code = HTTP_ERROR_CODES.get(exc.status_code, "_".join(str(exc.detail).lower().split()) or None)
-        path = request.url.path if len(request.url.path) <= 100 else request.url.path[:97] + "..."
-        return await api_error(request, APIError(exc.status_code, f"{request.method} {path}: {exc.detail}",
-                                                 code=code, headers=exc.headers))
-
-    if docs:  # behind the API key like every other route but /health
-        @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
-        async def openapi():
-            if app.openapi_schema is None:
-                app.openapi_schema = openapi_doc.build(app, frontend.model_name, frontend.api_key is not None,
-                                                        info.vocab_size)
-            return app.openapi_schema
-
-        @app.get("/docs", dependencies=auth, include_in_schema=False)
-        async def swagger():
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="lmport")
-
-        @app.get("/redoc", dependencies=auth, include_in_schema=False)
-        async def redoc():
-            return get_redoc_html(openapi_url="/openapi.json", title="lmport")
-
-    @app.get("/health")
-    async def health():
-        problem = frontend.engine_problem()
-        if problem is not None:
-            return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
-        if frontend.admission.closed:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        if (stalled := liveness.stall(frontend.core, frontend.limits.engine_stall_timeout)) is not None:
-            return JSONResponse(stalled, status_code=503)
-        if replicas is not None:
-            return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
-        return {"status": "ok"}
-
-    @app.get("/metrics", dependencies=auth)
-    async def metrics():
-        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    adapters.register(app, frontend, auth, enable_lora_loading)
-    embeddings.register(app, frontend, auth)
-    tokenize.register(app, frontend, auth)
-
-    def model_card() -> dict:
-        return {"id": frontend.model_name, "object": "model", "created": frontend.created, "owned_by": "lmport",
-                "max_model_len": info.session_len, **chat.card()}
-
-    @app.get("/v1/models", dependencies=auth)
-    async def models():
-        cards = [with_anthropic_fields(card) for card in [model_card(), *adapters.model_cards(frontend)]]
-        # Anthropic's list shape beside OpenAI's: one page holds every model.
-        return {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"],
-                "last_id": cards[-1]["id"]}
-
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)
-    async def model(model_id: str):
-        if model_id != frontend.model_name:
-            if (card := next((c for c in adapters.model_cards(frontend) if c["id"] == model_id), None)) is not None:
-                return with_anthropic_fields(card)
-            raise APIError(404, f"model: {brief(model_id)} does not exist; this server serves "
-                                f"{frontend.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
-        return with_anthropic_fields(model_card())
-
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(request: Request):
-        return await routes.chat_completions(frontend, request)
-
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(request: Request):
-        return await routes.completions(frontend, request)
-
-    @app.post("/v1/messages", dependencies=auth)
-    async def messages(request: Request):
-        return await anthropic.messages(frontend, request)
-
-    @app.post("/v1/messages/count_tokens", dependencies=auth)
-    async def count_tokens(request: Request):
-        return await anthropic.count_tokens(frontend, request)
-
-    @app.post("/v1/responses", dependencies=auth)
-    async def create_response(request: Request):
-        return await responses.create(frontend, request)
-
-    @app.post("/v1/responses/input_tokens", dependencies=auth)
-    async def count_input_tokens(request: Request):
-        return await responses.input_tokens(frontend, request)
-
+    # What the routes read (each route module's APIRouter takes the front end from the request's app).
+    app.state.frontend, app.state.chat, app.state.replicas = frontend, chat, replicas
+    app.state.pooling, app.state.lora_loading = embeddings.model_pooling(frontend), enable_lora_loading
+    app.state.faults = Throttled(log)   # a fault a client can repeat at will must not flood the log
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(Exception, unexpected_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for router in (service.health_router, service.router, *([service.docs_router] if docs else []), routes.router,
+                   anthropic.router, responses.router, embeddings.router, adapters.router, tokenize.router):
+        app.include_router(router)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -234,12 +121,25 @@ def create_app(engine: Engine | EngineHandle, model_name: str | None = None, api
     return app
 
 
-def with_anthropic_fields(card: dict) -> dict:
-    """An OpenAI model card with the fields Anthropic's model object has too (type, display_name, created_at as
-    RFC 3339), so both APIs' clients read it."""
-    created = datetime.datetime.fromtimestamp(card["created"], datetime.timezone.utc)
-    return {**card, "type": "model", "display_name": card["id"],
-            "created_at": created.isoformat().replace("+00:00", "Z")}
+async def api_error(request: Request, exc: APIError):
+    request.app.state.frontend.metrics.rejected.labels(str(exc.status)).inc()
+    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
+
+
+async def unexpected_error(request: Request, exc: Exception):
+    # A bug must still answer in OpenAI's shape (JSON, not Starlette's plain text), and leave a traceback.
+    request.app.state.faults.log(logging.ERROR, type(exc).__name__, "%s %s failed", request.method,
+                                 request.url.path[:100], exc_info=exc)
+    return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {brief(str(exc), 200)}",
+                                             type="server_error", code="internal_error"))
+
+
+async def http_error(request: Request, exc: StarletteHTTPException):
+    # 405 keeps Starlette's Allow header (RFC 9110); the code is a name, as in every other error.
+    code = HTTP_ERROR_CODES.get(exc.status_code, "_".join(str(exc.detail).lower().split()) or None)
+    path = request.url.path if len(request.url.path) <= 100 else request.url.path[:97] + "..."
+    return await api_error(request, APIError(exc.status_code, f"{request.method} {path}: {exc.detail}",
+                                             code=code, headers=exc.headers))
 
 
 def error_body(path: str, exc: APIError) -> dict:

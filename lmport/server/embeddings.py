@@ -3,7 +3,7 @@
 Each input becomes one engine request with a pooling task: it is prefilled in the same steps as the
 generation requests (paged, chunked, batched), generates nothing, and its blocks are freed as soon as its
 last position is computed. The engine returns the pooled hidden state; the model's pooling configuration
-(lmport.worker.pooling) says mean or last token and whether to L2-normalize. ``encoding_format`` "base64" is the
+(lmport.engine.pooling) says mean or last token and whether to L2-normalize. ``encoding_format`` "base64" is the
 little-endian float32 bytes, as OpenAI's clients decode them.
 """
 from __future__ import annotations
@@ -15,28 +15,37 @@ import time
 import uuid
 from typing import Literal
 
-from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
+from fastapi import APIRouter, Request
+from pydantic import ConfigDict
 
 from lmport.config import GenerationConfig
-from lmport.engine.engine import RequestError
+from lmport.engine.outputs import RequestError
 from lmport.engine.messages import EngineRequest
-from lmport.models.loader import resolve_model_path
-from lmport.worker.pooling import PoolingConfig, finish, pooling_config
-from lmport.server.protocol import APIError, bounded_int, brief
+from lmport.engine.pooling import PoolingConfig, finish, pooling_config
+from lmport.server.protocol import APIError, Unimplemented, _Request, bounded_int, brief
 from lmport.server import jsonbody, streaming
+from lmport.server.auth import AUTH
 from lmport.server.frontend import Job
 
 Input = str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class EmbeddingRequest(_Request):
+    model_config = ConfigDict(extra="allow")
+    ROUTE = "/v1/embeddings"
+    # vLLM's embedding fields that change the vectors (normalize is checked against the model's pooling).
+    UNIMPLEMENTED = {
+        "truncate_prompt_tokens": Unimplemented("vLLM's input truncation", fix="shorten the input"),
+        "add_special_tokens": Unimplemented("leaving out the tokenizer's special tokens", harmless=(True,)),
+        "embed_dtype": Unimplemented("vLLM's embedding dtypes", harmless=("float32",),
+                                     fix="leave it out (float32, or encoding_format base64 for its bytes)"),
+    }
     input: Input
     model: str
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = bounded_int(None, ge=1)
     user: str | None = None
+    normalize: bool | None = None   # vLLM's: must be what the model's pooling does
 
 
 def _inputs(value: Input) -> list:
@@ -52,6 +61,12 @@ async def embed(frontend, pooling: PoolingConfig, request: Request):
         raise APIError(404, f"model: {brief(req.model)} does not exist for embeddings; this server embeds with "
                             f"{frontend.model_name!r} (LoRA adapters do not embed)", param="model",
                        code="model_not_found")
+    if (problem := req.unknown_field_problem()) is not None:
+        raise problem
+    if req.normalize is not None and req.normalize != pooling.normalize:
+        raise APIError(400, f"normalize: this model's embeddings are {'' if pooling.normalize else 'not '}"
+                            f"L2-normalized, as its sentence-transformers configuration says; leave normalize out",
+                       param="normalize")
     width = frontend.info.hidden_size
     if req.dimensions is not None and req.dimensions != width:
         raise APIError(400, f"dimensions: {req.dimensions} is not supported; this model's embeddings have {width} "
@@ -109,9 +124,15 @@ async def _run(frontend, job: Job, mode: str) -> list[list[float]]:
     return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(job.prompts))))
 
 
-def register(app: FastAPI, frontend, auth: list) -> None:
-    pooling = pooling_config(resolve_model_path(frontend.info.model_name))
+def model_pooling(frontend) -> PoolingConfig:
+    """How this server's model pools an embedding, read once at start (the app keeps it as ``state.pooling``)."""
+    from lmport.models.loader import resolve_model_path   # here only: the front end imports no model code
+    return pooling_config(resolve_model_path(frontend.info.model_name))
 
-    @app.post("/v1/embeddings", dependencies=auth)
-    async def embeddings(request: Request):
-        return await embed(frontend, pooling, request)
+
+router = APIRouter(dependencies=AUTH)
+
+
+@router.post("/v1/embeddings")
+async def embeddings_route(request: Request):
+    return await embed(request.app.state.frontend, request.app.state.pooling, request)

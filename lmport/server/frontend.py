@@ -19,7 +19,7 @@ from fastapi import Request
 from prometheus_client import Gauge
 
 from lmport.config import ConfigError, GenerationConfig
-from lmport.engine.engine import check_prompt
+from lmport.engine.outputs import check_prompt
 from lmport.engine.client import EngineHandle
 from lmport.structured_output.grammar import Grammars
 from lmport.reasoning import Parser, Reasoning

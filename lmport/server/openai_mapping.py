@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lmport.config import ConfigError, GenerationConfig
-from lmport.engine.engine import RequestError, RequestOutput, is_request_fault
+from lmport.engine.outputs import FinishReason, RequestError, RequestOutput
 from lmport.reasoning import Reasoning
 from lmport.server import echo, tools
 from lmport.server.frontend import Frontend, Job
@@ -241,15 +241,15 @@ def usage(job: Job, outs: list[RequestOutput | None]) -> dict:
 def finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
-    if out.finish_reason == "error":
+    if out.finish_reason == FinishReason.ERROR:
         raise generation_error(out)
-    return out.finish_reason
+    return str(out.finish_reason)   # the enum's string, as the API has it
 
 
 def generation_error(out: RequestOutput, choice: int | None = None) -> APIError:
-    """The error that ended a choice: a 400 when its own format caused it (lmport.engine.engine.is_request_fault),
+    """The error that ended a choice: a 400 when its own format caused it (RequestOutput.request_fault),
     else a 500."""
     where = "" if choice is None else f"choice {choice}: "
-    if is_request_fault(out.error):
+    if out.request_fault:
         return APIError(400, f"{where}{out.error}", param="response_format", code="format_failed")
     return APIError(500, f"{where}generation failed: {out.error}", type="server_error")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lmport.engine import detokenize
-from lmport.engine.engine import RequestOutput
+from lmport.engine.outputs import RequestOutput
 from lmport.reasoning import Reasoning
 from lmport.server import tools
 from lmport.server.frontend import Frontend, Job

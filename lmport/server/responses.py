@@ -20,12 +20,13 @@ import time
 import uuid
 from typing import Annotated, ClassVar, Literal
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmport.engine.outputs import RequestOutput
 from lmport.server import access_log, openai_mapping, routes, streaming
+from lmport.server.auth import AUTH
 from lmport.server.protocol import (APIError, ChatCompletionRequest, JSONPathRequest, Unimplemented, _Request,
                                     bounded_int, empty_arguments)
 from lmport.server.frontend import Frontend, Job
@@ -490,3 +491,16 @@ class _Reply:
             yield line
         name = "response.incomplete" if status == "incomplete" else "response.completed"
         yield self._event(name, response=self.response(status, output, final))
+
+
+router = APIRouter(dependencies=AUTH)
+
+
+@router.post("/v1/responses")
+async def create_route(request: Request):
+    return await create(request.app.state.frontend, request)
+
+
+@router.post("/v1/responses/input_tokens")
+async def input_tokens_route(request: Request):
+    return await input_tokens(request.app.state.frontend, request)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 
 from lmport.server import access_log, openai_mapping, streaming, structured, tools
+from lmport.server.auth import AUTH
 from lmport.reasoning import Reasoning
 from lmport.server.frontend import Frontend
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief
@@ -124,3 +125,16 @@ def _too_long(frontend: Frontend, param: str, chars: int) -> APIError:
     return APIError(400, f"{param}: {chars} characters is more than the server's limit of "
                          f"{frontend.max_prompt_chars} (--max-prompt-chars; the session holds "
                          f"{frontend.info.session_len} tokens): shorten it", param=param)
+
+
+router = APIRouter(dependencies=AUTH)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions_route(request: Request):
+    return await chat_completions(request.app.state.frontend, request)
+
+
+@router.post("/v1/completions")
+async def completions_route(request: Request):
+    return await completions(request.app.state.frontend, request)

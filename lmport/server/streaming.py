@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from lmport.config import GenerationConfig
-from lmport.engine.engine import RequestError, RequestOutput
+from lmport.engine.outputs import RequestError, RequestOutput
 from lmport.engine.client import EngineStopped
 from lmport.engine.messages import EngineRequest
 from lmport.lora import AdapterError
@@ -75,6 +75,7 @@ async def outputs(frontend: Frontend, job: Job) -> AsyncIterator[tuple[int, Requ
         # A finished output carries its whole text (decoded once at the end); what was streamed is its start.
         acc.text = out.text if out.finished else acc.text + out.delta_text
         acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
+        acc.error_kind = out.error_kind
         acc.cached_tokens, acc.prompt_logprobs = out.cached_tokens, out.prompt_logprobs
         now = time.perf_counter()
         if out.delta_token_ids:

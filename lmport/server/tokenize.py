@@ -10,10 +10,11 @@ are the ones the completion routes generate from: the same tokenizer, for a GGUF
 """
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import ConfigDict
 
 from lmport.server import adapters, jsonbody, routes
+from lmport.server.auth import AUTH
 from lmport.server.protocol import APIError, ChatCompletionRequest, ChatMessage, Unimplemented, _Request, brief
 
 
@@ -95,28 +96,14 @@ async def detokenize(frontend, request: Request) -> dict:
     return {"prompt": text}
 
 
-def _openapi(cls, reply: dict) -> dict:
-    """The route's body and replies for the OpenAPI document (the route reads its body itself)."""
-    from lmport.server.openapi import REF, _errors
-    schema = cls.model_json_schema(ref_template=REF)
-    schema.pop("$defs", None)   # ChatMessage and its parts: the document has them (the chat request's)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "responses": {"200": {"description": "the result", "content": {"application/json": {"schema": {
-                "type": "object", "properties": reply, "required": list(reply)}}}},
-                          **_errors(400, 401, 404, 408, 413, 415, 421, 500)}}
+router = APIRouter(dependencies=AUTH)   # bodies and replies: lmport.server.openapi
 
 
-def register(app: FastAPI, frontend, auth: list) -> None:
-    ids = {"type": "array", "items": {"type": "integer"}}
-    tokenized = {"tokens": ids, "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
-                 "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}
+@router.post("/tokenize")
+async def tokenize_route(request: Request):
+    return await tokenize(request.app.state.frontend, request)
 
-    @app.post("/tokenize", dependencies=auth, openapi_extra=_openapi(TokenizeRequest, tokenized))
-    async def tokenize_route(request: Request):
-        return await tokenize(frontend, request)
 
-    @app.post("/detokenize", dependencies=auth, openapi_extra=_openapi(DetokenizeRequest,
-                                                                        {"prompt": {"type": "string"}}))
-    async def detokenize_route(request: Request):
-        return await detokenize(frontend, request)
-
+@router.post("/detokenize")
+async def detokenize_route(request: Request):
+    return await detokenize(request.app.state.frontend, request)

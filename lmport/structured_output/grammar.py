@@ -260,7 +260,7 @@ MASK_BUDGET_S = 0.1   # seconds a row's token mask (or one accept_token) may tak
 # seconds and a bounded amount of parser memory, however many tokens it asked for.
 GRAMMAR_BUDGET_S = 2.0
 # The start of an engine error that is the request's own fault (its format), not the server's: the server
-# answers it as a 4xx (lmport.engine.engine.is_request_fault).
+# answers it as a 4xx (its kind is lmport.engine.outputs.ErrorKind.REQUEST; this start is the message's wording).
 FORMAT_FAULT = "response_format: "
 
 

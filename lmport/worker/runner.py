@@ -18,10 +18,12 @@ from lmport.memory import budget as memory
 from lmport.platform.backend import Backend, DecodeGraphs
 from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
+from lmport.models.architectures import recurrent_state
 from lmport.models.loader import load_model
 from lmport.models.lora import LoraLayers
 from lmport.ops import build_attention_metadata, build_lora_batch, host_tensor
 from lmport.kv import host_tier
+from lmport.kv.state_pool import StateTensors
 from lmport.parallel import TPGroup, tp_choices
 from lmport.worker.sampling import rows_of
 from lmport.units import ceil_div, fmt_bytes
@@ -41,6 +43,7 @@ class StepInput:
     copies: list = field(default_factory=list)   # device<->host block copies (CopyBatch) to run first
     adapter_slots: list[int] = field(default_factory=list)   # each sequence's LoRA slot, -1 for none; [] for none
     pool_ranges: list[tuple[int, int]] = field(default_factory=list)   # rows whose final hidden states are summed
+    state_slots: list[int] = field(default_factory=list)   # each sequence's recurrent-state slot; [] for none
 
 
 class ModelRunner:
@@ -63,6 +66,7 @@ class ModelRunner:
         self.memory_inputs: memory.MemoryInputs | None = None
         self.plan: memory.CachePlan | None = None
         self.graphs: DecodeGraphs | None = None   # captured decode steps (eager_mode=False), once allocated
+        self.states: StateTensors | None = None   # linear-attention layers' state slots (lmport.kv.state_pool)
 
     # -- memory (docs/memory.md) --------------------------------------------
     def plan_memory(self) -> int:
@@ -83,6 +87,10 @@ class ModelRunner:
             self.memory_inputs = dataclasses.replace(self.memory_inputs, config=exact)
             self.plan = memory.plan_cache(self.memory_inputs)
         self.caches = memory.allocate_cache(self.memory_inputs, self.plan, self.layout, self.backend)
+        spec = recurrent_state(self.model_config, self.dtype)
+        if spec is not None:   # one slot for each running sequence, planned beside the cache (memory.state_bytes)
+            self.states = StateTensors(spec, self.config.max_batch_size, self.backend.device)
+            self.model.bind_states(self.states)
         pin = self.backend.pin_host_memory()
         self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
@@ -121,7 +129,7 @@ class ModelRunner:
 
     def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``execute`` that also returns, for each of ``step.pool_ranges``, the float32 sum of the final hidden
-        states (after the last norm) of those rows [ranges, hidden] (embeddings: lmport.worker.pooling)."""
+        states (after the last norm) of those rows [ranges, hidden] (embeddings: lmport.engine.pooling)."""
         self.copy_blocks(step.copies)
         hidden = self.hidden_states(step, self.caches)
         sums = torch.stack([hidden[a:b].float().sum(0) for a, b in step.pool_ranges])
@@ -139,6 +147,8 @@ class ModelRunner:
         device = self.backend.device
         meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size, device)
         input_ids = host_tensor(step.token_ids, torch.long).to(device)
+        if self.states is not None:
+            self.model.state_slots = step.state_slots or None
         if self.lora is None:
             hidden = self.model(input_ids, meta, caches)
         else:
@@ -168,7 +178,7 @@ class ModelRunner:
         self.tp.barrier()
 
     def close(self) -> None:
-        self.caches, self.host_caches, self.graphs = [], [], None
+        self.caches, self.host_caches, self.graphs, self.states = [], [], None, None
 
 
 def measure_activation_reserve(runner) -> int | None:

@@ -6,9 +6,17 @@ API reports are the server's.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmport.config import GenerationConfig
-from lmport.engine.engine import Engine, RequestError
+from lmport.engine.outputs import RequestError
 from lmport.units import GiB
+
+if TYPE_CHECKING:
+    from lmport.engine.core import EngineCore
+    from lmport.engine.llm import LLM
+
+    Engine = EngineCore | LLM
 
 
 # get_ppl keeps each chunk's float32 logits under this (LMDeploy's limit too).

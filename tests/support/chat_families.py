@@ -99,13 +99,15 @@ class Script:
 
 @contextlib.contextmanager
 def scripted(engine, tokens: list[int]):
-    """While the block runs, ``engine`` emits ``tokens`` (Script) for every request."""
+    """While the block runs, ``engine`` (and any other engine of this process: the tests run one request at a
+    time) emits ``tokens`` (Script) for every request, in place of the worker's sampling."""
+    from lmport.worker import model_step
     script = Script(tokens)
-    engine._sample = script.sample
+    drawn, model_step.sample_each = model_step.sample_each, script.sample
     try:
         yield script
     finally:
-        del engine._sample   # the class's method again
+        model_step.sample_each = drawn
 
 
 class FamilyServers:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine.engine import Engine
+from lmport.engine.core import EngineCore
 from lmport.engine.client import EngineClient
 from lmport.engine.messages import EngineRequest
 
@@ -19,7 +19,7 @@ from lmport.engine.messages import EngineRequest
 def main(model: str, work: Path) -> int:
     """0 when the long message was posted at once and the held request then served to its end."""
     armed, stepping, release = work / "armed", work / "stepping", work / "release"
-    step = Engine.step
+    step = EngineCore.step
 
     def held_step(self):   # in the core process, forked with this patch
         if armed.exists():
@@ -27,7 +27,7 @@ def main(model: str, work: Path) -> int:
             while not release.exists():
                 time.sleep(0.01)
         return step(self)
-    Engine.step = held_step
+    EngineCore.step = held_step
     client = EngineClient.start_process(model, EngineConfig(device_type="cpu", cache_max_entry_count=16))
     posted = threading.Event()
 

@@ -1,6 +1,6 @@
 """How an embedding is made from a prompt's final hidden states (docs/embeddings.md).
 
-The engine pools (``Engine.add_request(..., pooling=...)``): "mean" averages every prompt position's final
+The engine pools (``EngineCore.add_request(..., pooling=...)``): "mean" averages every prompt position's final
 hidden state (after the model's last norm), "last" takes the last position's. Which one, and whether the
 vector is then L2-normalized, comes from the model's sentence-transformers configuration when its
 directory has one (``modules.json`` with a Pooling module, and a Normalize module or not); otherwise the

@@ -1,0 +1,83 @@
+"""What a request's caller reads: its outputs, why it finished, what went wrong, and the refusal of a prompt.
+
+Plain values in a module that imports nothing of the engine, so the HTTP front end (lmport.server,
+lmport.engine.client, lmport.engine.messages) reads them without loading the model code.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class _StrEnum(str, enum.Enum):
+    """Members that are their strings wherever they go (str(), f-strings, JSON, msgpack): enum.StrEnum, which
+    Python 3.10 lacks."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str(self), spec)
+
+
+class FinishReason(_StrEnum):
+    """Why a request ended; each is the string the API and the wire carry."""
+    STOP = "stop"        # a stop token, a stop string, a format completed, or an embedding made
+    LENGTH = "length"    # max_new_tokens or session_len reached
+    ABORT = "abort"      # the caller aborted it
+    ERROR = "error"      # it failed: RequestOutput.error says why, RequestOutput.error_kind whose fault it is
+
+
+class ErrorKind(_StrEnum):
+    """Whose fault an error that ended a request is."""
+    REQUEST = "request"  # the request's own input (a format that reached a dead end or spent its grammar budget)
+    ENGINE = "engine"    # the server's: a forward, sampling or decoding failed, or the model cannot run
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The error that ended a request: its message, and whose fault it is."""
+    message: str
+    kind: ErrorKind = ErrorKind.ENGINE
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the problem and the fix."""
+
+
+def check_prompt(prompt_ids, vocab: int, session_len: int) -> None:
+    """RequestError naming the problem when an engine of this vocabulary and session_len cannot take the prompt."""
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be ints in [0, {vocab})")
+    if len(prompt_ids) >= session_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but session_len is {session_len} "
+            f"(room for the prompt and at least one generated token): shorten the prompt or raise session_len")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]             # every generated token so far
+    text: str                        # the generated text so far
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    error: str | None = None
+    delta_logprobs: list[dict[int, float]] = field(default_factory=list)   # the logprobs of delta_token_ids
+    # gen_config.prompt_logprobs: on the finished output, log p(prompt[i]) with alternatives for i = 1 .. n-1
+    prompt_logprobs: list[dict[int, float]] | None = None
+    embedding: list[float] | None = None   # an embedding request's pooled hidden state, once done
+    error_kind: ErrorKind | None = None    # whose fault ``error`` is
+
+    @property
+    def request_fault(self) -> bool:
+        """Whether an error ended this request because of its own input (its format), not the server: the
+        server answers it as a 400, not a 500."""
+        return self.error_kind is ErrorKind.REQUEST
