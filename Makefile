@@ -6,7 +6,7 @@ PROMPT ?= Write a haiku about paged attention.
 # pytest worker processes (pytest-xdist), each taking whole test files: their module fixtures stay in one process.
 WORKERS ?= 2
 
-.PHONY: run test test-all test-ray mutants bench setup lock lint gpu-dry-run
+.PHONY: run test test-all test-ray test-clients mutants bench setup lock lint gpu-dry-run
 
 setup: $(STAMP)
 
@@ -26,7 +26,7 @@ lock:
 run: $(STAMP)
 	$(VENV)/bin/lmport generate "$(PROMPT)"
 
-# ruff, then pyright on the package and on tests/ and benchmarks/ with the package's rules less the six
+# ruff, then pyright on the package and on tests/, benchmarks/ and tools/ with the package's rules less the six
 # pyproject.toml turns off for them, with why.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -42,6 +42,12 @@ test-all: lint
 test-ray: $(STAMP)
 	$(PY) -m pytest -q -m "" tests/test_ray.py tests/test_dp_router.py tests/test_dp_frontend.py tests/test_dp_plan.py
 
+# The client libraries (openai, anthropic, openai-agents, langchain-openai, instructor, litellm, llama-index) against
+# one `lmport serve`, each venv installed from its lock in requirements/clients/ (docs/testing.md, "The client-library
+# suite"); not part of `make test`. ARGS go to pytest: make test-clients ARGS="-k stream".
+test-clients: $(STAMP)
+	$(PY) tests/clients/run.py $(ARGS)
+
 # docs/testing.md's mutation table: each deliberate bug must fail the default-run tests named beside it.
 mutants: $(STAMP)
 	tests/support/mutants.sh
@@ -49,10 +55,10 @@ mutants: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
-# The GPU kit (benchmarks/gpu/, docs/cuda.md "Verifying on a GPU") without a GPU: the cuda backend under the Triton
+# The GPU kit (tools/gpu/, docs/cuda.md "Verifying on a GPU") without a GPU: the cuda backend under the Triton
 # interpreter, each GPU-only step run at toy size and recorded as skipped with its reason. tests/test_gpu_kit.py runs
 # the same in `make test-all`.
 gpu-dry-run: $(STAMP)
-	$(PY) benchmarks/gpu/run.py --dry-run --out benchmarks/gpu/out/dry-run --work build/gpu-dry-run/work \
+	$(PY) tools/gpu/run.py --dry-run --out tools/gpu/out/dry-run --work build/gpu-dry-run/work \
 		--site build/gpu-dry-run/site --cache build/gpu-dry-run/cache --budget 1200
-	$(PY) benchmarks/gpu/summary.py benchmarks/gpu/out/dry-run
+	$(PY) tools/gpu/summary.py tools/gpu/out/dry-run

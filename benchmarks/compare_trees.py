@@ -23,8 +23,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from machine import describe, line, write_result
-from throughput import TEXT, workload
+from lmport.bench.datasets import TEXT, workload
+from lmport.bench.machine import describe, line, write_result
 
 # Run inside each tree's interpreter, the job as JSON on stdin: prints one figure (tok/s).
 MEASURE = r'''

@@ -37,7 +37,7 @@ from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.client import EngineClient
 from lmport.engine.messages import EngineRequest
 from lmport.models.loader import load_tokenizer
-from machine import spread, write_result
+from lmport.bench.machine import spread, write_result
 
 TEXT = ("Follow these rules in every answer. Be accurate and say so when you are unsure. Prefer short, direct "
         "sentences. When a question involves arithmetic, show the steps. Never invent references. ")

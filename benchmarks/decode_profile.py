@@ -23,8 +23,7 @@ decode can beat it, and the gap to it is what is left to win.
 
     .venv/bin/python benchmarks/decode_profile.py [--file Q4_1|Q8_0|Q4_K_M|PATH] [--depth 0] [--threads 2]
 
---kernels PATH.so runs another build of the cpu kernels (an older commit's, from the torch extensions
-cache) in place of this checkout's, for a before / after table from one checkout.
+A before / after table of two commits: run this script in each checkout (each builds its own kernels).
 
 Prints a markdown table, writes JSON (default benchmarks/results/decode_profile_<file>_d<depth>.json).
 """
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, add_kv_cache_dtype_argument, gguf_file
-from machine import cpu_info, memory_bandwidth
+from lmport.bench.machine import cpu_info, memory_bandwidth
 
 LINEAR_KERNELS = ("quant_linear", "ggml_linear", "small_linear")
 
@@ -125,19 +124,6 @@ def linear_roles(specs) -> dict[int, tuple[str, int]]:
                 roles[tensor.data_ptr()] = (f"{role} {weight_name(part.weight)}", nbytes)
     assert all(isinstance(s, ops.DecoderLayerSpec) for s in specs)
     return roles
-
-
-def use_kernels(path: Path) -> None:
-    """Every caller of lmport.backends.cpu.kernels.load() gets the build at ``path`` instead."""
-    import importlib.util
-
-    from lmport.backends.cpu import kernels
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not a loadable extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    kernels.load = lambda: module
 
 
 def instrument(engine, clock: Clock) -> None:
@@ -228,16 +214,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the untimed steps")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, for --threads 1 on a loaded machine")
-    ap.add_argument("--kernels", type=Path,
-                    help="a build of the cpu kernels (.so) to run instead of this checkout's")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu counts the calling thread's time only: use it with --threads 1")
     torch.set_num_threads(args.threads)
     now = time.thread_time if args.clock == "cpu" else time.perf_counter
-    if args.kernels:
-        use_kernels(args.kernels)
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig
     from lmport.engine.engine import Engine
@@ -249,8 +231,7 @@ def main() -> None:
               * 8)[:max(args.depth, 1)]
     bandwidth = memory_bandwidth(args.threads, now=now)
     decode(engine, prompt, 8)   # warm-up, which builds the engine's runner
-    engines_loop = "C++" if hasattr(kernels.load(), "DecoderLayers") else "Python (a build without the C++ loop)"
-    loops = {engines_loop: engine.model._runner}
+    loops = {"C++": engine.model._runner}
     python_loop(engine)
     loops["Python"] = engine.model._runner
     loops["no runner (the modules')"] = (None,)   # the model's modules call the backend op by op
@@ -263,7 +244,7 @@ def main() -> None:
     instrument(engine, clock)
     decode(engine, prompt, args.tokens, clock, now)
     untimed = {loop: statistics.median(ms) for loop, ms in steps.items()}
-    untimed_ms = untimed[engines_loop]
+    untimed_ms = untimed["C++"]
     rows = table(clock, args.tokens, untimed, bandwidth["best_gbs"])
     machine = cpu_info()
     kernel_isa = os.environ.get("LMPORT_CPU_ISA", "native")

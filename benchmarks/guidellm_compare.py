@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import machine  # noqa: E402
-from serve_load import LLAMA_SERVING, served_url, start_server, wait_ready  # noqa: E402
+from lmport.bench import machine  # noqa: E402
+from lmport.bench.client import LLAMA_SERVING, served_url, wait_ready  # noqa: E402
+from serve_load import start_server  # noqa: E402
 from serve_throughput import start_llama_server, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

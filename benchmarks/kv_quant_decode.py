@@ -19,7 +19,7 @@ import torch
 
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
-from machine import describe, line, spread, write_result
+from lmport.bench.machine import describe, line, spread, write_result
 
 # Each cache: its EngineConfig fields.
 CACHES = {"float32": {}, "float16": {"kv_cache_dtype": "float16"}, "int8": {"quant_policy": 8},

@@ -35,7 +35,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import served_url, start_server, wait_ready  # noqa: E402
+from lmport.bench.client import served_url, wait_ready  # noqa: E402
+from serve_load import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FILES = ["test_basic.py", "test_chat_completion.py", "test_completion.py", "test_tool_call.py",

@@ -20,8 +20,8 @@ model) is measured too and printed beside lmport's RSS. The cpu kernels are buil
 version, as llama.cpp is built beforehand) before the first round, so that no round times the compiler. Targets checked
 in the table: peak RSS at most 1.3x the file's tensor bytes plus the KV cache, nothing written, cold
 first token within 3x llama.cpp's. The machine is named in the output (CPU model, the SIMD flags that
-matter, cores, memory, a measured read bandwidth: benchmarks/machine.py; the load average before and after): on a shared
-machine timings drift, so only one run's ratios mean much.
+matter, cores, memory, a measured read bandwidth: lmport/bench/machine.py; the load average before and after): on a
+shared machine timings drift, so only one run's ratios mean much.
 
 llama.cpp is not vendored: pass its bin directory (--llama-bin or LMPORT_LLAMA_CPP_BIN).
 
@@ -41,9 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/machine.py
-from machine import spread  # noqa: E402
-from serve_load import LLAMA_SERVING, served_url  # noqa: E402
+from lmport.bench.client import LLAMA_SERVING, served_url
+from lmport.bench.machine import spread
 
 LMPORT_CHILD = r"""
 import sys
@@ -196,9 +195,9 @@ def random_llama_1b(bin_dir: Path, tokenizer_source: Path, cache: Path) -> Path:
 
 
 def machine(bin_dir: Path, threads: int) -> dict:
-    """What the figures were taken on (benchmarks/machine.py): CPU model and flags, cores, load, memory and a
+    """What the figures were taken on (lmport/bench/machine.py): CPU model and flags, cores, load, memory and a
     measured read bandwidth; and llama.cpp's version."""
-    from machine import cpu_info, memory_bandwidth
+    from lmport.bench.machine import cpu_info, memory_bandwidth
     try:
         version = subprocess.run([str(bin_dir / "llama-server"), "--version"], capture_output=True, text=True,
                                  timeout=30).stderr.strip().splitlines()[0]

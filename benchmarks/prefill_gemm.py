@@ -20,7 +20,7 @@ import lmport.backends.cpu as cpu
 from gguf_files import TYPES, gguf_file
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
-from machine import describe, line, spread, write_result
+from lmport.bench.machine import describe, line, spread, write_result
 
 PROMPT_TOKENS = 256
 

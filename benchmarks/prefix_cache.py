@@ -25,7 +25,7 @@ import platform
 import statistics
 import time
 from collections import deque
-from machine import write_result
+from lmport.bench.machine import write_result
 
 TEXT = (
     "Follow these rules in every answer. Be accurate and say so when you are unsure. Prefer short, "

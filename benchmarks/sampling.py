@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import machine
+from lmport.bench import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"temperature 1": {}, "top_p 0.9": {"top_p": 0.9}, "top_k 40": {"top_k": 40},

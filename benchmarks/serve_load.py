@@ -19,127 +19,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
-import json
-import math
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
-from machine import write_result
+
+# The shared client (lmport.bench.client): served_url, start_server, wait_ready and percentile are imported from
+# here by the other serving scripts too.
+from lmport.bench import client
+from lmport.bench.client import (LLAMA_SERVING, SERVING, chat_body, is_loopback, metric, percentile,  # noqa: F401
+                                 served_url, stream_chat, wait_ready)
+from lmport.bench.datasets import STORY_SCHEMA, TOPICS  # noqa: F401
+from lmport.bench.machine import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-STORY_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
-                                               "story": {"type": "string", "minLength": 2000}},
-                "required": ["title", "story"]}
-TOPICS = ["the sea", "a lighthouse", "paged attention", "a robot", "autumn", "a library", "mountains", "a city"]
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    """Nearest-rank percentile (p in [0, 100])."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
-# The lines lmport serve and llama-server print once they listen.
-SERVING = re.compile(r"^lmport serve: .* on (http://\S+) \(", re.M)
-LLAMA_SERVING = re.compile(r"server is listening on (http://\S+)")
-
-
-def served_url(proc: subprocess.Popen, log_path: Path, deadline: float, pattern: re.Pattern = SERVING) -> str:
-    """The address a server started with ``--port 0`` listens on, from the line it prints (the port is the
-    one it bound: no other process can take it in between)."""
-    while (match := pattern.search(log_path.read_text(errors="replace"))) is None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see {log_path}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the server printed no address: see {log_path}")
-        time.sleep(0.1)
-    return match.group(1)
-
-
-def is_loopback(url: str) -> bool:
-    host = urlparse(url).hostname or ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def start_server(model: str, extra: list[str], log_path: Path, threads: int | None) -> subprocess.Popen:
-    lmport = Path(sys.executable).parent / "lmport"
-    cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport"]
-    cmd += ["serve", model, "--host", "127.0.0.1", "--port", "0", *extra]
-    print("starting:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-
-
-async def wait_ready(url: str, proc: subprocess.Popen | None, deadline: float) -> None:
-    async with httpx.AsyncClient(timeout=2) as http:
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if (await http.get(url + "/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not become ready")
-            await asyncio.sleep(0.25)
+    """`lmport serve MODEL` on a free loopback port, run from the repository's root."""
+    return client.start_server(model, extra, log_path, threads, cwd=ROOT)
 
 
 async def one_request(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
                       headers: dict, schema: bool = False) -> dict:
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True,
-            # A short system message: the default model's template would otherwise add its own, longer one.
-            "messages": [{"role": "system", "content": "You tell stories."},
-                         {"role": "user", "content": f"Request {i}: a story about {TOPICS[i % len(TOPICS)]}."}]}
-    if schema:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}}
-    start = time.perf_counter()
-    result = {"ok": False, "ttft": None, "latency": None, "tpot": None, "completion_tokens": 0, "error": None}
-    try:
-        async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                result["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return result
-            done = False
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result["error"] = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result["completion_tokens"] = chunk["usage"]["completion_tokens"]
-                if result["ttft"] is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    result["ttft"] = time.perf_counter() - start
-        result["latency"] = time.perf_counter() - start
-        if result["ttft"] is not None and result["completion_tokens"] > 1:
-            result["tpot"] = (result["latency"] - result["ttft"]) / (result["completion_tokens"] - 1)
-        result["ok"] = done and result["completion_tokens"] == max_tokens
-        if not result["ok"]:
-            result["error"] = f"stream ended early ({result['completion_tokens']} of {max_tokens} tokens)"
-    except httpx.HTTPError as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    return result
+    """Request ``i`` of the load, streamed and timed (lmport.bench.client.stream_chat)."""
+    return await stream_chat(http, url, chat_body(model, i, max_tokens, schema), headers)
 
 
 async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str | None, timeout: float,
@@ -156,7 +66,8 @@ async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str |
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - start
         results = [t.result() if t in done else {"ok": False, "error": "timed out", "completion_tokens": 0,
-                                                  "ttft": None, "latency": None, "tpot": None} for t in tasks]
+                                                  "ttft": None, "itl": [], "latency": None, "tpot": None}
+                   for t in tasks]
         metrics_text = (await http.get(url + "/metrics", headers=headers)).text
     ok = [r for r in results if r["ok"]]
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -171,16 +82,9 @@ async def run_load(url: str, model: str, n: int, max_tokens: int, api_key: str |
         "json_schema": schema,
         "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall else None,
         "errors": errors[:10],
-        "server_running_after": _metric(metrics_text, "lmport_requests_running"),
-        "server_kv_blocks_used_after": _metric(metrics_text, "lmport_kv_blocks_used"),
+        "server_running_after": metric(metrics_text, "lmport_requests_running"),
+        "server_kv_blocks_used_after": metric(metrics_text, "lmport_kv_blocks_used"),
     }
-
-
-def _metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
 
 
 def table(runs: list[dict]) -> str:

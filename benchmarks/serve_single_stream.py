@@ -29,11 +29,12 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import machine  # noqa: E402
-from serve_load import LLAMA_SERVING, served_url, start_server, wait_ready  # noqa: E402
+from lmport.bench import machine  # noqa: E402
+from lmport.bench.client import LLAMA_SERVING, served_url, wait_ready  # noqa: E402
+from lmport.bench.datasets import TEXT  # noqa: E402
+from lmport.bench.machine import spread, write_result  # noqa: E402
+from serve_load import start_server  # noqa: E402
 from serve_throughput import WARM_UP_SALT, one_stream, start_llama_server, stop  # noqa: E402
-from throughput import TEXT  # noqa: E402
-from machine import spread, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

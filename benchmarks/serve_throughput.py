@@ -33,10 +33,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import machine  # noqa: E402
-from serve_load import LLAMA_SERVING, percentile, served_url, start_server, wait_ready  # noqa: E402
-from throughput import workload  # noqa: E402
-from machine import write_result  # noqa: E402
+from lmport.bench import machine  # noqa: E402
+from lmport.bench.client import LLAMA_SERVING, percentile, served_url, wait_ready  # noqa: E402
+from lmport.bench.datasets import workload  # noqa: E402
+from lmport.bench.machine import write_result  # noqa: E402
+from serve_load import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP_SALT = 1000     # a token id; round i's prompts start with WARM_UP_SALT + 1 + i

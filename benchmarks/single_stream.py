@@ -16,7 +16,7 @@ min-max of the rounds, and every round is kept in the JSON.
 - With --llama-avx2-bin, llama.cpp a second time, built without AVX-512 (as a CPU without it builds it
   natively: ``-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
   -DGGML_BMI2=ON``): the AVX2 path's peer, the ratio a user of such a CPU sees.
-- The memory read bandwidth is measured in the same run with the same threads (machine.py); a
+- The memory read bandwidth is measured in the same run with the same threads (lmport/bench/machine.py); a
   decode step reads every weight once, so bandwidth / weight bytes is the fastest decode can be
   (the "limit" row).
 - The ratios: of the medians, and the median (min-max) of each round's own ratio ("round by round").
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, add_kv_cache_dtype_argument, check_paths, files_by_label
-from machine import cpu_info, median_min_max, memory_bandwidth, write_result
+from lmport.bench.machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess, step
 
 PROMPT_TOKENS, DECODE_TOKENS = 256, 128

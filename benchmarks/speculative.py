@@ -39,7 +39,7 @@ first turn). Past the answer the model starts a new, unrelated turn: the repeat 
 generation.
 
 The header gives the CPU model and flags, the thread count and a measured read bandwidth
-(benchmarks/machine.py). On a shared machine, say so beside any figure: other processes change every
+(lmport/bench/machine.py). On a shared machine, say so beside any figure: other processes change every
 column, which is why the rounds interleave.
 
 Run: python benchmarks/speculative.py [--rounds 5] [--tokens 128] [--ignore-eos] [--batch]
@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from gguf_files import gguf_file
-from machine import write_result
+from lmport.bench.machine import write_result
 
 FREE = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -82,9 +82,8 @@ LOOKUP = "llama-lookup"
 
 
 def machine() -> dict:
-    """CPU model and kernel flags, threads, load and measured read bandwidth (benchmarks/machine.py)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from machine import cpu_info, memory_bandwidth
+    """CPU model and kernel flags, threads, load and measured read bandwidth (lmport/bench/machine.py)."""
+    from lmport.bench.machine import cpu_info, memory_bandwidth
     threads = torch.get_num_threads()
     return {**cpu_info(), "threads": threads, "bandwidth": memory_bandwidth(threads), "torch": torch.__version__}
 
@@ -212,8 +211,7 @@ def float_target() -> Path:
 
 def batch(rounds: int) -> dict:
     """The `make bench` workload (benchmarks/throughput.py), speculation off and on, alternating."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import workload
+    from lmport.bench.datasets import workload
 
     import lmport
     from lmport import EngineConfig, GenerationConfig

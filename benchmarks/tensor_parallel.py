@@ -21,7 +21,7 @@ import time
 
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
-from machine import write_result
+from lmport.bench.machine import write_result
 
 
 def run(model: str, tp: int, prompts: list[list[int]], new_tokens: int) -> dict:

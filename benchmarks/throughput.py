@@ -13,51 +13,20 @@ produces exactly the requested tokens), fixed seed, all arriving at t=0.
 
 Same model, dtype (float32) and machine. Prints a markdown table, writes JSON.
 Run: python benchmarks/throughput.py [--requests 64] [--out benchmarks/results/throughput.json]
+(lmport alone, with its rounds' medians: `lmport bench throughput`.)
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import random
-import statistics
 import time
 
 import torch
 
-from machine import write_result
-
-OUTPUT_LENGTHS = (16, 32, 64, 128)
-TEXT = (
-    "The history of computing is a story of abstraction layered on abstraction. Early machines were "
-    "programmed by rewiring panels; later, stored programs let the same hardware run many tasks. "
-    "Operating systems introduced virtual memory, which maps a process's addresses onto physical pages "
-    "so that memory can be shared, swapped and protected. Paged attention borrows the same idea: the "
-    "key-value cache of each sequence lives in fixed-size blocks that need not be contiguous, so that "
-    "many requests of different lengths can share one pool without fragmentation. "
-)
-
-
-def workload(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    base = tokenizer.encode(TEXT * 20)
-    requests = []
-    for i in range(n):
-        length = rng.randint(8, 256)
-        start = rng.randrange(0, len(base) - length)
-        requests.append((base[start:start + length], OUTPUT_LENGTHS[i % len(OUTPUT_LENGTHS)]))
-    return requests
-
-
-def summarize(name: str, wall: float, latencies: list[float], requests) -> dict:
-    out_tokens = sum(n for _, n in requests)
-    lat = sorted(latencies)
-    return {
-        "engine": name, "requests": len(requests), "wall_s": round(wall, 2),
-        "requests_per_s": round(len(requests) / wall, 3), "output_tokens_per_s": round(out_tokens / wall, 1),
-        "mean_latency_s": round(statistics.mean(lat), 2),
-        "p99_latency_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
-    }
+from lmport.bench.datasets import OUTPUT_LENGTHS, workload
+from lmport.bench.machine import write_result
+from lmport.bench.throughput import summarize
 
 
 def run_lmport(model: str, requests, args, weight_format: str = "auto") -> dict:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 
 
 class WorkerProcess:
-    def __init__(self, argv: list[str], env: Mapping[str, str] | None = None):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    def __init__(self, argv: list[str], env: Mapping[str, str] | None = None, cwd: Path | None = None):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd)
         self.info = self._read()   # sent once the engine is loaded and warm
 
     def _read(self) -> dict:

@@ -1,6 +1,6 @@
 """eager_mode=False: honoured where the backend captures decode steps (cuda), recorded as an Adjustment elsewhere;
 the graph runner's bookkeeping and padding, and the model runner's use of it, on CPU (the replay itself needs a
-GPU: benchmarks/gpu/run.py's graphs step)."""
+GPU: tools/gpu/run.py's graphs step)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The GPU kit (benchmarks/gpu/) cannot rot: its dry run passes here, and its summary reads what it wrote."""
+"""The GPU kit (tools/gpu/) cannot rot: its dry run passes here, and its summary reads what it wrote."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KIT = ROOT / "benchmarks" / "gpu"
+KIT = ROOT / "tools" / "gpu"
 
 
 @pytest.mark.slow

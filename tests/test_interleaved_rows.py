@@ -171,8 +171,8 @@ def test_the_cpu_dequantize_kernels_name_a_row_they_do_not_have():
     """A lookup of a row past the table, or indices that are not 1-d: an error naming the row or the shape."""
     from lmport.backends.cpu import kernels
     compiled = kernels.load()
-    if compiled is None or not kernels.dequantize_takes_rows(compiled):
-        pytest.skip("no cpu kernels with row lookups")
+    if compiled is None:
+        pytest.skip("no cpu kernels here (no compiler, or LMPORT_CPU_KERNELS=0)")
     w, blocks = int_weight(8, 117), random_blocks("q4_k", 117, 512)
     with pytest.raises(RuntimeError, match="quant_dequantize: row 117 of a weight with 117 rows"):
         compiled.quant_dequantize(w.qweight, w.scales, w.mins, 8, 32, rows=torch.tensor([3, 117]))

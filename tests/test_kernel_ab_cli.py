@@ -1,6 +1,6 @@
 """benchmarks/kernel_ab.py: a --base that is not a checkout, one round, or a --files path with no GGUF file
-refused before anything is measured; each round's ratio paired; the worker's other sources named by
-kernels.CSRC, built under their own name; a worker whose engine fails a request stops with the error."""
+refused before anything is measured; each round's ratio paired; another checkout's kernel sources built under a
+name of their own; a worker whose engine fails a request stops with the error."""
 from __future__ import annotations
 
 import shutil

@@ -27,7 +27,7 @@ def cmd_backends(args) -> int:
         caps = r.capabilities
         rows.append((
             r.name, "yes" if r.probe.available else "no",
-            ",".join(str(p) for p in sorted(caps.kv_quant_policies)) if caps else "-",
+            caps.kv_policies_text() if caps else "-",
             caps.weight_formats_text() if caps else "-",
             f"{caps.block_size_rule()} (default {caps.default_block_size})" if caps else "-",
             caps.torch_device if caps else "-", caps.dist_backend if caps else "-", r.origin))
@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan N data-parallel replicas (each with --tp ranks and its own cache), as `serve --dp`")
     add_dataclass_flags(p, EngineConfig, "engine")
     p.set_defaults(func=cmd_plan)
+
+    from lmport.bench.cli import add_parser as add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -287,13 +287,13 @@ def test_importing_the_backend_imports_no_triton():
 
 @pytest.mark.slow
 def test_benchmark_check_mode():
-    """benchmarks/cuda_kernels.py --check runs its shape set (tiny) against the reference."""
+    """`lmport bench kernels cuda --check` runs its shape set (tiny) against the reference."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cuda_kernels.py"), "--check",
-                          "--quick"], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-m", "lmport", "bench", "kernels", "cuda", "--check", "--quick"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

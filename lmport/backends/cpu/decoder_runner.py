@@ -6,8 +6,8 @@ through a module's forward, a backend method and its checks. At batch 1 that Pyt
 share of the step: the weights streaming through the caches between calls leave it running cold.
 The runner makes the same kernel calls with nothing in between, in C++ (csrc/decoder_layers.h: one
 call a step, the norms, rotary and residual adds done in place by the kernels' row functions, to the
-same floats) or, with ``loop="python"``, in a Python loop over the kernels one by one (what
-benchmarks/decode_profile.py times op by op). It covers the steps the kernels cover as the
+same floats) or, with ``loop="python"``, in a Python loop over the kernels one by one (which a profile can
+time op by op). It covers the steps the kernels cover as the
 backend's methods would pick them (float32, a float32 cache or one of 8-/4-bit codes with float32 params, up to
 SMALL_BATCH_TOKENS tokens)
 and hands the others back to the modules.
@@ -29,21 +29,17 @@ Layer = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], LayerCache, o
 def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
           loop: str = "native") -> ops.DecoderRunner | None:
     """The runner over ``layers`` with the compiled kernels, or None where a layer has a tensor
-    they do not take. ``loop``: "native" (the layers in C++, one call a step; the Python loop with a
-    build of the kernels from before it, as benchmarks/decode_profile.py --kernels may load) or "python"."""
+    they do not take. ``loop``: "native" (the layers in C++, one call a step) or "python"."""
     if not layers or not all(_fits(spec) for spec in layers):
         return None
     head_dim = layers[0].head_dim
 
     def covers(x, ropes, caches) -> bool:
         cos, cache = ropes[0][0], caches[0]
-        # codes only with a build that has their kernels (decode_profile.py --kernels may load an older one)
-        cache_fits = kernels.cache_takes(cache) and (cache.quant_policy == 0
-                                                     or hasattr(compiled, "fill_kv_cache_codes"))
         return not (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
-                    or cos.shape[-1] != head_dim or not cache_fits)
+                    or cos.shape[-1] != head_dim or not kernels.cache_takes(cache))
 
-    if loop == "python" or not hasattr(compiled, "DecoderLayers"):
+    if loop == "python":
         bound = [_bind_layer(spec, compiled) for spec in layers]
 
         def run_python(x, ropes, caches, metas):
@@ -106,12 +102,12 @@ def _bind_linear(linears: ops.Linears, compiled) -> Callable[[torch.Tensor], tor
     weight, bias = linears.weight, linears.bias
     if isinstance(weight, ops.QuantizedWeight):
         qweight, scales, mins = weight.qweight, weight.scales, kernels.kernel_mins(weight)
-        bits, group_size, rows = weight.bits, weight.group_size, kernels.row_group_args(weight)
-        return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias, **rows)
+        bits, group_size, row_group = weight.bits, weight.group_size, weight.row_group
+        return lambda x: compiled.quant_linear(x, qweight, scales, mins, bits, group_size, bias, row_group=row_group)
     if isinstance(weight, ops.GGMLWeight):
         blocks, type_name, in_features = weight.blocks, weight.type_name, weight.in_features
-        rows = kernels.row_group_args(weight)
-        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias, **rows)
+        row_group = weight.row_group
+        return lambda x: compiled.ggml_linear(x, blocks, type_name, in_features, bias, row_group=row_group)
     return lambda x: compiled.small_linear(x, weight, bias)
 
 
@@ -122,10 +118,10 @@ def _bind_linear_native(linears: ops.Linears, compiled) -> list:
         weight, bias = part.weight, part.bias
         if isinstance(weight, ops.QuantizedWeight):
             bound.append(compiled.BoundLinear("quant", weight.qweight, bias, weight.scales, kernels.kernel_mins(weight),
-                                              weight.bits, weight.group_size, **kernels.row_group_args(weight)))
+                                              weight.bits, weight.group_size, row_group=weight.row_group))
         elif isinstance(weight, ops.GGMLWeight):
             bound.append(compiled.BoundLinear("ggml", weight.blocks, bias, type=weight.type_name,
-                                              in_features=weight.in_features, **kernels.row_group_args(weight)))
+                                              in_features=weight.in_features, row_group=weight.row_group))
         else:
             bound.append(compiled.BoundLinear("float", weight, bias))
     return bound
@@ -170,7 +166,7 @@ def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
         else:
             params = cache.k_qparams, cache.v_qparams, cache.quant_policy
             compiled.fill_kv_cache_codes(k, v, cache.k, cache.v, *params, meta.slot_mapping)
-            out = compiled.paged_attention_codes(q, cache.k, cache.v, *params, *step)
+            out = compiled.paged_attention_codes(q, cache.k, cache.v, *params, *step, k_new=k, v_new=v)
         x = x + attention_out(o(out.view(t, -1)))
         gate, up = gate_up(mlp_norm(x)).chunk(2, -1)
         return x + mlp_out(down(gated(gate, up)))

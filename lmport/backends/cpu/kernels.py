@@ -27,7 +27,7 @@ from lmport.kv.layout import LayerCache
 
 log = logging.getLogger(__name__)
 
-# The kernel sources (benchmarks/kernel_ab.py points a worker at another checkout's to compare two builds).
+# The kernel sources; the build is named after their hash (source_tag).
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["kernels.cpp"]  # includes the csrc/*.h kernels
 
@@ -47,33 +47,13 @@ def kernel_mins(weight) -> torch.Tensor | None:
     return None if weight.zero_mins else weight.mins
 
 
-def row_group_args(weight) -> dict[str, int]:
-    """A quantized weight's row grouping as the linear kernels take it (``row_group=``): nothing for rows in
-    order, so that a build from before interleaved rows (benchmarks/decode_profile.py --kernels) takes the call."""
-    return {} if weight.row_group == 1 else {"row_group": weight.row_group}
-
-
-def held_prefill(compiled) -> bool:
-    """Whether a prefill over a weight held interleaved runs through the build's group kernels (AVX-512 VNNI) rather
-    than the weight dequantized for a GEMM (the AVX2 path). A build from before the AVX2 path's group kernels
-    held weights so only with AVX-512 VNNI, and does not say."""
-    return getattr(compiled, "interleaved_prefill", lambda: True)()
-
-
-@functools.cache
-def dequantize_takes_rows(compiled) -> bool:
-    """Whether a build's dequantize kernels take ``rows`` (an embedding lookup's): a build from before them (an
-    older commit's, benchmarks/decode_profile.py --kernels) leaves lookups to the reference ops."""
-    return "rows" in (compiled.quant_dequantize.__doc__ or "")
-
-
 def attention_takes(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 
 
 def cache_takes(cache: LayerCache) -> bool:
     """Whether the kernels read and write ``cache``: float32 or float16 values, or 8-/4-bit codes with float32
-    params (a float32 model's; a 16-bit model's float16 params go to the reference ops)."""
+    params (a float32 model's; a 16-bit model's float16 params, and an fp8 cache, go to the reference ops)."""
     if cache.quant_policy == 0:
         return cache.k.dtype in (torch.float32, torch.float16)
     return cache.k_qparams is not None and cache.k_qparams.dtype == torch.float32

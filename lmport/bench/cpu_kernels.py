@@ -34,27 +34,14 @@ from memory as in a real step; the best of five passes is kept.
 - paged attention: decode batches and a prefill step over 16-token blocks in
   shuffled order: the backend's kernel against the reference op.
 
-Prints a markdown table, writes JSON (default benchmarks/results/cpu_kernels.json).
+Prints a markdown table; ``--out DIR`` writes the JSON there.
 
-    .venv/bin/python benchmarks/cpu_kernels.py
-
---ab OLD.so instead compares another build of the kernels (an older commit's, from the torch
-extensions cache) with this checkout's on quant_linear at the shapes of the Q4_1 file's layers (int4,
-group 32), the Q8_0 file's (int8) and the LM head (int8, vocabulary x hidden), and on ggml_linear over
-Q5_0 blocks (the Q4_K_M file's most common type) at the layers' shapes, for 1 to 8 rows of x
-(--rows): one thread, the two builds alternating pass by pass in one process, each pass timed by the
-thread's CPU clock (time.thread_time), so time descheduled on a shared machine drops out.
-
-    .venv/bin/python benchmarks/cpu_kernels.py --ab OLD.so [--rows 1 2 4 5 8] [--passes 11]
+    lmport bench kernels cpu [--only held] [--threads 1] [--out DIR]
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import platform
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +52,7 @@ from lmport.kv.layout import KVLayout
 from lmport.weights import tensors
 from lmport.weights.format import from_codes
 from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
-from machine import write_result
+from lmport.bench.machine import describe
 
 BLOCK_SIZE = 16
 TOKENS = (1, 16, 32, 64, 128)
@@ -282,99 +269,8 @@ def attention_rows(cfg, backend: CpuBackend, gen) -> list[dict]:
     return rows
 
 
-def load_build(path: Path):
-    """The kernel module at ``path`` (its file name is the module's: torch's extension builder names both)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not a loadable extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def ab_rows(cfg, old, new, gen, rows: list[int], passes: int) -> list[dict]:
-    """quant_linear (and ggml_linear over Q5_0) of build ``old`` against ``new``: the best and median thread
-    CPU time of ``passes`` alternating passes over all layers' weights (or the LM head), per case and rows of x."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q_out = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
-    kv_out = q_out // cfg.num_attention_heads * cfg.num_key_value_heads
-    layers = [(q_out + 2 * kv_out, h), (h, q_out), (2 * i, h), (h, i)] * cfg.num_hidden_layers
-    cases = {}   # case: (weights, run(module, x, w), the reference op, bytes)
-    for case, bits, shapes in (("int4 g32, layers (Q4_1)", 4, layers), ("int8 g32, layers (Q8_0)", 8, layers),
-                               ("int8 g32, LM head", 8, [(cfg.vocab_size, h)])):
-        low, high = (0, 16) if bits == 4 else (-128, 128)
-        weights = [from_codes(torch.randint(low, high, (n, k), generator=gen),
-                              torch.rand(n, k // 32, generator=gen) * 0.01,
-                              -torch.rand(n, k // 32, generator=gen) * 0.05 * (bits == 4), bits, 32) for n, k in shapes]
-        cases[case] = (weights, lambda module, x, q: module.quant_linear(x, q.qweight, q.scales, q.mins, q.bits,
-                                                                           q.group_size, None),
-                       ops.quant_linear, sum(q.nbytes() for q in weights))
-    t = BLOCK_TYPES["q5_0"]   # random bytes are valid blocks once the float16 fields are finite (below 0x78)
-    q5 = [GGMLWeight(torch.randint(0, 0x78, (n, k // t.elements * t.nbytes), generator=gen, dtype=torch.uint8),
-                     "q5_0", k) for n, k in layers]
-    cases["q5_0, layers (Q4_K_M's)"] = (q5, lambda module, x, w: module.ggml_linear(x, w.blocks, w.type_name,
-                                                                                     w.in_features, None),
-                                        ops.ggml_linear, sum(w.blocks.numel() for w in q5))
-    out = []
-    for case, (weights, run, reference, nbytes) in cases.items():
-        for m in rows:
-            xs = {k: torch.randn(m, k, generator=gen) for _, k in layers + [(0, h)]}
-            err = max(((run(new, xs[w.in_features], w) - reference(xs[w.in_features], w)).abs().max()
-                       / reference(xs[w.in_features], w).abs().max()).item() for w in weights[:4])
-            times: list[list[float]] = [[], []]
-            for p in range(passes + 1):
-                for j, module in enumerate((old, new)):
-                    start = time.thread_time()
-                    for w in weights:
-                        run(module, xs[w.in_features], w)
-                    if p:   # the first pass warms up
-                        times[j].append(time.thread_time() - start)
-            best = [min(t) for t in times]
-            med = [sorted(t)[len(t) // 2] for t in times]
-            out.append({"case": case, "rows": m, "old_ms": best[0] * 1e3, "new_ms": best[1] * 1e3,
-                        "old_median_ms": med[0] * 1e3, "new_median_ms": med[1] * 1e3, "speedup": best[0] / best[1],
-                        "new_gbs": nbytes / best[1] / 1e9, "bytes": nbytes, "max_rel_diff": err})
-    return out
-
-
-def main_ab(args, cfg) -> None:
-    torch.set_num_threads(1)
-    old, new = load_build(args.ab), kernels.load()
-    if new is None:
-        raise SystemExit("the cpu kernels did not build (see the warning above); nothing to measure")
-    load = os.getloadavg()
-    rows = ab_rows(cfg, old, new, torch.Generator().manual_seed(0), args.rows, args.passes)
-    print(f"\nquant_linear and Q5_0 ggml_linear, {args.ab.name} (old) against this checkout (new): one thread, "
-          f"thread CPU time, {args.passes} alternating passes; load average {load[0]:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after\n")
-    print("| case | rows of x | old ms best (median) | new ms best (median) | old / new | new GB/s | max rel diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['case']} | {r['rows']} | {r['old_ms']:.2f} ({r['old_median_ms']:.2f}) | "
-              f"{r['new_ms']:.2f} ({r['new_median_ms']:.2f}) | {r['speedup']:.2f}x | {r['new_gbs']:.1f} | "
-              f"{r['max_rel_diff']:.1e} |")
-    write_result(args.out, {"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
-                            "old": str(args.ab), "load_average": load, "results": rows})
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--out", default="benchmarks/results/cpu_kernels.json")
-    parser.add_argument("--only", choices=["linear", "prefill", "ggml", "gemv", "held", "attention"],
-                        help="run one group of cases")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--ab", type=Path, help="another build's .so: quant_linear against it, one thread")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8], help="rows of x (--ab)")
-    parser.add_argument("--passes", type=int, default=11, help="timed passes per build (--ab)")
-    args = parser.parse_args()
-    if args.ab:
-        from lmport.models.loader import read_model_config
-        if args.out == parser.get_default("out"):
-            args.out = "benchmarks/results/cpu_kernels_ab.json"
-        main_ab(args, read_model_config(args.model))
-        return
+def run(args) -> tuple[dict, int]:
+    """The rows measured, printed as a table as they come; the result for its JSON, and the exit status."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if kernels.load() is None:
@@ -396,10 +292,5 @@ def main() -> None:
                 else f"{r['gbs']:.1f} / {r['peer_gbs']:.1f} GB/s" if "gbs" in r else "-")
         print(f"| {r['kernel']} | {r['case']} | {r['ms']:.3g} | {r['peer']} | {r['peer_ms']:.3g} | "
               f"{r['speedup']:.2f}x | {rate} | {r['max_abs_diff']:.1e} |")
-    out = Path(args.out)
-    write_result(out, {"machine": platform.platform(), "cpus": os.cpu_count(), "model": args.model,
-                       "threads": torch.get_num_threads(), "results": rows})
-
-
-if __name__ == "__main__":
-    main()
+    return {"benchmark": "kernels", "backend": "cpu", "machine": describe(torch.get_num_threads()),
+            "model": args.model, "threads": torch.get_num_threads(), "results": rows}, 0

@@ -15,8 +15,8 @@ end, once it is idle, RSS, KV blocks used and requests left
 to --out. Pass: RSS within 10% of the warm-up reading, 0 blocks used, 0
 requests left, no 5xx, no request without an answer.
 
-    .venv/bin/python benchmarks/soak.py                          # 10,000 requests, >= 15 minutes, tiny model
-    .venv/bin/python benchmarks/soak.py --requests 300 --min-minutes 0.5   # a quick look
+    .venv/bin/python tools/soak.py                          # 10,000 requests, >= 15 minutes, tiny model
+    .venv/bin/python tools/soak.py --requests 300 --min-minutes 0.5   # a quick look
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe import tree_rss  # noqa: E402
-from serve_load import _metric, percentile, served_url, start_server, wait_ready  # noqa: E402
-from machine import write_result  # noqa: E402
+from probe import start_server, tree_rss  # noqa: E402
+
+from lmport.bench.client import metric, percentile, served_url, wait_ready  # noqa: E402
+from lmport.bench.machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"stream": 0.2, "complete": 0.12, "disconnect": 0.1, "abort": 0.06, "structured": 0.12, "tools": 0.08,
@@ -258,7 +259,7 @@ async def idle_metrics(http: httpx.AsyncClient, url: str, timeout: float = 60) -
     deadline = time.monotonic() + timeout
     while True:
         text = (await http.get(url + "/metrics")).text
-        m = {name: _metric(text, name) for name in ("lmport_requests_running", "lmport_requests_waiting",
+        m = {name: metric(text, name) for name in ("lmport_requests_running", "lmport_requests_waiting",
                                                       "lmport_kv_blocks_used", "lmport_requests_admitted")}
         if not any(m.values()) or time.monotonic() > deadline:
             return m
@@ -346,7 +347,7 @@ def main() -> int:
     p.add_argument("--server-args", default="--max-batch-size 16 --max-waiting-requests 48 --request-timeout 60 "
                                             "--cache-max-entry-count 256")
     p.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: 1)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
+    p.add_argument("--out", default=str(ROOT / "tools" / "results" / "soak.json"))
     args = p.parse_args()
     if args.model is None:
         sys.path.insert(0, str(ROOT / "tests"))

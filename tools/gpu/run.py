@@ -1,9 +1,9 @@
 """The GPU kit's entry: everything the cuda backend must show on an NVIDIA GPU, in one command.
 
-On the GPU machine, from the repository root (``benchmarks/gpu/carry`` beside it, from wheels.py)::
+On the GPU machine, from the repository root (``tools/gpu/carry`` beside it, from wheels.py)::
 
-    python3 benchmarks/gpu/run.py --out $OUT                       # every step, within --budget seconds
-    python3 benchmarks/gpu/run.py --out $OUT --steps env,graphs    # some of them
+    python3 tools/gpu/run.py --out $OUT                       # every step, within --budget seconds
+    python3 tools/gpu/run.py --out $OUT --steps env,graphs    # some of them
 
 Without a GPU (the dry run, ``make gpu-dry-run``): ``--dry-run`` runs the cuda backend under TRITON_INTERPRET=1
 on this venv's packages; a step that needs a GPU is skipped with its reason, after a toy-size run of its code.
@@ -46,7 +46,7 @@ STEPS = (
     ("graphs", 300, "eager_mode=False (captured decode steps) gives eager's tokens; decode step time at batch "
                     "1/8/64, eager against replay"),
     ("plan", 180, "`lmport plan --json` against the engine's weights, blocks, cache bytes and measured reserve"),
-    ("kernels", 420, "benchmarks/cuda_kernels.py (decode/prefill attention, KV fill, policies 0/8/4) and int4/int8 "
+    ("kernels", 420, "lmport bench kernels cuda (decode/prefill attention, KV fill, policies 0/8/4) and int4/int8 "
                      "linear, as fractions of a device-to-device copy measured in the same run"),
     ("throughput", 540, "Llama-3-8B-shaped bf16 engine, mixed workload: lmport (eager, graphs) against "
                         "transformers generate and generate_batch"),
@@ -57,7 +57,7 @@ STEPS = (
 def install_wheels(site: Path, dry_run: bool) -> str:
     wheels = sorted(WHEELS.glob("*.whl"))
     if not wheels:
-        return f"no wheels in {WHEELS.relative_to(ROOT)} (run benchmarks/gpu/wheels.py where pip has an index)"
+        return f"no wheels in {WHEELS.relative_to(ROOT)} (run tools/gpu/wheels.py where pip has an index)"
     names = "\n".join(w.name for w in wheels)
     stamp = site / ".lmport-wheels"
     if stamp.exists() and stamp.read_text() == names:

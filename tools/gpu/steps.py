@@ -1,4 +1,4 @@
-"""The GPU kit's steps, one a process: ``python benchmarks/gpu/steps.py NAME --work DIR [--smoke] ...``.
+"""The GPU kit's steps, one a process: ``python tools/gpu/steps.py NAME --work DIR [--smoke] ...``.
 
 run.py starts each one with a time limit; a step writes ``DIR/result.json`` ({"status", "reason", "data"}) and
 prints its log. Status: "passed", "failed" (the check found a problem, or the step raised) or "skipped" (it
@@ -351,7 +351,7 @@ def step_graphs(args) -> dict:
 # -- kernels --------------------------------------------------------------------------------------------------
 def step_kernels(args) -> dict:
     work = Path(args.work)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "cuda_kernels.py"), "--out", str(work / "cuda_kernels.json")]
+    cmd = [sys.executable, "-m", "lmport", "bench", "kernels", "cuda", "--out", str(work / "cuda_kernels")]
     if not GPU:
         if not args.smoke:
             raise Skip(NO_GPU)
@@ -360,25 +360,34 @@ def step_kernels(args) -> dict:
         cmd.append("--quick")
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT)
-    rows = json.loads((work / "cuda_kernels.json").read_text())["rows"] if proc.returncode == 0 else []
+    rows = bench_json(work / "cuda_kernels")["rows"] if proc.returncode == 0 else []
     data: dict = {"kernel_rows": rows, "exit": proc.returncode}
     if GPU:
-        data["copy_bytes_per_s"] = bw = load_benchmark("cuda_kernels").measured_bandwidth(torch.device("cuda"))
+        from lmport.bench.cuda_kernels import measured_bandwidth
+        data["copy_bytes_per_s"] = bw = measured_bandwidth(torch.device("cuda"))
         for r in rows:
             if r.get("triton_ms") and r.get("bytes"):
                 r["copy_fraction"] = r["bytes"] / (r["triton_ms"] * 1e-3) / bw
         data["quant_linear"] = quant_linear_rows(bw)
-        tilings = [sys.executable, str(ROOT / "benchmarks" / "cuda_kernels.py"), "--tilings",
-                   "--out", str(work / "cuda_kernels_tilings.json")]
+        tilings = [sys.executable, "-m", "lmport", "bench", "kernels", "cuda", "--tilings",
+                   "--out", str(work / "cuda_kernels_tilings")]
         print("$", " ".join(tilings[1:]), flush=True)
         if subprocess.run(tilings, cwd=ROOT).returncode == 0:
-            data["tilings"] = json.loads((work / "cuda_kernels_tilings.json").read_text())["rows"]
+            data["tilings"] = bench_json(work / "cuda_kernels_tilings")["rows"]
     if proc.returncode != 0:
-        raise Failed(f"benchmarks/cuda_kernels.py exited {proc.returncode}", data)
+        raise Failed(f"lmport bench kernels cuda exited {proc.returncode}", data)
     if not GPU:
-        raise Skip(f"{NO_GPU}; the dry run ran `cuda_kernels.py --check --quick` under the interpreter: "
+        raise Skip(f"{NO_GPU}; the dry run ran `lmport bench kernels cuda --check --quick` under the interpreter: "
                    f"{sum(r.get('ok', False) for r in rows)}/{len(rows)} shapes match")
     return data
+
+
+def bench_json(directory: Path) -> dict:
+    """The one result an `lmport bench ... --out DIR` wrote into ``directory``."""
+    files = sorted(directory.glob("*.json"))
+    if len(files) != 1:
+        raise Failed(f"{directory}: expected one result of lmport bench, found {[f.name for f in files]}")
+    return json.loads(files[0].read_text())
 
 
 def quant_linear_rows(copy_bw: float) -> list[dict]:
@@ -422,7 +431,13 @@ def load_benchmark(name: str):
     return module
 
 
+def summarize(name: str, wall: float, latencies: list[float], requests) -> dict:
+    from lmport.bench.throughput import summarize as bench_summarize
+    return bench_summarize(name, wall, latencies, requests)
+
+
 def throughput_module():
+    """benchmarks/throughput.py: its transformers peers (the workload and summaries are lmport.bench's)."""
     return load_benchmark("throughput")
 
 
@@ -444,14 +459,13 @@ def hf_generate_padded(hf, requests, batch: int) -> dict:
                                   pad_token_id=0)
             assert out.shape[1] - width == n
             latencies += [time.perf_counter() - start] * len(chunk)
-    return throughput_module().summarize(f"transformers generate (batches of {batch})", time.perf_counter() - start,
+    return summarize(f"transformers generate (batches of {batch})", time.perf_counter() - start,
                                          latencies, requests)
 
 
 def run_engine(model: str, requests, **config) -> dict:
     import lmport
     from lmport import EngineConfig, GenerationConfig
-    tp = throughput_module()
     cfg = EngineConfig(**{"device_type": "cuda", "dtype": "bfloat16", **config})
     with lmport.pipeline(model, backend_config=cfg, backend=cuda_backend()) as pipe:
         engine = pipe.engine
@@ -468,7 +482,7 @@ def run_engine(model: str, requests, **config) -> dict:
             for out in outs:
                 if out.finished:
                     done[out.request_id] = time.perf_counter() - start
-        result = tp.summarize("lmport", time.perf_counter() - start, list(done.values()), requests)
+        result = summarize("lmport", time.perf_counter() - start, list(done.values()), requests)
         result.update(preemptions=engine.usage()["preemptions"], num_blocks=engine.plan.num_blocks,
                       cache_bytes=engine.plan.cache_bytes, peak_running=peak)
     return result
@@ -476,7 +490,8 @@ def run_engine(model: str, requests, **config) -> dict:
 
 def workload(n: int, seed: int = 0):
     from transformers import AutoTokenizer
-    return throughput_module().workload(AutoTokenizer.from_pretrained(kit_models.default_model_files()), n, seed)
+    from lmport.bench.datasets import workload as bench_workload
+    return bench_workload(AutoTokenizer.from_pretrained(kit_models.default_model_files()), n, seed)
 
 
 def step_throughput(args) -> dict:

@@ -1,6 +1,6 @@
-"""What a CPU benchmark reports about the machine it ran on: the CPU's model and the instruction sets
-that matter to the kernels, the load, and the memory read bandwidth measured in the same run (a
-decode step reads every weight once, so bytes / bandwidth is the fastest a token can be)."""
+"""What a benchmark reports about the machine it ran on: the CPU's model and the instruction sets that matter
+to the kernels, the load, the accelerator if there is one, and the memory read bandwidth measured in the same
+run (a decode step reads every weight once, so bytes / bandwidth is the fastest a token can be)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-# The flags the kernels (ours and llama.cpp's) pick their paths by.
+# The flags the kernels (lmport's and llama.cpp's) pick their paths by.
 KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
                 "amx_tile", "amx_int8", "amx_bf16")
 
@@ -31,6 +31,18 @@ def cpu_info() -> dict:
         pass
     return {"model": model, "cores": len(os.sched_getaffinity(0)),
             "kernel_flags": [f for f in KERNEL_FLAGS if f in flags], "load_average": os.getloadavg()}
+
+
+def gpu_info() -> list[dict]:
+    """The CUDA devices torch sees (name, memory, capability); empty without one."""
+    if not torch.cuda.is_available():
+        return []
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        devices.append({"name": props.name, "memory_bytes": props.total_memory,
+                        "capability": f"{props.major}.{props.minor}"})
+    return devices
 
 
 def memory_bandwidth(threads: int, gib: float = 1.0, rounds: int = 7, now=time.perf_counter) -> dict:
@@ -53,16 +65,17 @@ def memory_bandwidth(threads: int, gib: float = 1.0, rounds: int = 7, now=time.p
             "method": f"torch.sum over {gib:g} GiB of float32, {rounds} rounds"}
 
 
-def describe(threads: int = 2) -> dict:
-    """cpu_info() with the read bandwidth at ``threads`` threads, for a benchmark's JSON."""
-    return {**cpu_info(), "memory_bandwidth": memory_bandwidth(threads), "python": platform.python_version(),
-            "host": platform.node()}
+def describe(threads: int = 2, bandwidth_gib: float = 1.0) -> dict:
+    """cpu_info() with the read bandwidth at ``threads`` threads and the GPUs, for a benchmark's JSON."""
+    return {**cpu_info(), "memory_bandwidth": memory_bandwidth(threads, bandwidth_gib), "gpus": gpu_info(),
+            "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
 
 
 def line(info: dict) -> str:
     """describe() in one line for a benchmark's printed table."""
-    return (f"{info['model']} ({info['cores']} cores; {' '.join(info['kernel_flags']) or 'no AVX2'}), memory read "
-            f"{info['memory_bandwidth']['best_gbs']:.1f} GB/s, load average "
+    gpus = "".join(f", {g['name']}" for g in info.get("gpus", []))
+    return (f"{info['model']} ({info['cores']} cores; {' '.join(info['kernel_flags']) or 'no AVX2'}){gpus}, memory "
+            f"read {info['memory_bandwidth']['best_gbs']:.1f} GB/s, load average "
             f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
 
 
@@ -78,9 +91,27 @@ def spread(values: list[float], fmt: str = ".3g") -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def write_result(out: Path, result) -> None:
+def config_fields(config) -> dict:
+    """A dataclass config's fields for a result's JSON (values JSON does not know as their text)."""
+    import dataclasses
+    return {f.name: json.loads(json.dumps(getattr(config, f.name), default=str)) for f in dataclasses.fields(config)}
+
+
+def write_result(out: Path | str, result) -> None:
     """A benchmark's result as JSON at ``out`` (its directory made), and where it went on stderr."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
+
+
+def write_to_directory(directory: Path | str, name: str, result) -> Path:
+    """``result`` as ``directory/NAME-<UTC time>.json``: runs written to one directory are all kept."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = Path(directory) / f"{name}-{stamp}.json"
+    n = 1
+    while path.exists():   # two runs in one second
+        n += 1
+        path = Path(directory) / f"{name}-{stamp}-{n}.json"
+    write_result(path, result)
+    return path

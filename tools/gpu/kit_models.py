@@ -2,7 +2,7 @@
 and a Llama-3-8B-shaped random-weight one. Every one is a transformers directory (config, safetensors,
 tokenizer), so lmport and transformers load the same files.
 
-The tokenizer is the default model's, from ``benchmarks/gpu/carry/smollm2`` (written by wheels.py) or, where
+The tokenizer is the default model's, from ``tools/gpu/carry/smollm2`` (written by wheels.py) or, where
 that folder is absent and the default model is installed, exported from it.
 """
 from __future__ import annotations

@@ -11,22 +11,20 @@ With a GPU (default mode), at LLM-serving shapes (a Llama-3-8B-like attention,
 
 and reports achieved memory bandwidth as a fraction of the device's peak
 (decode, fill: memory-bound) or TFLOP/s as a fraction of peak (prefill).
-Prints a markdown table and writes JSON (default
-benchmarks/results/cuda_kernels.json).
+Prints a markdown table; ``--out DIR`` writes the JSON there.
 
 ``--check`` runs the same shape set scaled down (heads, contexts and batches
 divided) on the kernels, under the Triton interpreter on CPU when there is no
 GPU, and compares every output with the reference op; exit status 1 on a
 mismatch. ``--quick`` keeps a few shapes of each kind.
 
-    .venv/bin/python benchmarks/cuda_kernels.py                 # GPU timings
-    .venv/bin/python benchmarks/cuda_kernels.py --check         # correctness of the shape set
-    .venv/bin/python benchmarks/cuda_kernels.py --check --quick
-    .venv/bin/python benchmarks/cuda_kernels.py --tilings       # decode attention's tilings (GPU)
+    lmport bench kernels cuda                   # GPU timings
+    lmport bench kernels cuda --check           # correctness of the shape set
+    lmport bench kernels cuda --check --quick
+    lmport bench kernels cuda --tilings         # decode attention's tilings (GPU)
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
@@ -34,7 +32,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -47,9 +44,8 @@ import torch.nn.functional as F  # noqa: E402
 from lmport import ops  # noqa: E402
 from lmport.backends.cuda import CudaBackend  # noqa: E402
 from lmport.kv.layout import KVLayout, LayerCache  # noqa: E402
-from machine import write_result  # noqa: E402
+from lmport.bench.machine import describe  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 # Nominal peak HBM bandwidth (bytes/s) and dense 16-bit tensor TFLOP/s, by device-name substring.
 PEAKS = {
     "H200": (4.8e12, 989e12), "H100 NVL": (3.9e12, 835e12), "H100 PCIe": (2.0e12, 756e12),
@@ -249,7 +245,7 @@ def run_timing(shape_list: list[Shape], dtype: torch.dtype, device: torch.device
         # The reference materializes a gathered, dequantized copy of every sequence's KV (and a mask).
         fns = methods(shape, backend, *inputs, with_reference=tokens <= 2 ** 19)
         moved, flops = work(shape, dtype)
-        row = dict(shape=shape.name, **asdict(shape), bytes=moved, flops=flops)
+        row: dict = dict(shape=shape.name, **asdict(shape), bytes=moved, flops=flops)
         for method, fn in fns.items():
             try:
                 ms = do_bench(fn, warmup=10, rep=50)
@@ -290,15 +286,15 @@ def run_tilings(dtype: torch.dtype, device: torch.device) -> list[dict]:
                     tiling = decode.DecodeTiling(block_n, warps, stages, codes)
                     try:
                         diff = (attend(tiling=tiling).float() - base.float()).abs().max().item()
-                        ms = do_bench(functools.partial(attend, tiling=tiling), warmup=10, rep=50)
+                        ms = float(do_bench(functools.partial(attend, tiling=tiling), warmup=10, rep=50))
                     except Exception as exc:   # a tiling Triton cannot compile for this GPU: recorded, not fatal
                         rows.append(dict(shape=shape.name, tiling=tiling._asdict(), error=str(exc)[:300]))
                         print(f"| {shape.name} | {tuple(tiling)} | failed: {str(exc)[:100]} |", flush=True)
                         continue
-                    row = dict(shape=shape.name, tiling=tiling._asdict(), ms=ms, max_diff=diff,
-                               copy_fraction=moved / (ms * 1e-3) / copy_bw)
-                    rows.append(row)
-                    print(f"| {shape.name} | {tuple(tiling)} | {ms:.3f} | {100 * row['copy_fraction']:.0f}% | "
+                    copy_fraction = moved / (ms * 1e-3) / copy_bw
+                    rows.append(dict(shape=shape.name, tiling=tiling._asdict(), ms=ms, max_diff=diff,
+                                     copy_fraction=copy_fraction))
+                    print(f"| {shape.name} | {tuple(tiling)} | {ms:.3f} | {100 * copy_fraction:.0f}% | "
                           f"{diff:.2g} |", flush=True)
             del attend, base
             torch.cuda.empty_cache()
@@ -310,7 +306,7 @@ def measured_bandwidth(device: torch.device) -> float:
     from triton.testing import do_bench
     x = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    return 2 * x.numel() / (do_bench(lambda: y.copy_(x)) * 1e-3)
+    return 2 * x.numel() / (float(do_bench(lambda: y.copy_(x))) * 1e-3)
 
 
 HEADER = ("| shape | triton ms | reference ms | sdpa ms | vs ref | vs sdpa | BW % peak | TFLOP/s (% peak) |\n"
@@ -331,29 +327,24 @@ def _row_markdown(r: dict) -> str:
             f"{ratio('reference_ms')} | {ratio('sdpa_ms')} | {bw} | {tf} |")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="check the shape set (scaled down) vs the reference")
-    parser.add_argument("--quick", action="store_true", help="a few shapes of each kind")
-    parser.add_argument("--tilings", action="store_true", help="decode attention under each tiling (GPU only)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path")
-    args = parser.parse_args(argv)
+def run(args) -> tuple[dict, int]:
+    """The rows measured or checked, printed as they come; the result for its JSON, and the exit status (1: a
+    shape that does not match the reference, 2: nothing to do without a GPU)."""
     dtype = DTYPES[args.dtype]
     gpu = torch.cuda.is_available()
     if not gpu and not args.check:
         print("no CUDA device: timings need a GPU; run with --check to check the shape set on the "
               "Triton interpreter", file=sys.stderr)
-        return 2
+        return {}, 2
     device = torch.device("cuda" if gpu else "cpu")
     shape_list = shapes(args.quick)
     env = dict(python=platform.python_version(), torch=torch.__version__,
                device=torch.cuda.get_device_name(device) if gpu else "cpu (Triton interpreter)",
-               dtype=args.dtype, mode="check" if args.check else "timing")
+               dtype=args.dtype, mode="tilings" if args.tilings else "check" if args.check else "timing")
     if args.tilings:
         if not gpu:
             print("--tilings times kernels: it needs a GPU", file=sys.stderr)
-            return 2
+            return {}, 2
         print("| shape | tiling (tokens, warps, stages, K from codes) | ms | of copy BW | diff from default |\n"
               "|---|---|---|---|---|", flush=True)
         rows = run_tilings(dtype, device)
@@ -366,11 +357,6 @@ def main(argv=None) -> int:
         print(HEADER, flush=True)
         rows = run_timing(shape_list, dtype, device)
         failed = []
-    suffix = "_tilings" if args.tilings else "_check" if args.check else ""
-    out = args.out or ROOT / "benchmarks" / "results" / f"cuda_kernels{suffix}.json"
-    write_result(out, dict(env=env, rows=rows))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    result = dict(benchmark="kernels", backend="cuda", env=env, machine=describe(torch.get_num_threads(), 0.25),
+                  rows=rows)
+    return result, 1 if failed else 0

@@ -2,13 +2,13 @@
 
 Run here (where pip reaches an index), from the repository root::
 
-    .venv/bin/python benchmarks/gpu/wheels.py            # download the pinned set, then check it
-    .venv/bin/python benchmarks/gpu/wheels.py --lock     # first re-pin requirements.txt from this venv
+    .venv/bin/python tools/gpu/wheels.py            # download the pinned set, then check it
+    .venv/bin/python tools/gpu/wheels.py --lock     # first re-pin requirements.txt from this venv
 
-Everything goes to ``benchmarks/gpu/carry/`` (ignored by git; the device call names it in ``carry``): the wheels
+Everything goes to ``tools/gpu/carry/`` (ignored by git; the device call names it in ``carry``): the wheels
 in ``carry/wheels/`` and, in ``carry/smollm2/``, the default model's config and tokenizer without its weights
 (the GPU machine builds a random-weight model of the same shape from them, and the tiny models use the
-tokenizer). The wheels are ``benchmarks/gpu/requirements.txt``: lmport's runtime dependencies and openai
+tokenizer). The wheels are ``tools/gpu/requirements.txt``: lmport's runtime dependencies and openai
 (the server tests' client), with their own dependencies, minus what ``image.txt`` says the GPU image already
 has, each pinned to the version this venv runs (the versions the tests pass with). ``--lock`` recomputes that
 closure from this venv, evaluating markers for Python 3.12 on Linux x86_64.
@@ -112,7 +112,7 @@ def lock() -> list[str]:
     if missing:
         sys.exit("not installed in this venv at a matching version, so not pinned: " + ", ".join(missing))
     lines = [f"{name}=={version}" for name, version in sorted(pins.items())]
-    header = ["# The wheels benchmarks/gpu/wheels.py carries to the GPU machine (written by `wheels.py --lock`:",
+    header = ["# The wheels tools/gpu/wheels.py carries to the GPU machine (written by `wheels.py --lock`:",
               "# lmport's requirements and openai with their closure, minus image.txt, at this venv's versions)."]
     LOCK.write_text("\n".join(header + lines) + "\n")
     return lines
@@ -270,7 +270,7 @@ def main() -> None:
     if not check():
         sys.exit(1)
     # The wheel set, the shape of the device call that carries it:
-    print('device call: carry ["benchmarks/gpu/carry"], command "python3 benchmarks/gpu/run.py --out $OUT"')
+    print('device call: carry ["tools/gpu/carry"], command "python3 tools/gpu/run.py --out $OUT"')
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ the cases come from.
 Targets: no case keeps /health or the bystander waiting more than 1 s, no case grows RSS by more than 256 MB, a
 client that stops reading is cut within the send timeout and frees its slots, and no response is a 500.
 
-    .venv/bin/python benchmarks/probe.py                   # every case, about 5 minutes on 2 cores
-    .venv/bin/python benchmarks/probe.py --only ambiguous-grammar,echo-leaves
+    .venv/bin/python tools/probe.py                   # every case, about 5 minutes on 2 cores
+    .venv/bin/python tools/probe.py --only ambiguous-grammar,echo-leaves
 """
 from __future__ import annotations
 
@@ -30,11 +30,16 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import served_url, start_server, wait_ready  # noqa: E402
-from machine import write_result  # noqa: E402
+from lmport.bench import client
+from lmport.bench.client import served_url, wait_ready
+from lmport.bench.machine import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_server(model: str, extra: list[str], log_path: Path, threads: int | None):
+    """`lmport serve MODEL` on a free loopback port, run from the repository's root."""
+    return client.start_server(model, extra, log_path, threads, cwd=ROOT)
 
 
 def tree_rss(pid: int) -> int:
@@ -498,7 +503,7 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma-separated case names: " + ", ".join(CASES))
     p.add_argument("--server-args", default="", help="extra `lmport serve` arguments")
     p.add_argument("--torch-threads", type=int, default=None, help="OMP_NUM_THREADS of the server")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "probe.json"))
+    p.add_argument("--out", default=str(ROOT / "tools" / "results" / "probe.json"))
     args = p.parse_args()
     names = args.only.split(",") if args.only else list(CASES)
     unknown = set(names) - set(CASES)

@@ -7,11 +7,11 @@ one at --schemathesis or $LMPORT_SCHEMATHESIS (a schemathesis executable), else 
 use under ~/.cache/lmport-tests/ ($XDG_CACHE_HOME when set) with `python -m venv` and pip, at the pinned
 release (SCHEMATHESIS below):
 
-    .venv/bin/python benchmarks/openapi_fuzz.py                       # 40 examples an operation
-    .venv/bin/python benchmarks/openapi_fuzz.py --max-examples 200
+    .venv/bin/python tools/openapi_fuzz.py                       # 40 examples an operation
+    .venv/bin/python tools/openapi_fuzz.py --max-examples 200
 
 Exits with schemathesis's status (0: no failure); its summary is printed and a JUnit report is written to
-benchmarks/results/openapi_fuzz.xml.
+tools/results/openapi_fuzz.xml.
 
 Every check runs. One is configured: ``positive_data_acceptance`` also accepts 400 (besides its defaults),
 because some rules of a valid request cannot be stated in JSON Schema and are checked by the server with a
@@ -38,7 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import served_url, start_server, wait_ready  # noqa: E402
+from probe import start_server  # noqa: E402
+
+from lmport.bench.client import served_url, wait_ready  # noqa: E402
 
 # Pinned: a new release adds checks, and an unchanged tree must give the same result on every machine.
 SCHEMATHESIS = "schemathesis==4.32.5"
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = served_url(proc, log, time.monotonic() + 300)
         asyncio.run(wait_ready(url, proc, time.monotonic() + 300))
-        results = ROOT / "benchmarks" / "results"
+        results = ROOT / "tools" / "results"
         results.mkdir(parents=True, exist_ok=True)
         config = log.parent / "schemathesis.toml"
         # Responses may take up to the server's --request-timeout (60 s): a shared CPU generates slowly.

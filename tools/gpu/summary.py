@@ -1,6 +1,6 @@
 """The GPU kit's output folders -> the markdown tables docs/cuda.md holds.
 
-    python benchmarks/gpu/summary.py OUT [OUT ...] [--write summary.md]
+    python tools/gpu/summary.py OUT [OUT ...] [--write summary.md]
 
 Each OUT is a folder run.py wrote (run.json in it). Several folders (one a device call) merge: a step's
 latest result that ran wins over a skipped one. Prints the markdown.
