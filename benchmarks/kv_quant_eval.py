@@ -37,7 +37,7 @@ import torch
 
 import lmport
 from lmport import EngineConfig, GenerationConfig
-from machine import write_result
+from lmport.bench.machine import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_FILE = ROOT / "benchmarks" / "data" / "alice29.txt"
@@ -45,7 +45,7 @@ TEXT_SOURCE = ("Lewis Carroll, Alice's Adventures in Wonderland (1865), public d
                "etext 'Millennium Fulcrum Edition 2.9' as the Canterbury Corpus file alice29.txt, "
                "taken from the PyPI sdist brotli-1.2.1 (tests/testdata/alice29.txt)")
 GIB = 2 ** 30
-POLICY_NAMES = {0: "off", 8: "INT8", 4: "INT4"}
+POLICY_NAMES = {0: "off", 8: "INT8", 4: "INT4", "fp8": "fp8 e4m3"}
 
 
 def load_text() -> str:
@@ -87,7 +87,7 @@ def capacity(layout, seq_len: int) -> dict:
             f"seqs_of_{seq_len}_in_1gib": layout.blocks_in(GIB) // per_seq}
 
 
-def run_policy(args, policy: int, chunks, prompts) -> dict:
+def run_policy(args, policy: int | str, chunks, prompts) -> dict:
     cfg = EngineConfig(device_type=args.device_type, dtype=args.dtype, quant_policy=policy,
                        cache_max_entry_count=args.cache_max_entry_count)
     started = time.perf_counter()
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto: the backend's default (cpu: float32)")
     ap.add_argument("--cache-max-entry-count", type=_fraction_or_blocks, default=None,
                     help="a fraction of free memory in (0, 1] or an exact number of blocks (default: the backend's)")
-    ap.add_argument("--policies", type=int, nargs="+", default=[0, 8, 4])
+    ap.add_argument("--policies", type=lambda p: int(p) if p.isdigit() else p, nargs="+", default=[0, 8, 4],
+                    help="quant_policy values: 0, 8, 4, fp8")
     ap.add_argument("--chunk", type=int, default=2048, help="tokens per perplexity chunk")
     ap.add_argument("--min-text-tokens", type=int, default=20000)
     ap.add_argument("--prompts", type=int, default=32)

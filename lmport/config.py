@@ -19,6 +19,9 @@ __all__ = ["Adjustment", "ConfigError", "EngineConfig", "GenerationConfig", "Spe
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 KV_CACHE_DTYPES = DTYPES   # "auto": the model's dtype
+# quant_policy: 0 (off), 8 (INT8), 4 (INT4) or "fp8" (float8 e4m3; "fp8_e4m3" is the same), LMDeploy's values.
+# vLLM's kv_cache_dtype="fp8" / "fp8_e4m3" names the same cache and is taken as quant_policy="fp8".
+FP8_NAMES = ("fp8", "fp8_e4m3")
 WEIGHT_FORMATS = ("auto", "dequantize")
 MAX_LORA_RANK = 256
 EXECUTORS = ("mp", "ray")
@@ -122,7 +125,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int | None = None            # None: the backend's default
     cache_max_entry_count: float | int | None = None  # None: the backend's default fraction
-    quant_policy: int = 0
+    quant_policy: int | str = 0
     # The dtype an unquantized cache (quant_policy 0) keeps K and V in; "auto": the model's dtype. A float32 model's
     # cache in float16 (Capabilities.kv_cache_dtypes: cpu) holds twice the tokens, and a decode step reads half the
     # bytes of its history, as llama.cpp's default f16 cache (docs/kv-quantization.md).
@@ -174,10 +177,12 @@ class EngineConfig:
         _check(c is None or (_is_int(c) and c >= 1) or (isinstance(c, float) and 0 < c <= 1),
                f"cache_max_entry_count must be a float in (0, 1] (share of free memory) or an int >= 1 "
                f"(exact number of blocks), got {c!r}")
-        _check(self.quant_policy in (0, 4, 8) and _is_int(self.quant_policy),
-               f"quant_policy must be 0 (off), 8 (INT8) or 4 (INT4), got {self.quant_policy!r}")
+        self._resolve_fp8_names()
+        _check(self.quant_policy == "fp8" or (_is_int(self.quant_policy) and self.quant_policy in (0, 4, 8)),
+               f"quant_policy must be 0 (off), 8 (INT8), 4 (INT4) or 'fp8' (float8 e4m3), got {self.quant_policy!r}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
-               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, or 'fp8' / 'fp8_e4m3' (vLLM's names for "
+               f"quant_policy='fp8'), got {self.kv_cache_dtype!r}")
         for name in ("max_batch_size", "max_prefill_token_num", "tp", "nnodes"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
@@ -218,6 +223,17 @@ class EngineConfig:
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)
+
+    def _resolve_fp8_names(self) -> None:
+        """quant_policy "fp8_e4m3" is "fp8"; vLLM's kv_cache_dtype "fp8" / "fp8_e4m3" is quant_policy "fp8" (with the
+        cache dtype left to it)."""
+        if self.quant_policy in FP8_NAMES:
+            self.quant_policy = "fp8"
+        if self.kv_cache_dtype in FP8_NAMES:
+            _check(self.quant_policy in (0, "fp8"),
+                   f"kv_cache_dtype={self.kv_cache_dtype!r} asks for an fp8 KV cache (quant_policy='fp8') but "
+                   f"quant_policy={self.quant_policy!r} asks for another; give one of them")
+            self.quant_policy, self.kv_cache_dtype = "fp8", "auto"
 
     def backend_class(self) -> type[Backend]:
         """The backend this config was resolved against (lmport.platform.resolution.resolve_config)."""

@@ -24,7 +24,8 @@ def test_row_shows_capabilities_and_origin(backend_name, backends_table):
     row = rows[name]
     cls = registry.load_backend_class(name)
     caps = cls.capabilities
-    assert row["quant policies"] == ",".join(str(q) for q in sorted(caps.kv_quant_policies))
+    fp8 = ["fp8"] if caps.runs_kv_policy("fp8") else []
+    assert row["quant policies"] == ",".join([str(q) for q in sorted(caps.kv_quant_policies)] + fp8)
     assert row["block size"].startswith(caps.block_size_rule())
     assert str(caps.default_block_size) in row["block size"]
     assert row["origin"] == registry.backend_origin(name)
@@ -41,7 +42,7 @@ def pytest_generate_tests(metafunc):
 
 def test_in_tree_rows(backends_table):
     rows, _ = backends_table
-    expected = {"cpu": ("0,4,8", "any >= 1"), "cuda": ("0,4,8", "power of two >= 16"),
+    expected = {"cpu": ("0,4,8,fp8", "any >= 1"), "cuda": ("0,4,8,fp8", "power of two >= 16"),
                 "ascend": ("0,4,8", "power of two >= 16"), "camb": ("0", "forced 16")}
     for name, (quant, rule) in expected.items():
         assert rows[name]["quant policies"] == quant

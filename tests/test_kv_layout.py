@@ -118,6 +118,20 @@ def test_smollm2_sequences_of_2048_in_one_gib(policy, per_token, seqs):
     assert lay.blocks_in(2 ** 30) // (2048 // 64) == seqs
 
 
+@pytest.mark.parametrize("dtype,ratio", [(torch.float16, 2), (torch.bfloat16, 2), (torch.float32, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_fp8_holds_twice_a_16_bit_cache(dtype, ratio, head_dim):
+    """One float8 byte a value, its scale per head and layer, not per row: exactly 2x a 16-bit cache at any
+    head_dim (4x a float32 one), unlike INT8's 4 bytes of params a row."""
+    base, fp8 = layout(0, dtype, head_dim=head_dim), layout("fp8", dtype, head_dim=head_dim)
+    assert base.bytes_per_block == ratio * fp8.bytes_per_block
+    assert fp8.value_dtype == torch.float8_e4m3fn and fp8.qparam_block_shape is None
+    cache = fp8.allocate(3, "cpu")[0]
+    assert cache.k_qparams is None and cache.k_scale.tolist() == [1.0] * 3 and cache.v_scale.tolist() == [1.0] * 3
+    assert layout(0, head_dim=64, layers=30, heads=3).bytes_per_token == 2 * layout("fp8", head_dim=64, layers=30,
+                                                                                    heads=3).bytes_per_token == 23040
+
+
 @pytest.mark.parametrize("order", ["bshd", "bhsd"])
 @pytest.mark.parametrize("policy", [0, 8, 4])
 def test_allocate_shapes(order, policy):

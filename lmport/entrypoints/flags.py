@@ -22,6 +22,10 @@ def _number(text: str) -> float | int:
     return float(text) if any(c in text for c in ".eE") else int(text)
 
 
+def _quant_policy(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str) -> None:
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
@@ -43,6 +47,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, title: str) -> Non
             kwargs["type"] = json.loads
         elif f.name == "cache_max_entry_count":
             kwargs["type"] = _number
+        elif f.name == "quant_policy":   # 0, 8, 4, or fp8 (a name)
+            kwargs["type"] = _quant_policy
         elif "float" in hint:
             kwargs["type"] = float
         elif "int" in hint:

@@ -1,4 +1,4 @@
-"""Online KV-cache quantization (quant_policy 8 and 4), the reference scheme.
+"""Online KV-cache quantization (quant_policy 8, 4 and "fp8"), the reference scheme.
 
 Per token and per KV head, over head_dim, asymmetric min/max:
 
@@ -23,6 +23,16 @@ instead of turning into inf and NaN; the bound above holds below that range.
 
 INT4 packs two values a byte: element ``2i`` in the low nibble, ``2i + 1`` in
 the high nibble. Every backend uses this same order.
+
+quant_policy "fp8" (LMDeploy's name; vLLM's ``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``) keeps each value as
+one float8 e4m3 (OCP e4m3fn: 4 exponent bits, 3 mantissa bits, largest finite 448) with a float32 scale per
+KV head held beside the layer's cache, not per row, so a row costs exactly half of a 16-bit one:
+
+    code = e4m3( clamp(x / scale, -448, 448) )          round to nearest, ties to even (torch's cast)
+    x'   = float(code) * scale
+
+The clamp saturates values beyond 448 * scale instead of letting the cast make them NaN. The scale is 1.0
+unless a checkpoint provides one (vLLM's default without calibration).
 """
 from __future__ import annotations
 
@@ -30,12 +40,39 @@ import torch
 
 ZERO_LIMIT = 2047
 
+FP8 = "fp8"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Every quant_policy EngineConfig takes once its aliases are resolved; "fp8_e4m3" names the same format as "fp8".
+POLICIES = (0, 8, 4, FP8)
+FP8_ALIASES = ("fp8", "fp8_e4m3")
+
+
+def is_fp8(quant_policy) -> bool:
+    return quant_policy == FP8
+
+
+def has_codes(quant_policy) -> bool:
+    """Whether the cache holds integer codes with a scale and zero a row (INT8, INT4)."""
+    return quant_policy in (4, 8)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 codes of ``x`` [..., H, D] with a float32 scale per head ``scale`` [H]."""
+    return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`, returning ``dtype``."""
+    return (codes.float() * scale[:, None]).to(dtype)
+
 
 def param_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an INT8/INT4 cache's scale and zero."""
     return torch.float32 if cache_dtype == torch.float32 else torch.float16
 
 
-def packed_dim(head_dim: int, quant_policy: int) -> int:
+def packed_dim(head_dim: int, quant_policy: int | str) -> int:
     if quant_policy == 4:
         if head_dim % 2:
             raise ValueError(f"quant_policy=4 packs two values a byte and needs an even head_dim, got {head_dim}")

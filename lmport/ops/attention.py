@@ -3,6 +3,11 @@
 The new tokens' K/V must already be in the cache (``fill_kv_cache`` runs
 first). Only the blocks named in the block tables are gathered and, for a
 quantized cache, dequantized: never a full-precision copy of the whole cache.
+
+Over a quantized cache (INT8, INT4, fp8) the step's own keys and values, handed in as ``new_kv``, are attended
+to as they are, not through their quantized copies: a prefill (chunk) sees itself in full precision and its
+history through the cache, so the first generated token is the one an unquantized cache gives wherever the
+history is empty. Every new token of a step (a decode token's own key too) is treated alike.
 """
 from __future__ import annotations
 
@@ -16,17 +21,21 @@ from lmport.units import ceil_div
 
 
 def gather_kv(values: torch.Tensor, qparams: torch.Tensor | None, tables: torch.Tensor,
-              quant_policy: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, n_blocks] block ids -> [B, n_blocks * block_size, H, D] in ``dtype``."""
+              quant_policy: int | str, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, n_blocks] block ids -> [B, n_blocks * block_size, H, D] in ``dtype``; ``scale``: an fp8 cache's
+    per-head scales."""
     flat = tables.flatten()  # index_select over one axis: much faster on CPU than 2-D advanced indexing
-    x = values.index_select(0, flat)
-    if quant_policy:
+    if quant.is_fp8(quant_policy):   # as bytes: torch's index_select has no float8 kernel on the CPU
+        x = quant.dequantize_fp8(values.view(torch.uint8).index_select(0, flat).view(values.dtype), scale, dtype)
+    else:
+        x = values.index_select(0, flat)
+    if quant.has_codes(quant_policy):
         x = quant.dequantize(x, qparams.index_select(0, flat), quant_policy, dtype)
     return x.view(*tables.shape, *x.shape[1:]).flatten(1, 2).to(dtype)
 
 
 def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
-                    softmax_scale: float) -> torch.Tensor:
+                    softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions, within
     ``meta.window`` positions when the layer has a sliding window and within the token's own chunk
     when it has ``meta.chunk``, scores soft-capped by ``meta.softcap`` when it has one, each head's
@@ -34,7 +43,13 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
 
     Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
     long chunk never pads every decode row to its length.
+
+    ``new_kv``: the step's keys and values [T, Hkv, D] as ``fill_kv_cache`` took them; over a quantized cache
+    the step's tokens attend to these instead of their quantized copies (an unquantized cache holds the same
+    values, and is read as it is).
     """
+    if not cache.quant_policy:
+        new_kv = None
     cache.require_axis_order("bshd", "the reference paged_attention")
     q_lens = meta.q_lens_host or tuple(meta.q_lens.tolist())
     kv_lens = meta.kv_lens_host or tuple(meta.kv_lens.tolist())
@@ -44,23 +59,23 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     groups = ([decodes] if decodes else []) + [[i] for i, n in enumerate(q_lens) if n > 1]
     if len(groups) == 1:
-        return _attend(q, cache, meta, softmax_scale, groups[0], q_lens, kv_lens, starts)
+        return _attend(q, cache, meta, softmax_scale, groups[0], q_lens, kv_lens, starts, new_kv)
     out = torch.empty_like(q)
     for seqs in groups:
         rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])], device=q.device)
-        out[rows] = _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts)
+        out[rows] = _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts, new_kv)
     return out
 
 
-def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts) -> torch.Tensor:
+def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts, new_kv) -> torch.Tensor:
     """Attention for the sequences ``seqs``, padded to their longest q and kv; returns their q rows in order."""
     dev = q.device
     max_q = max(q_lens[i] for i in seqs)
     n_blocks = ceil_div(max(kv_lens[i] for i in seqs), meta.block_size)
     index = torch.tensor(seqs, device=dev)
     tables = meta.block_tables.index_select(0, index)[:, :n_blocks].long()
-    k = gather_kv(cache.k, cache.k_qparams, tables, cache.quant_policy, q.dtype)
-    v = gather_kv(cache.v, cache.v_qparams, tables, cache.quant_policy, q.dtype)
+    k = gather_kv(cache.k, cache.k_qparams, tables, cache.quant_policy, q.dtype, cache.k_scale)
+    v = gather_kv(cache.v, cache.v_qparams, tables, cache.quant_policy, q.dtype, cache.v_scale)
 
     steps = torch.arange(max_q, device=dev)
     sub_q_lens = torch.tensor([q_lens[i] for i in seqs], device=dev)
@@ -68,6 +83,10 @@ def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts) -> tor
     rows = (torch.tensor([starts[i] for i in seqs], device=dev)[:, None] + steps).clamp_(max=q.shape[0] - 1)
     valid = steps < sub_q_lens[:, None]
     q_pos = first_pos[:, None] + steps
+    if new_kv is not None:   # the step's own tokens as they are: rows[valid] of new_kv sit at q_pos[valid]
+        seq = torch.arange(len(seqs), device=dev)[:, None].expand_as(q_pos)[valid]
+        k[seq, q_pos[valid]] = new_kv[0][rows[valid]].to(k.dtype)
+        v[seq, q_pos[valid]] = new_kv[1][rows[valid]].to(v.dtype)
     kv_pos = torch.arange(k.shape[1], device=dev)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]          # [B, max_q, max_kv]; padded rows are dropped
     if meta.window is not None:

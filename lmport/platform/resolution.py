@@ -61,7 +61,15 @@ def _why_no_graphs(config: EngineConfig, caps: Capabilities) -> str | None:
 
 def check_against(config: EngineConfig, caps: Capabilities) -> None:
     """A ConfigError when ``caps`` cannot run ``config``, naming the installed devices that can."""
-    if config.quant_policy not in caps.kv_quant_policies:
+    if config.quant_policy == "fp8" and not caps.runs_kv_policy("fp8"):
+        where = _devices(lambda c: c.runs_kv_policy("fp8"))
+        instead = "quant_policy=8 (INT8, about the same capacity)" if 8 in caps.kv_quant_policies else "quant_policy=0"
+        raise ConfigError(
+            f"quant_policy='fp8' (a float8 e4m3 KV cache; vLLM's kv_cache_dtype='fp8') is not supported on device "
+            f"{caps.device_type!r}: its capabilities declare no fp8 KV format (kv_fp8_formats; it keeps KV caches "
+            f"under quant_policy {caps.kv_policies_text()}); fp8 KV caches run on "
+            f"{', '.join(where) or 'no installed device'}; use {instead} on {caps.device_type}")
+    if config.quant_policy != "fp8" and config.quant_policy not in caps.kv_quant_policies:
         where = _devices(lambda c: config.quant_policy in c.kv_quant_policies)
         raise ConfigError(
             f"quant_policy={config.quant_policy} is not supported on device {caps.device_type!r} "

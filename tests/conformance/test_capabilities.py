@@ -75,6 +75,7 @@ def test_capabilities_are_sane(backend_name, capabilities):
 
     assert c.kv_quant_policies <= {0, 4, 8}, c.kv_quant_policies
     assert 0 in c.kv_quant_policies, "every backend must run an unquantized KV cache (quant_policy=0)"
+    assert isinstance(c.kv_fp8_formats, frozenset) and c.kv_fp8_formats <= {"e4m3"}, c.kv_fp8_formats
 
     assert isinstance(c.block_size_min, int) and c.block_size_min >= 1
     assert isinstance(c.default_block_size, int) and c.default_block_size >= 1

@@ -84,6 +84,8 @@ class AscendBackend(Backend):
         device_type="ascend",
         torch_device="npu",
         kv_quant_policies=frozenset({0, 4, 8}),
+        # No fp8 KV format (kv_fp8_formats): FIA's KV antiquant inputs, as its pages document them, are int8 and int4
+        # codes with float scales; none is a float8 KV cache, so quant_policy="fp8" is refused here.
         weight_formats=frozenset({"int4", "int8"}),
         default_block_size=128,
         block_size_min=16,
@@ -146,17 +148,17 @@ class AscendBackend(Backend):
             self._npu.npu_scatter_nd_update_(params.view(-1, *params.shape[2:]), index, qparams)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
-                        softmax_scale: float) -> torch.Tensor:
+                        softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         _, hq, d = q.shape
         hkv = cache.k.shape[2]  # [blocks, slots, heads, dim or packed dim]
         if q.dtype not in _FIA_DTYPES or d % 16 or d > 512 or hq // hkv > 64 or meta.window is not None \
                 or meta.softcap is not None:
-            return super().paged_attention(q, cache, meta, softmax_scale)
+            return super().paged_attention(q, cache, meta, softmax_scale, new_kv)
         common = dict(num_heads=hq, num_key_value_heads=hkv, input_layout="BSND", scale=softmax_scale,
                       actual_seq_lengths_kv=list(meta.kv_lens_host))
         if meta.is_decode:
             query = q.contiguous().view(meta.num_seqs, 1, hq, d)
-            key, value, extra = self._decode_kv(cache, meta, q.dtype)
+            key, value, extra = self._decode_kv(cache, meta, q.dtype, new_kv)
             out, _ = self._npu.npu_fused_infer_attention_score(query, key, value, **common, **extra)
             return out.view(q.shape)
 
@@ -169,14 +171,16 @@ class AscendBackend(Backend):
         if cache.quant_policy == 0 and bs % 128 == 0 and bs <= 512:
             key, value, extra = _paged_kv(cache, meta)
         else:
-            (key, value), extra = _gathered_kv(cache, meta, q.dtype), {}
+            (key, value), extra = _gathered_kv(cache, meta, q.dtype, new_kv, (seq, step)), {}
         out, _ = self._npu.npu_fused_infer_attention_score(
             query, key, value, atten_mask=self._causal_mask(q.device), sparse_mode=3,
             actual_seq_lengths=list(meta.q_lens_host), **common, **extra)
         return out[seq, step]
 
-    def _decode_kv(self, cache: LayerCache, meta: ops.AttentionMetadata, dtype: torch.dtype):
-        """(key, value, extra FIA kwargs) for a decode step."""
+    def _decode_kv(self, cache: LayerCache, meta: ops.AttentionMetadata, dtype: torch.dtype,
+                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """(key, value, extra FIA kwargs) for a decode step. INT8 runs FIA's antiquant over the codes, the new
+        token's own too; the gathered fallback puts the new token's K and V back as computed."""
         if cache.quant_policy == 0 and meta.block_size <= 512:
             return _paged_kv(cache, meta)
         if cache.quant_policy == 8:
@@ -186,7 +190,8 @@ class AscendBackend(Backend):
             return k, v, dict(key_antiquant_scale=k_scale, key_antiquant_offset=k_offset,
                               value_antiquant_scale=v_scale, value_antiquant_offset=v_offset,
                               key_antiquant_mode=3, value_antiquant_mode=3)
-        key, value = _gathered_kv(cache, meta, dtype)
+        seq = torch.arange(meta.num_seqs, device=meta.q_lens.device)
+        key, value = _gathered_kv(cache, meta, dtype, new_kv, (seq, torch.zeros_like(seq)))
         return key, value, {}
 
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
@@ -229,11 +234,20 @@ def _paged_kv(cache: LayerCache, meta: ops.AttentionMetadata):
             dict(block_table=meta.block_tables, block_size=bs))
 
 
-def _gathered_kv(cache: LayerCache, meta: ops.AttentionMetadata, dtype: torch.dtype):
-    """Fallback: the named blocks, dequantized by the reference, as contiguous [B, S, H, D]."""
+def _gathered_kv(cache: LayerCache, meta: ops.AttentionMetadata, dtype: torch.dtype,
+                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 token_slots: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Fallback: the named blocks, dequantized by the reference, as contiguous [B, S, H, D]; over a quantized
+    cache with ``new_kv``, the step's own tokens (at ``token_slots``: sequence, step) as computed
+    (lmport.ops.attention)."""
     tables = _tables(meta)
-    return tuple(ops.gather_kv(values, params, tables, cache.quant_policy, dtype)
-                 for values, params in ((cache.k, cache.k_qparams), (cache.v, cache.v_qparams)))
+    key, value = (ops.gather_kv(values, params, tables, cache.quant_policy, dtype)
+                  for values, params in ((cache.k, cache.k_qparams), (cache.v, cache.v_qparams)))
+    if cache.quant_policy and new_kv is not None and token_slots is not None:
+        seq, step = token_slots
+        pos = meta.kv_lens[seq].long() - meta.q_lens[seq].long() + step
+        key[seq, pos], value[seq, pos] = new_kv[0].to(key.dtype), new_kv[1].to(value.dtype)
+    return key, value
 
 
 def _signed_int8(values: torch.Tensor, qparams: torch.Tensor, tables: torch.Tensor):

@@ -50,7 +50,7 @@ class CambBackend(Backend):
     capabilities = Capabilities(
         device_type="camb",
         torch_device="mlu",
-        kv_quant_policies=frozenset({0}),
+        kv_quant_policies=frozenset({0}),   # and no fp8 KV format (kv_fp8_formats): the cached-KV ops take 16-bit K/V
         default_block_size=16,
         block_size_forced=16,
         dist_backend="cncl",
@@ -93,7 +93,8 @@ class CambBackend(Backend):
                                       cache.k, cache.v, slot_mapping.to(torch.int32))
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
-                        softmax_scale: float) -> torch.Tensor:
+                        softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # new_kv: an unquantized cache holds the step's K and V as they are, so it is read as it is
         _check_unquantized(cache)
         if meta.window is not None or meta.softcap is not None:   # stated fallback: see the module docstring
             return super().paged_attention(q, bshd_view(cache), meta, softmax_scale)

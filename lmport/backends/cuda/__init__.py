@@ -50,6 +50,10 @@ class CudaBackend(Backend):
         device_type="cuda",
         torch_device="cuda",
         kv_quant_policies=frozenset({0, 4, 8}),
+        # An fp8 KV cache is only stored as float8: the Triton kernels encode and decode its bytes with integer
+        # and fp32 arithmetic (kv_fill.py, paged_kv.py) and attend in the model's dtype, so it needs no fp8 hardware
+        # (sm89+ is for fp8 matmuls, which attention here does not do) and runs on every GPU the kernels run on.
+        kv_fp8_formats=frozenset({"e4m3"}),
         weight_formats=frozenset({"int4", "int8"}),
         # GGUF block types the Triton kernel reads as stored (lmport/backends/cuda/ggml_linear.py DEQUANTIZE).
         ggml_types=frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs"}),
@@ -62,7 +66,8 @@ class CudaBackend(Backend):
         default_dtype="bfloat16",
         decode_graphs=True,
         lora=True,
-        attention_variants=frozenset({"sinks", "chunked"}),   # the Triton attention kernels take both
+        # The Triton attention kernels take both; no "latent" (MLA) kernel: a DeepSeek-V3 config is refused.
+        attention_variants=frozenset({"sinks", "chunked"}),
     )
 
     @classmethod
@@ -118,10 +123,10 @@ class CudaBackend(Backend):
         self.kernels.fill_kv_cache(k, v, cache, slot_mapping)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
-                        softmax_scale: float) -> torch.Tensor:
+                        softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if meta.is_decode:
-            return self.kernels.decode_attention(q, cache, meta, softmax_scale)
-        return self.kernels.prefill_attention(q, cache, meta, softmax_scale)
+            return self.kernels.decode_attention(q, cache, meta, softmax_scale, new_kv=new_kv)
+        return self.kernels.prefill_attention(q, cache, meta, softmax_scale, new_kv=new_kv)
 
     def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:

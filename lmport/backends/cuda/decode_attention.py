@@ -9,7 +9,10 @@ says which), with an online softmax. Stage 2 merges the splits of each
 (sequence, query head) by their log-sum-exp, adding the head's sink logit to the
 denominator where the layer has sinks (gpt-oss). A window or a chunk (Llama 4's
 local layers) hides the keys before it. Splitting the KV keeps the GPU
-full when batch x KV heads is small and contexts are long.
+full when batch x KV heads is small and contexts are long. Over a quantized
+cache (NEW) the sequence's own new key and value are read as computed, not from
+their codes: the split holding the last position adds that key as one more step
+of its online softmax after its tiles of history.
 
 Work is sized from host ints only (``meta.max_kv_len``, shapes): no syncs,
 and a larger ``max_kv_len`` than any real length (e.g. the fixed bound of a
@@ -23,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmport.backends.cuda.launch import dot_args, pow2, qparam_args, sm_count, tl_dtype
+from lmport.backends.cuda.launch import (cache_values, dot_args, kernel_quant, new_kv_args, pow2, qparam_args,
+                                         sm_count, tl_dtype)
 from lmport.backends.cuda.paged_kv import load_int4_halves, load_kv_tile, load_qparams
 from lmport.backends.cuda.prefill_attention import sinks_log2
 from lmport.backends.cuda.reductions import MAX, SUM
@@ -35,15 +39,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_out, part_lse,
+def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, k_new, v_new, block_tables, kv_lens, part_out, part_lse,
                   sm_scale_log2, tokens_per_split, window, chunk, softcap,
-                  sq_t, sq_h, sq_d, st_b, st_n,
+                  sq_t, sq_h, sq_d, st_b, st_n, sn_t, sn_h, sn_d,
                   c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                   po_b, po_h, po_s, pl_b, pl_h,
                   GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, K_CODES: tl.constexpr):
+                  DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, K_CODES: tl.constexpr, NEW: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,6 +58,10 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
     lo = tl.maximum(lo, tl.where(chunk > 0, (kv_len - 1) // tl.maximum(chunk, 1) * chunk, 0))
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, kv_len)
+    owns_new = (end == kv_len) & (start < kv_len)   # this split holds the new token's position
+    if NEW:   # the tiles cover the history; the new token comes after them
+        end = tl.minimum(end, kv_len - 1)
+        end = tl.where(lo < end, end, 0)   # no visible history here: no tile (a tile of none would make m NaN)
     start = tl.maximum(start, lo // BLOCK_N * BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -127,6 +135,21 @@ def _split_kernel(q, k_cache, v_cache, k_qp, v_qp, block_tables, kv_lens, part_o
 
     if QUANT == 4:
         acc = tl.interleave(acc_even, acc_odd)
+    if NEW:   # the new token, as computed: one more step of the online softmax in the split that holds it
+        new_row = seq * sn_t + kv_head * sn_h
+        kn = tl.load(k_new + new_row + offs_d * sn_d, mask=mask_d, other=0.0).to(tl.float32)
+        vn = tl.load(v_new + new_row + offs_d * sn_d, mask=mask_d, other=0.0).to(tl.float32)
+        s_new = tl.sum(qt.to(tl.float32) * kn[None, :], 1) * sm_scale_log2
+        if SOFTCAP:
+            s_new = soft_cap_log2(s_new, softcap)
+        s_new = tl.where(owns_new, s_new, float("-inf"))
+        m_new = tl.maximum(m, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a split with no key at all keeps l = 0
+        alpha = tl.exp2(m - m_safe)
+        p_new = tl.exp2(s_new - m_safe)
+        l = l * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+        m = m_new
 
     # An empty split (past this sequence's end, or before its window) leaves l = 0: weight 0 in the reduction.
     has = l > 0
@@ -168,9 +191,10 @@ class DecodeTiling(NamedTuple):
     k_codes: bool = False
 
 
-def decode_tiling(quant_policy: int) -> DecodeTiling:
-    """The fastest of ``benchmarks/cuda_kernels.py --tilings`` on an H200 at both of its shapes (docs/cuda.md)."""
-    return DecodeTiling(128, 4, 2, True) if quant_policy else DecodeTiling()
+def decode_tiling(quant_policy: int | str) -> DecodeTiling:
+    """The fastest of ``lmport bench kernels cuda --tilings`` on an H200 at both of its shapes (docs/cuda.md)
+    for INT8 and INT4; fp8, not measured yet, takes the unquantized cache's."""
+    return DecodeTiling(128, 4, 2, True) if quant_policy in (4, 8) else DecodeTiling()
 
 
 def _splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
@@ -181,8 +205,10 @@ def _splits(batch: int, kv_heads: int, max_kv_len: int, block_n: int, device: to
 
 
 def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, softmax_scale: float,
-                     num_splits: int | None = None, tiling: DecodeTiling | None = None) -> torch.Tensor:
-    """q: [B, Hq, D] (one token a sequence) -> [B, Hq, D]."""
+                     num_splits: int | None = None, tiling: DecodeTiling | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q: [B, Hq, D] (one token a sequence) -> [B, Hq, D]; ``new_kv``: the step's K and V [B, Hkv, D], read in place
+    of their copies in a quantized cache."""
     batch, q_heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
     group = q_heads // kv_heads
@@ -198,17 +224,20 @@ def decode_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
     part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     k_qp, v_qp, p_strides = qparam_args(cache)
+    k_new, v_new, *new_strides, new = new_kv_args(q, cache, new_kv)
+    k_cache, v_cache = cache_values(cache)
+    policy = kernel_quant(cache)
     dot_dtype, dot_prec = dot_args(q.dtype)
     block_d = pow2(head_dim)
     _split_kernel[(batch, kv_heads, num_splits)](
-        q, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.kv_lens, part_out, part_lse,
+        q, k_cache, v_cache, k_qp, v_qp, k_new, v_new, meta.block_tables, meta.kv_lens, part_out, part_lse,
         softmax_scale * LOG2E, tokens_per_split, meta.window or 0, meta.chunk or 0, meta.softcap or 0.0,
-        *q.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
+        *q.stride(), *meta.block_tables.stride(), *new_strides, *cache.k.stride(), *p_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2],
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim,
         BLOCK_G=max(16, pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        QUANT=cache.quant_policy, ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
-        SOFTCAP=meta.softcap is not None, K_CODES=tiling.k_codes and cache.quant_policy > 0,
+        QUANT=policy, ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
+        SOFTCAP=meta.softcap is not None, K_CODES=tiling.k_codes and policy in (4, 8), NEW=new,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     _reduce_kernel[(batch, q_heads)](

@@ -7,6 +7,9 @@ IEEE divisions (``div_rn``), the scale rounded to the param dtype the same
 way, and round-half-to-even like ``torch.round``, so values and params come
 out bit-identical to the reference (tests allow one quantization level of
 difference for a GPU whose arithmetic might still differ).
+An fp8 cache (QUANT 1, launch.QUANT_FP8) is written as bytes: ``x / scale`` (its head's scale),
+clamped to +-448 and rounded to float8 e4m3 with integer arithmetic, round to nearest even as
+torch's cast does, so the bytes are the reference's on any GPU, fp8 hardware or not.
 A negative slot (a padded row, e.g. in a CUDA-graph batch) is skipped.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmport.backends.cuda.launch import INTERPRETED, pow2, qparam_args, tl_dtype
+from lmport.backends.cuda.launch import INTERPRETED, cache_values, kernel_quant, pow2, qparam_args, tl_dtype
 from lmport.backends.cuda.reductions import MAX, MIN
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
@@ -58,6 +61,24 @@ def _levels(x, scale, zero, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def encode_e4m3(y):
+    """float8 e4m3fn bytes (int32) of float32 ``y`` already within +-448, as torch's cast rounds them (to nearest,
+    ties to even); NaN stays NaN (0x7f, with its sign)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = tl.abs(y)
+    # Below 2**-6 (subnormal in e4m3): adding 2**14 rounds |y| to a multiple of 2**-9 in float32's own rounding (to
+    # nearest even), and the low bits of the sum are that multiple.
+    sub = (mag + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    # Normal: float32's 23 mantissa bits rounded to 3 (ties to even), the exponent rebiased from 127 to 7.
+    m = mag.to(tl.int32, bitcast=True)
+    normal = (m + ((7 - 127) << 23) + 0x7FFFF + ((m >> 20) & 1)) >> 20
+    code = tl.where(mag < 0.015625, sub, normal)
+    code = tl.where(y != y, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
 def _fill(src, s_t, s_h, s_d, dst, qp, tok, head, slot_block, slot_off, valid,
           c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
@@ -73,6 +94,13 @@ def _fill(src, s_t, s_h, s_d, dst, qp, tok, head, slot_block, slot_off, valid,
         mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         x = tl.load(row + offs_d[None, :] * s_d, mask=mask)
         tl.store(out, x.to(dst.dtype.element_ty), mask=mask)
+    elif QUANT == 1:   # launch.QUANT_FP8
+        mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        x = tl.load(row + offs_d[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(qp + head * p_h, mask=valid, other=1.0)   # the head's scale (params strides 0 but p_h)
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+        tl.store(out, encode_e4m3(y).to(tl.uint8), mask=mask)
     else:
         inf = float("inf")
         if QUANT == 4:
@@ -126,21 +154,23 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slot_mapp
     tokens, heads, head_dim = k.shape
     if tokens == 0:
         return
-    policy = cache.quant_policy
+    policy = kernel_quant(cache)
     qp_k, qp_v, p_strides = qparam_args(cache)
-    pdtype = qp_k.dtype if policy else torch.float32
-    eps = torch.finfo(pdtype).tiny * ((1 << policy) - 1) if policy else 0.0
+    codes = policy in (4, 8)
+    pdtype = qp_k.dtype if codes else torch.float32
+    eps = torch.finfo(pdtype).tiny * ((1 << policy) - 1) if codes else 0.0
     block_d = pow2(quant.packed_dim(head_dim, policy))
+    k_cache, v_cache = cache_values(cache)
     # ~2K elements a program on a GPU; the interpreter runs programs one by one, so fewer, larger ones.
     rows = 64 if INTERPRETED else max(1, min(64, 2048 // block_d))
     num_rows = tokens * heads
     # fp32 max - min may overflow to inf, exactly as in the reference; numpy (interpreter) would warn.
     with np.errstate(over="ignore") if INTERPRETED else contextlib.nullcontext():
         _fill_kernel[(triton.cdiv(num_rows, rows),)](
-            k, v, cache.k, cache.v, qp_k, qp_v, slot_mapping, num_rows,
+            k, v, k_cache, v_cache, qp_k, qp_v, slot_mapping, num_rows,
             *k.stride(), *v.stride(), *cache.k.stride(), *p_strides,
             PAGE=cache.block_size, NUM_HEADS=heads, HEAD_DIM=head_dim,
-            ROWS=rows, BLOCK_D=block_d, QUANT=policy, LEVELS=float((1 << policy) - 1),
+            ROWS=rows, BLOCK_D=block_d, QUANT=policy, LEVELS=float((1 << policy) - 1) if codes else 0.0,
             EPS=eps, ZERO_LIMIT=float(quant.ZERO_LIMIT), PMAX=torch.finfo(pdtype).max, PDTYPE=tl_dtype(pdtype),
             num_warps=4,
         )

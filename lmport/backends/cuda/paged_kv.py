@@ -4,7 +4,9 @@ Shared by the decode and prefill attention kernels. Tokens are gathered one by
 one through the block table, so a tile may span several cache blocks and any
 block size works. A quantized tile is turned back into the attention dtype
 with the reference formula ``((q - zero) * scale).to(dtype)`` (lmport.kv.quant),
-so the kernels see the very values the reference attends to.
+so the kernels see the very values the reference attends to. An fp8 tile (QUANT 1,
+launch.QUANT_FP8) is read as bytes and decoded with integer and fp32 arithmetic, exactly,
+then ``(value * scale).to(dtype)`` with its head's scale: no fp8 hardware is involved.
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ def load_kv_tile(cache_ptr, qp_ptr, block_ids, slots, offs_d, mask_n, mask_d,
     if QUANT == 0:
         x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
         out = x.to(OUT_DTYPE)
+    elif QUANT == 1:
+        raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0).to(tl.int32)
+        scale, _ = load_qparams(qp_ptr, block_ids, slots, mask_n, qp_stride_b, qp_stride_s, qp_stride_2)
+        out = (decode_e4m3(raw) * scale[:, None]).to(OUT_DTYPE)
     else:
         if QUANT == 4:
             # Two values a byte: element 2i in the low nibble, 2i + 1 in the high one. Each byte is loaded
@@ -43,6 +49,19 @@ def load_kv_tile(cache_ptr, qp_ptr, block_ids, slots, offs_d, mask_n, mask_d,
         scale, zero = load_qparams(qp_ptr, block_ids, slots, mask_n, qp_stride_b, qp_stride_s, qp_stride_2)
         out = ((raw.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
     return out
+
+
+@triton.jit
+def decode_e4m3(raw):
+    """float32 values of float8 e4m3fn bytes (int32 0..255), exactly as torch casts them: sign, 4 exponent bits
+    (bias 7), 3 mantissa bits; exponent 0 is subnormal (m * 2**-9), 0x7f / 0xff are NaN."""
+    mag = raw & 0x7F
+    exp = mag >> 3
+    # A normal's bits as a float32: the exponent rebiased (127 - 7 = 120), the mantissa at the top of float32's.
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, (mag & 7).to(tl.float32) * 0.001953125, normal)
+    value = tl.where(mag == 0x7F, float("nan"), value)
+    return tl.where(raw >= 0x80, -value, value)
 
 
 @triton.jit

@@ -3,7 +3,9 @@
 Matches ``lmport.ops.paged_attention`` for any batch (varlen; chunked prefill;
 decode rows mixed in). The new tokens' K/V are already in the cache, so every
 key comes from the paged cache, gathered through the block table and
-dequantized inline. A program owns one sequence, one KV head and a tile of
+dequantized inline; except over a quantized cache given the step's K and V
+(NEW): the step's own positions then read those, as computed, and only the
+history comes from the codes. A program owns one sequence, one KV head and a tile of
 BLOCK_M rows, each row a (new token, query head of the GQA group) pair: the
 group's query heads share every K/V tile they load. Keys all rows of the tile
 see (below the tile's first position) run unmasked; the causal tail is masked. Under a
@@ -17,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmport.backends.cuda.launch import INTERPRETED, dot_args, pow2, qparam_args, tl_dtype
+from lmport.backends.cuda.launch import (INTERPRETED, cache_values, dot_args, kernel_quant, new_kv_args, pow2,
+                                         qparam_args, tl_dtype)
 from lmport.backends.cuda.paged_kv import load_kv_tile
 from lmport.backends.cuda.reductions import MAX, SUM
 from lmport.backends.cuda.soft_cap import soft_cap_log2
@@ -28,11 +31,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile(head, qp_head, new_head, block_ids, slots, offs_n, ctx, new_row0, offs_d, mask_n, mask_d,
+          c_b, c_s, c_d, p_b, p_s, p_2, sn_t, sn_d, QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr, NEW: tl.constexpr):
+    """A K or V tile: from the cache, or (NEW) the step's own positions (>= ctx) from its rows as computed."""
+    if NEW:
+        own = offs_n >= ctx
+        cached = load_kv_tile(head, qp_head, block_ids, slots, offs_d, mask_n & ~own, mask_d,
+                              c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE)
+        rows = new_row0 + tl.where(own, offs_n - ctx, 0)
+        fresh = tl.load(new_head + rows[:, None] * sn_t + offs_d[None, :] * sn_d,
+                        mask=(mask_n & own)[:, None] & mask_d[None, :], other=0.0).to(ATT_DTYPE)
+        return tl.where(own[:, None], fresh, cached)
+    else:
+        return load_kv_tile(head, qp_head, block_ids, slots, offs_d, mask_n, mask_d,
+                            c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE)
+
+
+@triton.jit
 def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
             k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2, sm_scale_log2, first, softcap,
+            kn_head, vn_head, ctx, new_row0, sn_t, sn_d,
             CAUSAL: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
             ATT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-            WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+            WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, NEW: tl.constexpr):
     """One K/V tile of the online softmax: returns the updated (m, l, acc). WINDOWED: keys before each row's
     ``first`` visible position (its window's or its chunk's start) are masked too, and a row may see no key
     of a tile."""
@@ -40,8 +61,8 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
     mask_n = offs_n < kv_len
     block_ids = tl.load(table + (offs_n // PAGE) * st_n, mask=mask_n, other=0)
     slots = offs_n % PAGE
-    kt = load_kv_tile(k_head, kp_head, block_ids, slots, offs_d, mask_n, mask_d,
-                      c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+    kt = _tile(k_head, kp_head, kn_head, block_ids, slots, offs_n, ctx, new_row0, offs_d, mask_n, mask_d,
+               c_b, c_s, c_d, p_b, p_s, p_2, sn_t, sn_d, QUANT, ATT_DTYPE, NEW).to(DOT_DTYPE)
     s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * sm_scale_log2
     if SOFTCAP:
         s = soft_cap_log2(s, softcap)
@@ -56,22 +77,22 @@ def _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.reduce(p, 1, SUM)
-    vt = load_kv_tile(v_head, vp_head, block_ids, slots, offs_d, mask_n, mask_d,
-                      c_b, c_s, c_d, p_b, p_s, p_2, QUANT, ATT_DTYPE).to(DOT_DTYPE)
+    vt = _tile(v_head, vp_head, vn_head, block_ids, slots, offs_n, ctx, new_row0, offs_d, mask_n, mask_d,
+               c_b, c_s, c_d, p_b, p_s, p_2, sn_t, sn_d, QUANT, ATT_DTYPE, NEW).to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vt, input_precision=DOT_PREC)
     return m_new, l, acc
 
 
 @triton.jit
-def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_loc, q_lens, kv_lens,
+def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, k_new, v_new, block_tables, q_start_loc, q_lens, kv_lens,
                     sm_scale_log2, window, chunk, softcap, sinks_log2,
-                    sq_t, sq_h, sq_d, so_t, so_h, so_d, st_b, st_n,
+                    sq_t, sq_h, sq_d, so_t, so_h, so_d, st_b, st_n, sn_t, sn_h, sn_d,
                     c_b, c_s, c_h, c_d, p_b, p_s, p_h, p_2,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     TOK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, ATT_DTYPE: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, NEW: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -98,6 +119,8 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
         v_head = v_cache + kv_head * c_h
         kp_head = k_qp + kv_head * p_h
         vp_head = v_qp + kv_head * p_h
+        kn_head = k_new + kv_head * sn_h
+        vn_head = v_new + kv_head * sn_h
         table = block_tables + seq * st_b
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -116,22 +139,22 @@ def _prefill_kernel(q, o, k_cache, v_cache, k_qp, v_qp, block_tables, q_start_lo
             for n0 in range(lo, hi, BLOCK_N):
                 m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
                                     k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                    sm_scale_log2, first, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
-                                    DOT_DTYPE, DOT_PREC, True, SOFTCAP)
+                                    sm_scale_log2, first, softcap, kn_head, vn_head, ctx, q_row0, sn_t, sn_d,
+                                    True, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE, DOT_PREC, True, SOFTCAP, NEW)
         else:
             # Keys before ctx + tok0 are visible to every row: whole tiles of them need no mask.
             full_end = (ctx + tok0) // BLOCK_N * BLOCK_N
             for n0 in range(0, full_end, BLOCK_N):
                 m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
                                     k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                    sm_scale_log2, q_pos, softcap, False, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
-                                    DOT_DTYPE, DOT_PREC, False, SOFTCAP)
+                                    sm_scale_log2, q_pos, softcap, kn_head, vn_head, ctx, q_row0, sn_t, sn_d,
+                                    False, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE, DOT_PREC, False, SOFTCAP, NEW)
             # Every row sees key full_end <= its position, so m is finite after the first tile.
             for n0 in range(full_end, hi, BLOCK_N):
                 m, l, acc = _attend(qt, m, l, acc, n0, kv_len, q_pos, table, st_n, offs_d, mask_d,
                                     k_head, v_head, kp_head, vp_head, c_b, c_s, c_d, p_b, p_s, p_2,
-                                    sm_scale_log2, q_pos, softcap, True, PAGE, BLOCK_N, QUANT, ATT_DTYPE,
-                                    DOT_DTYPE, DOT_PREC, False, SOFTCAP)
+                                    sm_scale_log2, q_pos, softcap, kn_head, vn_head, ctx, q_row0, sn_t, sn_d,
+                                    True, PAGE, BLOCK_N, QUANT, ATT_DTYPE, DOT_DTYPE, DOT_PREC, False, SOFTCAP, NEW)
 
         if SINKS:   # each head's sink logit (log2 units, like the scores) joins the denominator
             l += tl.exp2(tl.load(sinks_log2 + heads, mask=valid, other=0.0) - m)
@@ -167,9 +190,11 @@ def tile_config(head_dim: int) -> tuple[int, int, int, int]:
 
 
 def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, softmax_scale: float,
-                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                      config: tuple[int, int, int, int] | None = None,
+                      new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions (within the layer's window
-    or chunk where it has one; its sinks in the denominator where it has them)."""
+    or chunk where it has one; its sinks in the denominator where it has them). ``new_kv``: the step's K and V
+    [T, Hkv, D], read in place of their copies in a quantized cache."""
     _, q_heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
     group = q_heads // kv_heads
@@ -178,18 +203,20 @@ def prefill_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadat
     tok_m = block_m // group
     out = torch.empty_like(q)
     k_qp, v_qp, p_strides = qparam_args(cache)
+    k_new, v_new, *new_strides, new = new_kv_args(q, cache, new_kv)
+    k_cache, v_cache = cache_values(cache)
     dot_dtype, dot_prec = dot_args(q.dtype)
     grid = (triton.cdiv(meta.max_q_len, tok_m), kv_heads, meta.num_seqs)
     _prefill_kernel[grid](
-        q, out, cache.k, cache.v, k_qp, v_qp, meta.block_tables, meta.q_start_loc, meta.q_lens,
+        q, out, k_cache, v_cache, k_qp, v_qp, k_new, v_new, meta.block_tables, meta.q_start_loc, meta.q_lens,
         meta.kv_lens, softmax_scale * LOG2E, meta.window or 0, meta.chunk or 0, meta.softcap or 0.0,
         sinks_log2(meta, q.device),
-        *q.stride(), *out.stride(), *meta.block_tables.stride(), *cache.k.stride(), *p_strides,
+        *q.stride(), *out.stride(), *meta.block_tables.stride(), *new_strides, *cache.k.stride(), *p_strides,
         GROUP=group, PAGE=cache.block_size, HEAD_DIM=head_dim, TOK_M=tok_m, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=pow2(head_dim), QUANT=cache.quant_policy,
+        BLOCK_N=block_n, BLOCK_D=pow2(head_dim), QUANT=kernel_quant(cache),
         ATT_DTYPE=tl_dtype(q.dtype), DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec,
         WINDOWED=meta.window is not None or meta.chunk is not None, SOFTCAP=meta.softcap is not None,
-        SINKS=meta.sinks is not None,
+        SINKS=meta.sinks is not None, NEW=new,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

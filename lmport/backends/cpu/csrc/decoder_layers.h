@@ -193,7 +193,7 @@ class DecoderLayers {
       if (bits) {
         fill_kv_cache_codes(k, v, k_caches[i], v_caches[i], k_params[i], v_params[i], bits, slots);
         out = paged_attention_codes(q, k_caches[i], v_caches[i], k_params[i], v_params[i], bits, block_tables,
-                                    q_start_loc, kv_lens, l.scale, windows[i], softcaps[i]);
+                                    q_start_loc, kv_lens, l.scale, windows[i], softcaps[i], k, v);
       } else {
         fill_kv_cache(k, v, k_caches[i], v_caches[i], slots);
         out = paged_attention(q, k_caches[i], v_caches[i], block_tables, q_start_loc, kv_lens, l.scale, windows[i],

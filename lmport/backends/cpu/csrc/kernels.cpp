@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged attention over a block pool of 8- or 4-bit codes with a float32 scale and zero per row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_params"), py::arg("v_params"),
         py::arg("bits"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_new") = py::none(), py::arg("v_new") = py::none());
   m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 or float16 bshd block pool",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("fill_kv_cache_codes", &lmport::fill_kv_cache_codes,

@@ -2,7 +2,9 @@
 // pool (no gathered copy); each query token is one work item over all its heads.
 // The pool holds float32 or float16 values (kv_cache_dtype), or lmport.kv.quant's codes
 // (8 bits, or 4 bits two a byte with element 2i in the low nibble) with a float32 scale
-// and integer zero per (token, KV head): value = (code - zero) * scale.
+// and integer zero per (token, KV head): value = (code - zero) * scale. Over codes, the step's own tokens
+// attend to their keys and values as the step computed them (k_new, v_new), not to their codes: a prefill sees
+// itself in full precision and its history through the cache (lmport.ops.attention).
 #pragma once
 
 #include <torch/extension.h>
@@ -28,6 +30,9 @@ struct Pool {
   const float* k_params;  // [tokens, kv_heads, 2]: scale, zero (codes only)
   const float* v_params;
   int64_t block_size, kv_heads, head_dim;
+  // The step's own K and V rows [T, kv_heads, head_dim] float32 (codes only; null: read from the codes too).
+  const float* k_new = nullptr;
+  const float* v_new = nullptr;
   // Bytes of one (token, KV head) row, and the row of token ``t`` (a pool position), KV head ``h``.
   int64_t row_bytes() const { return head_dim * kBits / 8; }
   const char* row(const void* pool, int64_t t, int64_t h) const {
@@ -213,10 +218,12 @@ void attend_values(const float* q, float* out, float* stats, const int32_t* bloc
   }
 }
 
-// The same over a pool of codes (kBits 8 or 4), or of values (kBits 32 or 16) as attend_values.
+// The same over a pool of codes (kBits 8 or 4), or of values (kBits 32 or 16) as attend_values. Positions
+// from new_first on are the step's own tokens, rows new_row on of the pool's k_new and v_new.
 template <int64_t kD, int kBits>
 void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
-            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch) {
+            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch,
+            int64_t new_first, int64_t new_row) {
   if constexpr (kBits == 32 || kBits == 16) {
     attend_values<kD>(q, out, stats, blocks, first, end, q_heads, pool, scale, softcap, prefetch, scratch);
   } else {
@@ -234,6 +241,11 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
           const float* params = (kv ? pool.v_params : pool.k_params) + (t * H + h) * 2;
           const vec8 row_scale = splat(params[0]), zero = splat(params[1]);
           float* dst = values + ((kv * n + p - first) * H + h) * D;
+          if (p >= new_first && pool.k_new != nullptr) {
+            std::memcpy(dst, (kv ? pool.v_new : pool.k_new) + ((new_row + p - new_first) * H + h) * D,
+                        D * sizeof(float));
+            continue;
+          }
           for (int64_t d = 0; d < D; d += 8) store(dst + d, (load8<kBits>(codes, d) - zero) * row_scale);
         }
     }
@@ -305,7 +317,7 @@ void attend_items(AttentionWork& work, int64_t worker, const float* q, int64_t q
     const bool decode = st[b + 1] - st[b] == 1;
     run(q + t * q_stride, parts > 1 ? work.part_out.data() + i * Hq * D : out + t * Hq * D, stats,
         work.tab + b * work.width, lo, hi, Hq, pool, static_cast<float>(scale), static_cast<float>(softcap), decode,
-        scratch);
+        scratch, kl[b] - (st[b + 1] - st[b]), st[b]);
   }
 }
 
@@ -377,10 +389,14 @@ inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 // Over a pool of 8- or 4-bit codes: k_cache, v_cache [blocks, block_size, Hkv, D * bits / 8] uint8, their
 // params [blocks, block_size, Hkv, 2] float32 (scale, zero).
+// k_new, v_new: the step's own K and V [T, kv_heads, head_dim] float32, attended to in place of their codes
+// (None: their codes are read, as any other row's).
 inline torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                            torch::Tensor k_params, torch::Tensor v_params, int64_t bits,
                                            torch::Tensor block_tables, torch::Tensor q_start_loc,
-                                           torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
+                                           torch::Tensor kv_lens, double scale, int64_t window, double softcap,
+                                           c10::optional<torch::Tensor> k_new = c10::nullopt,
+                                           c10::optional<torch::Tensor> v_new = c10::nullopt) {
   TORCH_CHECK(bits == 8 || bits == 4, "paged_attention_codes takes 8- or 4-bit codes, got ", bits);
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kByte &&
               v_cache.scalar_type() == torch::kByte && k_params.scalar_type() == torch::kFloat &&
@@ -395,15 +411,26 @@ inline torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cach
               "paged_attention_codes: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
               "head_dim * bits / 8] and their params [blocks, block_size, kv_heads, 2]; got ", q.sizes(), ", ",
               k_cache.sizes(), ", ", v_cache.sizes(), ", ", k_params.sizes(), " and ", v_params.sizes());
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), D = q.size(2);
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_attention_codes takes k_new and v_new together");
+  torch::Tensor kn, vn;
+  if (k_new.has_value()) {
+    kn = k_new->contiguous(), vn = v_new->contiguous();
+    TORCH_CHECK(kn.scalar_type() == torch::kFloat && vn.scalar_type() == torch::kFloat && kn.dim() == 3 &&
+                    kn.size(0) == q.size(0) && kn.size(1) == kv_heads && kn.size(2) == D && vn.sizes() == kn.sizes(),
+                "paged_attention_codes: k_new and v_new are float32 [tokens, kv_heads, head_dim]; got ", kn.sizes(),
+                " and ", vn.sizes());
+  }
+  const float* kp = kn.defined() ? kn.data_ptr<float>() : nullptr;
+  const float* vp = vn.defined() ? vn.data_ptr<float>() : nullptr;
   const auto args = [&](auto pool) {
     return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
   };
-  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), D = q.size(2);
   if (bits == 8)
     return args(Pool<8>{k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(), v_params.data_ptr<float>(),
-                        bs, kv_heads, D});
+                        bs, kv_heads, D, kp, vp});
   return args(Pool<4>{k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(), v_params.data_ptr<float>(),
-                      bs, kv_heads, D});
+                      bs, kv_heads, D, kp, vp});
 }
 
 }  // namespace lmport
