@@ -7,7 +7,9 @@ by at most one column, which the row-parallel sum does not care about. The embed
 are split over the vocabulary: the embedding sums each rank's rows with one all-reduce
 (every token's row is on exactly one rank, so the sum is exact), the LM head gathers its
 logit columns on rank 0. KV heads are split across ranks; where tp exceeds the KV heads,
-each KV head is replicated on tp / num_key_value_heads consecutive ranks.
+each KV head is replicated on tp / num_key_value_heads consecutive ranks. A mixture-of-experts
+model's experts are split like the MLP, by their intermediate dimension, in equal slices
+(experts_tp_problem says which models and sizes allow it).
 """
 from __future__ import annotations
 
@@ -32,6 +34,26 @@ def tp_problem(model_cfg, tp: int) -> str | None:
         return f"its {kv} KV heads neither divide among nor replicate evenly over {tp} ranks"
     if inter < tp:
         return f"its MLP width {inter} is less than tp={tp}"
+    return experts_tp_problem(model_cfg, tp)
+
+
+# The config field that sizes one routed expert's intermediate dimension, for each family whose experts split
+# (lmport.models.moe); the families whose experts are not split run at tp=1.
+EXPERT_WIDTH_FIELDS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size",
+                       "qwen3_moe": "moe_intermediate_size", "glm4_moe": "moe_intermediate_size",
+                       "deepseek_v3": "moe_intermediate_size"}
+UNSHARDED_MOE_MODEL_TYPES = ("llama4_text", "qwen3_next")
+
+
+def experts_tp_problem(model_cfg, tp: int) -> str | None:
+    """Why ``tp`` cannot split this model's experts (None when it can, or the model has none)."""
+    if tp == 1:
+        return None
+    if model_cfg.model_type in UNSHARDED_MOE_MODEL_TYPES:
+        return f"{model_cfg.model_type}'s experts are not split over ranks (it runs at tp=1 only)"
+    field = EXPERT_WIDTH_FIELDS.get(model_cfg.model_type)
+    if field is not None and getattr(model_cfg, field) % tp:
+        return f"its experts' intermediate size ({field}={getattr(model_cfg, field)}) is not divisible by tp={tp}"
     return None
 
 
@@ -68,7 +90,7 @@ def split(size: int, tp: int, rank: int) -> tuple[int, int]:
 
 @dataclass
 class TPGroup:
-    """This rank's place in its tensor-parallel group, and the group's collectives (counted for benchmarks)."""
+    """This rank's place in its tensor-parallel group, and the group's collectives (counted: calls, bytes, seconds)."""
 
     rank: int = 0
     size: int = 1

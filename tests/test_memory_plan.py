@@ -168,7 +168,7 @@ def test_planned_24gib_cuda_device_for_each_quant_policy(run_plan):
     """A device that is not here: resolved against the cuda backend's capabilities, not instantiated."""
     model = default_model_path()          # smollm2's converted config: same numbers, read fast
     reports = {}
-    for q in (0, 8, 4):
+    for q in (0, 8, 4, "fp8"):
         code, out = run_plan(model, "--device", "cuda", "--device-memory", "24GiB", "--quant-policy", q, "--json")
         assert code == 0, out
         reports[q] = json.loads(out)
@@ -187,6 +187,11 @@ def test_planned_24gib_cuda_device_for_each_quant_policy(run_plan):
         assert r["cache"]["sequences_that_fit"] == r["cache"]["num_blocks"] // (8192 // 64)
         assert r["cache"]["max_concurrent_sequences"] == min(64, r["cache"]["sequences_that_fit"])
     assert reports[0]["cache"]["num_tokens"] < reports[8]["cache"]["num_tokens"] < reports[4]["cache"]["num_tokens"]
+    # fp8: one byte a value and no per-row scale: exactly half of bf16's bytes, twice its blocks (up to rounding down).
+    assert reports["fp8"]["kv"]["quant_policy"] == "fp8"
+    assert reports["fp8"]["kv"]["bytes_per_token"] * 2 == reports[0]["kv"]["bytes_per_token"]
+    assert reports["fp8"]["cache"]["num_blocks"] in (2 * reports[0]["cache"]["num_blocks"],
+                                                     2 * reports[0]["cache"]["num_blocks"] + 1)
 
 
 def test_text_output_names_every_figure(run_plan):

@@ -18,12 +18,13 @@ from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.errors import CacheDoesNotFit
 from lmport.kv.layout import KVLayout
+from lmport.models.architectures import cache_kinds, recurrent_state
 from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config
 from lmport.models.windows import kv_window
 from lmport.memory.oom_advisor import advise
 from lmport.kv.window import blocks_bound
-from lmport.parallel import check_tp, kv_heads_per_rank
+from lmport.parallel import check_tp
 from lmport.units import ceil_div, fmt_bytes
 
 
@@ -47,10 +48,18 @@ def kv_layout(model_cfg, config: EngineConfig, axis_order: str = "bshd") -> KVLa
     """The KV layout of one device: tensor parallelism splits the KV heads over ``config.tp`` devices
     (and replicates them where tp exceeds the KV heads)."""
     check_tp(model_cfg, config.tp)
-    return KVLayout(num_layers=model_cfg.num_hidden_layers, num_kv_heads=kv_heads_per_rank(model_cfg, config.tp),
-                    head_dim=head_dim_of(model_cfg), block_size=config.block_size,
+    kinds = cache_kinds(model_cfg, config.tp)   # what each layer caches, as its model declares it
+    return KVLayout(num_layers=len(kinds), num_kv_heads=kinds[0].num_heads,
+                    head_dim=kinds[0].head_dim, block_size=config.block_size,
                     dtype=torch_dtype(config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype),
-                    quant_policy=config.quant_policy, axis_order=axis_order)
+                    quant_policy=config.quant_policy, axis_order=axis_order, layer_kinds=kinds)
+
+
+def state_bytes(model_cfg, config: EngineConfig) -> int:
+    """Bytes of the recurrent-state slots of a model whose linear-attention layers keep one (Qwen3-Next;
+    lmport.kv.state_pool): one slot for each of ``max_batch_size`` running sequences; 0 for other models."""
+    spec = recurrent_state(model_cfg, torch_dtype(config.dtype))
+    return 0 if spec is None else config.max_batch_size * spec.bytes_per_sequence
 
 
 def draft_bytes_per_block(config: EngineConfig) -> int:
@@ -100,9 +109,14 @@ class MemoryInputs:
         return kv_layout(self.model_config, self.config)
 
     @property
+    def state_bytes(self) -> int:
+        """The recurrent-state slots' bytes (``state_bytes``), allocated beside the paged cache."""
+        return state_bytes(self.model_config, self.config)
+
+    @property
     def usable_bytes(self) -> int:
-        """What the cache may take at most: free memory less the activation reserve."""
-        return max(0, self.free_bytes - self.reserve_bytes)
+        """What the cache may take at most: free memory less the activation reserve and the recurrent-state slots."""
+        return max(0, self.free_bytes - self.reserve_bytes - self.state_bytes)
 
     def changed(self, **fields) -> MemoryInputs:
         """These inputs with config fields changed; weights and reserve rescaled to match (for advice)."""

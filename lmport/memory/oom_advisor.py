@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from lmport.dtypes import torch_dtype
 from lmport.models.parameters import count_parameters
-from lmport.parallel import tp_choices
+from lmport.parallel import tp_choices, tp_problem
 from lmport.units import ceil_div, fmt_bytes
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
              f"({fmt_bytes(inp.weight_bytes)}), activation reserve {fmt_bytes(inp.reserve_bytes)} "
              f"({'measured' if inp.reserve_measured else 'estimated'}) for max_prefill_token_num="
              f"{c.max_prefill_token_num}, {fmt_bytes(inp.usable_bytes)} left for the KV cache; one block of {bs} "
-             f"tokens is {fmt_bytes(bpb)} (quant_policy={c.quant_policy}); session_len {target} needs {need} blocks"
+             f"tokens is {fmt_bytes(bpb)} (quant_policy={c.quant_policy!r}); session_len {target} needs {need} blocks"
              + (f"; {fmt_bytes(available)} free after the failed allocation." if available is not None else "."),
              "Try, in order:",
              "1. cache_max_entry_count: " + _step_count(inp, count, too_big, fit, need, target)]
@@ -53,17 +53,17 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
     blocks = min(base.cache_blocks(), fit)        # what a cache that fits gets
     memory = blocks * bpb
     quant = []
-    for q in (8, 4):
-        if (q or 16) >= (c.quant_policy or 16):
+    for q in ("fp8", 8, 4):   # fp8 first where the device keeps it: a value a byte, no scale or zero a row
+        if _bits(q) >= _bits(c.quant_policy) or (q == "fp8" and not inp.capabilities.runs_kv_policy(q)):
             continue
-        if q not in inp.capabilities.kv_quant_policies:
+        if not inp.capabilities.runs_kv_policy(q):
             quant.append(f"quant_policy={q} is not supported on {c.device_type} "
                          f"(it supports {sorted(inp.capabilities.kv_quant_policies)})")
         elif memory < 1:
             quant.append(f"quant_policy={q} cannot help while no memory is left for the cache")
         else:
             bpb_q = inp.changed(quant_policy=q).layout.bytes_per_block
-            quant.append(f"quant_policy={q}: {bpb / bpb_q:.2f}x the tokens: {fmt_bytes(memory)} holds "
+            quant.append(f"quant_policy={q!r}: {bpb / bpb_q:.2f}x the tokens: {fmt_bytes(memory)} holds "
                          f"{memory // bpb_q:,} blocks ({memory // bpb_q * bs:,} tokens) instead of {blocks:,}")
     lines.append("2. " + ("; ".join(quant) if quant else f"quant_policy is already {c.quant_policy}, the smallest"))
     lines.append("3. max_prefill_token_num: " + _step_prefill(base, need))
@@ -79,10 +79,18 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
         lines.append(f"5. tp={bigger[0]} ({bigger[0]} devices like this one): each holds {fmt_bytes(alt.weight_bytes)} "
                      f"of weights and {alt.layout.num_kv_heads} of {inp.model_config.num_key_value_heads} KV heads: "
                      f"{_room_text(alt)}")
+    elif c.tp < inp.model_config.num_attention_heads:   # a larger tp exists but cannot split this model
+        lines.append(f"5. tp: no tp above {c.tp} splits this model (tp={c.tp + 1}: "
+                     f"{tp_problem(inp.model_config, c.tp + 1)})")
     else:
         lines.append(f"5. tp={c.tp} already splits all {inp.model_config.num_key_value_heads} KV heads")
     lines.append("6. weights: " + _step_weights(base))
     return "\n".join(lines)
+
+
+def _bits(quant_policy: int | str) -> int:
+    """Bits a KV value takes under ``quant_policy`` (0: a 16-bit cache's, the most any step proposes from)."""
+    return 16 if quant_policy == 0 else 8 if quant_policy == "fp8" else int(quant_policy)
 
 
 def _step_weights(inp: MemoryInputs) -> str:

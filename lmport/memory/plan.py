@@ -14,15 +14,17 @@ from lmport.platform.backend import Backend
 from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.errors import ConfigError
+from lmport.kv.layout import KVLayout
 from lmport.memory.budget import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block, kv_layout,
                                   model_limit, plan_cache)
+from lmport.models.architectures import attention_variants, recurrent_state
 from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import lora_bytes
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
-from lmport.platform.resolution import resolve_config
+from lmport.platform.resolution import check_model, resolve_config
 from lmport.weights import gguf
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
@@ -36,6 +38,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     backend_cls = resolved.backend_class()
     caps = backend_cls.capabilities
     model_cfg = read_model_config(model)
+    check_model(model_cfg.model_type, attention_variants(model_cfg), caps)   # as the engine checks it at load
     layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
     params = count_parameters(model_cfg)
     dtype = torch_dtype(resolved.dtype)
@@ -92,7 +95,9 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "free_after_weights_bytes": inputs.free_bytes,
         "usable_for_cache_bytes": inputs.usable_bytes,
         "kv": {"quant_policy": resolved.quant_policy, "block_size": layout.block_size,
-               "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token},
+               "bytes_per_block": layout.bytes_per_block, "bytes_per_token": layout.bytes_per_token,
+               "kinds": kinds_summary(layout)},
+        "state": state_summary(model_cfg, resolved, dtype),
         "cache": None,
         "ranks": None,
         "placement": None,
@@ -123,6 +128,33 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def kinds_summary(layout: KVLayout) -> list[dict]:
+    """What the layers cache, one entry a kind (in layer order): paged K/V or a paged latent (MLA), its heads
+    and width, its layers, and the bytes of those layers a token."""
+    out: list[dict] = []
+    for kind in layout.kinds:
+        if out and (out[-1]["kind"], out[-1]["heads"], out[-1]["head_dim"]) == (kind.kind, kind.num_heads,
+                                                                              kind.head_dim):
+            out[-1]["layers"] += 1
+        else:
+            out.append({"kind": kind.kind, "heads": kind.num_heads, "head_dim": kind.head_dim, "layers": 1,
+                        "tensors": kind.num_tensors, "bytes_per_token": 0.0})
+        out[-1]["bytes_per_token"] += layout.kind_bytes_per_block(kind) / layout.block_size
+    return out
+
+
+def state_summary(model_cfg, config: EngineConfig, dtype) -> dict | None:
+    """A model with linear-attention layers (Qwen3-Next): each sequence's fixed-size recurrent state
+    (lmport.kv.state_pool), one slot for each of max_batch_size sequences, held beside the paged cache; None for
+    a model that keeps only paged K/V."""
+    spec = recurrent_state(model_cfg, dtype)
+    if spec is None:
+        return None
+    return {"layers": spec.num_layers, "conv_bytes_per_layer": spec.conv_bytes_per_layer,
+            "state_bytes_per_layer": spec.state_bytes_per_layer, "bytes_per_sequence": spec.bytes_per_sequence,
+            "slots": config.max_batch_size, "bytes": config.max_batch_size * spec.bytes_per_sequence}
 
 
 def draft_plan(model: str, config: EngineConfig, caps, dtype) -> dict | None:

@@ -13,6 +13,16 @@ def _windows_text(windows: list) -> str:
     return f", sliding window {max(sliding)} on {where}"
 
 
+def _kinds_text(kinds: list) -> str:
+    """'; paged latent (MLA) on 61 layers, 576 values a token a layer', empty where every layer caches K/V
+    (the model row says its heads)."""
+    if all(k["kind"] == "kv" for k in kinds):
+        return ""
+    names = {"kv": "paged K/V", "latent": "paged latent (MLA)"}
+    return "; " + ", ".join(f"{names[k['kind']]} on {k['layers']} layers, {k['tensors'] * k['heads'] * k['head_dim']} "
+                            f"values a token a layer" for k in kinds)
+
+
 def _draft_text(d: dict) -> str:
     """The speculative draft model's row: its weights and its cache beside the target's."""
     cache = (f"; KV cache {d['num_blocks']:,} blocks (as many as the target's, mirroring them) x "
@@ -40,10 +50,17 @@ def format_plan(r: dict) -> str:
                        f"({a['source']}; {a['note']})"),
         ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights"
                  f"{' and LoRA slots' if r['lora']['bytes'] else ''}{' and the draft' if r.get('draft') else ''}, "
-                 f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"),
+                 f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"
+                 f"{' and the recurrent-state slots' if r.get('state') else ''}"),
         ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
-                     f"tokens = {kv['bytes_per_token']:,.6g} B a token"),
+                     f"tokens = {kv['bytes_per_token']:,.6g} B a token" + _kinds_text(kv.get("kinds") or [])),
     ]
+    if r.get("state"):
+        s = r["state"]
+        rows.append(("state", f"recurrent state on {s['layers']} linear-attention layers (conv window "
+                              f"{s['conv_bytes_per_layer']:,} B + state {s['state_bytes_per_layer']:,} B a layer) = "
+                              f"{s['bytes_per_sequence']:,} B a sequence x {s['slots']} slots (max_batch_size) = "
+                              f"{fmt_bytes(s['bytes'])}, beside the KV cache"))
     if cache:
         rows += [
             ("", f"cache_max_entry_count {cache['cache_max_entry_count']} ({cache['meaning']}): "

@@ -12,6 +12,8 @@ What differs, each as transformers' Glm4Moe modules compute it:
   q and k are normalized per head when ``use_qk_norm``; q/k/v carry a bias when ``attention_bias``
   (o_proj never does).
 The multi-token-prediction layer of the released checkpoints is not loaded (transformers drops it too).
+Under tensor parallelism the routed and the shared experts are split by their intermediate dimension
+(lmport.models.moe), the router replicated; one all-reduce sums both experts' partial outputs.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import torch
 from torch import nn
 
 from lmport.platform.backend import Backend
+from lmport.models.layers import RowParallelLinear
 from lmport.models.llama import MLP, PagedCausalLM
-from lmport.models.moe import Experts, refuse_tp
+from lmport.models.moe import Experts, refuse_tp, shard_experts
 from lmport.ops import route_grouped
 from lmport.parallel import TPGroup
 
@@ -42,8 +45,10 @@ class SharedExpertMoeBlock(nn.Module):
     def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         self.gate = GroupedRouter(cfg.n_routed_experts, cfg.hidden_size)
-        self.experts: nn.Module = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend)
+        self.experts: nn.Module = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend,
+                                          tp)
         self.shared_experts = MLP(cfg, backend, tp, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.tp, self.backend = tp, backend
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.renormalize = bool(cfg.norm_topk_prob)
         self.scaling = float(cfg.routed_scaling_factor)
@@ -53,7 +58,13 @@ class SharedExpertMoeBlock(nn.Module):
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         weights, ids = route_grouped(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                      self.topk_group, self.renormalize, self.scaling)
-        return self.experts.forward(x, weights, ids) + self.shared_experts.forward(x)
+        routed, shared = self.experts.forward(x, weights, ids), self.shared_experts
+        down = shared.down_proj
+        if self.tp.size == 1 or type(down) is not RowParallelLinear:
+            return self.tp.all_reduce(routed.contiguous()) + shared.forward(x)
+        # Both partial sums in one all-reduce; down's bias (replicated) is added once, after it.
+        y = self.tp.all_reduce((routed + self.backend.linear(shared.activated(x), down.weight, None)).contiguous())
+        return y if down.bias is None else y + down.bias
 
 
 class Glm4MoeCausalLM(PagedCausalLM):
@@ -68,4 +79,7 @@ class Glm4MoeCausalLM(PagedCausalLM):
         for i, layer in enumerate(self.model.layers):
             if i >= cfg.first_k_dense_replace:
                 layer.mlp = SharedExpertMoeBlock(cfg, backend, self.tp)
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_experts(self, super().shard_state_dict(full))
 

@@ -10,6 +10,9 @@ What differs, each as transformers' GptOss modules compute it:
   dimension i with i + head_dim / 2, as "rotate half" does), widened here to the whole head;
 - every MLP is a mixture of experts: a router with a bias, the top k logits softmaxed, and experts with
   biases and a clamped SwiGLU (lmport.ops.moe.clamped_swiglu_moe), held in transformers' layout.
+Under tensor parallelism each rank holds its heads (and their sinks) and a slice of every expert's intermediate
+dimension (lmport.models.moe); the experts' down bias is held whole by rank 0 and as zeros by the others, so the
+all-reduce adds it once.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from lmport.platform.backend import Backend
 from lmport.kv.layout import LayerCache
 from lmport.models.layers import RMSNorm, apply_rope
 from lmport.models.llama import Attention, PagedCausalLM
-from lmport.models.moe import refuse_tp
+from lmport.models.moe import expert_range, refuse_tp, shard_experts
 from lmport.parallel import TPGroup
 
 GPT_OSS_MODEL_TYPES = ("gpt_oss",)
@@ -41,7 +44,7 @@ class SinkAttention(Attention):
         q, k = apply_rope(self.backend, q, k, cos, sin)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
         layer_meta = meta.for_layer(meta.window, meta.softcap, self.sinks, meta.chunk)
-        out = self.backend.paged_attention(q, cache, layer_meta, self.scale)
+        out = self.backend.paged_attention(q, cache, layer_meta, self.scale, new_kv=(k, v))
         return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -53,28 +56,44 @@ class BiasedRouter(nn.Module):
 
 
 class BiasedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    """This rank's slice [start, end) of every expert's intermediate dimension (all of it at tp=1)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.shard_range, self.rank = expert_range(inter, tp), tp.rank
+        part = self.shard_range[1] - self.shard_range[0]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * part))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * part))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, part, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def shard_expert_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full checkpoint tensor ``name``: gate and up columns interleave (gate even,
+        up odd), so intermediate columns [start, end) are gate_up's columns [2 start, 2 end); the down bias is
+        added after the ranks' sum, so only rank 0 keeps it."""
+        start, end = self.shard_range
+        if name in ("gate_up_proj", "gate_up_proj_bias"):
+            return full[..., 2 * start:2 * end].clone()
+        if name == "down_proj":
+            return full[:, start:end].clone()
+        return full.clone() if self.rank == 0 else torch.zeros_like(full)
 
 
 class ClampedSwigluMoe(nn.Module):
-    def __init__(self, cfg, backend: Backend):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         self.router = BiasedRouter(cfg.num_local_experts, cfg.hidden_size)
-        self.experts = BiasedExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.experts = BiasedExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, tp)
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
-        self.backend = backend
+        self.backend, self.tp = backend, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.route_top_k_softmax(self.backend.linear(x, self.router.weight, self.router.bias),
                                                self.top_k)
         e = self.experts
-        return ops.clamped_swiglu_moe(x, e.gate_up_proj, e.gate_up_proj_bias, e.down_proj, e.down_proj_bias,
-                                      weights, ids, self.alpha, self.limit)
+        return self.tp.all_reduce(ops.clamped_swiglu_moe(x, e.gate_up_proj, e.gate_up_proj_bias, e.down_proj,
+                                                         e.down_proj_bias, weights, ids, self.alpha,
+                                                         self.limit).contiguous())
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -83,7 +102,7 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = SinkAttention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = ClampedSwigluMoe(cfg, backend)
+        self.mlp = ClampedSwigluMoe(cfg, backend, tp)
 
     def forward(self, x, cos, sin, cache, meta):
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, cache, meta)
@@ -101,6 +120,14 @@ class GptOssCausalLM(PagedCausalLM):
     @classmethod
     def attention_variants(cls, cfg) -> set[str]:
         return {"sinks"}
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = shard_experts(self, super().shard_state_dict(full))
+        if self.tp.size > 1:   # each head's sink goes with its head
+            start, end = self.tp.head_range(self.config.num_attention_heads)
+            for name in [n for n in out if n.endswith("self_attn.sinks")]:
+                out[name] = out[name][start:end].clone()
+        return out
 
     def rope_rows(self, kind, x, meta):
         cos, sin = super().rope_rows(kind, x, meta)   # transformers' rows: half a head

@@ -17,7 +17,7 @@ from torch import nn
 
 from lmport import ops
 from lmport.platform.backend import Backend
-from lmport.kv.layout import LayerCache
+from lmport.kv.layout import CacheKind, LayerCache
 from lmport.models.activations import activation
 from lmport.models.dims import head_dim_of
 from lmport.models.layers import (ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
@@ -82,7 +82,7 @@ class Attention(nn.Module):
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = apply_rope(self.backend, q, k, cos, sin)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
-        out = self.backend.paged_attention(q, cache, meta, self.scale)
+        out = self.backend.paged_attention(q, cache, meta, self.scale, new_kv=(k, v))
         return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -102,13 +102,17 @@ class MLP(nn.Module):
         self.act = None if self.act_name == "silu" else activation(self.act_name)
 
     def forward(self, x):
+        return self.down_proj.forward(self.activated(x))
+
+    def activated(self, x):
+        """act(gate(x)) * up(x): what down_proj takes (this rank's columns under tensor parallelism)."""
         if self.gate_up_proj is None:
             gate, up = self.gate_proj.forward(x), self.up_proj.forward(x)
         else:
             gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         if self.act is None:
-            return self.down_proj.forward(self.backend.silu_and_mul(gate, up))
-        return self.down_proj.forward(self.act(gate) * up)
+            return self.backend.silu_and_mul(gate, up)
+        return self.act(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -201,6 +205,13 @@ class PagedCausalLM(nn.Module):
         """The attention variants (lmport.platform.backend.ATTENTION_VARIANTS) this model's layers need of a backend's
         paged_attention; checked against its Capabilities before any weight loads (lmport.platform.resolution)."""
         return set()
+
+    @classmethod
+    def cache_kinds(cls, cfg, tp_size: int = 1) -> tuple[CacheKind, ...]:
+        """What each layer caches a token (lmport.kv.layout.CacheKind), on one of ``tp_size`` ranks: the KV
+        layout, the memory plan and the capacity figures are sized from it. Default: paged K and V of this
+        rank's KV heads."""
+        return (CacheKind("kv", kv_heads_per_rank(cfg, tp_size), head_dim_of(cfg)),) * cfg.num_hidden_layers
 
     def embedding_scale(self, cfg) -> float | None:
         """What the embeddings are multiplied by (in their dtype) before the first layer; None: nothing."""

@@ -69,7 +69,7 @@ class Llama4Attention(Attention):
             q = (q * scales[:, None, None]).to(q.dtype)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
         layer_meta = meta.for_layer(meta.window, meta.softcap, meta.sinks, self.chunk)
-        out = self.backend.paged_attention(q, cache, layer_meta, self.scale)
+        out = self.backend.paged_attention(q, cache, layer_meta, self.scale, new_kv=(k, v))
         return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
 
 

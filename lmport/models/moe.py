@@ -8,34 +8,87 @@ gated-MLP experts. Parameter names match transformers' (``mlp.gate.weight``
 top-k, renormalized always (Mixtral) or when ``norm_topk_prob`` (Qwen3-MoE); float
 experts run through ``Backend.fused_moe``, quantized ones (a GGUF's, lmport.models.quantized.QuantExperts)
 expert by expert through the backend's quantized linear. Qwen3-MoE's dense layers
-(``mlp_only_layers``, ``decoder_sparse_step``) keep the ordinary MLP. The experts are
-not sharded: tensor parallelism is refused for these models.
+(``mlp_only_layers``, ``decoder_sparse_step``) keep the ordinary MLP.
+
+Under tensor parallelism each expert is split like a dense MLP: every rank holds the same slice of each
+expert's intermediate dimension (gate and up by output, down by input), the router is replicated, and the
+block's output is one all-reduce of the ranks' partial sums. An expert's intermediate size must divide by
+tp (lmport.parallel.experts_tp_problem); Llama 4's and Qwen3-Next's experts are not split yet, so those
+models run at tp=1.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from lmport.errors import ConfigError
 from lmport.platform.backend import Backend
 from lmport.models.llama import PagedCausalLM
 from lmport.ops import route
-from lmport.parallel import TPGroup
+from lmport.parallel import TPGroup, experts_tp_problem, tp_choices
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 
 
+def refuse_tp(cfg, tp: TPGroup | None) -> None:
+    """ConfigError where ``tp`` cannot split this model's experts (lmport.parallel.check_tp says so before any
+    worker starts; this guards a model built directly)."""
+    size = tp.size if tp is not None else 1
+    problem = experts_tp_problem(cfg, size)
+    if problem:
+        raise ConfigError(f"{cfg.model_type}: tensor parallelism (tp={size}) cannot split this model: {problem}; "
+                          f"this model supports tp in {tp_choices(cfg)}")
+
+
+def expert_range(inter: int, tp: TPGroup) -> tuple[int, int]:
+    """[start, end) of this rank's slice of each expert's intermediate dimension (equal slices: tp divides it,
+    lmport.parallel.experts_tp_problem)."""
+    piece = inter // tp.size
+    return tp.rank * piece, (tp.rank + 1) * piece
+
+
 class Experts(nn.Module):
     """Float experts, run by ``Backend.fused_moe``; a loader replaces them by ``QuantExperts``
-    (lmport.models.quantized) where the checkpoint's experts are quantized."""
+    (lmport.models.quantized) where the checkpoint's experts are quantized (at tp=1 only: lmport does not shard
+    a quantized weight). Under ``tp`` this rank's slice of every expert's intermediate dimension: ``forward``
+    gives the rank's partial sum, which the block all-reduces."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, backend: Backend):
+    def __init__(self, num_experts: int, hidden: int, inter: int, backend: Backend, tp: TPGroup | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        tp = tp or TPGroup()
+        self.inter, self.shard_range = inter, expert_range(inter, tp)
+        part = self.shard_range[1] - self.shard_range[0]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * part, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, part))
         self.backend = backend
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    def shard_expert_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full checkpoint tensor ``name``: gate_up_proj [experts, 2 * inter, hidden]
+        holds the gate's rows then the up projection's, each sliced alike; down_proj by its input."""
+        start, end = self.shard_range
+        if name == "gate_up_proj":
+            return torch.cat([full[:, start:end], full[:, self.inter + start:self.inter + end]], dim=1)
+        return full[:, :, start:end].clone()
+
+
+def shard_experts(model: PagedCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (PagedCausalLM.shard_state_dict's) with every experts module's tensors cut to this rank's slices
+    (each module that has a ``shard_expert_tensor(name, full)``); unchanged at tp=1."""
+    if model.tp.size == 1:
+        return state
+    out = dict(state)
+    for module_name, module in model.named_modules():
+        shard = getattr(module, "shard_expert_tensor", None)
+        if not callable(shard):
+            continue
+        for name, _ in module.named_parameters(recurse=False):
+            key = f"{module_name}.{name}"
+            if key in out:
+                out[key] = shard(name, out[key])
+    return out
 
 
 class Router(nn.Module):
@@ -45,12 +98,13 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg, backend: Backend):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup | None = None):
         super().__init__()
         num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        self.tp = tp or TPGroup()
         self.gate = Router(num_experts, cfg.hidden_size)
-        self.experts: nn.Module = Experts(num_experts, cfg.hidden_size, inter, backend)
+        self.experts: nn.Module = Experts(num_experts, cfg.hidden_size, inter, backend, self.tp)
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
         self.backend = backend
@@ -58,7 +112,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.backend.linear(x, self.gate.weight)
         weights, ids = route(logits, self.top_k, self.renormalize)
-        return self.experts.forward(x, weights, ids)
+        return self.tp.all_reduce(self.experts.forward(x, weights, ids).contiguous())
 
 
 def is_sparse_layer(cfg, index: int) -> bool:
@@ -71,13 +125,6 @@ def is_sparse_layer(cfg, index: int) -> bool:
     return cfg.num_experts > 0 and (index + 1) % step == 0
 
 
-def refuse_tp(cfg, tp: TPGroup | None) -> None:
-    """Mixture-of-experts models run at tp=1 only: their experts are not sharded."""
-    if tp is not None and tp.size > 1:
-        raise ValueError(f"{cfg.model_type}: tensor parallelism (tp={tp.size}) is not supported for "
-                         f"mixture-of-experts models (the experts are not sharded); use tp=1")
-
-
 class MoeCausalLM(PagedCausalLM):
     model_types = MOE_MODEL_TYPES
 
@@ -86,4 +133,7 @@ class MoeCausalLM(PagedCausalLM):
         super().__init__(cfg, backend, rotary, tp)
         for i, layer in enumerate(self.model.layers):
             if is_sparse_layer(cfg, i):
-                layer.mlp = SparseMoeBlock(cfg, backend)
+                layer.mlp = SparseMoeBlock(cfg, backend, self.tp)
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_experts(self, super().shard_state_dict(full))

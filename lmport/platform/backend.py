@@ -20,8 +20,11 @@ from lmport.kv.layout import LayerCache
 
 # Attention variants a model may need (lmport.models.architectures.attention_variants): "sinks", a learned
 # logit per head in each softmax's denominator (gpt-oss); "chunked", each token attending within its own
-# chunk of positions (Llama 4's local layers).
-ATTENTION_VARIANTS = ("sinks", "chunked")
+# chunk of positions (Llama 4's local layers); "latent", multi-head latent attention over a paged latent cache
+# (DeepSeek-V3's MLA: ``fill_latent_cache`` and ``mla_attention``); "recurrent_state", linear-attention layers
+# keeping a fixed-size state per sequence instead of paged K/V (Qwen3-Next's Gated DeltaNet:
+# lmport.ops.gated_delta_net, in the slots of lmport.kv.state_pool).
+ATTENTION_VARIANTS = ("sinks", "chunked", "latent", "recurrent_state")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class Capabilities:
     # Dtypes an unquantized K/V cache may be kept in besides the model's own (EngineConfig.kv_cache_dtype),
     # which the backend's fill and attention ops read and write. Empty: the model's dtype only.
     kv_cache_dtypes: frozenset[str] = frozenset()
+    # The float8 formats a KV cache may be kept in (EngineConfig.quant_policy="fp8": "e4m3", lmport.kv.quant), read
+    # and written by the backend's fill and attention ops; a config asking for one a backend lacks is refused before
+    # any weight loads (lmport.platform.resolution). Empty: none.
+    kv_fp8_formats: frozenset[str] = frozenset()
     # Axis order of each K/V cache block: "bshd" = [block, slot, head, dim].
     kv_axis_order: str = "bshd"
     # Quantized weight formats run natively (docs/weight-quantization.md): "int4", "int8", and the
@@ -65,6 +72,17 @@ class Capabilities:
     # The Ray resource one tensor-parallel rank reserves in its placement-group bundle (docs/distributed.md):
     # "GPU" for cuda, a custom resource the cluster's nodes declare ("NPU", "MLU"), "CPU" for host memory.
     ray_resource: str = "CPU"
+
+    def runs_kv_policy(self, quant_policy: int | str) -> bool:
+        """Whether this backend keeps a KV cache under ``quant_policy`` (0, 8, 4 or "fp8")."""
+        if quant_policy == "fp8":
+            return "e4m3" in self.kv_fp8_formats
+        return quant_policy in self.kv_quant_policies
+
+    def kv_policies_text(self) -> str:
+        """The quant_policy values it runs: "0,4,8,fp8"."""
+        fp8 = ["fp8"] if self.runs_kv_policy("fp8") else []
+        return ",".join([str(p) for p in sorted(self.kv_quant_policies)] + fp8)
 
     def weight_format_problem(self, bits: int, group_size: int) -> str | None:
         """Why this backend cannot run int``bits`` weights in groups of ``group_size`` (None when it can)."""
@@ -213,8 +231,21 @@ class Backend:
         ops.fill_kv_cache(k, v, cache, slot_mapping)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
-                        softmax_scale: float) -> torch.Tensor:
-        return ops.paged_attention(q, cache, meta, softmax_scale)
+                        softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``new_kv``: the step's K and V as fill_kv_cache took them; over a quantized cache the step's tokens
+        attend to these, not to their quantized copies (lmport.ops.attention)."""
+        return ops.paged_attention(q, cache, meta, softmax_scale, new_kv)
+
+    def fill_latent_cache(self, latent: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
+        """A "latent" layer's new tokens [T, width] into its cache (lmport.ops.mla); the "latent" variant."""
+        ops.fill_latent_cache(latent, cache, slot_mapping)
+
+    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache,
+                      meta: ops.AttentionMetadata, kv_b_weight: torch.Tensor, softmax_scale: float,
+                      new_latent: torch.Tensor | None = None) -> torch.Tensor:
+        """Multi-head latent attention over a "latent" cache (lmport.ops.mla): [T, H, v_head_dim]; ``new_latent``:
+        the step's latents as fill_latent_cache took them, read instead of their quantized copies."""
+        return ops.mla_attention(q_nope, q_rope, cache, meta, kv_b_weight, softmax_scale, new_latent)
 
     def copy_blocks(self, src: list[LayerCache], dst: list[LayerCache],
                     src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:

@@ -18,8 +18,8 @@ from lmport.weights import interleaved
 # Up to this many tokens (a decode step) the compiled small-batch linear beats the
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS, except over quantized
 # rows held interleaved (hold_quantized) where the build's integer kernels run a prefill faster than a
-# GEMM over the weight expanded to float32 (AVX-512 VNNI, kernels.held_prefill; benchmarks/cpu_kernels.py
-# --only held).
+# GEMM over the weight expanded to float32 (AVX-512 VNNI: the build's interleaved_prefill(); measured by
+# `lmport bench kernels cpu --only held`).
 SMALL_BATCH_TOKENS = 128
 
 
@@ -29,6 +29,7 @@ class CpuBackend(Backend):
         torch_device="cpu",
         kv_quant_policies=frozenset({0, 4, 8}),
         kv_cache_dtypes=frozenset({"float16"}),   # a float32 model's K and V in half the bytes
+        kv_fp8_formats=frozenset({"e4m3"}),       # on the reference ops (kernels.cache_takes leaves fp8 to them)
         weight_formats=frozenset({"int4", "int8"}),
         ggml_types=kernels.GGML_TYPES,
         default_block_size=16,
@@ -38,7 +39,9 @@ class CpuBackend(Backend):
         # Host RAM is shared with everything else on the machine: take a smaller share.
         default_cache_max_entry_count=0.05,
         lora=True,
-        attention_variants=frozenset({"sinks", "chunked"}),   # on the reference op (paged_attention below)
+        # sinks and chunks on the reference op (paged_attention below), latent (MLA) on lmport.ops.mla,
+        # recurrent state (Gated DeltaNet) on lmport.ops.gated_delta_net
+        attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state"}),
     )
 
     @classmethod
@@ -76,11 +79,11 @@ class CpuBackend(Backend):
             return super().quant_linear(x, weight, bias)
         q = weight
         # a decode step, or a prefill over held rows where the build's group kernels beat the GEMM
-        if x.shape[0] <= SMALL_BATCH_TOKENS or (q.row_group != 1 and kernels.held_prefill(compiled)):
+        if x.shape[0] <= SMALL_BATCH_TOKENS or (q.row_group != 1 and compiled.interleaved_prefill()):
             return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
-                                         **kernels.row_group_args(q))
+                                         row_group=q.row_group)
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
-        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size, **kernels.row_group_args(q))
+        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size, row_group=q.row_group)
         return prefill_gemm(x, w, bias)
 
     def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
@@ -90,30 +93,29 @@ class CpuBackend(Backend):
             return super().ggml_linear(x, weight, bias)
         x2 = x.reshape(-1, weight.in_features)
         # a decode step, or a prefill over held rows where the build's group kernels beat the GEMM
-        if x2.shape[0] <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and kernels.held_prefill(compiled)):
+        if x2.shape[0] <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and compiled.interleaved_prefill()):
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias,
-                                     **kernels.row_group_args(weight))
+                                     row_group=weight.row_group)
         else:  # prefill: the weight expanded once for a GEMM
             w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features,
-                                         **kernels.row_group_args(weight))
+                                         row_group=weight.row_group)
             y = prefill_gemm(x2, w, bias)
         return y.view(*x.shape[:-1], weight.out_features)
 
     def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         compiled = kernels.load() if dtype == torch.float32 else None
-        if compiled is None or not kernels.dequantize_takes_rows(compiled):
+        if compiled is None:
             return super().quant_embedding(ids, weight, dtype)
         rows = compiled.quant_dequantize(weight.qweight, weight.scales, weight.mins, weight.bits, weight.group_size,
-                                         rows=ids.reshape(-1), **kernels.row_group_args(weight))
+                                         rows=ids.reshape(-1), row_group=weight.row_group)
         return rows.view(*ids.shape, weight.in_features)
 
     def ggml_embedding(self, ids: torch.Tensor, weight: ops.GGMLWeight, dtype: torch.dtype) -> torch.Tensor:
         compiled = kernels.load() if dtype == torch.float32 else None
-        if (compiled is None or weight.type_name not in self.capabilities.ggml_types
-                or not kernels.dequantize_takes_rows(compiled)):
+        if compiled is None or weight.type_name not in self.capabilities.ggml_types:
             return super().ggml_embedding(ids, weight, dtype)
         rows = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features, rows=ids.reshape(-1),
-                                        **kernels.row_group_args(weight))
+                                        row_group=weight.row_group)
         return rows.view(*ids.shape, weight.in_features)
 
     def hold_quantized(self, weight: ops.QuantizedWeight | ops.GGMLWeight,
@@ -124,10 +126,10 @@ class CpuBackend(Backend):
         compiled = kernels.load() if dtype == torch.float32 else None
         if compiled is None or weight.row_group != 1 or weight.out_features < interleaved.GROUP:
             return weight
-        if isinstance(weight, ops.QuantizedWeight):   # (a build from before interleaved rows has neither list)
-            held = weight.bits in getattr(compiled, "quant_interleaved_bits", list)()
+        if isinstance(weight, ops.QuantizedWeight):
+            held = weight.bits in compiled.quant_interleaved_bits()
         else:
-            held = weight.type_name in getattr(compiled, "ggml_interleaved_types", list)()
+            held = weight.type_name in compiled.ggml_interleaved_types()
         return interleaved.interleave(weight, in_place=True) if held else weight
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,7 +183,7 @@ class CpuBackend(Backend):
         compiled.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping)
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
-                        softmax_scale: float) -> torch.Tensor:
+                        softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # The kernel covers the caches kernels.cache_takes names (in this backend's bshd order), head dims as
         # attention_takes says.
         # Sinks and chunks run on the reference op (the compiled kernel has neither).
@@ -189,12 +191,14 @@ class CpuBackend(Backend):
             meta.sinks is None and meta.chunk is None
         compiled = _compiled_for(q) if fits else None
         if compiled is None:
-            return super().paged_attention(q, cache, meta, softmax_scale)
+            return super().paged_attention(q, cache, meta, softmax_scale, new_kv)
         step = (meta.block_tables, meta.q_start_loc, meta.kv_lens, softmax_scale, meta.window or 0, meta.softcap or 0.0)
         if cache.quant_policy == 0:
             return compiled.paged_attention(q.contiguous(), cache.k, cache.v, *step)
+        # The step's own tokens attend to their K and V as computed, not to their codes (lmport.ops.attention).
+        k_new, v_new = (None, None) if new_kv is None else (t.float() for t in new_kv)
         return compiled.paged_attention_codes(q.contiguous(), cache.k, cache.v, cache.k_qparams, cache.v_qparams,
-                                              cache.quant_policy, *step)
+                                              cache.quant_policy, *step, k_new=k_new, v_new=v_new)
 
 
 # Up to this many (token, expert) pairs the cpu MoE gathers each pair's expert weights and runs one
@@ -205,7 +209,7 @@ MOE_GATHER_PAIRS = 16
 def prefill_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w^T (+ bias) in float32 for more rows than a decode step (a float weight, or a quantized one just
     expanded): by oneDNN's matmul where torch has it, which runs these GEMMs faster than torch's default
-    BLAS (MKL) on the AMD EPYCs measured (benchmarks/cpu_kernels.py, "prefill GEMM"); the same sums in
+    BLAS (MKL) on the AMD EPYCs measured (`lmport bench kernels cpu --only prefill`); the same sums in
     another order."""
     onednn = onednn_linear()
     if onednn is None:
