@@ -23,8 +23,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ import lmport
 from lmport import EngineConfig, GenerationConfig, ops
 from lmport.errors import ConfigError
 from lmport.kv.layout import CacheKind, KVLayout
+from support.model_helpers import saved_model
 
 VOCAB = 49152
 NEW_TOKENS = 24
@@ -79,21 +78,13 @@ def tiny_model_dir(arch: str) -> str:
     """A seeded float32 model of ``tiny_config(arch)`` saved with the default model's tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import cache_root, load_tokenizer
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
-    target = cache_root() / "test-models" / f"float-tiny-deepseek-v3-{arch}-{digest}"
-    if not (target / "config.json").exists():
+    def make():
         torch.manual_seed(2061 + ARCHS.index(arch))
         model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
         _randomize_constants(model)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        load_tokenizer("smollm2").save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+        return model
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
+    return saved_model(f"float-tiny-deepseek-v3-{arch}-{digest}", make)
 
 
 def prompts() -> list[list[int]]:

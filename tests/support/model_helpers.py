@@ -53,16 +53,13 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-@functools.cache
-def tiny_model_dir(arch: str) -> str:
-    """A directory with a random-weight ``arch`` model and the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM
-
+def saved_model(name: str, make_model) -> str:
+    """The test-model cache's directory ``name``: ``make_model()`` saved with the default model's tokenizer, made
+    once (written under a temporary name and renamed, so a parallel test worker never reads half of it)."""
     from lmport.models.loader import cache_root, load_tokenizer
-    target = cache_root() / "test-models" / f"tiny-{arch}-v1"
+    target = cache_root() / "test-models" / name
     if not (target / "config.json").exists():
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+        model = make_model()
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         load_tokenizer("smollm2").save_pretrained(tmp)
@@ -71,6 +68,17 @@ def tiny_model_dir(arch: str) -> str:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+@functools.cache
+def tiny_model_dir(arch: str) -> str:
+    """A directory with a random-weight ``arch`` model and the default model's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    def make():
+        torch.manual_seed(1234)
+        return AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+    return saved_model(f"tiny-{arch}-v1", make)
 
 
 @functools.cache

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import shutil
 from pathlib import Path
 
 import torch
+
+from support.model_helpers import saved_model
 
 
 def tiny_config(num_layers: int = 4):
@@ -40,21 +40,13 @@ def _randomize(model) -> None:
 def tiny_model_dir(num_layers: int = 4) -> str:
     from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import cache_root, load_tokenizer
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
-    target = cache_root() / "test-models" / f"qwen3-next-tiny-{num_layers}-{digest}"
-    if not (target / "config.json").exists():
+    def make():
         torch.manual_seed(61 + num_layers)
         model = AutoModelForCausalLM.from_config(tiny_config(num_layers), dtype=torch.float32).eval()
         _randomize(model)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        load_tokenizer("smollm2").save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+        return model
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
+    return saved_model(f"qwen3-next-tiny-{num_layers}-{digest}", make)
 
 
 def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

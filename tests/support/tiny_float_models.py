@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import shutil
 from pathlib import Path
 
 import torch
+
+from support.model_helpers import saved_model
 
 VOCAB = 49152
 
@@ -78,19 +78,11 @@ def tiny_model_dir(arch: str) -> str:
     the default model's tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import cache_root, load_tokenizer
-    target = cache_root() / "test-models" / f"float-tiny-{arch}-{_version()}"
-    if not (target / "config.json").exists():
+    def make():
         torch.manual_seed(2026 + ARCHS.index(arch))
         model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
         _randomize_buffers(model)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        load_tokenizer("smollm2").save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+        return model
+    return saved_model(f"float-tiny-{arch}-{_version()}", make)
 
 
