@@ -32,10 +32,9 @@ from torch import nn
 
 from lmport import ops
 from lmport.kv.layout import CacheKind, LayerCache
-from lmport.models.glm4_moe import SharedExpertMoeBlock
+from lmport.models.glm4_moe import Glm4MoeCausalLM
 from lmport.models.layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
-from lmport.models.llama import MLP, PagedCausalLM
-from lmport.models.moe import refuse_tp, shard_experts
+from lmport.models.llama import MLP
 from lmport.parallel import TPGroup
 from lmport.platform.backend import Backend
 
@@ -125,19 +124,10 @@ def interleaved_to_halves(rows: torch.Tensor) -> torch.Tensor:
     return rows.unflatten(0, (-1, 2)).transpose(0, 1).flatten(0, 1)
 
 
-class DeepseekV3CausalLM(PagedCausalLM):
+class DeepseekV3CausalLM(Glm4MoeCausalLM):
+    """GLM-4.5's mixture of experts (dense first layers, then shared and routed experts) under latent attention."""
     model_types = DEEPSEEK_V3_MODEL_TYPES
     layer_class = DeepseekV3DecoderLayer
-
-    def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
-        refuse_tp(cfg, tp)
-        if cfg.n_routed_experts % cfg.n_group:
-            raise ValueError(f"{cfg.model_type}: n_routed_experts={cfg.n_routed_experts} is not a multiple of "
-                             f"n_group={cfg.n_group}")
-        super().__init__(cfg, backend, rotary, tp)
-        for i, layer in enumerate(self.model.layers):
-            if i >= cfg.first_k_dense_replace:
-                layer.mlp = SharedExpertMoeBlock(cfg, backend, self.tp)
 
     @classmethod
     def attention_variants(cls, cfg) -> set[str]:
@@ -150,7 +140,7 @@ class DeepseekV3CausalLM(PagedCausalLM):
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cfg = self.config
         if not getattr(cfg, "rope_interleave", False):
-            return shard_experts(self, super().shard_state_dict(full))
+            return super().shard_state_dict(full)   # GLM-4.5's: the experts sharded too
         nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         qk = nope + rope
         turned = dict(full)
@@ -161,4 +151,4 @@ class DeepseekV3CausalLM(PagedCausalLM):
                 turned[name] = torch.cat([heads[:, :nope], rope_rows], dim=1).flatten(0, 1)
             elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
                 turned[name] = torch.cat([t[:rank], interleaved_to_halves(t[rank:rank + rope])])
-        return shard_experts(self, super().shard_state_dict(turned))
+        return super().shard_state_dict(turned)
