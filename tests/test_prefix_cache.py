@@ -58,7 +58,8 @@ def tiny():
     return tiny_model_dir("llama")
 
 
-@pytest.mark.parametrize("quant_policy", [0, 8])
+# int8 pages under the prefix cache and the host tier run by default in test_partial_overlap_outputs_identical.
+@pytest.mark.parametrize("quant_policy", [0, pytest.param(8, marks=pytest.mark.slow)])
 def test_shared_system_prompt_outputs_identical(tiny, quant_policy):
     prompts = shared_prompt_workload()
     off, _ = run(tiny, prompts, 4, quant_policy, cache_max_entry_count=4500)

@@ -77,11 +77,10 @@ class City(pydantic.BaseModel):
     founded_century: int = pydantic.Field(ge=-30, le=21)
 
 
-CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Nairobi", "Toronto", "Sydney", "Mumbai", "Berlin",
-          "Madrid", "Seoul", "Dublin", "Lagos", "Quito", "Hanoi", "Vienna", "Lisbon", "Santiago", "Athens"]
+CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Nairobi", "Toronto", "Sydney"]
 
 
-def test_parse_returns_objects_for_20_prompts(smol):
+def test_parse_returns_objects_for_concurrent_prompts(smol):
     def ask(city):
         return smol.chat.completions.parse(
             model="smollm2", temperature=0, max_tokens=100, response_format=City,
@@ -91,7 +90,7 @@ def test_parse_returns_objects_for_20_prompts(smol):
     for r in replies:
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(r.choices[0].message.parsed, City)
-    assert len({r.choices[0].message.content for r in replies}) > 10   # different prompts, different objects
+    assert len({r.choices[0].message.content for r in replies}) > len(CITIES) // 2   # different prompts, objects
 
 
 def test_json_object_output_parses(smol):

@@ -60,6 +60,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow   # the default run splits KV heads at tp=2 (test_tp2_tokens_and_perplexity_match_tp1...)
 def test_tp4_with_replicated_kv_heads_matches_transformers():
     """4 attention heads and 2 KV heads over 4 ranks: each KV head replicated on two ranks."""
     engine = Engine(tiny_model_dir("qwen2"), EngineConfig(device_type="cpu", tp=4, cache_max_entry_count=64))

@@ -6,7 +6,9 @@ The mix: streamed chats that finish, non-streamed completions, streams the
 client drops after a few chunks (disconnect), non-streamed requests the client
 gives up on (abort), structured outputs (a JSON schema, a regex, a choice; the
 answer must match), tool calls (tool_choice required: the call's arguments
-must parse), echo scoring (logprobs of the prompt), slow readers (a stream
+must parse), echo scoring (logprobs of the prompt), chats with n > 1 and top
+logprobs (each choice must carry them), LoRA adapters loaded, used and
+unloaded while everything else runs, slow readers (a stream
 read one chunk at a time with pauses, sometimes left unread), and bad requests
 (each must get a 4xx, or a 200 where the input is valid but extreme). After
 --warmup requests the server's RSS (with its child processes) is read; at the
@@ -43,8 +45,10 @@ from lmport.bench.client import metric, percentile, served_url, wait_ready  # no
 from lmport.bench.machine import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = {"stream": 0.2, "complete": 0.12, "disconnect": 0.1, "abort": 0.06, "structured": 0.12, "tools": 0.08,
-         "echo": 0.06, "slow_reader": 0.06, "bad": 0.2}
+KINDS = {"stream": 0.18, "complete": 0.1, "disconnect": 0.1, "abort": 0.06, "structured": 0.1, "tools": 0.08,
+         "echo": 0.06, "logprobs": 0.06, "lora": 0.04, "slow_reader": 0.06, "bad": 0.16}
+ADAPTER_NAMES = ("soak-a", "soak-b", "soak-c")
+API_KEY = "soak"   # loading adapters at run time needs one
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -82,8 +86,8 @@ def bad_requests(model: str) -> list[tuple[str, dict, object, set[int]]]:
 
 
 class Soak:
-    def __init__(self, url: str, model: str, args):
-        self.url, self.model, self.args = url, model, args
+    def __init__(self, url: str, model: str, args, adapters: list[str]):
+        self.url, self.model, self.args, self.adapters = url, model, args, adapters
         self.rng = random.Random(args.seed)
         self.bad_cases = bad_requests(model)
         self.counts: collections.Counter = collections.Counter()   # (kind, outcome)
@@ -223,6 +227,40 @@ class Soak:
             return "bad logprobs"
         return "scored"
 
+    async def logprobs(self, http, i):
+        n, top = self.rng.randint(1, 4), self.rng.randint(1, 5)
+        body = {**self._chat(i, False), "n": n, "logprobs": True, "top_logprobs": top}
+        r = await http.post(self.url + "/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return self._status(r)
+        choices = r.json()["choices"]
+        entries = [c["logprobs"]["content"] for c in choices]
+        if len(choices) != n or any(not e or any(len(t["top_logprobs"]) != top for t in e) for e in entries):
+            self.problem(f"logprobs: {n} choices with {top} top logprobs asked, got {str(choices)[:200]}")
+            return "bad logprobs"
+        return "scored"
+
+    async def lora(self, http, i):
+        """Loads an adapter under one of a few names, generates with it and sometimes unloads it. Requests share
+        the names, so a name may be loaded already (409) or unloaded by another request before it is used (a
+        404 naming the model): both are right answers."""
+        name = self.rng.choice(ADAPTER_NAMES)
+        r = await http.post(self.url + "/v1/load_lora_adapter",
+                            json={"lora_name": name, "lora_path": self.rng.choice(self.adapters)})
+        if r.status_code not in (200, 409):
+            return self._status(r)
+        body = {**self._chat(i, False), "model": name}
+        reply = await http.post(self.url + "/v1/chat/completions", json=body)
+        if reply.status_code == 404 and reply.json()["error"]["param"] == "model":
+            outcome = "unloaded meanwhile"
+        else:
+            outcome = "done" if reply.status_code == 200 else self._status(reply)
+        if self.rng.random() < 0.3:
+            r = await http.post(self.url + "/v1/unload_lora_adapter", json={"lora_name": name})
+            if r.status_code not in (200, 404):
+                return self._status(r)
+        return outcome
+
     async def slow_reader(self, http, i):
         """Reads a stream a chunk at a time with pauses; one in four stops reading and leaves the socket open a
         while before going (the server's send timeout, not the client, should end that one)."""
@@ -268,9 +306,10 @@ async def idle_metrics(http: httpx.AsyncClient, url: str, timeout: float = 60) -
 
 async def run(args, url: str, pid: int) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.hang_after, connect=30), limits=limits) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.hang_after, connect=30), limits=limits,
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
-        soak = Soak(url, model, args)
+        soak = Soak(url, model, args, args.adapters)
         gate = asyncio.Semaphore(args.concurrency)
         interval = args.min_minutes * 60 / args.requests   # pacing: the run lasts at least min_minutes
         start = time.monotonic()
@@ -335,6 +374,13 @@ def table(r: dict) -> str:
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
+def adapters(model: str) -> list[str]:
+    """Two peft adapters (ranks 4 and 8) on ``model``, made by peft (tests/support/lora_adapters.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.lora_adapters import adapter_dir
+    return [adapter_dir(model, 4, 1), adapter_dir(model, 8, 2)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the tiny random-weight test model")
@@ -345,7 +391,8 @@ def main() -> int:
     p.add_argument("--hang-after", type=float, default=120.0, help="a request with no answer by then has hung")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="--max-batch-size 16 --max-waiting-requests 48 --request-timeout 60 "
-                                            "--cache-max-entry-count 256")
+                                            "--cache-max-entry-count 256 --enable-lora-loading --max-loras 2 "
+                                            f"--api-key {API_KEY}")
     p.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: 1)")
     p.add_argument("--out", default=str(ROOT / "tools" / "results" / "soak.json"))
     args = p.parse_args()
@@ -353,6 +400,7 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "tests"))
         from support.model_helpers import tiny_model_dir
         args.model = tiny_model_dir("llama")
+    args.adapters = adapters(args.model)
     log_path = Path(tempfile.mkdtemp(prefix="lmport-soak-")) / "server.log"
     print(f"server log: {log_path}", file=sys.stderr)
     proc = start_server(args.model, shlex.split(args.server_args), log_path, args.torch_threads)
