@@ -21,8 +21,7 @@ from torch import nn
 
 from lmport import ops
 from lmport.platform.backend import Backend
-from lmport.kv.layout import LayerCache
-from lmport.models.layers import RMSNorm, apply_rope
+from lmport.models.layers import RMSNorm
 from lmport.models.llama import Attention, PagedCausalLM
 from lmport.models.moe import expert_range, refuse_tp, shard_experts
 from lmport.parallel import TPGroup
@@ -35,17 +34,8 @@ class SinkAttention(Attention):
         super().__init__(cfg, backend, tp)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: ops.AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        if self.qkv_proj is None:
-            q, k, v = (p.forward(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        else:
-            q, k, v = self.qkv_proj.forward(x).unflatten(-1, (-1, self.head_dim)).split(self.qkv_heads, dim=1)
-        q, k = apply_rope(self.backend, q, k, cos, sin)
-        self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
-        layer_meta = meta.for_layer(meta.window, meta.softcap, self.sinks, meta.chunk)
-        out = self.backend.paged_attention(q, cache, layer_meta, self.scale, new_kv=(k, v))
-        return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
+    def layer_meta(self, meta: ops.AttentionMetadata) -> ops.AttentionMetadata:
+        return meta.for_layer(meta.window, meta.softcap, self.sinks, meta.chunk)
 
 
 class BiasedRouter(nn.Module):

@@ -71,19 +71,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: ops.AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of ``x``, each (tokens, heads, head_dim)."""
         # unflatten, not view: a backend's linear need not return a contiguous result.
         if self.qkv_proj is None:
             q, k, v = (p.forward(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
         else:
             q, k, v = self.qkv_proj.forward(x).unflatten(-1, (-1, self.head_dim)).split(self.qkv_heads, dim=1)
+        return q, k, v
+
+    def layer_meta(self, meta: ops.AttentionMetadata) -> ops.AttentionMetadata:
+        """What this layer's attention reads of the step's metadata (a subclass adds its sinks, window, chunk)."""
+        return meta
+
+    def forward(self, x, cos, sin, cache: LayerCache, meta: ops.AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = apply_rope(self.backend, q, k, cos, sin)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
-        out = self.backend.paged_attention(q, cache, meta, self.scale, new_kv=(k, v))
-        return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.backend.paged_attention(q, cache, self.layer_meta(meta), self.scale, new_kv=(k, v))
+        return self.o_proj.forward(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

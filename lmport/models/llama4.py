@@ -54,11 +54,7 @@ class Llama4Attention(Attention):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
     def forward(self, x, cos, sin, cache: LayerCache, meta: ops.AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        if self.qkv_proj is None:
-            q, k, v = (p.forward(x).unflatten(-1, (-1, self.head_dim)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        else:
-            q, k, v = self.qkv_proj.forward(x).unflatten(-1, (-1, self.head_dim)).split(self.qkv_heads, dim=1)
+        q, k, v = self.project(x)
         if self.use_rope:
             q, k = apply_rope(self.backend, q, k, cos, sin)
         if self.l2_qk_norm:
@@ -68,9 +64,11 @@ class Llama4Attention(Attention):
             scales = torch.log1p(torch.floor((meta.positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
         self.backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
-        layer_meta = meta.for_layer(meta.window, meta.softcap, meta.sinks, self.chunk)
-        out = self.backend.paged_attention(q, cache, layer_meta, self.scale, new_kv=(k, v))
-        return self.o_proj.forward(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.backend.paged_attention(q, cache, self.layer_meta(meta), self.scale, new_kv=(k, v))
+        return self.o_proj.forward(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def layer_meta(self, meta: ops.AttentionMetadata) -> ops.AttentionMetadata:
+        return meta.for_layer(meta.window, meta.softcap, meta.sinks, self.chunk)
 
 
 class Llama4Experts(nn.Module):
