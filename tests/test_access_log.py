@@ -17,12 +17,8 @@ import openai
 import pytest
 
 from lmport.entrypoints.cli import build_parser
-from lmport.config import EngineConfig
-from lmport.engine.engine import Engine
 from lmport.server import access_log
-from lmport.server.app import create_app
-from support.model_helpers import tiny_tool_model_dir
-from test_server import ServerThread
+from test_server import ServerThread, tool_model_server
 
 KEY = "sk-access-log-test"
 PROMPT = "Tell me about the secret garden"
@@ -31,8 +27,7 @@ PLAIN = re.compile(r'^(?P<client>\S+) (?P<method>[A-Z]+) (?P<route>"[^"]*") (?P<
 
 
 def start(fmt: str | None) -> ServerThread:
-    engine = Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=256, session_len=1024))
-    return ServerThread(create_app(engine, model_name="tiny", api_key=KEY, access_log_format=fmt))
+    return tool_model_server(api_key=KEY, access_log_format=fmt)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.cli_helpers import lmport_command
-from support.model_helpers import tiny_model_dir
+from support.model_helpers import tiny_model_dir, tiny_tool_model_dir
 from support.serve_process import ServeProcess
 
 from lmport.config import EngineConfig
@@ -56,6 +56,13 @@ class ServerThread:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def tool_model_server(**app_options) -> ServerThread:
+    """The tiny model whose chat template teaches tools (support.model_helpers.tiny_tool_model_dir), served as
+    "tiny" with a 1024-token context; ``app_options``: more create_app arguments (api_key, ...)."""
+    engine = Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=256, session_len=1024))
+    return ServerThread(create_app(engine, model_name="tiny", **app_options))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from lmport.config import EngineConfig
 from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_tool_model_dir
-from test_server import ServerThread
+from test_server import ServerThread, tool_model_server
 
 KEY = "sk-anthropic-test"
 WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
@@ -32,9 +32,7 @@ GREEDY = {"temperature": 0}   # this anthropic client sends sampling fields only
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    server = ServerThread(create_app(Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=256,
-                                                                                session_len=1024)),
-                                     model_name="tiny", api_key=KEY))
+    server = tool_model_server(api_key=KEY)
     yield server
     server.stop()
 

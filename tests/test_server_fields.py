@@ -22,13 +22,10 @@ import openai
 import pytest
 from anthropic import beta_tool
 
-from lmport.config import EngineConfig
-from lmport.engine.engine import Engine
-from lmport.server.app import create_app
 from support.cli_helpers import lmport_command
 from support.model_helpers import tiny_tool_model_dir
 from support.serve_process import ServeProcess
-from test_server import ServerThread
+from test_server import tool_model_server
 
 KEY = "sk-fields-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -39,9 +36,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    server = ServerThread(create_app(Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=256,
-                                                                                session_len=1024)),
-                                     model_name="tiny", api_key=KEY))
+    server = tool_model_server(api_key=KEY)
     yield server
     server.stop()
 

@@ -19,8 +19,7 @@ import pytest
 from lmport.config import EngineConfig
 from lmport.engine.engine import Engine
 from lmport.server.app import create_app
-from support.model_helpers import tiny_tool_model_dir
-from test_server import ServerThread
+from test_server import ServerThread, tool_model_server
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
@@ -31,9 +30,7 @@ CHAT_WEATHER = {"type": "function", "function": {k: WEATHER[k] for k in ("name",
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    server = ServerThread(create_app(Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=256,
-                                                                                session_len=1024)),
-                                     model_name="tiny"))
+    server = tool_model_server()
     yield server
     server.stop()
 

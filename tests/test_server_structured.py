@@ -22,7 +22,7 @@ from lmport.config import EngineConfig
 from lmport.engine.engine import Engine
 from lmport.server.app import create_app
 from support.model_helpers import tiny_tool_model_dir
-from test_server import ServerThread
+from test_server import ServerThread, tool_model_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -47,9 +47,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    server = ServerThread(create_app(Engine(tiny_tool_model_dir(), EngineConfig(cache_max_entry_count=256,
-                                                                                session_len=1024)),
-                                     model_name="tiny"))
+    server = tool_model_server()
     yield server
     server.stop()
 
