@@ -20,6 +20,19 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend_name", names, ids=names)
 
 
+@pytest.fixture(scope="module")
+def backends():
+    """``backends(name)``: (the backend, its mode) as the op tests use it (harness.op_backend), made once a module."""
+    from harness import op_backend
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = op_backend(name)
+        return made[name]
+    return get
+
+
 @pytest.fixture
 def backend_class(backend_name):
     from lmport.platform import registry

@@ -24,7 +24,6 @@ from lmport.kv import quant
 from lmport.kv.layout import KVLayout, LayerCache
 from lmport.platform import registry
 from lmport.platform.resolution import resolve_config
-from harness import op_backend
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEADS, HEAD_DIM = 2, 64
@@ -46,17 +45,6 @@ def _caps(name):
 FP8_BACKENDS = [n for n in registry.backend_names() if (c := _caps(n)) is not None and c.runs_kv_policy("fp8")]
 QUANTIZED = [pytest.param(n, p, id=f"{n}-{p}") for n in registry.backend_names() if (c := _caps(n)) is not None
              for p in (8, 4, "fp8") if c.runs_kv_policy(p)]
-
-
-@pytest.fixture(scope="module")
-def backends():
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = op_backend(name)[0]
-        return made[name]
-    return get
 
 
 def _cache(backend, policy, dtype, num_blocks) -> LayerCache:
@@ -89,7 +77,7 @@ def _edge_values(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", FP8_BACKENDS)
 def test_fp8_fill_stores_the_reference_bytes(backends, name, dtype):
-    backend = backends(name)
+    backend, _ = backends(name)
     x = _edge_values(dtype) * SCALES.to(dtype)[:, None]   # each head's values at its own scale
     v = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
     block = _cache(backend, "fp8", dtype, 1).block_size
@@ -157,7 +145,7 @@ def _cpu_meta(meta):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", FP8_BACKENDS)
 def test_paged_attention_over_fp8_cache(backends, name, dtype):
-    backend = backends(name)
+    backend, _ = backends(name)
     gen = torch.Generator().manual_seed(6)
     cache, everything, k, v, metas = _attention_case(backend, "fp8", dtype, gen)
     deq = _dequantized(cache, dtype)
@@ -179,7 +167,7 @@ def test_paged_attention_over_fp8_cache(backends, name, dtype):
 def test_step_attends_to_its_own_kv_as_computed(backends, name, policy, dtype):
     """With new_kv, a step's tokens see their own K and V as computed and their history through the cache: the
     same as the unquantized reference over the history dequantized and the step's rows put back as they are."""
-    backend = backends(name)
+    backend, _ = backends(name)
     gen = torch.Generator().manual_seed(7)
     cache, everything, k, v, metas = _attention_case(backend, policy, dtype, gen)
     scale = 1 / math.sqrt(HEAD_DIM)

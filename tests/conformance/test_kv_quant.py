@@ -27,7 +27,6 @@ from lmport.platform import registry
 from lmport.kv import quant
 from lmport.kv.layout import KVLayout, LayerCache
 from lmport.platform.resolution import resolve_config
-from harness import op_backend
 
 POLICIES = (8, 4)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -59,17 +58,6 @@ def _matrix() -> list:
 
 
 MATRIX = _matrix()
-
-
-@pytest.fixture(scope="module")
-def backends():
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = op_backend(name)[0]
-        return made[name]
-    return get
 
 
 def _block_size(caps) -> int:
@@ -134,7 +122,7 @@ def _fill(backend, policy, dtype, x, gen):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name,policy", MATRIX)
 def test_fill_round_trip_within_half_scale(backends, name, policy, dtype):
-    backend = backends(name)
+    backend, _ = backends(name)
     order = backend.capabilities.kv_axis_order
     gen = torch.Generator().manual_seed(policy)
     groups = _edge_rows(dtype, gen)
@@ -178,7 +166,7 @@ def test_fill_round_trip_within_half_scale(backends, name, policy, dtype):
 def test_beyond_param_range_saturates_finite(backends, name, policy, dtype, magnitude):
     """A range wider than the param dtype can scale (bf16 with fp16 params; fp32 near its max):
     values saturate, and nothing stored or dequantized is NaN or Inf."""
-    backend = backends(name)
+    backend, _ = backends(name)
     order = backend.capabilities.kv_axis_order
     gen = torch.Generator().manual_seed(0)
     x = torch.cat([(torch.rand(3, HEADS, HEAD_DIM, generator=gen) * 2 - 1) * magnitude,
@@ -195,7 +183,7 @@ def test_beyond_param_range_saturates_finite(backends, name, policy, dtype, magn
 @pytest.mark.parametrize("name", [p.values[0] for p in MATRIX if p.values[1] == 4])
 def test_int4_nibble_order(backends, name):
     """Element 2i in the low nibble, 2i + 1 in the high one: identical on every backend."""
-    backend = backends(name)
+    backend, _ = backends(name)
     order = backend.capabilities.kv_axis_order
     # Row 0..15 repeated: min 0, max 15, so the scale is ~1 and the levels are the values.
     x = torch.arange(HEAD_DIM, dtype=torch.float32).remainder(16).expand(1, HEADS, HEAD_DIM).contiguous()
@@ -241,7 +229,7 @@ def _meta_cpu(meta):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name,policy", MATRIX)
 def test_paged_attention_over_quantized_cache(backends, name, policy, dtype):
-    backend = backends(name)
+    backend, _ = backends(name)
     order = backend.capabilities.kv_axis_order
     gen = torch.Generator().manual_seed(100 + policy)
     cache, everything, k, v, metas = _attention_case(backend, policy, dtype, gen)

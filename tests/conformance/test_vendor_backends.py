@@ -25,7 +25,6 @@ import torch
 from lmport import ConfigError, EngineConfig, GenerationConfig, ops
 from lmport.kv.layout import KVLayout, LayerCache
 from lmport.platform.resolution import resolve_config
-from harness import op_backend
 from support.model_helpers import tiny_model_dir
 
 VENDORS = ("ascend", "camb")
@@ -45,22 +44,11 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vendors():
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = op_backend(name)
-        return made[name]
-    return get
-
-
 @pytest.fixture
-def backend(request, vendors, record_property):
+def backend(request, backends, record_property):
     """(backend, mode, call log or None) for the test's device, with the mode recorded."""
     name = request.node.callspec.params["device"]
-    backend, mode = vendors(name)
+    backend, mode = backends(name)
     record_property("mode", mode)
     calls = _simulation(name).calls if mode == "simulated" else None
     if calls is not None:
