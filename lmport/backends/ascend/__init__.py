@@ -70,6 +70,7 @@ import torch
 
 from lmport import ops
 from lmport.platform.backend import Backend, Capabilities, ProbeResult
+from lmport.platform.probe import probe_torch_plugin
 from lmport.kv import quant
 from lmport.kv.layout import LayerCache
 from lmport.units import ceil_div
@@ -98,17 +99,7 @@ class AscendBackend(Backend):
 
     @classmethod
     def probe(cls) -> ProbeResult:
-        try:
-            torch_npu = importlib.import_module("torch_npu")
-        except Exception as exc:
-            return ProbeResult(False, f"torch_npu not importable: {type(exc).__name__}: {exc}")
-        try:
-            if not torch.npu.is_available():
-                return ProbeResult(False, "torch_npu imported but torch.npu.is_available() is False")
-            return ProbeResult(True, f"torch_npu {getattr(torch_npu, '__version__', '?')}, "
-                                     f"{torch.npu.device_count()} NPU(s)")
-        except Exception as exc:
-            return ProbeResult(False, f"torch.npu failed: {exc}")
+        return probe_torch_plugin("torch_npu", "npu", "NPU")
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         # Importing torch_npu registers the "npu" device and torch.npu; keep both.

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from lmport import ops
 from lmport.platform.backend import Backend, Capabilities, ProbeResult
+from lmport.platform.probe import probe_torch_plugin
 from lmport.kv.layout import LayerCache
 
 
@@ -62,21 +63,7 @@ class CambBackend(Backend):
 
     @classmethod
     def probe(cls) -> ProbeResult:
-        try:
-            torch_mlu = importlib.import_module("torch_mlu")
-        except Exception as exc:
-            return ProbeResult(False, f"torch_mlu not importable: {type(exc).__name__}: {exc}")
-        try:
-            importlib.import_module("torch_mlu_ops")
-        except Exception as exc:
-            return ProbeResult(False, f"torch_mlu_ops not importable: {type(exc).__name__}: {exc}")
-        try:
-            if not torch.mlu.is_available():
-                return ProbeResult(False, "torch_mlu imported but torch.mlu.is_available() is False")
-            return ProbeResult(True, f"torch_mlu {getattr(torch_mlu, '__version__', '?')}, "
-                                     f"{torch.mlu.device_count()} MLU(s)")
-        except Exception as exc:
-            return ProbeResult(False, f"torch.mlu failed: {exc}")
+        return probe_torch_plugin("torch_mlu", "mlu", "MLU", also=("torch_mlu_ops",))
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         # Importing torch_mlu registers the "mlu" device and torch.mlu; keep both modules.
