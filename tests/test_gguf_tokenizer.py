@@ -16,8 +16,9 @@ made them is written there), on:
 Each on a corpus of 230-300 texts (tests/support/llama_cpp_tokens.corpus): llama.cpp's own tokenizer test
 inputs, whitespace runs, many scripts, emoji, numbers, code, and every special token alone and in text; and,
 where the file adds a BOS, 40 of them with the BOS / EOS it adds (llama-tokenize adds the special tokens only
-where the file adds a BOS). The slow live test runs llama-tokenize on the same files, the
-default model, llama.cpp's own vocabulary files (models/ggml-vocab-*.gguf) and the DeepSeek header.
+where the file adds a BOS). The live test (slow, and only with ``LMPORT_LLAMA_CPP_BIN`` naming a llama.cpp
+build with llama-server) asks llama-server's /tokenize, one server per file, on the same files, the default
+model, llama.cpp's own vocabulary files (models/ggml-vocab-*.gguf) and the DeepSeek header.
 
 On the default model's vocabulary transformers' GGUF tokenizer agrees too (ids, special tokens, chat
 template); that comparison stays, for each architecture's metadata around the same vocabulary.
@@ -25,7 +26,6 @@ template); that comparison stays, for each architecture's metadata around the sa
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -34,7 +34,7 @@ import pytest
 from lmport.models.loader import gguf_tokenizer, resolve_model_path
 from lmport.weights.gguf_header import read_header
 from lmport.weights.gguf_tokenizer import GGUFVocab, UnsupportedTokenizer, read_vocab
-from support import gguf_files, llama_cpp_tokens
+from support import gguf_files, llama_cpp_tokens, llama_server
 from support.tiny_hf_models import ARCHS, gguf_file, tiny_config
 
 DATA = llama_cpp_tokens.DATA
@@ -230,22 +230,25 @@ def _llama_cpp_files(tmp: Path) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)   # llama-tokenize once per text: about 300 texts on each of about 20 files
-def test_live_llama_cpp_ids():
-    from test_gguf_llama_cpp import llama_cpp
-    _, bins = llama_cpp()
-    tool = bins / "llama-tokenize" if bins else None
-    if tool is None or not tool.exists():
-        pytest.skip(f"llama.cpp's llama-tokenize not found in {bins} (see tests/test_gguf_llama_cpp.py)")
-    with tempfile.TemporaryDirectory() as tmp:
-        failed = {}
-        for name, path in _llama_cpp_files(Path(tmp)).items():
-            vocab = read_vocab(path)
-            texts = llama_cpp_tokens.corpus(vocab.tokens, vocab.types)
-            tokenizer = gguf_tokenizer(path)
-            # llama-tokenize asks for the BOS / EOS only where the file adds a BOS (its add_special is add_bos)
-            for add_special, chosen in ((False, texts), (True, texts[:40] if vocab.add_bos else [])):
-                want = llama_cpp_tokens.llama_tokenize(tool, path, chosen, add_special)
+@pytest.mark.timeout(1800)   # one llama-server per file (about 25), a request per text
+def test_live_llama_cpp_ids(tmp_path):
+    """llama-server's /tokenize on each file (its tokenizer keys over a tiny body: llama_server.with_tiny_body),
+    every corpus text without the special tokens the file adds, and the first 40 with them."""
+    binary = llama_server.server_binary()
+    if binary is None:
+        pytest.skip(llama_server.skip_reason())
+    failed, counted = {}, []
+    for name, path in _llama_cpp_files(tmp_path).items():
+        vocab = read_vocab(path)
+        texts = llama_cpp_tokens.corpus(vocab.tokens, vocab.types)
+        tokenizer = gguf_tokenizer(path)
+        body = llama_server.with_tiny_body(path, tmp_path / f"body-{name}.gguf")
+        with llama_server.LlamaServer(binary, body, tmp_path / f"{name}.log") as server:
+            for add_special, chosen in ((False, texts), (True, texts[:40])):
+                want = [server.tokenize(t, add_special) for t in chosen]
                 if bad := mismatches(tokenizer, chosen, want, add_special):
-                    failed[(name, add_special)] = bad[:5]
-        assert not failed
+                    failed[(name, add_special)] = (len(bad), bad[:5])
+        body.unlink()
+        counted.append((name, len(texts)))
+    print(f"{len(counted)} files, {sum(n for _, n in counted)} texts (+40 each with special tokens):", counted)
+    assert not failed
