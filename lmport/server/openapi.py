@@ -7,11 +7,11 @@ schema-driven client (or test generator) sends a name the server knows.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from lmport.structured_output.grammar import MAX_ENUM_VALUES
 from lmport.server.adapters import LoadLoraAdapter, UnloadLoraAdapter
@@ -24,59 +24,88 @@ from lmport.server.tokenize import DetokenizeRequest, TokenizeRequest
 REF = "#/components/schemas/{model}"
 
 
-class ErrorBody(BaseModel):
+class Shape(BaseModel):
+    """An answer's shape, closed: tests/test_server_schema.py checks every route's answers against these, so an
+    answer with a field the document does not declare fails there."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(Shape):
     message: str
     type: str
     param: str | None
     code: str | None
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(Shape):
     error: ErrorBody
 
 
-class ModelCard(BaseModel):
+class ModelCard(Shape):
+    """OpenAI's model object with Anthropic's fields beside it (type, display_name, created_at), so both APIs'
+    clients read it; a LoRA adapter's card names its base model (parent) and, where the server shows paths, root."""
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    type: Literal["model"]
+    display_name: str
+    created_at: str
+    chat_template: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    parent: str | None = None
+    root: str | None = None
 
 
-class ModelList(BaseModel):
+class ModelList(Shape):
     object: Literal["list"]
     data: list[ModelCard]
+    has_more: bool
+    first_id: str
+    last_id: str
 
 
-class Health(BaseModel):
+class Health(Shape):
     status: str
     reason: str | None = None
     since: str | None = None   # an engine core not progressing: when it last finished a step (ISO 8601, UTC)
+    replicas: list[dict] | None = None   # a data-parallel server: each replica's state
 
 
-class PromptTokensDetails(BaseModel):
+class PromptTokensDetails(Shape):
     cached_tokens: int
 
 
-class Usage(BaseModel):
+class Usage(Shape):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class FunctionCall(BaseModel):
+class ReplyFunction(Shape):
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ReplyToolCall(Shape):
     id: str
     type: Literal["function"]
-    function: FunctionCall
+    function: ReplyFunction
 
 
-class TopLogprob(BaseModel):
+class ToolCallDelta(Shape):
+    """A streamed call: its first delta has the id, the type and the function's name; later ones pieces of its
+    arguments."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ReplyFunction | dict
+
+
+class TopLogprob(Shape):
     token: str
     logprob: float
     bytes: list[int] | None
@@ -86,24 +115,28 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(Shape):
     content: list[TokenLogprob] | None
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(Shape):
+    """``reasoning_content`` (and ``reasoning``, vLLM's newer name for the same text): a reasoning model's thinking,
+    apart from its answer."""
     role: Literal["assistant"]
     content: str | None
-    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ReplyToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(Shape):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChatLogprobs | None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(Shape):
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -113,20 +146,22 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(Shape):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(Shape):
     index: int
     delta: ChatDelta
     finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: ChatLogprobs | None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(Shape):
     id: str
     object: Literal["chat.completion.chunk"]
     created: int
@@ -136,21 +171,21 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(Shape):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(Shape):
     index: int
     text: str
     finish_reason: Literal["stop", "length"]
     logprobs: CompletionLogprobs | None
 
 
-class Completion(BaseModel):
+class Completion(Shape):
     id: str
     object: Literal["text_completion"]
     created: int
@@ -160,14 +195,14 @@ class Completion(BaseModel):
     usage: Usage
 
 
-class CompletionChunkChoice(BaseModel):
+class CompletionChunkChoice(Shape):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
     logprobs: CompletionLogprobs | None
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(Shape):
     id: str
     object: Literal["text_completion"]
     created: int
@@ -179,34 +214,47 @@ class CompletionChunk(BaseModel):
 
 # -- Anthropic's Messages API (lmport.server.anthropic) ----------------------------------------------------------
 
-class AnthropicErrorBody(BaseModel):
+class AnthropicErrorBody(Shape):
     type: str
     message: str
 
 
-class AnthropicError(BaseModel):
+class AnthropicError(Shape):
     type: Literal["error"]
     error: AnthropicErrorBody
     request_id: str | None = None
 
 
-class AnthropicBlock(BaseModel):
-    """A text block (text) or a tool_use block (id, name, input)."""
-    type: Literal["text", "tool_use"]
-    text: str | None = None
-    id: str | None = None
-    name: str | None = None
-    input: dict | None = None
+class ReplyTextBlock(Shape):
+    type: Literal["text"]
+    text: str
 
 
-class AnthropicUsage(BaseModel):
+class ReplyThinkingBlock(Shape):
+    """A reasoning model's thinking (its signature is empty: nothing here signs it)."""
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class ReplyToolUseBlock(Shape):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+AnthropicBlock = Annotated[ReplyTextBlock | ReplyThinkingBlock | ReplyToolUseBlock, Field(discriminator="type")]
+
+
+class AnthropicUsage(Shape):
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int | None = None
     cache_read_input_tokens: int | None = None
 
 
-class AnthropicMessage(BaseModel):
+class AnthropicMessage(Shape):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
@@ -217,75 +265,246 @@ class AnthropicMessage(BaseModel):
     usage: AnthropicUsage
 
 
-class MessageTokensCount(BaseModel):
+class MessageTokensCount(Shape):
     input_tokens: int
 
 
-class AnthropicStreamEvent(BaseModel):
-    """One event's data; ``type`` is also the event's name. message_start has ``message``; content_block_start
-    ``index`` and ``content_block``; content_block_delta ``index`` and ``delta`` (text_delta or input_json_delta);
-    content_block_stop ``index``; message_delta ``delta`` (stop_reason, stop_sequence) and ``usage``; error
-    ``error``."""
-    type: Literal["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
-                  "message_delta", "message_stop", "error"]
+class MessageStart(Shape):
+    type: Literal["message_start"]
+    message: AnthropicMessage
+
+
+class Ping(Shape):
+    type: Literal["ping"]
+
+
+class ContentBlockStart(Shape):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: AnthropicBlock
+
+
+class TextDelta(Shape):
+    type: Literal["text_delta"]
+    text: str
+
+
+class ThinkingDelta(Shape):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class InputJsonDelta(Shape):
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class ContentBlockDelta(Shape):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: Annotated[TextDelta | ThinkingDelta | InputJsonDelta, Field(discriminator="type")]
+
+
+class ContentBlockStop(Shape):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class StopDelta(Shape):
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+
+
+class MessageDelta(Shape):
+    type: Literal["message_delta"]
+    delta: StopDelta
+    usage: AnthropicUsage
+
+
+class MessageStop(Shape):
+    type: Literal["message_stop"]
+
+
+class AnthropicStreamEvent(RootModel):
+    """One event's data; ``type`` is also the event's name."""
+    root: Annotated[MessageStart | Ping | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta
+                    | MessageStop | AnthropicError, Field(discriminator="type")]
 
 
 # -- OpenAI's Responses API (lmport.server.responses) --------------------------------------------------------------
 
-class OutputItem(BaseModel):
-    """A message (content: output_text parts) or a function_call (call_id, name, arguments)."""
-    type: Literal["message", "function_call"]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ReplyOutputText(Shape):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict]
+    logprobs: list[dict] | None = None   # empty: the Responses API's logprobs are not supported
+
+
+class ReasoningText(Shape):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class MessageOutput(Shape):
+    type: Literal["message"]
     id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    role: Literal["assistant"] | None = None
-    content: list[dict] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[ReplyOutputText]
 
 
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-    token_strs: list[str] | None = None   # with return_token_strs
+class ReasoningOutput(Shape):
+    """A reasoning model's thinking, as its text (no summary is made)."""
+    type: Literal["reasoning"]
+    id: str
+    status: ItemStatus
+    summary: list[dict]
+    content: list[ReasoningText]
 
 
-class DetokenizeResponse(BaseModel):
-    prompt: str
+class FunctionCallOutput(Shape):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
 
 
-class InputTokensCount(BaseModel):
-    object: Literal["response.input_tokens"]
-    input_tokens: int
+OutputItem = Annotated[MessageOutput | ReasoningOutput | FunctionCallOutput, Field(discriminator="type")]
 
 
-class ResponseUsage(BaseModel):
+class TokenDetails(Shape):
+    reasoning_tokens: int
+
+
+class ResponseUsage(Shape):
     input_tokens: int
     input_tokens_details: PromptTokensDetails
     output_tokens: int
-    output_tokens_details: dict
+    output_tokens_details: TokenDetails
     total_tokens: int
 
 
-class ResponseObject(BaseModel):
+class ReasoningSettings(Shape):
+    effort: str | None
+    summary: str | None
+
+
+class ResponseObject(Shape):
+    """The response; the request's settings are echoed back as the Responses API does."""
     id: str
     object: Literal["response"]
     created_at: int
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     error: dict | None
     incomplete_details: dict | None
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
     model: str
     output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    reasoning: ReasoningSettings
+    store: Literal[False]
+    temperature: float | None
+    text: dict
+    tool_choice: str | dict
+    tools: list[dict]
+    top_p: float | None
+    truncation: Literal["disabled"]
     usage: ResponseUsage | None
+    user: str | None
 
 
-class ResponseStreamEvent(BaseModel):
-    """One event's data; ``type`` is also the event's name. response.created, .in_progress, .completed,
-    .incomplete and .failed carry ``response``; the item, part, text and arguments events carry
-    ``output_index`` (and ``item_id``, ``content_index``, ``delta``, ``text``, ``arguments``, ``item``)."""
-    type: str
+class _Event(Shape):
     sequence_number: int
+
+
+class ResponseLifecycle(_Event):
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
+                  "response.failed"]
+    response: ResponseObject
+
+
+class OutputItemEvent(_Event):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(_Event):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ReplyOutputText
+
+
+class TextDeltaEvent(_Event):
+    type: Literal["response.output_text.delta", "response.reasoning_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[dict] | None = None
+
+
+class TextDoneEvent(_Event):
+    type: Literal["response.output_text.done", "response.reasoning_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[dict] | None = None
+
+
+class ArgumentsDeltaEvent(_Event):
+    type: Literal["response.function_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(_Event):
+    type: Literal["response.function_call_arguments.done"]
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class StreamError(_Event):
+    type: Literal["error"]
+    code: str | None
+    message: str
+    param: str | None
+
+
+class ResponseStreamEvent(RootModel):
+    """One event's data; ``type`` is also the event's name."""
+    root: ResponseLifecycle | OutputItemEvent | ContentPartEvent | TextDeltaEvent | TextDoneEvent \
+        | ArgumentsDeltaEvent | ArgumentsDoneEvent | StreamError
+
+
+class TokenizeResponse(Shape):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None   # with return_token_strs
+
+
+class DetokenizeResponse(Shape):
+    prompt: str
+
+
+class InputTokensCount(Shape):
+    object: Literal["response.input_tokens"]
+    input_tokens: int
 
 
 ERRORS = {
@@ -363,8 +582,9 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
                 TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, InputTokensRequest,
                 InputTokensCount):
         schema = cls.model_json_schema(ref_template=REF)
-        schemas.update(schema.pop("$defs", {}))
-        schemas[cls.__name__] = schema
+        for name, definition in {**schema.pop("$defs", {}), cls.__name__: schema}.items():
+            # One name, one schema: a request's model and an answer's may not share a name.
+            assert schemas.setdefault(name, definition) == definition, f"two schemas named {name}"
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
         props["model"] = {"type": "string", "enum": [model_name], "description": "the served model (GET /v1/models)"}
