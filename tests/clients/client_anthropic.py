@@ -82,3 +82,12 @@ def test_tool_runner_runs_the_tool_and_sends_its_result_back(client):
     assert len(calls) >= 1 and all(isinstance(city, str) and city for city in calls)
     first_call = next(block for block in replies[0].content if block.type == "tool_use")
     assert first_call.input == {"city": calls[0]}
+
+
+def test_models_list_and_retrieve_carry_anthropics_fields(client):
+    """The SDK's ModelInfo: type, display_name and created_at (a datetime), on one page."""
+    page = client.models.list()
+    assert [m.id for m in page.data][:1] == [MODEL] and page.has_more is False
+    model = client.models.retrieve(MODEL)
+    for info in (page.data[0], model):
+        assert info.type == "model" and info.display_name and info.created_at.year >= 2024

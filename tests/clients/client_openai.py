@@ -29,6 +29,18 @@ def test_chat_completion(client):
     assert choice.finish_reason == "stop" or reply.usage.completion_tokens == TEXT_TOKENS
 
 
+def test_history_with_a_call_that_has_empty_arguments(client):
+    """Clients send a call of a function without parameters with ``"arguments": ""`` in the history."""
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=TEXT_TOKENS,
+                                           temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 # Both homes of the helper: the current one and the beta one older code still calls.
 STREAM_HELPERS = {"chat.completions.stream": lambda c: c.chat.completions,
                   "beta.chat.completions.stream": lambda c: c.beta.chat.completions}
