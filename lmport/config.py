@@ -144,7 +144,7 @@ class EngineConfig:
     # False: decode steps replay captured graphs; True: every step runs eagerly; None: graphs where the backend
     # captures them (Capabilities.decode_graphs, at tp=1 without LoRA), as LMDeploy and vLLM default on CUDA.
     eager_mode: bool | None = None
-    # "auto": a quantized checkpoint keeps its 4-/8-bit weights (docs/weight-quantization.md);
+    # "auto": a quantized checkpoint keeps its 4-/8-bit (or fp8) weights (docs/weight-quantization.md);
     # "dequantize": its weights are dequantized to dtype at load (for a backend without its format).
     weight_format: str = "auto"
     # Tensor parallelism across nodes (docs/distributed.md): tp ranks split evenly over nnodes nodes.

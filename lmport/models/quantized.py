@@ -19,10 +19,11 @@ from lmport import ops
 from lmport.platform.backend import Backend
 from lmport.weights import tensors
 from lmport.weights.format import QuantizedWeight
+from lmport.weights.fp8 import Fp8Weight
 from lmport.weights.ggml import GGMLWeight
 from lmport.weights.residency import page_out
 
-W = TypeVar("W", QuantizedWeight, GGMLWeight)
+W = TypeVar("W", QuantizedWeight, GGMLWeight, Fp8Weight)
 
 
 class HoldsWeight(nn.Module, Generic[W]):
@@ -57,6 +58,8 @@ class HoldsWeight(nn.Module, Generic[W]):
 
     def extra_repr(self) -> str:
         w = self.quantized
+        if isinstance(w, Fp8Weight):
+            return f"in={w.in_features}, out={w.out_features}, fp8 e4m3, {w.block_out}x{w.block_in} scale blocks"
         kind = (f"{w.type_name}" if isinstance(w, GGMLWeight) else f"int{w.bits}, group={w.group_size}")
         return f"in={w.in_features}, out={w.out_features}, {kind}"
 
@@ -76,6 +79,13 @@ class QuantLinear(_Linear[QuantizedWeight]):
 class GGMLLinear(_Linear[GGMLWeight]):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.ggml_linear(x, self.quantized, self.bias)
+
+
+class Fp8Linear(_Linear[Fp8Weight]):
+    """A linear over float8 e4m3 weights and their block scales (lmport.weights.fp8), kept in fp8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.fp8_linear(x, self.quantized, self.bias)
 
 
 class _Embedding(HoldsWeight[W]):
@@ -120,10 +130,13 @@ def _codes(weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
     return weight.blocks if isinstance(weight, GGMLWeight) else weight.qweight
 
 
-def quantized_linear(backend: Backend, x: torch.Tensor, weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
+def quantized_linear(backend: Backend, x: torch.Tensor,
+                     weight: QuantizedWeight | GGMLWeight | Fp8Weight) -> torch.Tensor:
     """x @ weight^T through the backend's kernel for the weight's kind."""
     if isinstance(weight, GGMLWeight):
         return backend.ggml_linear(x, weight)
+    if isinstance(weight, Fp8Weight):
+        return backend.fp8_linear(x, weight)
     return backend.quant_linear(x, weight)
 
 
@@ -199,7 +212,8 @@ def _install_experts(model: nn.Module, quantized: dict[str, QuantizedWeight | GG
     return consumed
 
 
-def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight], floats: dict[str, torch.Tensor],
+def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight | Fp8Weight],
+            floats: dict[str, torch.Tensor],
             backend: Backend, dtype: torch.dtype) -> None:
     """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
     the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias. A
@@ -217,6 +231,12 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight]
             raise ValueError(f"{name}: quantized weight is [{weight.out_features}, {weight.in_features}] "
                              f"but the model config makes it {list(want)}")
         blocks = isinstance(weight, GGMLWeight)
+        if isinstance(weight, Fp8Weight):
+            if isinstance(old, nn.Embedding):
+                raise ValueError(f"{name}: an fp8 embedding table is not supported; use weight_format='dequantize'")
+            bias = floats.get(f"{module_name}.bias")
+            setattr(parent, attr, Fp8Linear(weight, None if bias is None else bias.to(dtype), backend))
+            continue
         if isinstance(old, nn.Embedding):
             new = GGMLEmbedding(weight, dtype, backend) if blocks else QuantEmbedding(weight, dtype, backend)
         else:

@@ -16,6 +16,7 @@ import torch
 
 from lmport import ops
 from lmport.kv.layout import LayerCache
+from lmport.weights import fp8
 
 
 # Attention variants a model may need (lmport.models.architectures.attention_variants): "sinks", a learned
@@ -59,6 +60,10 @@ class Capabilities:
     # GGUF block types (lmport.weights.ggml.BLOCK_TYPES: "q4_k", "q6_k", ...) whose blocks the kernels
     # read as the file stores them. Empty: none.
     ggml_types: frozenset[str] = frozenset()
+    # Scale layouts of float8 e4m3 weights (lmport.weights.fp8.SCALE_LAYOUTS: "tensor", "channel", "block") that
+    # ``Backend.fp8_linear`` runs with the weights kept in fp8; a checkpoint of a layout a backend lacks is refused
+    # before any weight loads unless weight_format="dequantize" (docs/weight-quantization.md). Empty: none.
+    fp8_weight_scales: frozenset[str] = frozenset()
     # Whether ``Backend.decode_graphs`` captures decode steps (EngineConfig.eager_mode=False). Where it is False,
     # lmport.platform.resolution.resolve_config records an Adjustment (eager_mode False -> True) and every step runs
     # eagerly.
@@ -94,9 +99,12 @@ class Capabilities:
         return None
 
     def weight_formats_text(self) -> str:
+        scales = "/".join(s for s in fp8.SCALE_LAYOUTS if s in self.fp8_weight_scales)
+        fp8_text = [f"fp8 {scales}"] if scales else []
         if not self.weight_formats:
-            return "-"
-        return ",".join(sorted(self.weight_formats)) + " g" + "/".join(map(str, sorted(self.weight_group_sizes)))
+            return ", ".join(fp8_text) or "-"
+        ints = ",".join(sorted(self.weight_formats)) + " g" + "/".join(map(str, sorted(self.weight_group_sizes)))
+        return ", ".join([ints, *fp8_text])
 
     def block_size_rule(self) -> str:
         if self.block_size_forced is not None:
@@ -209,6 +217,11 @@ class Backend:
                     bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ dequantize(weight)^T (+ bias) for a weight held in its GGUF blocks."""
         return ops.ggml_linear(x, weight, bias)
+
+    def fp8_linear(self, x: torch.Tensor, weight: fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ dequantize(weight)^T (+ bias) for float8 e4m3 weights with block scales (lmport.weights.fp8); run
+        only for the scale layouts ``capabilities.fp8_weight_scales`` declares."""
+        return fp8.fp8_linear(x, weight, bias)
 
     def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of an embedding table in the internal quantized format, as ``dtype``

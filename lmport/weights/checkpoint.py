@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmport.config import ConfigError
-from lmport.weights import packed_int
+from lmport.weights import fp8, packed_int
 from lmport.weights.format import check_quantized_tp
 
 
@@ -36,11 +36,15 @@ def is_quantized(path: Path) -> bool:
 def check_backend(path: Path, caps, weight_format: str = "auto") -> bool:
     """Whether the weights stay quantized (False when dequantizing at load); ConfigError when ``caps``
     cannot run one of the checkpoint's formats."""
+    fp8_checkpoint = fp8.read_checkpoint(path) if path.is_dir() else None   # an fp8 scheme it cannot load: refused
     if weight_format != "auto":
         if path.suffix == ".gguf":
             from lmport.weights import gguf
             gguf.architecture(path)
         return False
+    if fp8_checkpoint is not None:
+        fp8.check_backend(fp8_checkpoint, path, caps, backends_running)
+        return True
     formats, blocks = checkpoint_formats(path)
     fix = "Use one of those, a 16-bit checkpoint, or weight_format='dequantize' to dequantize at load"
     for bits, group in sorted(formats):
