@@ -8,7 +8,9 @@ the process that wants the interpreter sets it (the tests do, in tests/conftest.
 ``CudaBackend(device="cpu")`` without it fails on its first op, naming the fix.
 
 Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill),
-quant_linear, ggml_linear (GGUF blocks dequantized in registers),
+fill_latent_cache and mla_attention (MLA: absorbed multi-query attention over the latents),
+quant_linear, ggml_linear (GGUF blocks dequantized in registers), fp8_linear (float8 e4m3 weights
+with block scales, decoded in registers),
 fused_moe (a grouped GEMM over the experts) and add_lora (a grouped GEMM over the
 LoRA adapters of a batch) are Triton kernels; copy_blocks,
 rms_norm and apply_rotary are the reference
@@ -23,13 +25,14 @@ import torch
 from lmport import ops
 from lmport.platform.backend import Backend, Capabilities, ProbeResult
 from lmport.kv.layout import LayerCache
+from lmport.weights import fp8
 
 
 def _load_kernels(device: torch.device) -> SimpleNamespace:
     """The Triton kernel entry points, imported on first use."""
     try:
-        from lmport.backends.cuda import (decode_attention, ggml_linear, kv_fill, launch, lora, moe,
-                                          prefill_attention, quant_linear)
+        from lmport.backends.cuda import (decode_attention, fp8_linear, ggml_linear, kv_fill, launch, lora, mla,
+                                          moe, prefill_attention, quant_linear)
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
@@ -41,8 +44,11 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            prefill_attention=prefill_attention.prefill_attention,
                            quant_linear=quant_linear.quant_linear,
                            ggml_linear=ggml_linear.ggml_linear,
+                           fp8_linear=fp8_linear.fp8_linear,
                            fused_moe=moe.fused_moe,
-                           add_lora=lora.add_lora)
+                           add_lora=lora.add_lora,
+                           fill_latent_cache=mla.fill_latent_cache,
+                           mla_attention=mla.mla_attention)
 
 
 class CudaBackend(Backend):
@@ -57,6 +63,9 @@ class CudaBackend(Backend):
         weight_formats=frozenset({"int4", "int8"}),
         # GGUF block types the Triton kernel reads as stored (lmport/backends/cuda/ggml_linear.py DEQUANTIZE).
         ggml_types=frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs"}),
+        # fp8 weights in every scale layout (fp8_linear.py): decoded to float32 in registers with integer
+        # arithmetic, so they run on every GPU the kernels run on, not only on sm89+ (which fp8 matmuls need).
+        fp8_weight_scales=frozenset({"tensor", "channel", "block"}),
         default_block_size=64,
         block_size_min=16,
         block_size_power_of_two=True,
@@ -66,8 +75,9 @@ class CudaBackend(Backend):
         default_dtype="bfloat16",
         decode_graphs=True,
         lora=True,
-        # The Triton attention kernels take both; no "latent" (MLA) kernel: a DeepSeek-V3 config is refused.
-        attention_variants=frozenset({"sinks", "chunked"}),
+        # The Triton attention kernels take sinks and chunks; "latent" (MLA): absorbed multi-query attention over
+        # the paged latent cache (mla.py).
+        attention_variants=frozenset({"sinks", "chunked", "latent"}),
     )
 
     @classmethod
@@ -118,6 +128,11 @@ class CudaBackend(Backend):
         y = self.kernels.ggml_linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return y.reshape(*x.shape[:-1], weight.out_features)
 
+    def fp8_linear(self, x: torch.Tensor, weight: fp8.Fp8Weight,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.kernels.fp8_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.reshape(*x.shape[:-1], weight.out_features)
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         self.kernels.fill_kv_cache(k, v, cache, slot_mapping)
@@ -127,6 +142,14 @@ class CudaBackend(Backend):
         if meta.is_decode:
             return self.kernels.decode_attention(q, cache, meta, softmax_scale, new_kv=new_kv)
         return self.kernels.prefill_attention(q, cache, meta, softmax_scale, new_kv=new_kv)
+
+    def fill_latent_cache(self, latent: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
+        self.kernels.fill_latent_cache(latent, cache, slot_mapping)
+
+    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache,
+                      meta: ops.AttentionMetadata, kv_b_weight: torch.Tensor, softmax_scale: float,
+                      new_latent: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.mla_attention(q_nope, q_rope, cache, meta, kv_b_weight, softmax_scale, new_latent)
 
     def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
