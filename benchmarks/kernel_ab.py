@@ -32,7 +32,7 @@ from lmport.bench.machine import cpu_info, median_min_max, memory_bandwidth, wri
 PROMPT_TOKENS, DECODE_TOKENS = 256, 64
 DEPTHS = (0, PROMPT_TOKENS)
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
-KERNEL_SOURCES = Path("lmport") / "backends" / "cpu" / "csrc" / "kernels.cpp"
+KERNEL_SOURCES = Path("lmport") / "backends" / "cpu" / "csrc"
 
 # Run by each worker in its checkout (``python -c``: the checkout's folder first on the path), the job as JSON in
 # argv[1]: prints a JSON line once loaded and warm, then one a round for each line it reads.
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/kernel_ab.json")
     args = ap.parse_args()
-    if args.base is None or not (args.base / KERNEL_SOURCES).is_file():
+    if args.base is None or not (args.base / KERNEL_SOURCES).is_dir():
         raise SystemExit(f"--base {args.base}: give a checkout of lmport (one with {KERNEL_SOURCES}), "
                          "e.g. from `git worktree add /tmp/base HEAD~1`")
     if args.rounds < 2:

@@ -182,3 +182,23 @@ def test_the_server_app_loads_no_model_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     loaded = out.stdout.split()
     assert "lmport.engine.outputs" in loaded and not _model_side(loaded), _model_side(loaded)
+
+
+def test_the_server_app_loads_no_torch():
+    """The HTTP app validates requests and relays them to the engine core, which does the tensor work: importing
+    it in a fresh interpreter leaves torch unloaded (seconds and hundreds of MB a front end never needs). On a
+    failure, the lmport module that imported torch first is named."""
+    import subprocess
+    import sys
+    code = ("import builtins, sys\n"
+            "first, load = [], builtins.__import__\n"
+            "def watch(name, globals=None, *args, **kwargs):\n"
+            "    if name.split('.')[0] == 'torch' and 'torch' not in sys.modules and not first:\n"
+            "        first.append((globals or {}).get('__name__'))\n"
+            "    return load(name, globals, *args, **kwargs)\n"
+            "builtins.__import__ = watch\n"
+            "import lmport.server.app\n"
+            "print('torch' in sys.modules, first[0] if first else '')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    loaded, importer = (out.stdout.split() + [""])[:2]
+    assert loaded == "False", f"importing lmport.server.app loads torch (first imported by {importer})"

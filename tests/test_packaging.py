@@ -104,7 +104,10 @@ def _copy_sources(tmp_path: Path) -> Path:
 def _check_wheel(names: set[str], entry_points: str) -> None:
     """``names``: the wheel's files; ``entry_points``: its entry_points.txt."""
     assert "lmport/backends/cuda/__init__.py" in names
-    assert "lmport/backends/cpu/csrc/paged_attention.h" in names  # the cpu kernels build from it at run time
+    csrc = ROOT / "lmport" / "backends" / "cpu" / "csrc"   # the cpu kernels build from every file of it at run time
+    for path in csrc.rglob("*"):
+        if path.is_file():
+            assert path.relative_to(ROOT).as_posix() in names, path
     for package in _package_folders():
         assert f"{package.replace('.', '/')}/__init__.py" in names, package
     for name in IN_TREE:

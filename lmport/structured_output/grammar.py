@@ -27,12 +27,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import TYPE_CHECKING, cast
 
 import jsonschema
-import torch
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar as xgr
 # xgrammar itself is imported where a request first uses a format (a second or more, and tens of MB, that
-# an engine serving plain text never pays).
+# an engine serving plain text never pays). torch only in annotations: the tensors come from xgrammar and the
+# engine, so the HTTP app, which checks formats with this module, does not load torch.
 
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex_schema", "grammar")
 
@@ -410,7 +411,7 @@ class Matcher:
             if word < bitmask.shape[-1]:
                 bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
         elif self.phase == "gap":   # or a blank token before the answer
-            bitmask[row] |= cast(torch.Tensor, self.blank).to(bitmask.device)
+            bitmask[row] |= cast("torch.Tensor", self.blank).to(bitmask.device)
 
     def accept_token(self, token: int) -> bool:
         phase = self.phase
@@ -454,7 +455,7 @@ class Matcher:
         self.phase = undone[0][0]
 
     def _blank(self, token: int) -> bool:
-        blank = cast(torch.Tensor, self.blank)
+        blank = cast("torch.Tensor", self.blank)
         return token // 32 < blank.shape[0] and bool((int(blank[token // 32]) >> (token % 32)) & 1)
 
     def proposal_bitmask(self, proposal: list[int], vocab_size: int

@@ -181,12 +181,14 @@ def test_one_build_per_source_version_wherever_the_sources_lie(tmp_path):
     copy is the same for every checkout, and an untouched copy gives ninja nothing to rebuild."""
     assert kernels.build_directory().name == kernels.build_name()
     sources = kernels.staged_sources(tmp_path)
-    staged = sorted(p.name for p in (tmp_path / "csrc").iterdir())
-    assert staged == sorted(p.name for p in kernels.CSRC.iterdir())
-    assert sources == [str(tmp_path / "csrc" / "kernels.cpp")]
-    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "csrc").iterdir()}
+    copied = sorted(p for p in (tmp_path / "csrc").rglob("*") if p.is_file())
+    assert [p.relative_to(tmp_path / "csrc") for p in copied] == [p.relative_to(kernels.CSRC)
+                                                                   for p in kernels.source_files()]
+    assert sources == [str(tmp_path / "csrc" / name) for name in kernels.SOURCES]
+    assert {p.name for p in kernels.CSRC.glob("*.cpp")} == set(kernels.SOURCES)   # every translation unit built
+    mtimes = {p: p.stat().st_mtime_ns for p in copied}
     assert kernels.staged_sources(tmp_path) == sources
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "csrc").iterdir()} == mtimes
+    assert {p: p.stat().st_mtime_ns for p in copied} == mtimes
     assert Path(kernels.load().__file__).parent == kernels.build_directory()
 
 

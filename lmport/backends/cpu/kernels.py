@@ -1,8 +1,8 @@
 """The cpu backend's C++ kernels, compiled with torch's extension builder on first use.
 
-The build (about 45 s, once per kind of CPU and source version) is cached by
-torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), built from a copy of
-the sources kept in the build directory: every checkout or install of the same sources shares it.
+The build (an object per translation unit, compiled in parallel by ninja; once per kind of CPU and source
+version) is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), built
+from a copy of the sources kept in the build directory: every checkout or install of the same sources shares it.
 If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
 ``load()`` returns None and the backend keeps the reference ops.
 
@@ -27,9 +27,17 @@ from lmport.kv.layout import LayerCache
 
 log = logging.getLogger(__name__)
 
-# The kernel sources; the build is named after their hash (source_tag).
+# The kernel sources; the build is named after their hash (source_tag). One translation unit per kernel family and
+# bindings.cpp with the torch glue, compiled into one module; the headers beside them and under isa/ (the code
+# per instruction set) are what they include. docs/architecture.md shows the layout.
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["kernels.cpp"]  # includes the csrc/*.h kernels
+SOURCES = ["bindings.cpp", "decoder_layers.cpp", "elementwise.cpp", "ggml_linear.cpp", "kv_fill.cpp", "linear.cpp",
+           "paged_attention.cpp", "quant_linear.cpp"]
+
+
+def source_files() -> list[Path]:
+    """Every file of the kernel sources (csrc and its folders), in a fixed order."""
+    return sorted(path for path in CSRC.rglob("*") if path.is_file())
 
 
 # What the kernels take besides float32 tensors (the backend's methods and its decoder runner ask).
@@ -37,7 +45,7 @@ def small_linear_takes(in_features: int) -> bool:
     return in_features % 8 == 0
 
 
-# The GGUF block types csrc/ggml_linear.h runs (the compiled module's ggml_types() lists the same).
+# The GGUF block types csrc/ggml_blocks.h decodes (the compiled module's ggml_types() lists the same).
 GGML_TYPES = frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"})
 
 
@@ -89,8 +97,8 @@ def source_tag() -> str:
     """A short hash of the kernel sources (every csrc file): the build directory is named after it, so
     checkouts with different sources sharing one extensions cache never load each other's build."""
     digest = hashlib.sha1()
-    for path in sorted(CSRC.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in source_files():
+        digest.update(path.relative_to(CSRC).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:8]
 
 
@@ -110,11 +118,11 @@ def staged_sources(directory: Path) -> list[str]:
     of the same sources, each built where it lies, rewrote each other's build file and ninja rebuilt for
     every process that alternated between them."""
     staged = directory / "csrc"
-    staged.mkdir(parents=True, exist_ok=True)
-    for path in sorted(CSRC.iterdir()):
-        target = staged / path.name
+    for path in source_files():
+        target = staged / path.relative_to(CSRC)
         if not target.exists():   # never rewritten: a newer mtime would make ninja rebuild
-            partial = staged / f".{path.name}.{os.getpid()}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.parent / f".{path.name}.{os.getpid()}"
             shutil.copyfile(path, partial)
             os.replace(partial, target)   # whole or absent for a process building beside this one
     return [str(staged / name) for name in SOURCES]

@@ -3,10 +3,11 @@
 // against every row of x, which stays in cache, so the cost is one pass over W.
 #pragma once
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "vec8.h"
+#include <algorithm>
+
+#include "isa/vec8.h"
 
 namespace lmport {
 
@@ -75,35 +76,5 @@ inline void rows_times_x(const float* w, int64_t rows, int64_t K, const float* x
 }
 
 }  // namespace linear_detail
-
-inline torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  using namespace linear_detail;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
-              "small_linear takes float32 tensors");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "small_linear: x is [tokens, in], weight [out, in]; got ", x.sizes(), " and ", weight.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K % 8 == 0, "small_linear: in_features must be a multiple of 8, got ", K);
-  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == N,
-                        "small_linear: bias must be float32 with ", N, " elements");
-  x = x.contiguous();
-  weight = weight.contiguous();
-  const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // Each thread takes a contiguous run of weight rows, so W is read once in all.
-  at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kRows;
-      const float* next[kRows];
-      for (int r = 0; r < kRows; ++r) next[r] = wp + std::min(n + kRows + r, N - 1) * K;
-      rows_times_x(wp + n * K, std::min<int64_t>(kRows, N - n), K, xp, M, yp + n, N, bp ? bp + n : nullptr, next);
-    }
-  });
-  return y;
-}
 
 }  // namespace lmport

@@ -7,7 +7,6 @@
 // itself in full precision and its history through the cache (lmport.ops.attention).
 #pragma once
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -16,7 +15,7 @@
 #include <numeric>
 #include <vector>
 
-#include "vec8.h"
+#include "isa/vec8.h"
 
 namespace lmport {
 
@@ -267,22 +266,15 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
 // item. Items go round-robin to the workers, so prefill rows, whose cost grows with position, are shared
 // evenly.
 struct AttentionWork {
-  torch::Tensor tables, starts, lens;
   const int32_t *tab, *st, *kl;
   int64_t T, Hq, D, width, parts, items, workers;
   std::vector<int64_t> seq_of;
   std::vector<float> part_out, part_stats;   // each item's output and its heads' softmax statistics (parts > 1)
 
-  AttentionWork(const torch::Tensor& block_tables, const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens,
+  // tables [B, width] int32, starts [B + 1] int32 (ending at T), lens [B] int32: checked by the caller.
+  AttentionWork(const int32_t* tables, const int32_t* starts, const int32_t* lens, int64_t B, int64_t width_,
                 int64_t T_, int64_t Hq_, int64_t D_, int64_t threads)
-      // The step metadata is int32 (AttentionMetadata): .to() is then a no-op, not a copy per layer.
-      : tables(block_tables.to(torch::kInt).contiguous()), starts(q_start_loc.to(torch::kInt).contiguous()),
-        lens(kv_lens.to(torch::kInt).contiguous()), tab(tables.data_ptr<int32_t>()), st(starts.data_ptr<int32_t>()),
-        kl(lens.data_ptr<int32_t>()), T(T_), Hq(Hq_), D(D_), width(tables.size(1)) {
-    const int64_t B = lens.size(0);
-    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && starts.numel() == B + 1 && st[B] == T,
-                "paged_attention: block_tables [B, max_blocks], q_start_loc [B + 1] ending at the ", T,
-                " query tokens, kv_lens [B]; got ", tables.sizes(), ", ", starts.sizes(), " and ", lens.sizes());
+      : tab(tables), st(starts), kl(lens), T(T_), Hq(Hq_), D(D_), width(width_) {
     seq_of.resize(T);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = st[b]; t < st[b + 1]; ++t) seq_of[t] = b;
@@ -342,95 +334,6 @@ inline void merge_parts(AttentionWork& work, float* out) {
         for (int64_t d = 0; d < D; ++d) o[d] += weight[part] / total * src[d];
       }
     }
-}
-
-// q [T, Hq, D]; the pool [blocks, block_size, Hkv, D]; the metadata as AttentionWork takes it.
-template <int kBits>
-torch::Tensor attention_over(const torch::Tensor& q, const Pool<kBits>& pool, const torch::Tensor& block_tables,
-                             const torch::Tensor& q_start_loc, const torch::Tensor& kv_lens, double scale,
-                             int64_t window, double softcap) {
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim && Hq % pool.kv_heads == 0,
-              "paged_attention needs head_dim % 8 == 0, head_dim <= 256 and whole GQA groups");
-  AttentionWork work(block_tables, q_start_loc, kv_lens, T, Hq, D, at::get_num_threads());
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, work.workers, 1, [&](int64_t first_worker, int64_t last_worker) {
-    Scratch scratch;
-    for (int64_t w = first_worker; w < last_worker; ++w)
-      attend_items(work, w, qp, Hq * D, pool, op, scale, window, softcap, scratch);
-  });
-  merge_parts(work, op);
-  return out;
-}
-
-// Over a pool of values: k_cache, v_cache [blocks, block_size, Hkv, D], float32 or float16 alike.
-inline torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor q_start_loc,
-                                     torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
-  const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && (dtype == torch::kFloat || dtype == torch::kHalf) &&
-              v_cache.scalar_type() == dtype, "paged_attention takes float32 q and float32 or float16 caches alike");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention takes contiguous q and caches");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) == q.size(2) &&
-              v_cache.sizes() == k_cache.sizes(),
-              "paged_attention: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
-              "head_dim] alike; got ", q.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
-  const auto over = [&](auto pool) {
-    return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
-  };
-  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), D = q.size(2);
-  if (dtype == torch::kHalf)
-    return over(Pool<16>{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, bs, kv_heads, D});
-  return over(Pool<32>{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, bs, kv_heads, D});
-}
-
-// Over a pool of 8- or 4-bit codes: k_cache, v_cache [blocks, block_size, Hkv, D * bits / 8] uint8, their
-// params [blocks, block_size, Hkv, 2] float32 (scale, zero).
-// k_new, v_new: the step's own K and V [T, kv_heads, head_dim] float32, attended to in place of their codes
-// (None: their codes are read, as any other row's).
-inline torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                           torch::Tensor k_params, torch::Tensor v_params, int64_t bits,
-                                           torch::Tensor block_tables, torch::Tensor q_start_loc,
-                                           torch::Tensor kv_lens, double scale, int64_t window, double softcap,
-                                           c10::optional<torch::Tensor> k_new = c10::nullopt,
-                                           c10::optional<torch::Tensor> v_new = c10::nullopt) {
-  TORCH_CHECK(bits == 8 || bits == 4, "paged_attention_codes takes 8- or 4-bit codes, got ", bits);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kByte &&
-              v_cache.scalar_type() == torch::kByte && k_params.scalar_type() == torch::kFloat &&
-              v_params.scalar_type() == torch::kFloat,
-              "paged_attention_codes takes float32 q and params and uint8 caches");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && k_params.is_contiguous() &&
-              v_params.is_contiguous(), "paged_attention_codes takes contiguous q, caches and params");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(3) * 8 == q.size(2) * bits &&
-              v_cache.sizes() == k_cache.sizes() && k_params.dim() == 4 && k_params.size(0) == k_cache.size(0) &&
-              k_params.size(1) == k_cache.size(1) && k_params.size(2) == k_cache.size(2) && k_params.size(3) == 2 &&
-              v_params.sizes() == k_params.sizes(),
-              "paged_attention_codes: q is [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
-              "head_dim * bits / 8] and their params [blocks, block_size, kv_heads, 2]; got ", q.sizes(), ", ",
-              k_cache.sizes(), ", ", v_cache.sizes(), ", ", k_params.sizes(), " and ", v_params.sizes());
-  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2), D = q.size(2);
-  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_attention_codes takes k_new and v_new together");
-  torch::Tensor kn, vn;
-  if (k_new.has_value()) {
-    kn = k_new->contiguous(), vn = v_new->contiguous();
-    TORCH_CHECK(kn.scalar_type() == torch::kFloat && vn.scalar_type() == torch::kFloat && kn.dim() == 3 &&
-                    kn.size(0) == q.size(0) && kn.size(1) == kv_heads && kn.size(2) == D && vn.sizes() == kn.sizes(),
-                "paged_attention_codes: k_new and v_new are float32 [tokens, kv_heads, head_dim]; got ", kn.sizes(),
-                " and ", vn.sizes());
-  }
-  const float* kp = kn.defined() ? kn.data_ptr<float>() : nullptr;
-  const float* vp = vn.defined() ? vn.data_ptr<float>() : nullptr;
-  const auto args = [&](auto pool) {
-    return attention_over(q, pool, block_tables, q_start_loc, kv_lens, scale, window, softcap);
-  };
-  if (bits == 8)
-    return args(Pool<8>{k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(), v_params.data_ptr<float>(),
-                        bs, kv_heads, D, kp, vp});
-  return args(Pool<4>{k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(), v_params.data_ptr<float>(),
-                      bs, kv_heads, D, kp, vp});
 }
 
 }  // namespace lmport

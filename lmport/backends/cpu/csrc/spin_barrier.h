@@ -5,10 +5,10 @@
 // may be waiting for that core.
 #pragma once
 
-#include <immintrin.h>
-
 #include <atomic>
 #include <thread>
+
+#include "isa/isa.h"
 
 namespace lmport {
 
@@ -24,7 +24,7 @@ class SpinBarrier {
       generation_.store(generation + 1, std::memory_order_release);
     } else {
       for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins)
-        if (spins < kSpins) _mm_pause();
+        if (spins < kSpins) isa::spin_pause();
         else std::this_thread::yield();
     }
   }

@@ -15,9 +15,9 @@
 // summed; a type's mins meet the float sums of x per run (``extra`` below).
 #pragma once
 
-#include <immintrin.h>
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "../isa.h"
 
 #include <algorithm>
 #include <vector>
