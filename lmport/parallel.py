@@ -27,7 +27,9 @@ from lmport.weights.format import check_quantized_tp
 def tp_problem(model_cfg, tp: int) -> str | None:
     """Why ``tp`` cannot split this model (None when it can)."""
     heads, kv = model_cfg.num_attention_heads, model_cfg.num_key_value_heads
-    inter = model_cfg.intermediate_size
+    if tp > 1 and model_cfg.model_type in UNSPLIT_LINEAR_ATTENTION_MODEL_TYPES:
+        return f"{model_cfg.model_type}'s linear-attention layers are not split over ranks (it runs at tp=1 only)"
+    inter = getattr(model_cfg, "intermediate_size", None) or model_cfg.moe_intermediate_size   # MoE-only configs
     if heads % tp:
         return f"its {heads} attention heads are not divisible by tp={tp}"
     if kv % tp and tp % kv:
@@ -43,6 +45,7 @@ EXPERT_WIDTH_FIELDS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_
                        "qwen3_moe": "moe_intermediate_size", "glm4_moe": "moe_intermediate_size",
                        "deepseek_v3": "moe_intermediate_size"}
 UNSHARDED_MOE_MODEL_TYPES = ("llama4_text", "qwen3_next")
+UNSPLIT_LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def experts_tp_problem(model_cfg, tp: int) -> str | None:

@@ -71,7 +71,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     from lmport.models.architectures import model_class
     with pytest.raises(ValueError, match="not supported; supported: llama, mistral, qwen2, qwen3, smollm3, gemma2, "
                                          "gemma3_text, phi3, mixtral, qwen3_moe, glm4_moe, gpt_oss, llama4_text, "
-                                         "deepseek_v3, qwen3_next$"):
+                                         "deepseek_v3, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen2_5_vl$"):
         model_class(transformers.GPT2Config())
 
 

@@ -15,8 +15,9 @@ q_proj, rotary in halves, a default rope and attention biases.
 - the cache is sized by its kind: a latent layer caches kv_lora_rank + qk_rope_head_dim values a token (576 for
   DeepSeek-V3), and `lmport plan` on DeepSeek-V3's own config.json (tests/data/deepseek_v3) shows
   61 x 576 x 2 = 70,272 bytes a token in bfloat16;
-- a backend without the "latent" attention variant (cuda's Triton kernels) refuses the model before any weight
-  loads, naming it (tensor parallelism: tests/test_moe_tp.py).
+- a backend without the "latent" attention variant (ascend, camb) refuses the model before any weight loads, naming
+  it; cpu (the reference ops) and cuda (its Triton MLA kernels: tests/conformance/test_cuda_mla.py) plan it
+  (tensor parallelism: tests/test_moe_tp.py).
 """
 from __future__ import annotations
 
@@ -326,8 +327,17 @@ def test_plan_of_deepseek_v3_real_config():
 
 def test_plan_on_a_backend_without_latent_attention_is_refused():
     from lmport.memory.plan import build_plan
-    with pytest.raises(ConfigError, match="'deepseek_v3' needs attention latent, which device 'cuda' does not run"):
-        build_plan(str(REAL_CONFIG_DIR), EngineConfig(device_type="cuda"), device_memory=2 << 40)
+    with pytest.raises(ConfigError, match="'deepseek_v3' needs attention latent, which device 'ascend' does not run"
+                                          r".*attention latent run on cpu, cuda;"):
+        build_plan(str(REAL_CONFIG_DIR), EngineConfig(device_type="ascend"), device_memory=2 << 40)
+
+
+def test_plan_on_cuda_sizes_the_latent_cache():
+    """cuda runs the latent variant (lmport/backends/cuda/mla.py): its plan is the cpu one's, 61 x 576 x 2 B a
+    token in its default bfloat16."""
+    from lmport.memory.plan import build_plan
+    report = build_plan(str(REAL_CONFIG_DIR), EngineConfig(device_type="cuda"), device_memory=2 << 40)
+    assert report["kv"]["bytes_per_token"] == 61 * 576 * 2
 
 
 def test_backends_declare_whether_they_run_latent_attention():
@@ -336,7 +346,8 @@ def test_backends_declare_whether_they_run_latent_attention():
     from lmport.backends.cpu import CpuBackend
     from lmport.backends.cuda import CudaBackend
     assert "latent" in CpuBackend.capabilities.attention_variants
-    for backend in (CudaBackend, AscendBackend, CambBackend):
+    assert "latent" in CudaBackend.capabilities.attention_variants
+    for backend in (AscendBackend, CambBackend):
         assert "latent" not in backend.capabilities.attention_variants
 
 
@@ -356,3 +367,20 @@ def test_real_config_is_transformers_defaults():
                 "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor", "moe_intermediate_size",
                 "intermediate_size", "vocab_size"):
         assert ours[key] == getattr(defaults, key), key
+
+
+def test_a_gguf_s_quantized_rotary_rows_are_reordered_as_the_model_reorders_float_ones():
+    """A deepseek2 GGUF holds q_b_proj and kv_a_proj_with_mqa with interleaved rotary rows; the model reorders float
+    ones itself (shard_state_dict), the GGUF loader quantized ones by whole rows (lmport.weights.gguf._rope_halves):
+    the two orders agree."""
+    from lmport.models.deepseek_v3 import DeepseekV3CausalLM
+    from lmport.weights.gguf import _rope_halves
+    cfg = tiny_config("q-lora")
+    with torch.device("meta"):
+        model = DeepseekV3CausalLM(cfg, backend=None, rotary=None)   # pyright: ignore[reportArgumentType]
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    weights = {"model.layers.0.self_attn.q_b_proj.weight": torch.randn(cfg.num_attention_heads * qk, 24),
+               "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": torch.randn(cfg.kv_lora_rank + 8, 64)}
+    turned = model.shard_state_dict(weights)
+    for name, w in weights.items():
+        assert torch.equal(w[_rope_halves(w.shape[0], cfg, "kv_a" in name)], turned[name]), name

@@ -217,3 +217,48 @@ def test_estimate_scales_with_prefill_tokens_and_tp():
     assert memory.activation_reserve(cfg, small) < memory.activation_reserve(cfg, base)
     assert memory.activation_reserve(cfg, split) < memory.activation_reserve(cfg, base)
     assert memory.kv_layout(cfg, split).num_kv_heads == 1
+
+
+def test_the_estimate_counts_latent_attention_expanded_per_head():
+    """DeepSeek-V3's prefill (lmport.ops.mla) makes, per token: q [128 heads x (128 + 64)], the latent expanded by
+    kv_b_proj [128 x (128 + 128)], keys [128 x (128 + 64)] and values [128 x 128], beside the latent (512 + 64) and
+    the query's latent (1536); its widest MLP is the dense layers' 18,432. Its config's head_dim is the rotary
+    part's 64, which a q/k/v count of heads x head_dim would take for the whole head."""
+    cfg = plan.read_model_config("tests/data/deepseek_v3")
+    config = resolve_config(EngineConfig(device_type="cuda", dtype="bfloat16", max_prefill_token_num=4096,
+                                         max_batch_size=8))
+    attention = 128 * (192 + 256 + 192 + 128) + 512 + 64 + 1536
+    per_token = 3 * 18432 + attention + 4 * 7168
+    logits = 8 * 129280 * (2 + 12)
+    assert memory.activation_reserve(cfg, config) == int((4096 * per_token * 2 + logits) * 1.25)
+
+
+def test_the_estimate_of_a_model_with_experts_only():
+    """Qwen3.5-MoE's text config has no dense MLP width (intermediate_size): its widest MLP is an expert or the
+    shared expert."""
+    cfg = transformers.Qwen3_5MoeTextConfig(moe_intermediate_size=512, shared_expert_intermediate_size=640)
+    config = resolve_config(EngineConfig(device_type="cuda", dtype="bfloat16", max_prefill_token_num=1024,
+                                         max_batch_size=4))
+    per_token = 3 * 640 + 3 * cfg.num_attention_heads * cfg.head_dim + 4 * cfg.hidden_size
+    logits = 4 * cfg.vocab_size * (2 + 12)
+    assert memory.activation_reserve(cfg, config) == int((1024 * per_token * 2 + logits) * 1.25)
+
+
+def test_the_runner_reports_the_recurrent_state_it_holds():
+    """A hybrid model's runner holds a state slot per running sequence beside the paged cache: `allocation()`
+    counts the bytes of those tensors, and they are what `lmport plan` plans for them."""
+    from support.qwen3_next_model import tiny_model_dir as qwen3_next_dir
+    config = EngineConfig(device_type="cpu", dtype="float32", max_batch_size=3, cache_max_entry_count=8)
+    report = plan.build_plan(qwen3_next_dir(), config, device_memory=8 << 30)
+    engine = Engine(qwen3_next_dir(), config)
+    try:
+        held = engine.executor.run_all("allocation")[0]
+        states = engine.runner.states
+        assert states is not None
+        tensors = [*states.conv, *states.state]
+        assert held["state_bytes"] == sum(t.numel() * t.element_size() for t in tensors)
+        assert held["state_bytes"] == report["state"]["bytes"] == 3 * report["state"]["bytes_per_sequence"]
+        assert (held["num_blocks"], held["cache_bytes"]) == (report["ranks"][0]["num_blocks"],
+                                                               report["ranks"][0]["cache_bytes"])
+    finally:
+        engine.close()

@@ -14,9 +14,10 @@ import torch
 import lmport
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.errors import ConfigError
-from support.qwen3_next_model import hf_greedy, tiny_model_dir
+from support.qwen3_next_model import drive, hf_greedy, tiny_model_dir
 
-REAL_CONFIG_DIR = Path(__file__).parent / "data" / "qwen3_next"   # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+# transformers' Qwen3NextConfig() saved: Qwen3-Next-80B-A3B's shape (test_real_config_is_transformers_defaults)
+REAL_CONFIG_DIR = Path(__file__).parent / "data" / "qwen3_next"
 VOCAB = 49152
 
 
@@ -30,53 +31,16 @@ def reference(lengths: tuple[int, ...], new_tokens: int) -> tuple[list[int], ...
     return tuple(hf_greedy(tiny_model_dir(), prompts(lengths), new_tokens))
 
 
-def drive(prompt_ids: list[list[int]], new_tokens: int, block_size: int, chunk: int) -> list[list[int]]:
-    """Greedy tokens from the model alone: every sequence in each step, prompts in chunks of ``chunk`` tokens,
-    each sequence in its own state slot (in reverse order, so that slot and batch row differ)."""
-    from lmport.backends.cpu import CpuBackend
-    from lmport.kv.layout import KVLayout
-    from lmport.kv.state_pool import StateTensors
-    from lmport.models.loader import load_model
-    from lmport.ops import build_attention_metadata
-    model = load_model(tiny_model_dir(), CpuBackend(), torch.float32).model
-    kinds = model.cache_kinds(model.config)
-    layout = KVLayout(len(kinds), kinds[0].num_heads, kinds[0].head_dim, block_size, torch.float32, layer_kinds=kinds)
-    per_seq = -(-(max(map(len, prompt_ids)) + new_tokens) // block_size)
-    caches = layout.allocate(per_seq * len(prompt_ids), "cpu")
-    model.bind_states(StateTensors(model.recurrent_state(model.config, torch.float32), len(prompt_ids) + 1, "cpu"))
-    seqs = [{"ids": list(p), "done": 0, "out": [], "table": list(range(i * per_seq, (i + 1) * per_seq)),
-             "slot": len(prompt_ids) - i} for i, p in enumerate(prompt_ids)]
-    while any(len(s["out"]) < new_tokens for s in seqs):
-        live = [s for s in seqs if len(s["out"]) < new_tokens]
-        tokens, q_lens, rows = [], [], []
-        for s in live:
-            n = min(chunk, len(s["ids"]) - s["done"])
-            tokens += s["ids"][s["done"]:s["done"] + n]
-            q_lens.append(n)
-            rows.append(len(tokens) - 1)
-        meta = build_attention_metadata(q_lens, [s["done"] + n for s, n in zip(live, q_lens)],
-                                        [s["table"] for s in live], block_size)
-        model.state_slots = [s["slot"] for s in live]
-        logits = model.logits(model(torch.tensor(tokens), meta, caches)[rows])
-        for s, n, row in zip(live, q_lens, logits):
-            s["done"] += n
-            if s["done"] == len(s["ids"]):
-                token = int(row.argmax())
-                s["out"].append(token)
-                s["ids"].append(token)
-    return [s["out"] for s in seqs]
-
-
 @pytest.mark.slow
 def test_model_matches_transformers_with_chunks_and_slots():
     lengths = (1, 20, 45)
-    assert drive(prompts(lengths), 6, block_size=16, chunk=24) == list(reference(lengths, 6))
+    assert drive(tiny_model_dir(), prompts(lengths), 6, block_size=16, chunk=24) == list(reference(lengths, 6))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_model_matches_transformers_on_five_prompts(block_size):
-    assert drive(prompts(), 24, block_size, chunk=48) == list(reference((1, 17, 70, 130, 200), 24))
+    assert drive(tiny_model_dir(), prompts(), 24, block_size, chunk=48) == list(reference((1, 17, 70, 130, 200), 24))
 
 
 def run(prompt_ids: list[list[int]], new_tokens: int, **config) -> tuple[list[list[int]], dict]:
@@ -191,3 +155,18 @@ def test_a_step_without_slots_is_refused_once_a_sequence_continues():
                       layer_kinds=kinds).allocate(2, "cpu")
     with pytest.raises(ValueError, match="recurrent-state slot"):
         model(torch.tensor([5]), build_attention_metadata([1], [4], [[0]], 16), caches)
+
+
+def test_real_config_is_transformers_defaults():
+    """The fixture is transformers' Qwen3NextConfig() as saved, whose docstring gives Qwen3-Next-80B-A3B's shape:
+    every field the plan's figures read (layer types, KV heads, head dim, the linear layers' heads and dims) is
+    the defaults'."""
+    import json
+
+    import transformers
+    ours, defaults = json.loads((REAL_CONFIG_DIR / "config.json").read_text()), transformers.Qwen3NextConfig()
+    for key in ("num_hidden_layers", "layer_types", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size"):
+        assert ours[key] == getattr(defaults, key), key

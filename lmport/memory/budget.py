@@ -72,18 +72,42 @@ def draft_bytes_per_block(config: EngineConfig) -> int:
     return kv_layout(read_model_config(spec.model), dataclasses.replace(config, tp=1)).bytes_per_block
 
 
+# The config fields that size an MLP: a dense one, Llama 4's dense layers, a routed expert, the shared expert.
+MLP_WIDTH_FIELDS = ("intermediate_size", "intermediate_size_mlp", "moe_intermediate_size",
+                    "shared_expert_intermediate_size")
+
+
+def mlp_width(model_cfg) -> int:
+    """The widest MLP a layer runs on a token. Experts run one at a time over their tokens (lmport.ops.moe), so a
+    routed expert counts once whatever the top k; a model with experts only has no ``intermediate_size``."""
+    return max(getattr(model_cfg, f, None) or 0 for f in MLP_WIDTH_FIELDS)
+
+
+def attention_width(model_cfg) -> int:
+    """Values a token's attention makes. Multi-head attention: q, k and v, ``heads x head_dim`` each. Latent
+    attention (MLA: ``kv_lora_rank`` set; lmport.ops.mla) makes per head a query and a key of nope + rope values,
+    the latent expanded by kv_b_proj (nope + v) and a value (v), beside the latent and the query's latent; its
+    config's ``head_dim`` is the rotary part alone."""
+    heads = model_cfg.num_attention_heads
+    rank = getattr(model_cfg, "kv_lora_rank", None)
+    if rank is None:
+        return 3 * heads * head_dim_of(model_cfg)
+    nope, rope, v = model_cfg.qk_nope_head_dim, model_cfg.qk_rope_head_dim, model_cfg.v_head_dim
+    return heads * (2 * (nope + rope) + (nope + v) + v) + rank + rope + (getattr(model_cfg, "q_lora_rank", None) or 0)
+
+
 def activation_reserve(model_cfg, config: EngineConfig) -> int:
     """Estimated peak activation bytes of one forward over ``max_prefill_token_num`` tokens (an upper estimate).
 
-    The widest live tensors in a layer are the MLP's gate, up and product ([T, intermediate]
-    each) beside the residual stream and q/k/v; tensor parallelism splits the MLP and the
-    heads. Logits are computed only for the last token of each sequence (at most
+    The widest live tensors in a layer are the MLP's gate, up and product ([T, mlp_width]
+    each) beside the residual stream and the attention's (attention_width); tensor parallelism splits the MLP
+    and the heads. Logits are computed only for the last token of each sequence (at most
     ``max_batch_size`` rows): the lm_head output, its float32 copy and sampling's copies.
     Attention kernels are assumed not to materialize [T, T] scores (flash-style).
     """
     dtype_bytes = torch_dtype(config.dtype).itemsize
-    hidden, heads = model_cfg.hidden_size, model_cfg.num_attention_heads
-    per_token = (3 * model_cfg.intermediate_size + 3 * heads * head_dim_of(model_cfg)) / config.tp + 4 * hidden
+    hidden = model_cfg.hidden_size
+    per_token = (3 * mlp_width(model_cfg) + attention_width(model_cfg)) / config.tp + 4 * hidden
     tokens = config.max_prefill_token_num
     logits = min(config.max_batch_size, tokens) * model_cfg.vocab_size * (dtype_bytes + 3 * 4)
     return int((tokens * per_token * dtype_bytes + logits) * 1.25)

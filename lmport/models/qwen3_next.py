@@ -15,7 +15,9 @@ What differs from the Llama-family decoder, each as transformers' Qwen3Next modu
 - the sparse MLP adds a shared expert weighed by sigmoid(shared_expert_gate(x)) to the routed experts
   (softmax, top k, renormalized when ``norm_topk_prob``); ``mlp_only_layers`` keep a dense MLP.
 
-Tensor parallelism is refused (the experts and the linear layers' heads are not sharded).
+Tensor parallelism is refused (the experts and the linear layers' heads are not sharded). A GGUF's linear layers
+hold q/k/v and z as two projections (llama.cpp's regrouping; ``LLAMA_CPP_PROJECTIONS``), the same computation.
+Qwen3.5 (lmport.models.qwen3_5) is this decoder with other projections and MLPs.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from lmport.platform.backend import Backend
 
 QWEN3_NEXT_MODEL_TYPES = ("qwen3_next",)
 LINEAR, FULL = "linear_attention", "full_attention"
+# config.linear_projections of a model loaded from a GGUF: the linear layers' projections as llama.cpp stores them
+LLAMA_CPP_PROJECTIONS = "qkv_z_ba"
 # The attention variant a backend runs the linear layers' recurrent state with (Capabilities.attention_variants).
 RECURRENT_STATE = "recurrent_state"
 
@@ -43,7 +47,7 @@ RECURRENT_STATE = "recurrent_state"
 def layer_types(cfg) -> list[str]:
     types = list(getattr(cfg, "layer_types", None) or [])
     if len(types) != cfg.num_hidden_layers or set(types) - {LINEAR, FULL}:
-        raise ValueError(f"qwen3_next: config.layer_types needs {cfg.num_hidden_layers} entries of "
+        raise ValueError(f"{cfg.model_type}: config.layer_types needs {cfg.num_hidden_layers} entries of "
                          f"{LINEAR!r} / {FULL!r}, got {types}")
     return types
 
@@ -110,29 +114,42 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg, backend: Backend):
         super().__init__()
-        self.backend = backend
+        self.backend, self.model_type = backend, cfg.model_type
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"qwen3_next: linear_num_value_heads={self.num_v_heads} is not a multiple of "
+            raise ValueError(f"{cfg.model_type}: linear_num_value_heads={self.num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={self.num_k_heads}")
         self.key_size, self.value_size = self.k_dim * self.num_k_heads, self.v_dim * self.num_v_heads
         conv_channels = 2 * self.key_size + self.value_size
         self.conv1d = Conv1dWeight(conv_channels, cfg.linear_conv_kernel_dim)
-        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * self.key_size + 2 * self.value_size, False, backend)
-        self.in_proj_ba = Linear(cfg.hidden_size, 2 * self.num_v_heads, False, backend)
+        # transformers' layout, or llama.cpp's (a GGUF's: lmport.weights.gguf_config sets the config's field)
+        self.split_qkv_z = getattr(cfg, "linear_projections", None) == LLAMA_CPP_PROJECTIONS
+        self.make_projections(cfg.hidden_size, backend)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_size, cfg.hidden_size, False, backend)
 
+    def make_projections(self, hidden: int, backend: Backend) -> None:
+        if self.split_qkv_z:
+            self.in_proj_qkv = Linear(hidden, 2 * self.key_size + self.value_size, False, backend)
+            self.in_proj_z = Linear(hidden, self.value_size, False, backend)
+        else:
+            self.in_proj_qkvz = Linear(hidden, 2 * self.key_size + 2 * self.value_size, False, backend)
+        self.in_proj_ba = Linear(hidden, 2 * self.num_v_heads, False, backend)
+
     def split_projections(self, x: torch.Tensor):
         """transformers' ``fix_query_key_value_ordering``: the projections are grouped by key head, each group
-        holding its q, k, and its value heads' v and z (and b, a)."""
+        holding its q, k, and its value heads' v and z (and b, a). llama.cpp's converter regroups q/k/v/z into
+        q/k/v in the conv's channel order (``attn_qkv``) and z (``attn_gate``), and keeps b/a grouped."""
         t, group = x.shape[0], self.num_v_heads // self.num_k_heads
+        b, a = self.in_proj_ba.forward(x).view(t, self.num_k_heads, 2 * group).split([group, group], dim=-1)
+        if self.split_qkv_z:
+            z = self.in_proj_z.forward(x).unflatten(-1, (self.num_v_heads, self.v_dim))
+            return self.in_proj_qkv.forward(x), z, b.reshape(t, -1), a.reshape(t, -1)
         qkvz = self.in_proj_qkvz.forward(x).view(t, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba.forward(x).view(t, self.num_k_heads, 2 * group).split([group, group], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)   # the conv's channels
         return mixed, z.reshape(t, self.num_v_heads, self.v_dim), b.reshape(t, -1), a.reshape(t, -1)
 
@@ -149,11 +166,11 @@ class GatedDeltaNet(nn.Module):
             starts.append(starts[-1] + n)
         fresh = [kv == q for q, kv in zip(meta.q_lens_host, meta.kv_lens_host)]   # nothing cached before the step
         if slots is None and not all(fresh):
-            raise ValueError("qwen3_next: a step continuing a sequence needs its recurrent-state slot "
+            raise ValueError(f"{self.model_type}: a step continuing a sequence needs its recurrent-state slot "
                              "(state_slots); the model runner binds them")
         if slots is not None and (conv is None or len(slots) != len(fresh) or min(slots) < 0):
-            raise ValueError(f"qwen3_next: each sequence of the step needs a recurrent-state slot of a bound pool, "
-                             f"got {slots} for {len(fresh)} sequences")
+            raise ValueError(f"{self.model_type}: each sequence of the step needs a recurrent-state slot of a bound "
+                             f"pool, got {slots} for {len(fresh)} sequences")
         decoding = [i for i, n in enumerate(meta.q_lens_host) if n == 1 and not fresh[i]]
         if decoding:   # one token each: batched over the sequences
             rows = torch.tensor([starts[i] for i in decoding], device=x.device)
@@ -190,8 +207,10 @@ class GatedDeltaNet(nn.Module):
 class SharedExpertMoe(SparseMoeBlock):
     """The routed experts (lmport.models.moe.SparseMoeBlock) plus the shared expert, weighed by its gate."""
 
-    def __init__(self, cfg, backend: Backend, tp: TPGroup):
+    def __init__(self, cfg, backend: Backend, tp: TPGroup, renormalize: bool | None = None):
         super().__init__(cfg, backend)
+        if renormalize is not None:   # a family whose router always renormalizes has no norm_topk_prob
+            self.renormalize = renormalize
         self.shared_expert = MLP(cfg, backend, tp, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, backend)
 
@@ -201,26 +220,33 @@ class SharedExpertMoe(SparseMoeBlock):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
+    linear_attention: type[GatedDeltaNet] = GatedDeltaNet
+
     def __init__(self, cfg, backend: Backend, tp: TPGroup, index: int):
         super().__init__()
         self.kind = layer_types(cfg)[index]
         if self.kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, backend)
+            self.linear_attn = self.linear_attention(cfg, backend)
         else:
             self.self_attn = GatedAttention(cfg, backend)
-        self.mlp = SharedExpertMoe(cfg, backend, tp) if is_sparse_layer(cfg, index) else MLP(cfg, backend, tp)
+        self.mlp = self.make_mlp(cfg, backend, tp, index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, offset=1.0)
+
+    def make_mlp(self, cfg, backend: Backend, tp: TPGroup, index: int) -> nn.Module:
+        return SharedExpertMoe(cfg, backend, tp) if is_sparse_layer(cfg, index) else MLP(cfg, backend, tp)
 
 
 class Qwen3NextCausalLM(PagedCausalLM):
     model_types = QWEN3_NEXT_MODEL_TYPES
     norm_offset = 1.0
+    decoder_layer: type[Qwen3NextDecoderLayer] = Qwen3NextDecoderLayer
+    layer_class = nn.Identity   # a placeholder per layer: __init__ builds each decoder_layer by its index
 
     def __init__(self, cfg, backend: Backend, rotary: nn.Module, tp: TPGroup | None = None):
         refuse_tp(cfg, tp)
         super().__init__(cfg, backend, rotary, tp)
-        self.model.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, backend, self.tp, i)
+        self.model.layers = nn.ModuleList(self.decoder_layer(cfg, backend, self.tp, i)
                                           for i in range(cfg.num_hidden_layers))
         self.states: StateTensors | None = None   # the recurrent-state pool's tensors (bind_states)
         self.state_slots: list[int] | None = None  # each sequence's slot this step, set by the runner

@@ -37,10 +37,15 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama, Mistral, Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
     "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3", "smollm3": "SmolLM3",
-    "glm4moe": "GLM-4.5",
+    "glm4moe": "GLM-4.5", "deepseek2": "DeepSeek-V3", "qwen3next": "Qwen3-Next",
 }
 # GGUF architecture -> transformers model type, where they differ.
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "glm4moe": "glm4_moe"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
+                "qwen3next": "qwen3_next"}
+# Qwen3-Next's linear-layer parameters without a weight / bias suffix -> the GGUF tensor they come from, by the
+# name gguf's map gives the module (A_log is stored as -exp(A_log), under no suffix; dt_bias as dt_proj's bias).
+_LINEAR_PARAMETERS = {"linear_attn.A_log": ("linear_attn.A_log", ""), "linear_attn.dt_bias": ("linear_attn.dt_proj",
+                                                                                              ".bias")}
 # Architectures whose q/k rows (and biases) llama.cpp's converter interleaves for its rotary.
 _PERMUTED_QK = ("llama", "smollm3")
 # Tensors a converter may write that the model computes from its config instead.
@@ -260,6 +265,9 @@ def checkpoint_names(model_names: list[str], model_type: str) -> list[str]:
         if base.endswith("mlp.experts.gate_up_proj"):
             names += [name.replace("gate_up_proj", "gate_proj"), name.replace("gate_up_proj", "up_proj")]
             continue
+        if model_type == "deepseek_v3" and base.endswith("self_attn.kv_b_proj"):
+            names += [name.replace("kv_b_proj", "k_b_proj"), name.replace("kv_b_proj", "v_b_proj")]
+            continue
         names.append(name)
     return names
 
@@ -276,7 +284,11 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
     wanted = {}
     for hf in checkpoint_names(model_names, cfg.model_type):
         base, _, suffix = hf.rpartition(".")
-        if suffix in ("weight", "bias") and (g := name_map.get_name(base)) is not None:
+        parameter = next((p for p in _LINEAR_PARAMETERS if hf.endswith(p)), None)
+        if arch == "qwen3next" and parameter is not None:
+            module, tensor_suffix = _LINEAR_PARAMETERS[parameter]
+            wanted[f"{name_map.get_name(hf.removesuffix(parameter) + module)}{tensor_suffix}"] = hf
+        elif suffix in ("weight", "bias") and (g := name_map.get_name(base)) is not None:
             wanted[f"{g}.{suffix}"] = hf
         elif (g := name_map.get_name(hf)) is not None:   # a parameter without a suffix (stacked experts)
             wanted[f"{g}.weight"] = hf
@@ -324,11 +336,23 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
                                                    "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             values[name] = _rows(value, _unpermute_rows(_out_features(value), heads))
-        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
-            values[name] = value - 1
+        elif (arch in ("gemma2", "gemma3") or arch == "qwen3next" and not name.endswith("linear_attn.norm.weight")) \
+                and name.endswith("norm.weight"):
+            values[name] = value - 1   # stored as 1 + w (Qwen3-Next's gated norm is stored as it is)
+        elif arch == "qwen3next" and name.endswith("linear_attn.A_log"):
+            values[name] = torch.log(-value)   # stored as A = -exp(A_log)
+        elif arch == "qwen3next" and name.endswith("linear_attn.conv1d.weight"):
+            values[name] = value.unsqueeze(1)   # stored squeezed: [channels, kernel]
+        elif arch == "qwen3next" and name.endswith("mlp.shared_expert_gate.weight"):
+            values[name] = value.reshape(1, -1)   # one output row; llama-quantize drops its dimension of 1
         elif name.endswith("mlp.experts.gate_proj"):
             experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
             _experts(values, name.removesuffix(".gate_proj"), experts, dtype)
+        elif arch == "deepseek2" and name.endswith("self_attn.k_b_proj.weight"):
+            _latent_expansion(values, name.removesuffix(".k_b_proj.weight"), cfg, dtype)
+        elif arch == "deepseek2" and not isinstance(value, torch.Tensor) and name.endswith(
+                ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")):
+            values[name] = _rows(value, _rope_halves(_out_features(value), cfg, "kv_a" in name))
         elif arch == "phi3" and name.removesuffix(".weight").endswith(tuple(_PHI3_FUSED)):
             fused = next(f for f in _PHI3_FUSED if name.removesuffix(".weight").endswith(f))
             d = head_dim_of(cfg)
@@ -339,6 +363,36 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
                 values[f"{prefix}{part}.weight"] = _row_range(value, start, start + size)
                 start += size
             del values[name]
+
+
+def _latent_expansion(values: dict, prefix: str, cfg, dtype: torch.dtype) -> None:
+    """DeepSeek-V3's kv_b_proj [heads x (nope + v), kv_lora_rank], float (the MLA op reads it as a float weight),
+    from the converter's two halves: ``attn_k_b`` [heads, rank, nope] (each head's key rows, transposed) and
+    ``attn_v_b`` [heads, v, rank]."""
+    from lmport import ops
+    heads, rank = cfg.num_attention_heads, cfg.kv_lora_rank
+    halves = []
+    for part, shape in (("k_b_proj", (heads, rank, cfg.qk_nope_head_dim)), ("v_b_proj", (heads, cfg.v_head_dim, rank))):
+        w = values.pop(f"{prefix}.{part}.weight")
+        if isinstance(w, GGMLWeight):
+            w = ops.dequantize_ggml(w, dtype)
+        elif isinstance(w, QuantizedWeight):
+            w = ops.dequantize(w, dtype)
+        halves.append(w.reshape(shape))
+    keys, vals = halves
+    values[f"{prefix}.kv_b_proj.weight"] = torch.cat([keys.transpose(1, 2), vals], dim=1).reshape(-1, rank)
+
+
+def _rope_halves(rows: int, cfg, latent: bool) -> torch.Tensor:
+    """The row order DeepSeek-V3's model takes its rotary rows in (halves), from the checkpoint's interleaved
+    pairs, for a quantized q projection (each head: nope rows, then rope) or kv_a_proj_with_mqa (the latent's
+    rows, then rope). Float tensors are reordered by the model itself (DeepseekV3CausalLM.shard_state_dict)."""
+    from lmport.models.deepseek_v3 import interleaved_to_halves
+    index, nope, rope = torch.arange(rows), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if latent:
+        return torch.cat([index[:cfg.kv_lora_rank], interleaved_to_halves(index[cfg.kv_lora_rank:])])
+    heads = index.unflatten(0, (-1, nope + rope))
+    return torch.cat([heads[:, :nope], interleaved_to_halves(heads[:, nope:].T).T], dim=1).flatten()
 
 
 def _experts(values: dict, prefix: str, num_experts: int, dtype: torch.dtype) -> None:

@@ -17,6 +17,7 @@ implement), ``as_transformers_config`` gives transformers' class.
 """
 from __future__ import annotations
 
+import numpy as np
 from transformers.configuration_utils import PreTrainedConfig
 
 
@@ -89,6 +90,23 @@ EXTRA_CONFIG_MAPPING = {
         "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
         "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
         "nextn_predict_layers": "num_nextn_predict_layers"},
+    # DeepSeek-V3 (llama.cpp's deepseek2): head_count_kv is the latent's one "head" (llama.cpp runs MLA as MQA),
+    # not the config's; the key and value head sizes are the *_mla keys (architecture_fields)
+    "deepseek_v3": {k: v for k, v in _COMMON_KEYS.items() if k != "attention.head_count_kv"} | {
+        "attention.kv_lora_rank": "kv_lora_rank", "attention.value_length_mla": "v_head_dim",
+        "rope.dimension_count": "qk_rope_head_dim", "expert_count": "n_routed_experts",
+        "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_count": "n_shared_experts", "leading_dense_block_count": "first_k_dense_replace",
+        "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
+        "expert_weights_scale": "routed_scaling_factor"},
+    # Qwen3-Next: llama.cpp's ssm keys name the linear-attention layers' sizes (its conv kernel, key head size,
+    # key heads and value heads); the value head size is ssm.inner_size over the value heads (architecture_fields)
+    "qwen3_next": _COMMON_KEYS | {
+        "attention.key_length": "head_dim", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+        "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+        "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads"},
 }
 _SIGMOID_GATING = 2   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -98,6 +116,10 @@ def architecture_fields(arch: str, model_type: str, meta: dict, tensor_names: se
     differs from the config's: biases and q/k norms present, GLM's rotary width as a fraction of the head and
     its layer count without the multi-token-prediction layers (which the converter counts in block_count)."""
     fields = {}
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_fields(arch, meta)
+    if model_type == "qwen3_next":
+        return _qwen3_next_fields(arch, meta, tensor_names)
     if model_type in ("smollm3", "glm4_moe"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if model_type == "glm4_moe":
@@ -113,3 +135,61 @@ def architecture_fields(arch: str, model_type: str, meta: dict, tensor_names: se
                                      "partial_rotary_factor": meta.get(f"{arch}.rope.dimension_count", head_dim)
                                      / head_dim}
     return fields
+
+
+def _deepseek_v3_fields(arch: str, meta: dict) -> dict:
+    """DeepSeek-V3's fields that a deepseek2 GGUF gives otherwise than by a key of its own: a key the converter
+    writes only when set stands for the config's "unset" value (not transformers' DeepSeek-V3 default), the q/k
+    head without rotary is key_length_mla less the rotary part, a yarn rope's mscale is stored as 0.1 x
+    mscale_all_dim (llama.cpp takes the two equal, as DeepSeek-V3's config has them), and the rotary always turns
+    interleaved pairs (llama.cpp's deepseek2 rope). DeepSeek-V2's softmax routing (a file without the sigmoid
+    gating function) is refused."""
+    from lmport.errors import ConfigError
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating != _SIGMOID_GATING:
+        raise ConfigError(f"{arch}.expert_gating_func is {'missing' if gating is None else gating}: lmport runs "
+                          f"DeepSeek-V3's sigmoid routing ({_SIGMOID_GATING}) of deepseek2 files; llama.cpp reads a "
+                          f"file without it as DeepSeek-V2's softmax routing, which lmport does not run")
+    rope = meta[f"{arch}.rope.dimension_count"]
+    theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
+    rope_parameters: dict = {"rope_type": "default", "rope_theta": theta}
+    if meta.get(f"{arch}.rope.scaling.type") == "yarn":
+        # in float32, as llama.cpp divides it back (0.1 x 1.0 stored as float32 gives 1.0 again)
+        mscale = float(np.float32(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / np.float32(0.1))
+        rope_parameters = {
+            "rope_type": "yarn", "rope_theta": theta, "factor": meta[f"{arch}.rope.scaling.factor"],
+            "original_max_position_embeddings": meta[f"{arch}.rope.scaling.original_context_length"],
+            "beta_fast": meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0), "mscale": mscale,
+            "mscale_all_dim": mscale}
+    return {"q_lora_rank": meta.get(f"{arch}.attention.q_lora_rank"),
+            "qk_nope_head_dim": meta[f"{arch}.attention.key_length_mla"] - rope,
+            "num_key_value_heads": meta[f"{arch}.attention.head_count"],
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+            "routed_scaling_factor": meta.get(f"{arch}.expert_weights_scale", 1.0),
+            "n_group": meta.get(f"{arch}.expert_group_count", 1), "topk_group": meta.get(
+                f"{arch}.expert_group_used_count", 1),
+            "first_k_dense_replace": meta.get(f"{arch}.leading_dense_block_count", 0),
+            "n_shared_experts": meta.get(f"{arch}.expert_shared_count", 0),
+            "rope_parameters": rope_parameters, "rope_interleave": True, "attention_bias": False}
+
+
+def _qwen3_next_fields(arch: str, meta: dict, tensor_names: set[str]) -> dict:
+    """Qwen3-Next's fields a qwen3next GGUF gives otherwise: which layers are linear (``recurrent_layers``), the
+    rotary width as a fraction of the head, and what llama.cpp's qwen3next always does: experts on every layer,
+    the top k renormalized. Its linear layers' projections are held as llama.cpp stores them
+    (lmport.models.qwen3_next.LLAMA_CPP_PROJECTIONS)."""
+    from lmport.models.qwen3_next import LLAMA_CPP_PROJECTIONS
+    # the multi-token-prediction layers the converter appends by default are counted in block_count, not loaded
+    layers = meta[f"{arch}.block_count"] - meta.get(f"{arch}.nextn_predict_layers", 0)
+    recurrent = meta[f"{arch}.attention.recurrent_layers"][:layers]
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // meta[
+        f"{arch}.attention.head_count"]
+    return {"num_hidden_layers": layers,
+            "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+            "linear_value_head_dim": meta[f"{arch}.ssm.inner_size"] // meta[f"{arch}.ssm.time_step_rank"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+                                "partial_rotary_factor": meta.get(f"{arch}.rope.dimension_count", head_dim) / head_dim},
+            "mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True,
+            "attention_bias": any(n.endswith("attn_q.bias") for n in tensor_names),
+            "linear_projections": LLAMA_CPP_PROJECTIONS}

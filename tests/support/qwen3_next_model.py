@@ -1,5 +1,6 @@
 """A tiny random-weight Qwen3-Next (transformers' Qwen3NextConfig, float32) saved as a directory, and greedy
-decoding through lmport's model over its paged cache and recurrent-state slots, driven step by step."""
+decoding through lmport's model over its paged cache and recurrent-state slots, driven step by step (for any
+hybrid model: Qwen3.5's tests drive theirs with it too)."""
 from __future__ import annotations
 
 import functools
@@ -60,3 +61,42 @@ def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list
                                  min_new_tokens=new_tokens, pad_token_id=0)
             out.append(got[0, len(ids):].tolist())
     return out
+
+
+def drive(model_dir: str, prompt_ids: list[list[int]], new_tokens: int, block_size: int,
+          chunk: int) -> list[list[int]]:
+    """Greedy tokens from the hybrid model (Qwen3-Next, Qwen3.5) of ``model_dir`` alone: every sequence in each
+    step, prompts in chunks of ``chunk`` tokens, each sequence in its own state slot (in reverse order, so that
+    slot and batch row differ)."""
+    from lmport.backends.cpu import CpuBackend
+    from lmport.kv.layout import KVLayout
+    from lmport.kv.state_pool import StateTensors
+    from lmport.models.loader import load_model
+    from lmport.ops import build_attention_metadata
+    model = load_model(model_dir, CpuBackend(), torch.float32).model
+    kinds = model.cache_kinds(model.config)
+    layout = KVLayout(len(kinds), kinds[0].num_heads, kinds[0].head_dim, block_size, torch.float32, layer_kinds=kinds)
+    per_seq = -(-(max(map(len, prompt_ids)) + new_tokens) // block_size)
+    caches = layout.allocate(per_seq * len(prompt_ids), "cpu")
+    model.bind_states(StateTensors(model.recurrent_state(model.config, torch.float32), len(prompt_ids) + 1, "cpu"))
+    seqs = [{"ids": list(p), "done": 0, "out": [], "table": list(range(i * per_seq, (i + 1) * per_seq)),
+             "slot": len(prompt_ids) - i} for i, p in enumerate(prompt_ids)]
+    while any(len(s["out"]) < new_tokens for s in seqs):
+        live = [s for s in seqs if len(s["out"]) < new_tokens]
+        tokens, q_lens, rows = [], [], []
+        for s in live:
+            n = min(chunk, len(s["ids"]) - s["done"])
+            tokens += s["ids"][s["done"]:s["done"] + n]
+            q_lens.append(n)
+            rows.append(len(tokens) - 1)
+        meta = build_attention_metadata(q_lens, [s["done"] + n for s, n in zip(live, q_lens)],
+                                        [s["table"] for s in live], block_size)
+        model.state_slots = [s["slot"] for s in live]
+        logits = model.logits(model(torch.tensor(tokens), meta, caches)[rows])
+        for s, n, row in zip(live, q_lens, logits):
+            s["done"] += n
+            if s["done"] == len(s["ids"]):
+                token = int(row.argmax())
+                s["out"].append(token)
+                s["ids"].append(token)
+    return [s["out"] for s in seqs]
