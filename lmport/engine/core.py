@@ -30,6 +30,8 @@ from lmport.memory.budget import CachePlan, MemoryInputs
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import LoraLayers
 from lmport.models.windows import kv_window
+from lmport.multimodal.inputs import ImageInput, check_placement, images_key
+from lmport.multimodal.processor import VISION_MODEL_TYPES
 from lmport.kv import host_tier
 from lmport.kv.block_manager import BlockManager
 from lmport.kv.prefix_cache import model_fingerprint
@@ -207,18 +209,22 @@ class EngineCore:
     # -- requests --------------------------------------------------------
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None,
-                    pooling: str | None = None, scoring_chunk: int | None = None) -> str:
+                    pooling: str | None = None, scoring_chunk: int | None = None,
+                    images: list[ImageInput] | None = None) -> str:
         """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
         ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so).
         ``pooling``: an embedding request ("mean" or "last", lmport.engine.pooling): the prompt is prefilled with the
         other requests' steps, nothing is generated, and its final output carries the pooled hidden state.
         ``scoring_chunk``: prompt positions a step may score (gen_config.prompt_logprobs), at most the engine's
-        ``scoring_chunk`` by default."""
+        ``scoring_chunk`` by default. ``images``: the prompt's images (lmport.multimodal.processor makes them), each
+        on its run of placeholder tokens."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids)
+        if images or self.model_config.model_type in VISION_MODEL_TYPES:   # no stray placeholder either
+            self.check_images(list(images or []), prompt_ids)
         if pooling not in (None, *POOLING_MODES):
             raise RequestError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}")
         if pooling == "mean":   # every position's hidden state is needed: no prefix-cache hit may skip one
@@ -239,11 +245,26 @@ class EngineCore:
         seq = Sequence(request_id, list(prompt_ids), gen_config, frozenset(stop), generator=generator,
                        cache_salt=cache_salt, grammar=grammar,
                        max_scoring_tokens=scoring_chunk or self.scoring_chunk,
-                       adapter_id=adapter_id, pooling=pooling)
+                       adapter_id=adapter_id, pooling=pooling, images=list(images or []),
+                       images_key=images_key(images) if images else None)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
         return request_id
+
+    def check_images(self, images: list[ImageInput], prompt_ids: list[int]) -> None:
+        """RequestError unless the model takes images and they sit on the prompt's placeholder tokens."""
+        cfg = self.model_config
+        if cfg.model_type not in VISION_MODEL_TYPES:
+            raise RequestError(f"model {self.model_name!r} takes no images (it is a {cfg.model_type!r} text model); "
+                               f"send text only, or serve a vision-language model ({', '.join(VISION_MODEL_TYPES)})")
+        if self.speculator is not None:
+            raise RequestError("images with speculative decoding are not supported yet; serve the model without "
+                               "--speculative-config to send it images")
+        try:
+            check_placement(images, prompt_ids, cfg.image_token_id)
+        except ValueError as exc:
+            raise RequestError(f"images: {exc}") from None
 
     def validate(self, prompt_ids) -> None:
         if self.failure:

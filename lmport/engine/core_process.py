@@ -80,7 +80,8 @@ def _handle(engine: EngineCore, message: list, send: Send, reads: AdapterReads) 
         request = EngineRequest.from_wire(message[1])
         try:
             engine.add_request(request.prompt_ids, request.gen_config, request.request_id,
-                               cache_salt=request.cache_salt, adapter=request.adapter, pooling=request.pooling)
+                               cache_salt=request.cache_salt, adapter=request.adapter, pooling=request.pooling,
+                               images=request.images)
         except Exception as exc:   # refused (RequestError, AdapterError) or unexpected: that request fails
             if not isinstance(exc, (RequestError, AdapterError)):
                 log.exception("adding request %s failed", request.request_id)

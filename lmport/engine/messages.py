@@ -23,6 +23,7 @@ from lmport.config import GenerationConfig
 from lmport.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from lmport.lora import AdapterError
 from lmport.lora.table import LoadedAdapter
+from lmport.multimodal.inputs import ImageInput
 
 if TYPE_CHECKING:
     from lmport.engine.core import EngineCore
@@ -40,14 +41,18 @@ class EngineRequest:
     cache_salt: str | None = None   # only requests with the same salt share prefix-cache blocks
     adapter: str | None = None      # the loaded LoRA adapter it runs with (None: the base model)
     pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.engine.pooling)
+    images: list[ImageInput] | None = None   # the prompt's images, in prompt order (lmport.multimodal)
 
     def to_wire(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-                "gen_config": dataclasses.asdict(self.gen_config)}
+                "gen_config": dataclasses.asdict(self.gen_config),
+                "images": None if self.images is None else [image.to_wire() for image in self.images]}
 
     @classmethod
     def from_wire(cls, data: dict) -> EngineRequest:
-        return cls(**{**data, "gen_config": GenerationConfig(**data["gen_config"])})
+        images = data.get("images")
+        return cls(**{**data, "gen_config": GenerationConfig(**data["gen_config"]),
+                      "images": None if images is None else [ImageInput.from_wire(i) for i in images]})
 
 
 @dataclass(frozen=True)

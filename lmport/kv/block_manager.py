@@ -278,6 +278,8 @@ class BlockManager:
             extra = (("cache_salt", seq.cache_salt),) if seq.cache_salt is not None else ()
             if seq.adapter_id:   # K/V computed under a LoRA adapter are that adapter's own
                 extra += (("adapter", str(seq.adapter_id)),)
+            if seq.images_key is not None:   # the same tokens over other images are other K/V
+                extra += (("images", seq.images_key),)
             st = self._seqs[seq] = _SeqCache(extra)
         return st
 

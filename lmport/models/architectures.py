@@ -11,6 +11,8 @@ from lmport.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from lmport.models.llama import PagedCausalLM
 from lmport.models.moe import MOE_MODEL_TYPES, MoeCausalLM
 from lmport.models.phi3 import PHI3_MODEL_TYPES, Phi3CausalLM
+from lmport.models.qwen3_5 import QWEN3_5_MODEL_TYPES, Qwen3_5CausalLM
+from lmport.models.qwen2_vl import QWEN2_VL_MODEL_TYPES, Qwen2VLCausalLM, text_view
 from lmport.models.qwen3_next import QWEN3_NEXT_MODEL_TYPES, Qwen3NextCausalLM
 
 MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
@@ -23,7 +25,11 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     **{t: Llama4CausalLM for t in LLAMA4_MODEL_TYPES},
     **{t: DeepseekV3CausalLM for t in DEEPSEEK_V3_MODEL_TYPES},
     **{t: Qwen3NextCausalLM for t in QWEN3_NEXT_MODEL_TYPES},
+    **{t: Qwen3_5CausalLM for t in QWEN3_5_MODEL_TYPES},
+    **{t: Qwen2VLCausalLM for t in QWEN2_VL_MODEL_TYPES},
 }
+# Vision-language model types: lmport's config is the text view of the checkpoint's (lmport.models.qwen2_vl).
+TEXT_VIEWS = {t: text_view for t in QWEN2_VL_MODEL_TYPES}
 
 
 def supported_text() -> str:
@@ -36,6 +42,31 @@ def model_class(cfg) -> type[PagedCausalLM]:
     if cls is None:
         raise ValueError(f"model type {cfg.model_type!r} is not supported; supported: {supported_text()}")
     return cls
+
+
+def lmport_config(cfg):
+    """The config lmport plans and builds a model from: a vision-language checkpoint's text view (its decoder's
+    dimensions, with the vision config beside them), any other config as it is."""
+    view = TEXT_VIEWS.get(cfg.model_type)
+    return cfg if view is None or not hasattr(cfg, "text_config") else view(cfg)
+
+
+def transformers_class(cfg):
+    """The transformers auto class that loads ``cfg``'s checkpoint (image-text-to-text for a vision-language one)."""
+    import transformers
+    if cfg.model_type in TEXT_VIEWS:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def adopt_transformers_modules(paged: PagedCausalLM, hf) -> None:
+    """What the paged model takes from the loaded transformers model as is: its rotary module (every rope variant
+    transformers knows) and, for a vision-language model, its vision tower."""
+    adopt = getattr(paged, "adopt", None)
+    if callable(adopt):
+        adopt(hf)
+    else:
+        paged.rotary = hf.model.rotary_emb
 
 
 def attention_variants(cfg) -> set[str]:
@@ -51,6 +82,6 @@ def cache_kinds(cfg, tp_size: int = 1) -> tuple[CacheKind, ...]:
 
 def recurrent_state(cfg, dtype):
     """One sequence's fixed-size recurrent state (lmport.kv.state_pool.RecurrentStateSpec) for a model whose
-    linear-attention layers keep one (Qwen3-Next); None for a model that keeps only paged K/V."""
+    linear-attention layers keep one (Qwen3-Next, Qwen3.5); None for a model that keeps only paged K/V."""
     spec = getattr(MODEL_CLASSES.get(cfg.model_type), "recurrent_state", None)
     return spec(cfg, dtype) if spec is not None else None

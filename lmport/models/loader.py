@@ -1,5 +1,5 @@
 """Find a model and load it: a GGUF straight from the file (config, tokenizer and tensors from it), a
-transformers directory through transformers or, for AWQ / GPTQ, lmport's own reader."""
+transformers directory through transformers or, for AWQ / GPTQ and fp8 checkpoints, lmport's own readers."""
 from __future__ import annotations
 
 import functools
@@ -16,13 +16,15 @@ from tqdm import tqdm
 from lmport import ops
 from lmport.platform.backend import Backend
 from lmport.models import quantized as quantized_layers
-from lmport.models.architectures import attention_variants, model_class
+from lmport.models.architectures import (adopt_transformers_modules, attention_variants, lmport_config, model_class,
+                                         transformers_class)
 from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
+from lmport.models.qwen3_5 import text_model_config
 from lmport.models.rotary import rotary_for
 from lmport.parallel import TPGroup
 from lmport.platform.resolution import check_model
-from lmport.weights import gguf, packed_int
+from lmport.weights import fp8, gguf, packed_int
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 from lmport.weights.ggml import GGMLWeight
 from lmport.weights.residency import back_with_huge_pages
@@ -70,7 +72,7 @@ def read_model_config(model: str):
     from transformers import AutoConfig
     path = resolve_model_path(model)
     if path.is_dir():
-        return AutoConfig.from_pretrained(path)
+        return lmport_config(text_model_config(AutoConfig.from_pretrained(path)))   # an image-text model's text model
     return gguf.transformers_config(path)
 
 
@@ -103,14 +105,14 @@ class LoadedModel:
 def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None,
                weight_format: str = "auto") -> LoadedModel:
     """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config.
-    A GGUF's quantized tensors, or an AWQ / GPTQ directory's, stay quantized (unless
+    A GGUF's quantized tensors, or an AWQ / GPTQ / fp8 directory's, stay quantized (unless
     ``weight_format="dequantize"``), refused before any tensor loads when the backend cannot run them."""
-    from transformers import AutoModelForCausalLM
     path = resolve_model_path(model)
     keep_quantized = check_backend(path, backend.capabilities, weight_format)
     model_cfg = read_model_config(model)
     check_model(model_cfg.model_type, attention_variants(model_cfg), backend.capabilities)
-    packed = path.is_dir() and packed_int.quantization_config(path) is not None   # AWQ / GPTQ
+    fp8_checkpoint = fp8.read_checkpoint(path) if path.is_dir() else None
+    packed = fp8_checkpoint is None and path.is_dir() and packed_int.quantization_config(path) is not None  # AWQ/GPTQ
     check_tensor_parallel(path, tp.size if tp is not None else 1, weight_format)
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         tokenizer, cfg = load_tokenizer(model), read_model_config(model)
@@ -118,22 +120,28 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
         if path.suffix == ".gguf":
             paged = _paged_from_gguf(path, cfg, backend, dtype, tp, keep_quantized)
             eos = _gguf_eos_ids(path, cfg)
-        elif packed:
-            quantized, floats = packed_int.load_tensors(path, dtype)
+        elif packed or fp8_checkpoint is not None:
+            if fp8_checkpoint is not None:
+                quantized, floats = fp8.load_tensors(path, fp8_checkpoint, dtype)
+            else:
+                quantized, floats = packed_int.load_tensors(path, dtype)
             if not keep_quantized:   # weight_format="dequantize"
-                floats |= {name: ops.dequantize(w, dtype) for name, w in quantized.items()}
+                floats |= {name: fp8.dequantize(w, dtype) if isinstance(w, fp8.Fp8Weight) else ops.dequantize(w, dtype)
+                           for name, w in quantized.items()}
                 quantized = {}
+                if fp8_checkpoint is not None:   # its experts come one by one, as transformers' checkpoints store them
+                    floats = fp8.stack_experts(floats)
             paged = _paged_from_tensors(path, cfg, quantized, floats, backend, dtype)
             paged.rotary = rotary_for(cfg)
             eos = _eos_ids(_generation_config(path))
         else:
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            cfg = hf.config
+            hf = transformers_class(model_cfg).from_pretrained(path, dtype=dtype)
+            cfg = lmport_config(hf.config)
             with torch.device("meta"):
                 paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
             # Share transformers' tensors instead of copying them (tied embeddings stay tied).
             paged.load_state_dict(paged.shard_state_dict(hf.state_dict()), strict=True, assign=True)
-            paged.rotary = hf.model.rotary_emb
+            adopt_transformers_modules(paged, hf)
             eos = _eos_ids(hf.generation_config)
         fuse_projections(paged)
         bar.update()

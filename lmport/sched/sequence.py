@@ -11,6 +11,7 @@ import torch
 
 from lmport.config import GenerationConfig
 from lmport.engine.outputs import ErrorKind, Failure, FinishReason
+from lmport.multimodal.inputs import ImageInput
 
 
 class Status(enum.Enum):
@@ -46,6 +47,8 @@ class Sequence:
     pooling: str | None = None      # an embedding request: "mean" or "last"; it generates nothing
     pooled: torch.Tensor | None = None   # a "mean" embedding request's pooled sum over the chunks computed so far
     state_slot: int = -1            # its recurrent-state slot while running (lmport.kv.state_pool), -1: none
+    images: list[ImageInput] = field(default_factory=list)   # the prompt's images (lmport.multimodal), in order
+    images_key: str | None = None   # what its images add to its prefix-cache key (lmport.multimodal.inputs.images_key)
 
     @property
     def token_ids(self) -> list[int]:

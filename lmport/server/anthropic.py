@@ -71,14 +71,28 @@ class ToolUseBlock(_Request):
     input: dict
 
 
+class ImageSource(_Request):
+    type: Literal["base64", "url", "file"]
+    media_type: str | None = None                 # base64: image/png, image/jpeg, image/webp or image/gif
+    data: str | None = None                       # base64: the image's bytes
+    url: str | None = None                        # url: refused (the server fetches nothing)
+    file_id: str | None = None                    # file: refused (no Files API here)
+
+
+class ImageBlock(_Request):
+    """An image in a user message, sent to a vision-language model as a data: URL part of the chat request."""
+    type: Literal["image"]
+    source: ImageSource
+
+
 class UnsupportedBlock(_Request):
     """Blocks of Anthropic's API that a text model cannot read or that run on Anthropic's servers: refused."""
-    type: Literal["image", "document", "search_result", "server_tool_use", "web_search_tool_result",
+    type: Literal["document", "search_result", "server_tool_use", "web_search_tool_result",
                   "web_fetch_tool_result", "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
                   "container_upload"]
 
 
-ResultPart = Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]
+ResultPart = Annotated[TextBlock | ImageBlock | UnsupportedBlock, Field(discriminator="type")]
 
 
 class ToolResultBlock(_Request):
@@ -93,7 +107,7 @@ class ThinkingBlock(_Request):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock,
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock,
                   Field(discriminator="type")]
 
 
@@ -200,6 +214,9 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
         for k, part in enumerate(block.content):
             if isinstance(part, UnsupportedBlock):
                 raise _unsupported(f"{where}.content.{k}", part.type)
+            if isinstance(part, ImageBlock):
+                raise APIError(400, f"{where}.content.{k}: images in tool results are not supported; put the "
+                                    f"image in the user message", param=f"{where}.content.{k}")
         text = "".join(part.text for part in block.content if isinstance(part, TextBlock))
     return f"Error: {text}" if block.is_error else text
 
@@ -209,13 +226,18 @@ def _chat_messages(i: int, message: MessageParam) -> list[dict]:
     tool_use blocks an assistant's tool_calls."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    text, calls, results = [], [], []
+    text, calls, results, parts = [], [], [], []
     for j, block in enumerate(message.content):
         where = f"messages.{i}.content.{j}"
         if isinstance(block, UnsupportedBlock):
             raise _unsupported(where, block.type)
         if isinstance(block, TextBlock):
             text.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            if message.role != "user":
+                raise APIError(400, f"{where}: image blocks belong in user messages", param=where)
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise APIError(400, f"{where}: tool_use blocks belong in assistant messages", param=where)
@@ -227,7 +249,20 @@ def _chat_messages(i: int, message: MessageParam) -> list[dict]:
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, where)})
     if message.role == "assistant":
         return [{"role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}]
+    if len(parts) > len(text):   # images among the text: the parts in order
+        return results + [{"role": "user", "content": parts}]
     return results + [{"role": "user", "content": "".join(text)}] if text or not results else results
+
+
+def _image_url(block: ImageBlock, where: str) -> str:
+    """A base64 image block as the data: URL a chat request carries."""
+    source = block.source
+    if source.type != "base64":
+        raise APIError(400, f"{where}.source.type: {source.type!r} images are not read by this server (it fetches "
+                            f"nothing); send the image as a base64 source", param=f"{where}.source.type")
+    if not source.media_type or not source.data:
+        raise APIError(400, f"{where}.source: a base64 image needs media_type and data", param=f"{where}.source")
+    return f"data:{source.media_type};base64,{source.data}"
 
 
 def to_chat(req: _Conversation) -> tuple[ChatCompletionRequest, str]:
@@ -313,6 +348,7 @@ async def messages(frontend: Frontend, request: Request):
     prompt, chat = await _prompt(frontend, req)
     job = openai_mapping.job_for(frontend, chat, [prompt.ids], "messages", req.max_tokens, None, received,
                                  prompt.response_format, key=getattr(request.state, "api_key", None))
+    job.images = prompt.images
     frontend.admit(job)
     reply = _Reply(frontend, job, prompt, chat.stop_words)
     return await streaming.respond(frontend, request, job, reply.events,

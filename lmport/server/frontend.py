@@ -21,6 +21,8 @@ from prometheus_client import Gauge
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine.outputs import check_prompt
 from lmport.engine.client import EngineHandle
+from lmport.multimodal.images import ImageLimits
+from lmport.multimodal.processor import ImageProcessor
 from lmport.structured_output.grammar import Grammars
 from lmport.reasoning import Parser, Reasoning
 from lmport.server import access_log, adapters, jsonbody
@@ -48,6 +50,7 @@ class Job:
     release: object = None            # gives its engine requests back to Admission (idempotent)
     cache_salt: str | None = None     # prefix-cache isolation: the request's cache_salt and/or its API key's
     adapter: str | None = None        # the LoRA adapter its model names (lmport.server.adapters), None: the base
+    images: list | None = None        # its prompt's images (lmport.multimodal.inputs.ImageInput), None: none
 
     def stream_usage(self, options) -> None:
         self.include_usage = bool(options and options.include_usage)
@@ -102,6 +105,17 @@ class Frontend:
     # The chat format (lmport.server.app.create_app sets them): the reasoning parser, the tool-call format.
     reasoning_parser: Parser | None = None
     tool_parser: str | None = None
+
+    # What a request may send of images (docs/vision.md).
+    image_limits = ImageLimits()
+    _image_processor: tuple[ImageProcessor | None] | None = None
+
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's image processor (loaded at the first request with images; call it on the tokenize thread),
+        None for a model that takes no images."""
+        if self._image_processor is None:
+            self._image_processor = (ImageProcessor.for_model(self.info.model_name),)
+        return self._image_processor[0]
 
     def reasoning_of(self, prompt: str) -> Reasoning | None:
         """Where a reply to the rendered chat ``prompt`` thinks, or None without a reasoning parser."""

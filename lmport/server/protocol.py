@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -320,6 +320,19 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str                                      # a data: URL (lmport.multimodal.images); http(s) is refused
+    detail: Literal["auto", "low", "high"] | None = None   # accepted; the model's image processor sets the size
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 def empty_arguments(text: str) -> str:
     """A call's arguments as JSON text, where blank text (clients send "" for a call without arguments) is {}."""
     return text if text.strip() else "{}"
@@ -340,15 +353,29 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
     tool_call_id: str | None = None               # a tool message: the call it answers
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
+    def template_content(self) -> str | list[dict]:
+        """The content as the chat template takes it: the text, or with images its parts in order, an image as
+        {"type": "image"} (where the model's template writes its placeholder)."""
+        if not self.images():
+            return self.text()
+        return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+                for part in cast(list, self.content)]
 
 
 class StructuredOutputs(_Request):

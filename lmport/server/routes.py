@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
+from lmport.multimodal.images import ImageError, check_count, data_url_bytes
 from lmport.server import access_log, openai_mapping, streaming, structured, tools
 from lmport.server.auth import AUTH
 from lmport.reasoning import Reasoning
 from lmport.server.frontend import Frontend
-from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, brief
+from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ImagePart, brief
 
 
 async def chat_completions(frontend: Frontend, request: Request):
@@ -26,6 +27,7 @@ async def chat_completions(frontend: Frontend, request: Request):
     prompt = await chat_prompt(frontend, req)
     job = openai_mapping.chat_job(frontend, req, prompt.ids, prompt.response_format, received,
                                   key=getattr(request.state, "api_key", None))
+    job.images = prompt.images
     frontend.admit(job)
     reply = openai_mapping.ChatReply(frontend.tokenizer, job, req, prompt.tools, prompt.reasoning)
     chunks, body = access_log.counting_chunks(reply.chunks), access_log.counting_body(reply.body)
@@ -55,6 +57,7 @@ class ChatPrompt:
     tools: tools.ToolSetup | None        # the callable tools (None: no call is parsed from the reply)
     response_format: dict | None         # the structured-output format, or the grammar forcing a call
     reasoning: Reasoning | None = None   # where the reply's thinking is (None: no separation)
+    images: list | None = None           # the prompt's images (lmport.multimodal.inputs.ImageInput), None: none
 
 
 async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPrompt:
@@ -63,6 +66,8 @@ async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPro
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
     if (chars := sum(len(m.text()) for m in req.messages)) > frontend.max_prompt_chars:
         raise _too_long(frontend, "messages", chars)
+    image_parts = [(f"messages.{i}.content.{j}", part) for i, m in enumerate(req.messages) for j, part in m.images()]
+    processor = await _image_processor(frontend, req) if image_parts else None
     setup = await structured.off_loop(frontend, tools.check, req, frontend.grammars,
                                       frontend.tool_parser or "hermes") if req.tools or req.tool_choice else None
     try:
@@ -72,6 +77,9 @@ async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPro
     except Exception as exc:  # a chat template may refuse a conversation (e.g. roles out of order)
         raise APIError(400, f"messages: the chat template refused them: {brief(str(exc), 300)}",
                        param="messages") from None
+    images = None
+    if processor is not None:
+        ids, images = await _prompt_images(frontend, processor, ids, image_parts)
     response_format, format_param = structured.request_format(req)
     await structured.check_format(frontend, response_format, format_param)
     if setup is not None and (setup.response_format is not None or structured.constrains(response_format)):
@@ -82,7 +90,37 @@ async def chat_prompt(frontend: Frontend, req: ChatCompletionRequest) -> ChatPro
     reasoning = frontend.reasoning_of(text)
     if reasoning is not None and not (setup is not None and setup.forced_spans_reasoning):
         response_format = reasoning.gated(response_format, frontend.tokenizer)
-    return ChatPrompt(ids, setup, response_format, reasoning)
+    return ChatPrompt(ids, setup, response_format, reasoning, images)
+
+
+async def _image_processor(frontend: Frontend, req: ChatCompletionRequest):
+    """The model's image processor for a request with images: a 400 for a model that takes none, or an image
+    outside a user message."""
+    for i, m in enumerate(req.messages):
+        if m.images() and m.role != "user":
+            j = m.images()[0][0]
+            raise APIError(400, f"messages.{i}.content.{j}: images belong in user messages",
+                           param=f"messages.{i}.content.{j}")
+    processor = await frontend.tokenize(frontend.image_processor)
+    if processor is None:
+        raise APIError(400, f"messages: model {frontend.model_name!r} takes no images; send text only, or serve a "
+                            f"vision-language model (docs/vision.md)", param="messages")
+    return processor
+
+
+async def _prompt_images(frontend: Frontend, processor, ids: list[int],
+                         parts: list[tuple[str, ImagePart]]) -> tuple[list[int], list]:
+    """The prompt with its image placeholders expanded, and its images decoded and processed (off the event loop,
+    one request's images at a time); a 400 naming the image for one the server cannot take."""
+    def prepare():
+        check_count(len(parts), frontend.image_limits, "messages")   # before any image is decoded
+        wheres = [f"{where}.image_url.url" for where, _ in parts]
+        raw = [data_url_bytes(part.image_url.url, where) for (_, part), where in zip(parts, wheres)]
+        return processor.prepare(ids, raw, frontend.image_limits, wheres)
+    try:
+        return await frontend.tokenize(prepare)
+    except ImageError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 @dataclass

@@ -163,7 +163,7 @@ def template_messages(req: ChatCompletionRequest, native: bool, fmt: ToolFormat 
     """The conversation as chat-template messages; tool turns as the template expects (``native``) or as text."""
     messages = []
     for i, m in enumerate(req.messages):
-        msg = {"role": m.role, "content": m.text()}
+        msg = {"role": m.role, "content": m.template_content()}   # a user's images as parts
         if m.tool_calls and m.role != "assistant":
             raise APIError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
                            param=f"messages.{i}.tool_calls")

@@ -94,7 +94,8 @@ class ModelStep:
                 rows.append(ends - 1)
         slots = [self.adapters.slot(s.adapter_id) for s in seqs] if self.use_lora else []
         step = StepInput(ids, list(num_new), [s.num_computed + n for s, n in zip(seqs, num_new)],
-                         [s.block_table for s in seqs], rows, batch.copies, slots, pool, [s.state_slot for s in seqs])
+                         [s.block_table for s in seqs], rows, batch.copies, slots, pool, [s.state_slot for s in seqs],
+                         [step_images(s, n) for s, n in zip(seqs, num_new)] if any(s.images for s in seqs) else [])
         if pool:
             logits, pooled = self.executor.run_all("execute_pooled", step)[0]
             for i, s in enumerate(pooling):   # a "mean" request's first chunk starts its sum (again, if preempted)
@@ -223,6 +224,13 @@ def joined_masks(seqs: list[Sequence], masks: dict[Sequence, tuple[list[int], to
             parts.append(torch.zeros(count, words, dtype=torch.int32))
         start += count
     return rows, torch.cat(parts)
+
+
+def step_images(seq: Sequence, num_new: int) -> list:
+    """``seq``'s images for a step computing ``num_new`` of its tokens: with their pixel values where the step
+    computes some of their tokens (the encoder runs on them), as their layout alone otherwise (their positions)."""
+    start, end = seq.num_computed, seq.num_computed + num_new
+    return [image if image.offset < end and image.end > start else image.layout_only() for image in seq.images]
 
 
 def generates(seq: Sequence) -> bool:

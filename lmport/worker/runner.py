@@ -44,6 +44,9 @@ class StepInput:
     adapter_slots: list[int] = field(default_factory=list)   # each sequence's LoRA slot, -1 for none; [] for none
     pool_ranges: list[tuple[int, int]] = field(default_factory=list)   # rows whose final hidden states are summed
     state_slots: list[int] = field(default_factory=list)   # each sequence's recurrent-state slot; [] for none
+    # each sequence's images (lmport.multimodal.inputs.ImageInput: pixel values for those whose tokens the step
+    # computes, the layout alone for the others); [] when no sequence of the step has images
+    images: list[list] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -114,7 +117,7 @@ class ModelRunner:
         self.copy_blocks(step.copies)
         if not step.q_lens:
             return None
-        if (self.graphs is not None and max(step.q_lens) == 1 and step.logits_rows
+        if (self.graphs is not None and max(step.q_lens) == 1 and step.logits_rows and not step.images
                 and self.graphs.takes(len(step.q_lens), max(map(len, step.block_tables)))):
             meta = build_attention_metadata(step.q_lens, step.kv_lens, step.block_tables, self.layout.block_size,
                                             self.backend.device)
@@ -149,6 +152,8 @@ class ModelRunner:
         input_ids = host_tensor(step.token_ids, torch.long).to(device)
         if self.states is not None:
             self.model.state_slots = step.state_slots or None
+        if getattr(self.model, "takes_images", False):   # read by its next forward (lmport.models.qwen2_vl)
+            self.model.step_images = (step.images, step.q_lens, step.kv_lens) if step.images else None
         if self.lora is None:
             hidden = self.model(input_ids, meta, caches)
         else:
@@ -167,11 +172,13 @@ class ModelRunner:
         cast(LoraLayers, self.lora).load(slot, {k: (a.to(device), b.to(device)) for k, (a, b) in weights.items()})
 
     def allocation(self) -> dict:
-        """What this rank really holds: weight bytes, KV-cache blocks and bytes (compared with `lmport plan`)."""
+        """What this rank really holds: weight bytes, KV-cache blocks and bytes, and the recurrent-state slots'
+        bytes of a hybrid model (0 for others) (compared with `lmport plan`)."""
         tensors = [t for c in self.caches for t in (c.k, c.v, c.k_qparams, c.v_qparams) if t is not None]
         return {"weight_bytes": self.loaded.weight_bytes, "lora_bytes": self.lora_bytes,
                 "num_blocks": self.caches[0].k.shape[0] if self.caches else 0,
-                "cache_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+                "cache_bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "state_bytes": self.states.bytes if self.states is not None else 0}
 
     def barrier(self) -> None:
         """Returns once every rank has called it (lmport.parallel.TPGroup.barrier)."""

@@ -1,0 +1,156 @@
+"""Qwen2.5-VL: Qwen2's paged decoder fed by a vision encoder, with multimodal rotary positions (M-RoPE).
+
+The vision tower (patch embedding, windowed vision blocks, the 2 x 2 patch merger) is transformers' own module,
+taken from the loaded checkpoint as the rotary module is: it runs on the engine's device as part of the prefill,
+once a step for every image whose placeholder tokens the step computes, all such images of the batch in one call.
+Its output rows replace the embeddings of the image's placeholder tokens. The decoder is Qwen2's (bias on q, k
+and v), with each token's cos/sin taken at its three positions (lmport.multimodal.mrope) through transformers'
+M-RoPE rotary module.
+
+An image whose tokens a chunked prefill splits across steps is encoded whole at each step that computes some of its
+tokens, unless its output is still in the encoder cache (``EncoderCache``: by image digest, least recently used
+dropped first); so a split image always resumes, and a preempted sequence recomputes its KV and, where the cache
+lost them, its images' encodings.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from lmport import ops
+from lmport.kv.layout import LayerCache
+from lmport.models.llama import PagedCausalLM
+from lmport.multimodal.inputs import ImageInput
+from lmport.multimodal.mrope import mrope_positions
+from lmport.platform.backend import Backend
+from lmport.parallel import TPGroup
+
+QWEN2_VL_MODEL_TYPES = ("qwen2_5_vl",)
+# Encoder output rows kept for images whose tokens may be computed again (a split prefill, a preemption).
+ENCODER_CACHE_ROWS = 16384
+
+
+def text_view(cfg):
+    """lmport's config of a Qwen2.5-VL checkpoint: its text config (what the KV layout, the memory plan and the
+    decoder read) under the checkpoint's model type, with the vision config and the image token beside it."""
+    text = copy.deepcopy(cfg.text_config)
+    text.model_type = cfg.model_type
+    text.vision_config = cfg.vision_config
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(text, name, getattr(cfg, name, None))
+    text.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
+    text.architectures = getattr(cfg, "architectures", None)
+    return text
+
+
+class EncoderCache:
+    """The vision encoder's output by image digest, at most ``rows`` rows, the least recently used dropped first."""
+
+    def __init__(self, rows: int = ENCODER_CACHE_ROWS):
+        self.rows, self.held, self.entries = rows, 0, OrderedDict()
+
+    def get(self, key: str) -> torch.Tensor | None:
+        out = self.entries.get(key)
+        if out is not None:
+            self.entries.move_to_end(key)
+        return out
+
+    def put(self, key: str, rows: torch.Tensor) -> None:
+        if key in self.entries or len(rows) > self.rows:
+            return
+        while self.held + len(rows) > self.rows:
+            self.held -= len(self.entries.popitem(last=False)[1])
+        self.entries[key] = rows
+        self.held += len(rows)
+
+
+class Qwen2VLCausalLM(PagedCausalLM):
+    """``step_images`` (set by the runner before each forward, lmport.worker.runner): each sequence's images, the
+    new tokens and the cached tokens after the step, or None for a step without images."""
+
+    model_types = ("qwen2",)   # the decoder built from the text view under Qwen2's type (bias on q, k and v)
+    takes_images = True
+
+    def __init__(self, cfg, backend: Backend, rotary, tp: TPGroup | None = None):
+        if cfg.model_type not in QWEN2_VL_MODEL_TYPES:
+            raise ValueError(f"model type {cfg.model_type!r} is not one {type(self).__name__} runs; it runs "
+                             f"{', '.join(QWEN2_VL_MODEL_TYPES)}")
+        decoder = copy.copy(cfg)
+        decoder.model_type = "qwen2"
+        super().__init__(decoder, backend, rotary, tp)
+        self.merge_size = cfg.vision_config.spatial_merge_size
+        self.visual: torch.nn.Module | None = None   # transformers' vision tower, taken from the checkpoint
+        self.encoded = EncoderCache()
+        self.step_images: tuple[list[list[ImageInput]], list[int], list[int]] | None = None
+
+    def adopt(self, hf) -> None:
+        """Take the loaded transformers model's rotary module and vision tower as they are."""
+        self.rotary = hf.model.language_model.rotary_emb
+        self.visual = hf.model.visual
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The language model's tensors under the decoder's names; the vision tower's are adopted whole."""
+        prefix = "model.language_model."
+        text = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in full.items()
+                if not k.startswith("model.visual.")}
+        return super().shard_state_dict(text)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
+        step, self.step_images = self.step_images, None
+        x = self.model.embed_tokens(input_ids)
+        positions = meta.positions.expand(3, -1)
+        if step is not None:
+            x, positions = self.place_images(x, positions.clone(), *step)
+        cos, sin = self.rotary(x, positions[:, None, :])
+        rope = (cos[0], sin[0])
+        metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
+        runner = self.decoder_runner()
+        out = None if runner is None else runner(x, [rope] * len(self.windows), caches,
+                                                  [metas[w] for w in self.windows])
+        if out is None:
+            for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
+                x = layer.forward(x, *rope, cache, metas[window])
+            out = x
+        return self.model.norm.forward(out)
+
+    def place_images(self, x: torch.Tensor, positions: torch.Tensor, images: list[list[ImageInput]],
+                     q_lens: list[int], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's embeddings with the encoder's rows at the image tokens it computes, and its M-RoPE positions."""
+        row, places = 0, []
+        for seq_images, q, kv in zip(images, q_lens, kv_lens):
+            start = kv - q
+            if seq_images:
+                positions[:, row:row + q] = mrope_positions(seq_images, start, kv, self.merge_size).to(positions)
+                for image in seq_images:
+                    lo, hi = max(start, image.offset), min(kv, image.end)
+                    if lo < hi:
+                        places.append((image, row + lo - start, lo - image.offset, hi - lo))
+            row += q
+        if places:
+            encoded = self.encode([image for image, *_ in places])
+            x = x.clone()
+            for image, at, first, count in places:
+                x[at:at + count] = encoded[image.digest][first:first + count].to(x.dtype)
+        return x, positions
+
+    def encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Each image's encoder output rows by digest: from the cache, the others encoded in one call."""
+        out = {im.digest: rows for im in images if (rows := self.encoded.get(im.digest)) is not None}
+        todo = list({im.digest: im for im in images if im.digest not in out}.values())
+        if todo:
+            if any(im.pixel_values is None for im in todo):
+                raise ValueError("an image's tokens are computed without its pixel values")
+            if self.visual is None:
+                raise ValueError("the vision tower is not loaded")
+            device, dtype = self.model.embed_tokens.weight.device, next(self.visual.parameters()).dtype
+            pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in todo])).to(device, dtype)
+            grid = torch.tensor([im.grid_thw for im in todo], dtype=torch.long, device=device)
+            rows = self.visual(pixels, grid_thw=grid).pooler_output
+            for im, part in zip(todo, rows.split([im.num_tokens for im in todo])):
+                out[im.digest] = part
+                self.encoded.put(im.digest, part)
+        return out

@@ -1,0 +1,72 @@
+"""The model's own image processor (transformers') and its prompt's image placeholders, in the front end.
+
+A chat template writes one placeholder token for each image (Qwen2.5-VL: ``<|image_pad|>`` between
+``<|vision_start|>`` and ``<|vision_end|>``); ``expand`` repeats it as many times as the encoder gives the image
+rows, so that every row of the encoder's output has a token position to land on."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lmport.multimodal.images import ImageError, ImageLimits, check_count, decode, digest
+from lmport.multimodal.inputs import ImageInput
+
+# The model types whose images lmport runs (lmport.models.qwen2_vl), and the config key of the placeholder token.
+VISION_MODEL_TYPES = ("qwen2_5_vl",)
+
+
+class ImageProcessor:
+    """Images to a prompt's ``ImageInput`` for one model: its image processor, placeholder token and merge size."""
+
+    def __init__(self, image_processor, image_token_id: int, merge_size: int):
+        self.image_processor, self.image_token_id, self.merge_size = image_processor, image_token_id, merge_size
+
+    @classmethod
+    def for_model(cls, model: str) -> ImageProcessor | None:
+        """The processor of a transformers directory whose model takes images; None for any other model."""
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            return None
+        config = json.loads((path / "config.json").read_text())
+        if config.get("model_type") not in VISION_MODEL_TYPES:
+            return None
+        from transformers import AutoImageProcessor
+        vision = config.get("vision_config") or {}
+        return cls(AutoImageProcessor.from_pretrained(path), config["image_token_id"],
+                   vision.get("spatial_merge_size", 2))
+
+    def prepare(self, prompt_ids: list[int], images: list[bytes], limits: ImageLimits,
+                wheres: list[str] | None = None) -> tuple[list[int], list[ImageInput]]:
+        """Decode and process ``images`` (in prompt order) and expand the prompt's placeholders to their token
+        counts: the prompt's ids and its images. ImageError for an image the limits refuse (``wheres``: each
+        image's field in the request) or a prompt whose placeholders do not match the images."""
+        wheres = wheres or [f"image {i}" for i in range(len(images))]
+        check_count(len(images), limits, "messages")
+        decoded = [decode(data, limits, where) for data, where in zip(images, wheres, strict=True)]
+        processed = [self.process(image) for image in decoded]
+        return self.expand(prompt_ids, processed, [digest(data) for data in images])
+
+    def process(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """One image's pixel values [patches, values] (float32) and patch grid (frames, rows, columns)."""
+        out = self.image_processor(images=[image], return_tensors="np")
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        return np.asarray(out["pixel_values"], dtype=np.float32), (t, h, w)
+
+    def expand(self, prompt_ids: list[int], processed: list[tuple[np.ndarray, tuple[int, int, int]]],
+               digests: list[str]) -> tuple[list[int], list[ImageInput]]:
+        places = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        if len(places) != len(processed):
+            raise ImageError(f"messages: the prompt has {len(places)} image placeholders for {len(processed)} "
+                             f"images; the chat template must write one for each image part", "messages")
+        ids: list[int] = []
+        inputs: list[ImageInput] = []
+        start = 0
+        for place, (pixels, grid), name in zip(places, processed, digests):
+            ids += prompt_ids[start:place]
+            count = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+            inputs.append(ImageInput(len(ids), count, grid, name, pixels))
+            ids += [self.image_token_id] * count
+            start = place + 1
+        return ids + prompt_ids[start:], inputs
