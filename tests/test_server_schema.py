@@ -19,7 +19,8 @@ from lmport.server import openapi
 KEY = "sk-schema-test"
 HI = [{"role": "user", "content": "Hi"}]
 REASONED = "<think>\nThe user greets me.\n</think>\n\nHello there."
-CALL = '<think>\nA tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL = ('<think>\nA tool.\n</think>\n\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}
@@ -39,7 +40,8 @@ def strict(model: type[pydantic.BaseModel], data: dict) -> None:
     try:
         model.model_validate(data)
     except pydantic.ValidationError as exc:
-        raise AssertionError(f"{model.__name__} does not describe the answer: {exc}\n{json.dumps(data)[:2000]}")
+        raise AssertionError(f"{model.__name__} does not describe the answer: {exc}\n{json.dumps(data)[:2000]}") \
+            from None
 
 
 def post(thread, path: str, body: dict) -> httpx.Response:
@@ -119,7 +121,8 @@ def test_the_other_routes_and_errors_are_the_documented_shapes(qwen3):
     strict(openapi.Health, httpx.get(thread.url + "/health").json())
     tokens = post(thread, "/tokenize", {"model": "tiny", "prompt": "Hi there", "return_token_strs": True}).json()
     strict(openapi.TokenizeResponse, tokens)
-    strict(openapi.DetokenizeResponse, post(thread, "/detokenize", {"model": "tiny", "tokens": tokens["tokens"]}).json())
+    detokenized = post(thread, "/detokenize", {"model": "tiny", "tokens": tokens["tokens"]}).json()
+    strict(openapi.DetokenizeResponse, detokenized)
     for path, body in (("/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": -1}),
                        ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_k": 10**9}),
                        ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": -1})):
