@@ -11,7 +11,7 @@ from lmport.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from lmport.models.llama import PagedCausalLM
 from lmport.models.moe import MOE_MODEL_TYPES, MoeCausalLM
 from lmport.models.phi3 import PHI3_MODEL_TYPES, Phi3CausalLM
-from lmport.models.qwen3_5 import QWEN3_5_MODEL_TYPES, Qwen3_5CausalLM
+from lmport.models.qwen3_5 import QWEN3_5_MODEL_TYPES, QWEN3_5_WRAPPER_TYPES, Qwen3_5CausalLM, text_model_config
 from lmport.models.qwen2_vl import QWEN2_VL_MODEL_TYPES, Qwen2VLCausalLM, text_view
 from lmport.models.qwen3_next import QWEN3_NEXT_MODEL_TYPES, Qwen3NextCausalLM
 
@@ -28,8 +28,10 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     **{t: Qwen3_5CausalLM for t in QWEN3_5_MODEL_TYPES},
     **{t: Qwen2VLCausalLM for t in QWEN2_VL_MODEL_TYPES},
 }
-# Vision-language model types: lmport's config is the text view of the checkpoint's (lmport.models.qwen2_vl).
-TEXT_VIEWS = {t: text_view for t in QWEN2_VL_MODEL_TYPES}
+# Image-text checkpoints: lmport's config is a text view of theirs: Qwen2.5-VL's keeps its vision config
+# (lmport.models.qwen2_vl runs the vision tower), Qwen3.5's is its text model's (its vision tower is not loaded).
+TEXT_VIEWS = {**{t: text_view for t in QWEN2_VL_MODEL_TYPES},
+              **{t: text_model_config for t in QWEN3_5_WRAPPER_TYPES}}
 
 
 def supported_text() -> str:
@@ -54,7 +56,7 @@ def lmport_config(cfg):
 def transformers_class(cfg):
     """The transformers auto class that loads ``cfg``'s checkpoint (image-text-to-text for a vision-language one)."""
     import transformers
-    if cfg.model_type in TEXT_VIEWS:
+    if cfg.model_type in QWEN2_VL_MODEL_TYPES:
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 

@@ -20,7 +20,6 @@ from lmport.models.architectures import (adopt_transformers_modules, attention_v
                                          transformers_class)
 from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
-from lmport.models.qwen3_5 import text_model_config
 from lmport.models.rotary import rotary_for
 from lmport.parallel import TPGroup
 from lmport.platform.resolution import check_model
@@ -72,7 +71,7 @@ def read_model_config(model: str):
     from transformers import AutoConfig
     path = resolve_model_path(model)
     if path.is_dir():
-        return lmport_config(text_model_config(AutoConfig.from_pretrained(path)))   # an image-text model's text model
+        return lmport_config(AutoConfig.from_pretrained(path))
     return gguf.transformers_config(path)
 
 

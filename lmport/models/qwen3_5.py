@@ -31,10 +31,8 @@ QWEN3_5_WRAPPER_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_
 
 
 def text_model_config(cfg):
-    """``cfg``'s text model's config for a Qwen3.5 image-text config; ``cfg`` itself otherwise."""
-    if cfg.model_type in QWEN3_5_WRAPPER_TYPES:
-        return cfg.get_text_config()
-    return cfg
+    """A Qwen3.5 image-text config's text model's config (lmport.models.architectures.TEXT_VIEWS)."""
+    return cfg.get_text_config()
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):

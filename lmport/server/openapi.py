@@ -584,7 +584,8 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
         schema = cls.model_json_schema(ref_template=REF)
         for name, definition in {**schema.pop("$defs", {}), cls.__name__: schema}.items():
             # One name, one schema: a request's model and an answer's may not share a name.
-            assert schemas.setdefault(name, definition) == definition, f"two schemas named {name}"
+            if schemas.setdefault(name, definition) != definition:
+                raise ValueError(f"two schemas are named {name}: rename one of the models")
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
         props["model"] = {"type": "string", "enum": [model_name], "description": "the served model (GET /v1/models)"}
