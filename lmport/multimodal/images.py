@@ -58,8 +58,8 @@ def base64_bytes(data: str, media_type: str, where: str) -> bytes:
 
 def check_count(count: int, limits: ImageLimits, where: str) -> None:
     if count > limits.max_images:
-        raise ImageError(f"{where}: {count} images is more than the server's limit of {limits.max_images} a request "
-                         f"; send fewer", where)
+        raise ImageError(f"{where}: {count} images is more than the server's limit of {limits.max_images} a request; "
+                         f"send fewer", where)
 
 
 def decode(data: bytes, limits: ImageLimits, where: str):
