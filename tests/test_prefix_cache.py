@@ -61,7 +61,7 @@ def tiny():
 # int8 pages under the prefix cache and the host tier run by default in test_partial_overlap_outputs_identical.
 @pytest.mark.parametrize("quant_policy", [0, pytest.param(8, marks=pytest.mark.slow)])
 def test_shared_system_prompt_outputs_identical(tiny, quant_policy):
-    prompts = shared_prompt_workload()
+    prompts = shared_prompt_workload(n=32)   # the cost is each 1,000-token prompt computed with the cache off
     off, _ = run(tiny, prompts, 4, quant_policy, cache_max_entry_count=4500)
     on, u_on = run(tiny, prompts, 4, quant_policy, cache_max_entry_count=4500, enable_prefix_caching=True)
     # A device pool smaller than the batch needs: preemptions, evictions to the host, swaps.

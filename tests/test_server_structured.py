@@ -101,7 +101,9 @@ def test_json_object_output_parses(smol):
         assert r.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+# A named call through the generic tool prompt runs with the slow tests; test_tiny_required_and_named_calls names one.
+@pytest.mark.parametrize("choice", ["required", pytest.param({"type": "function", "function": {"name": "add"}},
+                                                             marks=pytest.mark.slow)])
 def test_default_model_tool_calls_validate_and_stream_the_same(smol, choice):
     kwargs = dict(model="smollm2", temperature=0, max_tokens=60, tools=TOOLS, tool_choice=choice,
                   messages=[{"role": "user", "content": "What is 12 plus 30? Use a tool."}])

@@ -197,6 +197,7 @@ def test_request_options_work_as_without_speculation():
     configs = [dataclasses.replace(biased, **fields) for fields in (
         {"repetition_penalty": 1.3}, {"frequency_penalty": 0.1, "presence_penalty": 0.5}, {"logprobs": 3},
         {"stop_words": [stop]}, {"max_new_tokens": 21})]
+    results = []
     for gen in configs:
         plain, _, _ = generate(model, prompts, gen, cache_max_entry_count=100)
         spec, usage, _ = generate(model, prompts, gen, cache_max_entry_count=100, speculative=NGRAM)
@@ -206,9 +207,10 @@ def test_request_options_work_as_without_speculation():
             assert len(b.logprobs) == len(a.logprobs)
             for x, y in zip(a.logprobs, b.logprobs):
                 assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
-    stopped = generate(model, prompts[:1], configs[3], cache_max_entry_count=100, speculative=NGRAM)[0][0]
+        results.append((plain, spec))
+    stopped = results[3][1][0]   # the first prompt, speculating, under the stop string
     assert stopped.finish_reason == "stop" and stop not in stopped.text
-    penalized = generate(model, prompts, configs[0], cache_max_entry_count=100)[0]
+    penalized = results[0][0]    # without speculation, under repetition_penalty 1.3
     assert [r.token_ids for r in penalized] != [r.token_ids for r in plain_tokens]   # the penalty mattered
     # n: several sampled choices of one prompt, each its own generator, all complete.
     with lmport.pipeline(model, backend_config=EngineConfig(device_type="cpu", speculative=NGRAM,

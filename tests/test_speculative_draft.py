@@ -79,7 +79,8 @@ def test_tokenizers_must_agree_token_for_token():
 
 # -- greedy token identity ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# The draft is the target's own model class cut to its first layer: Qwen3 (its q/k norms) runs with the slow tests.
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_greedy_identical_to_no_speculation(arch):
     prompts = repeating_prompts(16, seed=3)
     spec, usage, _ = generate_with_draft(arch, prompts, GREEDY, cache_max_entry_count=200,
@@ -127,13 +128,14 @@ def test_the_engine_stops_speculating_while_verification_steps_are_slower():
 
 
 def test_greedy_identical_under_preemption():
-    # 20 blocks of 16 tokens cannot hold 16 sequences of ~40-150 tokens: the scheduler must preempt, and the
-    # draft must recompute a preempted sequence's tokens in its new blocks.
-    spec, usage, _ = generate_with_draft("llama", repeating_prompts(16, seed=5), GREEDY, cache_max_entry_count=20,
+    # 20 blocks of 16 tokens cannot hold 8 sequences of ~100-155 tokens (66 blocks): the scheduler must preempt,
+    # and the draft must recompute a preempted sequence's tokens in its new blocks. Half the prompts of the tests
+    # above (each preemption is recomputed), whose reference is computed once.
+    spec, usage, _ = generate_with_draft("llama", repeating_prompts(16, seed=3)[:8], GREEDY, cache_max_entry_count=20,
                                          max_prefill_token_num=128,
                                          speculative=draft_spec(tiny_draft_dir("llama")))
     assert usage["preemptions"] > 0 and usage["spec_accepted_tokens"] > 0
-    assert [r.token_ids for r in spec] == plain("llama", 5)
+    assert [r.token_ids for r in spec] == plain("llama", 3)[:8]
 
 
 def test_greedy_identical_at_tp2():

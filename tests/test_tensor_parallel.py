@@ -81,12 +81,15 @@ def shared_prefix_prompts() -> list[list[int]]:
     return [[1] + prefix + list(range(200 + 9 * i, 210 + 9 * i)) for i in range(4)]
 
 
+# What the workload checks is in the prompts' blocks (cached, evicted to the host, read back): a few tokens each.
+PREFIX_GREEDY = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+
+
 def run_prefix_workload(engine: Engine) -> list[list[int]]:
     """One prompt at a time, then one that evicts the cached blocks to the host, then the first again."""
     prompts = shared_prefix_prompts()
-    tokens = [greedy(engine, [p])[0] for p in prompts + prompts[:1]]
-    tokens += [greedy(engine, [list(range(3000, 3150))])[0], greedy(engine, prompts[:1])[0]]
-    return tokens
+    evicting = list(range(3000, 3150))
+    return [greedy(engine, [p], PREFIX_GREEDY)[0] for p in prompts + prompts[:1] + [evicting] + prompts[:1]]
 
 
 def test_quant_policy_8_and_prefix_caching_with_host_tier_match_tp1():
