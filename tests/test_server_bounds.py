@@ -451,27 +451,64 @@ def test_a_format_at_a_dead_end_ends_its_request_not_the_batch():
 
 
 def test_a_long_prompt_is_prefilled_in_bounded_chunks_while_others_decode():
+    """Beside a decoding stream, a prompt's chunks are bounded by the work of decode_prefill_tokens tokens at a
+    prompt's start, each token's attention over the positions before it counted: deeper chunks are shorter."""
     from lmport.config import GenerationConfig
     engine = Engine(tiny_model_dir("llama"), EngineConfig(cache_max_entry_count=256, session_len=2048,
                                                           decode_prefill_tokens=64))
     try:
-        engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=40, ignore_eos=True), "stream")
+        engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=400, ignore_eos=True), "stream")
         engine.step()
         engine.step()   # "stream" is decoding now
         engine.add_request(list(range(5, 1205)), GenerationConfig(max_new_tokens=2, ignore_eos=True), "long")
         steps = []
-        schedule = engine.scheduler.schedule
+        scheduler = engine.scheduler
+        schedule = scheduler.schedule
 
         def record():
+            start = engine.seqs["long"].num_computed
             batch = schedule()
-            steps.append(dict(zip((s.request_id for s in batch.seqs), batch.num_new)))
+            steps.append((start, dict(zip((s.request_id for s in batch.seqs), batch.num_new))))
             return batch
-        engine.scheduler.schedule = record
-        while "long" in engine.seqs and len(steps) < 50:
+        scheduler.schedule = record
+        while "long" in engine.seqs and len(steps) < 200:
             engine.step()
-        prefill = [s["long"] for s in steps if "long" in s]
-        assert sum(prefill) >= 1200 and max(prefill) == 64, prefill
-        assert all(s.get("stream") == 1 for s in steps if "long" in s and "stream" in engine.seqs)
+        chunks = [(start, s["long"]) for start, s in steps if "long" in s and start < 1200]   # its prompt
+        assert "stream" in engine.seqs and sum(n for _, n in chunks) == 1200, chunks
+        assert all(s.get("stream") == 1 for _, s in steps)
+        bound = scheduler.prompt_work(0, 64, True)
+        assert chunks[0] == (0, 64)
+        assert all(scheduler.prompt_work(start, n, True) <= bound + 1e-6 for start, n in chunks)
+        for start, n in chunks[:-1]:   # each as long as the bound lets it be; the last one is what was left
+            assert bound + 1e-6 < scheduler.prompt_work(start, n + 1, True)
+        sizes = [n for _, n in chunks[:-1]]
+        assert sizes == sorted(sizes, reverse=True) and sizes[-1] < 64 / 2, chunks
+    finally:
+        engine.close()
+
+
+def test_a_tokens_attention_work_is_what_torch_counts():
+    """The scheduler's context cost (a prompt token's attention work per position before it, over its other
+    work) against the FLOPs torch's counter finds in the transformers model's forward, at growing lengths."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+    path = tiny_model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")   # its matmuls counted
+
+    def flops(length: int) -> int:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.arange(10, 10 + length)[None], logits_to_keep=1)   # a prompt: the head for its last token
+        return counter.get_total_flops()
+
+    # flops(L) = head + linear * L + attention * L^2: the counter counts the whole L x L score matrix (causal or
+    # not), 4 FLOPs a head dimension a pair, which is a token's work per position before it.
+    f1, f2, f3 = flops(64), flops(128), flops(256)
+    attention = ((f3 - f2) / 128 - (f2 - f1) / 64) / (256 - 64)
+    linear = (f2 - f1) / 64 - attention * (128 + 64)
+    engine = Engine(path, EngineConfig(cache_max_entry_count=64, session_len=512))
+    try:   # the norms' weights count as weights, not as matrix products: within 1%
+        assert engine.scheduler.context_cost == pytest.approx(attention / linear, rel=1e-2)
     finally:
         engine.close()
 

@@ -8,7 +8,10 @@ JSON keeps each process's part at the start and at the peak. The "reported befor
 the cases come from.
 
 Targets: no case keeps /health or the bystander waiting more than 1 s, no case grows RSS by more than 256 MB, a
-client that stops reading is cut within the send timeout and frees its slots, and no response is a 500.
+client that stops reading is cut within the send timeout and frees its slots, and no response is a 500. The
+stopped-core case is judged by /health instead of the waits: a stopped core stalls every stream (nothing can
+avoid that), and what must hold is that /health answers 503 within a few seconds of the stall timeout
+(--engine-stall-timeout) and 200 again once the core runs.
 
     .venv/bin/python tools/probe.py                   # every case, about 5 minutes on 2 cores
     .venv/bin/python tools/probe.py --only ambiguous-grammar,echo-leaves
@@ -33,6 +36,7 @@ import httpx
 from lmport.bench import client
 from lmport.bench.client import served_url, wait_ready
 from lmport.bench.machine import write_result
+from lmport.server.limits import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -302,13 +306,17 @@ def core_pid(pid: int) -> int:
     raise RuntimeError(f"no engine core process under {pid}")
 
 
+STOPPED_S = 15            # how long the stopped-core case keeps the core stopped
+STALL_MARGIN_S = 3.0      # how late after the stall timeout /health may turn 503 (it is polled every 0.2 s)
+
+
 async def stopped_core(self):
     """3. The engine core stopped (SIGSTOP) for 15 s with a request pending: when does /health say so?"""
     core, start, seen = core_pid(self.pid), time.monotonic(), []
     os.kill(core, signal.SIGSTOP)
     try:
         pending = asyncio.create_task(self.post("/v1/completions", self.completion(max_tokens=4)))
-        while time.monotonic() - start < 15:
+        while time.monotonic() - start < STOPPED_S:
             status = (await self.http.get(self.url + "/health")).status_code
             if not seen or seen[-1][1] != status:
                 seen.append((round(time.monotonic() - start, 1), status))
@@ -317,7 +325,20 @@ async def stopped_core(self):
         os.kill(core, signal.SIGCONT)
     request = answer(await pending)   # the core has stepped again once it is answered
     after = (await self.http.get(self.url + "/health")).status_code
+    self.details.update(first_503_s=next((t for t, s in seen if s == 503), None), health_after_sigcont=after,
+                        request=request)
     return f"/health {', '.join(f'{s} at {t} s' for t, s in seen)}; {after} after SIGCONT; request {request}"
+
+
+def stopped_core_met(row: dict, stall_timeout: float) -> tuple[bool, str]:
+    """A stopped core: /health 503 within the stall timeout and a margin, 200 after SIGCONT, the request answered
+    (the bystander's gap is the stop itself and is not judged)."""
+    first, after = row["details"].get("first_503_s"), row["details"].get("health_after_sigcont")
+    limit = stall_timeout + STALL_MARGIN_S
+    met = (first is not None and first <= limit and after == 200 and row["rss_growth_mib"] <= 256
+           and not row["details"].get("request", row["answer"]).startswith(("500", "transport")))
+    return met, (f"judged by /health, not by the waits a stopped core causes: 503 at {first} s of the stop "
+                 f"(target: by {limit:g} s), {after} after SIGCONT (target: 200)")
 
 
 async def fifo_adapter(self):
@@ -326,6 +347,10 @@ async def fifo_adapter(self):
         os.mkfifo(Path(tmp) / "adapter_config.json")
         return answer(await self.post("/v1/load_lora_adapter", {"lora_name": "fifo", "lora_path": tmp}))
 
+
+# name -> a function of (the case's row, the server's stall timeout) giving (target met, how it was judged), for a
+# case the common targets do not fit
+VERDICTS = {"stopped-core": stopped_core_met}
 
 add_cases({
     "stopped-core": (stopped_core, "/health 200 throughout 32 s of SIGSTOP while requests hung"),
@@ -339,7 +364,11 @@ async def big_answer(self):
     """1. A whole chat answer of n=16 x 2048 tokens with top_logprobs 20 (48 MB): built off the event loop?"""
     r = await self.post("/v1/chat/completions", self.chat(n=16, max_tokens=2048, ignore_eos=True, logprobs=True,
                                                           top_logprobs=20))
-    return f"{answer(r)}, {len(r.content) / 2**20:.0f} MiB"
+    if r.status_code != 200:
+        return answer(r)
+    # Not parsed here: parsing 45 MiB of JSON holds this process's event loop, and with it the bystander's
+    # /health polls and stream reads, for seconds (the JSON itself is checked by tests/test_server_big_answers.py).
+    return f"200, {len(r.content) / 2**20:.0f} MiB"
 
 
 async def impossible_answer(self):
@@ -467,6 +496,7 @@ async def run(url: str, model: str, pid: int, names: list[str]) -> list[dict]:
     cases.pid = pid   # the liveness cases signal the server's engine core
     for name in names:
         method, before = CASES[name]
+        cases.details = {}   # what a case records for its own verdict (VERDICTS)
         async with Bystander(url, model, pid) as watch:
             start = time.perf_counter()
             try:
@@ -480,21 +510,37 @@ async def run(url: str, model: str, pid: int, names: list[str]) -> list[dict]:
                      "bystander_gap_max_s": round(watch.gap, 3),
                      "rss_growth_mib": round((sum(watch.rss_peak.values()) - sum(watch.rss_start.values())) / 2**20, 1),
                      "rss_mib_by_process": {when: {p: round(b / 2**20, 1) for p, b in sizes.items()}
-                                            for when, sizes in (("start", watch.rss_start), ("peak", watch.rss_peak))}})
+                                            for when, sizes in (("start", watch.rss_start), ("peak", watch.rss_peak))},
+                     "details": cases.details})
         print(f"{name}: {rows[-1]}", file=sys.stderr)
     await cases.http.aclose()
     return rows
+
+
+def verdict(row: dict, stall_timeout: float) -> tuple[bool, str]:
+    """(target met, how it was judged): the case's own verdict (VERDICTS), else the common targets."""
+    if row["case"] in VERDICTS:
+        return VERDICTS[row["case"]](row, stall_timeout)
+    return (row["health_max_s"] <= 1 and row["bystander_gap_max_s"] <= 1 and row["rss_growth_mib"] <= 256
+            and not row["answer"].startswith(("500", "transport"))), ""
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| case | reported before | answer now | took (s) | slowest /health (s) | longest bystander gap (s) "
              "| RSS growth (MiB) | target met |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        met = (r["health_max_s"] <= 1 and r["bystander_gap_max_s"] <= 1 and r["rss_growth_mib"] <= 256
-               and not r["answer"].startswith(("500", "transport")))
+        met, judged = r["target_met"], r["judged"]
         lines.append(f"| {r['case']} | {r['before']} | {r['answer']} | {r['took_s']} | {r['health_max_s']} | "
-                     f"{r['bystander_gap_max_s']} | {r['rss_growth_mib']} | {'yes' if met else 'no'} |")
+                     f"{r['bystander_gap_max_s']} | {r['rss_growth_mib']} | {'yes' if met else 'no'}"
+                     f"{f' ({judged})' if judged else ''} |")
     return "\n".join(lines)
+
+
+def stall_timeout(server_args: list[str]) -> float:
+    """The server's --engine-stall-timeout (its default when not given)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--engine-stall-timeout", type=float, default=Limits().engine_stall_timeout)
+    return p.parse_known_args(server_args)[0].engine_stall_timeout
 
 
 def main() -> int:
@@ -520,6 +566,8 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    for row in rows:
+        row["target_met"], row["judged"] = verdict(row, stall_timeout(shlex.split(args.server_args)))
     print(table(rows))
     result = {"rows": rows, "model": args.model, "server_args": args.server_args, "cpus": os.cpu_count(),
               "host": platform.node(), "load_average": os.getloadavg()}

@@ -11,8 +11,9 @@ logprobs (each choice must carry them), LoRA adapters loaded, used and
 unloaded while everything else runs, slow readers (a stream
 read one chunk at a time with pauses, sometimes left unread), and bad requests
 (each must get a 4xx, or a 200 where the input is valid but extreme). After
---warmup requests the server's RSS (with its child processes) is read; at the
-end, once it is idle, RSS, KV blocks used and requests left
+--warmup requests the server's RSS (with its child processes, each also on
+its own: the front end and the engine core) is read; at the end, once it is
+idle, RSS, KV blocks used and requests left
 (running + waiting + admitted) are read again. Prints a table; writes JSON
 to --out. Pass: RSS within 10% of the warm-up reading, 0 blocks used, 0
 requests left, no 5xx, no request without an answer.
@@ -39,7 +40,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe import start_server, tree_rss  # noqa: E402
+from probe import rss_by_process, start_server, tree_rss  # noqa: E402
 
 from lmport.bench.client import metric, percentile, served_url, wait_ready  # noqa: E402
 from lmport.bench.machine import write_result  # noqa: E402
@@ -329,14 +330,17 @@ async def run(args, url: str, pid: int) -> dict:
             if i == args.warmup:
                 await asyncio.gather(*tasks)          # a quiet moment, like the end
                 rss["after_warmup"] = tree_rss(pid)
+                rss["by_process_after_warmup"] = by_role(pid)
             if i % 500 == 0:
                 rss["samples"].append((round(time.monotonic() - start, 1), tree_rss(pid)))
+                rss.setdefault("by_process", []).append((i, by_role(pid)))
                 print(f"{i} requests sent, {time.monotonic() - start:.0f} s, RSS "
                       f"{rss['samples'][-1][1] / 2**20:.0f} MiB, problems {soak.counts['problem']}", file=sys.stderr)
         await asyncio.gather(*tasks)
         wall = time.monotonic() - start
         after = await idle_metrics(http, url)
         rss["end"] = tree_rss(pid)
+        rss["by_process_end"] = by_role(pid)
         health = (await http.get(url + "/health")).status_code
     outcomes = collections.defaultdict(dict)
     for key, n in soak.counts.items():
@@ -350,6 +354,9 @@ async def run(args, url: str, pid: int) -> dict:
         "rss_after_warmup_mib": rss["after_warmup"] / 2**20, "rss_end_mib": rss["end"] / 2**20,
         "rss_growth_pct": 100 * (rss["end"] - rss["after_warmup"]) / rss["after_warmup"],
         "rss_samples_mib": [(t, round(b / 2**20, 1)) for t, b in rss["samples"]],
+        # Which process grew: MiB by role after the warm-up, every 500 requests, and at the end.
+        "rss_by_process_mib": {"after_warmup": rss["by_process_after_warmup"], "end": rss["by_process_end"],
+                               "samples": rss["by_process"]},
         "running_after": after["lmport_requests_running"], "waiting_after": after["lmport_requests_waiting"],
         "admitted_after": after["lmport_requests_admitted"], "kv_blocks_used_after": after["lmport_kv_blocks_used"],
         "health_after": health,
@@ -366,12 +373,25 @@ def table(r: dict) -> str:
             ("problems (5xx, hangs, missing [DONE], unexpected status)", r["problems"]),
             ("RSS after warm-up / end (MiB)", f"{r['rss_after_warmup_mib']:.0f} / {r['rss_end_mib']:.0f} "
                                               f"({r['rss_growth_pct']:+.1f}%)"),
+            *((f"RSS of the {role} after warm-up / end (MiB)",
+               f"{r['rss_by_process_mib']['after_warmup'].get(role, 0):.0f} / {mib:.0f}")
+              for role, mib in r["rss_by_process_mib"]["end"].items()),
             ("KV blocks used at the end", r["kv_blocks_used_after"]),
             ("requests left (running / waiting / admitted)",
              f"{r['running_after']} / {r['waiting_after']} / {r['admitted_after']}"),
             ("/health at the end", r["health_after"]),
             ("pass", "yes" if passed else "no")]
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def by_role(pid: int) -> dict[str, float]:
+    """MiB resident by process: the server's own (the HTTP front end) and each child's (the engine core)."""
+    roles: dict[str, float] = {}
+    for process, size in rss_by_process(pid).items():
+        number, name = process.split(" ", 1)
+        role = "front end" if int(number) == pid else f"child {name}"
+        roles[role] = round(roles.get(role, 0) + size / 2**20, 1)
+    return roles
 
 
 def adapters(model: str) -> list[str]:

@@ -29,7 +29,7 @@ from lmport.lora.table import AdapterTable, LoadedAdapter
 from lmport.memory.budget import CachePlan, MemoryInputs
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import LoraLayers
-from lmport.models.windows import kv_window
+from lmport.models.windows import kv_window, layer_windows
 from lmport.multimodal.inputs import ImageInput, check_placement, images_key
 from lmport.multimodal.processor import VISION_MODEL_TYPES
 from lmport.kv import host_tier
@@ -203,6 +203,7 @@ class EngineCore:
             window=window)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num,
                                    self.config.decode_prefill_tokens)
+        self.scheduler.context_cost = context_cost(cfg, self.config.tp * loaded.num_parameters)
         if hybrid:   # one recurrent-state slot for each of max_batch_size running sequences, as the runner holds
             self.scheduler.state_pool = StatePool(self.config.max_batch_size)
 
@@ -430,3 +431,23 @@ class EngineCore:
         if self.draft is not None:
             self.draft.close()
         self.seqs.clear()
+
+
+def context_cost(cfg, num_parameters: int) -> float:
+    """A prompt token's attention work per position of context before it, in units of its other work (2 FLOPs
+    a weight it is multiplied by: every weight but the embedding table, a lookup, and an untied LM head, which
+    only a prompt's last token goes through): 4 FLOPs a head dimension (q.k, and the weighted sum of v) for every
+    head of each layer that attends to the whole context (a sliding window's or a linear-attention layer's work
+    is bounded). Every expert of an MoE counts, so its cost is low. 0 for a config that does not say (chunks are
+    then sized in tokens alone)."""
+    try:
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        full = sum(w is None and t not in ("linear_attention", "chunked_attention")
+                   for w, t in zip(layer_windows(cfg), types))
+        tables = cfg.vocab_size * cfg.hidden_size * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    weights = num_parameters - tables
+    return 4 * full * heads * head_dim / (2 * weights) if weights > 0 else 0.0

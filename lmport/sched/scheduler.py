@@ -1,9 +1,11 @@
 """Continuous batching: decode first, then new prompts, within a per-step token budget.
 
-While any running sequence is decoding, a step computes at most ``decode_prefill_tokens`` prompt tokens
+While any running sequence is decoding, a step computes at most ``decode_prefill_tokens`` prompt tokens' work
 (EngineConfig's; ``lmport serve`` sets 128) besides one token per decoding sequence, so a long prompt cannot
 stall the running streams for a whole ``max_prefill_token_num`` chunk; with nothing decoding, or with no
-bound (None, the offline default: the fewest, fullest steps), prompts get the whole budget.
+bound (None, the offline default: the fewest, fullest steps), prompts get the whole budget. A prompt token's
+work grows with the positions before it, which it attends to (``context_cost``): a chunk deep in a long
+prompt is shorter, so that such a step takes no longer than one at the prompt's start.
 
 A long prompt is prefilled in chunks across steps. When blocks run out, the
 most recently admitted running sequence is preempted: its blocks are freed,
@@ -22,6 +24,7 @@ a completed format, max_new_tokens, session_len), and the blocks of every reques
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,6 +71,9 @@ class Scheduler:
         self.lookahead: Callable[[Sequence], int] | None = None
         self.session_len: int | None = None     # tokens a request may reach: it ends there ("length")
         self.accept_budget = MASK_BUDGET_S      # seconds a grammar may take to accept one token
+        # A token's attention work per position before it, in units of its other work (the weights it is
+        # multiplied by): it sizes the prompt chunks of a step in which other sequences decode (prompt_tokens).
+        self.context_cost = 0.0
         # A model with linear-attention layers (Qwen3-Next): each running sequence holds one recurrent-state slot,
         # taken at admission and given back when it ends or is preempted (lmport.kv.state_pool); None otherwise.
         self.state_pool: StatePool | None = None
@@ -84,14 +90,16 @@ class Scheduler:
         for seq in self.running:    # last step's full blocks become visible to this step's lookups
             self.block_manager.cache_computed(seq)
         decoding = any(seq.num_uncomputed == 1 for seq in self.running)
-        prefill = self.decode_prefill_tokens if decoding else budget   # prompt tokens this step may compute
+        # The prompt work this step may do: while others decode, a chunk of decode_prefill_tokens at a prompt's
+        # start, counted with each token's attention (prompt_work); else the whole budget, in tokens.
+        prefill = self.prompt_work(0, self.decode_prefill_tokens, decoding) if decoding else budget
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget) if seq.num_uncomputed == 1 else seq.step_limit(min(
-                seq.num_uncomputed, budget, prefill))
+                seq.num_uncomputed, budget, self.prompt_tokens(seq.num_computed, prefill, decoding)))
             if n == 0:
                 continue   # a prompt chunk waits for the next step; decoding sequences further on still run
             self.block_manager.release_outside_window(seq)
@@ -111,19 +119,44 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
             if seq.num_uncomputed > 1:   # a prompt chunk (num_computed moves after the forward)
-                prefill -= n
-        self._admit(batch, budget, prefill)
+                prefill -= self.prompt_work(seq.num_computed, n, decoding)
+        self._admit(batch, budget, prefill, decoding)
         batch.copies = self.block_manager.take_copies()
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int, prefill: int) -> None:
+    def prompt_work(self, start: int, n: int, decoding: bool) -> float:
+        """The work of prompt tokens ``start .. start + n - 1``: while others decode, a token at position p costs
+        1 + context_cost * p (its attention over the p before it); else one each."""
+        return n + self.context_cost * (n * start + n * (n - 1) / 2) if decoding else n
+
+    def prompt_tokens(self, start: int, work: float, decoding: bool) -> int:
+        """The most prompt tokens from position ``start`` whose work (``prompt_work``) fits in ``work``; at least
+        one when that is a whole step's, so that a prompt deeper than one step's work still moves."""
+        if not decoding or self.context_cost == 0:
+            return max(0, int(work))
+        if work <= 0:
+            return 0
+        r, b = self.context_cost, 1 + self.context_cost * (start - 0.5)
+        root = (math.sqrt(b * b + 2 * r * work) - b) / r   # where prompt_work(start, n) = work
+        fits = math.floor(root + 1e-6)                      # (a chunk at the start that fits exactly, kept whole)
+        return fits if fits > 0 or work < self.prompt_work(0, self.decode_prefill_tokens, True) else 1
+
+    def _admit(self, batch: ScheduledBatch, budget: int, prefill: float, decoding: bool) -> None:
         """Waiting sequences join the batch while the budget, the blocks and max_batch_size allow."""
-        while (self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_batch_size
+        while (self.waiting and budget > 0 and len(self.running) < self.max_batch_size
                and (self.state_pool is None or self.state_pool.can_allocate())):
             seq = self.waiting[0]
-            n = self.block_manager.admit(seq, seq.step_limit(min(budget, prefill)))
+            if (tokens := self.prompt_tokens(0, prefill, decoding)) == 0:
+                break
+            n = self.block_manager.admit(seq, seq.step_limit(min(budget, tokens)))
             if n is None:
                 break
+            # The chunk starts after what the prefix cache or the host tier gave back: deep in a prompt, it is
+            # shorter (its tokens attend to more), its blocks past that given back; one token at least, as it
+            # is admitted.
+            if (fits := max(1, self.prompt_tokens(seq.num_computed, prefill, decoding))) < n:
+                n = fits
+                self.block_manager.rollback(seq, seq.num_computed + n)
             self.waiting.popleft()
             self.block_manager.release_outside_window(seq)   # prefix-cache hits behind the window
             seq.status = Status.RUNNING
@@ -133,7 +166,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
-            prefill -= n
+            prefill -= self.prompt_work(seq.num_computed, n, decoding)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -2,14 +2,15 @@
 worker thread, so that a big answer never stops the event loop (/health, other clients' streams).
 
 A 48 MB answer (n=16 x 2048 tokens with 20 top logprobs each) built and serialised on the event loop held it for
-23 s. In a worker thread, building it and serialising it (json's C encoder) give the loop its turn every few
-milliseconds (measured: the loop waits at most tens of milliseconds while a 28 MB answer is serialised).
+23 s. A worker thread alone is not enough: json's C encoder holds the GIL for the whole of one call, so an answer
+encoded in one call holds the loop for as long as that takes (seconds). ``pieces`` encodes an answer in pieces
+of about ``PIECE`` characters (a choice at a time, a long list in slices), and the loop gets the GIL between them.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fastapi.responses import Response
 
@@ -18,6 +19,11 @@ from lmport.server.protocol import APIError
 
 # What FastAPI's JSONResponse writes: compact, UTF-8, and no NaN or Infinity (not JSON).
 encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
+# Characters of JSON text one call of the C encoder writes at most (about, for a list's slices): a few milliseconds
+# of holding the GIL.
+PIECE = 1 << 16
+OPENED_DEPTH = 16   # levels of nesting ``pieces`` opens; deeper values are encoded whole
 
 
 def entries(frontend: Frontend, job: Job) -> int:
@@ -44,7 +50,58 @@ def check_size(frontend: Frontend, job: Job) -> None:
                             f"tokens, choices or logprobs", param="max_tokens", code="answer_too_large")
 
 
+def pieces(value, depth: int = 0) -> Iterator[str]:
+    """``value``'s JSON text, exactly as ``encode(value)`` writes it, in pieces: containers are opened here and
+    a list's items encoded in slices sized from the slice before (an item bigger than a piece is opened in
+    turn), so no one call of the C encoder writes much more than ``PIECE`` characters, unless one string is
+    longer. Below ``OPENED_DEPTH`` levels a value is encoded whole (a deeply nested one, such as a tool call's
+    generated arguments, is small, and the encoder keeps its own recursion limit)."""
+    if depth >= OPENED_DEPTH:
+        yield encode(value)
+    elif isinstance(value, dict) and value and all(isinstance(key, str) for key in value):
+        separator = "{"
+        for key, item in value.items():
+            yield separator + encode(key) + ":"
+            yield from pieces(item, depth + 1)
+            separator = ","
+        yield "}"
+    elif isinstance(value, list) and value:
+        yield "["
+        start, step = 0, 0   # step 0: open the next item; more: the next slice's length
+        while start < len(value):
+            separator = "," if start else ""
+            if step == 0:
+                yield separator
+                size, done = len(separator), 1
+                for piece in pieces(value[start], depth + 1):
+                    size += len(piece)
+                    yield piece
+            else:
+                text = separator + encode(value[start:start + step])[1:-1]
+                yield text
+                size, done = len(text), min(step, len(value) - start)
+            start += done
+            fits = PIECE * done // max(size, 1)   # items the size of these that fill a piece
+            step = min(fits, 2 * done)            # growing slowly, in case later items are bigger
+        yield "]"
+    else:   # a scalar, an empty list or dict, or a dict with keys json converts
+        yield encode(value)
+
+
+def joined(value) -> bytes:
+    """``value``'s JSON text in UTF-8, encoded in pieces (``pieces``) and joined."""
+    chunks, held, size = [], [], 0
+    for piece in pieces(value):
+        held.append(piece)
+        size += len(piece)
+        if size >= PIECE:   # UTF-8 a piece at a time too: one call for the whole answer holds the GIL as long
+            chunks.append("".join(held).encode())
+            held, size = [], 0
+    chunks.append("".join(held).encode())
+    return b"".join(chunks)
+
+
 async def json_response(build: Callable[[], dict]) -> Response:
-    """The answer ``build()`` makes, built and serialised in a worker thread."""
-    content = await asyncio.to_thread(lambda: encode(build()).encode())
+    """The answer ``build()`` makes, built and serialised in a worker thread, in pieces (``pieces``)."""
+    content = await asyncio.to_thread(lambda: joined(build()))
     return Response(content, media_type="application/json")
