@@ -6,8 +6,9 @@ chunks within 2e-4 (absolute; 1e-4 relative) of transformers' forward, as for th
 The newer families (SmolLM3, GLM-4.5, gpt-oss, Llama 4 text; tests/support/tiny_float_models.py) against
 transformers' generate: the five prompts batched, 24 new tokens each, prefilled in chunks of 40 tokens (across
 block boundaries), with block sizes 16 and 64; after preemptions; and with prefix caching, a repeated prompt
-giving the same tokens from cached blocks. A GGUF of gpt-oss or Llama 4 is refused by its architecture name
-(SmolLM3 and GLM-4.5 files: tests/test_gguf_new_families.py).
+giving the same tokens from cached blocks. A GGUF of an architecture lmport does not run is refused by its name
+(SmolLM3 and GLM-4.5 files: tests/test_gguf_new_families.py; gpt-oss, Llama 4: tests/test_gguf_gpt_oss.py,
+tests/test_gguf_llama4.py).
 
 The tiny models (tests/models.py) have a 32-token window on their sliding layers, so the 200-token
 prompts cross it; Gemma 2's are soft-capped (attention and final logits). The other backends run the
@@ -148,10 +149,10 @@ def test_a_backend_without_sinks_refuses_gpt_oss_before_loading(monkeypatch):
         lmport.pipeline(tiny_float_models.tiny_model_dir("gpt-oss"), backend_config=EngineConfig(device_type="example"))
 
 
-@pytest.mark.parametrize("architecture", ["gpt-oss", "llama4"])
+@pytest.mark.parametrize("architecture", ["qwen3vl", "glm4"])
 def test_gguf_of_a_newer_family_is_refused_by_name(tmp_path, architecture):
-    """A GGUF of these families is not loaded (their tensors' names and layouts are a later step): refused by its
-    architecture, before any tensor is read."""
+    """A GGUF of a family lmport does not load from GGUF (Qwen3-VL, GLM-4): refused by its architecture, before any
+    tensor is read."""
     import gguf
 
     from lmport.errors import ConfigError

@@ -68,6 +68,49 @@ class BiasedExperts(nn.Module):
             return full[:, start:end].clone()
         return full.clone() if self.rank == 0 else torch.zeros_like(full)
 
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, alpha: float,
+                limit: float) -> torch.Tensor:
+        return ops.clamped_swiglu_moe(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                      self.down_proj_bias, weights, ids, alpha, limit)
+
+    def quantized_experts(self, gate, up, down, backend: Backend) -> nn.Module:
+        """The twin of these experts over quantized gate, up and down weights as a GGUF stacks them."""
+        num_experts, hidden, gate_up = self.gate_up_proj.shape
+        return QuantBiasedExperts(gate, up, down, num_experts, hidden, gate_up // 2, backend)
+
+
+class QuantBiasedExperts(nn.Module):
+    """gpt-oss's experts over quantized weights as llama.cpp's converter writes them: gate, up and down each one
+    weight stacked over the experts (``ffn_{gate,up,down}_exps``: MXFP4 blocks in the released files, run on the
+    reference op; any other quantized type through its kernel), gate and up apart, each with its bias."""
+
+    def __init__(self, gate, up, down, num_experts: int, hidden: int, inter: int, backend: Backend):
+        super().__init__()
+        from lmport.models.quantized import QuantExperts
+        for name, w, rows, inputs in (("gate_proj", gate, inter, hidden), ("up_proj", up, inter, hidden),
+                                      ("down_proj", down, hidden, inter)):
+            if (w.out_features, w.in_features) != (num_experts * rows, inputs):
+                raise ValueError(f"experts.{name}: quantized experts are [{w.out_features}, {w.in_features}] but "
+                                 f"the model config makes them {num_experts} x {[rows, inputs]}")
+        self.stacked = QuantExperts(gate, up, down, num_experts, backend)
+        self.gate_proj_bias = nn.Parameter(torch.empty(num_experts, inter), requires_grad=False)
+        self.up_proj_bias = nn.Parameter(torch.empty(num_experts, inter), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, alpha: float,
+                limit: float) -> torch.Tensor:
+        from lmport.models.quantized import quantized_linear
+
+        def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
+            gate_w, up_w, down_w = self.stacked.experts()[expert]
+            gate = (quantized_linear(self.backend, xs, gate_w) + self.gate_proj_bias[expert]).clamp(max=limit)
+            up = (quantized_linear(self.backend, xs, up_w) + self.up_proj_bias[expert]).clamp(min=-limit, max=limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+            return quantized_linear(self.backend, h, down_w) + self.down_proj_bias[expert]
+
+        return ops.moe_by_expert(x, weights, ids, self.stacked.num_experts, expert_mlp)
+
 
 class ClampedSwigluMoe(nn.Module):
     def __init__(self, cfg, backend: Backend, tp: TPGroup):
@@ -80,10 +123,7 @@ class ClampedSwigluMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.route_top_k_softmax(self.backend.linear(x, self.router.weight, self.router.bias),
                                                self.top_k)
-        e = self.experts
-        return self.tp.all_reduce(ops.clamped_swiglu_moe(x, e.gate_up_proj, e.gate_up_proj_bias, e.down_proj,
-                                                         e.down_proj_bias, weights, ids, self.alpha,
-                                                         self.limit).contiguous())
+        return self.tp.all_reduce(self.experts.forward(x, weights, ids, self.alpha, self.limit).contiguous())
 
 
 class GptOssDecoderLayer(nn.Module):

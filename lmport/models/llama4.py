@@ -77,6 +77,33 @@ class Llama4Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
 
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.input_scaled_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    def quantized_experts(self, gate, up, down, backend: Backend) -> nn.Module:
+        """The twin of these experts over quantized gate, up and down weights as a GGUF stacks them."""
+        num_experts, hidden, gate_up = self.gate_up_proj.shape
+        for name, w, want in (("gate_proj", gate, (gate_up // 2, hidden)), ("up_proj", up, (gate_up // 2, hidden)),
+                              ("down_proj", down, (hidden, gate_up // 2))):
+            if (w.out_features, w.in_features) != (num_experts * want[0], want[1]):
+                raise ValueError(f"experts.{name}: quantized experts are [{w.out_features}, {w.in_features}] but "
+                                 f"the model config makes them {num_experts} x {list(want)}")
+        return QuantInputScaledExperts(gate, up, down, num_experts, backend)
+
+
+class QuantInputScaledExperts(nn.Module):
+    """Llama 4's experts over quantized weights stacked as a GGUF's ``ffn_{gate,up,down}_exps``: the routing weight
+    scales each expert's input, as lmport.ops.input_scaled_moe does for float ones."""
+
+    def __init__(self, gate, up, down, num_experts: int, backend: Backend):
+        super().__init__()
+        from lmport.models.quantized import QuantExperts
+        self.stacked = QuantExperts(gate, up, down, num_experts, backend)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ops.moe_by_expert(x, weights, ids, self.stacked.num_experts, self.stacked._expert_mlp,
+                                 scale_inputs=True)
+
 
 class Llama4Router(nn.Module):
     def __init__(self, num_experts: int, hidden: int):
@@ -95,7 +122,7 @@ class Llama4Moe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.route_top_k_sigmoid(self.backend.linear(x, self.router.weight), self.top_k)
-        routed = ops.input_scaled_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        routed = self.experts.forward(x, weights, ids)
         return self.shared_expert.forward(x) + routed
 
 

@@ -168,6 +168,10 @@ def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: 
     _tie_lm_head(cfg, quantized, floats)   # before sharding, so the head is sliced as the embedding is
     paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
     paged.rotary = rotary_for(cfg)
+    factors = gguf.rope_frequency_factors(path)
+    if factors is not None:   # a llama3-type rope scaling (Llama 3.1 and later, Llama 4), as the converter writes it
+        inv_freq = paged.rotary.inv_freq   # the rotary's frequencies, a buffer (lmport's and transformers' rotaries)
+        paged.rotary.inv_freq = inv_freq / factors.to(inv_freq)
     return paged
 
 

@@ -20,7 +20,7 @@ from lmport.platform.backend import Backend
 from lmport.weights import tensors
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.fp8 import Fp8Weight
-from lmport.weights.ggml import GGMLWeight
+from lmport.weights.ggml import GGMLWeight, dequantize_mxfp4
 from lmport.weights.residency import page_out
 
 W = TypeVar("W", QuantizedWeight, GGMLWeight, Fp8Weight)
@@ -132,7 +132,10 @@ def _codes(weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
 
 def quantized_linear(backend: Backend, x: torch.Tensor,
                      weight: QuantizedWeight | GGMLWeight | Fp8Weight) -> torch.Tensor:
-    """x @ weight^T through the backend's kernel for the weight's kind."""
+    """x @ weight^T through the backend's kernel for the weight's kind (a block type no backend has a kernel for:
+    its torch reference, lmport.weights.ggml.REFERENCE_BLOCK_TYPES)."""
+    if isinstance(weight, GGMLWeight) and weight.type_name == "mxfp4":
+        return torch.nn.functional.linear(x, dequantize_mxfp4(weight, x.dtype))
     if isinstance(weight, GGMLWeight):
         return backend.ggml_linear(x, weight)
     if isinstance(weight, Fp8Weight):
@@ -198,15 +201,20 @@ def _install_experts(model: nn.Module, quantized: dict[str, QuantizedWeight | GG
             raise ValueError(f"{module_name}: quantized experts need gate, up and down quantized; "
                              f"{', '.join(missing)} are not")
         old = model.get_submodule(module_name)
+        gate, up, down = (quantized[n] for n in names)
+        parent_name, _, attr = module_name.rpartition(".")
+        twin = getattr(old, "quantized_experts", None)   # experts of another layout (gpt-oss's, with biases)
+        if callable(twin):
+            setattr(model.get_submodule(parent_name), attr, twin(gate, up, down, backend))
+            consumed.update(names)
+            continue
         num_experts, gate_up_rows, hidden = old.get_parameter("gate_up_proj").shape
         inter = gate_up_rows // 2
-        gate, up, down = (quantized[n] for n in names)
         for name, w, want in zip(names, (gate, up, down), ((inter, hidden), (inter, hidden), (hidden, inter)),
                                  strict=True):
             if (w.out_features, w.in_features) != (num_experts * want[0], want[1]):
                 raise ValueError(f"{name}: quantized experts are [{w.out_features}, {w.in_features}] but the model "
                                  f"config makes them {num_experts} x {list(want)}")
-        parent_name, _, attr = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, QuantExperts(gate, up, down, num_experts, backend))
         consumed.update(names)
     return consumed

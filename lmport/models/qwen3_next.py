@@ -121,6 +121,9 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"{cfg.model_type}: linear_num_value_heads={self.num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={self.num_k_heads}")
         self.key_size, self.value_size = self.k_dim * self.num_k_heads, self.v_dim * self.num_v_heads
+        # Value heads grouped by key head (transformers': value head j reads key head j // group), or tiled over
+        # them (j reads j % key heads: llama.cpp's converter stores Qwen3.5's so; every value-head tensor alike)
+        self.tiled_v_heads = bool(getattr(cfg, "linear_value_heads_tiled", False))
         conv_channels = 2 * self.key_size + self.value_size
         self.conv1d = Conv1dWeight(conv_channels, cfg.linear_conv_kernel_dim)
         # transformers' layout, or llama.cpp's (a GGUF's: lmport.weights.gguf_config sets the config's field)
@@ -200,8 +203,11 @@ class GatedDeltaNet(nn.Module):
     def heads(self, mixed: torch.Tensor):
         """q, k [B, T, key heads, Dk] and v [B, T, value heads, Dv] of the conv's output [B, T, channels]."""
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        return (q.unflatten(-1, (self.num_k_heads, self.k_dim)), k.unflatten(-1, (self.num_k_heads, self.k_dim)),
-                v.unflatten(-1, (self.num_v_heads, self.v_dim)))
+        q, k = q.unflatten(-1, (self.num_k_heads, self.k_dim)), k.unflatten(-1, (self.num_k_heads, self.k_dim))
+        if self.tiled_v_heads:   # each value head's key head, in the tiled order
+            group = self.num_v_heads // self.num_k_heads
+            q, k = torch.cat([q] * group, dim=-2), torch.cat([k] * group, dim=-2)
+        return q, k, v.unflatten(-1, (self.num_v_heads, self.v_dim))
 
 
 class SharedExpertMoe(SparseMoeBlock):

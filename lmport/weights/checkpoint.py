@@ -10,6 +10,7 @@ from pathlib import Path
 from lmport.config import ConfigError
 from lmport.weights import fp8, packed_int
 from lmport.weights.format import check_quantized_tp
+from lmport.weights.ggml import REFERENCE_BLOCK_TYPES
 
 
 def checkpoint_formats(path: Path) -> tuple[set[tuple[int, int]], set[str]]:
@@ -55,7 +56,7 @@ def check_backend(path: Path, caps, weight_format: str = "auto") -> bool:
                 f"cannot run ({problem}); backends that run it: "
                 f"{', '.join(backends_running(lambda c, b=bits, g=group: c.weight_format_problem(b, g) is None))}. "
                 f"{fix}")
-    missing = sorted(blocks - caps.ggml_types)
+    missing = sorted(blocks - caps.ggml_types - REFERENCE_BLOCK_TYPES.keys())   # those run on the reference op
     if missing:
         raise ConfigError(
             f"{path.name} holds GGUF {', '.join(missing)} blocks, which device {caps.device_type!r} cannot run "

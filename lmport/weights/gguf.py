@@ -25,7 +25,7 @@ import torch
 
 from lmport.config import ConfigError
 from lmport.weights.format import QuantizedWeight
-from lmport.weights.ggml import BLOCK_TYPES, GGMLWeight
+from lmport.weights.ggml import HELD_BLOCK_TYPES, GGMLWeight
 from lmport.weights.gguf_checks import DamagedHeader, check_metadata
 from lmport.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from lmport.weights.residency import page_out, read_ahead
@@ -37,11 +37,15 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama, Mistral, Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
     "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3", "smollm3": "SmolLM3",
-    "glm4moe": "GLM-4.5", "deepseek2": "DeepSeek-V3", "qwen3next": "Qwen3-Next",
+    "glm4moe": "GLM-4.5", "deepseek2": "DeepSeek-V3", "qwen3next": "Qwen3-Next", "gpt-oss": "gpt-oss",
+    "qwen35": "Qwen3.5 (text)", "qwen35moe": "Qwen3.5-MoE (text)", "llama4": "Llama 4 (text)",
 }
 # GGUF architecture -> transformers model type, where they differ.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
-                "qwen3next": "qwen3_next"}
+                "qwen3next": "qwen3_next", "gpt-oss": "gpt_oss", "qwen35": "qwen3_5_text",
+                "qwen35moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+# Architectures with Qwen3-Next's linear-attention layers, whose tensors the converter changes alike.
+_LINEAR_ATTENTION = ("qwen3next", "qwen35", "qwen35moe")
 # Qwen3-Next's linear-layer parameters without a weight / bias suffix -> the GGUF tensor they come from, by the
 # name gguf's map gives the module (A_log is stored as -exp(A_log), under no suffix; dt_bias as dt_proj's bias).
 _LINEAR_PARAMETERS = {"linear_attn.A_log": ("linear_attn.A_log", ""), "linear_attn.dt_bias": ("linear_attn.dt_proj",
@@ -99,7 +103,7 @@ def tensor_formats(path: Path) -> tuple[set[tuple[int, int]], set[str], dict[str
         qtype = _qtype(t)
         if qtype in int_types:
             formats.add((int(int_types[qtype][3:]), 32))
-        elif qtype.name.lower() in BLOCK_TYPES:
+        elif qtype.name.lower() in HELD_BLOCK_TYPES:
             blocks.add(qtype.name.lower())
         elif qtype not in float_types:
             other[t.name] = qtype.name
@@ -209,7 +213,7 @@ def _read_tensor(header: GGUFHeader, t: TensorInfo, dtype: torch.dtype, keep: bo
         weight = _int_weight(data, qtype).check(label)
         page_out([_tensor_view(data)])   # copied: the file's pages need not stay resident beside the copy
         return weight
-    if keep and qtype.name.lower() in BLOCK_TYPES and len(t.shape) in (2, 3):
+    if keep and qtype.name.lower() in HELD_BLOCK_TYPES and len(t.shape) in (2, 3):
         return GGMLWeight(_tensor_view(data), qtype.name.lower(), t.shape[-1]).check(label)
     try:
         w = gguf.quants.dequantize(np.asarray(data), qtype)
@@ -262,7 +266,8 @@ def checkpoint_names(model_names: list[str], model_type: str) -> list[str]:
                 names.append(base[:-len(_PHI3_FUSED[fused[0]][0])] + fused[0] + ".weight")
             if any(base.endswith(p) for parts in _PHI3_FUSED.values() for p in parts):
                 continue
-        if base.endswith("mlp.experts.gate_up_proj"):
+        # (Llama 4's experts are under feed_forward; the bias is gpt-oss's)
+        if base.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
             names += [name.replace("gate_up_proj", "gate_proj"), name.replace("gate_up_proj", "up_proj")]
             continue
         if model_type == "deepseek_v3" and base.endswith("self_attn.kv_b_proj"):
@@ -285,7 +290,7 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
     for hf in checkpoint_names(model_names, cfg.model_type):
         base, _, suffix = hf.rpartition(".")
         parameter = next((p for p in _LINEAR_PARAMETERS if hf.endswith(p)), None)
-        if arch == "qwen3next" and parameter is not None:
+        if arch in _LINEAR_ATTENTION and parameter is not None:
             module, tensor_suffix = _LINEAR_PARAMETERS[parameter]
             wanted[f"{name_map.get_name(hf.removesuffix(parameter) + module)}{tensor_suffix}"] = hf
         elif suffix in ("weight", "bias") and (g := name_map.get_name(base)) is not None:
@@ -336,15 +341,25 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
                                                    "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             values[name] = _rows(value, _unpermute_rows(_out_features(value), heads))
-        elif (arch in ("gemma2", "gemma3") or arch == "qwen3next" and not name.endswith("linear_attn.norm.weight")) \
+        elif (arch in ("gemma2", "gemma3") or arch in _LINEAR_ATTENTION and not name.endswith(
+                "linear_attn.norm.weight")) \
                 and name.endswith("norm.weight"):
             values[name] = value - 1   # stored as 1 + w (Qwen3-Next's gated norm is stored as it is)
-        elif arch == "qwen3next" and name.endswith("linear_attn.A_log"):
+        elif arch in _LINEAR_ATTENTION and name.endswith("linear_attn.A_log"):
             values[name] = torch.log(-value)   # stored as A = -exp(A_log)
-        elif arch == "qwen3next" and name.endswith("linear_attn.conv1d.weight"):
+        elif arch in _LINEAR_ATTENTION and name.endswith("linear_attn.conv1d.weight"):
             values[name] = value.unsqueeze(1)   # stored squeezed: [channels, kernel]
-        elif arch == "qwen3next" and name.endswith("mlp.shared_expert_gate.weight"):
+        elif arch in _LINEAR_ATTENTION and name.endswith("mlp.shared_expert_gate.weight"):
             values[name] = value.reshape(1, -1)   # one output row; llama-quantize drops its dimension of 1
+        elif arch == "gpt-oss" and name.endswith("mlp.experts.gate_proj"):
+            _biased_experts(values, name.removesuffix(".gate_proj"), cfg.num_local_experts, dtype)
+        elif arch == "llama4" and name.endswith("feed_forward.experts.gate_proj"):
+            _llama4_experts(values, name.removesuffix(".gate_proj"), cfg.num_local_experts, dtype)
+        elif arch == "llama4" and not isinstance(value, torch.Tensor) and name.endswith(
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            # each head's interleaved rotary pairs to halves (float rows: Llama4CausalLM.shard_state_dict)
+            from lmport.models.llama4 import interleaved_to_halves
+            values[name] = _rows(value, interleaved_to_halves(torch.arange(_out_features(value)), head_dim_of(cfg)))
         elif name.endswith("mlp.experts.gate_proj"):
             experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
             _experts(values, name.removesuffix(".gate_proj"), experts, dtype)
@@ -412,6 +427,62 @@ def _experts(values: dict, prefix: str, num_experts: int, dtype: torch.dtype) ->
     values[f"{prefix}.gate_up_proj"] = torch.cat([values.pop(parts[0]), values.pop(parts[1])], dim=1)
 
 
+def _biased_experts(values: dict, prefix: str, num_experts: int, dtype: torch.dtype) -> None:
+    """gpt-oss's stacked experts (``prefix``.gate_proj / up_proj / down_proj [experts x rows, in], each with a
+    ``_bias`` [experts, rows]): kept as they are where all three are quantized (the file's MXFP4 or other
+    blocks; lmport.models.gpt_oss.QuantBiasedExperts runs them), else float in transformers' layout:
+    ``gate_up_proj`` [experts, hidden, 2 * inter] with the gate's and up's columns interleaved (gate even) as
+    the converter took them apart, its bias likewise, ``down_proj`` [experts, inter, hidden]."""
+    parts = [f"{prefix}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    if (stacked := _float_experts(values, parts, num_experts, dtype)) is None:
+        return
+    gate, up, down = stacked
+    values[f"{prefix}.gate_up_proj"] = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2).contiguous()
+    values[f"{prefix}.down_proj"] = down.transpose(1, 2).contiguous()
+    biases = [values.pop(f"{p}_bias") for p in parts[:2]]
+    values[f"{prefix}.gate_up_proj_bias"] = torch.stack(biases, dim=2).flatten(1, 2)
+    values[f"{prefix}.down_proj_bias"] = values.pop(f"{parts[2]}_bias")
+
+
+def _llama4_experts(values: dict, prefix: str, num_experts: int, dtype: torch.dtype) -> None:
+    """Llama 4's stacked experts: kept as they are where all three are quantized
+    (lmport.models.llama4.QuantInputScaledExperts runs them), else float in transformers' layout: ``gate_up_proj``
+    [experts, hidden, 2 * inter] (the gate's columns, then up's), ``down_proj`` [experts, inter, hidden]."""
+    parts = [f"{prefix}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    if (stacked := _float_experts(values, parts, num_experts, dtype)) is None:
+        return
+    gate, up, down = stacked
+    values[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
+    values[f"{prefix}.down_proj"] = down.transpose(1, 2).contiguous()
+
+
+def rope_frequency_factors(path: Path) -> torch.Tensor | None:
+    """The file's ``rope_freqs.weight`` (float32), or None: what llama.cpp's converter writes for a llama3-type rope
+    scaling instead of its config keys (llama.cpp divides each rotary frequency by its factor)."""
+    header = read(path)
+    t = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    value = None if t is None else _read_tensor(header, t, torch.float32, keep=False)   # keep=False: a float tensor
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _float_experts(values: dict, parts: list[str], num_experts: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """None where the stacked expert weights ``parts`` are all quantized (kept so); else each taken out of
+    ``values`` as float [experts, rows, in] (a quantized part of a mixed set dequantized to ``dtype``)."""
+    if not any(isinstance(values[p], torch.Tensor) for p in parts):
+        return None
+    return [(w := _float(values.pop(p), dtype)).reshape(num_experts, -1, w.shape[-1]) for p in parts]
+
+
+def _float(value, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as it is, or a quantized weight dequantized to ``dtype`` ([out, in])."""
+    from lmport import ops
+    if isinstance(value, GGMLWeight):
+        return ops.dequantize_ggml(value, dtype)
+    if isinstance(value, QuantizedWeight):
+        return ops.dequantize(value, dtype)
+    return value
+
+
 def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
     """Bytes the loaded weights will take, by format ("int4", "int8", a block type such as "q4_k", or the
     compute dtype's name), from the GGUF header alone: what ``load_tensors`` keeps."""
@@ -427,7 +498,7 @@ def planned_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
         if qtype in int_types and len(t.shape) in (2, 3):
             key = int_types[qtype]
             size = numel * int(key[3:]) // 8 + numel // 32 * 2 * 2   # codes + float16 scale and min a run
-        elif name in BLOCK_TYPES and len(t.shape) in (2, 3):
+        elif name in HELD_BLOCK_TYPES and len(t.shape) in (2, 3):
             key, size = name, t.nbytes
         else:
             key, size = float_name, numel * dtype.itemsize

@@ -141,8 +141,8 @@ def _check_heads(metadata: dict, arch: str, table: dict, hidden: int | None) -> 
         if tensor in table and (rows := table[tensor].shape[0]) != count * size:
             raise DamagedHeader(key, count, f"{rows // size if rows % size == 0 else 'a whole number'}: {tensor} "
                                             f"has {rows} rows, heads of {size} ({source})")
-    # Qwen3-Next's attn_qkv is its linear-attention layers' q/k/v (llama.cpp's qwen3next), not attention heads
-    qkv = table.get("blk.0.attn_qkv.weight") if arch != "qwen3next" else None
+    # Qwen3-Next's and Qwen3.5's attn_qkv is their linear-attention layers' q/k/v, not attention heads
+    qkv = table.get("blk.0.attn_qkv.weight") if arch not in ("qwen3next", "qwen35", "qwen35moe") else None
     if qkv is not None and (rows := qkv.shape[0]) != (heads + 2 * kv) * size:
         raise DamagedHeader(f"{heads_key} / {kv_key}", f"{heads} / {kv}",
                             f"counts that fill blk.0.attn_qkv.weight's {rows} rows: q, k and v heads of {size} "

@@ -79,6 +79,12 @@ _COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num
                 "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
                 "attention.head_count_kv": "num_key_value_heads",
                 "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+_QWEN3_NEXT_KEYS = _COMMON_KEYS | {
+    "attention.key_length": "head_dim", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads"}
 EXTRA_CONFIG_MAPPING = {
     # SmolLM3: its rotary-less layers are every 4th, which llama.cpp does not store but assumes (as the config's
     # default no_rope_layer_interval does)
@@ -101,12 +107,21 @@ EXTRA_CONFIG_MAPPING = {
         "expert_weights_scale": "routed_scaling_factor"},
     # Qwen3-Next: llama.cpp's ssm keys name the linear-attention layers' sizes (its conv kernel, key head size,
     # key heads and value heads); the value head size is ssm.inner_size over the value heads (architecture_fields)
-    "qwen3_next": _COMMON_KEYS | {
-        "attention.key_length": "head_dim", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
-        "expert_feed_forward_length": "moe_intermediate_size",
-        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-        "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
-        "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads"},
+    "qwen3_next": _QWEN3_NEXT_KEYS,
+    # Qwen3.5 (llama.cpp's qwen35 and qwen35moe): Qwen3-Next's keys
+    "qwen3_5_text": _QWEN3_NEXT_KEYS, "qwen3_5_moe_text": _QWEN3_NEXT_KEYS,
+    # Llama 4: the dense layers' width is feed_forward_length (the config's intermediate_size_mlp), the experts'
+    # expert_feed_forward_length
+    "llama4_text": _COMMON_KEYS | {
+        "feed_forward_length": "intermediate_size_mlp", "attention.key_length": "head_dim",
+        "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "intermediate_size", "interleave_moe_layer_step": "interleave_moe_layer_step"},
+    # gpt-oss: llama.cpp's key for the window (transformers' table reads "sliding_window", which the converter
+    # does not write); the experts' width is expert_feed_forward_length (the config's intermediate_size)
+    "gpt_oss": _COMMON_KEYS | {
+        "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
+        "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "intermediate_size"},
 }
 _SIGMOID_GATING = 2   # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -120,6 +135,12 @@ def architecture_fields(arch: str, model_type: str, meta: dict, tensor_names: se
         return _deepseek_v3_fields(arch, meta)
     if model_type == "qwen3_next":
         return _qwen3_next_fields(arch, meta, tensor_names)
+    if model_type == "gpt_oss":
+        return _gpt_oss_fields(arch, meta, tensor_names)
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        return _qwen3_5_fields(arch, meta, tensor_names)
+    if model_type == "llama4_text":
+        return _llama4_fields(arch, meta)
     if model_type in ("smollm3", "glm4_moe"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if model_type == "glm4_moe":
@@ -193,3 +214,56 @@ def _qwen3_next_fields(arch: str, meta: dict, tensor_names: set[str]) -> dict:
             "mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True,
             "attention_bias": any(n.endswith("attn_q.bias") for n in tensor_names),
             "linear_projections": LLAMA_CPP_PROJECTIONS}
+
+
+def _gpt_oss_fields(arch: str, meta: dict, tensor_names: set[str]) -> dict:
+    """gpt-oss's fields a gpt-oss GGUF gives otherwise, or leaves to what llama.cpp assumes of every gpt-oss: the
+    yarn rope from the rope.scaling keys, without truncating its correction range (the released config's
+    ``"truncate": false``, which the file does not store); sliding and full layers alternating from a sliding
+    first (llama.cpp's pattern of 2, the config's default ``layer_types``); biases by the tensors present."""
+    rope: dict = {"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base", 150000.0)}
+    if meta.get(f"{arch}.rope.scaling.type") == "yarn":
+        rope |= {"rope_type": "yarn", "factor": meta[f"{arch}.rope.scaling.factor"],
+                 "original_max_position_embeddings": meta[f"{arch}.rope.scaling.original_context_length"],
+                 "beta_fast": meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+                 "beta_slow": meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
+    layers = meta[f"{arch}.block_count"]
+    return {"rope_parameters": rope, "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
+
+
+def _qwen3_5_fields(arch: str, meta: dict, tensor_names: set[str]) -> dict:
+    """Qwen3.5's fields a qwen35 / qwen35moe GGUF gives otherwise: the linear layers and the rotary width as for
+    Qwen3-Next, the multimodal rotary's sections (``rope.dimension_sections``, interleaved as Qwen3.5's always is;
+    on text the ordinary partial rotary), and the linear layers' value heads in the order the converter stores them
+    (``linear_value_heads_tiled``: tiled over the key heads, lmport.models.qwen3_next.GatedDeltaNet)."""
+    fields = _qwen3_next_fields(arch, meta, tensor_names)
+    for key in ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "linear_projections"):
+        fields.pop(key)   # Qwen3.5's layers have no such choice
+    sections = list(meta.get(f"{arch}.rope.dimension_sections", []))[:3]
+    fields["rope_parameters"] |= {"mrope_section": sections, "mrope_interleaved": True} if any(sections) else {}
+    fields["linear_value_heads_tiled"] = True
+    return fields
+
+
+# What llama.cpp's llama4 assumes of every file that does not turn chunking off (src/models/llama4.cpp): chunks of
+# 8192 positions on the rope layers, every 4th layer NoPE with the attention temperature's floor 8192 and scale 0.1.
+_LLAMA4_CHUNK, _LLAMA4_NOPE_INTERVAL, _LLAMA4_FLOOR_SCALE, _LLAMA4_ATTN_SCALE = 8192, 4, 8192, 0.1
+_LLAMA4_MAVERICK_EXPERTS = 128   # llama.cpp's 17B-128E, the one Llama 4 without q/k norms
+
+
+def _llama4_fields(arch: str, meta: dict) -> dict:
+    """Llama 4's fields a llama4 GGUF does not store, as llama.cpp's llama4 sets them: chunked attention with its
+    NoPE layers and temperature tuning unless ``attention.sliding_window`` is 0 (MobileLLM's files: rope on every
+    layer, full attention), the L2 q/k norm on the rope layers of every model but the 128-expert one."""
+    fields: dict = {"attention_bias": False,
+                    "use_qk_norm": meta.get(f"{arch}.expert_count") != _LLAMA4_MAVERICK_EXPERTS,
+                    "rope_parameters": {"rope_type": "default",
+                                        "rope_theta": meta.get(f"{arch}.rope.freq_base", 500000.0)}}
+    if meta.get(f"{arch}.attention.sliding_window", None) == 0:
+        layers = meta[f"{arch}.block_count"]
+        return fields | {"attention_chunk_size": None, "no_rope_layers": [1] * layers,
+                         "attn_temperature_tuning": False}
+    return fields | {"attention_chunk_size": _LLAMA4_CHUNK, "no_rope_layer_interval": _LLAMA4_NOPE_INTERVAL,
+                     "floor_scale": _LLAMA4_FLOOR_SCALE, "attn_scale": _LLAMA4_ATTN_SCALE,
+                     "attn_temperature_tuning": True}
