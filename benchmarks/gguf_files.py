@@ -1,11 +1,14 @@
-"""The default model's GGUF files the CPU benchmarks run: the shipped Q4_1, and the same weights
-requantized by llama.cpp's `llama-quantize --allow-requantize IN OUT TYPE` (made once, then reused)."""
+"""The GGUF files the CPU benchmarks run: the default model's shipped Q4_1 and the same weights requantized by
+llama.cpp's `llama-quantize --allow-requantize IN OUT TYPE` (made once, then reused), and the random-weight files
+in the shapes of 3B-8B models (benchmarks/sized_files.py: `qwen2.5-7b-Q4_K_M` and the like)."""
 from __future__ import annotations
 
 import argparse
 import os
 import subprocess
 from pathlib import Path
+
+import sized_files
 
 DEFAULT_DIR = Path.home() / ".cache" / "lmport-files"
 # Where a llama.cpp build's bin directory is looked for unless LMPORT_LLAMA_CPP_BIN or --llama-bin says.
@@ -20,11 +23,14 @@ def gguf_file(kind: str, files_dir: Path = DEFAULT_DIR, llama_bin: Path | None =
     """The default model as ``kind`` (one of TYPES): the shipped file for Q4_1, else
     ``files_dir/smollm2-KIND.gguf``, made with llama-quantize from ``llama_bin`` when missing."""
     from lmport.models.loader import resolve_model_path
+    if kind in sized_files.NAMES:
+        return sized_files.sized_file(kind, files_dir, llama_bin or sized_files.DEFAULT_LLAMA_BIN)
     shipped = resolve_model_path("smollm2")
     if kind == "Q4_1":
         return shipped
     if kind not in TYPES:
-        raise SystemExit(f"unknown file type {kind!r}: one of {', '.join(TYPES)}")
+        raise SystemExit(f"unknown file type {kind!r}: one of {', '.join(TYPES)}, or a sized file "
+                         f"(SHAPE-TYPE: {', '.join(sized_files.NAMES)})")
     target = files_dir / f"smollm2-{kind}.gguf"
     if target.exists():
         return target

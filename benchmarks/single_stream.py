@@ -6,9 +6,10 @@ with the same thread count on both sides (default 2), the engines take turns for
 (default 5), so a load from elsewhere falls on all of them alike; the table gives the median and the
 min-max of the rounds, and every round is kept in the JSON.
 
-- prefill: 256 tokens. llama.cpp: `llama-bench -p 256 -n 0`; lmport: one engine step of the prompt.
-- decode: 128 tokens at context depth 0 (llama-bench `-n 128`; lmport after a one-token prompt) and
-  at depth 256 (`-n 128 -d 256`; lmport after the 256-token prompt): attention over the context is
+- prefill: 256 tokens (--prompt-tokens). llama.cpp: `llama-bench -p 256 -n 0`; lmport: one engine step of the
+  prompt.
+- decode: 128 tokens (--decode-tokens) at each context depth of --depths, default 0 and 256 (llama-bench
+  `-n 128 -d 256`; lmport after a prompt of that many tokens, one at depth 0): attention over the context is
   part of a decode step.
 - lmport twice: its kernels built for this CPU (AVX-512 where it has it) and with LMPORT_CPU_ISA=avx2
   (the AVX2 path a CPU without AVX-512 runs). Each runs in a worker process of its own, kept across
@@ -48,9 +49,7 @@ from gguf_files import DEFAULT_DIR, DEFAULT_LLAMA_BIN, TYPES, add_kv_cache_dtype
 from lmport.bench.machine import cpu_info, median_min_max, memory_bandwidth, write_result
 from worker_process import WorkerProcess, step
 
-PROMPT_TOKENS, DECODE_TOKENS = 256, 128
-DEPTHS = (0, PROMPT_TOKENS)
-MEASURES = ("prefill", *(f"decode@{d}" for d in DEPTHS))
+PROMPT_TOKENS, DECODE_TOKENS, DEPTHS = 256, 128, (0, 256)
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON"
 LMPORT_PATHS = {"lmport": "native", "lmport avx2": "avx2"}
 AVX2_PEER = "llama.cpp avx2"   # llama.cpp without AVX-512 (--llama-avx2-bin): the peer of lmport's AVX2 path
@@ -84,9 +83,13 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int,
     return json.loads(out.stdout)[0]
 
 
-def llama_round(bin_dir: Path, model: Path, threads: int) -> dict:
-    runs = {f"decode@{d}": llama_bench(bin_dir, model, threads, 0, DECODE_TOKENS, d) for d in DEPTHS}
-    runs["prefill"] = llama_bench(bin_dir, model, threads, PROMPT_TOKENS, 0)
+def measures(lengths: dict) -> tuple[str, ...]:
+    return ("prefill", *(f"decode@{d}" for d in lengths["depths"]))
+
+
+def llama_round(bin_dir: Path, model: Path, threads: int, lengths: dict) -> dict:
+    runs = {f"decode@{d}": llama_bench(bin_dir, model, threads, 0, lengths["decode"], d) for d in lengths["depths"]}
+    runs["prefill"] = llama_bench(bin_dir, model, threads, lengths["prompt"], 0)
     out = {k: r["avg_ts"] for k, r in runs.items()}
     out["threads"] = runs["prefill"]["n_threads"]
     return out
@@ -94,21 +97,25 @@ def llama_round(bin_dir: Path, model: Path, threads: int) -> dict:
 
 # ---- lmport, one worker process per kernel path ----
 
-def lmport_worker(model: Path, isa: str, threads: int, kv_cache_dtype: str) -> WorkerProcess:
+def lmport_worker(model: Path, isa: str, threads: int, kv_cache_dtype: str, lengths: dict) -> WorkerProcess:
     """This script run as ``--worker FILE`` under LMPORT_CPU_ISA=``isa``: one engine, a round per request."""
     return WorkerProcess([sys.executable, __file__, "--worker", str(model), "--threads", str(threads),
-                          "--kv-cache-dtype", kv_cache_dtype], dict(os.environ, LMPORT_CPU_ISA=isa))
+                          "--kv-cache-dtype", kv_cache_dtype, "--prompt-tokens", str(lengths["prompt"]),
+                          "--decode-tokens", str(lengths["decode"]), "--depths", ",".join(map(str, lengths["depths"]))],
+                         dict(os.environ, LMPORT_CPU_ISA=isa))
 
 
-def worker_main(model: str, threads: int, kv_cache_dtype: str) -> None:
+def worker_main(model: str, threads: int, kv_cache_dtype: str, lengths: dict) -> None:
     torch.set_num_threads(threads)
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig, GenerationConfig
     from lmport.engine.engine import Engine
-    engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=40,
-                                        max_prefill_token_num=PROMPT_TOKENS, kv_cache_dtype=kv_cache_dtype))
-    text = "Paged attention keeps keys and values in fixed-size blocks. " * 40
-    prompt = engine.tokenizer.encode(text)[:PROMPT_TOKENS]
+    longest = max(lengths["prompt"], *lengths["depths"])
+    blocks = max(40, (longest + lengths["decode"]) // 16 + 2)   # blocks of the cpu backend's 16 tokens
+    engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=blocks, max_prefill_token_num=longest,
+                                        kv_cache_dtype=kv_cache_dtype))
+    text = "Paged attention keeps keys and values in fixed-size blocks. " * (longest // 8 + 1)
+    prompt = engine.tokenizer.encode(text)[:longest]
 
     def generate(tokens: list[int], new: int, decode_only: bool) -> float:
         """Seconds to generate ``new`` tokens after ``tokens`` (EOS ignored); with ``decode_only`` the
@@ -122,9 +129,9 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str) -> None:
         return time.perf_counter() - (t1 if decode_only else t0)
 
     def one_round() -> dict:
-        out = {"prefill": PROMPT_TOKENS / generate(prompt, 1, False)}
-        for depth in DEPTHS:
-            out[f"decode@{depth}"] = DECODE_TOKENS / generate(prompt[:max(depth, 1)], 1 + DECODE_TOKENS, True)
+        out = {"prefill": lengths["prompt"] / generate(prompt[:lengths["prompt"]], 1, False)}
+        for depth in lengths["depths"]:
+            out[f"decode@{depth}"] = lengths["decode"] / generate(prompt[:max(depth, 1)], 1 + lengths["decode"], True)
         out["threads"] = torch.get_num_threads()
         return out
 
@@ -138,8 +145,8 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str) -> None:
 
 # ---- the run ----
 
-def summary(rounds: list[dict], engine: str) -> dict:
-    return {k: median_min_max([r[engine][k] for r in rounds]) for k in MEASURES}
+def summary(rounds: list[dict], engine: str, lengths: dict) -> dict:
+    return {k: median_min_max([r[engine][k] for r in rounds]) for k in measures(lengths)}
 
 
 def main() -> None:
@@ -156,11 +163,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     add_kv_cache_dtype_argument(ap)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prefill's prompt length")
+    ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="tokens decoded at each depth")
+    ap.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="context depths of the decode runs")
     ap.add_argument("--out", default="benchmarks/results/single_stream.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    lengths = {"prompt": args.prompt_tokens, "decode": args.decode_tokens,
+               "depths": [int(d) for d in args.depths.split(",") if d]}
     if args.worker:
-        return worker_main(args.worker, args.threads, args.kv_cache_dtype)
+        return worker_main(args.worker, args.threads, args.kv_cache_dtype, lengths)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     names = [f for f in args.files.split(",") if f]
@@ -182,23 +194,24 @@ def main() -> None:
     files = files_by_label(names, args.files_dir, bin_dir)
     import gguf
     cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
-    results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats,
+    results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats, "lengths": lengths,
                "kv_cache_dtype": args.kv_cache_dtype,
                "llama_cpp": {"bin": str(bin_dir), "version": llama_version(bin_dir), "cmake_args": cmake_args},
                "peers": {name: {"bin": str(b), "version": llama_version(b)} for name, b in peers.items()},
                "bandwidth": memory_bandwidth(args.threads), "files": {}}
     for label, path in files.items():
-        workers = {name: lmport_worker(path, LMPORT_PATHS[name], args.threads, args.kv_cache_dtype) for name in paths}
+        workers = {name: lmport_worker(path, LMPORT_PATHS[name], args.threads, args.kv_cache_dtype, lengths)
+                   for name in paths}
         rounds = []
         for _ in range(args.repeats):
-            rounds.append({**{name: llama_round(b, path, args.threads) for name, b in peers.items()},
+            rounds.append({**{name: llama_round(b, path, args.threads, lengths) for name, b in peers.items()},
                            **{name: w.round() for name, w in workers.items()}})
             print(f"{label} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
         file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
         results["files"][label] = {
             "path": str(path), "gguf_tensor_bytes": file_bytes, "rounds": rounds,
             "lmport": {name: w.info for name, w in workers.items()},
-            "summary": {engine: summary(rounds, engine) for engine in rounds[0]}}
+            "summary": {engine: summary(rounds, engine, lengths) for engine in rounds[0]}}
         for w in workers.values():
             w.close()
     results["bandwidth_after"] = memory_bandwidth(args.threads)
@@ -219,36 +232,38 @@ def print_table(results: dict) -> None:
     print(f"read bandwidth {gbs:.1f} GB/s ({results['bandwidth_after']['best_gbs']:.1f} after; "
           f"{bw['method']}, {bw['threads']} threads); lmport's K/V cache {results.get('kv_cache_dtype', 'float32')}; "
           f"medians of {results['repeats']} interleaved rounds, min-max\n")
-    print("| file | engine | threads | prefill 256 tok/s | decode @0 tok/s | decode @256 tok/s | weight bytes |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    lengths = results.get("lengths", {"prompt": PROMPT_TOKENS, "decode": DECODE_TOKENS, "depths": list(DEPTHS)})
+    keys = measures(lengths)
+    heads = [f"prefill {lengths['prompt']} tok/s", *(f"decode @{d} tok/s" for d in lengths["depths"])]
+    print(f"| file | engine | threads | {' | '.join(heads)} | weight bytes |")
+    print(f"|---|---|---:|{'---:|' * len(heads)}---:|")
     cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
     ratio_cell = lambda s: f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"   # noqa: E731
     for label, f in results["files"].items():
         for engine, s in f["summary"].items():
             weights = f["gguf_tensor_bytes"] if engine in results["peers"] else f["lmport"][engine]["weight_bytes"]
             threads = f["rounds"][0][engine]["threads"]
-            print(f"| {label} | {engine} | {threads} | {cell(s['prefill'])} | {cell(s['decode@0'])} | "
-                  f"{cell(s['decode@256'])} | {weights:,} |")
+            print(f"| {label} | {engine} | {threads} | {' | '.join(cell(s[k]) for k in keys)} | {weights:,} |")
         limit = gbs * 1e9 / f["gguf_tensor_bytes"]
-        print(f"| {label} | byte limit (bandwidth / file bytes) | | | {limit:.0f} | {limit:.0f} | |")
+        print(f"| {label} | byte limit (bandwidth / file bytes) | | |{f' {limit:.1f} |' * len(lengths['depths'])} |")
+        for engine in f["summary"]:
+            shares = [f["summary"][engine][f"decode@{d}"]["median"] / limit for d in lengths["depths"]]
+            print(f"| {label} | {engine}, decode / byte limit | | |{''.join(f' {100 * x:.0f}% |' for x in shares)} |")
         ratios, per_round = {}, {}
         pairs = [(engine, "llama.cpp") for engine in f["summary"] if engine not in results["peers"]]
         if AVX2_PEER in f["summary"] and "lmport avx2" in f["summary"]:
             pairs.append(("lmport avx2", AVX2_PEER))
         for engine, peer in pairs:
             name = engine if peer == "llama.cpp" else f"{engine} / {peer}"
-            r = ratios[name] = {k: f["summary"][engine][k]["median"] / f["summary"][peer][k]["median"]
-                                for k in MEASURES}
-            print(f"| {label} | {engine} / {peer} | | {r['prefill']:.2f}x | {r['decode@0']:.2f}x | "
-                  f"{r['decode@256']:.2f}x | |")
+            r = ratios[name] = {k: f["summary"][engine][k]["median"] / f["summary"][peer][k]["median"] for k in keys}
+            print(f"| {label} | {engine} / {peer} | | {' | '.join(f'{r[k]:.2f}x' for k in keys)} | |")
         # Each round's ratio too: the engines' runs of a round follow one another, so the memory bandwidth a
         # shared host gives, which drifts over the run, meets them more alike than it meets the medians.
         for engine, peer in pairs:
             name = engine if peer == "llama.cpp" else f"{engine} / {peer}"
             r = per_round[name] = {k: median_min_max([rnd[engine][k] / rnd[peer][k] for rnd in f["rounds"]])
-                                   for k in MEASURES}
-            print(f"| {label} | {engine} / {peer}, round by round | | {ratio_cell(r['prefill'])} | "
-                  f"{ratio_cell(r['decode@0'])} | {ratio_cell(r['decode@256'])} | |")
+                                   for k in keys}
+            print(f"| {label} | {engine} / {peer}, round by round | | {' | '.join(ratio_cell(r[k]) for k in keys)} | |")
         f["ratios_over_llama_cpp"] = ratios
         f["ratios_round_by_round"] = per_round
         f["byte_limit_tok_s"] = limit
