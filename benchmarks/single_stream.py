@@ -50,6 +50,7 @@ from lmport.bench.machine import cpu_info, median_min_max, memory_bandwidth, wri
 from worker_process import WorkerProcess, step
 
 PROMPT_TOKENS, DECODE_TOKENS, DEPTHS = 256, 128, (0, 256)
+DEFAULT_LENGTHS = {"prompt": PROMPT_TOKENS, "decode": DECODE_TOKENS, "depths": list(DEPTHS)}
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON"
 LMPORT_PATHS = {"lmport": "native", "lmport avx2": "avx2"}
 AVX2_PEER = "llama.cpp avx2"   # llama.cpp without AVX-512 (--llama-avx2-bin): the peer of lmport's AVX2 path
@@ -232,7 +233,7 @@ def print_table(results: dict) -> None:
     print(f"read bandwidth {gbs:.1f} GB/s ({results['bandwidth_after']['best_gbs']:.1f} after; "
           f"{bw['method']}, {bw['threads']} threads); lmport's K/V cache {results.get('kv_cache_dtype', 'float32')}; "
           f"medians of {results['repeats']} interleaved rounds, min-max\n")
-    lengths = results.get("lengths", {"prompt": PROMPT_TOKENS, "decode": DECODE_TOKENS, "depths": list(DEPTHS)})
+    lengths = results.get("lengths", DEFAULT_LENGTHS)
     keys = measures(lengths)
     heads = [f"prefill {lengths['prompt']} tok/s", *(f"decode @{d} tok/s" for d in lengths["depths"])]
     print(f"| file | engine | threads | {' | '.join(heads)} | weight bytes |")

@@ -43,8 +43,9 @@ def test_an_avx2_peer_without_llama_bench_is_named_before_anything_runs(tmp_path
 
 def test_the_avx2_path_is_also_set_against_llama_cpp_without_avx512(capsys):
     single_stream = load_benchmark("single_stream")
+    keys = single_stream.measures(single_stream.DEFAULT_LENGTHS)
     speeds = {"llama.cpp": 100.0, single_stream.AVX2_PEER: 80.0, "lmport": 150.0, "lmport avx2": 120.0}
-    summary = {engine: {k: {"median": v, "min": v, "max": v} for k in single_stream.MEASURES}
+    summary = {engine: {k: {"median": v, "min": v, "max": v} for k in keys}
                for engine, v in speeds.items()}
     results = {"machine": {"model": "cpu", "cores": 2, "kernel_flags": ["avx2"], "load_average": (0, 0, 0)},
                "bandwidth": {"best_gbs": 30.0, "method": "m", "threads": 2}, "bandwidth_after": {"best_gbs": 30.0},
@@ -54,10 +55,10 @@ def test_the_avx2_path_is_also_set_against_llama_cpp_without_avx512(capsys):
                          single_stream.AVX2_PEER: {"bin": "c", "version": "v"}},
                "files": {"Q4_1": {"gguf_tensor_bytes": 10**8, "summary": summary, "lmport": {
                    "lmport": {"weight_bytes": 1}, "lmport avx2": {"weight_bytes": 1}},
-                   "rounds": [{engine: {"threads": 2, **{k: v for k in single_stream.MEASURES}}
+                   "rounds": [{engine: {"threads": 2, **{k: v for k in keys}}
                                for engine, v in speeds.items()},
                               {engine: {"threads": 2, **{k: v * (2 if engine == "lmport" else 1)
-                                                         for k in single_stream.MEASURES}}
+                                                         for k in keys}}
                                for engine, v in speeds.items()}]}}}
     single_stream.print_table(results)
     ratios = results["files"]["Q4_1"]["ratios_over_llama_cpp"]
