@@ -104,16 +104,7 @@ def test_gpt_oss_files_converted_by_llama_cpp(kind, weight_format):
     ids = greedy.prompts(16)
     want = greedy.hf_greedy(reference_model(ARCH, path), ids, 32)
     with _pipeline(path, weight_format) as pipe:
-        got = {mode: greedy.lmport_greedy(pipe, ids, 32, alone=mode == "alone") for mode in ("batched", "alone")}
-        held = pipe.engine.weight_bytes
-    file_bytes = tensor_bytes(path)
-    print(f"\n{path.name}: lmport {held:,} B, file tensors {file_bytes:,} B ({held / file_bytes:.3f}x)")
-    for mode, tokens in got.items():
-        same, diverged = greedy.agreement(tokens, want)
-        print(f"  {mode}: identical {same}/{len(ids)}; diverged: {diverged}")
-        assert same >= len(ids) - 1, (mode, diverged)
-    if weight_format == "auto":
-        assert held <= 1.1 * file_bytes, (held, file_bytes)
+        greedy.check_file(pipe, path, ids, want, 32, held_bound=1.1 if weight_format == "auto" else None)
 
 
 DAMAGED = [("gpt-oss.block_count", 5, r"gpt-oss\.block_count is 5, should be 4"),

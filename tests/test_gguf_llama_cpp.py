@@ -40,7 +40,6 @@ from pathlib import Path
 import pytest
 
 from support import greedy
-from support.gguf_files import tensor_bytes
 from support.tiny_hf_models import ARCHS, gguf_file, tiny_config, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -135,16 +134,7 @@ def _check(path: Path, model_type: str | None, prompt_lengths=(1, 7, 33, 90)):
     want = greedy.hf_greedy(greedy.reference_model(str(path), model_type), ids, NEW_TOKENS)
     cfg = EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=256)
     with lmport.pipeline(str(path), backend_config=cfg) as pipe:
-        got = {mode: greedy.lmport_greedy(pipe, ids, NEW_TOKENS, alone=mode == "alone")
-               for mode in ("batched", "alone")}
-        held = pipe.engine.weight_bytes
-    file_bytes = tensor_bytes(path)
-    print(f"\n{path.name}: lmport {held:,} B, file tensors {file_bytes:,} B ({held / file_bytes:.3f}x)")
-    for mode, tokens in got.items():
-        same, diverged = greedy.agreement(tokens, want)
-        print(f"  {mode}: identical {same}/{len(ids)}; diverged: {diverged}")
-        assert same >= len(ids) - 1, (mode, diverged)
-    assert held <= 1.1 * file_bytes, (held, file_bytes)
+        greedy.check_file(pipe, path, ids, want, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from support import greedy
-from support.gguf_files import dequantized_tensors, tensor_bytes, unpermute_qk
+from support.gguf_files import dequantized_tensors, unpermute_qk
 from support import tiny_float_models
 from test_gguf_llama_cpp import _out_dir, _run, _tool, quantized
 
@@ -217,16 +217,7 @@ def test_tiny_models_converted_by_llama_cpp(arch, preset):
     want = greedy.hf_greedy(reference_model(arch, path), ids, NEW_TOKENS)
     cfg = EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=256)
     with lmport.pipeline(str(path), backend_config=cfg) as pipe:
-        got = {mode: greedy.lmport_greedy(pipe, ids, NEW_TOKENS, alone=mode == "alone")
-               for mode in ("batched", "alone")}
-        held = pipe.engine.weight_bytes
-    file_bytes = tensor_bytes(path)
-    print(f"\n{path.name}: lmport {held:,} B, file tensors {file_bytes:,} B ({held / file_bytes:.3f}x)")
-    for mode, tokens in got.items():
-        same, diverged = greedy.agreement(tokens, want)
-        print(f"  {mode}: identical {same}/{len(ids)}; diverged: {diverged}")
-        assert same >= len(ids) - 1, (mode, diverged)
-    assert held <= 1.1 * file_bytes, (held, file_bytes)
+        greedy.check_file(pipe, path, ids, want, NEW_TOKENS)
 
 
 def _set_value(data: bytearray, key: str, value: int) -> None:

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from support import greedy
-from support.gguf_files import tensor_bytes
 from support.llama_cpp_families import (gguf_file, hf_prompt_logits, lmport_prompt_logits, reference_model,
                                         tiny_model_dir)
 
@@ -62,15 +61,7 @@ def test_qwen3_5_files_converted_by_llama_cpp(arch, kind):
     ids = greedy.prompts(16)
     want = greedy.hf_greedy(reference_model(arch, path), ids, 32)
     with _pipeline(path) as pipe:
-        got = {mode: greedy.lmport_greedy(pipe, ids, 32, alone=mode == "alone") for mode in ("batched", "alone")}
-        held = pipe.engine.weight_bytes
-    file_bytes = tensor_bytes(path)
-    print(f"\n{path.name}: lmport {held:,} B, file tensors {file_bytes:,} B ({held / file_bytes:.3f}x)")
-    for mode, tokens in got.items():
-        same, diverged = greedy.agreement(tokens, want)
-        print(f"  {mode}: identical {same}/{len(ids)}; diverged: {diverged}")
-        assert same >= len(ids) - 1, (mode, diverged)
-    assert held <= 1.1 * file_bytes, (held, file_bytes)
+        greedy.check_file(pipe, path, ids, want, 32)
 
 
 DAMAGED = [("qwen35.block_count", 5, r"qwen35\.block_count is 5, should be 4"),

@@ -74,3 +74,19 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[int, list[st
     diverged = [f"prompt {i} at token {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)} "
                 f"(lmport {g}, transformers {w})" for i, (g, w) in enumerate(zip(got, want)) if g != w]
     return len(got) - len(diverged), diverged
+
+
+def check_file(pipe, path: Path, prompt_ids: list[list[int]], want: list[list[int]], new_tokens: int,
+               held_bound: float | None = 1.1) -> None:
+    """lmport's greedy tokens over ``pipe`` (a pipeline of the GGUF file ``path``), the prompts together and each
+    alone, against ``want``: at most one prompt diverges either way; and the weight bytes lmport holds at most
+    ``held_bound`` x the file's tensor bytes (None: not checked)."""
+    from support.gguf_files import tensor_bytes
+    got = {mode: lmport_greedy(pipe, prompt_ids, new_tokens, alone=mode == "alone") for mode in ("batched", "alone")}
+    held, file_bytes = pipe.engine.weight_bytes, tensor_bytes(path)
+    print(f"\n{path.name}: lmport {held:,} B, file tensors {file_bytes:,} B ({held / file_bytes:.3f}x)")
+    for mode, tokens in got.items():
+        same, diverged = agreement(tokens, want)
+        print(f"  {mode}: identical {same}/{len(prompt_ids)}; diverged: {diverged}")
+        assert same >= len(prompt_ids) - 1, (mode, diverged)
+    assert held_bound is None or held <= held_bound * file_bytes, (held, file_bytes)
