@@ -70,6 +70,12 @@ def _tool(name: str) -> Path:
     if path is None or not path.exists():
         pytest.skip(f"llama.cpp's {name} not found (set LMPORT_LLAMA_CPP_DIR to a llama.cpp source directory "
                     f"with its tools built in build/bin; looked in {src} and {bins})")
+    # The converter imports sentencepiece before it looks for a tokenizer.model (Qwen2/Qwen3: try
+    # sentencepiece, else BPE); it is in llama.cpp's requirements, not in lmport's.
+    if name == "convert_hf_to_gguf.py" and subprocess.run([sys.executable, "-c", "import sentencepiece"],
+                                                          capture_output=True).returncode:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py needs its requirements importable (sentencepiece: "
+                    "pip install sentencepiece, or put it on PYTHONPATH)")
     return path
 
 
@@ -92,11 +98,6 @@ def _out_dir() -> Path:
 def converted_f16(arch: str) -> Path:
     """``tiny_model_dir(arch)`` through llama.cpp's convert_hf_to_gguf.py, F16."""
     convert = _tool("convert_hf_to_gguf.py")
-    # The converter imports sentencepiece before it looks for a tokenizer.model (Qwen2/Qwen3: try
-    # sentencepiece, else BPE); it is in llama.cpp's requirements, not in lmport's.
-    if subprocess.run([sys.executable, "-c", "import sentencepiece"], capture_output=True).returncode:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py needs its requirements importable (sentencepiece: "
-                    "pip install sentencepiece, or put it on PYTHONPATH)")
     out = _out_dir() / f"tiny-{arch}-{Path(tiny_model_dir(arch)).name}-F16.gguf"
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")

@@ -15,13 +15,11 @@ transformers' GGUF loader reads none of these architectures.
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
-import pytest
 import torch
 
 from support.gguf_files import dequantized_tensors
@@ -123,9 +121,6 @@ def converted(arch: str, outtype: str) -> Path:
     """``convert_hf_to_gguf.py --outtype OUTTYPE`` of the tiny model, made once into lmport's cache."""
     from test_gguf_llama_cpp import _out_dir, _run, _tool
     convert = _tool("convert_hf_to_gguf.py")
-    if subprocess.run([sys.executable, "-c", "import sentencepiece"], capture_output=True).returncode:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py needs its requirements importable (sentencepiece: "
-                    "pip install sentencepiece, or put it on PYTHONPATH)")
     source = Path(tiny_model_dir(arch))
     out = _out_dir() / f"tiny-{arch}-{source.name}-{outtype.upper()}.gguf"
     if not out.exists():
