@@ -217,11 +217,12 @@ def test_mrope_positions_equal_transformers_get_rope_index(layout, hf):
 
 
 def test_a_request_with_images_crosses_to_the_core_as_plain_msgpack(llm, model_dir):
-    from lmport.engine.messages import EngineRequest, pack, unpack
+    from lmport.engine.messages import Add, EngineRequest, pack, to_core
     ids, images = lmport_prompt(llm, model_dir, ("two:", png(60, 90, 1), png(120, 60, 2, "JPEG")))
-    kind, wire = unpack(pack(["add", EngineRequest("r-1", ids, GenerationConfig(), images=images).to_wire()]))
-    back = EngineRequest.from_wire(wire).images
-    assert kind == "add" and back is not None and len(back) == 2
+    message = to_core(pack(Add(EngineRequest("r-1", ids, GenerationConfig(), images=images))))
+    assert isinstance(message, Add)
+    back = message.request.images
+    assert back is not None and len(back) == 2
     for image, copy in zip(images, back):
         assert (copy.offset, copy.num_tokens, copy.grid_thw, copy.digest) == \
             (image.offset, image.num_tokens, image.grid_thw, image.digest)

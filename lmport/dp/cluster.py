@@ -18,7 +18,7 @@ from lmport.config import EngineConfig
 from lmport.dp.frontend import DataParallel
 from lmport.dp.replica import InProcessHandle, Replica, ReplicaCalls
 from lmport.dp.router import PrefixRouter
-from lmport.engine.messages import EngineInfo
+from lmport.engine.messages import EngineInfo, unpack
 from lmport.platform.resolution import resolve_config
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class RayHandle:
     def __init__(self, ray, actor, pg):
         self.ray, self.actor, self.pg = ray, actor, pg
 
-    async def submit(self, request: dict) -> None:
+    async def submit(self, request: bytes) -> None:
         await self.actor.submit.remote(request)
 
     async def abort(self, request_id: str) -> None:
@@ -121,4 +121,4 @@ def _front(handles: list, info: dict, usages: list[dict], policy: str, balance_t
     """The routing front end over ``handles``, from one replica's ``info`` (Replica.info)."""
     router = PrefixRouter(len(handles), info["block_size"], seed=info["prefix_seed"], policy=policy,
                           balance_threshold=balance_threshold, max_blocks=max_blocks)
-    return DataParallel(handles, router, EngineInfo.from_wire(info["engine"]), usages)
+    return DataParallel(handles, router, unpack(info["engine"], EngineInfo), usages)

@@ -28,7 +28,7 @@ from lmport.dp.replica import error_output
 from lmport.dp.router import PrefixRouter
 from lmport.engine.outputs import RequestOutput
 from lmport.engine.client import EngineStopped
-from lmport.engine.messages import EngineInfo, EngineRequest
+from lmport.engine.messages import EngineInfo, EngineRequest, pack
 from lmport.lora import AdapterError
 from lmport.lora.table import LoadedAdapter
 
@@ -180,7 +180,7 @@ class DataParallel:
         self.router.started(replica.index)
         self.streams[request_id] = (replica.index, loop, queue)
         try:
-            await replica.handle.submit(request.to_wire())
+            await replica.handle.submit(pack(request))
         except Exception as exc:
             self._replica_failed(replica, _brief(exc))
 

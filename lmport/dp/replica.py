@@ -1,13 +1,13 @@
 """One data-parallel replica: an engine core (``lmport.engine.core_process``, in a thread beside this) behind the
 narrow interface a front end needs.
 
-``submit`` a request (``EngineRequest.to_wire()``), ``abort`` it, ``poll`` for the outputs of every request
-since the last poll, ``health`` and ``usage``. Nothing else crosses the boundary, so the front end
-(``lmport.dp.frontend``) can sit in front of this in its own process, as a Ray actor (``lmport.dp.cluster``),
-or in front of any engine that offers the same five calls. Outputs are the core's deltas, given their text
-here by the engine client's output processor (lmport.engine.output_processor), which also ends a request at a stop
-string and aborts it in the core: one poll carries each request's new tokens once, and its last output its
-whole text.
+``submit`` a request (an ``EngineRequest`` packed by ``lmport.engine.messages.pack``), ``abort`` it, ``poll`` for
+the outputs of every request since the last poll, ``health`` and ``usage``. Nothing else crosses the boundary, so
+the front end (``lmport.dp.frontend``) can sit in front of this in its own process, as a Ray actor
+(``lmport.dp.cluster``), or in front of any engine that offers the same five calls. Outputs are the core's deltas,
+given their text here by the engine client's output processor (lmport.engine.output_processor), which also ends a
+request at a stop string and aborts it in the core: one poll carries each request's new tokens once, and its last
+output its whole text.
 
 A request the engine refuses (``RequestError``) or that fails in any other way ends with one error output,
 as every request ends: finished, aborted, or with an error.
@@ -21,7 +21,7 @@ from lmport.config import EngineConfig
 from lmport.engine.core import EngineCore
 from lmport.engine.outputs import ErrorKind, FinishReason, RequestOutput
 from lmport.engine.client import EngineClient
-from lmport.engine.messages import EngineRequest
+from lmport.engine.messages import EngineRequest, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ class Replica:
 
     def info(self) -> dict:
         """The facts a front end needs before its first request (all replicas of one model agree on them): the
-        engine's (``EngineInfo.to_wire()``) and the prefix cache's block size and hash seed, for routing."""
+        engine's (an ``EngineInfo``, packed) and the prefix cache's block size and hash seed, for routing."""
         cache = self.engine.block_manager.cache
-        return {"engine": self.core.info.to_wire(), "block_size": self.engine.config.block_size,
+        return {"engine": pack(self.core.info), "block_size": self.engine.config.block_size,
                 "prefix_seed": cache.seed if cache is not None else b""}
 
     def _event(self) -> asyncio.Event:
@@ -58,10 +58,10 @@ class Replica:
         self.outbox.append(out)
         self._event().set()
 
-    async def submit(self, request: dict) -> None:
-        """Starts the request (``EngineRequest.to_wire()``) and returns at once; its outputs come through
+    async def submit(self, request: bytes) -> None:
+        """Starts the request (an ``EngineRequest``, packed) and returns at once; its outputs come through
         ``poll``."""
-        engine_request = EngineRequest.from_wire(request)
+        engine_request = unpack(request, EngineRequest)
         request_id = engine_request.request_id
         if request_id in self.tasks:
             self._emit(error_output(request_id, f"request id {request_id!r} is already in use",
@@ -116,7 +116,7 @@ class ReplicaCalls:
     a replica's Ray actor (lmport.dp.cluster.ReplicaActor) both offer."""
     replica: Replica
 
-    async def submit(self, request: dict) -> None:
+    async def submit(self, request: bytes) -> None:
         await self.replica.submit(request)
 
     async def abort(self, request_id: str) -> None:

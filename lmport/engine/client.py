@@ -2,7 +2,7 @@
 
 ``EngineClient.start_process(model, config)`` runs the core in its own process (``lmport serve``);
 ``EngineClient.start_thread(engine)`` runs it in a thread over an engine core the caller built (tests reach into
-that core). Either way the two sides exchange the msgpack messages of ``lmport.engine.messages``: one
+that core). Either way the two sides exchange the typed messages of ``lmport.engine.messages``: one
 request queue, one output queue.
 
 One reader thread receives the core's messages. The core's outputs carry token ids only: the reader gives
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
-from lmport.engine.messages import (EngineInfo, EngineRequest, adapter_from_wire, error_from_wire, output_from_wire,
-                                    pack, unpack)
+from lmport.engine.messages import (Abort, Add, Call, EngineInfo, EngineRequest, Failed, Outputs, Rejected, Reply,
+                                    Shutdown, pack, ready, to_front_end)
 from lmport.lora.table import LoadedAdapter
 from lmport.engine.output_processor import OutputProcessor
 
@@ -157,11 +157,15 @@ class EngineClient:
                     pass
             raise EOFError
 
-        first = unpack(receive())
-        if first[0] != "ready":
+        try:
+            first = ready(receive())
+        except Exception:
+            process.kill()
             process.join(SHUTDOWN_WAIT)
-            raise (ConfigError if first[2:] == ["config"] else RuntimeError)(first[1])
-        info, usage, adapters = EngineInfo.from_wire(first[1]), first[2], [adapter_from_wire(a) for a in first[3]]
+            raise
+        if isinstance(first, Failed):
+            process.join(SHUTDOWN_WAIT)
+            raise (ConfigError if first.config else RuntimeError)(first.reason)
 
         # Messages go to the pipe from a thread of their own: a write blocks while the pipe is full (a long prompt
         # sent while the core is in a step), and the event loop that posts them must not.
@@ -183,7 +187,7 @@ class EngineClient:
                 process.kill()
                 process.join(5)
 
-        client = cls(info, usage, adapters, outbox.put, receive, stop, process.is_alive, tokenizer)
+        client = cls(first.info, first.usage, first.adapters, outbox.put, receive, stop, process.is_alive, tokenizer)
         client.process = process
         return client
 
@@ -203,7 +207,7 @@ class EngineClient:
             if not self._in_core:   # an idle core owed nothing until now
                 self._heard = time.monotonic()
             self._in_core.add(request.request_id)
-        self._post(["add", request.to_wire()])
+        self._post(Add(request))
         finished = False
         try:
             while not finished:
@@ -221,32 +225,32 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Abort at the core's next turn; its last output still reaches an open stream."""
-        self._post(["abort", request_id])
+        self._post(Abort(request_id))
 
-    def _post(self, message: list) -> None:
+    def _post(self, message: Add | Abort | Call | Shutdown) -> None:
         self._send(pack(message))   # a queue's put: the reader thread posts aborts too
 
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         """Serve the peft adapter at ``path`` (on the core's disk) as ``name``; AdapterError naming the problem."""
-        adapter = adapter_from_wire(await self._call("load_adapter", name, path))
+        adapter = await self._call("load_adapter", name, path)
         self.adapters[adapter.name] = adapter
         return adapter
 
     async def unload_adapter(self, name: str) -> LoadedAdapter:
         """New requests for ``name`` are refused from now on; those running finish with it."""
-        adapter = adapter_from_wire(await self._call("unload_adapter", name))
+        adapter = await self._call("unload_adapter", name)
         self.adapters.pop(adapter.name, None)
         return adapter
 
-    async def _call(self, name: str, *args):
-        """The core runs ``name`` between steps; its reply's value, or its error raised here."""
+    async def _call(self, name: str, *args: str) -> LoadedAdapter:
+        """The core runs ``name`` between steps; its reply's adapter, or its error raised here."""
         done = asyncio.get_running_loop().create_future()
         with self._lock:
             if self.failure is not None:
                 raise EngineStopped(self.failure)
             call_id = next(self._call_ids)
             self._calls[call_id] = (asyncio.get_running_loop(), done)
-        self._post(["call", call_id, name, list(args)])
+        self._post(Call(call_id, name, list(args)))
         try:
             value, error = await done
         finally:
@@ -274,36 +278,36 @@ class EngineClient:
 
     def shutdown(self) -> None:
         self._closing = True
-        self._post(["shutdown"])
+        self._post(Shutdown())
         self._stop(SHUTDOWN_WAIT)
 
     # -- the reader thread -----------------------------------------------------------------------------------
     def _read(self) -> None:
         try:
             while True:
-                message = unpack(self._receive())
-                kind = message[0]
+                message = to_front_end(self._receive())
                 with self._lock:
                     self._heard = time.monotonic()
-                if kind == "outputs":
-                    self.snapshot, self.engine_failure = message[2], message[3]
-                    if message[1]:
+                if isinstance(message, Outputs):
+                    self.snapshot, self.engine_failure = message.usage, message.failure
+                    if message.outputs:
                         with self._lock:
-                            core_outputs = [output_from_wire(o) for o in message[1]]
+                            core_outputs = [o.output() for o in message.outputs]
                             self._in_core.difference_update(o.request_id for o in core_outputs if o.finished)
                             outputs, ended = self.outputs.process(core_outputs)
                         for out in ended:   # a stop string: the client's request is over, the core's not yet
                             self.abort(out.request_id)
                         self._deliver([(o.request_id, o) for o in outputs])
-                elif kind == "rejected":
+                elif isinstance(message, Rejected):
                     with self._lock:
-                        self.outputs.forget(message[1])
-                        self._in_core.discard(message[1])
-                    self._deliver([(message[1], error_from_wire(message[2]))])
-                elif kind == "reply":
-                    self._settle(message[1], (message[2], None if message[3] is None else error_from_wire(message[3])))
-                elif kind == "failed":
-                    self._fail(message[1])
+                        self.outputs.forget(message.request_id)
+                        self._in_core.discard(message.request_id)
+                    self._deliver([(message.request_id, message.error.exception())])
+                elif isinstance(message, Reply):
+                    self._settle(message.call_id,
+                                 (message.adapter, None if message.error is None else message.error.exception()))
+                elif isinstance(message, Failed):
+                    self._fail(message.reason)
                     return
         except EOFError:
             if not self._closing:

@@ -10,7 +10,7 @@ Between steps the core takes every message waiting (adds, aborts, control calls 
 adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. A LoRA
 load reads its files on a thread of its own (``lmport.lora.reads``) and copies the weights in between two steps
 once read, so no file a client names can hold the steps. An
-exception out of a step stops the core: the front end is told why (``["failed", reason]``) and fails every
+exception out of a step stops the core: the front end is told why (``Failed``) and fails every
 open request with that reason.
 """
 from __future__ import annotations
@@ -21,12 +21,14 @@ import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+import msgspec
+
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine.core import EngineCore
 from lmport.engine.llm import LLM
 from lmport.engine.outputs import RequestError
-from lmport.engine.messages import (CALLS, EngineInfo, EngineRequest, adapter_to_wire, error_to_wire, output_to_wire,
-                                    pack, unpack)
+from lmport.engine.messages import (CALLS, PROTOCOL, Abort, Add, Call, EngineInfo, Failed, OutputDelta, Outputs,
+                                    Ready, Rejected, Reply, Shutdown, WireError, pack, to_core)
 from lmport.lora import AdapterError
 from lmport.lora.reads import AdapterReads
 
@@ -39,7 +41,7 @@ Receive = Callable[[float | None], "bytes | None"]   # a message, or None when n
 Send = Callable[[bytes], None]
 
 
-class Shutdown(Exception):
+class Stop(Exception):
     """The front end asked the core to stop, or went away."""
 
 
@@ -57,27 +59,31 @@ def serve(engine: EngineCore, receive: Receive, send: Send) -> None:
             wait = 0.0 if engine.has_unfinished() else READ_POLL if reads.busy() else IDLE_WAIT
             message = receive(wait)
             while message is not None:
-                _handle(engine, unpack(message), send, reads)
+                _handle(engine, message, send, reads)
                 message = receive(0.0)
             _finish_loads(engine, reads, send)
             if not engine.has_unfinished():
                 usage = engine.usage()
                 if usage != usage_sent:   # the last step's counters, once the core goes idle
-                    send(pack(["outputs", [], usage, engine.failure]))
+                    send(pack(Outputs([], usage, engine.failure)))
                     usage_sent = usage
                 continue
             outputs = engine.step()
             usage_sent = engine.usage()
-            send(pack(["outputs", [output_to_wire(o) for o in outputs], usage_sent, engine.failure]))
-    except Shutdown:
+            send(pack(Outputs([OutputDelta.of(o) for o in outputs], usage_sent, engine.failure)))
+    except Stop:
         for request_id in list(engine.seqs):
             engine.abort(request_id)
 
 
-def _handle(engine: EngineCore, message: list, send: Send, reads: AdapterReads) -> None:
-    kind = message[0]
-    if kind == "add":
-        request = EngineRequest.from_wire(message[1])
+def _handle(engine: EngineCore, data: bytes, send: Send, reads: AdapterReads) -> None:
+    try:
+        message = to_core(data)
+    except msgspec.DecodeError as exc:   # a front end of another version, or a bug: that message alone is lost
+        log.error("a message from the front end could not be read: %s", exc)
+        return
+    if isinstance(message, Add):
+        request = message.request
         try:
             engine.add_request(request.prompt_ids, request.gen_config, request.request_id,
                                cache_salt=request.cache_salt, adapter=request.adapter, pooling=request.pooling,
@@ -85,11 +91,11 @@ def _handle(engine: EngineCore, message: list, send: Send, reads: AdapterReads) 
         except Exception as exc:   # refused (RequestError, AdapterError) or unexpected: that request fails
             if not isinstance(exc, (RequestError, AdapterError)):
                 log.exception("adding request %s failed", request.request_id)
-            send(pack(["rejected", request.request_id, error_to_wire(exc)]))
-    elif kind == "abort":
-        engine.abort(message[1])
-    elif kind == "call":
-        call_id, name, args = message[1:]
+            send(pack(Rejected(request.request_id, WireError.of(exc))))
+    elif isinstance(message, Abort):
+        engine.abort(message.request_id)
+    elif isinstance(message, Call):
+        call_id, name, args = message.call_id, message.name, message.args
         try:
             if name not in CALLS:
                 raise RequestError(f"unknown engine call {name!r}")
@@ -97,15 +103,13 @@ def _handle(engine: EngineCore, message: list, send: Send, reads: AdapterReads) 
                 engine.adapters.check_name(args[0])   # a name in use is refused before any file is read
                 reads.start(call_id, *args)
                 return
-            send(pack(["reply", call_id, adapter_to_wire(getattr(engine, name)(*args)), None]))
+            send(pack(Reply(call_id, getattr(engine, name)(*args), None)))
         except Exception as exc:   # the caller's error, never the core's
             if not isinstance(exc, (RequestError, AdapterError)):
                 log.exception("engine call %s failed", name)
-            send(pack(["reply", call_id, None, error_to_wire(exc)]))
-    elif kind == "shutdown":
-        raise Shutdown
-    else:
-        log.error("unknown message %r from the front end", kind)
+            send(pack(Reply(call_id, None, WireError.of(exc))))
+    elif isinstance(message, Shutdown):
+        raise Stop
 
 
 def _finish_loads(engine: EngineCore, reads: AdapterReads, send: Send) -> None:
@@ -114,12 +118,12 @@ def _finish_loads(engine: EngineCore, reads: AdapterReads, send: Send) -> None:
         try:
             if error is not None:
                 raise error
-            send(pack(["reply", call_id, adapter_to_wire(engine.load_adapter(name, path, adapter)), None]))
+            send(pack(Reply(call_id, engine.load_adapter(name, path, adapter), None)))
         except Exception as exc:
             if not isinstance(exc, (RequestError, AdapterError)):   # the details stay in the server's log
                 log.error("loading the LoRA adapter %r from %s failed", name, path, exc_info=exc)
                 exc = AdapterError("lora_path: the adapter could not be loaded", param="lora_path")
-            send(pack(["reply", call_id, None, error_to_wire(exc)]))
+            send(pack(Reply(call_id, None, WireError.of(exc))))
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -138,7 +142,7 @@ def thread_main(engine: EngineCore, requests: queue.Queue, send: Send) -> None:
         serve(engine, receive, send)
     except BaseException as exc:  # noqa: BLE001 - whatever stops the core must reach every caller
         log.critical("%s", failure_reason(exc), exc_info=True)
-        send(pack(["failed", failure_reason(exc)]))
+        send(pack(Failed(failure_reason(exc))))
 
 
 # -- in its own process ------------------------------------------------------------------------------------
@@ -154,8 +158,7 @@ def load_adapters(engine: EngineCore, loras: dict[str, str]) -> None:
 
 
 def ready_message(engine: EngineCore) -> bytes:
-    return pack(["ready", EngineInfo.of(engine).to_wire(), engine.usage(),
-                 [adapter_to_wire(a) for a in engine.adapters.by_name.values()]])
+    return pack(Ready(PROTOCOL, EngineInfo.of(engine), engine.usage(), list(engine.adapters.by_name.values())))
 
 
 def process_main(model: str, config: EngineConfig, loras: dict[str, str], requests: Connection,
@@ -175,7 +178,7 @@ def process_main(model: str, config: EngineConfig, loras: dict[str, str], reques
                 return None
             return requests.recv_bytes()
         except (EOFError, OSError):   # the front end is gone
-            raise Shutdown from None
+            raise Stop from None
 
     engine = None
     try:
@@ -183,10 +186,10 @@ def process_main(model: str, config: EngineConfig, loras: dict[str, str], reques
         load_adapters(engine, loras)
     except BaseException as exc:  # noqa: BLE001 - the front end reports it and exits
         if isinstance(exc, ConfigError):   # the front end reports it as it would its own
-            send(pack(["failed", str(exc), "config"]))
+            send(pack(Failed(str(exc), config=True)))
         else:
             log.critical("the engine could not start: %s: %s", type(exc).__name__, exc, exc_info=True)
-            send(pack(["failed", f"the engine could not start: {type(exc).__name__}: {exc}"]))
+            send(pack(Failed(f"the engine could not start: {type(exc).__name__}: {exc}")))
         if engine is not None:
             engine.close()
         return
@@ -196,7 +199,7 @@ def process_main(model: str, config: EngineConfig, loras: dict[str, str], reques
     except BaseException as exc:  # noqa: BLE001
         log.critical("%s", failure_reason(exc), exc_info=True)
         try:
-            send(pack(["failed", failure_reason(exc)]))
+            send(pack(Failed(failure_reason(exc))))
         except OSError:
             pass
     finally:

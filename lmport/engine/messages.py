@@ -1,23 +1,24 @@
-"""What crosses between the HTTP front end and the engine core: plain values, packed with msgpack.
+"""What crosses between the HTTP front end and the engine core: typed messages, packed as msgpack by msgspec.
 
-Front end to core (the request queue): ``["add", EngineRequest.to_wire()]``, ``["abort", request_id]``,
-``["call", call_id, name, args]`` (a control call between steps: ``CALLS``), ``["shutdown"]``. Core to front
-end (the output queue): ``["ready", EngineInfo.to_wire(), usage, adapters]`` once, ``["outputs", [wire output,
-...], usage, failure]`` once a step (every output of the step in one message), ``["rejected", request_id,
-error]`` for a request ``add_request`` refused, ``["reply", call_id, value, error]`` for a call, and
-``["failed", reason]`` when the core stops. An error is ``error_to_wire``'s dict: its type, message, and a LoRA
-adapter error's status and param. No pickled objects: a message is lists, dicts, strings, bytes and numbers.
+Front end to core (the request queue, ``ToCore``): ``Add`` a request, ``Abort`` one, ``Call`` a control call
+between steps (``CALLS``), ``Shutdown``. Core to front end (the output queue, ``ToFrontEnd``): ``Ready`` once,
+with the protocol version, the engine's facts, its usage and adapters; ``Outputs`` once a step (every output of
+the step in one message, as token deltas); ``Rejected`` for a request ``add_request`` refused; ``Reply`` to a
+call; ``Failed`` when the core stops. Each message is a msgpack array whose first element is its tag; every
+field is checked against its type as it is read, so a message of another shape is refused by name, never half
+read. No pickled objects: lists, maps, strings, bytes and numbers (an image's pixels as their float32 bytes).
 
-A new request field is one field on ``EngineRequest`` (or on ``GenerationConfig``, which travels as its
-dict); both sides read it by name.
+``PROTOCOL`` numbers the messages' layout; the front end refuses a core that announces another (a replica or
+core process started from a different lmport install). A new request field is one field on ``EngineRequest``
+(or on ``GenerationConfig``, which travels as its map); both sides read it by name.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import msgpack
+import msgspec
+import numpy as np
 
 from lmport.config import GenerationConfig
 from lmport.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
@@ -28,7 +29,9 @@ from lmport.multimodal.inputs import ImageInput
 if TYPE_CHECKING:
     from lmport.engine.core import EngineCore
 
-# The control calls the core runs between steps (EngineCore methods); each replies with a LoadedAdapter's dict.
+PROTOCOL = 1   # raised whenever a message's layout or a field's meaning changes
+
+# The control calls the core runs between steps (EngineCore methods); each replies with a LoadedAdapter.
 CALLS = ("load_adapter", "unload_adapter")
 
 
@@ -42,17 +45,6 @@ class EngineRequest:
     adapter: str | None = None      # the loaded LoRA adapter it runs with (None: the base model)
     pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.engine.pooling)
     images: list[ImageInput] | None = None   # the prompt's images, in prompt order (lmport.multimodal)
-
-    def to_wire(self) -> dict:
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-                "gen_config": dataclasses.asdict(self.gen_config),
-                "images": None if self.images is None else [image.to_wire() for image in self.images]}
-
-    @classmethod
-    def from_wire(cls, data: dict) -> EngineRequest:
-        images = data.get("images")
-        return cls(**{**data, "gen_config": GenerationConfig(**data["gen_config"]),
-                      "images": None if images is None else [ImageInput.from_wire(i) for i in images]})
 
 
 @dataclass(frozen=True)
@@ -79,56 +71,161 @@ class EngineInfo:
                    list(engine.eos_token_ids), cfg.max_batch_size, cfg.max_prefill_token_num,
                    engine.plan.num_blocks, cfg.device_type, cfg.dtype, cfg.quant_policy, cfg.kv_cache_dtype)
 
-    def to_wire(self) -> dict:
-        return dataclasses.asdict(self)
+
+class WireError(msgspec.Struct, array_like=True):
+    """An error for the other side: its type, its message, and a LoRA adapter error's status and param."""
+    type: str
+    message: str
+    status: int = 400
+    param: str = ""
 
     @classmethod
-    def from_wire(cls, data: dict) -> EngineInfo:
-        return cls(**data)
+    def of(cls, exc: Exception) -> WireError:
+        if isinstance(exc, AdapterError):
+            return cls("AdapterError", str(exc), exc.status, exc.param)
+        if isinstance(exc, RequestError):
+            return cls("RequestError", str(exc))
+        return cls(type(exc).__name__, f"{type(exc).__name__}: {exc}")
+
+    def exception(self) -> Exception:
+        """An AdapterError as the core raised it; any other error as a RequestError with its message."""
+        if self.type == "AdapterError":
+            return AdapterError(self.message, self.param, self.status)
+        return RequestError(self.message)
 
 
-def output_to_wire(out: RequestOutput) -> list:
+class OutputDelta(msgspec.Struct, array_like=True):
     """A step's output as its deltas: token ids and no text (the core makes none; the front end's output
-    processor, lmport.engine.output_processor, decodes them). The finish reason and error kind travel as their
-    strings."""
-    return [out.request_id, out.delta_token_ids, out.delta_logprobs, out.finished, out.finish_reason, out.error,
-            out.prompt_tokens, out.cached_tokens, out.prompt_logprobs, out.embedding, out.error_kind]
+    processor, lmport.engine.output_processor, decodes them)."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: FinishReason | None
+    error: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_logprobs: list[dict[int, float]] | None
+    embedding: list[float] | None
+    error_kind: ErrorKind | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> OutputDelta:
+        return cls(out.request_id, out.delta_token_ids, out.delta_logprobs, out.finished, out.finish_reason,
+                   out.error, out.prompt_tokens, out.cached_tokens, out.prompt_logprobs, out.embedding,
+                   out.error_kind)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, [], "", self.token_ids, "", self.finished, self.finish_reason,
+                             self.prompt_tokens, self.cached_tokens, error=self.error, delta_logprobs=self.logprobs,
+                             prompt_logprobs=self.prompt_logprobs, embedding=self.embedding,
+                             error_kind=self.error_kind)
 
 
-def output_from_wire(data: list) -> RequestOutput:
-    (request_id, tokens, logprobs, finished, reason, error, prompt_tokens, cached, prompt_logprobs, embedding,
-     error_kind) = data
-    return RequestOutput(request_id, [], "", tokens, "", finished, None if reason is None else FinishReason(reason),
-                         prompt_tokens, cached, error=error, delta_logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                         embedding=embedding, error_kind=None if error_kind is None else ErrorKind(error_kind))
+# -- front end to core -------------------------------------------------------------------------------------
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request: EngineRequest
 
 
-def adapter_to_wire(adapter: LoadedAdapter) -> dict:
-    return dataclasses.asdict(adapter)
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
 
 
-def adapter_from_wire(data: dict) -> LoadedAdapter:
-    return LoadedAdapter(**data)
+class Call(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    name: str
+    args: list[str]
 
 
-def error_to_wire(exc: Exception) -> dict:
-    if isinstance(exc, AdapterError):
-        return {"type": "AdapterError", "message": str(exc), "status": exc.status, "param": exc.param}
-    return {"type": "RequestError" if isinstance(exc, RequestError) else type(exc).__name__,
-            "message": str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"}
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
 
 
-def error_from_wire(data: dict) -> Exception:
-    """An AdapterError as the core raised it; any other error as a RequestError with its message."""
-    if data["type"] == "AdapterError":
-        return AdapterError(data["message"], data["param"], data["status"])
-    return RequestError(data["message"])
+ToCore = Add | Abort | Call | Shutdown
 
 
-def pack(message: list) -> bytes:
-    return cast(bytes, msgpack.packb(message, use_bin_type=True))   # None only with a file-like `stream`
+# -- core to front end -------------------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    protocol: int   # first, so that a core of another version is told apart before anything else is read
+    info: EngineInfo
+    usage: dict[str, Any]
+    adapters: list[LoadedAdapter]
 
 
-def unpack(data: bytes) -> list:
-    # Logprobs are maps keyed by token id: integer keys are allowed.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[OutputDelta]
+    usage: dict[str, Any]
+    failure: str | None   # what the core reports it cannot run (a tensor-parallel rank), else None
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    request_id: str
+    error: WireError
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    call_id: int
+    adapter: LoadedAdapter | None
+    error: WireError | None
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    reason: str
+    config: bool = False   # the engine refused its configuration: the front end reports it as a ConfigError
+
+
+ToFrontEnd = Ready | Outputs | Rejected | Reply | Failed
+
+
+class ProtocolMismatch(RuntimeError):
+    """The engine core speaks another version of these messages."""
+
+
+def _encode_hook(obj: object) -> object:
+    if isinstance(obj, np.ndarray):   # an image's pixel values: its shape and float32 bytes
+        return [list(obj.shape), np.ascontiguousarray(obj, "<f4").tobytes()]
+    raise NotImplementedError(f"{type(obj).__name__} does not cross to the engine core")
+
+
+def _decode_hook(kind: type, obj: object) -> object:
+    if kind is np.ndarray and isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], bytes):
+        return np.frombuffer(obj[1], "<f4").reshape(obj[0])
+    raise NotImplementedError(f"{kind.__name__} does not cross from the front end")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+_to_core = msgspec.msgpack.Decoder(ToCore, dec_hook=_decode_hook)
+_to_front_end = msgspec.msgpack.Decoder(ToFrontEnd, dec_hook=_decode_hook)
+
+T = TypeVar("T")
+
+
+def pack(message: object) -> bytes:
+    """A message (or any value of the types above) as msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def unpack(data: bytes, kind: type[T]) -> T:
+    """``data`` read as ``kind``; msgspec.ValidationError naming the field that does not fit."""
+    return msgspec.msgpack.decode(data, type=kind, dec_hook=_decode_hook)
+
+
+def to_core(data: bytes) -> ToCore:
+    return _to_core.decode(data)
+
+
+def to_front_end(data: bytes) -> ToFrontEnd:
+    return _to_front_end.decode(data)
+
+
+def ready(data: bytes) -> Ready | Failed:
+    """The core's first message: Ready, or Failed when its engine could not start. ProtocolMismatch when the core
+    announces another protocol (checked before the rest of the message is read)."""
+    head = msgspec.msgpack.decode(data)
+    if isinstance(head, list) and len(head) > 1 and head[0] == "ready" and head[1] != PROTOCOL:
+        raise ProtocolMismatch(f"the engine core speaks protocol {head[1]}, this front end {PROTOCOL}: run both "
+                               f"from the same lmport install")
+    message = to_front_end(data)
+    if not isinstance(message, Ready | Failed):
+        raise ProtocolMismatch(f"the engine core's first message is {type(message).__name__}, not Ready")
+    return message
