@@ -6,7 +6,7 @@ PROMPT ?= Write a haiku about paged attention.
 # pytest worker processes (pytest-xdist), each taking whole test files: their module fixtures stay in one process.
 WORKERS ?= 2
 
-.PHONY: run test test-all test-ray test-clients mutants bench setup lock lint gpu-dry-run
+.PHONY: run test test-all kernels test-ray test-clients mutants bench setup lock lint gpu-dry-run
 
 setup: $(STAMP)
 
@@ -32,11 +32,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/basedpyright -p pyproject.toml
 
-test: lint
+# Lint and the cpu kernels' first build run side by side (pyright takes one core, the compiler the rest), so the
+# tests find the kernels built.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 lint kernels
 	$(PY) -m pytest -q -m "not slow" -n $(WORKERS) --dist loadfile
 
-test-all: lint
+test-all: $(STAMP)
+	$(MAKE) --no-print-directory -j2 lint kernels
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+
+# The cpu backend's compiled kernels, built once per source hash and kind of CPU (lmport/backends/cpu/kernels.py);
+# a failed build is logged and leaves the reference ops in place, as at run time.
+kernels: $(STAMP)
+	$(PY) -c "from lmport.backends.cpu import kernels; kernels.load()"
 
 # All of the Ray executor's and data-parallel replicas' cases on a local Ray cluster (make test runs the fast ones).
 test-ray: $(STAMP)
