@@ -59,7 +59,7 @@ def test_mxfp4_experts_stay_mxfp4_and_match_transformers():
         held = [m.quantized for m in (experts.stacked.gate_proj, experts.stacked.up_proj, experts.stacked.down_proj)]
         assert all(isinstance(w, GGMLWeight) and w.type_name == "mxfp4" for w in held)
         assert pipe.engine.weight_bytes <= 1.1 * tensor_bytes(path)
-        # the experts alone, on the reference op: transformers' experts of layer 0 on the same routing
+        # the experts alone, on the cpu kernel: transformers' experts of layer 0 on the same routing
         x = torch.randn(9, experts.stacked.gate_proj.quantized.in_features)
         ids_, weights = torch.randint(0, 4, (9, 2)), torch.rand(9, 2)
         hf_experts = ref.model.layers[0].mlp.experts
@@ -73,7 +73,9 @@ def test_mxfp4_experts_stay_mxfp4_and_match_transformers():
                     y = ((up + 1) * gate * torch.sigmoid(gate * 1.702)) @ hf_experts.down_proj[e]
                     want_moe[t] += weights[t, k] * (y + hf_experts.down_proj_bias[e])
             got_moe = experts.forward(x, weights, ids_, 1.702, 7.0)
-        torch.testing.assert_close(got_moe, want_moe, atol=1e-5, rtol=1e-5)
+        # The kernel holds x as int16 codes per run of 32 (ggml_linear.h): within 0.02% of the outputs' range, where
+        # a misplaced block, nibble or scale moves them by whole units.
+        torch.testing.assert_close(got_moe, want_moe, atol=2e-4 * float(want_moe.abs().max()), rtol=0)
         got_logits = lmport_prompt_logits(pipe.engine, long_ids, 16)
     # The cpu kernels run the Q8_0 projections with x held as int8 codes as fine as int16 (docs/weight-quantization
     # .md): logits within 0.3% of their range, not float32's rounding; a misplaced tensor moves them by whole units.

@@ -132,9 +132,10 @@ def _codes(weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
 
 def quantized_linear(backend: Backend, x: torch.Tensor,
                      weight: QuantizedWeight | GGMLWeight | Fp8Weight) -> torch.Tensor:
-    """x @ weight^T through the backend's kernel for the weight's kind (a block type no backend has a kernel for:
-    its torch reference, lmport.weights.ggml.REFERENCE_BLOCK_TYPES)."""
-    if isinstance(weight, GGMLWeight) and weight.type_name == "mxfp4":
+    """x @ weight^T through the backend's kernel for the weight's kind (MXFP4 where the backend declares no kernel
+    for it: its torch reference on the weight's device, lmport.weights.ggml.REFERENCE_BLOCK_TYPES)."""
+    if isinstance(weight, GGMLWeight) and weight.type_name == "mxfp4" and \
+            "mxfp4" not in backend.capabilities.ggml_types:
         return torch.nn.functional.linear(x, dequantize_mxfp4(weight, x.dtype))
     if isinstance(weight, GGMLWeight):
         return backend.ggml_linear(x, weight)

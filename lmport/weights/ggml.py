@@ -28,9 +28,9 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("q5_k", 256, 176), BlockType("q6_k", 256, 210),
     BlockType("iq4_nl", 32, 18), BlockType("iq4_xs", 256, 136),
 )}
-# Block types no backend kernel reads: held as the file stores them all the same and run on the reference op
-# (lmport.ops.dequantize_ggml, then the float op) on any device, so no backend has to declare them. MXFP4:
-# gpt-oss's experts, as llama.cpp writes them (an e8m0 scale byte and 32 e2m1 values a block).
+# Block types no backend has to declare: held as the file stores them all the same and run by a backend's kernel
+# where it declares one (Capabilities.ggml_types: the cpu kernels read MXFP4), else by the torch reference on any
+# device. MXFP4: gpt-oss's experts, as llama.cpp writes them (an e8m0 scale byte and 32 e2m1 values a block).
 REFERENCE_BLOCK_TYPES = {t.name: t for t in (BlockType("mxfp4", 32, 17),)}
 HELD_BLOCK_TYPES = BLOCK_TYPES | REFERENCE_BLOCK_TYPES
 

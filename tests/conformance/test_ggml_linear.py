@@ -31,7 +31,7 @@ from ggml_cases import copied, random_blocks
 from harness import op_backend
 from lmport import ops
 from lmport.platform.backend import Backend
-from lmport.weights.ggml import BLOCK_TYPES
+from lmport.weights.ggml import HELD_BLOCK_TYPES
 from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
                                rounded_as_held)
 
@@ -40,7 +40,7 @@ OUT = 99
 
 
 def inputs(type_name: str) -> int:
-    return BLOCK_TYPES[type_name].elements * (3 if BLOCK_TYPES[type_name].elements == 256 else 9)
+    return HELD_BLOCK_TYPES[type_name].elements * (3 if HELD_BLOCK_TYPES[type_name].elements == 256 else 9)
 
 
 def int8_types() -> set[str]:
@@ -62,7 +62,7 @@ def ggml_backend(backend_name, backend_class, record_property) -> Backend:
 
 @pytest.mark.parametrize("layout", ["file", "held"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))
 def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layout):
     """``held``: the weight in the layout the backend holds a model's linears in (Backend.hold_quantized), where
     that is not the file's (the cpu kernels' rows interleaved in groups of 16: 6 groups and 3 rows after)."""
@@ -98,7 +98,7 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
         assert ((got.cpu() - want).abs() <= bound + 1e-6).all(), (got.cpu() - want).abs().max()
 
 
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))
 def test_reference_dequantizer_is_gguf_bit_for_bit(type_name):
     weight = random_blocks(type_name, 5, inputs(type_name), seed=2)
     qtype = gguf.GGMLQuantizationType[type_name.upper()]
@@ -151,7 +151,7 @@ def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
     assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))
 def test_cpu_kernel_takes_no_rows(type_name):
     """No row of x (an expert no token was routed to): an empty result, on every path."""
     from lmport.backends.cpu import kernels
@@ -166,7 +166,7 @@ def test_cpu_kernel_runs_what_the_backend_declares():
     assert set(kernels.load().ggml_types()) == CpuBackend.capabilities.ggml_types
 
 
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))
 def test_cpu_dequantize_kernel_is_the_reference_bit_for_bit(type_name):
     from lmport.backends.cpu import CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=3)
@@ -213,7 +213,7 @@ def test_undeclared_type_runs_the_reference(backend_name, monkeypatch):
         monkeypatch.setattr(compiled, "ggml_dequantize", refused)
         undeclared = ["q4_k"]
     else:
-        undeclared = sorted(set(BLOCK_TYPES) - declared)[:1]
+        undeclared = sorted(set(HELD_BLOCK_TYPES) - declared)[:1]
     if not undeclared:
         pytest.skip(f"{backend_name} declares every block type")
     weight = random_blocks(undeclared[0], OUT, inputs(undeclared[0]))

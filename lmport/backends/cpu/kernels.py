@@ -46,7 +46,7 @@ def small_linear_takes(in_features: int) -> bool:
 
 
 # The GGUF block types csrc/ggml_blocks.h decodes (the compiled module's ggml_types() lists the same).
-GGML_TYPES = frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"})
+GGML_TYPES = frozenset({"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs", "mxfp4"})
 
 
 def kernel_mins(weight) -> torch.Tensor | None:

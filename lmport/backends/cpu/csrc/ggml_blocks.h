@@ -269,6 +269,33 @@ struct IQ4_XS {
   }
 };
 
+// MXFP4's 16 e2m1 values doubled (llama.cpp's kvalues_mxfp4), looked up 16 nibbles at a time.
+inline u8x16 mxfp4_levels(u8x16 nibbles) {
+  const i8x16 levels = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  return reinterpret_cast<u8x16>(_mm_shuffle_epi8(reinterpret_cast<__m128i>(levels), reinterpret_cast<__m128i>(nibbles)));
+}
+
+// An e8m0 scale byte at half its value, 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF), subnormal below e = 2.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// e (an e8m0 scale), qs (16 bytes of nibbles as Q4_0's, each an e2m1 code); w = e8m0_half(e) level[q]: a
+// power of two times an integer of at most 12, exact in float32.
+struct MXFP4 {
+  static constexpr int kElements = 32, kBytes = 17, kSub = 32;
+  static constexpr bool kMin = false, kCodes512 = false;
+  static void decode(const uint8_t* b, int8_t* q, float* scale, float*) {
+    const u8x16 v = load16(b + 1);
+    store(q, mxfp4_levels(v & 0xF));
+    store(q + 16, mxfp4_levels(v >> 4));
+    scale[0] = e8m0_half(b[0]);
+  }
+};
+
 // Calls f(T{}) with the block type named ``name`` (lower case, as lmport.weights.ggml.BLOCK_TYPES): false for
 // a name that is none of them.
 template <class F>
@@ -282,12 +309,13 @@ inline bool with_type(const std::string& name, F&& f) {
   else if (name == "q2_k") f(Q2_K{});
   else if (name == "iq4_nl") f(IQ4_NL{});
   else if (name == "iq4_xs") f(IQ4_XS{});
+  else if (name == "mxfp4") f(MXFP4{});
   else return false;
   return true;
 }
 
 inline std::vector<std::string> type_names() {
-  return {"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs"};
+  return {"q4_k", "q6_k", "q5_0", "q5_k", "q5_1", "q3_k", "q2_k", "iq4_nl", "iq4_xs", "mxfp4"};
 }
 
 // One weight row decoded: K int8 codes, K / kSub scales and mins.
