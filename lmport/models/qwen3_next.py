@@ -6,7 +6,9 @@ What differs from the Llama-family decoder, each as transformers' Qwen3Next modu
 - a full-attention layer's q_proj gives each head its query and an output gate side by side; the attention's
   output is multiplied by sigmoid(gate) before o_proj; q and k are RMS-normalized per head; rotary turns the first
   ``partial_rotary_factor`` of each head. These layers (only these) cache K/V in the paged cache;
-- a linear-attention layer (lmport.ops.gated_delta_net) keeps a fixed-size state per sequence instead: a conv
+- a linear-attention layer (lmport.ops.gated_delta_net; the delta rule through the backend's
+  ``recurrent_gated_delta_rule`` for decode and ``chunk_gated_delta_rule`` for prefill, the reference ops unless
+  it has kernels) keeps a fixed-size state per sequence instead: a conv
   window and a recurrent state matrix per value head, in the sequence's slot of the recurrent-state pool
   (lmport.kv.state_pool). The step hands the model each sequence's slot (``state_slots``); a sequence whose
   cached length before the step is 0 starts from zeros, so a preempted sequence recomputed from its first token
@@ -167,6 +169,10 @@ class GatedDeltaNet(nn.Module):
         starts = [0]
         for n in meta.q_lens_host:
             starts.append(starts[-1] + n)
+        if starts[-1] != t:   # e.g. a captured decode graph's metadata, which keeps no host lengths
+            raise ValueError(f"{self.model_type}: the linear-attention layers split the step by the sequences' "
+                             f"lengths on the host (meta.q_lens_host: {meta.q_lens_host} for {t} tokens), which "
+                             "a captured decode graph does not carry: run it eagerly (eager_mode=True)")
         fresh = [kv == q for q, kv in zip(meta.q_lens_host, meta.kv_lens_host)]   # nothing cached before the step
         if slots is None and not all(fresh):
             raise ValueError(f"{self.model_type}: a step continuing a sequence needs its recurrent-state slot "
@@ -179,8 +185,8 @@ class GatedDeltaNet(nn.Module):
             rows = torch.tensor([starts[i] for i in decoding], device=x.device)
             index = torch.tensor([slots[i] for i in decoding], device=x.device)   # pyright: ignore[reportOptionalSubscript]
             out, windows = gdn.causal_conv1d_step(mixed[rows], weight, conv[index])   # pyright: ignore[reportOptionalSubscript]
-            o, s = gdn.recurrent_gated_delta_rule(*self.heads(out[:, None]), g[rows][:, None], beta[rows][:, None],
-                                                  state[index])   # pyright: ignore[reportOptionalSubscript]
+            o, s = self.backend.recurrent_gated_delta_rule(*self.heads(out[:, None]), g[rows][:, None],
+                                                           beta[rows][:, None], state[index])   # pyright: ignore[reportOptionalSubscript]
             conv[index] = windows   # pyright: ignore[reportOptionalSubscript]
             state[index] = s.to(state.dtype)   # pyright: ignore[reportOptionalSubscript,reportOptionalMemberAccess]
             core[rows] = o[:, 0].to(core.dtype)
@@ -192,7 +198,8 @@ class GatedDeltaNet(nn.Module):
             window = None if fresh[i] or slot is None else conv[slot]   # pyright: ignore[reportOptionalSubscript]
             before = None if fresh[i] or slot is None else state[slot:slot + 1]   # pyright: ignore[reportOptionalSubscript]
             out, window = gdn.causal_conv1d(mixed[lo:hi], weight, window)
-            o, s = gdn.chunk_gated_delta_rule(*self.heads(out[None]), g[None, lo:hi], beta[None, lo:hi], before)
+            o, s = self.backend.chunk_gated_delta_rule(*self.heads(out[None]), g[None, lo:hi], beta[None, lo:hi],
+                                                       before)
             if slot is not None:
                 conv[slot] = window.to(conv.dtype)   # pyright: ignore[reportOptionalSubscript,reportOptionalMemberAccess]
                 state[slot] = s[0].to(state.dtype)   # pyright: ignore[reportOptionalSubscript,reportOptionalMemberAccess]

@@ -16,6 +16,7 @@ import torch
 
 from lmport import ops
 from lmport.kv.layout import LayerCache
+from lmport.ops import gated_delta_net
 from lmport.weights import fp8
 
 
@@ -191,6 +192,10 @@ class Backend:
         ``fn`` is not run and the engine uses an estimate of the activation reserve)."""
         return None
 
+    def release_idle_memory(self) -> None:
+        """Called when the engine has had no work for a while: give back to the system the memory kept for the
+        next step's use (freed activations a host allocator holds). Default: nothing."""
+
     def prepare(self) -> None:
         """Called once a rank's model is loaded, before the engine serves: what the ops need and the backend
         makes on first use (compiled kernels) is made now, so that no request waits on it. Default: nothing."""
@@ -259,6 +264,21 @@ class Backend:
         """Multi-head latent attention over a "latent" cache (lmport.ops.mla): [T, H, v_head_dim]; ``new_latent``:
         the step's latents as fill_latent_cache took them, read instead of their quantized copies."""
         return ops.mla_attention(q_nope, q_rope, cache, meta, kv_b_weight, softmax_scale, new_latent)
+
+    def recurrent_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, state: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule token by token over a batch of sequences (lmport.ops.gated_delta_net: q, k
+        [B, T, Hk, Dk], v [B, T, Hv, Dv], g and beta [B, T, Hv], ``state`` [B, Hv, Dk, Dv] or None; the output in
+        v's dtype and the float32 state after): a decode step of the "recurrent_state" variant's layers."""
+        return gated_delta_net.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+    def chunk_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule over a prefill (chunk) of a sequence: the arguments and results of
+        ``recurrent_gated_delta_rule``, the same within rounding; the reference computes it in chunks of tokens."""
+        return gated_delta_net.chunk_gated_delta_rule(q, k, v, g, beta, state)
 
     def copy_blocks(self, src: list[LayerCache], dst: list[LayerCache],
                     src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:

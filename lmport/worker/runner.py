@@ -97,8 +97,10 @@ class ModelRunner:
         pin = self.backend.pin_host_memory()
         self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
-        if not self.config.eager_mode:
-            # The resolved config keeps eager_mode=False only where the backend captures (resolve_config).
+        if not self.config.eager_mode and spec is None:
+            # The resolved config keeps eager_mode=False only where the backend captures (resolve_config). A model
+            # with recurrent-state layers splits each step by its sequences' lengths on the host, which a captured
+            # step does not carry: it runs every step eagerly.
             self.graphs = self.backend.decode_graphs(
                 self.decode_step, self.config.max_batch_size,
                 ceil_div(self.plan.session_len, self.layout.block_size), self.layout.block_size)

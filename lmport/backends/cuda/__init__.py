@@ -9,6 +9,8 @@ the process that wants the interpreter sets it (the tests do, in tests/conftest.
 
 Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill),
 fill_latent_cache and mla_attention (MLA: absorbed multi-query attention over the latents),
+recurrent_gated_delta_rule and chunk_gated_delta_rule (the linear-attention layers' gated delta rule: token by
+token for decode and short prefills, in chunks of tokens with matmuls for longer ones),
 quant_linear, ggml_linear (GGUF blocks dequantized in registers), fp8_linear (float8 e4m3 weights
 with block scales, decoded in registers),
 fused_moe (a grouped GEMM over the experts) and add_lora (a grouped GEMM over the
@@ -31,8 +33,8 @@ from lmport.weights import fp8
 def _load_kernels(device: torch.device) -> SimpleNamespace:
     """The Triton kernel entry points, imported on first use."""
     try:
-        from lmport.backends.cuda import (decode_attention, fp8_linear, ggml_linear, kv_fill, launch, lora, mla,
-                                          moe, prefill_attention, quant_linear)
+        from lmport.backends.cuda import (decode_attention, fp8_linear, gated_delta_net, ggml_linear, kv_fill,
+                                          launch, lora, mla, moe, prefill_attention, quant_linear)
     except ImportError as exc:
         raise ImportError(f"the cuda backend's kernels need triton ({exc}); "
                           f"install it with `pip install lmport[cuda]`") from exc
@@ -48,7 +50,9 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            fused_moe=moe.fused_moe,
                            add_lora=lora.add_lora,
                            fill_latent_cache=mla.fill_latent_cache,
-                           mla_attention=mla.mla_attention)
+                           mla_attention=mla.mla_attention,
+                           recurrent_gated_delta_rule=gated_delta_net.recurrent_gated_delta_rule,
+                           prefill_gated_delta_rule=gated_delta_net.prefill_gated_delta_rule)
 
 
 class CudaBackend(Backend):
@@ -76,8 +80,9 @@ class CudaBackend(Backend):
         decode_graphs=True,
         lora=True,
         # The Triton attention kernels take sinks and chunks; "latent" (MLA): absorbed multi-query attention over
-        # the paged latent cache (mla.py).
-        attention_variants=frozenset({"sinks", "chunked", "latent"}),
+        # the paged latent cache (mla.py); "recurrent_state" (Gated DeltaNet): the gated delta rule
+        # (gated_delta_net.py), its conv1d window on the reference torch op.
+        attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state"}),
     )
 
     @classmethod
@@ -150,6 +155,16 @@ class CudaBackend(Backend):
                       meta: ops.AttentionMetadata, kv_b_weight: torch.Tensor, softmax_scale: float,
                       new_latent: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.mla_attention(q_nope, q_rope, cache, meta, kv_b_weight, softmax_scale, new_latent)
+
+    def recurrent_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, state: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+    def chunk_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.prefill_gated_delta_rule(q, k, v, g, beta, state)
 
     def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
