@@ -1,12 +1,15 @@
-"""Images through the HTTP server: OpenAI chat ``image_url`` parts with data: URLs and Anthropic ``image`` blocks,
-sent by the official ``openai`` and ``anthropic`` clients to a tiny random-weight Qwen2.5-VL.
+"""Images through the HTTP server: OpenAI chat ``image_url`` parts with data: URLs, Responses ``input_image`` parts
+and Anthropic ``image`` blocks, sent by the official ``openai`` and ``anthropic`` clients to a tiny random-weight
+Qwen2.5-VL, and the image limits as `lmport serve` flags.
 
 The reference is transformers' greedy ``generate`` on the same checkpoint and images (tests/test_vision.py builds
 its inputs); bad images, an http URL, too many images and a text-only model each get a 400 naming the problem,
-and the server goes on serving."""
+and the server goes on serving. The request body's limit makes room for the images a request may send: an image
+under the per-image limit is never refused for the body's size. (Fetched URLs: tests/test_vision_fetch.py.)"""
 from __future__ import annotations
 
 import base64
+import re
 import struct
 import zlib
 
@@ -18,8 +21,12 @@ import torch
 
 from lmport.config import EngineConfig
 from lmport.engine.engine import Engine
+from lmport.multimodal.images import ImageLimits
 from lmport.server.app import create_app
+from lmport.server.frontend import MAX_BODY_BYTES
+from support.cli_helpers import lmport_command
 from support.model_helpers import tiny_model_dir
+from support.serve_process import ServeProcess
 from support.vision_helpers import data_url, png, tiny_qwen2_5_vl_dir
 from test_server import ServerThread
 from test_vision import NEW_TOKENS, reference_inputs, reference_tokens
@@ -34,9 +41,10 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    server = ServerThread(create_app(Engine(model_dir, EngineConfig(device_type="cpu", dtype="float32",
-                                                                    cache_max_entry_count=128)),
-                                     model_name="tiny-vl"))
+    app = create_app(Engine(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128)),
+                     model_name="tiny-vl")
+    server = ServerThread(app)
+    server.frontend = app.state.frontend
     yield server
     server.stop()
 
@@ -48,7 +56,11 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """transformers' greedy tokens, prompt length and text for a message of text, an image, text."""
+    return reference_answer(model_dir)
+
+
+def reference_answer(model_dir):
+    """A message of text, an image, text; and transformers' prompt length and greedy text for it."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -81,6 +93,97 @@ def test_anthropic_image_block_equals_transformers(server, reference):
         {"role": "user", "content": content}], extra_body={"temperature": 0, "ignore_eos": True})
     assert message.usage.input_tokens == prompt_tokens
     assert "".join(b.text for b in message.content if b.type == "text") == text
+
+
+def responses_content(parts, detail: str = "auto") -> list[dict]:
+    return [{"type": "input_text", "text": p} if isinstance(p, str) else
+            {"type": "input_image", "image_url": data_url(p), "detail": detail} for p in parts]
+
+
+@pytest.mark.parametrize("detail", ["auto", "low"])
+def test_responses_input_image_equals_transformers(client, reference, detail):
+    """``detail`` is accepted and changes nothing: the model's image processor sizes the image."""
+    parts, prompt_tokens, text = reference
+    r = client.responses.create(model="tiny-vl", input=[{"role": "user", "content": responses_content(parts, detail)}],
+                                max_output_tokens=NEW_TOKENS, temperature=0)
+    assert r.usage.input_tokens == prompt_tokens and r.usage.output_tokens == NEW_TOKENS
+    assert r.output_text == text
+
+
+def test_responses_input_tokens_count_the_images_tokens(server, reference):
+    parts, prompt_tokens, _ = reference
+    r = httpx.post(server.url + "/v1/responses/input_tokens", json={"model": "tiny-vl", "input": [
+        {"role": "user", "content": responses_content(parts)}]}, timeout=120)
+    assert r.status_code == 200 and r.json()["input_tokens"] == prompt_tokens, r.text
+
+
+RESPONSES_BAD = {
+    "in an assistant message": ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "input_image", "image_url": data_url(png(60, 60))}]}], "input.1.content.0", "belong in user messages"),
+    "a stored file": ([{"role": "user", "content": [{"type": "input_text", "text": "hi"},
+                                                    {"type": "input_image", "file_id": "file-1"}]}],
+                      "input.0.content.1.file_id", "stores no files"),
+    "no image": ([{"role": "user", "content": [{"type": "input_image"}]}], "input.0.content.0.image_url", "missing"),
+    "in a function call output": ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                   {"type": "function_call_output", "call_id": "c1", "output": [
+                                       {"type": "input_image", "image_url": data_url(png(60, 60))}]}],
+                                  "input.1.output.0", "belong in user messages"),
+    # Refused where the chat path decodes the image: named as this API names the field, after the instructions'
+    # system message and an earlier message moved its index in the chat request.
+    "corrupt": ([{"role": "user", "content": "hi"}, {"role": "user", "content": [
+        {"type": "input_text", "text": "and"}, {"type": "input_image", "image_url": data_url(png(64, 64, 5)[:200])}]}],
+        "input.1.content.1.image_url", "corrupt"),
+    "http URL": ([{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}],
+                 "input.0.content.0.image_url", "does not fetch images"),
+}
+
+
+@pytest.mark.parametrize("case", RESPONSES_BAD)
+def test_responses_bad_images_name_the_input_field(server, case):
+    items, param, words = RESPONSES_BAD[case]
+    r = httpx.post(server.url + "/v1/responses", json={"model": "tiny-vl", "instructions": "Be brief.",
+                                                       "max_output_tokens": 2, "input": items}, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param) and words in error["message"], error
+
+
+def test_an_image_over_the_text_body_limit_is_answered(client):
+    """The body's limit grows by the images a request may send, so an image that alone is larger than the limit
+    of a text request, and under the per-image limit, is answered."""
+    image = png(1000, 1000, 4)
+    assert len(image) > MAX_BODY_BYTES
+    reply = client.chat.completions.create(model="tiny-vl", messages=[{"role": "user", "content": openai_content(
+        ("What is it?", image))}], max_tokens=1)
+    assert reply.usage.completion_tokens == 1
+
+
+def test_an_image_over_the_per_image_limit_gets_the_per_image_400(client):
+    limit = ImageLimits().max_bytes
+    with pytest.raises(openai.BadRequestError, match=f"{limit + 1} bytes is more than the server's limit of {limit}"):
+        client.chat.completions.create(model="tiny-vl", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(bytes(limit + 1))}}]}])
+
+
+def test_the_body_limit_follows_the_image_limits(server):
+    """Images x bytes in base64, over the text allowance: a body of as many images at the limit passes the body's
+    check (to the images' own), one byte more is a 413."""
+    server.frontend.image_limits = ImageLimits(max_images=2, max_bytes=2**20)
+    try:
+        def post(images: list[bytes], text: str = "hi"):
+            return httpx.post(server.url + "/v1/chat/completions", json={
+                "model": "tiny-vl", "max_tokens": 1, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": data_url(image)}}
+                                                      for image in images)]}]}, timeout=120)
+        at_limit = post([bytes(2**20)] * 2)   # 2 MiB of images, more than 2 MiB of body
+        assert at_limit.status_code == 400 and "not an image Pillow can read" in at_limit.text, at_limit.text
+        over = post([bytes(2**20 + 1)])
+        assert over.status_code == 400 and f"{2**20 + 1} bytes is more than" in over.text, over.text
+        body_limit = MAX_BODY_BYTES + 2 * 4 * -(-2**20 // 3)
+        too_large = post([], "x" * body_limit)
+        assert too_large.status_code == 413 and str(body_limit) in too_large.text, too_large.text
+    finally:
+        server.frontend.image_limits = ImageLimits()
 
 
 def header_only_png(width: int, height: int) -> bytes:
@@ -150,5 +253,48 @@ def test_a_text_model_answers_400_naming_itself():
         with pytest.raises(openai.BadRequestError, match="model 'tiny-text' takes no images"):
             client.chat.completions.create(model="tiny-text", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(png(60, 60))}}]}])
+        # A model that takes no images keeps the text body limit.
+        r = httpx.post(server.url + "/v1/chat/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                       headers={"Content-Type": "application/json"}, timeout=120)
+        assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.text, r.text
     finally:
         server.stop()
+
+
+@pytest.mark.slow   # a server process: its imports and the model's load
+def test_lmport_serve_flags_set_the_image_limits(model_dir, tmp_path):
+    """`lmport serve` with the image flags: their limits are the server's, and the body limit grows with them."""
+    server = ServeProcess(lmport_command(), [model_dir, "--device", "cpu", "--dtype", "float32",
+                                             "--cache-max-entry-count", "64", "--max-images-per-request", "1",
+                                             "--max-image-bytes", "3MiB", "--max-image-pixels", "1000000"],
+                          tmp_path / "serve.log").ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+        def ask(*images: bytes):
+            return client.chat.completions.create(model=model_dir, max_tokens=1, messages=[{"role": "user", "content":
+                                                  openai_content(("What is it?", *images))}])
+        image = png(990, 990, 6)
+        assert MAX_BODY_BYTES < len(image) <= 3 * 2**20
+        assert ask(image).usage.completion_tokens == 1
+        for images, words in [((png(60, 60), png(60, 60)), "2 images is more than the server's limit of 1"),
+                              ((bytes(3 * 2**20 + 1),), f"is more than the server's limit of {3 * 2**20}"),
+                              ((header_only_png(1001, 1000),), "more than the server's limit of 1000000 pixels")]:
+            with pytest.raises(openai.BadRequestError, match=words):
+                ask(*images)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-image-bytes", "lots"], "--max-image-bytes 'lots'"),
+    (["--max-images-per-request", "0"], "max_images must be a positive number"),
+    (["--allowed-media-domains", "https://images.example.com"], "is not a host name"),
+])
+def test_lmport_serve_refuses_bad_image_flags_before_loading_the_model(flags, words, tmp_path):
+    from lmport.entrypoints.cli import build_parser
+    from lmport.errors import ConfigError
+    from lmport.server.app import serve
+    args = build_parser().parse_args(["serve", str(tmp_path / "no-model"), *flags])
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        serve(args)

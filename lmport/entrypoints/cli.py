@@ -13,6 +13,7 @@ import sys
 from lmport.platform import registry
 from lmport.config import SERVE_DECODE_PREFILL_TOKENS, EngineConfig, GenerationConfig
 from lmport.errors import ConfigError
+from lmport.multimodal.images import ImageLimits
 from lmport.entrypoints.flags import add_dataclass_flags, engine_config, gen_config
 from lmport.reasoning import NAMES as REASONING_PARSERS
 from lmport.tool_parsers import NAMES as TOOL_PARSERS
@@ -168,6 +169,22 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expose-adapter-paths", action="store_true",
                    help="show clients adapters' server paths (in /v1/models) and why an adapter failed to load "
                         "(default: only the server's log does)")
+    limits = ImageLimits()
+    g = p.add_argument_group("images, for a model that takes them (docs/vision.md)")
+    g.add_argument("--max-images-per-request", type=int, default=limits.max_images, metavar="N",
+                   help=f"most images one request may send (vLLM: --limit-mm-per-prompt '{{\"image\": N}}') "
+                        f"(default: {limits.max_images})")
+    g.add_argument("--max-image-bytes", default="10MiB", metavar="SIZE",
+                   help="largest encoded image (before base64), e.g. 10MiB or a byte count; the request body's "
+                        "limit grows by --max-images-per-request of these (default: 10MiB)")
+    g.add_argument("--max-image-pixels", type=int, default=limits.max_pixels, metavar="N",
+                   help=f"most pixels (width x height) of one image, read from its header before it is decoded "
+                        f"(default: {limits.max_pixels}, 4096 x 4096)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="host names whose http(s) image URLs the server fetches (exact names, any port; redirects "
+                        "must stay among them) (default: none, image URLs are refused: send data: URLs)")
+    g.add_argument("--image-fetch-timeout", type=float, default=limits.fetch_timeout, metavar="SECONDS",
+                   help=f"longest one image fetch may take (default: {limits.fetch_timeout:g})")
 
 
 def cmd_worker(args) -> int:

@@ -11,8 +11,11 @@ import io
 import re
 from dataclasses import dataclass
 
+from lmport.errors import ConfigError
+
 # The formats a request may send; Pillow reads them all.
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+PILLOW_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)", re.DOTALL)
 
 
@@ -27,17 +30,49 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What one request may send: bytes of one encoded image, pixels (width x height) of one image, and images."""
+    """What one request may send: bytes of one encoded image, pixels (width x height) of one image, and images;
+    the hosts whose http(s) image URLs the server fetches (none: it fetches nothing) and how long one fetch may
+    take (lmport.multimodal.fetch)."""
     max_bytes: int = 10 * 2**20
     max_pixels: int = 4096 * 4096
     max_images: int = 8
+    allowed_media_domains: frozenset[str] = frozenset()
+    fetch_timeout: float = 5.0
+
+    def __post_init__(self):
+        for name in ("max_bytes", "max_pixels", "max_images", "fetch_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                    name != "fetch_timeout" and not isinstance(value, int)):
+                raise ConfigError(f"image limits: {name} must be a positive number, got {value!r}")
+        if isinstance(self.allowed_media_domains, str):
+            raise ConfigError("image limits: allowed_media_domains is a set of host names, not one string")
+        hosts = frozenset(host.strip().lower().strip("[]").rstrip(".") for host in self.allowed_media_domains)
+        for host in hosts:
+            if not host or any(c in host for c in "/@?#\\ \t"):
+                raise ConfigError(f"allowed media domains: {host!r} is not a host name; give names such as "
+                                  f"images.example.com (no scheme, path or port)")
+        object.__setattr__(self, "allowed_media_domains", hosts)
+
+    def body_bytes(self) -> int:
+        """The request-body bytes that ``max_images`` images of ``max_bytes`` each take as base64 data: URLs."""
+        return self.max_images * 4 * -(-self.max_bytes // 3)
+
+
+def is_http_url(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
+def not_fetched(where: str) -> ImageError:
+    """The refusal of an http(s) image URL by a server that fetches none."""
+    return ImageError(f"{where}: this server does not fetch images from URLs; send the image itself as a data: URL "
+                      f"(data:image/png;base64,...)", where)
 
 
 def data_url_bytes(url: str, where: str) -> bytes:
     """The image bytes of a ``data:image/...;base64,...`` URL; an http(s) URL or anything else is an ImageError."""
-    if url.startswith(("http://", "https://")):
-        raise ImageError(f"{where}: this server does not fetch images from URLs; send the image itself as a data: URL "
-                         f"(data:image/png;base64,...)", where)
+    if is_http_url(url):
+        raise not_fetched(where)
     match = _DATA_URL.fullmatch(url)
     if match is None:
         raise ImageError(f"{where}: not a base64 data: URL; send data:image/png;base64,... (or image/jpeg, "
@@ -70,7 +105,7 @@ def decode(data: bytes, limits: ImageLimits, where: str):
         raise ImageError(f"{where}: {len(data)} bytes is more than the server's limit of {limits.max_bytes} an "
                          f"image; send a smaller one", where)
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=PILLOW_FORMATS)
     except UnidentifiedImageError:
         raise ImageError(f"{where}: the data is not an image Pillow can read (PNG, JPEG, WebP or GIF)",
                          where) from None

@@ -1,7 +1,8 @@
 """An image as the engine carries it: where its placeholder tokens sit in the prompt, the grid its tokens cover,
 a digest of its bytes, and the pixel values the model's image processor made of it.
 
-Plain values (numpy, no torch) so that it crosses from the HTTP front end to the engine core as msgpack."""
+Plain values (numpy, no torch) so that it crosses from the HTTP front end to the engine core as msgpack
+(lmport.engine.messages: the pixel values as their float32 bytes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,19 +26,6 @@ class ImageInput:
 
     def layout_only(self) -> ImageInput:
         return dataclasses.replace(self, pixel_values=None)
-
-    def to_wire(self) -> dict:
-        pixels = self.pixel_values
-        wire = None if pixels is None else [list(pixels.shape), np.ascontiguousarray(pixels, "<f4").tobytes()]
-        return {"offset": self.offset, "num_tokens": self.num_tokens, "grid_thw": list(self.grid_thw),
-                "digest": self.digest, "pixels": wire}
-
-    @classmethod
-    def from_wire(cls, data: dict) -> ImageInput:
-        pixels = data["pixels"]
-        values = None if pixels is None else np.frombuffer(pixels[1], "<f4").reshape(pixels[0])
-        grid = tuple(data["grid_thw"])
-        return cls(data["offset"], data["num_tokens"], (grid[0], grid[1], grid[2]), data["digest"], values)
 
 
 def images_key(images: list[ImageInput]) -> str:

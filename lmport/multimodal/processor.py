@@ -17,6 +17,16 @@ from lmport.multimodal.inputs import ImageInput
 VISION_MODEL_TYPES = ("qwen2_5_vl",)
 
 
+def takes_images(model: str) -> bool:
+    """Whether ``model`` is a transformers directory of a model whose images lmport runs (its config.json read, its
+    processor not loaded)."""
+    config = Path(model).expanduser() / "config.json"
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("model_type") in VISION_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
+
+
 class ImageProcessor:
     """Images to a prompt's ``ImageInput`` for one model: its image processor, placeholder token and merge size."""
 
@@ -26,12 +36,10 @@ class ImageProcessor:
     @classmethod
     def for_model(cls, model: str) -> ImageProcessor | None:
         """The processor of a transformers directory whose model takes images; None for any other model."""
+        if not takes_images(model):
+            return None
         path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            return None
         config = json.loads((path / "config.json").read_text())
-        if config.get("model_type") not in VISION_MODEL_TYPES:
-            return None
         from transformers import AutoImageProcessor
         vision = config.get("vision_config") or {}
         return cls(AutoImageProcessor.from_pretrained(path), config["image_token_id"],

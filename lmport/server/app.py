@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmport.config import ConfigError
 from lmport.engine.client import EngineClient, EngineHandle
+from lmport.multimodal.images import ImageLimits
 from lmport.structured_output.grammar import Grammars
 from lmport.server import adapters, embeddings, tokenize
 from lmport.server import anthropic, chat_format, responses, routes, service
@@ -59,7 +60,7 @@ def create_app(engine: EngineCore | LLM | EngineHandle, model_name: str | None =
                docs: bool = True, cache_salt_by_api_key: bool = False, enable_lora_loading: bool = False,
                tokenizer=None, expose_adapter_paths: bool = False, chat_template: str | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               access_log_format: str | None = "plain") -> FastAPI:
+               access_log_format: str | None = "plain", image_limits: ImageLimits | None = None) -> FastAPI:
     """The app; wrapped in the cross-site Guards when ``allowed_hosts`` (Host names) is given, and in CORS
     for ``cors_origins``. The returned object is the FastAPI app either way (``app.state.frontend``).
     ``engine``: what runs the requests, already started (an engine core's client, or data-parallel replicas'
@@ -70,7 +71,9 @@ def create_app(engine: EngineCore | LLM | EngineHandle, model_name: str | None =
     shared only between requests sent with the same key; ``enable_lora_loading``: the LoRA load/unload routes
     answer (lmport.server.adapters); ``expose_adapter_paths``: clients see adapters' server paths and why one
     failed to load (else only the server's log does); ``access_log_format``: "plain" or "json" lines on the
-    ``lmport.access`` logger (lmport.server.access_log), None for none."""
+    ``lmport.access`` logger (lmport.server.access_log), None for none; ``image_limits``: what a request may send of
+    images, and the hosts image URLs are fetched from (docs/vision.md): for a model that takes images, the body
+    limit grows by the images' allowance."""
     if hasattr(engine, "step"):   # an engine core (or an LLM over one), not a handle on one already started
         # A private tokenizer: the engine's is used on the core's thread, the client's copy on its reader thread.
         core, tokenizer, grammars = EngineClient.start_thread(engine), copy.deepcopy(engine.tokenizer), engine.grammars
@@ -80,7 +83,7 @@ def create_app(engine: EngineCore | LLM | EngineHandle, model_name: str | None =
         core = engine
         grammars = Grammars(tokenizer, core.info.vocab_size, core.info.eos_token_ids)
     frontend = Frontend(core, tokenizer, grammars, model_name, api_key, max_body_bytes, limits, cache_salt_by_api_key,
-                        expose_adapter_paths)
+                        expose_adapter_paths, image_limits)
     # The chat template, reasoning parser and tool-call format (lmport.server.chat_format): given, or the template's.
     chat = chat_format.configure(frontend.tokenizer, chat_template, reasoning_parser, tool_call_parser)
     frontend.reasoning_parser, frontend.tool_parser = chat.reasoning_parser, chat.tool_parser
@@ -110,7 +113,7 @@ def create_app(engine: EngineCore | LLM | EngineHandle, model_name: str | None =
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     # Every body read bounded in bytes and time (413, 408), whichever route reads it.
-    app.add_middleware(BodyLimit, max_bytes=frontend.max_body_bytes, timeout=frontend.limits.body_timeout)
+    app.add_middleware(BodyLimit, max_bytes=lambda: frontend.max_body_bytes, timeout=frontend.limits.body_timeout)
     app.add_middleware(Guards, allowed_hosts=allowed_hosts, error_body=error_body,
                        json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                                              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses",
@@ -157,6 +160,7 @@ def serve(args) -> int:
     from lmport.server.guards import allowed_host_names, is_loopback
     from lmport.server.listen import ADDRESS_IN_USE_EXIT_CODE, AddressInUse, listen
     from lmport.server.shutdown import GracefulServer
+    from lmport.units import parse_bytes
 
     access_log_format = args.access_log_format if args.access_log else None
     access_log.configure(access_log_format)   # its lines go to stderr whatever --log-level says
@@ -173,6 +177,10 @@ def serve(args) -> int:
                     max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout,
                     body_timeout=args.body_timeout, send_timeout=args.send_timeout,
                     engine_stall_timeout=args.engine_stall_timeout)
+    image_limits = ImageLimits(max_bytes=parse_bytes(args.max_image_bytes, "--max-image-bytes"),
+                               max_pixels=args.max_image_pixels, max_images=args.max_images_per_request,
+                               allowed_media_domains=frozenset(args.allowed_media_domains or ()),
+                               fetch_timeout=args.image_fetch_timeout)
     connections = ConnectionLimits(header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                                    max_connections=args.max_connections, max_unsent_bytes=args.max_unsent_bytes,
                                    send_timeout=args.send_timeout,
@@ -212,7 +220,7 @@ def serve(args) -> int:
                          enable_lora_loading=args.enable_lora_loading, tokenizer=load_tokenizer(args.model),
                          expose_adapter_paths=args.expose_adapter_paths, access_log_format=access_log_format,
                          chat_template=chat_template, reasoning_parser=args.reasoning_parser,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser, image_limits=image_limits)
     except BaseException:
         core.shutdown()
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect
 
@@ -21,17 +22,22 @@ gone_log = Throttled(log)
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int, timeout: float):
-        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+    def __init__(self, app, max_bytes: int | Callable[[], int], timeout: float):
+        """``max_bytes``: the limit, or what gives it at each request (the front end's, which follows its image
+        limits)."""
+        self.app, self.timeout = app, timeout
+        self.max_bytes: Callable[[], int] = max_bytes if callable(max_bytes) else lambda: max_bytes
 
-    def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
+    @staticmethod
+    def _too_large(limit: int) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
                         code="request_too_large", headers={"Connection": "close"})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         deadline = asyncio.get_running_loop().time() + self.timeout
+        limit = self.max_bytes()
         length = dict(scope["headers"]).get(b"content-length", b"")
         received, complete = 0, False
 
@@ -39,8 +45,8 @@ class BodyLimit:
             nonlocal received, complete
             if complete:   # the body is in; what follows (a disconnect) has no deadline
                 return await receive()
-            if length.isdigit() and int(length) > self.max_bytes:
-                raise self._too_large()
+            if length.isdigit() and int(length) > limit:
+                raise self._too_large(limit)
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
             except asyncio.TimeoutError:   # TimeoutError itself only from Python 3.11
@@ -48,8 +54,8 @@ class BodyLimit:
                                code="body_timeout", headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large()
+                if received > limit:
+                    raise self._too_large(limit)
                 complete = not message.get("more_body", False)
             return message
 

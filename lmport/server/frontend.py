@@ -22,7 +22,7 @@ from lmport.config import ConfigError, GenerationConfig
 from lmport.engine.outputs import check_prompt
 from lmport.engine.client import EngineHandle
 from lmport.multimodal.images import ImageLimits
-from lmport.multimodal.processor import ImageProcessor
+from lmport.multimodal.processor import ImageProcessor, takes_images
 from lmport.structured_output.grammar import Grammars
 from lmport.reasoning import Parser, Reasoning
 from lmport.server import access_log, adapters, jsonbody
@@ -32,7 +32,7 @@ from lmport.server.protocol import APIError, brief
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 2 * 2**20
+MAX_BODY_BYTES = 2 * 2**20   # a request body's bytes besides its images (a model that takes images adds theirs)
 
 
 @dataclass
@@ -64,11 +64,11 @@ class Frontend:
     def __init__(self, core: EngineHandle, tokenizer, grammars: Grammars, model_name: str | None = None,
                  api_key: str | list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                  limits: Limits | None = None, cache_salt_by_api_key: bool = False,
-                 expose_adapter_paths: bool = False):
+                 expose_adapter_paths: bool = False, image_limits: ImageLimits | None = None):
         """``core``: what runs the requests, an engine core's client or, with data-parallel replicas, their front
         end (``lmport.dp.frontend.DataParallel``); ``tokenizer``: the front end's own (tokenizing and chat
         templates run here, never in the core); ``grammars``: compiles structured-output formats to check them
-        before a request is queued."""
+        before a request is queued; ``image_limits``: what a request may send of images (docs/vision.md)."""
         self.core = core
         self.info = info = core.info
         self.grammars = grammars
@@ -80,7 +80,9 @@ class Frontend:
         self.api_key = keys[0] if keys else None
         # Prefix-cache blocks are shared only between requests sent with the same key (and cache_salt).
         self.cache_salt_by_api_key = cache_salt_by_api_key
-        self.max_body_bytes = max_body_bytes
+        self.text_body_bytes = max_body_bytes
+        self.image_limits = image_limits or ImageLimits()
+        self.takes_images = takes_images(info.model_name)
         self.expose_adapter_paths = expose_adapter_paths   # clients see adapters' server paths
         self.limits = limits or Limits()
         self.max_prompt_chars = self.limits.prompt_chars(info.session_len)
@@ -106,8 +108,6 @@ class Frontend:
     reasoning_parser: Parser | None = None
     tool_parser: str | None = None
 
-    # What a request may send of images (docs/vision.md).
-    image_limits = ImageLimits()
     _image_processor: tuple[ImageProcessor | None] | None = None
 
     def image_processor(self) -> ImageProcessor | None:
@@ -116,6 +116,13 @@ class Frontend:
         if self._image_processor is None:
             self._image_processor = (ImageProcessor.for_model(self.info.model_name),)
         return self._image_processor[0]
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request body's limit: the text allowance, and for a model that takes images as many images as a
+        request may send at the per-image limit, in base64 (so an image under that limit meets the per-image check,
+        not the body's)."""
+        return self.text_body_bytes + (self.image_limits.body_bytes() if self.takes_images else 0)
 
     def reasoning_of(self, prompt: str) -> Reasoning | None:
         """Where a reply to the rendered chat ``prompt`` thinks, or None without a reasoning parser."""

@@ -6,8 +6,6 @@ look at the parsed body, and pydantic's own recursion limit (a 400 in its words)
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from fastapi import Request
 from pydantic import ValidationError
@@ -16,19 +14,30 @@ from lmport.server.protocol import APIError, validation_error
 
 MAX_JSON_DEPTH = 64   # nested arrays and objects; tool schemas and message lists need far fewer
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)   # brackets inside strings do not nest
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STRUCTURE = b'"[]{}'
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
+# What may follow a backslash in a JSON string, with the structure: kept while escapes are read.
+_NOT_ESCAPES = bytes(b for b in range(256) if b not in _STRUCTURE + b'\\/bfnrtu')
 
 
 def depth(body: bytes) -> int:
-    """How deep ``body``'s arrays and objects nest (an estimate for a body that is not valid JSON). Vectorised:
-    a 2 MiB body of brackets takes milliseconds, on the event loop."""
-    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    if not brackets:
+    """How deep ``body``'s arrays and objects nest (exact for valid JSON, an estimate for a body that is not).
+
+    Brackets inside strings do not nest, so the body is cut down to its quotes and brackets, each string left as
+    two quotes. A body with backslashes first loses its escaped quotes: every byte goes but the structure and what
+    may follow a backslash (each escape keeps its two bytes side by side), then escaped backslashes, then escaped
+    quotes. Each step is one pass in C that keeps few bytes, so even a body of large base64 images is measured on
+    the event loop without holding it long."""
+    if b"\\" in body:
+        body = body.translate(None, _NOT_ESCAPES).replace(b"\\\\", b"").replace(b'\\"', b"")
+    skeleton = body.translate(None, _NOT_STRUCTURE)
+    if not skeleton:
         return 0
-    codes = np.frombuffer(brackets, np.uint8)
-    steps = ((codes == ord("[")) | (codes == ord("{"))).astype(np.int32) * 2 - 1   # +1 opens, -1 closes
-    return int(np.cumsum(steps).max())
+    codes = np.frombuffer(skeleton, np.uint8)
+    outside = np.cumsum(codes == ord('"')) % 2 == 0   # false from a string's opening quote to its closing one
+    steps = (((codes == ord("[")) | (codes == ord("{"))).astype(np.int32) * 2 - 1) * outside   # +1 opens, -1 closes
+    steps[codes == ord('"')] = 0
+    return max(0, int(np.cumsum(steps).max()))
 
 
 def check_depth(body: bytes) -> None:

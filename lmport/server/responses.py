@@ -2,9 +2,9 @@
 (docs/server.md).
 
 A request is validated by the models below (an error names the field in OpenAI's shape), translated into a
-chat completions request (instructions, input as a string or items: messages, function calls and their
-outputs; function tools, tool_choice, text.format, max_output_tokens, sampling) and run through the chat path
-(lmport.server.routes.chat_prompt). The output comes back as a Response object (message and function_call
+chat completions request (instructions, input as a string or items: messages of text and images, function calls
+and their outputs; function tools, tool_choice, text.format, max_output_tokens, sampling) and run through the chat
+path (lmport.server.routes.chat_prompt). The output comes back as a Response object (message and function_call
 items), or streamed as the API's events: response.created, response.in_progress, then per item
 response.output_item.added, its content part or arguments deltas and their done events, response.output_item.done,
 and last response.completed (response.incomplete when max_output_tokens cut it, response.failed on an error).
@@ -18,7 +18,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, cast
 
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -51,11 +51,20 @@ class Refusal(_Request):
     refusal: str
 
 
+class InputImage(_Request):
+    """An image in a user message, run as a chat request's ``image_url`` part (docs/vision.md)."""
+    type: Literal["input_image"]
+    image_url: str | None = None                  # a data: URL, or an http(s) URL on an allowed host
+    file_id: str | None = None                    # a stored file: refused, nothing is stored
+    # Accepted and ignored: the model's image processor sizes every image (docs/vision.md, "Sending images").
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+
 class UnsupportedPart(_Request):
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_file", "input_audio"]
 
 
-Part = Annotated[InputText | OutputText | Refusal | UnsupportedPart, Field(discriminator="type")]
+Part = Annotated[InputText | OutputText | Refusal | InputImage | UnsupportedPart, Field(discriminator="type")]
 
 
 class MessageItem(_Request):
@@ -232,19 +241,56 @@ class InputTokensRequest(_ResponsesInput):
 
 # -- the request as a chat request ----------------------------------------------------------------------------
 
-def _text(content: str | list, where: str) -> str:
-    if isinstance(content, str):
-        return content
+def _check_parts(content: list, where: str, images: bool) -> None:
+    """A 400 for a part this server does not read, or an image where ``images`` is false."""
     for k, part in enumerate(content):
         if isinstance(part, UnsupportedPart):
             raise APIError(400, f"{where}.{k}.type: {part.type!r} is not supported: this server's model reads "
-                                f"text (input_text, output_text)", param=f"{where}.{k}.type")
-    return "".join(part.refusal if isinstance(part, Refusal) else part.text for part in content)
+                                f"text (input_text, output_text) and images (input_image)", param=f"{where}.{k}.type")
+        if isinstance(part, InputImage) and not images:
+            raise APIError(400, f"{where}.{k}: images belong in user messages; put the image in one",
+                           param=f"{where}.{k}")
 
 
-def to_chat(req: ResponsesRequest | InputTokensRequest) -> ChatCompletionRequest:
-    """The chat completions request ``req`` stands for."""
+def _plain(part: InputText | OutputText | Refusal) -> str:
+    return part.refusal if isinstance(part, Refusal) else part.text
+
+
+def _text(content: str | list, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    _check_parts(content, where, images=False)
+    return "".join(_plain(part) for part in content)
+
+
+def _content(item: MessageItem, where: str) -> tuple[str | list[dict], list[int]]:
+    """A message's content as a chat message's (its text, or with images its parts in order), and the index in
+    ``item.content`` of each image part."""
+    content = item.content
+    images = [] if isinstance(content, str) else [k for k, part in enumerate(content) if isinstance(part, InputImage)]
+    if not images or item.role != "user":
+        return _text(content, where), []
+    _check_parts(cast(list, content), where, images=True)
+    parts: list[dict] = []
+    for k, part in enumerate(cast(list, content)):
+        if isinstance(part, InputImage):
+            if part.file_id is not None:
+                raise APIError(400, f"{where}.{k}.file_id: this server stores no files; send the image as image_url "
+                                    f"(a data: URL)", param=f"{where}.{k}.file_id")
+            if part.image_url is None:
+                raise APIError(400, f"{where}.{k}.image_url: missing; send the image as a data: URL "
+                                    f"(data:image/png;base64,...)", param=f"{where}.{k}.image_url")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            parts.append({"type": "text", "text": _plain(part)})
+    return parts, images
+
+
+def to_chat(req: ResponsesRequest | InputTokensRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """The chat completions request ``req`` stands for, and the field of each image part there
+    (``messages.M.content.J``) by its field here (``input.I.content.K``)."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    image_fields: dict[str, str] = {}
     items = req.input if isinstance(req.input, list) else [MessageItem(type="message", role="user",
                                                                        content=req.input)]
     for i, item in enumerate(items):
@@ -256,7 +302,9 @@ def to_chat(req: ResponsesRequest | InputTokensRequest) -> ChatCompletionRequest
                    if item.type == "item_reference" else "this server runs function tools and text messages")
             raise APIError(400, f"{where}.type: {item.type!r} items are not supported: {why}", param=f"{where}.type")
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _text(item.content, f"{where}.content")})
+            content, images = _content(item, f"{where}.content")
+            image_fields.update({f"messages.{len(messages)}.content.{k}": f"{where}.content.{k}" for k in images})
+            messages.append({"role": item.role, "content": content})
         elif isinstance(item, FunctionCallItem):
             try:
                 arguments = json.loads(item.arguments)
@@ -287,7 +335,7 @@ def to_chat(req: ResponsesRequest | InputTokensRequest) -> ChatCompletionRequest
     elif isinstance(fmt, FormatJsonSchema):
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.name, "schema": fmt.json_schema, "strict": bool(fmt.strict)}}
-    return ChatCompletionRequest.model_validate(chat)
+    return ChatCompletionRequest.model_validate(chat), image_fields
 
 
 def _field(param: str) -> str:
@@ -312,6 +360,7 @@ async def create(frontend: Frontend, request: Request):
                                      prompt.response_format, key=getattr(request.state, "api_key", None))
     except APIError as exc:
         raise renamed(exc, _field) from None
+    job.images = prompt.images
     frontend.admit(job)
     reply = _Reply(frontend, job, prompt, req)
     return await streaming.respond(frontend, request, job, reply.events,
@@ -323,11 +372,18 @@ async def _prompt(frontend: Frontend,
     """The chat prompt ``req`` stands for and its chat request, with errors named as this API names them."""
     if isinstance(req.input, list) and not req.input:
         raise APIError(400, "input: the list is empty; give a string or at least one item", param="input")
-    chat = to_chat(req)
+    chat, image_fields = to_chat(req)
+
+    def field(param: str) -> str:   # an image's field (and what follows it) as this API names it
+        head = re.match(r"messages\.\d+\.content\.\d+", param)
+        if head is None or head.group() not in image_fields:
+            return _field(param)
+        rest = param[head.end():]
+        return image_fields[head.group()] + (".image_url" if rest == ".image_url.url" else rest)
     try:
         prompt = await routes.chat_prompt(frontend, chat)
     except APIError as exc:
-        raise renamed(exc, _field) from None
+        raise renamed(exc, field) from None
     return prompt, chat
 
 

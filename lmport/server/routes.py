@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
-from lmport.multimodal.images import ImageError, check_count, data_url_bytes
+from lmport.multimodal.fetch import allowed_url, fetch_all
+from lmport.multimodal.images import ImageError, check_count, data_url_bytes, is_http_url
 from lmport.server import access_log, openai_mapping, streaming, structured, tools
 from lmport.server.auth import AUTH
 from lmport.reasoning import Reasoning
@@ -110,15 +111,24 @@ async def _image_processor(frontend: Frontend, req: ChatCompletionRequest):
 
 async def _prompt_images(frontend: Frontend, processor, ids: list[int],
                          parts: list[tuple[str, ImagePart]]) -> tuple[list[int], list]:
-    """The prompt with its image placeholders expanded, and its images decoded and processed (off the event loop,
-    one request's images at a time); a 400 naming the image for one the server cannot take."""
-    def prepare():
-        check_count(len(parts), frontend.image_limits, "messages")   # before any image is decoded
-        wheres = [f"{where}.image_url.url" for where, _ in parts]
-        raw = [data_url_bytes(part.image_url.url, where) for (_, part), where in zip(parts, wheres)]
-        return processor.prepare(ids, raw, frontend.image_limits, wheres)
+    """The prompt with its image placeholders expanded, and its images fetched (http(s) URLs, from the allowed hosts
+    only), decoded and processed (off the event loop, one request's images at a time); a 400 naming the image for
+    one the server cannot take."""
+    limits = frontend.image_limits
+    wheres = [f"{where}.image_url.url" for where, _ in parts]
+    urls = [part.image_url.url for _, part in parts]
+
+    def prepare(fetched: dict[int, bytes]):
+        raw = [fetched[k] if k in fetched else data_url_bytes(url, where)
+               for k, (url, where) in enumerate(zip(urls, wheres))]
+        return processor.prepare(ids, raw, limits, wheres)
     try:
-        return await frontend.tokenize(prepare)
+        check_count(len(parts), limits, "messages")   # before any image is fetched or decoded
+        remote = [k for k, url in enumerate(urls) if is_http_url(url)]
+        for k in remote:   # every URL checked against the allow-list before any is fetched
+            allowed_url(urls[k], limits, wheres[k])
+        fetched = await fetch_all([(urls[k], wheres[k]) for k in remote], limits) if remote else []
+        return await frontend.tokenize(prepare, dict(zip(remote, fetched)))
     except ImageError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
 
