@@ -250,6 +250,23 @@ def test_the_responses_api_fetches_an_input_image(server, images, reference):
     assert "host 'localhost'" in r.json()["error"]["message"]
 
 
+def test_the_messages_api_fetches_a_url_image_source(server, images, reference):
+    """Anthropic's ``{"type": "url"}`` image source, fetched as a chat image URL is; a refusal names the source's
+    url field."""
+    _, prompt_tokens, text = reference
+    block = {"type": "image", "source": {"type": "url", "url": images.url("/cat.png")}}
+    body = {"model": "tiny-vl", "max_tokens": GREEDY["max_tokens"], "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Look at this:"}, block, {"type": "text", "text": "What is it?"}]}]}
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] == prompt_tokens and r.json()["content"][0]["text"] == text
+    block["source"]["url"] = images.url("/cat.png", host="localhost")
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 400 and "host 'localhost'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["message"].startswith("messages.0.content.1.source.url"), r.text
+
+
 def test_the_server_serves_on_after_refused_fetches(client, images):
     for path in ("/missing", "/large", "/to-localhost"):
         refusal(client, images.url(path))

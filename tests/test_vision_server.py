@@ -238,10 +238,11 @@ def test_the_server_serves_others_after_bad_images(client):
     assert reply.usage.completion_tokens == 3
 
 
-def test_anthropic_url_source_is_refused(server):
+def test_anthropic_url_source_is_refused_without_an_allow_list(server):
     r = httpx.post(server.url + "/v1/messages", json={"model": "tiny-vl", "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
-    assert r.status_code == 400 and "fetches nothing" in r.text
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.0.content.0.source.url"), r.text
+    assert "does not fetch images from URLs" in r.text
 
 
 def test_a_text_model_answers_400_naming_itself():

@@ -75,12 +75,13 @@ class ImageSource(_Request):
     type: Literal["base64", "url", "file"]
     media_type: str | None = None                 # base64: image/png, image/jpeg, image/webp or image/gif
     data: str | None = None                       # base64: the image's bytes
-    url: str | None = None                        # url: refused (the server fetches nothing)
+    url: str | None = None                        # url: fetched from the allowed hosts only (docs/vision.md)
     file_id: str | None = None                    # file: refused (no Files API here)
 
 
 class ImageBlock(_Request):
-    """An image in a user message, sent to a vision-language model as a data: URL part of the chat request."""
+    """An image in a user message, sent to a vision-language model as an image_url part of the chat request (a
+    data: URL, or the source's http(s) URL)."""
     type: Literal["image"]
     source: ImageSource
 
@@ -221,12 +222,13 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def _chat_messages(i: int, message: MessageParam) -> list[dict]:
+def _chat_messages(i: int, message: MessageParam) -> tuple[list[dict], dict[int, str]]:
     """One Anthropic message as chat messages: tool_result blocks become tool messages (before the user's text),
-    tool_use blocks an assistant's tool_calls."""
+    tool_use blocks an assistant's tool_calls. With them, the source field behind each image part of the last
+    message (part index -> "messages.i.content.j.source.data" or ".url")."""
     if isinstance(message.content, str):
-        return [{"role": message.role, "content": message.content}]
-    text, calls, results, parts = [], [], [], []
+        return [{"role": message.role, "content": message.content}], {}
+    text, calls, results, parts, images = [], [], [], [], {}
     for j, block in enumerate(message.content):
         where = f"messages.{i}.content.{j}"
         if isinstance(block, UnsupportedBlock):
@@ -237,6 +239,7 @@ def _chat_messages(i: int, message: MessageParam) -> list[dict]:
         elif isinstance(block, ImageBlock):
             if message.role != "user":
                 raise APIError(400, f"{where}: image blocks belong in user messages", param=where)
+            images[len(parts)] = f"{where}.source.{'url' if block.source.type == 'url' else 'data'}"
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
@@ -248,26 +251,33 @@ def _chat_messages(i: int, message: MessageParam) -> list[dict]:
                 raise APIError(400, f"{where}: tool_result blocks belong in user messages", param=where)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, where)})
     if message.role == "assistant":
-        return [{"role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}]
-    if len(parts) > len(text):   # images among the text: the parts in order
-        return results + [{"role": "user", "content": parts}]
-    return results + [{"role": "user", "content": "".join(text)}] if text or not results else results
+        return [{"role": "assistant", "content": "".join(text) or None,
+                 **({"tool_calls": calls} if calls else {})}], {}
+    if images:   # images among the text: the parts in order
+        return results + [{"role": "user", "content": parts}], images
+    return results + [{"role": "user", "content": "".join(text)}] if text or not results else results, {}
 
 
 def _image_url(block: ImageBlock, where: str) -> str:
-    """A base64 image block as the data: URL a chat request carries."""
+    """An image block as the URL a chat request carries: a base64 source as a data: URL, a url source as it is
+    (the chat route fetches it from the allowed hosts only, or refuses it)."""
     source = block.source
+    if source.type == "url":
+        if not source.url:
+            raise APIError(400, f"{where}.source.url: a url image needs its url", param=f"{where}.source.url")
+        return source.url
     if source.type != "base64":
-        raise APIError(400, f"{where}.source.type: {source.type!r} images are not read by this server (it fetches "
-                            f"nothing); send the image as a base64 source", param=f"{where}.source.type")
+        raise APIError(400, f"{where}.source.type: {source.type!r} images are not read by this server (no Files "
+                            f"API); send the image as a base64 or url source", param=f"{where}.source.type")
     if not source.media_type or not source.data:
         raise APIError(400, f"{where}.source: a base64 image needs media_type and data", param=f"{where}.source")
     return f"data:{source.media_type};base64,{source.data}"
 
 
-def to_chat(req: _Conversation) -> tuple[ChatCompletionRequest, str]:
-    """The chat completions request ``req`` stands for, and the text of a final assistant message, which the
-    reply continues (Anthropic's prefill; "" when the last message is the user's)."""
+def to_chat(req: _Conversation) -> tuple[ChatCompletionRequest, str, dict[str, str]]:
+    """The chat completions request ``req`` stands for, the text of a final assistant message, which the reply
+    continues (Anthropic's prefill; "" when the last message is the user's), and each image part's place in the
+    chat request ("messages.I.content.K") with the source field it came from ("messages.i.content.j.source.data")."""
     turns = list(req.messages)
     prefill = ""
     if turns and turns[-1].role == "assistant":
@@ -285,8 +295,11 @@ def to_chat(req: _Conversation) -> tuple[ChatCompletionRequest, str]:
     if req.system:
         system = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
         messages.append({"role": "system", "content": system})
+    image_blocks: dict[str, str] = {}
     for i, message in enumerate(turns):
-        messages += _chat_messages(i, message)
+        converted, images = _chat_messages(i, message)
+        messages += converted
+        image_blocks.update({f"messages.{len(messages) - 1}.content.{k}": source for k, source in images.items()})
     chat: dict = {"model": req.model, "messages": messages}
     if req.tools:
         chat["tools"] = [{"type": "function", "function": {
@@ -306,7 +319,7 @@ def to_chat(req: _Conversation) -> tuple[ChatCompletionRequest, str]:
         if req.output_config is not None and req.output_config.format is not None:
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": req.output_config.format.json_schema}}
-    return ChatCompletionRequest.model_validate(chat), prefill
+    return ChatCompletionRequest.model_validate(chat), prefill, image_blocks
 
 
 def _field(param: str) -> str:
@@ -320,11 +333,15 @@ def _field(param: str) -> str:
 async def _prompt(frontend: Frontend, req: _Conversation) -> tuple[routes.ChatPrompt, ChatCompletionRequest]:
     if not req.messages:
         raise APIError(400, "messages: the list is empty; give at least one message", param="messages")
-    chat, prefill = to_chat(req)
+    chat, prefill, image_blocks = to_chat(req)
+
+    def field(param: str) -> str:   # an image's URL as this API names it: its block's source field
+        head = re.match(r"messages\.\d+\.content\.\d+\.image_url\.url$", param)
+        return image_blocks.get(param.removesuffix(".image_url.url"), param) if head else _field(param)
     try:
         prompt = await routes.chat_prompt(frontend, chat)
     except APIError as exc:
-        raise renamed(exc, _field) from None
+        raise renamed(exc, field) from None
     if prefill:   # the reply goes on from the assistant's text, after the template's opening of its turn
         tokenizer = frontend.tokenizer
         prompt.ids = prompt.ids + await frontend.tokenize(
