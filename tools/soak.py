@@ -11,9 +11,9 @@ logprobs (each choice must carry them), LoRA adapters loaded, used and
 unloaded while everything else runs, slow readers (a stream
 read one chunk at a time with pauses, sometimes left unread), and bad requests
 (each must get a 4xx, or a 200 where the input is valid but extreme). After
---warmup requests the server's RSS (with its child processes, each also on
-its own: the front end and the engine core) is read; at the end, once it is
-idle, RSS, KV blocks used and requests left
+--warmup requests, once it is idle, the server's RSS (with its child processes,
+each also on its own: the front end and the engine core) is read; at the end,
+once it is idle, RSS, KV blocks used and requests left
 (running + waiting + admitted) are read again. Prints a table; writes JSON
 to --out. Pass: RSS within 10% of the warm-up reading, 0 blocks used, 0
 requests left, no 5xx, no request without an answer.
@@ -50,6 +50,9 @@ KINDS = {"stream": 0.18, "complete": 0.1, "disconnect": 0.1, "abort": 0.06, "str
          "echo": 0.06, "logprobs": 0.06, "lora": 0.04, "slow_reader": 0.06, "bad": 0.16}
 ADAPTER_NAMES = ("soak-a", "soak-b", "soak-c")
 API_KEY = "soak"   # loading adapters at run time needs one
+# Seconds a quiet server is left before its RSS is read: an engine core idle for half a second gives back the
+# memory it kept for its steps (lmport.engine.core_process.IDLE_WAIT), so both readings are of an idle server.
+SETTLE_S = 2.0
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -329,6 +332,7 @@ async def run(args, url: str, pid: int) -> dict:
             tasks.append(asyncio.create_task(task(i)))
             if i == args.warmup:
                 await asyncio.gather(*tasks)          # a quiet moment, like the end
+                await asyncio.sleep(SETTLE_S)
                 rss["after_warmup"] = tree_rss(pid)
                 rss["by_process_after_warmup"] = by_role(pid)
             if i % 500 == 0:
@@ -339,6 +343,7 @@ async def run(args, url: str, pid: int) -> dict:
         await asyncio.gather(*tasks)
         wall = time.monotonic() - start
         after = await idle_metrics(http, url)
+        await asyncio.sleep(SETTLE_S)
         rss["end"] = tree_rss(pid)
         rss["by_process_end"] = by_role(pid)
         health = (await http.get(url + "/health")).status_code

@@ -7,7 +7,9 @@ process (tests that reach into the core; a data-parallel replica, ``lmport.dp.re
 are ``lmport.engine.messages``: msgpack bytes, the same in both.
 
 Between steps the core takes every message waiting (adds, aborts, control calls such as loading a LoRA
-adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise. A LoRA
+adapter) in arrival order; it steps while any request is unfinished, and waits for a message otherwise; a
+wait of ``IDLE_WAIT`` with nothing after steps hands the backend's kept step memory back to the system
+(``Backend.release_idle_memory``: a server's memory comes back when it is idle). A LoRA
 load reads its files on a thread of its own (``lmport.lora.reads``) and copies the weights in between two steps
 once read, so no file a client names can hold the steps. An
 exception out of a step stops the core: the front end is told why (``Failed``) and fails every
@@ -54,10 +56,14 @@ def serve(engine: EngineCore, receive: Receive, send: Send) -> None:
     """Run ``engine`` for the front end until it asks for shutdown (or its queue closes)."""
     usage_sent = None
     reads = AdapterReads(engine.read_adapter)
+    stepped = False   # whether steps ran since the backend last gave back the memory it keeps for them
     try:
         while True:
             wait = 0.0 if engine.has_unfinished() else READ_POLL if reads.busy() else IDLE_WAIT
             message = receive(wait)
+            if message is None and wait == IDLE_WAIT and stepped:   # a whole wait with nothing to do
+                engine.backend.release_idle_memory()
+                stepped = False
             while message is not None:
                 _handle(engine, message, send, reads)
                 message = receive(0.0)
@@ -69,6 +75,7 @@ def serve(engine: EngineCore, receive: Receive, send: Send) -> None:
                     usage_sent = usage
                 continue
             outputs = engine.step()
+            stepped = True
             usage_sent = engine.usage()
             send(pack(Outputs([OutputDelta.of(o) for o in outputs], usage_sent, engine.failure)))
     except Stop:

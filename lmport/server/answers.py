@@ -5,20 +5,49 @@ A 48 MB answer (n=16 x 2048 tokens with 20 top logprobs each) built and serialis
 23 s. A worker thread alone is not enough: json's C encoder holds the GIL for the whole of one call, so an answer
 encoded in one call holds the loop for as long as that takes (seconds). ``pieces`` encodes an answer in pieces
 of about ``PIECE`` characters (a choice at a time, a long list in slices), and the loop gets the GIL between them.
+An answer's choices are ``Each``: each choice is made as it is written and dropped once written, so a whole
+answer is never held as Python objects (a dict per token and alternative) all at once, only as its JSON text.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from fastapi.responses import Response
 
 from lmport.server.frontend import Frontend, Job
 from lmport.server.protocol import APIError
 
+
+class Each(Sequence):
+    """A JSON array whose items are made when they are read (``make(index)``): ``pieces`` reads it a slice at a
+    time and drops each slice once it is written, so its items are never all held at once."""
+    __slots__ = ("size", "make")
+
+    def __init__(self, size: int, make: Callable[[int], object]):
+        self.size, self.make = size, make
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.make(i) for i in range(*index.indices(self.size))]
+        if not -self.size <= index < self.size:
+            raise IndexError(f"Each: index {index} out of range for {self.size} items")
+        return self.make(index % self.size)
+
+
+def _listed(value) -> list:
+    """An ``Each`` the encoder meets inside a value it writes whole, as the list it stands for."""
+    if isinstance(value, Each):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 # What FastAPI's JSONResponse writes: compact, UTF-8, and no NaN or Infinity (not JSON).
-encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_listed).encode
 
 # Characters of JSON text one call of the C encoder writes at most (about, for a list's slices): a few milliseconds
 # of holding the GIL.
@@ -65,7 +94,7 @@ def pieces(value, depth: int = 0) -> Iterator[str]:
             yield from pieces(item, depth + 1)
             separator = ","
         yield "}"
-    elif isinstance(value, list) and value:
+    elif isinstance(value, (list, Each)) and value:
         yield "["
         start, step = 0, 0   # step 0: open the next item; more: the next slice's length
         while start < len(value):
@@ -84,24 +113,25 @@ def pieces(value, depth: int = 0) -> Iterator[str]:
             fits = PIECE * done // max(size, 1)   # items the size of these that fill a piece
             step = min(fits, 2 * done)            # growing slowly, in case later items are bigger
         yield "]"
-    else:   # a scalar, an empty list or dict, or a dict with keys json converts
+    else:   # a scalar, an empty list, dict or Each, or a dict with keys json converts
         yield encode(value)
 
 
-def joined(value) -> bytes:
-    """``value``'s JSON text in UTF-8, encoded in pieces (``pieces``) and joined."""
-    chunks, held, size = [], [], 0
+def joined(value) -> memoryview:
+    """``value``'s JSON text in UTF-8, encoded in pieces (``pieces``) into one buffer (its bytes are held once,
+    never once in pieces and again joined)."""
+    text, held, size = bytearray(), [], 0
     for piece in pieces(value):
         held.append(piece)
         size += len(piece)
         if size >= PIECE:   # UTF-8 a piece at a time too: one call for the whole answer holds the GIL as long
-            chunks.append("".join(held).encode())
+            text += "".join(held).encode()
             held, size = [], 0
-    chunks.append("".join(held).encode())
-    return b"".join(chunks)
+    text += "".join(held).encode()
+    return memoryview(text)
 
 
 async def json_response(build: Callable[[], dict]) -> Response:
     """The answer ``build()`` makes, built and serialised in a worker thread, in pieces (``pieces``)."""
     content = await asyncio.to_thread(lambda: joined(build()))
-    return Response(content, media_type="application/json")
+    return Response(content, media_type="application/json")   # Starlette sends a memoryview as it is

@@ -12,6 +12,7 @@ from lmport.config import ConfigError, GenerationConfig
 from lmport.engine.outputs import FinishReason, RequestError, RequestOutput
 from lmport.reasoning import Reasoning
 from lmport.server import echo, tools
+from lmport.server.answers import Each
 from lmport.server.frontend import Frontend, Job
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -137,23 +138,30 @@ class ChatReply:
         return chunks
 
     def body(self, outs: list[RequestOutput]) -> dict:
-        choices = []
-        for c, o in enumerate(outs):
-            message, finish = {"role": "assistant", "content": o.text}, finish_reason(o)
-            if self.reasoning is not None:
-                thought, answer = self.reasoning.split(o.text)
-                message["content"] = answer if answer or thought is None else None
-                if self.show_reasoning:
-                    message.update(reasoning_content=thought, reasoning=thought)
-            if self.setup is not None and message["content"] is not None:
-                message["content"], calls = tools.parse(message["content"], self.setup)
-                if calls:
-                    message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": c, "message": message, "finish_reason": finish,
-                            "logprobs": chat_logprobs(self.tokenizer, o, 0, self.top) if self.top is not None
-                            else None})
-        return {**self.job.header, "object": "chat.completion", "usage": usage(self.job, outs), "choices": choices}
+        """The whole answer; its choices, and each choice's logprobs a token at a time, are made as they are
+        written (answers.Each)."""
+        for o in outs:
+            finish_reason(o)   # a failed choice fails the answer before any of it is written
+        return {**self.job.header, "object": "chat.completion", "usage": usage(self.job, outs),
+                "choices": Each(len(outs), lambda c: self._choice(c, outs[c]))}
+
+    def _choice(self, c: int, o: RequestOutput) -> dict:
+        message, finish = {"role": "assistant", "content": o.text}, finish_reason(o)
+        if self.reasoning is not None:
+            thought, answer = self.reasoning.split(o.text)
+            message["content"] = answer if answer or thought is None else None
+            if self.show_reasoning:
+                message.update(reasoning_content=thought, reasoning=thought)
+        if self.setup is not None and message["content"] is not None:
+            message["content"], calls = tools.parse(message["content"], self.setup)
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        top = self.top
+        logprobs = None if top is None else {"content": Each(
+            min(len(o.token_ids), len(o.logprobs)),
+            lambda i: chat_logprob(self.tokenizer, o.token_ids[i], o.logprobs[i], top))}
+        return {"index": c, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
 
 class CompletionReply:
@@ -163,8 +171,8 @@ class CompletionReply:
         """``given``: each prompt as the request gave it (text or token ids), for echo."""
         self.tokenizer, self.job, self.top, self.echo, self.given = tokenizer, job, req.logprobs, req.echo, given
 
-    def _logprobs(self, out: RequestOutput, start: int) -> dict | None:
-        return None if self.top is None else completion_logprobs(self.tokenizer, out, start, self.top)
+    def _logprobs(self, out: RequestOutput, start: int, lazy: bool = False) -> dict | None:
+        return None if self.top is None else completion_logprobs(self.tokenizer, out, start, self.top, lazy)
 
     def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[dict]:
         if not text and not out.finished:
@@ -173,23 +181,26 @@ class CompletionReply:
                                                  "logprobs": self._logprobs(out, lp_from)}]}]
 
     def body(self, outs: list[RequestOutput]) -> dict:
+        """The whole answer; its choices are made one at a time as they are written (answers.Each)."""
+        for o in outs:
+            finish_reason(o)   # a failed choice fails the answer before any of it is written
         if self.echo:
             return self._echo_body(outs)
-        return {**self.job.header, "usage": usage(self.job, outs), "choices": [
-            {"index": c, "text": o.text, "finish_reason": finish_reason(o), "logprobs": self._logprobs(o, 0)}
-            for c, o in enumerate(outs)]}
+        return {**self.job.header, "usage": usage(self.job, outs), "choices": Each(len(outs), lambda c: {
+            "index": c, "text": outs[c].text, "finish_reason": finish_reason(outs[c]),
+            "logprobs": self._logprobs(outs[c], 0, lazy=True)})}
 
     def _echo_body(self, outs: list[RequestOutput]) -> dict:
         """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
         job, top = self.job, self.top
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in self.given]
-        choices = []
-        for c, o in enumerate(outs):
-            ids = job.prompt_of(c)
+
+        def choice(c: int) -> dict:
+            o, ids = outs[c], job.prompt_of(c)
             scores = None if top is None else echo.prompt_scores(ids, o.prompt_logprobs or [])
-            choices.append({"index": c, "text": texts[c // job.n] + o.text, "finish_reason": finish_reason(o),
-                            "logprobs": echo.merge(self.tokenizer, ids, scores, top, self._logprobs(o, 0))})
-        return {**job.header, "choices": choices, "usage": usage(job, outs)}
+            return {"index": c, "text": texts[c // job.n] + o.text, "finish_reason": finish_reason(o),
+                    "logprobs": echo.merge(self.tokenizer, ids, scores, top, self._logprobs(o, 0))}
+        return {**job.header, "choices": Each(len(outs), choice), "usage": usage(job, outs)}
 
 
 # -- pieces of replies ----------------------------------------------------------------------------------------
@@ -199,26 +210,33 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 def chat_logprobs(tokenizer, out: RequestOutput, start: int, top: int) -> dict:
-    content = []
-    for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:]):
-        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-        content.append({**_logprob(tokenizer, token_id, entry[token_id]),
-                        "top_logprobs": [_logprob(tokenizer, t, lp) for t, lp in best]})
-    return {"content": content}
+    return {"content": [chat_logprob(tokenizer, token_id, entry, top)
+                        for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:])]}
 
 
-def completion_logprobs(tokenizer, out: RequestOutput, start: int, top: int) -> dict:
-    """OpenAI's legacy logprobs for tokens ``start:``; text_offset counts the tokens' own texts."""
+def chat_logprob(tokenizer, token_id: int, entry: dict[int, float], top: int) -> dict:
+    """One token's entry in a chat answer's logprobs: the token and its ``top`` alternatives."""
+    best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+    return {**_logprob(tokenizer, token_id, entry[token_id]),
+            "top_logprobs": [_logprob(tokenizer, t, lp) for t, lp in best]}
+
+
+def completion_logprobs(tokenizer, out: RequestOutput, start: int, top: int, lazy: bool = False) -> dict:
+    """OpenAI's legacy logprobs for tokens ``start:``; text_offset counts the tokens' own texts. ``lazy``: the
+    top logprobs (a dict a token) made as they are written (answers.Each), for a whole answer."""
     offset = sum(len(token_text(tokenizer, t)) for t in out.token_ids[:start])
     tokens = [token_text(tokenizer, t) for t in out.token_ids[start:]]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
+    entries = out.logprobs[start:]
+
+    def best(entry: dict[int, float]) -> dict[str, float]:
+        return {token_text(tokenizer, t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]}
     return {"tokens": tokens,
-            "token_logprobs": [entry[t] for t, entry in zip(out.token_ids[start:], out.logprobs[start:])],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in sorted(e.items(), key=lambda kv: -kv[1])[:top]}
-                             for e in out.logprobs[start:]],
+            "token_logprobs": [entry[t] for t, entry in zip(out.token_ids[start:], entries)],
+            "top_logprobs": Each(len(entries), lambda i: best(entries[i])) if lazy else [best(e) for e in entries],
             "text_offset": offsets}
 
 

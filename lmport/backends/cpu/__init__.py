@@ -58,6 +58,9 @@ class CpuBackend(Backend):
         super().__init__(device)
         malloc.keep_freed_memory()
 
+    def release_idle_memory(self) -> None:
+        malloc.give_back_freed_memory()   # what glibc kept for the steps (malloc.keep_freed_memory)
+
     def prepare(self) -> None:
         # The compiled kernels are built on their first use in a source version (a compiler of about 2 GB for
         # a minute): at load, not inside the first request.

@@ -5,6 +5,10 @@ large to the kernel on free (its mmap threshold and heap trimming adapt only
 part of the way), so the next op faults in and zeroes fresh pages: about a
 quarter of a 4096-token prefill. Keeping freed memory in the heap, as tcmalloc
 or jemalloc do, removes that cost; the heap then holds about one step's peak.
+
+Steps of different shapes leave that kept memory in holes between the blocks in use, which the heap grows
+around: a server's process grows for thousands of requests while the memory it uses stays flat. When the
+engine is idle (``give_back_freed_memory``) every whole free page goes back to the system.
 """
 from __future__ import annotations
 
@@ -29,3 +33,11 @@ def keep_freed_memory() -> bool:
     done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     log.debug("glibc malloc keeps freed step memory: %s", done)
     return done
+
+
+def give_back_freed_memory() -> bool:
+    """Returns to the system every whole page of memory glibc holds freed, in every arena (``malloc_trim``);
+    False where the C library is not glibc or nothing was returned."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(ctypes.CDLL(None).malloc_trim(0))
