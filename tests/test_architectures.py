@@ -72,7 +72,8 @@ def test_unsupported_architecture_names_the_supported_ones():
     from lmport.models.architectures import model_class
     with pytest.raises(ValueError, match="not supported; supported: llama, mistral, qwen2, qwen3, smollm3, gemma2, "
                                          "gemma3_text, phi3, mixtral, qwen3_moe, glm4_moe, gpt_oss, llama4_text, "
-                                         "deepseek_v3, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen2_5_vl$"):
+                                         "deepseek_v3, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen2_5_vl, "
+                                         "idefics3$"):
         model_class(transformers.GPT2Config())
 
 
@@ -132,12 +133,17 @@ def test_family_greedy_matches_transformers_after_preemption(arch, block_size, b
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("arch", tiny_float_models.ARCHS)
 def test_family_prefix_cache_repeats_the_tokens(arch, block_size):
-    """The 200-token prompt again after the others: its full blocks come from the prefix cache."""
+    """The 200-token prompt again once the others finished: its full blocks come from the prefix cache."""
     ps, want = prompts(), list(family_reference(arch))
-    tokens, usage = family_run(arch, [*ps, ps[-1]], block_size=block_size, cache_max_entry_count=4096 // block_size,
-                               enable_prefix_caching=True)
-    assert usage["prefix_cache_hit_blocks_device"] > 0
-    assert tokens == [*want, want[-1]]
+    config = EngineConfig(device_type="cpu", dtype="float32", max_prefill_token_num=CHUNK, block_size=block_size,
+                          cache_max_entry_count=4096 // block_size, enable_prefix_caching=True)
+    gen = GenerationConfig(max_new_tokens=FAMILY_NEW_TOKENS, ignore_eos=True)
+    with lmport.pipeline(tiny_float_models.tiny_model_dir(arch), backend_config=config) as pipe:
+        first = [r.token_ids for r in pipe.generate(ps, gen)]
+        again = pipe.generate([ps[-1]], gen)[0].token_ids
+        usage = pipe.engine.usage()
+    assert usage["prefix_cache_hit_blocks_device"] == 200 // block_size
+    assert [*first, again] == [*want, want[-1]]
 
 
 def test_a_backend_without_sinks_refuses_gpt_oss_before_loading(monkeypatch):

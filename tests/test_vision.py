@@ -17,7 +17,7 @@ from lmport.engine.outputs import RequestError
 from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
-from lmport.multimodal.processor import ImageProcessor
+from lmport.multimodal.loading import image_processor
 from support.model_helpers import tiny_model_dir
 from support.vision_helpers import png, tiny_qwen2_5_vl_dir
 
@@ -80,7 +80,7 @@ def reference_tokens(hf, inputs) -> list[int]:
 def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
     text = llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    processor = ImageProcessor.for_model(model_dir)
+    processor = image_processor(model_dir)
     return processor.prepare(ids, [p for p in parts if isinstance(p, bytes)], ImageLimits())
 
 

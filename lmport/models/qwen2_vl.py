@@ -8,14 +8,13 @@ and v), with each token's cos/sin taken at its three positions (lmport.multimoda
 M-RoPE rotary module.
 
 An image whose tokens a chunked prefill splits across steps is encoded whole at each step that computes some of its
-tokens, unless its output is still in the encoder cache (``EncoderCache``: by image digest, least recently used
-dropped first); so a split image always resumes, and a preempted sequence recomputes its KV and, where the cache
-lost them, its images' encodings.
+tokens, unless its output is still in the encoder cache (lmport.multimodal.encoder_cache: by image digest, least
+recently used dropped first); so a split image always resumes, and a preempted sequence recomputes its KV and, where
+the cache lost them, its images' encodings.
 """
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -23,14 +22,13 @@ import torch
 from lmport import ops
 from lmport.kv.layout import LayerCache
 from lmport.models.llama import PagedCausalLM
+from lmport.multimodal.encoder_cache import EncoderCache
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
 from lmport.platform.backend import Backend
 from lmport.parallel import TPGroup
 
 QWEN2_VL_MODEL_TYPES = ("qwen2_5_vl",)
-# Encoder output rows kept for images whose tokens may be computed again (a split prefill, a preemption).
-ENCODER_CACHE_ROWS = 16384
 
 
 def text_view(cfg):
@@ -44,27 +42,6 @@ def text_view(cfg):
     text.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
     text.architectures = getattr(cfg, "architectures", None)
     return text
-
-
-class EncoderCache:
-    """The vision encoder's output by image digest, at most ``rows`` rows, the least recently used dropped first."""
-
-    def __init__(self, rows: int = ENCODER_CACHE_ROWS):
-        self.rows, self.held, self.entries = rows, 0, OrderedDict()
-
-    def get(self, key: str) -> torch.Tensor | None:
-        out = self.entries.get(key)
-        if out is not None:
-            self.entries.move_to_end(key)
-        return out
-
-    def put(self, key: str, rows: torch.Tensor) -> None:
-        if key in self.entries or len(rows) > self.rows:
-            return
-        while self.held + len(rows) > self.rows:
-            self.held -= len(self.entries.popitem(last=False)[1])
-        self.entries[key] = rows
-        self.held += len(rows)
 
 
 class Qwen2VLCausalLM(PagedCausalLM):

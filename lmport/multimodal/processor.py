@@ -2,7 +2,8 @@
 
 A chat template writes one placeholder token for each image (Qwen2.5-VL: ``<|image_pad|>`` between
 ``<|vision_start|>`` and ``<|vision_end|>``); ``expand`` repeats it as many times as the encoder gives the image
-rows, so that every row of the encoder's output has a token position to land on."""
+rows, so that every row of the encoder's output has a token position to land on. Idefics3's tiled images:
+lmport.multimodal.tiles."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import numpy as np
 from lmport.multimodal.images import ImageError, ImageLimits, check_count, decode, digest
 from lmport.multimodal.inputs import ImageInput
 
-# The model types whose images lmport runs (lmport.models.qwen2_vl), and the config key of the placeholder token.
-VISION_MODEL_TYPES = ("qwen2_5_vl",)
+# The model types whose images lmport runs (lmport.models.qwen2_vl; lmport.models.idefics3, whose images are
+# tiled by lmport.multimodal.tiles).
+VISION_MODEL_TYPES = ("qwen2_5_vl", "idefics3")
 
 
 def takes_images(model: str) -> bool:
@@ -34,12 +36,8 @@ class ImageProcessor:
         self.image_processor, self.image_token_id, self.merge_size = image_processor, image_token_id, merge_size
 
     @classmethod
-    def for_model(cls, model: str) -> ImageProcessor | None:
-        """The processor of a transformers directory whose model takes images; None for any other model."""
-        if not takes_images(model):
-            return None
-        path = Path(model).expanduser()
-        config = json.loads((path / "config.json").read_text())
+    def load(cls, path: Path, config: dict) -> ImageProcessor:
+        """The processor of the transformers directory ``path`` (its config.json read as ``config``)."""
         from transformers import AutoImageProcessor
         vision = config.get("vision_config") or {}
         return cls(AutoImageProcessor.from_pretrained(path), config["image_token_id"],

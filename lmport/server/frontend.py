@@ -22,6 +22,7 @@ from lmport.config import ConfigError, GenerationConfig
 from lmport.engine.outputs import check_prompt
 from lmport.engine.client import EngineHandle
 from lmport.multimodal.images import ImageLimits
+from lmport.multimodal import loading
 from lmport.multimodal.processor import ImageProcessor, takes_images
 from lmport.structured_output.grammar import Grammars
 from lmport.reasoning import Parser, Reasoning
@@ -114,7 +115,7 @@ class Frontend:
         """The model's image processor (loaded at the first request with images; call it on the tokenize thread),
         None for a model that takes no images."""
         if self._image_processor is None:
-            self._image_processor = (ImageProcessor.for_model(self.info.model_name),)
+            self._image_processor = (loading.image_processor(self.info.model_name),)
         return self._image_processor[0]
 
     @property

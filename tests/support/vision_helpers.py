@@ -93,3 +93,63 @@ def png(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
 def data_url(data: bytes, mime: str = "image/png") -> str:
     import base64
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+# SmolVLM's chat template (an image part becomes <image>, which the processor expands into its tiles' tokens).
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}{% if message['content'] is string %}"
+    "{{ ': ' + message['content'] }}{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}"
+    "{{ ': ' }}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+# Tiles of 32 x 32 pixels, 8-pixel patches: 16 patches, 4 tokens a tile after the 2 x 2 pixel shuffle.
+IDEFICS3_TILE, IDEFICS3_PATCH, IDEFICS3_SCALE = 32, 8, 2
+IDEFICS3_IMAGE_SEQ_LEN = (IDEFICS3_TILE // IDEFICS3_PATCH) ** 2 // IDEFICS3_SCALE ** 2
+
+
+def tiny_idefics3_processor():
+    """transformers' Idefics3Processor over the default model's tokenizer (with SmolVLM's image tokens and chat
+    template added) and Idefics3's image processor (its PIL one: the default needs torchvision), sized for small
+    images: each image resized to at most 96 pixels a side and cut into 32-pixel tiles plus a global image."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer("smollm2")
+    tags = ["<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                                "<end_of_utterance>", *tags]})
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 3 * IDEFICS3_TILE},
+                                       max_image_size={"longest_edge": IDEFICS3_TILE})
+    return Idefics3Processor(images, tokenizer, image_seq_len=IDEFICS3_IMAGE_SEQ_LEN, chat_template=SMOLVLM_TEMPLATE)
+
+
+@functools.cache
+def tiny_idefics3_dir() -> str:
+    """A directory with a random-weight Idefics3 (SmolVLM's architecture: a 2-layer SigLIP tower, the pixel-shuffle
+    connector, a 2-layer Llama) and its processor."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-idefics3-v1"
+    if not (target / "config.json").exists():
+        processor = tiny_idefics3_processor()
+        tokenizer = processor.tokenizer
+        text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=IDEFICS3_TILE, patch_size=IDEFICS3_PATCH)
+        config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=IDEFICS3_SCALE,
+                                image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+        torch.manual_seed(1234)
+        model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -1,0 +1,143 @@
+"""Idefics3 (SmolVLM): Llama's paged decoder fed by a SigLIP vision tower through a pixel-shuffle connector.
+
+The front end (lmport.multimodal.tiles) cuts each image into tiles plus a global image with transformers' own
+processor; each tile is one ``ImageInput`` on its run of ``<image>`` tokens. The vision tower and the connector are
+transformers' own modules, taken from the loaded checkpoint: they run on the engine's device as part of the
+prefill, once a step for every tile whose tokens the step computes, all such tiles of the batch in one call, and
+their output rows replace the embeddings of the tile's tokens. Positions are the ordinary 1-D ones (no multimodal
+rotary), so the decoder is Llama's as lmport runs it.
+
+A tile whose tokens a chunked prefill splits across steps takes its rows from the encoder cache (by tile digest,
+lmport.multimodal.encoder_cache) or is encoded again; a preempted sequence recomputes its K/V and, where the
+cache lost them, its tiles' encodings.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from lmport import ops
+from lmport.kv.layout import LayerCache
+from lmport.models.llama import PagedCausalLM
+from lmport.multimodal.encoder_cache import EncoderCache
+from lmport.multimodal.inputs import ImageInput
+from lmport.platform.backend import Backend
+from lmport.parallel import TPGroup
+
+IDEFICS3_MODEL_TYPES = ("idefics3",)
+
+
+def idefics3_text_view(cfg):
+    """lmport's config of an Idefics3 checkpoint: its Llama text config (what the KV layout, the memory plan and the
+    decoder read) under the checkpoint's model type, with the vision config and the image token beside it."""
+    text = copy.deepcopy(cfg.text_config)
+    text.model_type = cfg.model_type
+    text.vision_config = cfg.vision_config
+    text.scale_factor = cfg.scale_factor
+    text.image_token_id = cfg.image_token_id
+    text.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
+    text.architectures = getattr(cfg, "architectures", None)
+    return text
+
+
+class Idefics3CausalLM(PagedCausalLM):
+    """``step_images`` (set by the runner before each forward, lmport.worker.runner): each sequence's tiles, the new
+    tokens and the cached tokens after the step, or None for a step without images."""
+
+    model_types = ("llama",)   # the decoder built from the text view under Llama's type
+    takes_images = True
+
+    def __init__(self, cfg, backend: Backend, rotary, tp: TPGroup | None = None):
+        if cfg.model_type not in IDEFICS3_MODEL_TYPES:
+            raise ValueError(f"model type {cfg.model_type!r} is not one {type(self).__name__} runs; it runs "
+                             f"{', '.join(IDEFICS3_MODEL_TYPES)}")
+        decoder = copy.copy(cfg)
+        decoder.model_type = "llama"
+        super().__init__(decoder, backend, rotary, tp)
+        self.patch_size = cfg.vision_config.patch_size
+        self.vision_model: torch.nn.Module | None = None   # transformers' SigLIP tower, taken from the checkpoint
+        self.connector: torch.nn.Module | None = None      # its pixel shuffle and projection to the text's width
+        self.encoded = EncoderCache()
+        self.step_images: tuple[list[list[ImageInput]], list[int], list[int]] | None = None
+
+    def adopt(self, hf) -> None:
+        """Take the loaded transformers model's rotary module, vision tower and connector as they are."""
+        self.rotary = hf.model.text_model.rotary_emb
+        self.vision_model = hf.model.vision_model
+        self.connector = hf.model.connector
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The text model's tensors under the decoder's names; the vision tower's and connector's are adopted."""
+        prefix = "model.text_model."
+        text = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in full.items()
+                if not k.startswith(("model.vision_model.", "model.connector."))}
+        return super().shard_state_dict(text)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
+        step, self.step_images = self.step_images, None
+        x = self.model.embed_tokens(input_ids)
+        if step is not None:
+            x = self.place_tiles(x, *step)
+        ropes = {kind: self.rope_rows(kind, x, meta) for kind in self.rope_tables}
+        metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
+        runner = self.decoder_runner()
+        out = None if runner is None else runner(x, [ropes[kind] for kind in self.rope_kinds], caches,
+                                                  [metas[w] for w in self.windows])
+        if out is None:
+            for layer, cache, window, kind in zip(self.model.layers, caches, self.windows, self.rope_kinds,
+                                                  strict=True):
+                x = layer.forward(x, *ropes[kind], cache, metas[window])
+            out = x
+        return self.model.norm.forward(out)
+
+    def place_tiles(self, x: torch.Tensor, images: list[list[ImageInput]], q_lens: list[int],
+                    kv_lens: list[int]) -> torch.Tensor:
+        """The step's embeddings with the encoder's rows at the tile tokens it computes."""
+        row, places = 0, []
+        for seq_images, q, kv in zip(images, q_lens, kv_lens):
+            start = kv - q
+            for image in seq_images:
+                lo, hi = max(start, image.offset), min(kv, image.end)
+                if lo < hi:
+                    places.append((image, row + lo - start, lo - image.offset, hi - lo))
+            row += q
+        if not places:
+            return x
+        encoded = self.encode([image for image, *_ in places])
+        x = x.clone()
+        for image, at, first, count in places:
+            x[at:at + count] = encoded[image.digest][first:first + count].to(x.dtype)
+        return x
+
+    def encode(self, tiles: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Each tile's connector output rows by digest: from the cache, the others encoded in one call for each tile
+        size (a checkpoint's tiles are all one size)."""
+        out = {t.digest: rows for t in tiles if (rows := self.encoded.get(t.digest)) is not None}
+        todo = list({t.digest: t for t in tiles if t.digest not in out}.values())
+        if not todo:
+            return out
+        if any(t.pixel_values is None for t in todo):
+            raise ValueError("an image's tokens are computed without its pixel values")
+        if self.vision_model is None or self.connector is None:
+            raise ValueError("the vision tower is not loaded")
+        device, dtype = self.model.embed_tokens.weight.device, next(self.vision_model.parameters()).dtype
+        by_size: dict[tuple[int, ...], list[ImageInput]] = {}
+        for t in todo:
+            by_size.setdefault(t.pixel_values.shape, []).append(t)   # pyright: ignore[reportOptionalMemberAccess]
+        for (_, height, width), group in by_size.items():
+            pixels = torch.from_numpy(np.stack([t.pixel_values for t in group])).to(device, dtype)
+            # whole tiles: every patch is the image's (transformers' mask of an unpadded tile)
+            mask = torch.ones(len(group), height // self.patch_size, width // self.patch_size, dtype=torch.bool,
+                              device=device)
+            hidden = self.vision_model(pixel_values=pixels, patch_attention_mask=mask).last_hidden_state
+            rows = self.connector(hidden)
+            for t, part in zip(group, rows):
+                if len(part) != t.num_tokens:
+                    raise ValueError(f"a tile gives {len(part)} encoder rows for its {t.num_tokens} tokens; the "
+                                     f"processor's image_seq_len does not match the model's")
+                out[t.digest] = part
+                self.encoded.put(t.digest, part)
+        return out

@@ -1,0 +1,217 @@
+"""Images in, text out for Idefics3 (SmolVLM's architecture): a tiny random-weight model against transformers' own.
+
+The reference is transformers: ``Idefics3Processor`` (its image processor's tiles and its prompt expansion) and
+``Idefics3ForConditionalGeneration.generate`` on the same checkpoint, greedy in float32 on cpu; the same through
+``/v1/chat/completions`` with the official ``openai`` client and a data: URL."""
+from __future__ import annotations
+
+import functools
+import io
+
+import openai
+import pytest
+import torch
+
+from lmport.config import EngineConfig, GenerationConfig
+from lmport.engine.engine import Engine
+from lmport.engine.llm import LLM
+from lmport.multimodal.images import ImageLimits
+from lmport.multimodal.inputs import ImageInput
+from lmport.multimodal.loading import image_processor
+from lmport.server.app import create_app
+from support.vision_helpers import IDEFICS3_IMAGE_SEQ_LEN, data_url, png, tiny_idefics3_dir
+from test_server import ServerThread
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_idefics3_dir()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    llm = LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128,
+                                      enable_prefix_caching=True))
+    yield llm
+    llm.close()
+
+
+def conversation(*parts) -> list[dict]:
+    """A user message of text and images (bytes) in order."""
+    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                                         for p in parts]}]
+
+
+@functools.cache
+def processors(model_dir):
+    """transformers' Idefics3Processor and lmport's image processor of the model."""
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(model_dir), image_processor(model_dir)
+
+
+def reference_inputs(model_dir, parts) -> dict:
+    """transformers' inputs for a conversation: Idefics3Processor's expanded prompt, tiles and pixel mask."""
+    from PIL import Image
+    processor = processors(model_dir)[0]
+    text = processor.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
+    return dict(processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt"))
+
+
+@pytest.fixture(scope="module")
+def reference(hf, model_dir):
+    """transformers' greedy tokens for a conversation's parts, generated once a module."""
+    return functools.cache(lambda parts: reference_tokens(hf, reference_inputs(model_dir, parts)))
+
+
+def reference_tokens(hf, inputs) -> list[int]:
+    ids = inputs["input_ids"]
+    extra = {k: inputs[k] for k in ("pixel_values", "pixel_attention_mask") if k in inputs}
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                      min_new_tokens=NEW_TOKENS, do_sample=False, **extra)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
+    text = llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    processor = processors(model_dir)[1]
+    assert processor is not None
+    return processor.prepare(ids, [p for p in parts if isinstance(p, bytes)], ImageLimits())
+
+
+def generate(llm, ids, images, max_new_tokens=NEW_TOKENS):
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    request_id = llm.add_request(ids, gen, images=images or None)
+    final = None
+    while llm.has_unfinished():
+        for out in llm.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    assert final is not None and final.error is None, final
+    return final
+
+
+CASES = {
+    "one image, text before and after": ("Look at this:", png(90, 60, 1), "What is it?"),
+    "two images of two sizes": ("First", png(60, 120, 2), "then", png(150, 90, 3, "JPEG"), "compare them."),
+    "text only": ("Say something about colours.",),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_transformers_generate(case, llm, reference, model_dir):
+    parts = CASES[case]
+    inputs = reference_inputs(model_dir, parts)
+    ids, images = lmport_prompt(llm, model_dir, parts)
+    assert ids == inputs["input_ids"][0].tolist()   # the processor's expansion, tile for tile
+    if "pixel_values" in inputs:   # the same tiles, in order (transformers pads the batch with empty ones)
+        tiles = [t for t in inputs["pixel_values"].flatten(0, 1) if t.any()]
+        assert len(tiles) == len(images) and all(torch.equal(t, torch.from_numpy(im.pixel_values))
+                                                 for t, im in zip(tiles, images))
+    assert generate(llm, ids, images).token_ids == reference(parts)
+
+
+def test_each_tile_is_an_image_input_on_its_run_of_image_tokens(llm, model_dir):
+    """90 x 60 pixels, resized to 96 x 64 and cut into 32-pixel tiles: 2 rows of 3 and a global image."""
+    ids, images = lmport_prompt(llm, model_dir, ("Look:", png(90, 60, 1)))
+    assert len(images) == 2 * 3 + 1
+    image_token = llm.model.config.image_token_id
+    for image in images:
+        assert image.num_tokens == IDEFICS3_IMAGE_SEQ_LEN
+        assert ids[image.offset - 1] != image_token and ids[image.end] != image_token
+    assert sum(t == image_token for t in ids) == len(images) * IDEFICS3_IMAGE_SEQ_LEN
+
+
+def test_the_image_changes_the_answer(llm, model_dir):
+    """The parity above is not won by ignoring the image: another image with the same text gives other logits."""
+    one = lmport_prompt(llm, model_dir, ("Look:", png(90, 60, 1)))
+    other = lmport_prompt(llm, model_dir, ("Look:", png(90, 60, 7)))
+    assert one[0] == other[0]
+    gen = GenerationConfig(max_new_tokens=1, temperature=0.0, logprobs=5)
+    first = []
+    for ids, images in (one, other):
+        request_id = llm.add_request(ids, gen, images=images)
+        while llm.has_unfinished():
+            first += [out.logprobs for out in llm.step() if out.request_id == request_id and out.finished]
+    assert first[0] != first[1]
+
+
+def test_chunked_prefill_splits_a_tile_and_still_equals_transformers(model_dir, reference):
+    """Chunks of 6 tokens cut some of the 4-token tiles: each chunk's rows are the whole tile's, encoded once and
+    kept in the encoder cache, or (a cache that keeps nothing) encoded again at each chunk, placed at the chunk's
+    positions."""
+    parts = CASES["one image, text before and after"]
+    llm = LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=64,
+                                      max_prefill_token_num=6, max_batch_size=2))
+    try:
+        ids, images = lmport_prompt(llm, model_dir, parts)
+        assert any(image.offset // 6 != (image.end - 1) // 6 for image in images)   # a tile split across chunks
+        assert generate(llm, ids, images).token_ids == reference(parts)
+        llm.model.encoded.entries.clear()
+        llm.model.encoded.held = llm.model.encoded.rows = 0
+        assert generate(llm, ids, images).token_ids == reference(parts)
+    finally:
+        llm.close()
+
+
+def test_prefix_cache_keys_include_the_images(llm, model_dir):
+    """Same text, another image: no prefix-cache hit; the same image again: a hit."""
+    one = lmport_prompt(llm, model_dir, ("A question about this picture, please:", png(90, 60, 11)))
+    other = lmport_prompt(llm, model_dir, ("A question about this picture, please:", png(90, 60, 12)))
+    assert one[0] == other[0] and len(one[0]) > 2 * llm.config.block_size
+    first = generate(llm, *one, max_new_tokens=2)
+    assert first.cached_tokens == 0
+    assert generate(llm, *other, max_new_tokens=2).cached_tokens == 0
+    again = generate(llm, *one, max_new_tokens=2)
+    assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+
+
+def test_chat_completions_with_a_data_url_equals_transformers(model_dir, reference):
+    parts = CASES["one image, text before and after"]
+    processor = processors(model_dir)[0]
+    text = processor.tokenizer.decode(reference(parts), skip_special_tokens=True)
+    prompt_tokens = reference_inputs(model_dir, parts)["input_ids"].shape[1]
+    app = create_app(Engine(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128)),
+                     model_name="tiny-smolvlm")
+    server = ServerThread(app)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        content = [{"type": "text", "text": p} if isinstance(p, str) else
+                   {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+        reply = client.chat.completions.create(model="tiny-smolvlm", messages=[{"role": "user", "content": content}],
+                                               temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
+        assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
+        assert reply.choices[0].message.content == text
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_preempted_sequences_recompute_their_tiles(model_dir, reference):
+    """Two image prompts of three blocks each in a cache of seven: both are admitted, both need a fourth block as
+    they generate, so one is preempted, its blocks freed, and recomputed from its tokens and tiles when readmitted;
+    both still give transformers' tokens."""
+    prompts = [("Look at this picture, please:", png(96, 20, 1)), ("See this one here, and then", png(20, 96, 6))]
+    llm = LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", block_size=16, cache_max_entry_count=7))
+    try:
+        requests = [lmport_prompt(llm, model_dir, parts) for parts in prompts]
+        assert all(32 < len(ids) <= 48 < len(ids) + NEW_TOKENS for ids, _ in requests)
+        gen = GenerationConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        ids = [llm.add_request(prompt, gen, images=images) for prompt, images in requests]
+        done = {}
+        while llm.has_unfinished():
+            done |= {out.request_id: out.token_ids for out in llm.step() if out.finished}
+        assert llm.scheduler.num_preemptions > 0
+        for request_id, parts in zip(ids, prompts):
+            assert done[request_id] == reference(parts)
+    finally:
+        llm.close()
