@@ -19,7 +19,7 @@ from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
 from lmport.multimodal.loading import image_processor
 from support.model_helpers import tiny_model_dir
-from support.vision_helpers import png, tiny_qwen2_5_vl_dir
+from support.vision_helpers import conversation, png, reference_model, tiny_qwen2_5_vl_dir, vision_engine
 
 NEW_TOKENS = 10
 
@@ -31,22 +31,14 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    from transformers import AutoModelForImageTextToText
-    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return reference_model(model_dir)
 
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    llm = LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128,
-                                      enable_prefix_caching=True))
+    llm = vision_engine(model_dir)
     yield llm
     llm.close()
-
-
-def conversation(*parts) -> list[dict]:
-    """A user message of text and images (bytes) in order."""
-    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-                                         for p in parts]}]
 
 
 def reference_inputs(model_dir, tokenizer, parts) -> dict:

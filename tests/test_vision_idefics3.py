@@ -19,7 +19,8 @@ from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.loading import image_processor
 from lmport.server.app import create_app
-from support.vision_helpers import IDEFICS3_IMAGE_SEQ_LEN, data_url, png, tiny_idefics3_dir
+from support.vision_helpers import (IDEFICS3_IMAGE_SEQ_LEN, conversation, data_url, png, reference_model,
+                                    tiny_idefics3_dir, vision_engine)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -32,22 +33,14 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    from transformers import AutoModelForImageTextToText
-    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return reference_model(model_dir)
 
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    llm = LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128,
-                                      enable_prefix_caching=True))
+    llm = vision_engine(model_dir)
     yield llm
     llm.close()
-
-
-def conversation(*parts) -> list[dict]:
-    """A user message of text and images (bytes) in order."""
-    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-                                         for p in parts]}]
 
 
 @functools.cache

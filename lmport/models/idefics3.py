@@ -18,8 +18,6 @@ import copy
 import numpy as np
 import torch
 
-from lmport import ops
-from lmport.kv.layout import LayerCache
 from lmport.models.llama import PagedCausalLM
 from lmport.multimodal.encoder_cache import EncoderCache
 from lmport.multimodal.inputs import ImageInput
@@ -75,23 +73,10 @@ class Idefics3CausalLM(PagedCausalLM):
                 if not k.startswith(("model.vision_model.", "model.connector."))}
         return super().shard_state_dict(text)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         step, self.step_images = self.step_images, None
-        x = self.model.embed_tokens(input_ids)
-        if step is not None:
-            x = self.place_tiles(x, *step)
-        ropes = {kind: self.rope_rows(kind, x, meta) for kind in self.rope_tables}
-        metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
-        runner = self.decoder_runner()
-        out = None if runner is None else runner(x, [ropes[kind] for kind in self.rope_kinds], caches,
-                                                  [metas[w] for w in self.windows])
-        if out is None:
-            for layer, cache, window, kind in zip(self.model.layers, caches, self.windows, self.rope_kinds,
-                                                  strict=True):
-                x = layer.forward(x, *ropes[kind], cache, metas[window])
-            out = x
-        return self.model.norm.forward(out)
+        x = super().embed(input_ids)
+        return x if step is None else self.place_tiles(x, *step)
 
     def place_tiles(self, x: torch.Tensor, images: list[list[ImageInput]], q_lens: list[int],
                     kv_lens: list[int]) -> torch.Tensor:

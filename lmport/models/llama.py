@@ -239,9 +239,7 @@ class PagedCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self.embed(input_ids)
         ropes = {kind: self.rope_rows(kind, x, meta) for kind in self.rope_tables}
         metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
         runner = self.decoder_runner()
@@ -253,6 +251,13 @@ class PagedCausalLM(nn.Module):
                 x = layer.forward(x, *ropes[kind], cache, metas[window])
             out = x
         return self.model.norm.forward(out)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings (a vision-language model places its images' rows among them)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
 
     def decoder_runner(self) -> ops.DecoderRunner | None:
         """The backend's runner over all the layers (Backend.decoder_runner), built at the first step,

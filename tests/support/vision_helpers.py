@@ -153,3 +153,23 @@ def tiny_idefics3_dir() -> str:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def conversation(*parts) -> list[dict]:
+    """A user message of text and images (bytes) in order."""
+    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                                         for p in parts]}]
+
+
+def reference_model(model_dir: str):
+    """transformers' vision-language model of ``model_dir`` in float32: the reference."""
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def vision_engine(model_dir: str):
+    """lmport's engine of ``model_dir`` on the cpu in float32, with prefix caching."""
+    from lmport import EngineConfig
+    from lmport.engine.llm import LLM
+    return LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128,
+                                       enable_prefix_caching=True))
