@@ -19,7 +19,8 @@ from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
 from lmport.multimodal.loading import image_processor
 from support.model_helpers import tiny_model_dir
-from support.vision_helpers import conversation, png, reference_model, tiny_qwen2_5_vl_dir, vision_engine
+from support.vision_helpers import (CASES, conversation, generate_greedy, png, reference_model, tiny_qwen2_5_vl_dir,
+                                    vision_engine)
 
 NEW_TOKENS = 10
 
@@ -77,22 +78,7 @@ def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
 
 
 def generate(llm, ids, images, max_new_tokens=NEW_TOKENS):
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    request_id = llm.add_request(ids, gen, images=images)
-    final = None
-    while llm.has_unfinished():
-        for out in llm.step():
-            if out.request_id == request_id and out.finished:
-                final = out
-    assert final is not None and final.error is None, final
-    return final
-
-
-CASES = {
-    "one image, text before and after": ("Look at this:", png(90, 60, 1), "What is it?"),
-    "two images of two sizes": ("First", png(60, 120, 2), "then", png(150, 90, 3, "JPEG"), "compare them."),
-    "text only": ("Say something about colours.",),
-}
+    return generate_greedy(llm, ids, images, max_new_tokens)
 
 
 @pytest.mark.parametrize("case", CASES)

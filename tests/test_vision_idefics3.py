@@ -19,8 +19,8 @@ from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.loading import image_processor
 from lmport.server.app import create_app
-from support.vision_helpers import (IDEFICS3_IMAGE_SEQ_LEN, conversation, data_url, png, reference_model,
-                                    tiny_idefics3_dir, vision_engine)
+from support.vision_helpers import (CASES, IDEFICS3_IMAGE_SEQ_LEN, conversation, data_url, generate_greedy, png,
+                                    reference_model, tiny_idefics3_dir, vision_engine)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -82,22 +82,7 @@ def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
 
 
 def generate(llm, ids, images, max_new_tokens=NEW_TOKENS):
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-    request_id = llm.add_request(ids, gen, images=images or None)
-    final = None
-    while llm.has_unfinished():
-        for out in llm.step():
-            if out.request_id == request_id and out.finished:
-                final = out
-    assert final is not None and final.error is None, final
-    return final
-
-
-CASES = {
-    "one image, text before and after": ("Look at this:", png(90, 60, 1), "What is it?"),
-    "two images of two sizes": ("First", png(60, 120, 2), "then", png(150, 90, 3, "JPEG"), "compare them."),
-    "text only": ("Say something about colours.",),
-}
+    return generate_greedy(llm, ids, images, max_new_tokens)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -173,3 +173,25 @@ def vision_engine(model_dir: str):
     from lmport.engine.llm import LLM
     return LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128,
                                        enable_prefix_caching=True))
+
+
+# Prompts of text and images (PNG or JPEG bytes) the vision tests run, in order.
+CASES = {
+    "one image, text before and after": ("Look at this:", png(90, 60, 1), "What is it?"),
+    "two images of two sizes": ("First", png(60, 120, 2), "then", png(150, 90, 3, "JPEG"), "compare them."),
+    "text only": ("Say something about colours.",),
+}
+
+
+def generate_greedy(llm, ids: list[int], images, max_new_tokens: int):
+    """The finished output of one greedy request (``images``: its image inputs, or none) stepped alone."""
+    from lmport import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    request_id = llm.add_request(ids, gen, images=images or None)
+    final = None
+    while llm.has_unfinished():
+        for out in llm.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    assert final is not None and final.error is None, final
+    return final

@@ -35,6 +35,24 @@ GPU_BLOCK_V = 32   # state columns a program on a GPU (a [128, 32] float32 tile:
 
 
 @triton.jit
+def _program_state(state_in, si_b, si_h, si_k, si_v, HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_STATE: tl.constexpr):
+    """This program's sequence and value head, its state rows and columns, and its [BLOCK_K, BLOCK_V] slice of the
+    state before the step's tokens (float32; zeros for a sequence that starts here)."""
+    seq_head = tl.program_id(0)
+    seq = (seq_head // HEADS).to(tl.int64)
+    head = seq_head % HEADS
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    if HAS_STATE:
+        s = tl.load(state_in + seq * si_b + head * si_h + dk[:, None] * si_k + dv[None, :] * si_v,
+                    mask=(dk < DK)[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    return seq, head, dk, dv, s
+
+
+@triton.jit
 def _recurrent_kernel(q, k, v, g, beta, state_in, state_out, out, num_tokens, scale,
                       q_b, q_t, q_h, q_d, k_b, k_t, k_h, k_d, v_b, v_t, v_h, v_d,
                       g_b, g_t, g_h, be_b, be_t, be_h,
@@ -42,19 +60,11 @@ def _recurrent_kernel(q, k, v, g, beta, state_in, state_out, out, num_tokens, sc
                       HEADS: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_STATE: tl.constexpr, EPS: tl.constexpr,
                       OUT_DTYPE: tl.constexpr):
-    seq_head = tl.program_id(0)
-    seq = (seq_head // HEADS).to(tl.int64)
-    head = seq_head % HEADS
+    seq, head, dk, dv, s = _program_state(state_in, si_b, si_h, si_k, si_v, HEADS, DK, DV, BLOCK_K, BLOCK_V,
+                                          HAS_STATE)
     key_head = head // GROUP   # value head j reads key head j // (value heads / key heads)
-    dk = tl.arange(0, BLOCK_K)
-    dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_mask, v_mask = dk < DK, dv < DV
     tile_mask = k_mask[:, None] & v_mask[None, :]
-    if HAS_STATE:
-        s = tl.load(state_in + seq * si_b + head * si_h + dk[:, None] * si_k + dv[None, :] * si_v,
-                    mask=tile_mask, other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     q_row = q + seq * q_b + key_head * q_h + dk * q_d
     k_row = k + seq * k_b + key_head * k_h + dk * k_d
     v_row = v + seq * v_b + head * v_h + dv * v_d
@@ -97,19 +107,11 @@ def _chunk_kernel(q, k, v, g, beta, state_in, state_out, out, num_tokens, scale,
     (A_ij = beta_i (k_i . k_j) exp(decay_i - decay_j)), through (I + A)^-1 by forward substitution, as the
     reference's triangular solve does. (Its power series (I - A)(I + A^2)(I + A^4)... needs no loop but is unstable:
     with nearly equal keys and beta near 1, A's powers grow like binomial coefficients and cancel in float32.)"""
-    seq_head = tl.program_id(0)
-    seq = (seq_head // HEADS).to(tl.int64)
-    head = seq_head % HEADS
-    key_head = head // GROUP
-    dk = tl.arange(0, BLOCK_K)
-    dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    seq, head, dk, dv, s = _program_state(state_in, si_b, si_h, si_k, si_v, HEADS, DK, DV, BLOCK_K, BLOCK_V,
+                                          HAS_STATE)
+    key_head = head // GROUP   # value head j reads key head j // (value heads / key heads)
     k_mask, v_mask = dk < DK, dv < DV
     tile_mask = k_mask[:, None] & v_mask[None, :]
-    if HAS_STATE:
-        s = tl.load(state_in + seq * si_b + head * si_h + dk[:, None] * si_k + dv[None, :] * si_v,
-                    mask=tile_mask, other=0.0).to(tl.float32)
-    else:
-        s = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     rows = tl.arange(0, CHUNK)
     causal = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]

@@ -232,10 +232,14 @@ struct Q6_K {
   }
 };
 
-// IQ4's 16 non-linear levels (llama.cpp's kvalues_iq4nl), looked up 16 nibbles at a time.
-inline u8x16 iq4_levels(u8x16 nibbles) {
-  const i8x16 levels = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// 16 nibbles (codes 0 .. 15) as the 16 signed ``levels`` they stand for, in one byte shuffle.
+inline u8x16 lookup(i8x16 levels, u8x16 nibbles) {
   return reinterpret_cast<u8x16>(_mm_shuffle_epi8(reinterpret_cast<__m128i>(levels), reinterpret_cast<__m128i>(nibbles)));
+}
+
+// IQ4's 16 non-linear levels (llama.cpp's kvalues_iq4nl).
+inline u8x16 iq4_levels(u8x16 nibbles) {
+  return lookup(i8x16{-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}, nibbles);
 }
 
 // d, qs (16 bytes of nibbles as Q4_0's); w = d level[q].
@@ -269,10 +273,9 @@ struct IQ4_XS {
   }
 };
 
-// MXFP4's 16 e2m1 values doubled (llama.cpp's kvalues_mxfp4), looked up 16 nibbles at a time.
+// MXFP4's 16 e2m1 values doubled (llama.cpp's kvalues_mxfp4).
 inline u8x16 mxfp4_levels(u8x16 nibbles) {
-  const i8x16 levels = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-  return reinterpret_cast<u8x16>(_mm_shuffle_epi8(reinterpret_cast<__m128i>(levels), reinterpret_cast<__m128i>(nibbles)));
+  return lookup(i8x16{0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}, nibbles);
 }
 
 // An e8m0 scale byte at half its value, 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF), subnormal below e = 2.
