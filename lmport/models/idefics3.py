@@ -13,11 +13,11 @@ cache lost them, its tiles' encodings.
 """
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import torch
 
+from lmport.models import vision_language
 from lmport.models.llama import PagedCausalLM
 from lmport.multimodal.encoder_cache import EncoderCache
 from lmport.multimodal.inputs import ImageInput
@@ -28,16 +28,9 @@ IDEFICS3_MODEL_TYPES = ("idefics3",)
 
 
 def idefics3_text_view(cfg):
-    """lmport's config of an Idefics3 checkpoint: its Llama text config (what the KV layout, the memory plan and the
-    decoder read) under the checkpoint's model type, with the vision config and the image token beside it."""
-    text = copy.deepcopy(cfg.text_config)
-    text.model_type = cfg.model_type
-    text.vision_config = cfg.vision_config
-    text.scale_factor = cfg.scale_factor
-    text.image_token_id = cfg.image_token_id
-    text.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
-    text.architectures = getattr(cfg, "architectures", None)
-    return text
+    """lmport's config of an Idefics3 checkpoint: its Llama text config with the vision config, the connector's
+    scale factor and the image token."""
+    return vision_language.text_view(cfg, scale_factor=cfg.scale_factor, image_token_id=cfg.image_token_id)
 
 
 class Idefics3CausalLM(PagedCausalLM):
@@ -48,11 +41,7 @@ class Idefics3CausalLM(PagedCausalLM):
     takes_images = True
 
     def __init__(self, cfg, backend: Backend, rotary, tp: TPGroup | None = None):
-        if cfg.model_type not in IDEFICS3_MODEL_TYPES:
-            raise ValueError(f"model type {cfg.model_type!r} is not one {type(self).__name__} runs; it runs "
-                             f"{', '.join(IDEFICS3_MODEL_TYPES)}")
-        decoder = copy.copy(cfg)
-        decoder.model_type = "llama"
+        decoder = vision_language.decoder_config(cfg, type(self).__name__, IDEFICS3_MODEL_TYPES, "llama")
         super().__init__(decoder, backend, rotary, tp)
         self.patch_size = cfg.vision_config.patch_size
         self.vision_model: torch.nn.Module | None = None   # transformers' SigLIP tower, taken from the checkpoint
@@ -68,10 +57,8 @@ class Idefics3CausalLM(PagedCausalLM):
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The text model's tensors under the decoder's names; the vision tower's and connector's are adopted."""
-        prefix = "model.text_model."
-        text = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in full.items()
-                if not k.startswith(("model.vision_model.", "model.connector."))}
-        return super().shard_state_dict(text)
+        return super().shard_state_dict(vision_language.text_tensors(full, "model.text_model.",
+                                                                     ("model.vision_model.", "model.connector.")))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         step, self.step_images = self.step_images, None

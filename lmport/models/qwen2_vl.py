@@ -14,13 +14,13 @@ the cache lost them, its images' encodings.
 """
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import torch
 
 from lmport import ops
 from lmport.kv.layout import LayerCache
+from lmport.models import vision_language
 from lmport.models.llama import PagedCausalLM
 from lmport.multimodal.encoder_cache import EncoderCache
 from lmport.multimodal.inputs import ImageInput
@@ -32,16 +32,9 @@ QWEN2_VL_MODEL_TYPES = ("qwen2_5_vl",)
 
 
 def text_view(cfg):
-    """lmport's config of a Qwen2.5-VL checkpoint: its text config (what the KV layout, the memory plan and the
-    decoder read) under the checkpoint's model type, with the vision config and the image token beside it."""
-    text = copy.deepcopy(cfg.text_config)
-    text.model_type = cfg.model_type
-    text.vision_config = cfg.vision_config
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        setattr(text, name, getattr(cfg, name, None))
-    text.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
-    text.architectures = getattr(cfg, "architectures", None)
-    return text
+    """lmport's config of a Qwen2.5-VL checkpoint: its text config with the vision config and image tokens."""
+    return vision_language.text_view(cfg, **{name: getattr(cfg, name, None) for name in (
+        "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")})
 
 
 class Qwen2VLCausalLM(PagedCausalLM):
@@ -52,11 +45,7 @@ class Qwen2VLCausalLM(PagedCausalLM):
     takes_images = True
 
     def __init__(self, cfg, backend: Backend, rotary, tp: TPGroup | None = None):
-        if cfg.model_type not in QWEN2_VL_MODEL_TYPES:
-            raise ValueError(f"model type {cfg.model_type!r} is not one {type(self).__name__} runs; it runs "
-                             f"{', '.join(QWEN2_VL_MODEL_TYPES)}")
-        decoder = copy.copy(cfg)
-        decoder.model_type = "qwen2"
+        decoder = vision_language.decoder_config(cfg, type(self).__name__, QWEN2_VL_MODEL_TYPES, "qwen2")
         super().__init__(decoder, backend, rotary, tp)
         self.merge_size = cfg.vision_config.spatial_merge_size
         self.visual: torch.nn.Module | None = None   # transformers' vision tower, taken from the checkpoint
@@ -70,10 +59,7 @@ class Qwen2VLCausalLM(PagedCausalLM):
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The language model's tensors under the decoder's names; the vision tower's are adopted whole."""
-        prefix = "model.language_model."
-        text = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in full.items()
-                if not k.startswith("model.visual.")}
-        return super().shard_state_dict(text)
+        return super().shard_state_dict(vision_language.text_tensors(full, "model.language_model.", ("model.visual.",)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
