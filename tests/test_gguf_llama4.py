@@ -78,10 +78,7 @@ DAMAGED = [("llama4.block_count", 5, r"llama4\.block_count is 5, should be 4"),
 @pytest.mark.parametrize(("key", "value", "message"), DAMAGED, ids=[f"{k}={v}" for k, v, _ in DAMAGED])
 def test_a_damaged_header_is_refused_by_name(tmp_path, key, value, message):
     from lmport.errors import ConfigError
-    from test_gguf_new_families import _set_value
-    data = bytearray(gguf_file("llama4", "Q8_0").read_bytes())
-    _set_value(data, key, value)
-    path = tmp_path / "damaged.gguf"
-    path.write_bytes(data)
+    from support.gguf_files import with_value
+    path = with_value(gguf_file("llama4", "Q8_0"), key, value, tmp_path / "damaged.gguf")
     with pytest.raises(ConfigError, match=message):
         _pipeline(path)

@@ -31,7 +31,6 @@ import functools
 import json
 import re
 import shutil
-import struct
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import pytest
 import torch
 
 from support import greedy
-from support.gguf_files import dequantized_tensors, unpermute_qk
+from support.gguf_files import dequantized_tensors, unpermute_qk, with_value
 from support import tiny_float_models
 from test_gguf_llama_cpp import _out_dir, _run, _tool, quantized
 
@@ -216,14 +215,6 @@ def test_tiny_models_converted_by_llama_cpp(arch, preset):
         greedy.check_file(pipe, path, ids, want, NEW_TOKENS)
 
 
-def _set_value(data: bytearray, key: str, value: int) -> None:
-    """Rewrite the integer metadata value of ``key`` in place."""
-    raw = key.encode()
-    at = data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
-    (kind,) = struct.unpack_from("<I", data, at)
-    struct.pack_into({4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind], data, at + 4, value)
-
-
 DAMAGED = [("smollm3", "smollm3.block_count", 10**9, r"smollm3\.block_count is 1000000000, should be 4"),
            ("smollm3", "smollm3.attention.head_count", 8, r"smollm3\.attention\.head_count is 8, should be 4"),
            ("smollm3", "smollm3.rope.dimension_count", 32, r"smollm3\.attention\.head_count is 4, should be 2: .*"
@@ -250,9 +241,6 @@ def test_a_damaged_header_of_a_new_family_is_refused_by_name(tmp_path, arch, key
     import lmport
     from lmport import EngineConfig
     from lmport.errors import ConfigError
-    data = bytearray(converted(arch, "q8_0").read_bytes())
-    _set_value(data, key, value)
-    path = tmp_path / "damaged.gguf"
-    path.write_bytes(data)
+    path = with_value(converted(arch, "q8_0"), key, value, tmp_path / "damaged.gguf")
     with pytest.raises(ConfigError, match=message):
         lmport.pipeline(str(path), backend_config=EngineConfig(device_type="cpu"))

@@ -25,6 +25,7 @@ without a sliding window) and does not map a Mixtral file's experts.
 from __future__ import annotations
 
 import functools
+import struct
 from pathlib import Path
 
 import gguf
@@ -337,3 +338,14 @@ def hf_state_dict_from_gguf(cfg, path: str | Path) -> dict[str, torch.Tensor]:
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """The inverse of :func:`permute_qk` (transformers' reverse permutation)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def with_value(source: Path, key: str, value: int, out: Path) -> Path:
+    """A copy of the GGUF file ``source`` at ``out`` whose integer metadata value of ``key`` is ``value``."""
+    data = bytearray(source.read_bytes())
+    raw = key.encode()
+    at = data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
+    (kind,) = struct.unpack_from("<I", data, at)
+    struct.pack_into({4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[kind], data, at + 4, value)
+    out.write_bytes(data)
+    return out
