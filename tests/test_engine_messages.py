@@ -28,7 +28,7 @@ def test_a_request_round_trips_with_every_generation_field():
     config = GenerationConfig(max_new_tokens=7, temperature=0.5, do_sample=True, random_seed=3, stop_words=["x"],
                               logprobs=2, logit_bias={5: -100.0, 17: 2.5}, prompt_logprobs=1,
                               response_format={"type": "json_object"}, stop_token_ids=[1, 2], speculate=False)
-    request = EngineRequest("r-1", [1, 2, 3], config, cache_salt="s", adapter="sql", pooling="mean")
+    request = EngineRequest("r-1", [1, 2, 3], config, cache_salt="s", adapter="sql", pooling="mean", group="job")
     message = to_core(pack(Add(request)))
     assert isinstance(message, Add) and message.request == request
 

@@ -211,14 +211,15 @@ class EngineCore:
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, adapter: str | None = None,
                     pooling: str | None = None, scoring_chunk: int | None = None,
-                    images: list[ImageInput] | None = None) -> str:
+                    images: list[ImageInput] | None = None, group: str | None = None) -> str:
         """Queue a request; raises RequestError (and queues nothing) for input it cannot serve.
         ``adapter``: the name of a loaded LoRA adapter to run it with (AdapterError when none is loaded so).
         ``pooling``: an embedding request ("mean" or "last", lmport.engine.pooling): the prompt is prefilled with the
         other requests' steps, nothing is generated, and its final output carries the pooled hidden state.
         ``scoring_chunk``: prompt positions a step may score (gen_config.prompt_logprobs), at most the engine's
         ``scoring_chunk`` by default. ``images``: the prompt's images (lmport.multimodal.processor makes them), each
-        on its run of placeholder tokens."""
+        on its run of placeholder tokens. ``group``: the client request it is one of several sequences of (choices,
+        prompts): when blocks run out, the request running the most sequences yields one first."""
         gen_config = gen_config or GenerationConfig()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -247,7 +248,7 @@ class EngineCore:
                        cache_salt=cache_salt, grammar=grammar,
                        max_scoring_tokens=scoring_chunk or self.scoring_chunk,
                        adapter_id=adapter_id, pooling=pooling, images=list(images or []),
-                       images_key=images_key(images) if images else None)
+                       images_key=images_key(images) if images else None, group=group)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)

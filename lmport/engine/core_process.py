@@ -94,7 +94,7 @@ def _handle(engine: EngineCore, data: bytes, send: Send, reads: AdapterReads) ->
         try:
             engine.add_request(request.prompt_ids, request.gen_config, request.request_id,
                                cache_salt=request.cache_salt, adapter=request.adapter, pooling=request.pooling,
-                               images=request.images)
+                               images=request.images, group=request.group)
         except Exception as exc:   # refused (RequestError, AdapterError) or unexpected: that request fails
             if not isinstance(exc, (RequestError, AdapterError)):
                 log.exception("adding request %s failed", request.request_id)

@@ -29,7 +29,7 @@ from lmport.multimodal.inputs import ImageInput
 if TYPE_CHECKING:
     from lmport.engine.core import EngineCore
 
-PROTOCOL = 1   # raised whenever a message's layout or a field's meaning changes
+PROTOCOL = 2   # raised whenever a message's layout or a field's meaning changes
 
 # The control calls the core runs between steps (EngineCore methods); each replies with a LoadedAdapter.
 CALLS = ("load_adapter", "unload_adapter")
@@ -45,6 +45,7 @@ class EngineRequest:
     adapter: str | None = None      # the loaded LoRA adapter it runs with (None: the base model)
     pooling: str | None = None      # an embedding request: "mean" or "last" (lmport.engine.pooling)
     images: list[ImageInput] | None = None   # the prompt's images, in prompt order (lmport.multimodal)
+    group: str | None = None        # the client request it is one of several sequences of (EngineCore.add_request)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class EngineInfo:
     dtype: str
     quant_policy: int | str   # 0, 8, 4 or "fp8"
     kv_cache_dtype: str = "auto"
+    mmproj: str | None = None   # the GGUF text model's mmproj file, whose metadata sizes its images
 
     @classmethod
     def of(cls, engine: EngineCore) -> EngineInfo:
@@ -69,7 +71,8 @@ class EngineInfo:
         return cls(engine.model_name, engine.model_config.vocab_size, engine.model_config.hidden_size,
                    engine.session_len,
                    list(engine.eos_token_ids), cfg.max_batch_size, cfg.max_prefill_token_num,
-                   engine.plan.num_blocks, cfg.device_type, cfg.dtype, cfg.quant_policy, cfg.kv_cache_dtype)
+                   engine.plan.num_blocks, cfg.device_type, cfg.dtype, cfg.quant_policy, cfg.kv_cache_dtype,
+                   cfg.mmproj)
 
 
 class WireError(msgspec.Struct, array_like=True):

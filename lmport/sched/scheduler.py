@@ -7,11 +7,12 @@ bound (None, the offline default: the fewest, fullest steps), prompts get the wh
 work grows with the positions before it, which it attends to (``context_cost``): a chunk deep in a long
 prompt is shorter, so that such a step takes no longer than one at the prompt's start.
 
-A long prompt is prefilled in chunks across steps. When blocks run out, the
-most recently admitted running sequence is preempted: its blocks are freed,
-its token ids kept, and it goes back to the front of the waiting queue. On
-readmission it is recomputed, less what the prefix cache still holds, or its
-blocks come back from the host tier when the block manager swapped them out.
+A long prompt is prefilled in chunks across steps. When blocks run out, a running sequence is preempted
+(``victim``): the most recently admitted one of the request running the most sequences (its choices, n > 1), so
+that a request asking for many long choices takes turns among its own rather than stalling another client's
+stream; with one sequence a request, simply the most recently admitted. Its blocks are freed, its token ids kept,
+and it goes back to the front of the waiting queue. On readmission it is recomputed, less what the prefix cache
+still holds, or its blocks come back from the host tier when the block manager swapped them out.
 Prefix-cache lookups happen at admission; a hit's tokens cost no budget.
 
 With speculative decoding, a decoding sequence also computes the tokens ``lookahead(seq)`` proposes
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -108,8 +109,11 @@ class Scheduler:
                 if extra > 0 and self.block_manager.can_allocate(seq, 1 + extra):   # never preempt for a proposal
                     n += extra
             while not self.block_manager.can_allocate(seq, n):
-                victim = self.running[-1]
+                victim = self.victim()
                 self._preempt(victim)
+                if victim in batch.seqs:   # scheduled earlier in this loop: its place in the step goes too
+                    i = batch.seqs.index(victim)
+                    del batch.seqs[i], batch.num_new[i]
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
@@ -167,6 +171,11 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
             prefill -= self.prompt_work(seq.num_computed, n, decoding)
+
+    def victim(self) -> Sequence:
+        """The running sequence to preempt: the most recently admitted of the request running the most."""
+        running = Counter(seq.group for seq in self.running if seq.group is not None)
+        return max(reversed(self.running), key=lambda seq: running[seq.group] if seq.group is not None else 1)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

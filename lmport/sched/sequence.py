@@ -49,6 +49,7 @@ class Sequence:
     state_slot: int = -1            # its recurrent-state slot while running (lmport.kv.state_pool), -1: none
     images: list[ImageInput] = field(default_factory=list)   # the prompt's images (lmport.multimodal), in order
     images_key: str | None = None   # what its images add to its prefix-cache key (lmport.multimodal.inputs.images_key)
+    group: str | None = None        # the client request it is one choice of (n > 1): they yield blocks first
 
     @property
     def token_ids(self) -> list[int]:

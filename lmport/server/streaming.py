@@ -95,7 +95,7 @@ async def outputs(frontend: Frontend, job: Job) -> AsyncIterator[tuple[int, Requ
     async def pump(choice: int, config: GenerationConfig):
         try:
             request = EngineRequest(f"{job.id}-{choice}", job.prompt_of(choice), config, job.cache_salt,
-                                    job.adapter, images=job.images)
+                                    job.adapter, images=job.images, group=job.id if len(job.configs) > 1 else None)
             async for out in frontend.core.generate(request):
                 merge(choice, out)
         except Exception as exc:  # reaches the consumer instead of dying in this task
