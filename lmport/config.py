@@ -147,6 +147,8 @@ class EngineConfig:
     # "auto": a quantized checkpoint keeps its 4-/8-bit (or fp8) weights (docs/weight-quantization.md);
     # "dequantize": its weights are dequantized to dtype at load (for a backend without its format).
     weight_format: str = "auto"
+    # The vision tower of a GGUF text model: llama.cpp's mmproj GGUF of the same checkpoint (docs/vision.md).
+    mmproj: str | None = None
     # Tensor parallelism across nodes (docs/distributed.md): tp ranks split evenly over nnodes nodes.
     nnodes: int = 1
     node_rank: int = 0
@@ -193,6 +195,8 @@ class EngineConfig:
                f"session_len must be an int >= 1 (or None for the model's limit), got {self.session_len!r}")
         _check(self.weight_format in WEIGHT_FORMATS,
                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weight_format!r}")
+        _check(self.mmproj is None or (isinstance(self.mmproj, str) and self.mmproj.strip() != ""),
+               f"mmproj must be the path of an mmproj GGUF file (or None), got {self.mmproj!r}")
         _check(_is_number(self.host_cache_gib) and self.host_cache_gib >= 0,
                f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
         _check(self.tp % self.nnodes == 0, f"tp={self.tp} must split evenly over nnodes={self.nnodes} "

@@ -73,7 +73,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="not supported; supported: llama, mistral, qwen2, qwen3, smollm3, gemma2, "
                                          "gemma3_text, phi3, mixtral, qwen3_moe, glm4_moe, gpt_oss, llama4_text, "
                                          "deepseek_v3, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen2_5_vl, "
-                                         "idefics3$"):
+                                         "qwen3_vl, idefics3, mistral3, gemma3$"):
         model_class(transformers.GPT2Config())
 
 

@@ -40,7 +40,7 @@ from lmport.platform.resolution import resolve_config
 from lmport.worker.runner import ModelRunner
 from lmport.sched.output import ModelOutput, Update
 from lmport.kv.state_pool import StatePool
-from lmport.models.architectures import recurrent_state
+from lmport.models.architectures import attention_variants, recurrent_state
 from lmport.sched.scheduler import ScheduledBatch, Scheduler
 from lmport.sched.sequence import Sequence
 from lmport.speculative.draft import DraftModel, check_draft
@@ -204,6 +204,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_prefill_token_num,
                                    self.config.decode_prefill_tokens)
         self.scheduler.context_cost = context_cost(cfg, self.config.tp * loaded.num_parameters)
+        self.scheduler.whole_images = "bidirectional" in attention_variants(cfg)   # an image's tokens see each other
         if hybrid:   # one recurrent-state slot for each of max_batch_size running sequences, as the runner holds
             self.scheduler.state_pool = StatePool(self.config.max_batch_size)
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 from lmport.kv.layout import CacheKind
 from lmport.models.deepseek_v3 import DEEPSEEK_V3_MODEL_TYPES, DeepseekV3CausalLM
 from lmport.models.gemma import GEMMA_MODEL_TYPES, GemmaCausalLM
+from lmport.models.gemma3_vl import GEMMA3_VL_MODEL_TYPES, Gemma3VLCausalLM, gemma3_text_view
 from lmport.models.glm4_moe import GLM4_MOE_MODEL_TYPES, Glm4MoeCausalLM
 from lmport.models.gpt_oss import GPT_OSS_MODEL_TYPES, GptOssCausalLM
 from lmport.models.idefics3 import IDEFICS3_MODEL_TYPES, Idefics3CausalLM, idefics3_text_view
 from lmport.models.llama4 import LLAMA4_MODEL_TYPES, Llama4CausalLM
 from lmport.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from lmport.models.llama import PagedCausalLM
+from lmport.models.mistral3 import MISTRAL3_MODEL_TYPES, Mistral3CausalLM, mistral3_text_view
 from lmport.models.moe import MOE_MODEL_TYPES, MoeCausalLM
 from lmport.models.phi3 import PHI3_MODEL_TYPES, Phi3CausalLM
 from lmport.models.qwen3_5 import QWEN3_5_MODEL_TYPES, QWEN3_5_WRAPPER_TYPES, Qwen3_5CausalLM, text_model_config
 from lmport.models.qwen2_vl import QWEN2_VL_MODEL_TYPES, Qwen2VLCausalLM, text_view
+from lmport.models.qwen3_vl import QWEN3_VL_MODEL_TYPES, Qwen3VLCausalLM
 from lmport.models.qwen3_next import QWEN3_NEXT_MODEL_TYPES, Qwen3NextCausalLM
 
 MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
@@ -28,13 +31,19 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     **{t: Qwen3NextCausalLM for t in QWEN3_NEXT_MODEL_TYPES},
     **{t: Qwen3_5CausalLM for t in QWEN3_5_MODEL_TYPES},
     **{t: Qwen2VLCausalLM for t in QWEN2_VL_MODEL_TYPES},
+    **{t: Qwen3VLCausalLM for t in QWEN3_VL_MODEL_TYPES},
     **{t: Idefics3CausalLM for t in IDEFICS3_MODEL_TYPES},
+    **{t: Mistral3CausalLM for t in MISTRAL3_MODEL_TYPES},
+    **{t: Gemma3VLCausalLM for t in GEMMA3_VL_MODEL_TYPES},
 }
 # Image-text checkpoints: lmport's config is a text view of theirs: Qwen2.5-VL's keeps its vision config
 # (lmport.models.qwen2_vl runs the vision tower), Idefics3's its Llama text config with its vision config beside it
-# (lmport.models.idefics3), Qwen3.5's is its text model's (its vision tower is not loaded).
-TEXT_VIEWS = {**{t: text_view for t in QWEN2_VL_MODEL_TYPES},
+# (lmport.models.idefics3), Qwen3.5's is its text model's (its vision tower is not loaded); Qwen3-VL's is read as
+# Qwen2.5-VL's (lmport.models.qwen3_vl).
+TEXT_VIEWS = {**{t: text_view for t in QWEN2_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES},
               **{t: idefics3_text_view for t in IDEFICS3_MODEL_TYPES},
+              **{t: mistral3_text_view for t in MISTRAL3_MODEL_TYPES},   # its Mistral text config (models.mistral3)
+              **{t: gemma3_text_view for t in GEMMA3_VL_MODEL_TYPES},    # its Gemma 3 text config (models.gemma3_vl)
               **{t: text_model_config for t in QWEN3_5_WRAPPER_TYPES}}
 
 
@@ -60,7 +69,8 @@ def lmport_config(cfg):
 def transformers_class(cfg):
     """The transformers auto class that loads ``cfg``'s checkpoint (image-text-to-text for a vision-language one)."""
     import transformers
-    if cfg.model_type in QWEN2_VL_MODEL_TYPES + IDEFICS3_MODEL_TYPES:
+    if cfg.model_type in (QWEN2_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES + IDEFICS3_MODEL_TYPES + MISTRAL3_MODEL_TYPES
+                          + GEMMA3_VL_MODEL_TYPES):
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 

@@ -95,7 +95,8 @@ class Idefics3CausalLM(PagedCausalLM):
             raise ValueError("an image's tokens are computed without its pixel values")
         if self.vision_model is None or self.connector is None:
             raise ValueError("the vision tower is not loaded")
-        device, dtype = self.model.embed_tokens.weight.device, next(self.vision_model.parameters()).dtype
+        weight = next(self.vision_model.parameters())   # on the engine's device (a GGUF's embedding may be quantized)
+        device, dtype = weight.device, weight.dtype
         by_size: dict[tuple[int, ...], list[ImageInput]] = {}
         for t in todo:
             by_size.setdefault(t.pixel_values.shape, []).append(t)   # pyright: ignore[reportOptionalMemberAccess]

@@ -21,6 +21,7 @@ from lmport.models.architectures import (adopt_transformers_modules, attention_v
 from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
 from lmport.models.rotary import rotary_for
+from lmport.multimodal import mmproj as mmproj_files
 from lmport.parallel import TPGroup
 from lmport.platform.resolution import check_model
 from lmport.weights import fp8, gguf, packed_int
@@ -102,10 +103,11 @@ class LoadedModel:
 
 
 def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | None = None,
-               weight_format: str = "auto") -> LoadedModel:
+               weight_format: str = "auto", mmproj: str | None = None) -> LoadedModel:
     """The model (``tp``: this rank's shard, sliced from the full checkpoint), its tokenizer and config.
     A GGUF's quantized tensors, or an AWQ / GPTQ / fp8 directory's, stay quantized (unless
-    ``weight_format="dequantize"``), refused before any tensor loads when the backend cannot run them."""
+    ``weight_format="dequantize"``), refused before any tensor loads when the backend cannot run them.
+    ``mmproj``: the vision tower of a GGUF text model, in llama.cpp's mmproj file (lmport.multimodal.mmproj)."""
     path = resolve_model_path(model)
     keep_quantized = check_backend(path, backend.capabilities, weight_format)
     model_cfg = read_model_config(model)
@@ -115,9 +117,14 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
     check_tensor_parallel(path, tp.size if tp is not None else 1, weight_format)
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         tokenizer, cfg = load_tokenizer(model), read_model_config(model)
+        if mmproj is not None:   # the text GGUF's config read as the vision-language checkpoint's
+            cfg = mmproj_files.model_config(path, Path(mmproj).expanduser(), cfg)
         bar.update()
         if path.suffix == ".gguf":
-            paged = _paged_from_gguf(path, cfg, backend, dtype, tp, keep_quantized)
+            paged = _paged_from_gguf(path, cfg, backend, dtype, tp, keep_quantized,
+                                     None if mmproj is None else mmproj_files.text_rotary(cfg))
+            if mmproj is not None:
+                mmproj_files.attach(paged, path, Path(mmproj).expanduser(), dtype)
             eos = _gguf_eos_ids(path, cfg)
         elif packed or fp8_checkpoint is not None:
             if fp8_checkpoint is not None:
@@ -156,9 +163,9 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
 
 
 def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: TPGroup | None,
-                     keep_quantized: bool) -> PagedCausalLM:
+                     keep_quantized: bool, rotary: torch.nn.Module | None = None) -> PagedCausalLM:
     """The paged model over a GGUF's tensors, read from the mapped file (this rank's shard under ``tp``,
-    where they load float)."""
+    where they load float); ``rotary``: its rotary module, where not the one ``rotary_for`` makes of ``cfg``."""
     with torch.device("meta"):
         paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -167,7 +174,7 @@ def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: 
     quantized, floats = gguf.load_tensors(path, cfg, dtype, names, keep_quantized)
     _tie_lm_head(cfg, quantized, floats)   # before sharding, so the head is sliced as the embedding is
     paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
-    paged.rotary = rotary_for(cfg)
+    paged.rotary = rotary if rotary is not None else rotary_for(cfg)
     factors = gguf.rope_frequency_factors(path)
     if factors is not None:   # a llama3-type rope scaling (Llama 3.1 and later, Llama 4), as the converter writes it
         inv_freq = paged.rotary.inv_freq   # the rotary's frequencies, a buffer (lmport's and transformers' rotaries)

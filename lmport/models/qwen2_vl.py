@@ -109,7 +109,8 @@ class Qwen2VLCausalLM(PagedCausalLM):
                 raise ValueError("an image's tokens are computed without its pixel values")
             if self.visual is None:
                 raise ValueError("the vision tower is not loaded")
-            device, dtype = self.model.embed_tokens.weight.device, next(self.visual.parameters()).dtype
+            weight = next(self.visual.parameters())   # on the engine's device (a GGUF's embedding may be quantized)
+            device, dtype = weight.device, weight.dtype
             pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in todo])).to(device, dtype)
             grid = torch.tensor([im.grid_thw for im in todo], dtype=torch.long, device=device)
             rows = self.visual(pixels, grid_thw=grid).pooler_output

@@ -19,10 +19,13 @@ class ImageInput:
     grid_thw: tuple[int, int, int]      # the patch grid (frames, rows, columns) before the encoder's merge
     digest: str                         # of the image's bytes (lmport.multimodal.images.digest)
     pixel_values: np.ndarray | None = None   # [patches, patch values] float32; None where only the layout is needed
+    # the prompt tokens it covers where other tokens sit among its placeholders (Pixtral's row breaks and end:
+    # lmport.multimodal.pixtral); None: its placeholder tokens alone
+    span: int | None = None
 
     @property
     def end(self) -> int:
-        return self.offset + self.num_tokens
+        return self.offset + (self.num_tokens if self.span is None else self.span)
 
     def layout_only(self) -> ImageInput:
         return dataclasses.replace(self, pixel_values=None)
@@ -38,15 +41,22 @@ def images_key(images: list[ImageInput]) -> str:
 
 def check_placement(images: list[ImageInput], prompt_ids: list[int], image_token_id: int) -> None:
     """ValueError unless the images sit, in order and without overlapping, on runs of ``image_token_id`` in the
-    prompt, each as long as the image's token count, with no placeholder token left over."""
+    prompt, each as long as the image's token count (an image with a ``span``: on that many tokens, the first a
+    placeholder, one placeholder among them for each of its encoder rows), with no placeholder token left over."""
     end = 0
     for i, image in enumerate(images):
         if image.offset < end or image.end > len(prompt_ids):
             raise ValueError(f"image {i}: its tokens [{image.offset}, {image.end}) are out of order or past the "
                              f"prompt's {len(prompt_ids)} tokens")
-        if any(t != image_token_id for t in prompt_ids[image.offset:image.end]):
+        covered = prompt_ids[image.offset:image.end]
+        if image.span is None and any(t != image_token_id for t in covered):
             raise ValueError(f"image {i}: the prompt's tokens [{image.offset}, {image.end}) are not all the image "
                              f"placeholder token {image_token_id}")
+        if image.span is not None and (covered[:1] != [image_token_id]
+                                       or sum(t == image_token_id for t in covered) != image.num_tokens):
+            raise ValueError(f"image {i}: the prompt's tokens [{image.offset}, {image.end}) must start with the image "
+                             f"placeholder token {image_token_id} and hold {image.num_tokens} of them, one for each "
+                             f"of its encoder rows")
         if image.pixel_values is None:
             raise ValueError(f"image {i}: no pixel values")
         end = image.end

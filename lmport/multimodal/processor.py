@@ -14,9 +14,10 @@ import numpy as np
 from lmport.multimodal.images import ImageError, ImageLimits, check_count, decode, digest
 from lmport.multimodal.inputs import ImageInput
 
-# The model types whose images lmport runs (lmport.models.qwen2_vl; lmport.models.idefics3, whose images are
-# tiled by lmport.multimodal.tiles).
-VISION_MODEL_TYPES = ("qwen2_5_vl", "idefics3")
+# The model types whose images lmport runs (lmport.models.qwen2_vl, lmport.models.qwen3_vl; lmport.models.idefics3,
+# whose images are tiled by lmport.multimodal.tiles; lmport.models.mistral3, whose images lmport.multimodal.pixtral
+# lays out in rows; lmport.models.gemma3_vl, whose placeholders lmport.multimodal.gemma3 expands).
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3", "gemma3")
 
 
 def takes_images(model: str) -> bool:

@@ -36,10 +36,10 @@ def gather_kv(values: torch.Tensor, qparams: torch.Tensor | None, tables: torch.
 
 def paged_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                     softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions, within
-    ``meta.window`` positions when the layer has a sliding window and within the token's own chunk
-    when it has ``meta.chunk``, scores soft-capped by ``meta.softcap`` when it has one, each head's
-    ``meta.sinks`` logit in the softmax's denominator when it has sinks.
+    """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's absolute positions (and both ways within each
+    of ``meta.bidirectional``'s spans), within ``meta.window`` positions when the layer has a sliding window and
+    within the token's own chunk when it has ``meta.chunk``, scores soft-capped by ``meta.softcap`` when it has
+    one, each head's ``meta.sinks`` logit in the softmax's denominator when it has sinks.
 
     Decoding sequences run as one batch; each prefill (chunk) runs alone, so a
     long chunk never pads every decode row to its length.
@@ -89,6 +89,8 @@ def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts, new_kv
         v[seq, q_pos[valid]] = new_kv[1][rows[valid]].to(v.dtype)
     kv_pos = torch.arange(k.shape[1], device=dev)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]          # [B, max_q, max_kv]; padded rows are dropped
+    if meta.bidirectional is not None:   # or-ed with causal before the window and chunk narrow it
+        mask |= _same_span(meta.bidirectional, seqs, kv_lens, q_pos, kv_pos)
     if meta.window is not None:
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - meta.window
     if meta.chunk is not None:
@@ -105,6 +107,19 @@ def _attend(q, cache, meta, softmax_scale, seqs, q_lens, kv_lens, starts, new_kv
             q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask[:, None], scale=softmax_scale, enable_gqa=True)
     return out.transpose(1, 2)[valid]
+
+
+def _same_span(spans, seqs, kv_lens, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+    """[B, max_q, max_kv]: whether the query and the key sit in one of their sequence's bidirectional spans (keys
+    past the sequence's cached tokens never)."""
+    q_span = torch.full_like(q_pos, -1)
+    kv_span = torch.full((len(seqs), kv_pos.shape[0]), -1, dtype=q_pos.dtype, device=q_pos.device)
+    for row, i in enumerate(seqs):
+        for k, (start, end) in enumerate(spans[i]):
+            end = min(end, kv_lens[i])
+            q_span[row][(q_pos[row] >= start) & (q_pos[row] < end)] = k
+            kv_span[row, start:end] = k
+    return (q_span[:, :, None] == kv_span[:, None, :]) & (q_span[:, :, None] >= 0)
 
 
 def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:

@@ -48,6 +48,11 @@ class AttentionMetadata:
     # (p // chunk == j // chunk; Llama 4's local layers), None for none.
     sinks: torch.Tensor | None = None
     chunk: int | None = None
+    # "bidirectional", per step: for each sequence, the [start, end) absolute position spans whose tokens also see
+    # the tokens after them in the span (an image's tokens in Gemma 3: transformers' ``blockwise_overlay``, or-ed
+    # with causal, then and-ed with the layer's window); each span computed whole in the step, or its start in
+    # the cache; None (or a sequence's empty tuple): causal only.
+    bidirectional: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     def for_layer(self, window: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                   chunk: int | None = None) -> AttentionMetadata:

@@ -25,8 +25,9 @@ from lmport.weights import fp8
 # chunk of positions (Llama 4's local layers); "latent", multi-head latent attention over a paged latent cache
 # (DeepSeek-V3's MLA: ``fill_latent_cache`` and ``mla_attention``); "recurrent_state", linear-attention layers
 # keeping a fixed-size state per sequence instead of paged K/V (Qwen3-Next's Gated DeltaNet:
-# lmport.ops.gated_delta_net, in the slots of lmport.kv.state_pool).
-ATTENTION_VARIANTS = ("sinks", "chunked", "latent", "recurrent_state")
+# lmport.ops.gated_delta_net, in the slots of lmport.kv.state_pool); "bidirectional", spans of a prefill whose
+# tokens also see the later tokens of their span (Gemma 3's images: AttentionMetadata.bidirectional).
+ATTENTION_VARIANTS = ("sinks", "chunked", "latent", "recurrent_state", "bidirectional")
 
 
 @dataclass(frozen=True)

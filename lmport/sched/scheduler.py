@@ -36,6 +36,7 @@ import torch
 from lmport.engine.outputs import Failure, FinishReason
 from lmport.kv.block_manager import BlockManager
 from lmport.kv.state_pool import StatePool
+from lmport.multimodal.chunks import whole_image_chunk
 from lmport.sched.output import ModelOutput, SequenceOutput, Update, failure_of
 from lmport.sched.sequence import Sequence, Status
 from lmport.structured_output.grammar import MASK_BUDGET_S, MaskTimeout
@@ -78,6 +79,9 @@ class Scheduler:
         # A model with linear-attention layers (Qwen3-Next): each running sequence holds one recurrent-state slot,
         # taken at admission and given back when it ends or is preempted (lmport.kv.state_pool); None otherwise.
         self.state_pool: StatePool | None = None
+        # A model whose image tokens attend to each other both ways (Gemma 3): no prompt chunk ends inside an image
+        # (lmport.multimodal.chunks).
+        self.whole_images = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,6 +105,8 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget) if seq.num_uncomputed == 1 else seq.step_limit(min(
                 seq.num_uncomputed, budget, self.prompt_tokens(seq.num_computed, prefill, decoding)))
+            if self.whole_images and seq.num_uncomputed > 1:
+                n = whole_image_chunk(seq.images, seq.num_computed, n, budget, self.token_budget)
             if n == 0:
                 continue   # a prompt chunk waits for the next step; decoding sequences further on still run
             self.block_manager.release_outside_window(seq)
@@ -161,12 +167,19 @@ class Scheduler:
             if (fits := max(1, self.prompt_tokens(seq.num_computed, prefill, decoding))) < n:
                 n = fits
                 self.block_manager.rollback(seq, seq.num_computed + n)
+            if self.whole_images and (whole := whole_image_chunk(seq.images, seq.num_computed, n, budget,
+                                                                 self.token_budget)) != n:
+                n = whole if whole < n or self.block_manager.can_allocate(seq, whole) else 0
+                self.block_manager.rollback(seq, seq.num_computed + n)
+                self.block_manager.allocate(seq, n)
             self.waiting.popleft()
             self.block_manager.release_outside_window(seq)   # prefix-cache hits behind the window
             seq.status = Status.RUNNING
             if self.state_pool is not None:
                 seq.state_slot = self.state_pool.allocate(seq)
             self.running.append(seq)
+            if n == 0:   # its first chunk, a whole image, waits for a step with room (whole_images)
+                continue
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n

@@ -23,7 +23,7 @@ from lmport.engine.outputs import check_prompt
 from lmport.engine.client import EngineHandle
 from lmport.multimodal.images import ImageLimits
 from lmport.multimodal import loading
-from lmport.multimodal.processor import ImageProcessor, takes_images
+from lmport.multimodal.processor import ImageProcessor
 from lmport.structured_output.grammar import Grammars
 from lmport.reasoning import Parser, Reasoning
 from lmport.server import access_log, adapters, jsonbody
@@ -83,7 +83,7 @@ class Frontend:
         self.cache_salt_by_api_key = cache_salt_by_api_key
         self.text_body_bytes = max_body_bytes
         self.image_limits = image_limits or ImageLimits()
-        self.takes_images = takes_images(info.model_name)
+        self.takes_images = loading.takes_images(info.model_name, info.mmproj)
         self.expose_adapter_paths = expose_adapter_paths   # clients see adapters' server paths
         self.limits = limits or Limits()
         self.max_prompt_chars = self.limits.prompt_chars(info.session_len)
@@ -115,7 +115,7 @@ class Frontend:
         """The model's image processor (loaded at the first request with images; call it on the tokenize thread),
         None for a model that takes no images."""
         if self._image_processor is None:
-            self._image_processor = (loading.image_processor(self.info.model_name),)
+            self._image_processor = (loading.image_processor(self.info.model_name, self.info.mmproj),)
         return self._image_processor[0]
 
     @property

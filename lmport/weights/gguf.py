@@ -39,11 +39,14 @@ SUPPORTED_ARCHITECTURES = {
     "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3", "smollm3": "SmolLM3",
     "glm4moe": "GLM-4.5", "deepseek2": "DeepSeek-V3", "qwen3next": "Qwen3-Next", "gpt-oss": "gpt-oss",
     "qwen35": "Qwen3.5 (text)", "qwen35moe": "Qwen3.5-MoE (text)", "llama4": "Llama 4 (text)",
+    "qwen2vl": "Qwen2.5-VL (text; its images with an mmproj file, lmport.multimodal.mmproj)",
 }
 # GGUF architecture -> transformers model type, where they differ.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
                 "qwen3next": "qwen3_next", "gpt-oss": "gpt_oss", "qwen35": "qwen3_5_text",
-                "qwen35moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+                "qwen35moe": "qwen3_5_moe_text", "llama4": "llama4_text",
+                # Qwen2.5-VL's text model: Qwen2's decoder; its multimodal rotary turns text as the plain one does
+                "qwen2vl": "qwen2"}
 # Architectures with Qwen3-Next's linear-attention layers, whose tensors the converter changes alike.
 _LINEAR_ATTENTION = ("qwen3next", "qwen35", "qwen35moe")
 # Qwen3-Next's linear-layer parameters without a weight / bias suffix -> the GGUF tensor they come from, by the

@@ -56,7 +56,7 @@ class ModelRunner:
         self.config, self.backend = config, backend
         self.tp = tp or TPGroup()
         self.dtype = torch_dtype(config.dtype)
-        self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format)
+        self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format, config.mmproj)
         self.model, self.model_config = self.loaded.model, self.loaded.config
         backend.prepare()
         # LoRA adapters' slots (docs/lora.md), wrapped around the projections before the first forward.

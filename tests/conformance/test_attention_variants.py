@@ -1,5 +1,6 @@
-"""Attention sinks (gpt-oss) and chunked attention (Llama 4's local layers): the reference op against
-transformers' own attention, then every backend that declares the variant against the reference op.
+"""Attention sinks (gpt-oss), chunked attention (Llama 4's local layers) and bidirectional spans (Gemma 3's images):
+the reference op against transformers' own attention, then every backend that declares the variant against the
+reference op.
 
 The reference: transformers' gpt-oss ``eager_attention_forward`` (sinks in the softmax's denominator) and
 Llama 4's chunked mask (``transformers.masking_utils.chunked_overlay`` on a causal mask) over the same
@@ -56,19 +57,22 @@ def _layer(meta, variant, sinks, device):
     return meta.for_layer(window, None, sinks.to(device) if with_sinks else None, chunk)
 
 
-def _transformers_attention(q, k, v, q_pos, window, chunk, sinks):
+def _transformers_attention(q, k, v, q_pos, window, chunk, sinks, blocks=None):
     """One sequence's attention as transformers computes it: gpt-oss's eager attention with its sinks, or the
-    eager softmax, under the causal mask with the sliding-window and chunked overlays."""
-    from transformers.masking_utils import causal_mask_function, chunked_overlay, sliding_window_overlay
+    eager softmax, under the causal mask (or-ed with Gemma 3's ``blockwise_overlay`` of ``blocks``, each position's
+    block id, -1 for none) with the sliding-window and chunked overlays."""
+    from transformers.masking_utils import (blockwise_overlay, causal_mask_function, chunked_overlay, or_masks,
+                                            sliding_window_overlay)
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     kv_pos = torch.arange(k.shape[0])
-    rules = [causal_mask_function]
+    rules = [causal_mask_function if blocks is None else or_masks(causal_mask_function, blockwise_overlay(blocks))]
     if window is not None:
         rules.append(sliding_window_overlay(window))
     if chunk is not None:
         rules.append(chunked_overlay(chunk, torch.zeros(1, dtype=torch.long)))
-    allowed = torch.tensor([[all(rule(0, 0, int(p), int(j)) for rule in rules) for j in kv_pos] for p in q_pos])
+    positions = [torch.tensor(int(p)) for p in q_pos]   # as tensors: or_masks calls .new_zeros on them
+    allowed = torch.tensor([[all(bool(rule(0, 0, p, j)) for rule in rules) for j in kv_pos] for p in positions])
     mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = GROUP, False
@@ -92,6 +96,29 @@ def test_reference_matches_transformers(batch, variant):
                                        sinks if with_sinks else None)
         torch.testing.assert_close(out[rows:rows + n], want, atol=2e-5, rtol=2e-5)
         rows += n
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+def test_reference_bidirectional_spans_match_transformers(batch, window):
+    """Gemma 3's image spans (AttentionMetadata.bidirectional): or-ed with causal, then and-ed with the window, as
+    transformers' create_masks_for_vision_model composes them; a span may start in the cached history (a prefix-cache
+    hit inside an image) and a sequence may have none."""
+    q_lens, kv_lens = BATCHES[batch]
+    spans = {"prefill": (((60, 70), (80, 96)),), "mixed": (((75, 90), (95, 110)), ())}[batch]
+    cache, meta, q, _, ks, vs = _case("cpu", 16, q_lens, kv_lens)
+    layer = dataclasses.replace(meta, bidirectional=spans).for_layer(window)
+    out = ops.paged_attention(q, cache, layer, HEAD_DIM ** -0.5)
+    rows = 0
+    for n, total, k, v, own in zip(q_lens, kv_lens, ks, vs, spans, strict=True):
+        blocks = torch.full((1, total), -1)
+        for i, (start, end) in enumerate(own):
+            blocks[0, start:end] = i
+        want = _transformers_attention(q[rows:rows + n], k, v, range(total - n, total), window, None, None, blocks)
+        torch.testing.assert_close(out[rows:rows + n], want, atol=2e-5, rtol=2e-5)
+        rows += n
+    causal = ops.paged_attention(q, cache, meta.for_layer(window), HEAD_DIM ** -0.5)
+    assert not torch.allclose(out, causal, atol=1e-3)   # the spans change the answer
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -120,7 +147,7 @@ def test_backend_matches_reference(backend_name, batch, block_size, variant, rec
     torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
 
 
-@pytest.mark.parametrize("variant", ["sinks", "chunked"])
+@pytest.mark.parametrize("variant", ["sinks", "chunked", "bidirectional"])
 def test_a_backend_without_the_variant_refuses_the_model(backend_name, variant):
     from lmport.platform import registry
     from lmport.platform.resolution import check_model

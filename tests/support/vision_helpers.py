@@ -80,6 +80,79 @@ def tiny_qwen2_5_vl_dir() -> str:
     return str(target)
 
 
+# Qwen3-VL's own chat template (no default system message; an image part becomes
+# <|vision_start|><|image_pad|><|vision_end|>), without its tool, video and reasoning branches.
+QWEN3_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or "
+    "'image' in content or 'image_url' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Qwen3-VL's patches are 16 pixels (merged 2 x 2: 32-pixel cells) and normalized to [-1, 1].
+QWEN3_VL_PATCH = 16
+
+
+def tiny_qwen3_vl_processor():
+    """The default model's tokenizer with the vision tokens and Qwen3-VL's chat template added, and Qwen3-VL's
+    image processor settings on Qwen2VLImageProcessor (what its preprocessor_config.json names, less the fast one's
+    torchvision) sized for small images, as (tokenizer, image processor)."""
+    from transformers import Qwen2VLImageProcessor
+
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer("smollm2")
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = QWEN3_VL_TEMPLATE
+    cell = QWEN3_VL_PATCH * 2
+    images = Qwen2VLImageProcessor(size={"shortest_edge": cell * cell * 2, "longest_edge": cell * cell * 24},
+                                   patch_size=QWEN3_VL_PATCH, temporal_patch_size=2, merge_size=2,
+                                   image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    return tokenizer, images
+
+
+def tiny_qwen3_vl_config(tokenizer):
+    """3 text layers (Qwen3's: q/k norm, head_dim apart from the width), M-RoPE interleaved over 8 frequencies;
+    3 vision blocks, the first and last giving deepstack features (added after text layers 0 and 1)."""
+    from transformers import Qwen3VLConfig
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           [("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>")]}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=QWEN3_VL_PATCH, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 2])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+@functools.cache
+def tiny_qwen3_vl_dir() -> str:
+    """A directory with a random-weight Qwen3-VL (3 text layers, 3 vision blocks, 2 deepstack sets) and its
+    processor's parts (tokenizer and image processor: a Qwen3VLProcessor needs its video processor, which needs
+    torchvision)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-qwen3_vl-v1"
+    if not (target / "config.json").exists():
+        tokenizer, images = tiny_qwen3_vl_processor()
+        torch.manual_seed(1234)
+        model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer)).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        images.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
 def png(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     """An image of random colours (seeded) encoded as ``fmt``."""
     from PIL import Image
@@ -155,6 +228,88 @@ def tiny_idefics3_dir() -> str:
     return str(target)
 
 
+# Mistral Small 3.1's chat template, its system prompt and tool branches left out (an image part becomes [IMG],
+# which the processor expands into its rows of [IMG] tokens).
+MISTRAL3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for block in message['content'] %}{% if block['type'] == 'text' %}"
+    "{{ block['text'] }}{% elif block['type'] in ('image', 'image_url') %}[IMG]{% endif %}{% endfor %}{% endif %}"
+    "[/INST]{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+# 8-pixel patches merged 2 x 2: one [IMG] token a 16-pixel cell; images resized to at most 64 pixels a side.
+MISTRAL3_PATCH, MISTRAL3_MERGE, MISTRAL3_LONGEST_EDGE = 8, 2, 64
+
+
+def pixtral_processor_class():
+    """transformers' PixtralProcessor (its prompt expansion is the reference). Its module imports the torchvision
+    image processor, and torchvision is not a dependency: the PIL image processor's module (same resize rule) stands
+    in for it while the module is imported."""
+    import importlib
+    import sys
+
+    from transformers.models.pixtral import image_processing_pil_pixtral
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    saved = sys.modules.get(name)
+    sys.modules[name] = image_processing_pil_pixtral
+    try:
+        return importlib.import_module("transformers.models.pixtral.processing_pixtral").PixtralProcessor
+    finally:
+        if saved is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = saved
+
+
+def tiny_mistral3_processor():
+    """transformers' PixtralProcessor over the default model's tokenizer (with Pixtral's image tokens, [INST] and
+    [/INST] and Mistral Small 3.1's chat template added) and Pixtral's image processor (its PIL one: the default
+    needs torchvision), sized for small images."""
+    from transformers import PixtralImageProcessorPil
+
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer("smollm2")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]",
+                                                                "[/INST]"]})
+    images = PixtralImageProcessorPil(size={"longest_edge": MISTRAL3_LONGEST_EDGE},
+                                      patch_size={"height": MISTRAL3_PATCH, "width": MISTRAL3_PATCH})
+    return pixtral_processor_class()(images, tokenizer, patch_size=MISTRAL3_PATCH, spatial_merge_size=MISTRAL3_MERGE,
+                                     chat_template=MISTRAL3_TEMPLATE)
+
+
+@functools.cache
+def tiny_mistral3_dir() -> str:
+    """A directory with a random-weight Mistral 3 (Mistral Small 3.1's architecture: a 2-layer Pixtral tower, the
+    projector with its 2 x 2 patch merger, a 2-layer Mistral with its head_dim apart from the width) and its
+    processor, saved as the checkpoints are (processor_config.json, preprocessor_config.json, the tokenizer)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-mistral3-v1"
+    if not (target / "config.json").exists():
+        processor = tiny_mistral3_processor()
+        tokenizer = processor.tokenizer
+        text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=1, eos_token_id=2)
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=MISTRAL3_LONGEST_EDGE, patch_size=MISTRAL3_PATCH)
+        config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=MISTRAL3_MERGE,
+                                image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+        torch.manual_seed(1234)
+        model = Mistral3ForConditionalGeneration(config).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        processor.image_processor.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
 def conversation(*parts) -> list[dict]:
     """A user message of text and images (bytes) in order."""
     return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
@@ -195,3 +350,142 @@ def generate_greedy(llm, ids: list[int], images, max_new_tokens: int):
                 final = out
     assert final is not None and final.error is None, final
     return final
+
+
+# What llama.cpp assumes of a Qwen2.5-VL, whose mmproj file does not store it: an attention window of 112 pixels
+# (clip.cpp), images of 8 to 4096 tokens of 28 x 28 pixels (clip.cpp's set_limit_image_tokens).
+LLAMA_CPP_QWEN2_VL_WINDOW, LLAMA_CPP_QWEN2_VL_TOKENS = 112, (8, 4096)
+
+
+@functools.cache
+def tiny_qwen2_5_vl_llama_cpp_dir() -> str:
+    """A directory with a random-weight Qwen2.5-VL that llama.cpp's converter and mtmd run as transformers does: the
+    window and image sizes llama.cpp assumes (above), 4 vision blocks with full attention every 2nd (the converter
+    maps the merger's layers by block index, so it needs 3 blocks or more; llama.cpp stores the pattern)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-qwen2_5_vl-llama-cpp-v1"
+    if not (target / "config.json").exists():
+        tokenizer, _ = tiny_processor()
+        low, high = LLAMA_CPP_QWEN2_VL_TOKENS
+        images = Qwen2VLImageProcessor(size={"shortest_edge": 28 * 28 * low, "longest_edge": 28 * 28 * high},
+                                       patch_size=14, temporal_patch_size=2, merge_size=2)
+        config = tiny_config(tokenizer)
+        config.vision_config.window_size = LLAMA_CPP_QWEN2_VL_WINDOW
+        config.vision_config.depth, config.vision_config.fullatt_block_indexes = 4, [1, 3]
+        torch.manual_seed(2525)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        images.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+@functools.cache
+def tiny_idefics3_text_dir() -> str:
+    """The tiny Idefics3's Llama decoder alone, as a LlamaForCausalLM directory with the processor's tokenizer and
+    chat template: what llama.cpp's converter takes for SmolVLM's text model (it converts an Idefics3 directory's
+    vision tower only, ``--mmproj``)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, LlamaForCausalLM
+
+    from lmport.models.loader import cache_root
+    source = tiny_idefics3_dir()
+    target = cache_root() / "test-models" / "tiny-idefics3-text-v1"
+    if not (target / "config.json").exists():
+        full = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
+        text = LlamaForCausalLM(full.config.text_config).to(torch.float32)
+        state = {f"model.{k}": v for k, v in full.model.text_model.state_dict().items()}
+        text.load_state_dict(state | {"lm_head.weight": full.lm_head.weight}, strict=True)
+        text.generation_config.eos_token_id = 2
+        tokenizer = AutoProcessor.from_pretrained(source).tokenizer
+        tokenizer.chat_template = SMOLVLM_TEMPLATE
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        text.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+# Gemma 3's chat template (its system-prompt branch left out; an image part becomes <start_of_image>, which the
+# processor expands into the image's soft tokens between <start_of_image> and <end_of_image>, with newlines around).
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] | trim }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] in ('image', 'image_url') %}{{ '<start_of_image>' }}{% elif item['type'] == 'text' %}"
+    "{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+# 32 x 32 pixel images in 4-pixel patches (8 x 8), pooled 2 x 2 into 16 soft tokens an image; the sliding layers'
+# window (6) is narrower than an image, so an image token's window cuts into its own image.
+GEMMA3_IMAGE_SIZE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS, GEMMA3_WINDOW = 32, 4, 16, 6
+
+
+def tiny_gemma3_processor():
+    """transformers' Gemma3Processor over the default model's tokenizer (with Gemma 3's image tokens named as its
+    tokenizer names them, <start_of_turn> and <end_of_turn>, and Gemma 3's chat template) and Gemma 3's image
+    processor (its PIL one: the default needs torchvision), sized for small images."""
+    import tempfile
+
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    from lmport.models.loader import load_tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer("smollm2").save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens={
+            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]},
+                                 replace_extra_special_tokens=False)
+    images = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    return Gemma3Processor(images, tokenizer, chat_template=GEMMA3_TEMPLATE, image_seq_length=GEMMA3_IMAGE_TOKENS)
+
+
+@functools.cache
+def tiny_gemma3_dir() -> str:
+    """A directory with a random-weight Gemma 3 (a 2-layer SigLIP tower, the pooling projector, a 2-layer Gemma 3
+    text model: one sliding layer, one global) and its processor. The projection and the norms, which transformers
+    initializes to zeros (an image would then read as zeros), are drawn at random too."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-gemma3-vision-v1"
+    if not (target / "config.json").exists():
+        processor = tiny_gemma3_processor()
+        tokenizer = processor.tokenizer
+        text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=GEMMA3_WINDOW,
+                    layer_types=["sliding_attention", "full_attention"], bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=2, pad_token_id=0)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, vision_use_head=False)
+        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+                              boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                              image_token_index=tokenizer.image_token_id)
+        torch.manual_seed(1234)
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mm_input_projection_weight"):
+                    p.normal_(0.0, 0.3)
+                elif "norm" in name and "vision_tower" not in name:
+                    p.normal_(0.0, 0.3)
+        model.generation_config.eos_token_id = 2
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

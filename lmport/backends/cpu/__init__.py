@@ -39,9 +39,9 @@ class CpuBackend(Backend):
         # Host RAM is shared with everything else on the machine: take a smaller share.
         default_cache_max_entry_count=0.05,
         lora=True,
-        # sinks and chunks on the reference op (paged_attention below), latent (MLA) on lmport.ops.mla,
-        # recurrent state (Gated DeltaNet) on lmport.ops.gated_delta_net
-        attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state"}),
+        # sinks, chunks and bidirectional spans on the reference op (paged_attention below), latent (MLA) on
+        # lmport.ops.mla, recurrent state (Gated DeltaNet) on lmport.ops.gated_delta_net
+        attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state", "bidirectional"}),
     )
 
     @classmethod
@@ -189,9 +189,9 @@ class CpuBackend(Backend):
                         softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # The kernel covers the caches kernels.cache_takes names (in this backend's bshd order), head dims as
         # attention_takes says.
-        # Sinks and chunks run on the reference op (the compiled kernel has neither).
+        # Sinks, chunks and bidirectional spans run on the reference op (the compiled kernel has none of them).
         fits = kernels.attention_takes(q.shape[-1]) and kernels.cache_takes(cache) and \
-            meta.sinks is None and meta.chunk is None
+            meta.sinks is None and meta.chunk is None and meta.bidirectional is None
         compiled = _compiled_for(q) if fits else None
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale, new_kv)
