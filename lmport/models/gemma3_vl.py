@@ -135,22 +135,18 @@ class Gemma3VLCausalLM(GemmaCausalLM):
     def encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Each image's projector output rows by digest: from the cache, the others encoded in one call (the
         processor gives every image the one size the tower takes)."""
-        out = {im.digest: rows for im in images if (rows := self.encoded.get(im.digest)) is not None}
-        todo = list({im.digest: im for im in images if im.digest not in out}.values())
-        if not todo:
-            return out
-        if any(im.pixel_values is None for im in todo):
-            raise ValueError("an image's tokens are computed without its pixel values")
+        return self.encoded.rows_of(images, self.run_tower)
+
+    def run_tower(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The images' projector output rows, from one call of the vision tower."""
         if self.vision_tower is None or self.projector is None:
             raise ValueError("the vision tower is not loaded")
-        device, dtype = self.model.embed_tokens.weight.device, next(self.vision_tower.parameters()).dtype
-        pixels = torch.from_numpy(np.stack([im.pixel_values for im in todo])).to(device, dtype)
-        rows = self.projector(self.vision_tower(pixel_values=pixels).last_hidden_state)
-        for im, part in zip(todo, rows):
+        weight = next(self.vision_tower.parameters())   # on the engine's device
+        pixels = torch.from_numpy(np.stack([im.pixel_values for im in images])).to(weight.device, weight.dtype)
+        rows = list(self.projector(self.vision_tower(pixel_values=pixels).last_hidden_state))
+        for im, part in zip(images, rows):
             if len(part) != im.num_tokens:
                 raise ValueError(f"an image gives {len(part)} encoder rows for its {im.num_tokens} tokens; the "
                                  f"processor's image_seq_length does not match the model's mm_tokens_per_image "
                                  f"({self.image_tokens})")
-            out[im.digest] = part
-            self.encoded.put(im.digest, part)
-        return out
+        return rows

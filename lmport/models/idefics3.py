@@ -87,30 +87,27 @@ class Idefics3CausalLM(PagedCausalLM):
     def encode(self, tiles: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Each tile's connector output rows by digest: from the cache, the others encoded in one call for each tile
         size (a checkpoint's tiles are all one size)."""
-        out = {t.digest: rows for t in tiles if (rows := self.encoded.get(t.digest)) is not None}
-        todo = list({t.digest: t for t in tiles if t.digest not in out}.values())
-        if not todo:
-            return out
-        if any(t.pixel_values is None for t in todo):
-            raise ValueError("an image's tokens are computed without its pixel values")
+        return self.encoded.rows_of(tiles, self.run_tower)
+
+    def run_tower(self, tiles: list[ImageInput]) -> list[torch.Tensor]:
+        """The tiles' connector output rows, in order."""
         if self.vision_model is None or self.connector is None:
             raise ValueError("the vision tower is not loaded")
         weight = next(self.vision_model.parameters())   # on the engine's device (a GGUF's embedding may be quantized)
         device, dtype = weight.device, weight.dtype
-        by_size: dict[tuple[int, ...], list[ImageInput]] = {}
-        for t in todo:
-            by_size.setdefault(t.pixel_values.shape, []).append(t)   # pyright: ignore[reportOptionalMemberAccess]
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i, t in enumerate(tiles):
+            by_size.setdefault(t.pixel_values.shape, []).append(i)   # pyright: ignore[reportOptionalMemberAccess]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(tiles)
         for (_, height, width), group in by_size.items():
-            pixels = torch.from_numpy(np.stack([t.pixel_values for t in group])).to(device, dtype)
+            pixels = torch.from_numpy(np.stack([tiles[i].pixel_values for i in group])).to(device, dtype)
             # whole tiles: every patch is the image's (transformers' mask of an unpadded tile)
             mask = torch.ones(len(group), height // self.patch_size, width // self.patch_size, dtype=torch.bool,
                               device=device)
             hidden = self.vision_model(pixel_values=pixels, patch_attention_mask=mask).last_hidden_state
-            rows = self.connector(hidden)
-            for t, part in zip(group, rows):
-                if len(part) != t.num_tokens:
-                    raise ValueError(f"a tile gives {len(part)} encoder rows for its {t.num_tokens} tokens; the "
-                                     f"processor's image_seq_len does not match the model's")
-                out[t.digest] = part
-                self.encoded.put(t.digest, part)
+            for i, part in zip(group, self.connector(hidden)):
+                if len(part) != tiles[i].num_tokens:
+                    raise ValueError(f"a tile gives {len(part)} encoder rows for its {tiles[i].num_tokens} tokens; "
+                                     f"the processor's image_seq_len does not match the model's")
+                out[i] = part
         return out

@@ -120,15 +120,13 @@ class Mistral3CausalLM(PagedCausalLM):
     def encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Each image's projector output rows by digest: from the cache, the others encoded together, in as few
         calls as ``encode_patches`` allows."""
-        out = {im.digest: rows for im in images if (rows := self.encoded.get(im.digest)) is not None}
-        todo = list({im.digest: im for im in images if im.digest not in out}.values())
-        if not todo:
-            return out
-        if any(im.pixel_values is None for im in todo):
-            raise ValueError("an image's tokens are computed without its pixel values")
+        return self.encoded.rows_of(images, self.run_tower)
+
+    def run_tower(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The images' projector output rows, in order, from as few calls as ``encode_patches`` allows."""
         cell = self.patch_size * self.merge_size
         groups: list[tuple[list[ImageInput], int]] = []
-        for im in todo:
+        for im in images:
             height, width = im.pixel_values.shape[1:]   # pyright: ignore[reportOptionalMemberAccess]
             if (height // cell, width // cell) != self.layout(im):
                 raise ValueError(f"a {height} x {width} image gives {height // cell} x {width // cell} encoder rows "
@@ -140,11 +138,7 @@ class Mistral3CausalLM(PagedCausalLM):
                 groups[-1] = (groups[-1][0] + [im], groups[-1][1] + patches)
             else:
                 groups.append(([im], patches))
-        for group, _ in groups:
-            for im, part in zip(group, self.encode_together(group)):
-                out[im.digest] = part
-                self.encoded.put(im.digest, part)
-        return out
+        return [rows for group, _ in groups for rows in self.encode_together(group)]
 
     def encode_together(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """The images' projector output rows, from one call of the vision tower (as transformers encodes a prompt's

@@ -42,10 +42,12 @@ class Qwen2VLCausalLM(PagedCausalLM):
     new tokens and the cached tokens after the step, or None for a step without images."""
 
     model_types = ("qwen2",)   # the decoder built from the text view under Qwen2's type (bias on q, k and v)
+    vision_model_types = QWEN2_VL_MODEL_TYPES
     takes_images = True
 
     def __init__(self, cfg, backend: Backend, rotary, tp: TPGroup | None = None):
-        decoder = vision_language.decoder_config(cfg, type(self).__name__, QWEN2_VL_MODEL_TYPES, "qwen2")
+        decoder = vision_language.decoder_config(cfg, type(self).__name__, self.vision_model_types,
+                                                 self.model_types[0])
         super().__init__(decoder, backend, rotary, tp)
         self.merge_size = cfg.vision_config.spatial_merge_size
         self.visual: torch.nn.Module | None = None   # transformers' vision tower, taken from the checkpoint
@@ -66,10 +68,15 @@ class Qwen2VLCausalLM(PagedCausalLM):
         step, self.step_images = self.step_images, None
         x = self.model.embed_tokens(input_ids)
         positions = meta.positions.expand(3, -1)
+        placed: list[tuple[int, torch.Tensor]] = []
         if step is not None:
-            x, positions = self.place_images(x, positions.clone(), *step)
+            x, positions, placed = self.place_images(x, positions.clone(), *step)
         cos, sin = self.rotary(x, positions[:, None, :])
-        rope = (cos[0], sin[0])
+        return self.model.norm.forward(self.decode(x, (cos[0], sin[0]), meta, caches, placed))
+
+    def decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata,
+               caches: list[LayerCache], placed: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """The decoder's layers over the step's embeddings (``placed``: the encoder rows ``place_images`` put in)."""
         metas = {w: meta.for_layer(w, self.attn_softcap) for w in set(self.windows)}
         runner = self.decoder_runner()
         out = None if runner is None else runner(x, [rope] * len(self.windows), caches,
@@ -78,11 +85,13 @@ class Qwen2VLCausalLM(PagedCausalLM):
             for layer, cache, window in zip(self.model.layers, caches, self.windows, strict=True):
                 x = layer.forward(x, *rope, cache, metas[window])
             out = x
-        return self.model.norm.forward(out)
+        return out
 
     def place_images(self, x: torch.Tensor, positions: torch.Tensor, images: list[list[ImageInput]],
-                     q_lens: list[int], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's embeddings with the encoder's rows at the image tokens it computes, and its M-RoPE positions."""
+                     q_lens: list[int], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                     list[tuple[int, torch.Tensor]]]:
+        """The step's embeddings with the encoder's rows at the image tokens it computes (their first ``hidden``
+        columns), its M-RoPE positions, and those rows by the step row they start at."""
         row, places = 0, []
         for seq_images, q, kv in zip(images, q_lens, kv_lens):
             start = kv - q
@@ -93,28 +102,29 @@ class Qwen2VLCausalLM(PagedCausalLM):
                     if lo < hi:
                         places.append((image, row + lo - start, lo - image.offset, hi - lo))
             row += q
+        placed = []
         if places:
             encoded = self.encode([image for image, *_ in places])
             x = x.clone()
             for image, at, first, count in places:
-                x[at:at + count] = encoded[image.digest][first:first + count].to(x.dtype)
-        return x, positions
+                rows = encoded[image.digest][first:first + count]
+                x[at:at + count] = rows[:, :x.shape[-1]].to(x.dtype)
+                placed.append((at, rows))
+        return x, positions, placed
 
     def encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Each image's encoder output rows by digest: from the cache, the others encoded in one call."""
-        out = {im.digest: rows for im in images if (rows := self.encoded.get(im.digest)) is not None}
-        todo = list({im.digest: im for im in images if im.digest not in out}.values())
-        if todo:
-            if any(im.pixel_values is None for im in todo):
-                raise ValueError("an image's tokens are computed without its pixel values")
-            if self.visual is None:
-                raise ValueError("the vision tower is not loaded")
-            weight = next(self.visual.parameters())   # on the engine's device (a GGUF's embedding may be quantized)
-            device, dtype = weight.device, weight.dtype
-            pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in todo])).to(device, dtype)
-            grid = torch.tensor([im.grid_thw for im in todo], dtype=torch.long, device=device)
-            rows = self.visual(pixels, grid_thw=grid).pooler_output
-            for im, part in zip(todo, rows.split([im.num_tokens for im in todo])):
-                out[im.digest] = part
-                self.encoded.put(im.digest, part)
-        return out
+        return self.encoded.rows_of(images, self.run_tower)
+
+    def run_tower(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The images' encoder output rows, from one call of the vision tower."""
+        if (visual := self.visual) is None:
+            raise ValueError("the vision tower is not loaded")
+        weight = next(visual.parameters())   # on the engine's device (a GGUF's embedding may be quantized)
+        pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in images])).to(weight.device, weight.dtype)
+        grid = torch.tensor([im.grid_thw for im in images], dtype=torch.long, device=weight.device)
+        return list(self.tower_rows(visual, pixels, grid).split([im.num_tokens for im in images]))
+
+    def tower_rows(self, visual: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """The vision tower's output rows for a call's patches."""
+        return visual(pixels, grid_thw=grid).pooler_output

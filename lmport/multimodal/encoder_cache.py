@@ -3,8 +3,11 @@ prefill, a preemption): at most ``rows`` rows, the least recently used dropped f
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
+
+from lmport.multimodal.inputs import ImageInput
 
 ENCODER_CACHE_ROWS = 16384
 
@@ -26,3 +29,17 @@ class EncoderCache:
             self.held -= len(self.entries.popitem(last=False)[1])
         self.entries[key] = rows
         self.held += len(rows)
+
+    def rows_of(self, images: list[ImageInput], encode: Callable[[list[ImageInput]], list[torch.Tensor]]
+                ) -> dict[str, torch.Tensor]:
+        """Each image's encoder rows by digest: those held here, the others from one ``encode(images)`` call (each
+        image once, with its pixel values), kept for next time."""
+        out = {im.digest: rows for im in images if (rows := self.get(im.digest)) is not None}
+        todo = list({im.digest: im for im in images if im.digest not in out}.values())
+        if todo:
+            if any(im.pixel_values is None for im in todo):
+                raise ValueError("an image's tokens are computed without its pixel values")
+            for im, rows in zip(todo, encode(todo), strict=True):
+                out[im.digest] = rows
+                self.put(im.digest, rows)
+        return out
