@@ -9,7 +9,8 @@ are split over the vocabulary: the embedding sums each rank's rows with one all-
 logit columns on rank 0. KV heads are split across ranks; where tp exceeds the KV heads,
 each KV head is replicated on tp / num_key_value_heads consecutive ranks. A mixture-of-experts
 model's experts are split like the MLP, by their intermediate dimension, in equal slices
-(experts_tp_problem says which models and sizes allow it).
+(experts_tp_problem says which models and sizes allow it); a GGUF's quantized experts in whole blocks of their
+type (lmport.weights.gguf.check_expert_split).
 """
 from __future__ import annotations
 

@@ -48,11 +48,19 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
     check_tensor_parallel(path, resolved.tp, resolved.weight_format)
-    if check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf":
-        # Kept quantized (tp=1 only): the bytes of its format, from the GGUF header.
+    quantized_gguf = check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf"
+    if quantized_gguf and resolved.tp == 1:
+        # Kept quantized: the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
         weight_bytes = sum(bytes_by_format.values())
         rank_bytes = [weight_bytes]
+    elif quantized_gguf:
+        # A mixture-of-experts GGUF under tp: each rank a slice of the quantized experts, the rest in the compute
+        # dtype (lmport.models.moe.shard_quantized_experts).
+        expert_params, expert_bytes = gguf.split_experts_per_rank(path, resolved.tp)
+        rank_bytes = [b - expert_params * dtype.itemsize + sum(expert_bytes.values()) for b in rank_bytes]
+        weight_bytes = max(rank_bytes)
+        bytes_by_format = {resolved.dtype: weight_bytes - sum(expert_bytes.values())} | expert_bytes
 
     if device_memory is None:
         probe = registry.safe_probe(backend_cls)

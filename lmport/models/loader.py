@@ -20,6 +20,7 @@ from lmport.models.architectures import (adopt_transformers_modules, attention_v
                                          transformers_class)
 from lmport.models.fusion import fuse_projections
 from lmport.models.llama import PagedCausalLM
+from lmport.models.moe import shard_quantized_experts
 from lmport.models.rotary import rotary_for
 from lmport.multimodal import mmproj as mmproj_files
 from lmport.parallel import TPGroup
@@ -164,14 +165,21 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
 
 def _paged_from_gguf(path: Path, cfg, backend: Backend, dtype: torch.dtype, tp: TPGroup | None,
                      keep_quantized: bool, rotary: torch.nn.Module | None = None) -> PagedCausalLM:
-    """The paged model over a GGUF's tensors, read from the mapped file (this rank's shard under ``tp``,
-    where they load float); ``rotary``: its rotary module, where not the one ``rotary_for`` makes of ``cfg``."""
+    """The paged model over a GGUF's tensors, read from the mapped file (this rank's shard under ``tp``: its
+    slice of the quantized experts, the other tensors float); ``rotary``: its rotary module, where not the one
+    ``rotary_for`` makes of ``cfg``."""
     with torch.device("meta"):
         paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     # the state dict's names: the parameters and the persistent buffers (GLM-4.5's routing bias)
     names = [n for n in paged.state_dict(keep_vars=True) if not (tied and n == "lm_head.weight")]
-    quantized, floats = gguf.load_tensors(path, cfg, dtype, names, keep_quantized)
+    # Under tp, the stacked experts alone stay quantized (split by lmport.models.moe); the rest shards as floats.
+    split_experts = keep_quantized and tp is not None and tp.size > 1
+    quantized, floats = gguf.load_tensors(path, cfg, dtype, names, keep_quantized, experts_only=split_experts)
+    if split_experts:
+        quantized, floats = shard_quantized_experts(paged, quantized, floats)
+        log.info("%s at tp=%d: the experts stay quantized (each rank a slice); the other tensors load in %s",
+                 path.name, paged.tp.size, str(dtype).removeprefix("torch."))
     _tie_lm_head(cfg, quantized, floats)   # before sharding, so the head is sliced as the embedding is
     paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
     paged.rotary = rotary if rotary is not None else rotary_for(cfg)

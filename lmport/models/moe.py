@@ -14,7 +14,8 @@ Under tensor parallelism each expert is split like a dense MLP: every rank holds
 expert's intermediate dimension (gate and up by output, down by input), the router is replicated, and the
 block's output is one all-reduce of the ranks' partial sums. An expert's intermediate size must divide by
 tp (lmport.parallel.experts_tp_problem); Llama 4's and Qwen3-Next's experts are not split yet, so those
-models run at tp=1.
+models run at tp=1. A GGUF's quantized experts split the same way in their file's blocks
+(``shard_quantized_experts``), never dequantized.
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from lmport.platform.backend import Backend
 from lmport.models.llama import PagedCausalLM
 from lmport.ops import route
 from lmport.parallel import TPGroup, experts_tp_problem, tp_choices
+from lmport.models.quantized import EXPERT_PARTS
+from lmport.weights.format import QuantizedWeight
+from lmport.weights.ggml import GGMLWeight
+from lmport.weights.split import input_range
+from lmport.weights.residency import page_out
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 
@@ -49,9 +55,9 @@ def expert_range(inter: int, tp: TPGroup) -> tuple[int, int]:
 
 class Experts(nn.Module):
     """Float experts, run by ``Backend.fused_moe``; a loader replaces them by ``QuantExperts``
-    (lmport.models.quantized) where the checkpoint's experts are quantized (at tp=1 only: lmport does not shard
-    a quantized weight). Under ``tp`` this rank's slice of every expert's intermediate dimension: ``forward``
-    gives the rank's partial sum, which the block all-reduces."""
+    (lmport.models.quantized) where the checkpoint's experts are quantized (under tp: cut to the same slice by
+    ``shard_quantized_experts``). Under ``tp`` this rank's slice of every expert's intermediate dimension:
+    ``forward`` gives the rank's partial sum, which the block all-reduces."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, backend: Backend, tp: TPGroup | None = None):
         super().__init__()
@@ -89,6 +95,46 @@ def shard_experts(model: PagedCausalLM, state: dict[str, torch.Tensor]) -> dict[
             if key in out:
                 out[key] = shard(name, out[key])
     return out
+
+
+def shard_quantized_experts(model: PagedCausalLM, quantized: dict, floats: dict[str, torch.Tensor]
+                            ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(quantized, floats) as a GGUF loader hands them, with every block's stacked quantized experts
+    ("<block>.experts.gate_proj" / "up_proj" / "down_proj", [experts x rows, inputs]) cut to this rank's slice of
+    each expert's intermediate dimension, as ``Experts.shard_expert_tensor`` cuts float ones: gate and up keep each
+    expert's rows [start, end) (whole rows: any type), down its inputs [start, end) (whole blocks of its type;
+    lmport.weights.gguf.check_expert_split refuses a tp that cuts one before any weight loads). gpt-oss's gate and
+    up biases [experts, inter] go with their rows (its down bias: the model's shard_state_dict). The slices are
+    copies: the file's pages under the whole tensors are handed back."""
+    if model.tp.size == 1:
+        return quantized, floats
+    quantized, floats = dict(quantized), dict(floats)
+    for name, weight in list(quantized.items()):
+        module_name, _, part = name.rpartition(".")
+        module = model.get_submodule(module_name) if part in EXPERT_PARTS else None
+        shard_range = getattr(module, "shard_range", None)
+        if module is None or shard_range is None:
+            raise ConfigError(f"{name}: tp={model.tp.size} splits a checkpoint's quantized mixture-of-experts "
+                              "weights only; load the others in the compute dtype (weight_format='dequantize')")
+        start, end = shard_range
+        num_experts = module.get_parameter("gate_up_proj").shape[0]
+        if part == "down_proj":
+            quantized[name] = input_range(weight, start, end, name)
+            continue
+        inter = weight.out_features // num_experts
+        rows = (torch.arange(num_experts)[:, None] * inter + torch.arange(start, end)).flatten()
+        quantized[name] = _rows(weight, rows)
+        bias = f"{name}_bias"
+        if bias in floats:
+            floats[bias] = floats[bias][:, start:end].clone()
+    return quantized, floats
+
+
+def _rows(weight: QuantizedWeight | GGMLWeight, index: torch.Tensor) -> QuantizedWeight | GGMLWeight:
+    picked = weight.rows(index)
+    if isinstance(weight, GGMLWeight):
+        page_out([weight.blocks])   # copied out of the mapped file
+    return picked
 
 
 class Router(nn.Module):

@@ -68,10 +68,17 @@ def check_backend(path: Path, caps, weight_format: str = "auto") -> bool:
 def check_tensor_parallel(path: Path, tp: int, weight_format: str) -> None:
     """ConfigError, before any weight loads, for a checkpoint whose weights would stay quantized under ``tp > 1``
     (lmport.weights.format.check_quantized_tp). An AWQ / GPTQ directory's packed weights are refused whatever
-    ``weight_format`` says; a GGUF's dequantize at load with weight_format='dequantize'."""
+    ``weight_format`` says; a GGUF's dequantize at load with weight_format='dequantize'. A mixture-of-experts
+    GGUF's quantized experts split by their intermediate dimension (in whole blocks: gguf.check_expert_split),
+    its other tensors loading in the compute dtype."""
     if tp == 1:
         return
     packed = path.is_dir() and packed_int.quantization_config(path) is not None
+    if path.suffix == ".gguf" and weight_format == "auto" and is_quantized(path):
+        from lmport.weights import gguf
+        if gguf.quantized_stacked_experts(path):
+            gguf.check_expert_split(path, tp)
+            return
     quantized = packed or (weight_format == "auto" and is_quantized(path))
     check_quantized_tp(tp, path.name, quantized, can_dequantize=not packed)
 

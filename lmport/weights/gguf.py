@@ -29,6 +29,7 @@ from lmport.weights.ggml import HELD_BLOCK_TYPES, GGMLWeight
 from lmport.weights.gguf_checks import DamagedHeader, check_metadata
 from lmport.weights.gguf_header import GGUFHeader, TensorInfo, read_header
 from lmport.weights.residency import page_out, read_ahead
+from lmport.weights.split import SPLIT_FIX
 
 log = logging.getLogger(__name__)
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -57,6 +58,9 @@ _LINEAR_PARAMETERS = {"linear_attn.A_log": ("linear_attn.A_log", ""), "linear_at
 _PERMUTED_QK = ("llama", "smollm3")
 # Tensors a converter may write that the model computes from its config instead.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# A mixture-of-experts block's experts stacked into one tensor each (gate, up, down): under tensor parallelism the
+# only tensors a GGUF keeps quantized (lmport.models.moe.shard_quantized_experts splits them).
+_STACKED_EXPERTS = re.compile(r"\.ffn_(gate|up|down)_exps\.weight$")
 # Phi-3's checkpoint fusions: the fused projection -> its parts, in row order.
 _PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -253,6 +257,46 @@ def _row_range(value, start: int, stop: int):
                            value.bits, value.group_size, value.zero_mins)
 
 
+
+def quantized_stacked_experts(path: Path) -> list[TensorInfo]:
+    """The file's stacked expert tensors that load quantized (header only; empty for a dense model)."""
+    int_types, _ = _types()
+    return [t for t in read(path).tensors if _STACKED_EXPERTS.search(t.name) and len(t.shape) == 3
+            and (_qtype(t) in int_types or _qtype(t).name.lower() in HELD_BLOCK_TYPES)]
+
+
+def check_expert_split(path: Path, tp: int) -> None:
+    """ConfigError, from the header alone, where ``tp`` ranks cannot split the file's quantized experts by their
+    intermediate dimension: each rank's down projection takes inputs [r * inter / tp, (r + 1) * inter / tp),
+    which must be whole blocks of its type (32 values for Q4_0..Q8_0, Q5_x, IQ4_NL and MXFP4, 256 for the K-quants
+    and IQ4_XS). Gate and up split by whole rows, which any type allows."""
+    int_types, _ = _types()
+    for t in quantized_stacked_experts(path):
+        if ".ffn_down_exps." not in t.name:
+            continue
+        kind = _qtype(t).name
+        elements = 32 if _qtype(t) in int_types else HELD_BLOCK_TYPES[kind.lower()].elements
+        inter = t.shape[-1]
+        if inter % (tp * elements):
+            working = [n for n in range(1, inter // elements + 1) if inter % (n * elements) == 0]
+            raise ConfigError(
+                f"tp={tp}: {path.name}'s {t.name} ({kind}, {elements}-value blocks) would give each rank "
+                f"{inter / tp:g} of its {inter} inputs (the experts' intermediate size), not a whole number of "
+                f"blocks; {SPLIT_FIX} (tp in {working} splits {t.name} into whole blocks)")
+
+
+def split_experts_per_rank(path: Path, tp: int) -> tuple[int, dict[str, int]]:
+    """(parameters, bytes by format: "int4", "int8" or a block type) of the quantized stacked experts each of ``tp``
+    ranks holds (equal slices: check_expert_split), from the header alone."""
+    int_types, _ = _types()
+    params, held = 0, {}
+    for t in quantized_stacked_experts(path):
+        params += int(np.prod(t.shape)) // tp
+        kind = int_types.get(_qtype(t)) or _qtype(t).name.lower()
+        held[kind] = held.get(kind, 0) + t.nbytes // tp
+    return params, held
+
+
 def _out_features(value) -> int:
     return value.shape[0] if isinstance(value, torch.Tensor) else value.out_features
 
@@ -281,9 +325,11 @@ def checkpoint_names(model_names: list[str], model_type: str) -> list[str]:
 
 
 def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
-                 keep_quantized: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+                 keep_quantized: bool, experts_only: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(quantized weights, float tensors) under the names of ``model_names`` (the model's parameters,
-    transformers' names). Quantized tensors are dequantized to ``dtype`` unless ``keep_quantized``.
+    transformers' names). Quantized tensors are dequantized to ``dtype`` unless ``keep_quantized``;
+    ``experts_only`` (tensor parallelism): the stacked experts alone stay quantized, every other tensor loads
+    in ``dtype`` to be sharded as a float checkpoint's.
     ValueError naming the tensor when one has no place in the model or the model misses one."""
     import gguf
     header, arch = read(path), architecture(path)
@@ -311,8 +357,9 @@ def load_tensors(path: Path, cfg, dtype: torch.dtype, model_names: list[str],
         if hf is None:
             raise ValueError(f"{path.name}: GGUF tensor {t.name!r} has no place in the {cfg.model_type} model "
                              f"built from the file's metadata ({cfg.num_hidden_layers} layers)")
-        value, qtype = _read_tensor(header, t, dtype, keep_quantized), _qtype(t)
-        if isinstance(value, torch.Tensor) and qtype not in float_types:
+        keep = keep_quantized and (not experts_only or _STACKED_EXPERTS.search(t.name) is not None)
+        value, qtype = _read_tensor(header, t, dtype, keep), _qtype(t)
+        if isinstance(value, torch.Tensor) and qtype not in float_types and keep:
             dequantized.add(qtype.name)
         if isinstance(value, torch.Tensor):
             want, got = t.shape, tuple(value.shape)

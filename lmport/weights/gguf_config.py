@@ -141,6 +141,9 @@ def architecture_fields(arch: str, model_type: str, meta: dict, tensor_names: se
         return _qwen3_5_fields(arch, meta, tensor_names)
     if model_type == "llama4_text":
         return _llama4_fields(arch, meta)
+    if model_type == "qwen3_moe" and f"{arch}.expert_feed_forward_length" in meta:
+        # transformers' qwen3moe table lacks the experts' width (its default, 768, is Qwen3-30B-A3B's alone)
+        fields["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
     if model_type in ("smollm3", "glm4_moe"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if model_type == "glm4_moe":
