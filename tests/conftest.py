@@ -19,6 +19,13 @@ from support.fixtures import (backends_output, backends_table, broken_plugin_bac
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers share the machine's cores: each worker's torch threads (and the servers and background runs
+# it starts, through OMP_NUM_THREADS) take its share, since torch's default of one thread a core in every worker
+# oversubscribes the cores and its threads then spend much of the run waiting on one another.
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def _uses_background(item) -> bool:
     return any(name in background.names for name in getattr(item, "fixturenames", ()))
