@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import os
 import re
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def converted_pair(outtype: str = "f32", family: str = "qwen2.5-vl") -> tuple[Pa
     for source, kind, flags in zip(sources, ("text", "mmproj"), ([], ["--mmproj"])):
         out = _out_dir() / f"{source.name}-{kind}-{outtype.upper()}.gguf"
         if not out.exists():
-            tmp = out.with_name(out.name + ".tmp")
+            tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")   # pytest workers may race to make it
             _run([sys.executable, convert, source, "--outtype", outtype, "--outfile", tmp, "--model-name",
                   "tiny-random", *flags])
             tmp.replace(out)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from test_server import ServerThread
+from support.saved_dirs import save_once
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 FAMILY_TEMPLATES = {
@@ -66,13 +65,7 @@ def family_model_dir() -> str:
         # The end of the turn, and gpt-oss's ends of a reply (as its generation config names them).
         model.generation_config.eos_token_id = [2, *(tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>",
                                                                                                "<|call|>"))]
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, tokenizer)
     return str(target)
 
 

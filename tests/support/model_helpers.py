@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from support.saved_dirs import save_once
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -60,13 +62,7 @@ def saved_model(name: str, make_model) -> str:
     target = cache_root() / "test-models" / name
     if not (target / "config.json").exists():
         model = make_model()
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        load_tokenizer("smollm2").save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, load_tokenizer("smollm2"))
     return str(target)
 
 
@@ -98,13 +94,7 @@ def tiny_draft_dir(arch: str) -> str:
         draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing = draft.load_state_dict(full.state_dict(), strict=False).missing_keys
         assert not missing, missing
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        draft.save_pretrained(tmp)
-        load_tokenizer("smollm2").save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, draft, load_tokenizer("smollm2"))
     return str(target)
 
 

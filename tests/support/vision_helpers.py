@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import io
-import os
-import shutil
 
 import torch
+
+from support.saved_dirs import save_once
 
 
 # Qwen2.5-VL's own chat template (an image part becomes <|vision_start|><|image_pad|><|vision_end|>), without the
@@ -69,14 +69,7 @@ def tiny_qwen2_5_vl_dir() -> str:
         torch.manual_seed(1234)
         model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer)).to(torch.float32)
         model.generation_config.eos_token_id = 2
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        images.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, tokenizer, images)
     return str(target)
 
 
@@ -142,14 +135,7 @@ def tiny_qwen3_vl_dir() -> str:
         torch.manual_seed(1234)
         model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer)).to(torch.float32)
         model.generation_config.eos_token_id = 2
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        images.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, tokenizer, images)
     return str(target)
 
 
@@ -218,13 +204,7 @@ def tiny_idefics3_dir() -> str:
         torch.manual_seed(1234)
         model = Idefics3ForConditionalGeneration(config).to(torch.float32)
         model.generation_config.eos_token_id = 2
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, processor)
     return str(target)
 
 
@@ -299,14 +279,7 @@ def tiny_mistral3_dir() -> str:
         torch.manual_seed(1234)
         model = Mistral3ForConditionalGeneration(config).to(torch.float32)
         model.generation_config.eos_token_id = 2
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        processor.image_processor.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, processor, processor.image_processor)
     return str(target)
 
 
@@ -377,14 +350,7 @@ def tiny_qwen2_5_vl_llama_cpp_dir() -> str:
         torch.manual_seed(2525)
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
         model.generation_config.eos_token_id = 2
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        images.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, tokenizer, images)
     return str(target)
 
 
@@ -406,13 +372,7 @@ def tiny_idefics3_text_dir() -> str:
         text.generation_config.eos_token_id = 2
         tokenizer = AutoProcessor.from_pretrained(source).tokenizer
         tokenizer.chat_template = SMOLVLM_TEMPLATE
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        text.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, text, tokenizer)
     return str(target)
 
 
@@ -481,11 +441,5 @@ def tiny_gemma3_dir() -> str:
                 elif "norm" in name and "vision_tower" not in name:
                     p.normal_(0.0, 0.3)
         model.generation_config.eos_token_id = 2
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_once(target, model, processor)
     return str(target)
