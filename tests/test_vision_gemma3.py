@@ -258,3 +258,19 @@ def test_each_image_is_one_run_of_soft_tokens(llm, model_dir):
     for image in images:
         assert image.num_tokens == GEMMA3_IMAGE_TOKENS
         assert ids[image.offset - 1] == tokenizer.boi_token_id and ids[image.end] == tokenizer.eoi_token_id
+
+
+@pytest.mark.slow
+def test_the_cuda_backend_runs_the_image_spans_and_equals_transformers(reference, model_dir):
+    """The cuda backend (its Triton kernels under the interpreter, on CPU tensors, as tests/conformance runs it):
+    image steps go to the reference paged attention with the spans, the other steps to its kernels."""
+    pytest.importorskip("triton")
+    from lmport.backends.cuda import CudaBackend
+    parts = CASES["one image, text before and after"]
+    llm = LLM(model_dir, EngineConfig(device_type="cuda", dtype="float32", cache_max_entry_count=128),
+              backend=CudaBackend(device="cpu"))
+    try:
+        ids, images = lmport_prompt(llm, model_dir, parts)
+        assert generate_greedy(llm, ids, images, NEW_TOKENS).token_ids == reference(parts)
+    finally:
+        llm.close()

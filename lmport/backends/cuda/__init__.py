@@ -81,8 +81,9 @@ class CudaBackend(Backend):
         lora=True,
         # The Triton attention kernels take sinks and chunks; "latent" (MLA): absorbed multi-query attention over
         # the paged latent cache (mla.py); "recurrent_state" (Gated DeltaNet): the gated delta rule
-        # (gated_delta_net.py), its conv1d window on the reference torch op.
-        attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state"}),
+        # (gated_delta_net.py), its conv1d window on the reference torch op; "bidirectional" (Gemma 3's image
+        # spans, prefill steps only) on the reference paged attention.
+        attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state", "bidirectional"}),
     )
 
     @classmethod
@@ -144,6 +145,8 @@ class CudaBackend(Backend):
 
     def paged_attention(self, q: torch.Tensor, cache: LayerCache, meta: ops.AttentionMetadata,
                         softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if meta.bidirectional is not None:   # the Triton kernels know only causal rows
+            return super().paged_attention(q, cache, meta, softmax_scale, new_kv)
         if meta.is_decode:
             return self.kernels.decode_attention(q, cache, meta, softmax_scale, new_kv=new_kv)
         return self.kernels.prefill_attention(q, cache, meta, softmax_scale, new_kv=new_kv)
