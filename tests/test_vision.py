@@ -14,13 +14,11 @@ import torch
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.llm import LLM
 from lmport.engine.outputs import RequestError
-from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
-from lmport.multimodal.loading import image_processor
 from support.model_helpers import tiny_model_dir
-from support.vision_helpers import (CASES, conversation, generate_greedy, png, reference_model, tiny_qwen2_5_vl_dir,
-                                    vision_engine)
+from support.vision_helpers import (CASES, conversation, generate_greedy, greedy_reference, lmport_prompt, png,
+                                    reference_model, tiny_qwen2_5_vl_dir, vision_engine)
 
 NEW_TOKENS = 10
 
@@ -60,21 +58,11 @@ def reference_inputs(model_dir, tokenizer, parts) -> dict:
 
 
 def reference_tokens(hf, inputs) -> list[int]:
-    ids = inputs["input_ids"]
-    extra = {}
     if "pixel_values" in inputs:
-        extra = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
-                     mm_token_type_ids=(ids == hf.config.image_token_id).int())
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      min_new_tokens=NEW_TOKENS, do_sample=False, **extra)
-    return out[0, ids.shape[1]:].tolist()
+        inputs = {**inputs, "mm_token_type_ids": (inputs["input_ids"] == hf.config.image_token_id).int()}
+    return greedy_reference(hf, inputs, NEW_TOKENS, ("pixel_values", "image_grid_thw", "mm_token_type_ids"))
 
 
-def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
-    text = llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    processor = image_processor(model_dir)
-    return processor.prepare(ids, [p for p in parts if isinstance(p, bytes)], ImageLimits())
 
 
 def generate(llm, ids, images, max_new_tokens=NEW_TOKENS):

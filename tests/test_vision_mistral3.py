@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
-import io
 
 import anthropic
 import openai
@@ -21,12 +20,11 @@ from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
 from lmport.engine.llm import LLM
 from lmport.engine.outputs import RequestError
-from lmport.multimodal.images import ImageLimits
-from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.loading import image_processor
 from lmport.server.app import create_app
-from support.vision_helpers import (CASES, MISTRAL3_MERGE, MISTRAL3_PATCH, conversation, data_url, generate_greedy,
-                                    pixtral_processor_class, png, reference_model, tiny_mistral3_dir, vision_engine)
+from support.vision_helpers import (CASES, MISTRAL3_MERGE, MISTRAL3_PATCH, data_url, generate_greedy,
+                                    greedy_reference, lmport_prompt, pixtral_processor_class, png, processor_inputs,
+                                    reference_model, tiny_mistral3_dir, vision_engine)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -58,11 +56,7 @@ def processors(model_dir):
 
 def reference_inputs(model_dir, parts) -> dict:
     """transformers' inputs for a conversation: PixtralProcessor's expanded prompt, pixel values and image sizes."""
-    from PIL import Image
-    processor = processors(model_dir)[0]
-    text = processor.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
-    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
-    return dict(processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt"))
+    return processor_inputs(processors(model_dir)[0], parts)
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +66,9 @@ def reference(hf, model_dir):
 
 
 def reference_tokens(hf, inputs) -> list[int]:
-    ids = inputs["input_ids"]
-    extra = {k: inputs[k] for k in ("pixel_values", "image_sizes") if k in inputs}
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      min_new_tokens=NEW_TOKENS, do_sample=False, **extra)
-    return out[0, ids.shape[1]:].tolist()
+    return greedy_reference(hf, inputs, NEW_TOKENS, ("pixel_values", "image_sizes"))
 
 
-def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
-    text = llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    processor = processors(model_dir)[1]
-    assert processor is not None
-    return processor.prepare(ids, [p for p in parts if isinstance(p, bytes)], ImageLimits())
 
 
 def check_greedy(case, llm, reference, model_dir):

@@ -20,13 +20,11 @@ import torch
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
 from lmport.engine.llm import LLM
-from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.inputs import ImageInput
-from lmport.multimodal.loading import image_processor
 from lmport.multimodal.mrope import mrope_positions
 from lmport.server.app import create_app
-from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, png, reference_model,
-                                    tiny_qwen3_vl_dir, vision_engine)
+from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, greedy_reference, lmport_prompt,
+                                    png, reference_model, tiny_qwen3_vl_dir, vision_engine)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -86,18 +84,9 @@ def reference(hf, model_dir):
 
 
 def reference_tokens(hf, inputs) -> list[int]:
-    ids = inputs["input_ids"]
-    out = hf.generate(**inputs, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      min_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    return greedy_reference(hf, inputs, NEW_TOKENS, ("pixel_values", "image_grid_thw", "mm_token_type_ids"))
 
 
-def lmport_prompt(llm, model_dir, parts) -> tuple[list[int], list[ImageInput]]:
-    text = llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    processor = image_processor(model_dir)
-    assert processor is not None
-    return processor.prepare(ids, [p for p in parts if isinstance(p, bytes)], ImageLimits())
 
 
 def check_greedy(case, llm, reference, model_dir):

@@ -325,6 +325,43 @@ def generate_greedy(llm, ids: list[int], images, max_new_tokens: int):
     return final
 
 
+@functools.cache
+def lmport_image_processor(model_dir: str):
+    """lmport's image processor of a test model's directory (lmport.multimodal.loading), loaded once."""
+    from lmport.multimodal.loading import image_processor
+    processor = image_processor(model_dir)
+    assert processor is not None, f"{model_dir} takes no images"
+    return processor
+
+
+def lmport_prompt(llm, model_dir: str, parts) -> tuple[list, list]:
+    """lmport's prompt ids and image inputs for a conversation's parts: the chat template's text, tokenized, then
+    expanded by lmport's image processor."""
+    from lmport.multimodal.images import ImageLimits
+    text = llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    return lmport_image_processor(model_dir).prepare(ids, [p for p in parts if isinstance(p, bytes)], ImageLimits())
+
+
+def processor_inputs(processor, parts) -> dict:
+    """transformers' inputs for a conversation's parts, made by the model's own transformers processor (its chat
+    template, its prompt expansion and its image processor's pixels)."""
+    from PIL import Image
+    text = processor.apply_chat_template(conversation(*parts), tokenize=False, add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
+    return dict(processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt"))
+
+
+def greedy_reference(hf, inputs: dict, new_tokens: int, image_keys: tuple[str, ...]) -> list[int]:
+    """transformers' ``new_tokens`` greedy tokens after ``inputs["input_ids"]``, given those of ``image_keys`` the
+    inputs hold."""
+    ids = inputs["input_ids"]
+    extra = {k: inputs[k] for k in image_keys if k in inputs}
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, **extra)
+    return out[0, ids.shape[1]:].tolist()
+
+
 # What llama.cpp assumes of a Qwen2.5-VL, whose mmproj file does not store it: an attention window of 112 pixels
 # (clip.cpp), images of 8 to 4096 tokens of 28 x 28 pixels (clip.cpp's set_limit_image_tokens).
 LLAMA_CPP_QWEN2_VL_WINDOW, LLAMA_CPP_QWEN2_VL_TOKENS = 112, (8, 4096)
