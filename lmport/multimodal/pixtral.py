@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lmport.multimodal.images import ImageError, ImageLimits, check_count, decode, digest
+from lmport.multimodal.images import ImageLimits, digest
 from lmport.multimodal.inputs import ImageInput
-from lmport.multimodal.processor import ImageProcessor
+from lmport.multimodal.processor import ImageProcessor, placed_images
 
 PIXTRAL_MODEL_TYPES = ("mistral3",)
 
@@ -62,17 +62,10 @@ class PixtralImageProcessor(ImageProcessor):
 
     def prepare(self, prompt_ids: list[int], images: list[bytes], limits: ImageLimits,
                 wheres: list[str] | None = None) -> tuple[list[int], list[ImageInput]]:
-        wheres = wheres or [f"image {i}" for i in range(len(images))]
-        check_count(len(images), limits, "messages")
-        decoded = [decode(data, limits, where) for data, where in zip(images, wheres, strict=True)]
-        places = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if len(places) != len(decoded):
-            raise ImageError(f"messages: the prompt has {len(places)} image placeholders for {len(decoded)} "
-                             f"images; the chat template must write one for each image part", "messages")
         ids: list[int] = []
         inputs: list[ImageInput] = []
         start = 0
-        for place, image, data in zip(places, decoded, images):
+        for place, image, data in placed_images(prompt_ids, self.image_token_id, images, limits, wheres):
             ids += prompt_ids[start:place]
             pixels = self.resized(image)
             rows, cols = pixels.shape[1] // self.cell, pixels.shape[2] // self.cell

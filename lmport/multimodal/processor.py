@@ -1,7 +1,7 @@
 """The model's own image processor (transformers') and its prompt's image placeholders, in the front end.
 
 A chat template writes one placeholder token for each image (Qwen2.5-VL: ``<|image_pad|>`` between
-``<|vision_start|>`` and ``<|vision_end|>``); ``expand`` repeats it as many times as the encoder gives the image
+``<|vision_start|>`` and ``<|vision_end|>``); ``prepare`` repeats it as many times as the encoder gives the image
 rows, so that every row of the encoder's output has a token position to land on. Idefics3's tiled images:
 lmport.multimodal.tiles."""
 from __future__ import annotations
@@ -30,6 +30,21 @@ def takes_images(model: str) -> bool:
         return False
 
 
+def placed_images(prompt_ids: list[int], placeholder_id: int, images: list[bytes], limits: ImageLimits,
+                  wheres: list[str] | None = None) -> list[tuple[int, object, bytes]]:
+    """Each image's placeholder position in the prompt, the image decoded within ``limits``, and its bytes, in prompt
+    order (what every family's ``prepare`` starts from). ImageError for an image the limits refuse (``wheres``: each
+    image's field in the request) or a prompt whose placeholders do not match the images."""
+    wheres = wheres or [f"image {i}" for i in range(len(images))]
+    check_count(len(images), limits, "messages")
+    decoded = [decode(data, limits, where) for data, where in zip(images, wheres, strict=True)]
+    places = [i for i, t in enumerate(prompt_ids) if t == placeholder_id]
+    if len(places) != len(decoded):
+        raise ImageError(f"messages: the prompt has {len(places)} image placeholders for {len(decoded)} "
+                         f"images; the chat template must write one for each image part", "messages")
+    return list(zip(places, decoded, images))
+
+
 class ImageProcessor:
     """Images to a prompt's ``ImageInput`` for one model: its image processor, placeholder token and merge size."""
 
@@ -49,11 +64,17 @@ class ImageProcessor:
         """Decode and process ``images`` (in prompt order) and expand the prompt's placeholders to their token
         counts: the prompt's ids and its images. ImageError for an image the limits refuse (``wheres``: each
         image's field in the request) or a prompt whose placeholders do not match the images."""
-        wheres = wheres or [f"image {i}" for i in range(len(images))]
-        check_count(len(images), limits, "messages")
-        decoded = [decode(data, limits, where) for data, where in zip(images, wheres, strict=True)]
-        processed = [self.process(image) for image in decoded]
-        return self.expand(prompt_ids, processed, [digest(data) for data in images])
+        ids: list[int] = []
+        inputs: list[ImageInput] = []
+        start = 0
+        for place, image, data in placed_images(prompt_ids, self.image_token_id, images, limits, wheres):
+            ids += prompt_ids[start:place]
+            pixels, grid = self.process(image)
+            count = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+            inputs.append(ImageInput(len(ids), count, grid, digest(data), pixels))
+            ids += [self.image_token_id] * count
+            start = place + 1
+        return ids + prompt_ids[start:], inputs
 
     def process(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
         """One image's pixel values [patches, values] (float32) and patch grid (frames, rows, columns)."""
@@ -61,19 +82,3 @@ class ImageProcessor:
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return np.asarray(out["pixel_values"], dtype=np.float32), (t, h, w)
 
-    def expand(self, prompt_ids: list[int], processed: list[tuple[np.ndarray, tuple[int, int, int]]],
-               digests: list[str]) -> tuple[list[int], list[ImageInput]]:
-        places = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if len(places) != len(processed):
-            raise ImageError(f"messages: the prompt has {len(places)} image placeholders for {len(processed)} "
-                             f"images; the chat template must write one for each image part", "messages")
-        ids: list[int] = []
-        inputs: list[ImageInput] = []
-        start = 0
-        for place, (pixels, grid), name in zip(places, processed, digests):
-            ids += prompt_ids[start:place]
-            count = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
-            inputs.append(ImageInput(len(ids), count, grid, name, pixels))
-            ids += [self.image_token_id] * count
-            start = place + 1
-        return ids + prompt_ids[start:], inputs
