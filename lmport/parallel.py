@@ -45,7 +45,7 @@ def tp_problem(model_cfg, tp: int) -> str | None:
 EXPERT_WIDTH_FIELDS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size",
                        "qwen3_moe": "moe_intermediate_size", "glm4_moe": "moe_intermediate_size",
                        "deepseek_v3": "moe_intermediate_size"}
-UNSHARDED_MOE_MODEL_TYPES = ("llama4_text", "qwen3_next")
+UNSHARDED_MOE_MODEL_TYPES = ("llama4_text", "llama4", "qwen3_next")
 UNSPLIT_LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 

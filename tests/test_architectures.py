@@ -73,7 +73,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="not supported; supported: llama, mistral, qwen2, qwen3, smollm3, gemma2, "
                                          "gemma3_text, phi3, mixtral, qwen3_moe, glm4_moe, gpt_oss, llama4_text, "
                                          "deepseek_v3, qwen3_next, qwen3_5_text, qwen3_5_moe_text, qwen2_5_vl, "
-                                         "qwen3_vl, idefics3, mistral3, gemma3$"):
+                                         "qwen3_vl, idefics3, mistral3, gemma3, llama4$"):
         model_class(transformers.GPT2Config())
 
 
@@ -155,9 +155,9 @@ def test_a_backend_without_sinks_refuses_gpt_oss_before_loading(monkeypatch):
         lmport.pipeline(tiny_float_models.tiny_model_dir("gpt-oss"), backend_config=EngineConfig(device_type="example"))
 
 
-@pytest.mark.parametrize("architecture", ["qwen3vl", "glm4"])
+@pytest.mark.parametrize("architecture", ["qwen3vlmoe", "glm4"])
 def test_gguf_of_a_newer_family_is_refused_by_name(tmp_path, architecture):
-    """A GGUF of a family lmport does not load from GGUF (Qwen3-VL, GLM-4): refused by its architecture, before any
+    """A GGUF of a family lmport does not load from GGUF (Qwen3-VL-MoE, GLM-4): refused by its architecture, before any
     tensor is read."""
     import gguf
 

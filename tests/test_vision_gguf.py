@@ -1,7 +1,9 @@
 """A Qwen2.5-VL from two GGUF files, as llama.cpp serves one: the text model and its mmproj file, both written by
 llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype f32``; ``--mmproj``) from a tiny random-weight checkpoint
-(tests/support/vision_helpers.py ``tiny_qwen2_5_vl_llama_cpp_dir``); and SmolVLM's pair, the tiny Idefics3's
-(``-m slow``: its text GGUF is the Llama decoder saved alone and converted, its mmproj the directory's).
+(tests/support/vision_helpers.py ``tiny_qwen2_5_vl_llama_cpp_dir``); SmolVLM's pair, the tiny Idefics3's
+(``-m slow``: its text GGUF is the Llama decoder saved alone and converted, its mmproj the directory's); and the
+pairs of Gemma 3, Mistral 3 (Pixtral) and Qwen3-VL, each from a tiny checkpoint shaped as llama.cpp reads the
+family (``tiny_*_llama_cpp_dir``; Gemma 3's one-image case by default, the rest ``-m slow``).
 
 References: lmport on the source transformers directory (itself checked against transformers' ``generate`` in
 tests/test_vision.py) for greedy tokens and prompt ids; transformers' vision tower and image processor of the
@@ -21,6 +23,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForImageTextToText
 
 from lmport.config import EngineConfig
 from lmport.engine.llm import LLM
@@ -28,10 +31,16 @@ from lmport.errors import ConfigError
 from lmport.multimodal import mmproj as mmproj_files
 from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.loading import image_processor, takes_images
-from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, png, tiny_idefics3_dir,
-                                    tiny_idefics3_text_dir, tiny_qwen2_5_vl_llama_cpp_dir)
+from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, png, tiny_gemma3_llama_cpp_dir,
+                                    tiny_idefics3_dir, tiny_idefics3_text_dir, tiny_mistral3_llama_cpp_dir,
+                                    tiny_qwen2_5_vl_llama_cpp_dir, tiny_qwen3_vl_llama_cpp_dir)
 
 NEW_TOKENS = 10
+
+
+# The tiny checkpoints converted for each family (tests/support/vision_helpers.py).
+SOURCES = {"qwen2.5-vl": tiny_qwen2_5_vl_llama_cpp_dir, "gemma3": tiny_gemma3_llama_cpp_dir,
+           "mistral3": tiny_mistral3_llama_cpp_dir, "qwen3-vl": tiny_qwen3_vl_llama_cpp_dir}
 
 
 @functools.cache
@@ -44,7 +53,7 @@ def converted_pair(outtype: str = "f32", family: str = "qwen2.5-vl") -> tuple[Pa
     if family == "idefics3":
         sources = (Path(tiny_idefics3_text_dir()), Path(tiny_idefics3_dir()))
     else:
-        sources = (Path(tiny_qwen2_5_vl_llama_cpp_dir()),) * 2
+        sources = (Path(SOURCES[family]()),) * 2
     files = []
     for source, kind, flags in zip(sources, ("text", "mmproj"), ([], ["--mmproj"])):
         out = _out_dir() / f"{source.name}-{kind}-{outtype.upper()}.gguf"
@@ -250,6 +259,113 @@ def test_idefics3_greedy_tokens_equal_the_source_directorys(idefics3_pair):
         paired.close()
 
 
+# -- Gemma 3, Mistral 3 (Pixtral), Qwen3-VL -------------------------------------------------------------------------
+
+# Where each family's vision modules sit in transformers' model, and the modules lmport builds from the mmproj.
+_MODULES = {"gemma3": ("vision_tower", "multi_modal_projector"), "mistral3": ("vision_tower", "multi_modal_projector"),
+            "qwen3-vl": ("visual",)}
+
+
+def _slow_but(first, *rest):
+    return [first, *(pytest.param(r, marks=pytest.mark.slow) for r in rest)]
+
+
+@pytest.fixture(scope="module")
+def family_engines():
+    """(source directory's engine, pair's engine) of a family, made once for the module."""
+    made: dict[str, tuple[LLM, LLM]] = {}
+
+    def get(family: str) -> tuple[LLM, LLM]:
+        if family not in made:
+            made[family] = engine(SOURCES[family]()), engine(*converted_pair("f32", family))
+        return made[family]
+    yield get
+    for pair_of in made.values():
+        for llm in pair_of:
+            llm.close()
+
+
+def _mmproj_modules(family: str, text: Path, mmproj: Path, config) -> list[torch.nn.Module]:
+    if family == "qwen3-vl":
+        return [mmproj_files.vision_tower(mmproj, config.vision_config, torch.float32)]
+    return list(mmproj_files.tower_and_projector(mmproj, config, torch.float32))
+
+
+@pytest.mark.parametrize("family", _slow_but("gemma3", "mistral3", "qwen3-vl"))
+def test_the_mmproj_config_and_modules_are_the_checkpoints(family):
+    """The config made of the two files' metadata (and llama.cpp's assumptions) is the checkpoint's (vision config,
+    image token ids, the tokens an image gives); the vision tower and projector built from the mmproj hold the
+    checkpoint's tensors (Gemma 3's soft-embedding norm back from ``1 + w``: equal outputs) and give transformers'
+    output on the directory's own pixels."""
+    from lmport.models.loader import read_model_config
+    text, mmproj = converted_pair("f32", family)
+    source = SOURCES[family]()
+    hf = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32).eval()
+    made = mmproj_files.checkpoint_config(text, mmproj, read_model_config(str(text)))
+    ours_vision = made.vision_config.to_dict()
+    want_vision = hf.config.vision_config.to_dict()
+    for name in set(ours_vision) | set(want_vision):
+        if name not in ("dtype", "layer_norm_eps"):   # eps: stored as float32
+            assert ours_vision.get(name) == want_vision.get(name), name
+    for name in ("image_token_id", "boi_token_id", "eoi_token_id", "mm_tokens_per_image", "spatial_merge_size",
+                 "vision_start_token_id", "vision_end_token_id", "vision_feature_layer"):
+        assert getattr(made, name, None) == getattr(hf.config, name, None), name
+    modules = _mmproj_modules(family, text, mmproj, made)
+    for ours, attribute in zip(modules, _MODULES[family], strict=True):
+        mine, want = ours.state_dict(), getattr(hf.model, attribute).state_dict()
+        assert mine.keys() == want.keys()
+        for key in want:
+            if key != "mm_soft_emb_norm.weight":
+                assert torch.equal(mine[key], want[key]), key
+    reference = image_processor(source)
+    assert reference is not None
+    _, images = reference.prepare([reference.image_token_id if family != "gemma3" else reference.placeholder_id],
+                                  [png(90, 60, 1)], ImageLimits())
+    pixels = torch.from_numpy(np.stack([images[0].pixel_values]))
+    with torch.inference_mode():
+        if family == "qwen3-vl":
+            grid = torch.tensor([images[0].grid_thw])
+            ours_out = modules[0](pixels[0], grid_thw=grid)
+            want_out = hf.model.visual(pixels[0], grid_thw=grid)
+            pairs = [(ours_out.pooler_output, want_out.pooler_output),
+                     *zip(ours_out.deepstack_features, want_out.deepstack_features, strict=True)]
+        elif family == "gemma3":
+            pairs = [(modules[1](modules[0](pixel_values=pixels).last_hidden_state),
+                      hf.model.multi_modal_projector(hf.model.vision_tower(pixel_values=pixels).last_hidden_state))]
+        else:
+            sizes = torch.tensor([list(pixels.shape[-2:])])
+            ours_hidden = modules[0](pixels, image_sizes=sizes).last_hidden_state
+            want_hidden = hf.model.vision_tower(pixels, image_sizes=sizes).last_hidden_state
+            pairs = [(modules[1](ours_hidden.squeeze(0), sizes), hf.model.multi_modal_projector(want_hidden.squeeze(0),
+                                                                                                 sizes))]
+    for ours_rows, want_rows in pairs:
+        torch.testing.assert_close(ours_rows, want_rows, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family, case", [
+    ("gemma3", "one image, text before and after"),
+    *(pytest.param(f, c, marks=pytest.mark.slow) for f in SOURCES if f != "qwen2.5-vl" for c in CASES
+      if (f, c) != ("gemma3", "one image, text before and after"))])
+def test_a_familys_greedy_tokens_equal_the_source_directorys(family, case, family_engines):
+    """Prompt ids (the text GGUF's tokenizer and template, the image's tokens as the mmproj sizes them) and greedy
+    tokens of the pair equal lmport's on the directory it was converted from (itself checked against transformers'
+    ``generate`` in tests/test_vision.py), one image, two of two sizes, text only. Gemma 3's pair runs its image
+    spans both ways, as the directory does."""
+    source_llm, pair_llm = family_engines(family)
+    text, mmproj = converted_pair("f32", family)
+    parts = CASES[case]
+    want_ids, want_images = prompt(source_llm, SOURCES[family](), None, parts)
+    ids, images = prompt(pair_llm, text, mmproj, parts)
+    assert ids == want_ids
+    assert [(i.offset, i.num_tokens, i.grid_thw, i.span) for i in images] == [
+        (i.offset, i.num_tokens, i.grid_thw, i.span) for i in want_images]
+    want = generate_greedy(source_llm, want_ids, want_images, NEW_TOKENS).token_ids
+    assert generate_greedy(pair_llm, ids, images, NEW_TOKENS).token_ids == want
+    if family == "gemma3":   # the pair's model is Gemma 3's with images, its image spans attending both ways
+        runner = pair_llm.core.runner
+        assert "bidirectional" in type(runner.model).attention_variants(runner.model_config)
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 def metadata_only_mmproj(path: Path, projector: str = "qwen2.5vl_merger", projection_dim: int = 64,
@@ -294,9 +410,11 @@ def test_a_directory_with_an_mmproj_says_it_holds_its_own_tower(source_dir, tmp_
 
 @pytest.mark.parametrize("file, words", [
     (dict(architecture="llama"), "is not an mmproj file with a vision encoder"),
-    (dict(projector="gemma3"), "its vision projector 'gemma3' is not one lmport runs from an mmproj file; it runs "
-                               "qwen2.5vl_merger (Qwen2.5-VL, with a qwen2vl text model), idefics3 (SmolVLM / "
-                               "Idefics3, with a llama text model)"),
+    (dict(projector="glm4v"), "its vision projector 'glm4v' is not one lmport runs from an mmproj file; it runs "
+                              "qwen2.5vl_merger (Qwen2.5-VL, with a qwen2vl text model), qwen3vl_merger (Qwen3-VL, "
+                              "with a qwen3vl text model), gemma3 (Gemma 3, with a gemma3 text model), pixtral "
+                              "(Mistral 3 / Pixtral, with a mistral3 text model), idefics3 (SmolVLM / Idefics3, with "
+                              "a llama text model)"),
 ])
 def test_a_file_that_is_no_mmproj_lmport_runs_is_refused(file, words, tmp_path):
     with pytest.raises(ConfigError, match=re.escape(words)):
@@ -381,6 +499,72 @@ def test_llama_server_on_the_same_pair_gives_the_same_tokens(pair, pair_llm, tmp
                                                               add_generation_prompt=True)
             # llama.cpp's mtmd writes <|vision_start|> and <|vision_end|> around the image's embeddings itself
             rendered = rendered.replace("<|vision_start|><|image_pad|><|vision_end|>", marker)
+            reply = server.client.post("/completion", json={
+                "prompt": {"prompt_string": rendered, "multimodal_data": [base64.b64encode(image).decode()]},
+                "n_predict": NEW_TOKENS, "temperature": 0, "top_k": 1, "samplers": ["top_k"], "ignore_eos": True,
+                "return_tokens": True, "cache_prompt": False}).json()
+            assert reply["tokens_evaluated"] == len(ids), reply
+            assert reply["tokens"] == want
+
+
+def _with_img_break(text: Path, mmproj: Path, out: Path) -> Path:
+    """``mmproj`` with the ``v.token_embd.img_break`` tensor llama.cpp's Pixtral reads: the text model's embedding of
+    ``[IMG_BREAK]``, which the converter takes from the checkpoint's embedding but finds no longer under a
+    transformers-saved checkpoint's names (``language_model.`` ones, which the mmproj's filter drops)."""
+    from support.llama_cpp_tokens import metadata_fields
+    break_id = mmproj_files.placeholder_ids(text, {"break": "[IMG_BREAK]"})["break"]
+    embedding = next(t for t in gguf.GGUFReader(text).tensors if t.name == "token_embd.weight")
+    writer = gguf.GGUFWriter(out, "clip")
+    for key, value, kind, element in metadata_fields(mmproj):
+        if key not in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"):
+            writer.add_key_value(key, value, gguf.GGUFValueType(kind),
+                                 sub_type=gguf.GGUFValueType(element) if element is not None else None)
+    for tensor in gguf.GGUFReader(mmproj).tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.add_tensor("v.token_embd.img_break", np.array(embedding.data[break_id], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# Per family: images whose sides neither lmport's processor nor llama.cpp's resizes (whole merged cells, within
+# llama.cpp's token limits; Gemma 3's the tower's size), and what llama.cpp's mtmd writes around an image itself.
+_LLAMA_CPP_IMAGES = {"gemma3": ((32, 32), (32, 32)), "mistral3": ((64, 32), (48, 48)),
+                     "qwen3-vl": ((128, 64), (96, 96))}
+_TEMPLATE_IMAGE = {"gemma3": ("<start_of_image>", "\n\n{marker}\n\n"), "mistral3": ("[IMG]", "{marker}"),
+                   "qwen3-vl": ("<|vision_start|><|image_pad|><|vision_end|>", "{marker}")}
+
+
+@pytest.mark.slow   # llama-server's start
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen3-vl"])
+def test_llama_server_on_a_familys_pair_gives_the_same_tokens(family, family_engines, tmp_path):
+    """llama.cpp's llama-server with the family's two files, its /completion with the image in ``multimodal_data``:
+    the same prompt length and greedy tokens as lmport's on the pair."""
+    from support.llama_server import LlamaServer
+    from test_gguf_llama_cpp import llama_cpp
+    _, bins = llama_cpp()
+    binary = bins / "llama-server" if bins else None
+    if binary is None or not binary.exists():
+        pytest.skip(f"llama.cpp's llama-server not found in {bins} (set LMPORT_LLAMA_CPP_BIN)")
+    text, mmproj = converted_pair("f32", family)
+    _, pair_llm = family_engines(family)
+    if family == "mistral3":
+        mmproj = _with_img_break(text, mmproj, tmp_path / "mmproj-with-break.gguf")
+    placeholder, replacement = _TEMPLATE_IMAGE[family]
+    with LlamaServer(binary, text, tmp_path / "llama-server.log", extra=("--mmproj", str(mmproj))) as server:
+        assert server.client is not None
+        marker = server.client.get("/props").json()["media_marker"]
+        for seed, (width, height) in enumerate(_LLAMA_CPP_IMAGES[family], start=5):
+            image = png(width, height, seed)
+            parts = ("Look at this:", image, "What is it?")
+            ids, images = prompt(pair_llm, text, mmproj, parts)
+            want = generate_greedy(pair_llm, ids, images, NEW_TOKENS).token_ids
+            rendered = pair_llm.tokenizer.apply_chat_template(conversation(*parts), tokenize=False,
+                                                              add_generation_prompt=True)
+            assert rendered.count(placeholder) == 1
+            rendered = rendered.replace(placeholder, replacement.format(marker=marker))
             reply = server.client.post("/completion", json={
                 "prompt": {"prompt_string": rendered, "multimodal_data": [base64.b64encode(image).decode()]},
                 "n_predict": NEW_TOKENS, "temperature": 0, "top_k": 1, "samplers": ["top_k"], "ignore_eos": True,

@@ -113,6 +113,109 @@ def activation_reserve(model_cfg, config: EngineConfig) -> int:
     return int((tokens * per_token * dtype_bytes + logits) * 1.25)
 
 
+# Vision towers (docs/memory.md "The vision side"). Pixels a Qwen image may have at most where nothing says
+# otherwise: transformers' Qwen2-VL / Qwen3-VL image processors' default ``longest_edge``.
+_QWEN_MAX_PIXELS = {"qwen2_5_vl": 12845056, "qwen3_vl": 16777216}
+# Idefics3's tiles an image at most: SmolVLM's processors resize the longest side to 4 tiles, plus the global image.
+_IDEFICS3_TILES = 4 * 4 + 1
+
+
+@dataclass(frozen=True)
+class EncoderReserve:
+    """The vision encoder's peak activations for the largest image batch the engine runs in one encoder call."""
+    largest_image_patches: int   # patches of the largest image the processor makes
+    patches_per_call: int        # patches of the largest batch of images one call encodes
+    bytes: int
+
+
+def largest_image_patches(model_cfg, config: EngineConfig) -> int | None:
+    """Patches of the largest image the model's processor makes (None for a model without images): from the mmproj
+    file's metadata where the engine runs one, else the family's fixed size (Gemma 3: one size; Mistral 3: the
+    tower's ``image_size`` as the longest side; Idefics3: 17 tiles), Qwen's processor default ``longest_edge``."""
+    vision = getattr(model_cfg, "vision_config", None)
+    kind = getattr(model_cfg, "model_type", None)
+    if vision is None or kind not in ("qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3", "idefics3"):
+        return None
+    patch = vision.patch_size
+    if config.mmproj is not None:
+        from pathlib import Path
+
+        from lmport.multimodal.mmproj import largest_image_patches as mmproj_patches
+        return mmproj_patches(Path(config.mmproj).expanduser())
+    if kind in ("gemma3", "mistral3"):
+        return (vision.image_size // patch) ** 2
+    if kind == "idefics3":
+        return _IDEFICS3_TILES * (vision.image_size // patch) ** 2
+    return ceil_div(_QWEN_MAX_PIXELS[kind], patch * patch)
+
+
+def encoder_reserve(model_cfg, config: EngineConfig) -> EncoderReserve | None:
+    """The vision encoder's peak activation bytes for the largest image batch one encoder call runs (None for a model
+    without images), an upper estimate.
+
+    Images per call: a prefill step computes at most ``max_prefill_token_num`` prompt tokens, and every image any of
+    them falls in is encoded whole in that step, so a call takes the images of that many tokens and the two largest
+    images cut at its ends (Gemma 3's images are never cut: the step's whole images), at least the largest image;
+    Mistral 3 encodes a step's images in calls of at most ``ENCODE_PATCHES`` patches (lmport.models.mistral3).
+    Per patch, the widest live tensors of a vision block: the residual stream and the block's input, q, k and v, the
+    attention output and the MLP's two widths, and the float32 pixels; Pixtral's block-diagonal mask over the call's
+    patches and the scores it makes the attention materialize. Flash-style attention is assumed elsewhere, as for the
+    text model (``activation_reserve``). One quarter more for what is not modelled."""
+    largest = largest_image_patches(model_cfg, config)
+    if largest is None:
+        return None
+    vision, kind = model_cfg.vision_config, model_cfg.model_type
+    dtype_bytes = torch_dtype(config.dtype).itemsize
+    tokens = config.max_prefill_token_num
+    patch = vision.patch_size
+    heads = getattr(vision, "num_attention_heads", None) or vision.num_heads
+    if kind == "gemma3":   # whole images only, one size: as many as a step's tokens hold
+        per_call = max(1, tokens // model_cfg.mm_tokens_per_image) * largest
+    else:
+        merge = {"idefics3": getattr(model_cfg, "scale_factor", 2)}.get(kind, getattr(
+            vision, "spatial_merge_size", None) or getattr(model_cfg, "spatial_merge_size", 1))
+        per_call = max(largest, tokens * merge * merge + 2 * largest)
+        if kind == "mistral3":
+            from lmport.models.mistral3 import ENCODE_PATCHES
+            per_call = min(per_call, max(ENCODE_PATCHES, largest))
+    hidden, width = vision.hidden_size, vision.intermediate_size
+    pixel_values = 3 * patch * patch * getattr(vision, "temporal_patch_size", 1)
+    per_patch = (6 * hidden + 2 * width) * dtype_bytes + pixel_values * 4
+    attention = per_call * per_call * (dtype_bytes + heads * 4) if kind == "mistral3" else 0
+    return EncoderReserve(largest, per_call, int((per_call * per_patch + attention) * 1.25))
+
+
+def vision_weight_bytes(path, config: EngineConfig) -> int:
+    """Bytes of the vision tower and projector in the compute dtype (0 for a text model): the mmproj file's tensors,
+    or a transformers directory's vision tensors (``visual.``, ``vision_tower.``, ``vision_model.``,
+    ``multi_modal_projector.``, ``connector.``), counted from the checkpoint's headers."""
+    import re
+    from pathlib import Path
+    itemsize = torch_dtype(config.dtype).itemsize
+    if config.mmproj is not None:
+        from lmport.multimodal.mmproj import read_mmproj
+        header = read_mmproj(Path(config.mmproj).expanduser())
+        # the [IMG_BREAK] row llama.cpp keeps beside a Pixtral tower: lmport takes the text model's
+        return sum(_elements(t.shape) for t in header.tensors if t.name != "v.token_embd.img_break") * itemsize
+    path = Path(path)
+    if not path.is_dir():
+        return 0
+    from safetensors import safe_open
+    vision = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|connector)\.")
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(_elements(f.get_slice(k).get_shape()) for k in f.keys() if vision.search(k))
+    return total * itemsize
+
+
+def _elements(shape) -> int:
+    count = 1
+    for n in shape:
+        count *= int(n)
+    return count
+
+
 @dataclass(frozen=True)
 class MemoryInputs:
     """Everything the cache size depends on, for one model, device and resolved config."""
@@ -138,9 +241,17 @@ class MemoryInputs:
         return state_bytes(self.model_config, self.config)
 
     @property
+    def encoder_bytes(self) -> int:
+        """The vision encoder's activation reserve (``encoder_reserve``; 0 for a model without images): beside the
+        text model's, which a measured reserve does not include (its forward runs no image)."""
+        reserve = encoder_reserve(self.model_config, self.config)
+        return 0 if reserve is None else reserve.bytes
+
+    @property
     def usable_bytes(self) -> int:
-        """What the cache may take at most: free memory less the activation reserve and the recurrent-state slots."""
-        return max(0, self.free_bytes - self.reserve_bytes - self.state_bytes)
+        """What the cache may take at most: free memory less the activation reserves (the text model's, the vision
+        encoder's) and the recurrent-state slots."""
+        return max(0, self.free_bytes - self.reserve_bytes - self.encoder_bytes - self.state_bytes)
 
     def changed(self, **fields) -> MemoryInputs:
         """These inputs with config fields changed; weights and reserve rescaled to match (for advice)."""

@@ -15,8 +15,8 @@ from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.errors import ConfigError
 from lmport.kv.layout import KVLayout
-from lmport.memory.budget import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block, kv_layout,
-                                  model_limit, plan_cache)
+from lmport.memory.budget import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block,
+                                  encoder_reserve, kv_layout, model_limit, plan_cache, vision_weight_bytes)
 from lmport.models.architectures import attention_variants, recurrent_state
 from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
@@ -38,6 +38,11 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     backend_cls = resolved.backend_class()
     caps = backend_cls.capabilities
     model_cfg = read_model_config(model)
+    if resolved.mmproj is not None:   # a GGUF text model with its vision tower: the pair's config, as the engine's
+        from pathlib import Path
+
+        from lmport.multimodal.mmproj import model_config
+        model_cfg = model_config(resolve_model_path(model), Path(resolved.mmproj).expanduser(), model_cfg)
     check_model(model_cfg.model_type, attention_variants(model_cfg), caps)   # as the engine checks it at load
     layout = kv_layout(model_cfg, resolved, caps.kv_axis_order)
     params = count_parameters(model_cfg)
@@ -71,6 +76,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         source = "free on this machine now"
     else:
         source = "--device-memory"
+    # The vision tower and projector (the directory's or the mmproj's), whole on every rank beside the text weights.
+    vision_bytes = vision_weight_bytes(path, resolved)
     draft = draft_plan(model, resolved, caps, dtype)
     draft_weights = draft["weight_bytes"] if draft else 0
     measures = backend_cls.measure_peak_memory is not Backend.measure_peak_memory
@@ -78,8 +85,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     adapter_bytes = lora_bytes(model_cfg, resolved.max_loras, resolved.max_lora_rank, dtype)
     # A draft model sits beside the weights too (whole, on rank 0; counted on every rank, as the engine plans it),
     # and its cache mirrors the target's blocks.
-    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + adapter_bytes + draft_weights,
-                                max(0, device_memory - w - adapter_bytes - draft_weights),
+    rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + vision_bytes + adapter_bytes + draft_weights,
+                                max(0, device_memory - w - vision_bytes - adapter_bytes - draft_weights),
                                 activation_reserve(model_cfg, resolved), reserve_measured=False,
                                 draft_bytes_per_block=draft["bytes_per_block"] if draft else 0) for w in rank_bytes]
     inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
@@ -93,6 +100,7 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
                   "layer_windows": list(layer_windows(model_cfg))},
         "device": {"type": caps.device_type, "memory_bytes": device_memory, "memory_source": source},
         "weights": {"parameters": params, "bytes": weight_bytes, "bytes_by_dtype": bytes_by_format},
+        "vision": vision_summary(model_cfg, resolved, vision_bytes),
         "lora": {"max_loras": resolved.max_loras, "max_lora_rank": resolved.max_lora_rank, "bytes": adapter_bytes},
         "draft": draft,
         "activation_reserve": {
@@ -136,6 +144,18 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def vision_summary(model_cfg, config: EngineConfig, weight_bytes: int) -> dict | None:
+    """A model with images: its vision tower's weights (counted in the weights above) and the encoder's activation
+    reserve for the largest image batch one call runs (lmport.memory.budget.encoder_reserve, set aside before the
+    cache is sized); None for a text model."""
+    reserve = encoder_reserve(model_cfg, config)
+    if reserve is None:
+        return None
+    return {"weight_bytes": weight_bytes, "source": "mmproj" if config.mmproj else "checkpoint",
+            "largest_image_patches": reserve.largest_image_patches, "patches_per_call": reserve.patches_per_call,
+            "encoder_reserve_bytes": reserve.bytes}
 
 
 def kinds_summary(layout: KVLayout) -> list[dict]:

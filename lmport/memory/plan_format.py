@@ -31,6 +31,17 @@ def _draft_text(d: dict) -> str:
             f"weights {fmt_bytes(d['weight_bytes'])} ({d['weight_bytes']:,} B) on {d['runs_on']}{cache}")
 
 
+def _vision_rows(v: dict | None) -> list[tuple[str, str]]:
+    """A model with images: the vision tower's weights and the encoder's activation reserve, each a row."""
+    if not v:
+        return []
+    weights = v["weight_bytes"]
+    return [("vision", f"tower and projector ({v['source']}): {fmt_bytes(weights)} ({weights:,} B)"),
+            ("encoder", f"reserve {fmt_bytes(v['encoder_reserve_bytes'])} ({v['encoder_reserve_bytes']:,} B) for "
+                        f"{v['patches_per_call']:,} patches in one call (the largest image "
+                        f"{v['largest_image_patches']:,} patches; estimate)")]
+
+
 def format_plan(r: dict) -> str:
     m, d, w, a, kv, cache = r["model"], r["device"], r["weights"], r["activation_reserve"], r["kv"], r["cache"]
     cfg = r["config"]
@@ -46,11 +57,14 @@ def format_plan(r: dict) -> str:
         *([("LoRA", f"{r['lora']['max_loras']} adapter slots of rank <= {r['lora']['max_lora_rank']}: "
                     f"{fmt_bytes(r['lora']['bytes'])} ({r['lora']['bytes']:,} B)")] if r["lora"]["bytes"] else []),
         *([("draft", _draft_text(r["draft"]))] if r.get("draft") else []),
+        *_vision_rows(r.get("vision")),
         ("activation", f"reserve {fmt_bytes(a['bytes'])} for max_prefill_token_num={a['max_prefill_token_num']} "
                        f"({a['source']}; {a['note']})"),
         ("free", f"{fmt_bytes(r['free_after_weights_bytes'])} after weights"
+                 f"{' and the vision tower' if r.get('vision') else ''}"
                  f"{' and LoRA slots' if r['lora']['bytes'] else ''}{' and the draft' if r.get('draft') else ''}, "
                  f"{fmt_bytes(r['usable_for_cache_bytes'])} after the activation reserve"
+                 f"{'s (text and encoder)' if r.get('vision') else ''}"
                  f"{' and the recurrent-state slots' if r.get('state') else ''}"),
         ("KV cache", f"quant_policy {kv['quant_policy']}: {kv['bytes_per_block']:,} B a block of {kv['block_size']} "
                      f"tokens = {kv['bytes_per_token']:,.6g} B a token" + _kinds_text(kv.get("kinds") or [])),

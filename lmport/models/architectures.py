@@ -9,6 +9,7 @@ from lmport.models.glm4_moe import GLM4_MOE_MODEL_TYPES, Glm4MoeCausalLM
 from lmport.models.gpt_oss import GPT_OSS_MODEL_TYPES, GptOssCausalLM
 from lmport.models.idefics3 import IDEFICS3_MODEL_TYPES, Idefics3CausalLM, idefics3_text_view
 from lmport.models.llama4 import LLAMA4_MODEL_TYPES, Llama4CausalLM
+from lmport.models.llama4_vl import LLAMA4_VL_MODEL_TYPES, Llama4VLCausalLM, llama4_text_view
 from lmport.models.llama import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
 from lmport.models.llama import PagedCausalLM
 from lmport.models.mistral3 import MISTRAL3_MODEL_TYPES, Mistral3CausalLM, mistral3_text_view
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     **{t: Idefics3CausalLM for t in IDEFICS3_MODEL_TYPES},
     **{t: Mistral3CausalLM for t in MISTRAL3_MODEL_TYPES},
     **{t: Gemma3VLCausalLM for t in GEMMA3_VL_MODEL_TYPES},
+    **{t: Llama4VLCausalLM for t in LLAMA4_VL_MODEL_TYPES},
 }
 # Image-text checkpoints: lmport's config is a text view of theirs: Qwen2.5-VL's keeps its vision config
 # (lmport.models.qwen2_vl runs the vision tower), Idefics3's its Llama text config with its vision config beside it
@@ -44,6 +46,7 @@ TEXT_VIEWS = {**{t: text_view for t in QWEN2_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYP
               **{t: idefics3_text_view for t in IDEFICS3_MODEL_TYPES},
               **{t: mistral3_text_view for t in MISTRAL3_MODEL_TYPES},   # its Mistral text config (models.mistral3)
               **{t: gemma3_text_view for t in GEMMA3_VL_MODEL_TYPES},    # its Gemma 3 text config (models.gemma3_vl)
+              **{t: llama4_text_view for t in LLAMA4_VL_MODEL_TYPES},    # its Llama 4 text config (models.llama4_vl)
               **{t: text_model_config for t in QWEN3_5_WRAPPER_TYPES}}
 
 
@@ -70,7 +73,7 @@ def transformers_class(cfg):
     """The transformers auto class that loads ``cfg``'s checkpoint (image-text-to-text for a vision-language one)."""
     import transformers
     if cfg.model_type in (QWEN2_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES + IDEFICS3_MODEL_TYPES + MISTRAL3_MODEL_TYPES
-                          + GEMMA3_VL_MODEL_TYPES):
+                          + GEMMA3_VL_MODEL_TYPES + LLAMA4_VL_MODEL_TYPES):
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
 

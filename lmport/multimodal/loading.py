@@ -1,13 +1,14 @@
 """Which front-end processor runs a model's images: the tiled one (lmport.multimodal.tiles) for Idefics3, the
-row-laying one (lmport.multimodal.pixtral) for Mistral 3, Gemma 3's (lmport.multimodal.gemma3), the
-placeholder-expanding one (lmport.multimodal.processor) otherwise; for a GGUF text model served with an mmproj
-file, the one its metadata sizes (lmport.multimodal.mmproj)."""
+row-laying one (lmport.multimodal.pixtral) for Mistral 3, Gemma 3's (lmport.multimodal.gemma3), Llama 4's tiles
+(lmport.multimodal.llama4), the placeholder-expanding one (lmport.multimodal.processor) otherwise; for a GGUF text
+model served with an mmproj file, the one its metadata sizes (lmport.multimodal.mmproj)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from lmport.multimodal.gemma3 import GEMMA3_MODEL_TYPES, Gemma3ImageProcessor
+from lmport.multimodal.llama4 import LLAMA4_MODEL_TYPES, Llama4ImageProcessor
 from lmport.multimodal.pixtral import PIXTRAL_MODEL_TYPES, PixtralImageProcessor
 from lmport.multimodal.processor import ImageProcessor
 from lmport.multimodal.processor import takes_images as directory_takes_images
@@ -37,4 +38,6 @@ def image_processor(model: str, mmproj: str | None = None) -> ImageProcessor | N
         return PixtralImageProcessor.load(path)
     if config.get("model_type") in GEMMA3_MODEL_TYPES:
         return Gemma3ImageProcessor.load(path)
+    if config.get("model_type") in LLAMA4_MODEL_TYPES:
+        return Llama4ImageProcessor.load(path)
     return ImageProcessor.load(path, config)

@@ -2,21 +2,28 @@
 (``convert_hf_to_gguf.py --mmproj``) holding the vision tower and its projector.
 
 The text GGUF loads as any GGUF does (lmport.weights.gguf; Qwen2.5-VL's is architecture ``qwen2vl``, whose config
-is Qwen2's with the multimodal rotary's sections in ``rope.dimension_sections``). The mmproj file gives:
+is Qwen2's with the multimodal rotary's sections in ``rope.dimension_sections``; Qwen3-VL's ``qwen3vl``, Qwen3's
+with them; Gemma 3's ``gemma3``; Mistral 3's ``mistral3``, Mistral's). The mmproj file gives:
 
 - the vision config, from its ``clip.vision.*`` keys, with what the converter does not store taken as llama.cpp's
   mtmd takes it (Qwen2.5-VL: a 2 x 2 merge, two frames a patch, a window of 112 pixels, a full-attention block
-  every ``n_wa_pattern`` blocks);
+  every ``n_wa_pattern`` blocks; Qwen3-VL: the deepstack blocks from ``is_deepstack_layers``, the learned position
+  grid from its tensor; Gemma 3: the projector's pooling, ``projector.scale_factor`` or 4, and the attention scale
+  llama.cpp uses, one over the square root of the head size, 27B's of the width over the heads; Pixtral: a 2D
+  rotary of base 10000, the projector's activation GELU);
 - the vision tower: transformers' own modules built from that config, holding the file's tensors under
   transformers' names (llama.cpp's renaming undone; Qwen2.5-VL's q, k and v joined back into ``qkv``, the two frames
-  of its patch embedding stacked back into one 3-D convolution). F32, F16 and BF16 tensors load in the compute
+  of Qwen's patch embedding stacked back into one 3-D convolution, Pixtral's q and k rows put back in the order
+  its rotary takes, Gemma 3's soft-embedding norm stored as ``1 + w`` taken back to ``w``). F32, F16 and BF16
+  tensors load in the compute
   dtype; a quantized one (an mmproj made with ``--outtype q8_0``) is dequantized to it: the tower runs in float;
 - the image preprocessing: transformers' image processor of the family built with the file's sizes, mean and
   standard deviation (Qwen2.5-VL: the pixel limits from ``clip.vision.image_min_pixels`` / ``image_max_pixels``
   where the file has them, else llama.cpp's, 8 to 4096 tokens; Idefics3: the longest side from
   ``clip.vision.preproc_image_size``, tiles of ``clip.vision.image_size``).
 
-The placeholder tokens come from the text GGUF's vocabulary by their text (``<|image_pad|>``, ``<image>``, ...), where
+The placeholder tokens come from the text GGUF's vocabulary by their text (``<|image_pad|>``, ``<image>``,
+``<start_of_image>``, ``[IMG]``, ...), where
 a transformers directory's config names their ids. SmolVLM / Idefics3's text model is a ``llama`` GGUF (its Llama
 decoder converted alone, as llama.cpp's SmolVLM files are).
 """
@@ -44,6 +51,9 @@ class Projector:
 
 
 PROJECTORS = {"qwen2.5vl_merger": Projector("Qwen2.5-VL", ("qwen2vl",), "qwen2_5_vl"),
+              "qwen3vl_merger": Projector("Qwen3-VL", ("qwen3vl",), "qwen3_vl"),
+              "gemma3": Projector("Gemma 3", ("gemma3",), "gemma3"),
+              "pixtral": Projector("Mistral 3 / Pixtral", ("mistral3",), "mistral3"),
               "idefics3": Projector("SmolVLM / Idefics3", ("llama",), "idefics3")}
 # Qwen2.5-VL's placeholder tokens: config field -> the token's text in the vocabulary.
 _QWEN2_VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
@@ -51,6 +61,12 @@ _QWEN2_VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|vide
 _MERGE_SIZE, _TEMPORAL_PATCH = 2, 2   # llama.cpp's for Qwen2.5-VL (the converter asserts two frames a patch)
 # llama.cpp's for Qwen2.5-VL where the file is silent (clip.cpp): images of 8 to 4096 tokens, a 112-pixel window
 _QWEN2_VL_TOKEN_LIMITS, _QWEN2_VL_WINDOW = (8, 4096), 112
+# Gemma 3's image tokens: config field -> the token's text; llama.cpp's pooling (patches a side over tokens a side)
+_GEMMA3_TOKENS = {"boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+                  "image_token_index": "<image_soft_token>"}
+_GEMMA3_POOLING, _GEMMA3_27B_LAYERS = 4, 62
+# Pixtral's tokens: the image token, the end of a row and of the image
+_PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 
 
 def _supported() -> str:
@@ -125,18 +141,19 @@ def checkpoint_config(model: Path, mmproj: Path, text_cfg=None):
     as the files tell it; ``text_cfg``: the text GGUF's config (read from it when not given)."""
     projector = check_pair(model, mmproj)
     text_cfg = text_cfg if text_cfg is not None else gguf.transformers_config(model)
-    if projector.model_type == "idefics3":
-        return _idefics3_config(model, read_mmproj(mmproj).metadata, text_cfg)
-    return _qwen2_5_vl_config(model, read_mmproj(mmproj).metadata, text_cfg)
+    build = {"idefics3": _idefics3_config, "qwen2_5_vl": _qwen2_5_vl_config, "qwen3_vl": _qwen3_vl_config,
+             "gemma3": _gemma3_config, "mistral3": _mistral3_config}[projector.model_type]
+    return build(model, read_mmproj(mmproj), text_cfg)
 
 
 _TEXT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id")
 
 
-def _idefics3_config(model: Path, meta: dict, text_cfg):
+def _idefics3_config(model: Path, header: GGUFHeader, text_cfg):
     """Idefics3's: its Llama text config (the text GGUF's), the SigLIP tower's from the mmproj, the connector's
     pixel shuffle (``projector.scale_factor``) and ``<image>``'s id."""
+    meta = header.metadata
     from transformers import Idefics3Config
     text = {k: getattr(text_cfg, k) for k in (*_TEXT_FIELDS, "rope_parameters", "head_dim", "attention_bias",
                                               "mlp_bias")}
@@ -152,9 +169,10 @@ def _idefics3_config(model: Path, meta: dict, text_cfg):
                           **placeholder_ids(model, {"image_token_id": "<image>"}))
 
 
-def _qwen2_5_vl_config(model: Path, meta: dict, text_cfg):
+def _qwen2_5_vl_config(model: Path, header: GGUFHeader, text_cfg):
     """Qwen2.5-VL's: its Qwen2 text config (the text GGUF's) with the multimodal rotary's sections, the vision
     tower's from the mmproj (with llama.cpp's assumptions), the placeholder tokens' ids."""
+    meta = header.metadata
     from transformers import Qwen2_5_VLConfig
     text_meta = gguf.read(model).metadata
     arch = text_meta["general.architecture"]
@@ -182,6 +200,88 @@ def _qwen2_5_vl_config(model: Path, meta: dict, text_cfg):
                             tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)), **tokens)
 
 
+def _qwen3_vl_config(model: Path, header: GGUFHeader, text_cfg):
+    """Qwen3-VL's: its Qwen3 text config (the text GGUF's) with the interleaved multimodal rotary's sections, the
+    vision tower's from the mmproj (its deepstack blocks, its learned position grid's size from the tensor), the
+    placeholder tokens' ids."""
+    meta = header.metadata
+    from transformers import Qwen3VLConfig
+    text_meta = gguf.read(model).metadata
+    arch = text_meta["general.architecture"]
+    sections = list(text_meta.get(f"{arch}.rope.dimension_sections", []))[:3]
+    if len(sections) != 3 or not any(sections):
+        raise ConfigError(f"{model.name}: no {arch}.rope.dimension_sections (the multimodal rotary's sections); the "
+                          f"file was not written by llama.cpp's converter from a Qwen3-VL checkpoint")
+    rope = dict(text_cfg.rope_parameters or {}) | {"mrope_section": sections, "mrope_interleaved": True}
+    text = {k: getattr(text_cfg, k) for k in _TEXT_FIELDS}
+    text["head_dim"] = text_meta.get(f"{arch}.attention.key_length", text_cfg.head_dim)   # apart from the width
+    positions = next((t.shape[0] for t in header.tensors if t.name == "v.position_embd.weight"), None)
+    if positions is None:
+        raise ConfigError("the Qwen3-VL mmproj has no v.position_embd.weight (its learned position grid); the file "
+                          "is not a complete mmproj of the model")
+    deepstack = [i for i, on in enumerate(meta.get("clip.vision.is_deepstack_layers", [])) if on]
+    vision = {"depth": meta["clip.vision.block_count"], "hidden_size": meta["clip.vision.embedding_length"],
+              "intermediate_size": meta["clip.vision.feed_forward_length"],
+              "num_heads": meta["clip.vision.attention.head_count"],
+              "out_hidden_size": meta["clip.vision.projection_dim"], "patch_size": meta["clip.vision.patch_size"],
+              "spatial_merge_size": meta.get("clip.vision.spatial_merge_size", _MERGE_SIZE),
+              "temporal_patch_size": _TEMPORAL_PATCH, "num_position_embeddings": positions,
+              # llama.cpp's GELU is the tanh approximation, Qwen3-VL's own
+              "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu_pytorch_tanh",
+              "deepstack_visual_indexes": deepstack}
+    return Qwen3VLConfig(text_config=text | {"rope_parameters": rope}, vision_config=vision,
+                         tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
+                         **placeholder_ids(model, _QWEN2_VL_TOKENS))
+
+
+def _gemma3_config(model: Path, header: GGUFHeader, text_cfg):
+    """Gemma 3's: its text config (the text GGUF's, with the attention scale llama.cpp uses), the SigLIP tower's
+    from the mmproj, the tokens an image gives (the patches a side pooled by ``projector.scale_factor``, 4 where
+    the file is silent) and the image tokens' ids."""
+    meta = header.metadata
+    from transformers import Gemma3Config
+    text = {k: v for k, v in text_cfg.to_dict().items() if k not in ("model_type", "architectures", "dtype",
+                                                                      "transformers_version")}
+    # llama.cpp scales attention by 1/sqrt(head size), the 27B (62 layers) by 1/sqrt(width / heads): the file does
+    # not store query_pre_attn_scalar
+    if text_cfg.num_hidden_layers == _GEMMA3_27B_LAYERS:
+        text["query_pre_attn_scalar"] = text_cfg.hidden_size // text_cfg.num_attention_heads
+    else:
+        text["query_pre_attn_scalar"] = text_cfg.head_dim
+    size, patch = meta["clip.vision.image_size"], meta["clip.vision.patch_size"]
+    pooling = meta.get("clip.vision.projector.scale_factor", _GEMMA3_POOLING)
+    vision = {"hidden_size": meta["clip.vision.embedding_length"],
+              "intermediate_size": meta["clip.vision.feed_forward_length"],
+              "num_hidden_layers": meta["clip.vision.block_count"],
+              "num_attention_heads": meta["clip.vision.attention.head_count"], "image_size": size,
+              "patch_size": patch, "layer_norm_eps": meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6),
+              "vision_use_head": False}
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=(size // patch // pooling) ** 2,
+                        tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", True)),
+                        **placeholder_ids(model, _GEMMA3_TOKENS))
+
+
+def _mistral3_config(model: Path, header: GGUFHeader, text_cfg):
+    """Mistral 3's: its Mistral text config (the text GGUF's), the Pixtral tower's from the mmproj (llama.cpp's 2D
+    rotary base, 10000), the projector's merge size, bias (by its tensors) and GELU, and ``[IMG]``'s id."""
+    meta = header.metadata
+    from transformers import Mistral3Config
+    text = {k: getattr(text_cfg, k) for k in (*_TEXT_FIELDS, "head_dim", "rope_parameters")}
+    width, heads = meta["clip.vision.embedding_length"], meta["clip.vision.attention.head_count"]
+    vision = {"model_type": "pixtral", "hidden_size": width, "num_attention_heads": heads, "head_dim": width // heads,
+              "intermediate_size": meta["clip.vision.feed_forward_length"],
+              "num_hidden_layers": meta["clip.vision.block_count"], "image_size": meta["clip.vision.image_size"],
+              "patch_size": meta["clip.vision.patch_size"],
+              "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu",
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    biased = any(t.name == "mm.1.bias" for t in header.tensors)
+    return Mistral3Config(text_config=text | {"model_type": "mistral", "sliding_window": None},
+                          vision_config=vision, spatial_merge_size=meta.get("clip.vision.spatial_merge_size", 1),
+                          projector_hidden_act="gelu", multimodal_projector_bias=biased, vision_feature_layer=-1,
+                          tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
+                          image_token_index=placeholder_ids(model, {"image": _PIXTRAL_TOKENS[0]})["image"])
+
+
 def placeholder_ids(model: Path, tokens: dict[str, str]) -> dict[str, int]:
     """{config field: id} of the placeholder tokens (by their text) in the text GGUF's vocabulary."""
     vocabulary = read_header(model, string_arrays=("tokenizer.ggml.tokens",)).metadata.get("tokenizer.ggml.tokens")
@@ -195,22 +295,66 @@ def placeholder_ids(model: Path, tokens: dict[str, str]) -> dict[str, int]:
 
 def text_rotary(cfg) -> torch.nn.Module:
     """The text model's rotary module for ``cfg`` (lmport's text view of the pair's config), as a transformers
-    directory's model has it: Qwen2.5-VL's multimodal one (the sections in its rope parameters), Idefics3's Llama's."""
+    directory's model has it: Qwen's multimodal one (the sections in its rope parameters), Gemma 3's (a base for
+    each layer type), Mistral's and Idefics3's Llama's."""
     if cfg.model_type == "idefics3":
         from lmport.models.rotary import LlamaRotary
         return LlamaRotary(cfg)
+    if cfg.model_type == "gemma3":
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+        return Gemma3RotaryEmbedding(config=cfg)
+    if cfg.model_type == "mistral3":
+        from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
+        return MistralRotaryEmbedding(config=cfg)
+    if cfg.model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+        return Qwen3VLTextRotaryEmbedding(config=cfg)
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
     return Qwen2_5_VLRotaryEmbedding(config=cfg)
 
 
 def attach(paged: torch.nn.Module, model: Path, mmproj: Path, dtype: torch.dtype) -> None:
     """Give ``paged`` (the text model built from the pair's config) the mmproj's vision modules, under the names its
-    model class runs them by (lmport.models.qwen2_vl, lmport.models.idefics3)."""
+    model class runs them by (lmport.models.qwen2_vl, qwen3_vl, idefics3, gemma3_vl, mistral3)."""
     config = checkpoint_config(model, mmproj)
     if config.model_type == "idefics3":
         paged.vision_model, paged.connector = idefics3_modules(mmproj, config, dtype)
+    elif config.model_type in ("gemma3", "mistral3"):
+        paged.vision_tower, paged.projector = tower_and_projector(mmproj, config, dtype)
     else:
         paged.visual = vision_tower(mmproj, config.vision_config, dtype)
+
+
+def tower_and_projector(mmproj: Path, config, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Gemma 3's SigLIP tower and ``Gemma3MultiModalProjector``, or Mistral 3's Pixtral tower and
+    ``Mistral3MultiModalProjector`` (transformers' modules, by ``config``'s model type) holding the mmproj's
+    tensors in ``dtype``."""
+    from transformers import AutoModel
+    if config.model_type == "gemma3":
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector as projector_class
+        tower_prefix = "vision_tower.vision_model."   # the released checkpoints' names, the converter's map
+    else:
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector as projector_class
+        tower_prefix = "vision_tower."
+    header = read_mmproj(mmproj)
+    with _empty_weights():
+        tower = AutoModel.from_config(config.vision_config, dtype=dtype)
+        projector = projector_class(config).to(dtype)
+    prefix = "multi_modal_projector."
+    names = [tower_prefix + n for n in tower.state_dict()] + [prefix + n for n in projector.state_dict()]
+    state = transformers_tensors(header, dtype, names)
+    tower.load_state_dict({k.removeprefix(tower_prefix): v for k, v in state.items() if k.startswith(tower_prefix)},
+                          strict=True, assign=True)
+    projector.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)},
+                              strict=True, assign=True)
+    return tower.eval(), projector.eval()
+
+
+def _empty_weights():
+    """Modules built with their parameters allocated but not initialized (the file's tensors replace them), their
+    computed buffers (positions, rotary frequencies) made as usual."""
+    from transformers.initialization import no_init_weights
+    return no_init_weights()
 
 
 def idefics3_modules(mmproj: Path, config, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -231,26 +375,32 @@ def idefics3_modules(mmproj: Path, config, dtype: torch.dtype) -> tuple[torch.nn
 
 
 def vision_tower(mmproj: Path, vision_config, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' Qwen2.5-VL vision tower (patch embedding, vision blocks, patch merger) holding the mmproj's
-    tensors in ``dtype``; ValueError naming a tensor the file lacks or one without a place in the tower."""
+    """transformers' Qwen2.5-VL or Qwen3-VL vision tower (patch embedding, vision blocks, patch merger; Qwen3-VL's
+    learned positions and deepstack mergers) holding the mmproj's tensors in ``dtype``; ValueError naming a tensor
+    the file lacks or one without a place in the tower."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
     header = read_mmproj(mmproj)
-    with torch.device("meta"):
-        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, dtype=dtype)
+    qwen3 = projector_of(header).model_type == "qwen3_vl"
+    with _empty_weights():
+        tower_class = Qwen3VLVisionModel if qwen3 else Qwen2_5_VisionTransformerPretrainedModel
+        tower = tower_class._from_config(vision_config, dtype=dtype)
     state = transformers_tensors(header, dtype, [f"visual.{n}" for n in tower.state_dict()])
     tower.load_state_dict({k.removeprefix("visual."): v for k, v in state.items()}, strict=True, assign=True)
-    # the rotary's frequencies are computed, not stored: made again off the meta device
-    tower.rotary_pos_emb = type(tower.rotary_pos_emb)(tower.config)
     return tower.eval()
 
 
 def transformers_tensors(header: GGUFHeader, dtype: torch.dtype, names: list[str]) -> dict[str, torch.Tensor]:
     """The mmproj's tensors under the vision modules' parameter names ``names`` (transformers' checkpoint names:
-    ``visual.`` for Qwen2.5-VL's tower, ``model.vision_model.`` and ``model.connector.`` for Idefics3's), undoing the
-    converter's renaming and splits; ValueError for a tensor the file lacks or one left over."""
+    ``visual.`` for Qwen's towers, ``model.vision_model.`` and ``model.connector.`` for Idefics3's,
+    ``vision_tower.`` and ``multi_modal_projector.`` for Gemma 3's and Mistral 3's), undoing the converter's renaming,
+    splits and changes; ValueError for a tensor the file lacks or one left over."""
     import gguf as gguf_py
+    meta = header.metadata
     tensors = {t.name: t for t in header.tensors}
-    name_map = gguf_py.get_tensor_name_map(gguf_py.MODEL_ARCH.MMPROJ, header.metadata["clip.vision.block_count"])
+    name_map = gguf_py.get_tensor_name_map(gguf_py.MODEL_ARCH.MMPROJ, meta["clip.vision.block_count"])
+    projector = projector_of(header)
+    deepstack = [i for i, on in enumerate(meta.get("clip.vision.is_deepstack_layers", [])) if on]
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
@@ -266,18 +416,48 @@ def transformers_tensors(header: GGUFHeader, dtype: torch.dtype, names: list[str
         if name == "visual.patch_embed.proj.weight":   # stored as one 2-D convolution for each of the two frames
             embd = gguf_py.TENSOR_NAMES[gguf_py.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
             state[name] = torch.stack([take(embd), take(embd + ".1")], dim=2)
-        elif base.endswith(".attn.qkv"):   # stored split into q, k and v
+        elif base.endswith(".attn.qkv") and f"{name_map.get_name(base)}.{suffix}" not in tensors:
+            # Qwen2.5-VL's stored split into q, k and v (Qwen3-VL's as it is)
             parts = [name_map.get_name(f"{base[:-3]}{p}") for p in "qkv"]
             state[name] = torch.cat([take(f"{p}.{suffix}") for p in parts])
+        elif projector.model_type == "qwen3_vl" and (qwen3 := _qwen3_vl_merger_tensor(name, deepstack)) is not None:
+            state[name] = take(qwen3)
+        elif name == "multi_modal_projector.mm_input_projection_weight":   # Gemma 3's, a bare parameter
+            state[name] = take(f"{name_map.get_name('multi_modal_projector.mm_input_projection')}.weight")
         elif (mapped := name_map.get_name(base)) is not None:
             state[name] = take(f"{mapped}.{suffix}")
+            if name == "multi_modal_projector.mm_soft_emb_norm.weight":
+                state[name] = state[name] - 1   # Gemma 3's soft-embedding norm, stored as 1 + w
+            elif projector.model_type == "mistral3" and base.endswith(("attention.q_proj", "attention.k_proj")):
+                # Pixtral's q and k rows, interleaved by the converter for llama.cpp's rotary
+                heads = meta["clip.vision.attention.head_count"]
+                state[name] = state[name][_uninterleaved_rows(state[name].shape[0], heads)]
         else:
             raise ValueError(f"{header.path.name}: the vision tower's {name} has no tensor name in llama.cpp's map")
-    unused = sorted(set(tensors) - used)
+    # the [IMG_BREAK] token's embedding, which llama.cpp keeps beside the tower: lmport takes the text model's row
+    unused = sorted(set(tensors) - used - {"v.token_embd.img_break"})
     if unused:
         raise ValueError(f"{header.path.name}: tensors {', '.join(unused[:4])} have no place in the "
-                         f"{projector_of(header).family} vision tower built from its metadata")
+                         f"{projector.family} vision tower built from its metadata")
     return state
+
+
+def _qwen3_vl_merger_tensor(name: str, deepstack: list[int]) -> str | None:
+    """The mmproj's name of a Qwen3-VL merger tensor (``visual.merger.*``, ``visual.deepstack_merger_list.*``), as
+    the converter names them: the main merger's norm ``v.post_ln``, its layers ``mm.0`` and ``mm.2``; deepstack
+    merger ``i`` under the vision block it reads (``v.deepstack.<block>.{norm,fc1,fc2}``); None for another."""
+    parts = name.split(".")
+    layers = {"linear_fc1": "fc1", "linear_fc2": "fc2", "norm": "norm"}
+    if parts[:2] == ["visual", "merger"] and len(parts) == 4:
+        return {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[parts[2]] + "." + parts[3]
+    if parts[:2] == ["visual", "deepstack_merger_list"] and len(parts) == 5:
+        return f"v.deepstack.{deepstack[int(parts[2])]}.{layers[parts[3]]}.{parts[4]}"
+    return None
+
+
+def _uninterleaved_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes the converter's interleaving of each head's q / k rows (LlamaModel.permute)."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _float(header: GGUFHeader, t: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
@@ -304,6 +484,10 @@ def image_processor(model: Path, mmproj: Path):
     meta = read_mmproj(mmproj).metadata
     if projector.model_type == "idefics3":
         return _tiled_image_processor(model, meta)
+    if projector.model_type == "gemma3":
+        return _gemma3_image_processor(model, mmproj, meta)
+    if projector.model_type == "mistral3":
+        return _pixtral_image_processor(model, meta)
     from transformers import Qwen2VLImageProcessorPil
 
     from lmport.multimodal.processor import ImageProcessor
@@ -334,3 +518,59 @@ def _tiled_image_processor(model: Path, meta: dict):
                                        image_std=list(meta["clip.vision.image_std"]))
     processor = Idefics3Processor(images, gguf_tokenizer(model), image_seq_len=(tile // patch) ** 2 // scale ** 2)
     return TiledImageProcessor(processor, patch)
+
+
+def _gemma3_image_processor(model: Path, mmproj: Path, meta: dict):
+    """Gemma 3's: transformers' Gemma3Processor over the text GGUF's tokenizer (its image tokens named) and Gemma 3's
+    image processor (its PIL one) resizing every image to ``image_size`` square, ``mm_tokens_per_image`` soft tokens
+    an image."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    from lmport.multimodal.gemma3 import Gemma3ImageProcessor
+    from lmport.weights.gguf_tokenizer import gguf_tokenizer
+    config = checkpoint_config(model, mmproj)
+    tokenizer = gguf_tokenizer(model)
+    names = {"boi_token": _GEMMA3_TOKENS["boi_token_index"], "eoi_token": _GEMMA3_TOKENS["eoi_token_index"],
+             "image_token": _GEMMA3_TOKENS["image_token_index"]}
+    for attribute, text in names.items():   # what Gemma3Processor reads of a Gemma 3 tokenizer
+        setattr(tokenizer, attribute, text)
+        setattr(tokenizer, f"{attribute}_id", tokenizer.convert_tokens_to_ids(text))
+    size = meta["clip.vision.image_size"]
+    images = Gemma3ImageProcessorPil(size={"height": size, "width": size},
+                                     image_mean=list(meta["clip.vision.image_mean"]),
+                                     image_std=list(meta["clip.vision.image_std"]))
+    processor = Gemma3Processor(images, tokenizer, image_seq_length=config.mm_tokens_per_image)
+    return Gemma3ImageProcessor(processor, meta["clip.vision.patch_size"])
+
+
+def _pixtral_image_processor(model: Path, meta: dict):
+    """Mistral 3's: Pixtral's image processor (its PIL one) fitting the longest side in ``image_size``, in whole
+    merged cells, and the text GGUF's ``[IMG]``, ``[IMG_BREAK]`` and ``[IMG_END]``."""
+    from transformers import PixtralImageProcessorPil
+
+    from lmport.multimodal.pixtral import PixtralImageProcessor
+    patch = meta["clip.vision.patch_size"]
+    images = PixtralImageProcessorPil(size={"longest_edge": meta["clip.vision.image_size"]},
+                                      patch_size={"height": patch, "width": patch},
+                                      image_mean=list(meta["clip.vision.image_mean"]),
+                                      image_std=list(meta["clip.vision.image_std"]))
+    ids = placeholder_ids(model, dict(zip(("image", "break", "end"), _PIXTRAL_TOKENS)))
+    return PixtralImageProcessor(images, ids["image"], ids["break"], ids["end"], patch,
+                                 meta.get("clip.vision.spatial_merge_size", 1))
+
+
+def largest_image_patches(mmproj: Path) -> int:
+    """Patches of the largest image the pair's processor makes (the memory plan's encoder reserve): Qwen's pixel
+    limit (``image_max_pixels``, else llama.cpp's 4096 tokens), Gemma 3's and Pixtral's ``image_size`` square,
+    Idefics3's tiles of its ``preproc_image_size`` and the global image."""
+    meta = read_mmproj(mmproj).metadata
+    kind = projector_of(read_mmproj(mmproj)).model_type
+    patch, size = meta["clip.vision.patch_size"], meta["clip.vision.image_size"]
+    if kind in ("qwen2_5_vl", "qwen3_vl"):
+        cell = patch * meta.get("clip.vision.spatial_merge_size", _MERGE_SIZE)
+        pixels = meta.get("clip.vision.image_max_pixels", _QWEN2_VL_TOKEN_LIMITS[1] * cell * cell)
+        return -(-pixels // (patch * patch))
+    if kind == "idefics3":
+        side = -(-meta.get("clip.vision.preproc_image_size", size) // size)
+        return (side * side + 1) * (size // patch) ** 2
+    return (size // patch) ** 2

@@ -16,8 +16,9 @@ from lmport.multimodal.inputs import ImageInput
 
 # The model types whose images lmport runs (lmport.models.qwen2_vl, lmport.models.qwen3_vl; lmport.models.idefics3,
 # whose images are tiled by lmport.multimodal.tiles; lmport.models.mistral3, whose images lmport.multimodal.pixtral
-# lays out in rows; lmport.models.gemma3_vl, whose placeholders lmport.multimodal.gemma3 expands).
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3", "gemma3")
+# lays out in rows; lmport.models.gemma3_vl, whose placeholders lmport.multimodal.gemma3 expands;
+# lmport.models.llama4_vl, whose images lmport.multimodal.llama4 tiles).
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3", "gemma3", "llama4")
 
 
 def takes_images(model: str) -> bool:

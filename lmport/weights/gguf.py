@@ -41,13 +41,15 @@ SUPPORTED_ARCHITECTURES = {
     "glm4moe": "GLM-4.5", "deepseek2": "DeepSeek-V3", "qwen3next": "Qwen3-Next", "gpt-oss": "gpt-oss",
     "qwen35": "Qwen3.5 (text)", "qwen35moe": "Qwen3.5-MoE (text)", "llama4": "Llama 4 (text)",
     "qwen2vl": "Qwen2.5-VL (text; its images with an mmproj file, lmport.multimodal.mmproj)",
+    "qwen3vl": "Qwen3-VL (text; its images with an mmproj file)",
+    "mistral3": "Mistral 3 (text; its images with an mmproj file)",
 }
 # GGUF architecture -> transformers model type, where they differ.
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",
                 "qwen3next": "qwen3_next", "gpt-oss": "gpt_oss", "qwen35": "qwen3_5_text",
                 "qwen35moe": "qwen3_5_moe_text", "llama4": "llama4_text",
                 # Qwen2.5-VL's text model: Qwen2's decoder; its multimodal rotary turns text as the plain one does
-                "qwen2vl": "qwen2"}
+                "qwen2vl": "qwen2", "qwen3vl": "qwen3", "mistral3": "mistral"}
 # Architectures with Qwen3-Next's linear-attention layers, whose tensors the converter changes alike.
 _LINEAR_ATTENTION = ("qwen3next", "qwen35", "qwen35moe")
 # Qwen3-Next's linear-layer parameters without a weight / bias suffix -> the GGUF tensor they come from, by the
@@ -55,7 +57,7 @@ _LINEAR_ATTENTION = ("qwen3next", "qwen35", "qwen35moe")
 _LINEAR_PARAMETERS = {"linear_attn.A_log": ("linear_attn.A_log", ""), "linear_attn.dt_bias": ("linear_attn.dt_proj",
                                                                                               ".bias")}
 # Architectures whose q/k rows (and biases) llama.cpp's converter interleaves for its rotary.
-_PERMUTED_QK = ("llama", "smollm3")
+_PERMUTED_QK = ("llama", "smollm3", "mistral3")
 # Tensors a converter may write that the model computes from its config instead.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # A mixture-of-experts block's experts stacked into one tensor each (gate, up, down): under tensor parallelism the

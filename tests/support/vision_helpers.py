@@ -480,3 +480,244 @@ def tiny_gemma3_dir() -> str:
         model.generation_config.eos_token_id = 2
         save_once(target, model, processor)
     return str(target)
+
+
+class RenamedTensors:
+    """A part for ``save_once`` after the model: renames the saved model.safetensors' tensors by prefix."""
+
+    def __init__(self, renames: dict[str, str]):
+        self.renames = renames
+
+    def save_pretrained(self, directory) -> None:
+        from pathlib import Path
+
+        from safetensors.torch import load_file, save_file
+        path = Path(directory) / "model.safetensors"
+        state = load_file(path)
+        for old, new in self.renames.items():
+            state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+        save_file(state, path, metadata={"format": "pt"})
+
+
+@functools.cache
+def tiny_gemma3_llama_cpp_dir() -> str:
+    """A random-weight Gemma 3 that llama.cpp's converter and runtime read as transformers does: 6 text layers in
+    the pattern llama.cpp assumes of every Gemma 3 (five sliding, then a global one: the file does not store it),
+    query_pre_attn_scalar the head size (llama.cpp's scale), the projection's values whole float16 ones (the
+    converter stores it F16 whatever the outtype), and the vision tower's tensors under the released checkpoints'
+    names (``vision_tower.vision_model.``: the converter's map; transformers loads both)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-gemma3-llama-cpp-v1"
+    if not (target / "config.json").exists():
+        processor = tiny_gemma3_processor()
+        tokenizer = processor.tokenizer
+        text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=GEMMA3_WINDOW,
+                    layer_types=["sliding_attention"] * 5 + ["full_attention"], bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=2, pad_token_id=0)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, vision_use_head=False)
+        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+                              boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                              image_token_index=tokenizer.image_token_id)
+        torch.manual_seed(4321)
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mm_input_projection_weight") or ("norm" in name and "vision_tower" not in name):
+                    p.normal_(0.0, 0.3)
+                if name.endswith("mm_input_projection_weight"):
+                    p.copy_(p.half().float())
+        model.generation_config.eos_token_id = 2
+        save_once(target, model, processor, RenamedTensors({"vision_tower.": "vision_tower.vision_model."}))
+    return str(target)
+
+
+@functools.cache
+def tiny_mistral3_llama_cpp_dir() -> str:
+    """A random-weight Mistral 3 that llama.cpp's converter takes: the tiny one's shape with 3 Pixtral layers (the
+    converter maps the projector's ``linear_1`` and ``linear_2`` by block index, so the tower needs 3 blocks or
+    more)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-mistral3-llama-cpp-v1"
+    if not (target / "config.json").exists():
+        processor = tiny_mistral3_processor()
+        tokenizer = processor.tokenizer
+        text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=1, eos_token_id=2)
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=2, image_size=MISTRAL3_LONGEST_EDGE, patch_size=MISTRAL3_PATCH)
+        config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=MISTRAL3_MERGE,
+                                image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+        torch.manual_seed(4321)
+        model = Mistral3ForConditionalGeneration(config).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        save_once(target, model, processor, processor.image_processor)
+    return str(target)
+
+
+# Llama 4's image tokens (Llama4Processor's defaults) and the chat template's header and turn tokens.
+LLAMA4_TOKENS = ["<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+                 "<|tile_y_separator|>", "<|header_start|>", "<|header_end|>", "<|eot|>"]
+# 32-pixel tiles of 4-pixel patches (8 x 8), pixel-shuffled 2 x 2 into 16 tokens a tile; at most 4 tiles an image.
+LLAMA4_TILE, LLAMA4_PATCH, LLAMA4_MAX_TILES, LLAMA4_TILE_TOKENS = 32, 4, 4, 16
+
+
+def tiny_llama4_tokenizer():
+    """The default model's tokenizer with Llama 4's image and chat tokens and Llama4Processor's own chat template."""
+    from transformers.models.llama4.processing_llama4 import chat_template
+
+    from lmport.models.loader import load_tokenizer
+    tokenizer = load_tokenizer("smollm2")
+    tokenizer.add_special_tokens({"additional_special_tokens": LLAMA4_TOKENS})
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+class Llama4ProcessorFiles:
+    """``preprocessor_config.json`` and ``processor_config.json`` as transformers writes them for a Llama 4
+    checkpoint (its image processor needs torchvision, so it is not built here to save them)."""
+
+    def save_pretrained(self, target) -> None:
+        import json
+        from pathlib import Path
+        target = Path(target)
+        target.mkdir(parents=True, exist_ok=True)
+        images = {"image_processor_type": "Llama4ImageProcessor", "processor_class": "Llama4Processor",
+                  "size": {"height": LLAMA4_TILE, "width": LLAMA4_TILE}, "max_patches": LLAMA4_MAX_TILES,
+                  "resize_to_max_canvas": False, "resample": 2, "do_resize": True, "do_rescale": True,
+                  "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+                  "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+        processor = {"processor_class": "Llama4Processor", "patch_size": LLAMA4_PATCH, "pixel_shuffle_ratio": 0.5,
+                     "fake_image_token": "<|image|>", "image_token": "<|image|>"}
+        (target / "preprocessor_config.json").write_text(json.dumps(images, indent=2))
+        (target / "processor_config.json").write_text(json.dumps(processor, indent=2))
+
+
+@functools.cache
+def tiny_llama4_dir() -> str:
+    """A directory with a random-weight Llama 4 image-text model (a 2-layer vision model of 32-pixel tiles and its
+    pixel-shuffle adapter, the projector, a 2-layer Llama 4 text model: a rope layer attending in chunks of 32 with
+    L2 q/k norms, a NoPE layer with temperature tuning and 4 experts, top 1, beside a shared expert) and its
+    processor's files."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-llama4-vision-v1"
+    if not (target / "config.json").exists():
+        tokenizer = tiny_llama4_tokenizer()
+        token = tokenizer.convert_tokens_to_ids
+        text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=1,
+                    interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=32, floor_scale=8,
+                    attn_scale=0.1, use_qk_norm=True, initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=2, pad_token_id=0)
+        vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=LLAMA4_TILE, patch_size=LLAMA4_PATCH, pixel_shuffle_ratio=0.5,
+                      projector_input_dim=32, projector_output_dim=32, vision_output_dim=32,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        config = Llama4Config(text_config=text, vision_config=vision, image_token_index=token("<|patch|>"),
+                              boi_token_index=token("<|image_start|>"), eoi_token_index=token("<|image_end|>"),
+                              tie_word_embeddings=False)
+        torch.manual_seed(1234)
+        model = Llama4ForConditionalGeneration(config).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        save_once(target, model, tokenizer, Llama4ProcessorFiles())
+    return str(target)
+
+
+def llama4_reference_processor(model_dir: str, pixels_of):
+    """transformers' Llama4Processor of ``model_dir`` (its prompt expansion is the reference) over an image
+    processor that gives, for each image, ``pixels_of(image)``: its tiles [tiles, 3, tile, tile] and (rows, columns)
+    of tiles. transformers' Llama4ImageProcessor needs torchvision, which is not a dependency; its pixels are checked
+    on their own (``llama4_transformers_pixels``)."""
+    from transformers import AutoTokenizer, BatchFeature, Llama4Processor
+    from transformers.image_processing_base import ImageProcessingMixin
+
+    class GivenPixels(ImageProcessingMixin):
+        def __call__(self, images, **kwargs):
+            made = [pixels_of(image) for image in images]
+            return BatchFeature({"pixel_values": torch.cat([torch.as_tensor(p) for p, _ in made]),
+                                 "aspect_ratios": torch.tensor([list(shape) for _, shape in made])})
+
+    return Llama4Processor(GivenPixels(), AutoTokenizer.from_pretrained(model_dir), patch_size=LLAMA4_PATCH,
+                           pixel_shuffle_ratio=0.5)
+
+
+# transformers' Llama4ImageProcessor, run where torchvision's Python code can be imported: its compiled operators
+# (which the image processor does not use) are not loaded, so a torchvision wheel built for another torch serves.
+LLAMA4_PIXELS_SCRIPT = """
+import importlib.util, sys, types
+import numpy as np
+spec = importlib.util.find_spec("torchvision")
+stub = types.ModuleType("torchvision")
+stub.__path__, stub.__spec__ = list(spec.submodule_search_locations), spec
+sys.modules["torchvision"] = stub
+from PIL import Image
+from transformers import Llama4ImageProcessor
+processor = Llama4ImageProcessor.from_pretrained(sys.argv[1])
+out = {}
+for i, path in enumerate(sys.argv[3:]):
+    made = processor(images=[Image.open(path)], return_tensors="pt")
+    out[f"pixels{i}"] = made["pixel_values"].float().numpy()
+    out[f"ratio{i}"] = made["aspect_ratios"].numpy()
+np.savez(sys.argv[2], **out)
+"""
+
+
+def llama4_transformers_pixels(model_dir: str, images: list[bytes]):
+    """transformers' Llama4ImageProcessor's tiles and (rows, columns) for each image, in a subprocess importing
+    torchvision from ``LMPORT_TORCHVISION_DIR`` (default ~/.cache/lmport-torchvision: ``pip install --no-deps --target
+    DIR torchvision``); None where torchvision is not there."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    where = Path(os.environ.get("LMPORT_TORCHVISION_DIR", Path.home() / ".cache" / "lmport-torchvision"))
+    if not (where / "torchvision").is_dir():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i, data in enumerate(images):
+            paths.append(str(Path(tmp) / f"image{i}"))
+            Path(paths[-1]).write_bytes(data)
+        out = str(Path(tmp) / "out.npz")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(where), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-c", LLAMA4_PIXELS_SCRIPT, model_dir, out, *paths], env=env, check=True,
+                       timeout=300)
+        made = np.load(out)
+        return [(made[f"pixels{i}"], tuple(made[f"ratio{i}"][0])) for i in range(len(images))]
+
+
+@functools.cache
+def tiny_qwen3_vl_llama_cpp_dir() -> str:
+    """The tiny Qwen3-VL with the image sizes llama.cpp assumes of one (8 to 4096 tokens, clip.cpp's
+    set_limit_image_tokens; the mmproj file does not store them), which its converter and mtmd then run as
+    transformers does."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLForConditionalGeneration
+
+    from lmport.models.loader import cache_root
+    target = cache_root() / "test-models" / "tiny-qwen3_vl-llama-cpp-v1"
+    if not (target / "config.json").exists():
+        tokenizer, _ = tiny_qwen3_vl_processor()
+        cell = QWEN3_VL_PATCH * 2
+        low, high = LLAMA_CPP_QWEN2_VL_TOKENS
+        images = Qwen2VLImageProcessor(size={"shortest_edge": cell * cell * low, "longest_edge": cell * cell * high},
+                                       patch_size=QWEN3_VL_PATCH, temporal_patch_size=2, merge_size=2,
+                                       image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+        torch.manual_seed(4321)
+        model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer)).to(torch.float32)
+        model.generation_config.eos_token_id = 2
+        save_once(target, model, tokenizer, images)
+    return str(target)

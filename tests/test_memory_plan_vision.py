@@ -1,0 +1,156 @@
+"""The memory plan's vision side: the tower's weights and the encoder's activation reserve are counted before the
+KV cache is sized, by ``lmport plan`` and the engine alike.
+
+References: the engine's loaded vision modules' parameter bytes (the weights' line); the bytes of the tensors an
+image's prefill step creates, tracked op by op (a dispatch mode holding each new storage until its last tensor
+goes: deterministic, no RSS, no clock) for the encoder's line and the step's whole peak; the plan's own figures for
+the cache arithmetic."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lmport.config import EngineConfig
+from lmport.memory.budget import encoder_reserve
+from lmport.memory.plan import build_plan
+from lmport.memory.plan_format import format_plan
+from support.vision_helpers import generate_greedy, lmport_prompt, png, tiny_qwen2_5_vl_dir, vision_engine
+
+DEVICE_MEMORY = 4 << 30
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by storages that ops create while the mode is on: a storage counts from the op
+    that makes it until no tensor made inside the mode holds it (outputs that alias an input are views, not new
+    storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.holders: dict[int, int] = {}   # storage address -> live tensors made here that hold it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            address = t.untyped_storage().data_ptr()
+            if address == 0 or (address in inputs and address not in self.holders):
+                continue   # empty, or a view of a tensor made before the mode (a weight, the cache)
+            if address not in self.holders:
+                self.holders[address], self.sizes[address] = 0, t.untyped_storage().nbytes()
+                self.live += self.sizes[address]
+                self.peak = max(self.peak, self.live)
+            self.holders[address] += 1
+            weakref.finalize(t, self._release, address)
+        return out
+
+    def _release(self, address: int) -> None:
+        if address in self.holders:
+            self.holders[address] -= 1
+            if self.holders[address] == 0:
+                del self.holders[address]
+                self.live -= self.sizes.pop(address)
+
+
+def _config(**fields) -> EngineConfig:
+    return EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=0.05, **fields)
+
+
+@pytest.fixture(scope="module")
+def plan() -> dict:
+    return build_plan(tiny_qwen2_5_vl_dir(), _config(), device_memory=DEVICE_MEMORY)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = vision_engine(tiny_qwen2_5_vl_dir())
+    yield engine
+    engine.close()
+
+
+def test_the_plan_counts_the_towers_weights_as_the_engine_holds_them(plan, llm):
+    """The plan's vision weights (from the checkpoint's headers) are the bytes of the vision modules the engine
+    loads; they are counted before the cache: the memory free after weights is the device's less the text
+    weights and the tower's."""
+    held = sum(p.numel() * p.element_size() for p in llm.core.runner.model.visual.parameters())
+    vision = plan["vision"]
+    assert vision is not None and vision["weight_bytes"] == held > 0
+    assert plan["free_after_weights_bytes"] == DEVICE_MEMORY - plan["weights"]["bytes"] - held
+
+
+def test_the_encoder_reserve_is_set_aside_before_the_cache(plan):
+    """The cache gets what is left after the text model's activation reserve and the encoder's, and the plan's
+    text shows the tower's weights and the encoder's reserve as their own lines."""
+    vision = plan["vision"]
+    assert vision["encoder_reserve_bytes"] > 0
+    assert plan["usable_for_cache_bytes"] == (plan["free_after_weights_bytes"] - plan["activation_reserve"]["bytes"]
+                                              - vision["encoder_reserve_bytes"])
+    text = format_plan(plan)
+    assert any(line.startswith("vision ") for line in text.splitlines())
+    assert any(line.startswith("encoder ") for line in text.splitlines())
+
+
+def test_a_text_model_has_no_vision_lines():
+    plan = build_plan("smollm2", _config(), device_memory=DEVICE_MEMORY)
+    assert plan["vision"] is None
+    assert "encoder " not in format_plan(plan)
+
+
+def test_a_one_image_prefill_stays_within_the_plan(plan, llm):
+    """The engine's one-image prefill step: the bytes the vision tower's call creates stay within the plan's
+    encoder reserve (and within its per-patch figure at this image's patches), and the whole step's within the two
+    reserves; the engine plans its cache with the same encoder reserve as ``lmport plan``."""
+    runner = llm.core.runner
+    tower = runner.model.visual
+    run_tower = tower.forward
+    try:
+        assert runner.memory_inputs.encoder_bytes == plan["vision"]["encoder_reserve_bytes"] == encoder_reserve(
+            runner.model_config, runner.config).bytes
+        ids, images = lmport_prompt(llm, tiny_qwen2_5_vl_dir(), ("Look at this:", png(150, 90, 3), "What is it?"))
+        encoder = LiveBytes()
+
+        def measured(*args, **kwargs):
+            with encoder:
+                return run_tower(*args, **kwargs)
+        tower.forward = measured
+        step = LiveBytes()
+        with step:
+            generate_greedy(llm, ids, images, 1)
+    finally:
+        tower.forward = run_tower
+    vision = plan["vision"]
+    assert 0 < encoder.peak <= vision["encoder_reserve_bytes"]
+    # the estimate is linear in the call's patches (Qwen's attention is not materialized as a mask): scaled down to
+    # this image's patches it still covers what the call made
+    t, h, w = images[0].grid_thw
+    assert encoder.peak <= vision["encoder_reserve_bytes"] * (t * h * w) / vision["patches_per_call"]
+    assert encoder.peak <= step.peak <= plan["activation_reserve"]["bytes"] + plan["vision"]["encoder_reserve_bytes"]
+
+
+@pytest.mark.slow   # a pair converted by llama.cpp's converter
+def test_an_mmproj_pairs_plan_counts_the_mmproj_tower():
+    """`lmport plan text.gguf --mmproj mmproj.gguf` (Gemma 3's pair): the vision weights are the bytes of the tower
+    and projector the engine builds from the mmproj, the largest image the mmproj's size, and the engine plans with
+    the same encoder reserve."""
+    from test_vision_gguf import converted_pair, engine
+    text, mmproj = converted_pair("f32", "gemma3")
+    plan = build_plan(str(text), _config(mmproj=str(mmproj)), device_memory=DEVICE_MEMORY)
+    llm = engine(text, mmproj)
+    try:
+        runner = llm.core.runner
+        modules = (runner.model.vision_tower, runner.model.projector)
+        held = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+        encoder = runner.memory_inputs.encoder_bytes
+        patch, size = runner.model_config.vision_config.patch_size, runner.model_config.vision_config.image_size
+    finally:
+        llm.close()
+    assert plan["vision"]["source"] == "mmproj" and plan["vision"]["weight_bytes"] == held > 0
+    assert plan["vision"]["largest_image_patches"] == (size // patch) ** 2
+    assert plan["vision"]["encoder_reserve_bytes"] == encoder > 0
