@@ -1,5 +1,6 @@
 """The test session's setup: the Triton interpreter switch, the background subprocesses started once
-collection is done (tests/support/background_runs.py), and the shared fixtures (tests/support/fixtures.py).
+collection is done (tests/support/background_runs.py), tokenizers read once a worker
+(tests/support/tokenizer_memo.py), and the shared fixtures (tests/support/fixtures.py).
 
 Helper modules live in tests/support/ (on the path as ``support``, tests/ being on it).
 """
@@ -10,9 +11,11 @@ import os
 import pytest
 import torch
 
+from support import tokenizer_memo
 from support.background_runs import background
 from support.fixtures import (backends_output, backends_table, broken_plugin_backends_output,  # noqa: F401
                               freeze_discovery, fresh_interpreter, install_fake_plugin, parse_backends, repo_root)
+from support.vision_helpers import hf, llm  # noqa: F401  (over the requesting module's model_dir)
 
 # Without a GPU the cuda backend's Triton kernels run on CPU tensors under the interpreter. Triton reads the
 # switch when the kernels are first imported, so the test session sets it here, before any test runs.
@@ -25,6 +28,8 @@ if not torch.cuda.is_available():
 if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+tokenizer_memo.install()
 
 
 def _uses_background(item) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"lmport": ROOT / "lmport"}
 
@@ -174,20 +176,10 @@ def test_the_server_app_imports_no_model_code():
     assert "lmport.engine.outputs" in reached   # the walk sees the app's imports
 
 
-def test_the_server_app_loads_no_model_code():
-    """The same, as Python runs it: importing the app in a fresh interpreter loads none of the model side."""
-    import subprocess
-    import sys
-    code = "import sys, lmport.server.app\nprint(' '.join(sorted(m for m in sys.modules if m.startswith('lmport'))))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    loaded = out.stdout.split()
-    assert "lmport.engine.outputs" in loaded and not _model_side(loaded), _model_side(loaded)
-
-
-def test_the_server_app_loads_no_torch():
-    """The HTTP app validates requests and relays them to the engine core, which does the tensor work: importing
-    it in a fresh interpreter leaves torch unloaded (seconds and hundreds of MB a front end never needs). On a
-    failure, the lmport module that imported torch first is named."""
+@pytest.fixture(scope="module")
+def fresh_app_import() -> tuple[list[str], bool, str]:
+    """Importing the app in a fresh interpreter: the lmport modules loaded, whether torch was, and the module that
+    imported torch first."""
     import subprocess
     import sys
     code = ("import builtins, sys\n"
@@ -198,7 +190,23 @@ def test_the_server_app_loads_no_torch():
             "    return load(name, globals, *args, **kwargs)\n"
             "builtins.__import__ = watch\n"
             "import lmport.server.app\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('lmport'))))\n"
             "print('torch' in sys.modules, first[0] if first else '')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    loaded, importer = (out.stdout.split() + [""])[:2]
-    assert loaded == "False", f"importing lmport.server.app loads torch (first imported by {importer})"
+    modules, torch_line = out.stdout.splitlines()[-2:]
+    loaded, importer = (torch_line.split() + [""])[:2]
+    return modules.split(), loaded == "True", importer
+
+
+def test_the_server_app_loads_no_model_code(fresh_app_import):
+    """The same, as Python runs it: importing the app in a fresh interpreter loads none of the model side."""
+    loaded = fresh_app_import[0]
+    assert "lmport.engine.outputs" in loaded and not _model_side(loaded), _model_side(loaded)
+
+
+def test_the_server_app_loads_no_torch(fresh_app_import):
+    """The HTTP app validates requests and relays them to the engine core, which does the tensor work: importing
+    it in a fresh interpreter leaves torch unloaded (seconds and hundreds of MB a front end never needs). On a
+    failure, the lmport module that imported torch first is named."""
+    _, loaded, importer = fresh_app_import
+    assert not loaded, f"importing lmport.server.app loads torch (first imported by {importer})"

@@ -18,7 +18,7 @@ from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
 from support.model_helpers import tiny_model_dir
 from support.vision_helpers import (CASES, conversation, generate_greedy, greedy_reference, lmport_prompt, png,
-                                    reference_model, tiny_qwen2_5_vl_dir, vision_engine)
+                                    tiny_qwen2_5_vl_dir)
 
 NEW_TOKENS = 10
 
@@ -26,18 +26,6 @@ NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_qwen2_5_vl_dir()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = vision_engine(model_dir)
-    yield llm
-    llm.close()
 
 
 def reference_inputs(model_dir, tokenizer, parts) -> dict:

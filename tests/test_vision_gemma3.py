@@ -22,8 +22,7 @@ from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.loading import image_processor
 from lmport.server.app import create_app
 from support.vision_helpers import (CASES, GEMMA3_IMAGE_TOKENS, data_url, generate_greedy,
-                                    greedy_reference, lmport_prompt, png, processor_inputs, reference_model,
-                                    tiny_gemma3_dir, vision_engine)
+                                    greedy_reference, lmport_prompt, png, processor_inputs, tiny_gemma3_dir)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -32,18 +31,6 @@ NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_gemma3_dir()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = vision_engine(model_dir)
-    yield llm
-    llm.close()
 
 
 @functools.cache

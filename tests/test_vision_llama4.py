@@ -23,8 +23,7 @@ from lmport.engine.llm import LLM
 from lmport.engine.outputs import RequestError
 from support.vision_helpers import (LLAMA4_TILE, LLAMA4_TILE_TOKENS, data_url, generate_greedy,
                                     llama4_reference_processor, llama4_transformers_pixels, lmport_image_processor,
-                                    lmport_prompt, png, processor_inputs, reference_model, tiny_llama4_dir,
-                                    vision_engine)
+                                    lmport_prompt, png, processor_inputs, tiny_llama4_dir)
 
 NEW_TOKENS = 10
 ONE_IMAGE = "one image of 2 x 2 tiles, text before and after"
@@ -39,18 +38,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_llama4_dir()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = vision_engine(model_dir)
-    yield llm
-    llm.close()
 
 
 def lmport_tiles(model_dir, image) -> tuple[np.ndarray, tuple[int, int]]:

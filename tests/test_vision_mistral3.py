@@ -24,7 +24,7 @@ from lmport.multimodal.loading import image_processor
 from lmport.server.app import create_app
 from support.vision_helpers import (CASES, MISTRAL3_MERGE, MISTRAL3_PATCH, data_url, generate_greedy,
                                     greedy_reference, lmport_prompt, pixtral_processor_class, png, processor_inputs,
-                                    reference_model, tiny_mistral3_dir, vision_engine)
+                                    tiny_mistral3_dir)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -34,18 +34,6 @@ ONE_IMAGE = "one image, text before and after"
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_mistral3_dir()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = vision_engine(model_dir)
-    yield llm
-    llm.close()
 
 
 @functools.cache

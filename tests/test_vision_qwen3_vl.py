@@ -24,7 +24,7 @@ from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
 from lmport.server.app import create_app
 from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, greedy_reference, lmport_prompt,
-                                    png, reference_model, tiny_qwen3_vl_dir, vision_engine)
+                                    png, tiny_qwen3_vl_dir)
 from test_server import ServerThread
 
 NEW_TOKENS = 10
@@ -35,18 +35,6 @@ TWO_IMAGES = "two images of two sizes"
 @pytest.fixture(scope="module")
 def model_dir():
     return tiny_qwen3_vl_dir()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = vision_engine(model_dir)
-    yield llm
-    llm.close()
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import io
 
+import pytest
 import torch
 
 from support.saved_dirs import save_once
@@ -301,6 +302,22 @@ def vision_engine(model_dir: str):
     from lmport.engine.llm import LLM
     return LLM(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128,
                                        enable_prefix_caching=True))
+
+
+# Every test session's (tests/conftest.py): a vision family's test module defines its ``model_dir`` fixture, and these
+# two serve that model.
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    """transformers' model of the module's ``model_dir``: the reference."""
+    return reference_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    """lmport's engine of the module's ``model_dir``, closed after the module."""
+    engine = vision_engine(model_dir)
+    yield engine
+    engine.close()
 
 
 # Prompts of text and images (PNG or JPEG bytes) the vision tests run, in order.
