@@ -7,7 +7,11 @@ goes: deterministic, no RSS, no clock) for the encoder's line and the step's who
 the cache arithmetic."""
 from __future__ import annotations
 
+import json
+import math
+import os
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +99,24 @@ def test_the_encoder_reserve_is_set_aside_before_the_cache(plan):
     text = format_plan(plan)
     assert any(line.startswith("vision ") for line in text.splitlines())
     assert any(line.startswith("encoder ") for line in text.splitlines())
+
+
+def test_the_largest_image_is_the_directorys_processor_limit(plan, tmp_path):
+    """A Qwen image's patches at most follow the directory's processor settings (``size.longest_edge``, or a
+    legacy ``max_pixels``), not transformers' default: a processor allowing a quarter of the pixels gets a quarter of
+    the patches and a smaller reserve."""
+    source = Path(tiny_qwen2_5_vl_dir())
+    settings = json.loads((source / "preprocessor_config.json").read_text())
+    patch = settings["patch_size"]
+    assert plan["vision"]["largest_image_patches"] == math.ceil(settings["size"]["longest_edge"] / patch ** 2)
+    for name in os.listdir(source):
+        if name != "preprocessor_config.json":
+            (tmp_path / name).symlink_to(source / name)
+    smaller = {**settings, "max_pixels": settings["size"]["longest_edge"] // 4}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(smaller))
+    quarter = build_plan(str(tmp_path), _config(), device_memory=DEVICE_MEMORY)["vision"]
+    assert quarter["largest_image_patches"] == math.ceil(smaller["max_pixels"] / patch ** 2)
+    assert quarter["encoder_reserve_bytes"] < plan["vision"]["encoder_reserve_bytes"]
 
 
 def test_a_text_model_has_no_vision_lines():

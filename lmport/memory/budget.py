@@ -113,8 +113,8 @@ def activation_reserve(model_cfg, config: EngineConfig) -> int:
     return int((tokens * per_token * dtype_bytes + logits) * 1.25)
 
 
-# Vision towers (docs/memory.md "The vision side"). Pixels a Qwen image may have at most where nothing says
-# otherwise: transformers' Qwen2-VL / Qwen3-VL image processors' default ``longest_edge``.
+# Vision towers (docs/memory.md "The vision side"). Pixels a Qwen image may have at most where the directory's
+# processor settings say nothing: transformers' Qwen2-VL / Qwen3-VL image processors' default ``longest_edge``.
 _QWEN_MAX_PIXELS = {"qwen2_5_vl": 12845056, "qwen3_vl": 16777216}
 # Idefics3's tiles an image at most: SmolVLM's processors resize the longest side to 4 tiles, plus the global image.
 _IDEFICS3_TILES = 4 * 4 + 1
@@ -131,7 +131,8 @@ class EncoderReserve:
 def largest_image_patches(model_cfg, config: EngineConfig) -> int | None:
     """Patches of the largest image the model's processor makes (None for a model without images): from the mmproj
     file's metadata where the engine runs one, else the family's fixed size (Gemma 3: one size; Mistral 3: the
-    tower's ``image_size`` as the longest side; Idefics3: 17 tiles), Qwen's processor default ``longest_edge``."""
+    tower's ``image_size`` as the longest side; Idefics3: 17 tiles), Qwen's pixel limit from the directory's
+    processor settings (``max_image_pixels``, lmport.models.loader.read_model_config) or its default."""
     vision = getattr(model_cfg, "vision_config", None)
     kind = getattr(model_cfg, "model_type", None)
     if vision is None or kind not in ("qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3", "idefics3"):
@@ -146,7 +147,7 @@ def largest_image_patches(model_cfg, config: EngineConfig) -> int | None:
         return (vision.image_size // patch) ** 2
     if kind == "idefics3":
         return _IDEFICS3_TILES * (vision.image_size // patch) ** 2
-    return ceil_div(_QWEN_MAX_PIXELS[kind], patch * patch)
+    return ceil_div(getattr(model_cfg, "max_image_pixels", None) or _QWEN_MAX_PIXELS[kind], patch * patch)
 
 
 def encoder_reserve(model_cfg, config: EngineConfig) -> EncoderReserve | None:

@@ -73,8 +73,18 @@ def read_model_config(model: str):
     from transformers import AutoConfig
     path = resolve_model_path(model)
     if path.is_dir():
-        return lmport_config(AutoConfig.from_pretrained(path))
+        return directory_config(AutoConfig.from_pretrained(path), path)
     return gguf.transformers_config(path)
+
+
+def directory_config(hf_config, path: Path):
+    """lmport's config of a transformers directory (``lmport_config``); a model with images also carries its image
+    processor's pixel limit (``max_image_pixels``), which the memory plan sizes the encoder's reserve by."""
+    from lmport.multimodal.processor import max_image_pixels
+    cfg = lmport_config(hf_config)
+    if getattr(cfg, "vision_config", None) is not None:
+        cfg.max_image_pixels = max_image_pixels(path)
+    return cfg
 
 
 def load_tokenizer(model: str):
@@ -143,7 +153,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
             eos = _eos_ids(_generation_config(path))
         else:
             hf = transformers_class(model_cfg).from_pretrained(path, dtype=dtype)
-            cfg = lmport_config(hf.config)
+            cfg = directory_config(hf.config, path)
             with torch.device("meta"):
                 paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
             # Share transformers' tensors instead of copying them (tied embeddings stay tied).

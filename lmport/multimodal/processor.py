@@ -21,6 +21,18 @@ from lmport.multimodal.inputs import ImageInput
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "idefics3", "mistral3", "gemma3", "llama4")
 
 
+def max_image_pixels(directory: Path) -> int | None:
+    """The most pixels the directory's image processor resizes an image to, where its ``preprocessor_config.json``
+    says (Qwen's ``max_pixels``, or ``size.longest_edge`` beside ``shortest_edge``, as transformers saves it)."""
+    try:
+        settings = json.loads((directory / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = settings.get("size") if isinstance(settings.get("size"), dict) else {}
+    pixels = settings.get("max_pixels") or (size.get("longest_edge") if "shortest_edge" in size else None)
+    return int(pixels) if isinstance(pixels, (int, float)) and pixels > 0 else None
+
+
 def takes_images(model: str) -> bool:
     """Whether ``model`` is a transformers directory of a model whose images lmport runs (its config.json read, its
     processor not loaded)."""
