@@ -182,11 +182,8 @@ def test_steps_the_kernels_do_not_cover_go_to_the_modules():
     ropes = [(torch.ones(1, d), torch.zeros(1, d))] * cfg.num_hidden_layers
     # An int8 KV cache with float32 params: the kernels read it.
     assert runner(torch.zeros(1, cfg.hidden_size), ropes, engine.caches, metas) is not None
-    # More tokens than a decode step (prefill goes to the BLAS through the modules).
-    many = 129
-    ropes = [(torch.ones(many, d), torch.zeros(many, d))] * cfg.num_hidden_layers
-    assert runner(torch.zeros(many, cfg.hidden_size), ropes, engine.caches, metas) is None
-    # And the engine still generates, through the modules.
+    # More tokens than a decode step: the backend's methods (tests/test_prefill_slices.py).
+    # And the engine still generates.
     assert pipe("hello", GenerationConfig(max_new_tokens=3, ignore_eos=True)).generate_token_len == 3
 
 

@@ -362,8 +362,9 @@ add_cases({
 
 async def big_answer(self):
     """1. A whole chat answer of n=16 x 2048 tokens with top_logprobs 20 (48 MB): built off the event loop?"""
+    # Nothing arrives until the whole answer is made: minutes, more on a busy machine than the client's usual wait.
     r = await self.post("/v1/chat/completions", self.chat(n=16, max_tokens=2048, ignore_eos=True, logprobs=True,
-                                                          top_logprobs=20))
+                                                          top_logprobs=20), timeout=1800)
     if r.status_code != 200:
         return answer(r)
     # Not parsed here: parsing 45 MiB of JSON holds this process's event loop, and with it the bystander's

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from lmport.config import GenerationConfig
-from lmport.engine.outputs import RequestError, RequestOutput
+from lmport.engine.outputs import PackedLogprobs, RequestError, RequestOutput
 from lmport.engine.client import EngineStopped
 from lmport.engine.messages import EngineRequest
 from lmport.lora import AdapterError
@@ -69,7 +69,7 @@ async def outputs(frontend: Frontend, job: Job) -> AsyncIterator[tuple[int, Requ
         acc = state[choice]
         if acc is None:
             acc = state[choice] = RequestOutput(out.request_id, [], "", [], "", False, None, out.prompt_tokens,
-                                                out.cached_tokens)
+                                                out.cached_tokens, logprobs=PackedLogprobs())
         acc.token_ids.extend(out.delta_token_ids)
         acc.logprobs.extend(out.delta_logprobs)
         # A finished output carries its whole text (decoded once at the end); what was streamed is its start.

@@ -86,8 +86,7 @@ class CpuBackend(Backend):
             return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
                                          row_group=q.row_group)
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
-        w = compiled.quant_dequantize(q.qweight, q.scales, q.mins, q.bits, q.group_size, row_group=q.row_group)
-        return prefill_gemm(x, w, bias)
+        return prefill_gemm(x, self.expanded(q), bias)
 
     def ggml_linear(self, x: torch.Tensor, weight: ops.GGMLWeight,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,10 +99,25 @@ class CpuBackend(Backend):
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias,
                                      row_group=weight.row_group)
         else:  # prefill: the weight expanded once for a GEMM
-            w = compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features,
-                                         row_group=weight.row_group)
-            y = prefill_gemm(x2, w, bias)
+            y = prefill_gemm(x2, self.expanded(weight), bias)
         return y.view(*x.shape[:-1], weight.out_features)
+
+    def prefill_expands(self, weight: ops.QuantizedWeight | ops.GGMLWeight) -> bool:
+        """Whether a prefill (more than SMALL_BATCH_TOKENS float32 rows) over ``weight`` runs a GEMM over it
+        expanded (``expanded``), as quant_linear and ggml_linear pick, rather than the build's group kernels or
+        the reference op."""
+        compiled = kernels.load()
+        if compiled is None or (weight.row_group != 1 and compiled.interleaved_prefill()):
+            return False
+        return isinstance(weight, ops.QuantizedWeight) or weight.type_name in self.capabilities.ggml_types
+
+    def expanded(self, weight: ops.QuantizedWeight | ops.GGMLWeight) -> torch.Tensor:
+        """``weight`` as the float32 matrix a prefill's GEMM runs on (where ``prefill_expands``)."""
+        compiled = kernels.load()
+        if isinstance(weight, ops.QuantizedWeight):
+            return compiled.quant_dequantize(weight.qweight, weight.scales, weight.mins, weight.bits,
+                                             weight.group_size, row_group=weight.row_group)
+        return compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features, row_group=weight.row_group)
 
     def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         compiled = kernels.load() if dtype == torch.float32 else None
@@ -172,7 +186,7 @@ class CpuBackend(Backend):
 
     def decoder_runner(self, layers: list[ops.DecoderLayerSpec]) -> ops.DecoderRunner | None:
         compiled = kernels.load()
-        return None if compiled is None else build_decoder_runner(layers, compiled, SMALL_BATCH_TOKENS)
+        return None if compiled is None else build_decoder_runner(layers, compiled, SMALL_BATCH_TOKENS, prefill=self)
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:

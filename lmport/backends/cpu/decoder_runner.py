@@ -9,12 +9,21 @@ call a step, the norms, rotary and residual adds done in place by the kernels' r
 same floats) or, with ``loop="python"``, in a Python loop over the kernels one by one (which a profile can
 time op by op). It covers the steps the kernels cover as the
 backend's methods would pick them (float32, a float32 cache or one of 8-/4-bit codes with float32 params, up to
-SMALL_BATCH_TOKENS tokens)
-and hands the others back to the modules.
+SMALL_BATCH_TOKENS tokens).
+
+Given the backend (``prefill``), it runs the longer steps (a prefill) too, through the backend's methods, the
+calls the modules make, with one difference: the MLP runs on slices of at most MLP_SLICE_TOKENS rows, as
+llama.cpp's ``n_ubatch`` bounds a batch's activations. The MLP's intermediate (gate and up: twice the
+intermediate size a token, three times that while they are activated) is the largest tensor of a step, and
+glibc keeps the heap a step's peak grew (lmport.backends.cpu.malloc), so it set the engine's memory after a
+long step. The slices give the modules' floats: every slice is longer than SMALL_BATCH_TOKENS, so the backend
+picks the kernels it picks for the whole step, and those give a row the same sums whatever rows are beside it
+(oneDNN's GEMM on the machines tested: tests/test_prefill_slices.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,29 +31,52 @@ import torch.nn.functional as F
 from lmport import ops
 from lmport.backends.cpu import kernels
 from lmport.kv.layout import LayerCache
+from lmport.platform.backend import Backend
+
+if TYPE_CHECKING:
+    from lmport.backends.cpu import CpuBackend
 
 Layer = Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], LayerCache, ops.AttentionMetadata], torch.Tensor]
 
 
+# A prefill step's MLP runs on slices of at most this many rows (llama.cpp's default n_ubatch); more than
+# twice SMALL_BATCH_TOKENS, so that every slice of a longer step is longer than a decode step.
+MLP_SLICE_TOKENS = 512
+
+
 def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
-          loop: str = "native") -> ops.DecoderRunner | None:
+          loop: str = "native", prefill: CpuBackend | None = None) -> ops.DecoderRunner | None:
     """The runner over ``layers`` with the compiled kernels, or None where a layer has a tensor
-    they do not take. ``loop``: "native" (the layers in C++, one call a step) or "python"."""
+    they do not take. ``loop``: "native" (the layers in C++, one call a step) or "python".
+    ``prefill``: the backend whose methods run the steps longer than ``small_batch_tokens`` (the MLP on slices:
+    ``prefill_layer``); without it those steps go to the modules."""
     if not layers or not all(_fits(spec) for spec in layers):
         return None
     head_dim = layers[0].head_dim
+    if prefill is not None and 2 * small_batch_tokens >= MLP_SLICE_TOKENS:
+        raise ValueError(f"MLP slices of {MLP_SLICE_TOKENS} rows for decode steps of up to {small_batch_tokens} "
+                         f"tokens: a step's last slice could be as short as a decode step and take its kernels")
+    prefill_layers = None if prefill is None else [prefill_layer(spec, prefill) for spec in layers]
 
     def covers(x, ropes, caches) -> bool:
         cos, cache = ropes[0][0], caches[0]
         return not (x.shape[0] > small_batch_tokens or x.dtype != torch.float32 or cos.dtype != torch.float32
                     or cos.shape[-1] != head_dim or not kernels.cache_takes(cache))
 
+    def run_prefill(x, ropes, caches, metas):
+        if prefill_layers is None or x.shape[0] <= small_batch_tokens or x.dtype != torch.float32 \
+                or ropes[0][0].shape[-1] != head_dim:
+            return None
+        for layer, rope, cache, meta in zip(prefill_layers, ropes, caches, metas, strict=True):
+            x = layer(x, rope, cache, meta)
+        return x
+
     if loop == "python":
         bound = [_bind_layer(spec, compiled) for spec in layers]
 
         def run_python(x, ropes, caches, metas):
             if not covers(x, ropes, caches):
-                return None
+                return run_prefill(x, ropes, caches, metas)
             for layer, rope, cache, meta in zip(bound, ropes, caches, metas, strict=True):
                 x = layer(x, rope, cache, meta)
             return x
@@ -56,7 +88,7 @@ def build(layers: list[ops.DecoderLayerSpec], compiled, small_batch_tokens: int,
 
     def run(x, ropes, caches, metas):
         if not covers(x, ropes, caches):
-            return None
+            return run_prefill(x, ropes, caches, metas)
         meta = metas[0]   # the layers share the metadata's tensors; only the window and soft cap differ
         rotary = [cos for cos, _ in ropes], [sin for _, sin in ropes]
         pools = [c.k for c in caches], [c.v for c in caches]
@@ -170,5 +202,86 @@ def _bind_layer(spec: ops.DecoderLayerSpec, compiled) -> Layer:
         x = x + attention_out(o(out.view(t, -1)))
         gate, up = gate_up(mlp_norm(x)).chunk(2, -1)
         return x + mlp_out(down(gated(gate, up)))
+
+    return layer
+
+
+def slices(rows: int, most: int) -> list[tuple[int, int]]:
+    """[start, end) of ``rows`` in as few slices of at most ``most`` as can be, of lengths that differ by one at
+    most (no short last slice)."""
+    count = -(-rows // most)
+    size, longer = divmod(rows, count)
+    bounds, start = [], 0
+    for i in range(count):
+        end = start + size + (i < longer)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _backend_linear(linears: ops.Linears, backend: Backend) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A projection through the backend's method for its weight's kind, as the model's linear modules call it."""
+    if isinstance(linears, tuple):   # parts of different formats, outputs concatenated (models.fusion.ConcatLinear)
+        parts = [_backend_linear(part, backend) for part in linears]
+        return lambda x: torch.cat([part(x) for part in parts], -1)
+    weight, bias = linears.weight, linears.bias
+    if isinstance(weight, ops.QuantizedWeight):
+        return lambda x: backend.quant_linear(x, weight, bias)
+    if isinstance(weight, ops.GGMLWeight):
+        return lambda x: backend.ggml_linear(x, weight, bias)
+    return lambda x: backend.linear(x, weight, bias)
+
+
+def expanded_once(linears: ops.Linears, backend: CpuBackend) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The projection for one step's slices: a quantized weight the backend would expand for each slice's GEMM
+    expanded here, once for all of them (the same GEMM on the same floats)."""
+    if isinstance(linears, tuple):
+        parts = [expanded_once(part, backend) for part in linears]
+        return lambda x: torch.cat([part(x) for part in parts], -1)
+    from lmport.backends.cpu import prefill_gemm   # the package imports this module first
+    weight, bias = linears.weight, linears.bias
+    if isinstance(weight, ops.QuantizedWeight | ops.GGMLWeight) and backend.prefill_expands(weight):
+        matrix = backend.expanded(weight)
+        return lambda x: prefill_gemm(x, matrix, bias)
+    return _backend_linear(linears, backend)
+
+
+def _backend_norm(norm: ops.Norm | None, backend: Backend) -> Callable[[torch.Tensor], torch.Tensor]:
+    if norm is None:
+        return lambda x: x
+    return lambda x: backend.rms_norm(x, norm.weight, norm.eps)
+
+
+def prefill_layer(spec: ops.DecoderLayerSpec, backend: CpuBackend) -> Layer:
+    """One layer of a step longer than a decode step: the backend's methods, called as the model's modules call
+    them, the MLP on slices of at most MLP_SLICE_TOKENS rows (its intermediate is never whole)."""
+    qkv, o = (_backend_linear(lw, backend) for lw in (spec.qkv, spec.o))
+    norm, q_norm, k_norm, attention_out, mlp_norm, mlp_out = (_backend_norm(n, backend) for n in _norms(spec))
+    heads, head_dim, scale = [spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], spec.head_dim, spec.scale
+    if spec.activation == "gelu_tanh":
+        def gated(gate, up):
+            return F.gelu(gate, approximate="tanh") * up
+    else:
+        gated = backend.silu_and_mul
+
+    def mlp(x, gate_up, down):
+        gate, up = gate_up(mlp_norm(x)).chunk(2, -1)
+        return mlp_out(down(gated(gate, up)))
+
+    def attention(x, rope, cache, meta):
+        q, k, v = qkv(norm(x)).unflatten(-1, (-1, head_dim)).split(heads, dim=1)
+        q, k = backend.apply_rotary(q_norm(q), k_norm(k), *rope)
+        backend.fill_kv_cache(k, v, cache, meta.slot_mapping)
+        out = backend.paged_attention(q, cache, meta, scale, new_kv=(k, v))
+        return attention_out(o(out.reshape(x.shape[0], -1)))
+
+    def layer(x, rope, cache, meta):
+        t = x.shape[0]
+        x = x + attention(x, rope, cache, meta)   # its q, k, v freed before the MLP, as the modules' are
+        summed = torch.empty_like(x)
+        step_gate_up, step_down = expanded_once(spec.gate_up, backend), expanded_once(spec.down, backend)
+        for start, end in slices(t, MLP_SLICE_TOKENS):
+            torch.add(x[start:end], mlp(x[start:end], step_gate_up, step_down), out=summed[start:end])
+        return summed
 
     return layer
