@@ -68,21 +68,10 @@ class Idefics3CausalLM(PagedCausalLM):
     def place_tiles(self, x: torch.Tensor, images: list[list[ImageInput]], q_lens: list[int],
                     kv_lens: list[int]) -> torch.Tensor:
         """The step's embeddings with the encoder's rows at the tile tokens it computes."""
-        row, places = 0, []
-        for seq_images, q, kv in zip(images, q_lens, kv_lens):
-            start = kv - q
-            for image in seq_images:
-                lo, hi = max(start, image.offset), min(kv, image.end)
-                if lo < hi:
-                    places.append((image, row + lo - start, lo - image.offset, hi - lo))
-            row += q
+        places = vision_language.step_places(images, q_lens, kv_lens)
         if not places:
             return x
-        encoded = self.encode([image for image, *_ in places])
-        x = x.clone()
-        for image, at, first, count in places:
-            x[at:at + count] = encoded[image.digest][first:first + count].to(x.dtype)
-        return x
+        return vision_language.with_rows(x, places, self.encode([p.image for p in places]))
 
     def encode(self, tiles: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Each tile's connector output rows by digest: from the cache, the others encoded in one call for each tile

@@ -72,21 +72,10 @@ class Llama4VLCausalLM(Llama4CausalLM):
     def place_tiles(self, x: torch.Tensor, images: list[list[ImageInput]], q_lens: list[int],
                     kv_lens: list[int]) -> torch.Tensor:
         """The step's embeddings with the vision rows at the tile tokens it computes."""
-        row, places = 0, []
-        for seq_images, q, kv in zip(images, q_lens, kv_lens):
-            start = kv - q
-            for tile in seq_images:
-                lo, hi = max(start, tile.offset), min(kv, tile.end)
-                if lo < hi:
-                    places.append((tile, row + lo - start, lo - tile.offset, hi - lo))
-            row += q
+        places = vision_language.step_places(images, q_lens, kv_lens)
         if not places:
             return x
-        encoded = self.encoded.rows_of([tile for tile, *_ in places], self.run_tower)
-        x = x.clone()
-        for tile, at, first, count in places:
-            x[at:at + count] = encoded[tile.digest][first:first + count].to(x.dtype)
-        return x
+        return vision_language.with_rows(x, places, self.encoded.rows_of([p.image for p in places], self.run_tower))
 
     def run_tower(self, tiles: list[ImageInput]) -> list[torch.Tensor]:
         """The tiles' projected vision rows, in order, from one call of the vision model (a checkpoint's tiles are all

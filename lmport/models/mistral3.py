@@ -96,22 +96,15 @@ class Mistral3CausalLM(PagedCausalLM):
     def place_images(self, x: torch.Tensor, images: list[list[ImageInput]], q_lens: list[int],
                      kv_lens: list[int]) -> torch.Tensor:
         """The step's embeddings with the encoder's rows at the ``[IMG]`` tokens it computes."""
-        row, places = 0, []
-        for seq_images, q, kv in zip(images, q_lens, kv_lens):
-            start = kv - q
-            for image in seq_images:
-                lo, hi = max(start, image.offset), min(kv, image.end)
-                if lo < hi:
-                    places.append((image, row + lo - start, lo - image.offset, hi - image.offset))
-            row += q
+        places = vision_language.step_places(images, q_lens, kv_lens)
         if not places:
             return x
-        encoded = self.encode([image for image, *_ in places])
+        encoded = self.encode([p.image for p in places])
         x = x.clone()
-        for image, at, first, last in places:
+        for image, at, first, count in places:
             cols = self.layout(image)[1]
-            # the span's tokens [first, last): each row of cols [IMG] is followed by a break (the last by the end)
-            within = torch.arange(first, last, device=x.device)
+            # the span's tokens from first: each row of cols [IMG] is followed by a break (the last by the end)
+            within = torch.arange(first, first + count, device=x.device)
             line, col = within // (cols + 1), within % (cols + 1)
             taken = col < cols
             x[at + (within - first)[taken]] = encoded[image.digest][(line * cols + col)[taken]].to(x.dtype)

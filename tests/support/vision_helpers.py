@@ -262,10 +262,14 @@ def tiny_mistral3_dir() -> str:
     """A directory with a random-weight Mistral 3 (Mistral Small 3.1's architecture: a 2-layer Pixtral tower, the
     projector with its 2 x 2 patch merger, a 2-layer Mistral with its head_dim apart from the width) and its
     processor, saved as the checkpoints are (processor_config.json, preprocessor_config.json, the tokenizer)."""
+    return _tiny_mistral3("tiny-mistral3-v1", vision_layers=2, seed=1234)
+
+
+def _tiny_mistral3(name: str, vision_layers: int, seed: int) -> str:
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     from lmport.models.loader import cache_root
-    target = cache_root() / "test-models" / "tiny-mistral3-v1"
+    target = cache_root() / "test-models" / name
     if not (target / "config.json").exists():
         processor = tiny_mistral3_processor()
         tokenizer = processor.tokenizer
@@ -273,11 +277,11 @@ def tiny_mistral3_dir() -> str:
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                     max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=1, eos_token_id=2)
-        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers,
                       num_attention_heads=2, image_size=MISTRAL3_LONGEST_EDGE, patch_size=MISTRAL3_PATCH)
         config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=MISTRAL3_MERGE,
                                 image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
-        torch.manual_seed(1234)
+        torch.manual_seed(seed)
         model = Mistral3ForConditionalGeneration(config).to(torch.float32)
         model.generation_config.eos_token_id = 2
         save_once(target, model, processor, processor.image_processor)
@@ -558,26 +562,7 @@ def tiny_mistral3_llama_cpp_dir() -> str:
     """A random-weight Mistral 3 that llama.cpp's converter takes: the tiny one's shape with 3 Pixtral layers (the
     converter maps the projector's ``linear_1`` and ``linear_2`` by block index, so the tower needs 3 blocks or
     more)."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
-
-    from lmport.models.loader import cache_root
-    target = cache_root() / "test-models" / "tiny-mistral3-llama-cpp-v1"
-    if not (target / "config.json").exists():
-        processor = tiny_mistral3_processor()
-        tokenizer = processor.tokenizer
-        text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                    max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=1, eos_token_id=2)
-        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=2, image_size=MISTRAL3_LONGEST_EDGE, patch_size=MISTRAL3_PATCH)
-        config = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=MISTRAL3_MERGE,
-                                image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
-        torch.manual_seed(4321)
-        model = Mistral3ForConditionalGeneration(config).to(torch.float32)
-        model.generation_config.eos_token_id = 2
-        save_once(target, model, processor, processor.image_processor)
-    return str(target)
+    return _tiny_mistral3("tiny-mistral3-llama-cpp-v1", vision_layers=3, seed=4321)
 
 
 # Llama 4's image tokens (Llama4Processor's defaults) and the chat template's header and turn tokens.
