@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import functools
 
-import openai
 import pytest
 import torch
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine.engine import Engine
 from lmport.engine.llm import LLM
 from lmport.multimodal.chunks import whole_image_chunk
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.loading import image_processor
-from lmport.server.app import create_app
-from support.vision_helpers import (CASES, GEMMA3_IMAGE_TOKENS, data_url, generate_greedy,
-                                    greedy_reference, lmport_prompt, png, processor_inputs, tiny_gemma3_dir)
-from test_server import ServerThread
+from support.vision_helpers import (CASES, GEMMA3_IMAGE_TOKENS, generate_greedy, greedy_reference, lmport_prompt, png,
+                                    processor_inputs, served_answers, tiny_gemma3_dir)
 
 NEW_TOKENS = 10
 
@@ -163,24 +159,12 @@ def test_the_scheduler_never_ends_a_chunk_inside_an_image():
     assert b.is_finished and c.is_finished
 
 
-def test_chat_completions_with_a_data_url_equals_transformers(model_dir, reference):
+def test_openai_and_anthropic_clients_get_transformers_answer(model_dir, reference):
+    """The official openai and anthropic clients each get transformers' prompt length and greedy text."""
     parts = CASES["one image, text before and after"]
-    processor = processors(model_dir)[0]
-    text = processor.tokenizer.decode(reference(parts), skip_special_tokens=True)
-    prompt_tokens = reference_inputs(model_dir, parts)["input_ids"].shape[1]
-    app = create_app(Engine(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128)),
-                     model_name="tiny-gemma3")
-    server = ServerThread(app)
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        content = [{"type": "text", "text": p} if isinstance(p, str) else
-                   {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
-        reply = client.chat.completions.create(model="tiny-gemma3", messages=[{"role": "user", "content": content}],
-                                               temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-        assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
-        assert reply.choices[0].message.content == text
-    finally:
-        server.stop()
+    text = processors(model_dir)[0].tokenizer.decode(reference(parts), skip_special_tokens=True)
+    want = (reference_inputs(model_dir, parts)["input_ids"].shape[1], text)
+    assert served_answers(model_dir, "tiny-gemma3", parts, NEW_TOKENS) == [want, want]
 
 
 @pytest.mark.slow

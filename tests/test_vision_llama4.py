@@ -13,7 +13,6 @@ import functools
 import io
 
 import numpy as np
-import openai
 import pytest
 import torch
 from PIL import Image
@@ -21,9 +20,9 @@ from PIL import Image
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.llm import LLM
 from lmport.engine.outputs import RequestError
-from support.vision_helpers import (LLAMA4_TILE, LLAMA4_TILE_TOKENS, data_url, generate_greedy,
+from support.vision_helpers import (LLAMA4_TILE, LLAMA4_TILE_TOKENS, generate_greedy,
                                     llama4_reference_processor, llama4_transformers_pixels, lmport_image_processor,
-                                    lmport_prompt, png, processor_inputs, tiny_llama4_dir)
+                                    lmport_prompt, png, processor_inputs, tiny_llama4_dir, client_answers)
 
 NEW_TOKENS = 10
 ONE_IMAGE = "one image of 2 x 2 tiles, text before and after"
@@ -208,25 +207,18 @@ def test_prefix_cache_keys_include_the_images(llm, model_dir):
 
 
 @pytest.mark.slow   # a server process: its imports and the model's load
-def test_lmport_serve_chat_with_a_data_url_equals_transformers(model_dir, reference, tmp_path):
-    """`lmport serve DIR`: the official openai client's chat with two images as data: URLs gets transformers'
+def test_lmport_serve_answers_openai_and_anthropic_clients_as_transformers(model_dir, reference, tmp_path):
+    """`lmport serve DIR`: the official openai and anthropic clients' chats with two images get transformers'
     prompt length and greedy answer."""
     from support.cli_helpers import lmport_command
     from support.serve_process import ServeProcess
     parts = CASES["two images of two sizes"]
     processor = reference_processor(model_dir)
-    prompt_tokens = processor_inputs(processor, parts)["input_ids"].shape[1]
-    text = processor.tokenizer.decode(reference(parts), skip_special_tokens=True)
+    want = (processor_inputs(processor, parts)["input_ids"].shape[1],
+            processor.tokenizer.decode(reference(parts), skip_special_tokens=True))
     flags = ["--device", "cpu", "--dtype", "float32", "--cache-max-entry-count", "64"]
     server = ServeProcess(lmport_command(), [model_dir, *flags], tmp_path / "serve.log").ready()
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        content = [{"type": "text", "text": p} if isinstance(p, str) else
-                   {"type": "image_url", "image_url": {"url": data_url(p, "image/jpeg" if p[:2] == b"\xff\xd8"
-                                                                  else "image/png")}} for p in parts]
-        reply = client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": content}],
-                                               temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-        assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
-        assert reply.choices[0].message.content == text
+        assert client_answers(server.url, model_dir, parts, NEW_TOKENS) == [want, want]
     finally:
         server.stop()

@@ -13,19 +13,15 @@ import functools
 import io
 import itertools
 
-import openai
 import pytest
 import torch
 
 from lmport.config import EngineConfig, GenerationConfig
-from lmport.engine.engine import Engine
 from lmport.engine.llm import LLM
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
-from lmport.server.app import create_app
-from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, greedy_reference, lmport_prompt,
-                                    png, tiny_qwen3_vl_dir)
-from test_server import ServerThread
+from support.vision_helpers import (CASES, conversation, generate_greedy, greedy_reference, lmport_prompt, png,
+                                    served_answers, tiny_qwen3_vl_dir)
 
 NEW_TOKENS = 10
 ONE_IMAGE = "one image, text before and after"
@@ -97,29 +93,12 @@ def test_greedy_tokens_equal_transformers_generate(case, llm, reference, model_d
     check_greedy(case, llm, reference, model_dir)
 
 
-def test_chat_completions_with_two_images_equals_transformers(model_dir, reference):
-    """Two images between three pieces of text, as data: URLs through the official client."""
+def test_openai_and_anthropic_clients_get_transformers_answer_for_two_images(model_dir, reference):
+    """The official openai and anthropic clients each get transformers' prompt length and greedy text."""
     parts = CASES[TWO_IMAGES]
     text = tokenizer_of(model_dir).decode(reference(parts), skip_special_tokens=True)
-    prompt_tokens = reference_inputs(model_dir, parts)["input_ids"].shape[1]
-    app = create_app(Engine(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128)),
-                     model_name="tiny-qwen3-vl")
-    server = ServerThread(app)
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        content = [{"type": "text", "text": p} if isinstance(p, str) else
-                   {"type": "image_url", "image_url": {"url": data_url(p, media_type(p))}} for p in parts]
-        reply = client.chat.completions.create(model="tiny-qwen3-vl",
-                                               messages=[{"role": "user", "content": content}],
-                                               temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
-        assert reply.usage is not None and reply.usage.prompt_tokens == prompt_tokens
-        assert reply.choices[0].message.content == text
-    finally:
-        server.stop()
-
-
-def media_type(image: bytes) -> str:
-    return "image/jpeg" if image.startswith(b"\xff\xd8") else "image/png"
+    want = (reference_inputs(model_dir, parts)["input_ids"].shape[1], text)
+    assert served_answers(model_dir, "tiny-qwen3-vl", parts, NEW_TOKENS) == [want, want]
 
 
 # (text before, [(grid, text after)]): grids as the image processor gives them (merged 2 x 2)

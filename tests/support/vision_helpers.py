@@ -155,6 +155,51 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+def media_type(image: bytes) -> str:
+    return "image/jpeg" if image.startswith(b"\xff\xd8") else "image/png"
+
+
+def served_answers(model_dir: str, name: str, parts, new_tokens: int) -> list[tuple[int, str]]:
+    """``client_answers`` from a server thread over an engine of ``model_dir`` serving it as ``name``."""
+    from lmport import EngineConfig
+    from lmport.engine.engine import Engine
+    from lmport.server.app import create_app
+    from test_server import ServerThread
+    app = create_app(Engine(model_dir, EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=128)),
+                     model_name=name)
+    server = ServerThread(app)
+    try:
+        return client_answers(server.url, name, parts, new_tokens)
+    finally:
+        server.stop()
+
+
+def client_answers(url: str, name: str, parts, new_tokens: int) -> list[tuple[int, str]]:
+    """(prompt tokens, text) of a greedy answer to a user message of ``parts`` (text and images) from the server at
+    ``url``: through the official ``openai`` client (images as data: URLs), then the official ``anthropic`` client
+    (base64 ``image`` blocks)."""
+    import base64
+
+    import anthropic
+    import openai
+    chat = [{"type": "text", "text": p} if isinstance(p, str) else
+            {"type": "image_url", "image_url": {"url": data_url(p, media_type(p))}} for p in parts]
+    reply = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+        model=name, messages=[{"role": "user", "content": chat}], temperature=0, max_tokens=new_tokens,
+        extra_body={"ignore_eos": True})
+    assert reply.usage is not None
+    blocks = [{"type": "text", "text": p} if isinstance(p, str) else
+              {"type": "image", "source": {"type": "base64", "media_type": media_type(p),
+                                           "data": base64.b64encode(p).decode()}} for p in parts]
+    message = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.create(
+        model=name, max_tokens=new_tokens, messages=[{"role": "user", "content": blocks}],
+        extra_body={"temperature": 0, "ignore_eos": True})
+    # Anthropic's input_tokens leave out what the prefix cache read (the openai call's prompt, where caching is on)
+    prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    return [(reply.usage.prompt_tokens, reply.choices[0].message.content or ""),
+            (prompt, "".join(b.text for b in message.content if b.type == "text"))]
+
+
 # SmolVLM's chat template (an image part becomes <image>, which the processor expands into its tiles' tokens).
 SMOLVLM_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}{% if message['content'] is string %}"
