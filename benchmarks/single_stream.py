@@ -19,7 +19,8 @@ min-max of the rounds, and every round is kept in the JSON.
   -DGGML_BMI2=ON``): the AVX2 path's peer, the ratio a user of such a CPU sees.
 - The memory read bandwidth is measured in the same run with the same threads (lmport/bench/machine.py); a
   decode step reads every weight once, so bandwidth / weight bytes is the fastest decode can be
-  (the "limit" row).
+  (the "limit" row). Where a step reads less than the file (a mixture of experts reads the experts it routes to;
+  a separate output projection leaves the embedding table unread but a row), a "step byte limit" row too.
 - The ratios: of the medians, and the median (min-max) of each round's own ratio ("round by round").
 
 llama.cpp, as its users build it: `cmake -B build -DGGML_NATIVE=ON && cmake --build build --config
@@ -85,14 +86,15 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, gen: int,
 
 
 def measures(lengths: dict) -> tuple[str, ...]:
-    return ("prefill", *(f"decode@{d}" for d in lengths["depths"]))
+    return (*(("prefill",) if lengths["prompt"] else ()), *(f"decode@{d}" for d in lengths["depths"]))
 
 
 def llama_round(bin_dir: Path, model: Path, threads: int, lengths: dict) -> dict:
     runs = {f"decode@{d}": llama_bench(bin_dir, model, threads, 0, lengths["decode"], d) for d in lengths["depths"]}
-    runs["prefill"] = llama_bench(bin_dir, model, threads, lengths["prompt"], 0)
+    if lengths["prompt"]:
+        runs["prefill"] = llama_bench(bin_dir, model, threads, lengths["prompt"], 0)
     out = {k: r["avg_ts"] for k, r in runs.items()}
-    out["threads"] = runs["prefill"]["n_threads"]
+    out["threads"] = next(iter(runs.values()))["n_threads"]
     return out
 
 
@@ -111,7 +113,7 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str, lengths: dict) ->
     from lmport.backends.cpu import kernels
     from lmport.config import EngineConfig, GenerationConfig
     from lmport.engine.engine import Engine
-    longest = max(lengths["prompt"], *lengths["depths"])
+    longest = max(1, lengths["prompt"], *lengths["depths"])
     blocks = max(40, (longest + lengths["decode"]) // 16 + 2)   # blocks of the cpu backend's 16 tokens
     engine = Engine(model, EngineConfig(device_type="cpu", cache_max_entry_count=blocks, max_prefill_token_num=longest,
                                         kv_cache_dtype=kv_cache_dtype))
@@ -130,7 +132,9 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str, lengths: dict) ->
         return time.perf_counter() - (t1 if decode_only else t0)
 
     def one_round() -> dict:
-        out = {"prefill": lengths["prompt"] / generate(prompt[:lengths["prompt"]], 1, False)}
+        out = {}
+        if lengths["prompt"]:
+            out["prefill"] = lengths["prompt"] / generate(prompt[:lengths["prompt"]], 1, False)
         for depth in lengths["depths"]:
             out[f"decode@{depth}"] = lengths["decode"] / generate(prompt[:max(depth, 1)], 1 + lengths["decode"], True)
         out["threads"] = torch.get_num_threads()
@@ -145,6 +149,22 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str, lengths: dict) ->
 
 
 # ---- the run ----
+
+def tensor_bytes(path: Path) -> tuple[int, int]:
+    """(the file's tensor bytes, the bytes a decode step reads of them): a mixture-of-experts file's stacked
+    experts (``*_exps``) counted at the share a token routes to (expert_used_count of expert_count), and the
+    embedding table left out where the output projection is a tensor of its own (a step reads one row of it)."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    used, count = (reader.fields.get(f"{arch}.{key}") for key in ("expert_used_count", "expert_count"))
+    share = used.contents() / count.contents() if used is not None and count is not None else 1.0
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    names = {t.name: int(t.n_bytes) for t in reader.tensors}
+    embedding = names.get("token_embd.weight", 0) if "output.weight" in names else 0
+    return total, round(total - experts * (1 - share) - embedding)
+
 
 def summary(rounds: list[dict], engine: str, lengths: dict) -> dict:
     return {k: median_min_max([r[engine][k] for r in rounds]) for k in measures(lengths)}
@@ -164,7 +184,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     add_kv_cache_dtype_argument(ap)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the prefill's prompt length")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help="the prefill's prompt length (0: no prefill measured)")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="tokens decoded at each depth")
     ap.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="context depths of the decode runs")
     ap.add_argument("--out", default="benchmarks/results/single_stream.json")
@@ -176,6 +197,8 @@ def main() -> None:
         return worker_main(args.worker, args.threads, args.kv_cache_dtype, lengths)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    if args.prompt_tokens < 0 or not (args.prompt_tokens or lengths["depths"]):
+        raise SystemExit("--prompt-tokens must be 0 or more, and with 0 --depths must name at least one depth")
     names = [f for f in args.files.split(",") if f]
     check_paths(names)   # before llama.cpp is built or anything measured
     bin_dir = build_llama(args.llama_src, args.llama_cmake_args) if args.llama_src else Path(args.llama_bin)
@@ -193,7 +216,6 @@ def main() -> None:
         raise SystemExit(f"unknown --paths {sorted(unknown)}: among {', '.join(LMPORT_PATHS)}")
     # label -> the GGUF file (a type of the default model's made with llama-quantize where missing)
     files = files_by_label(names, args.files_dir, bin_dir)
-    import gguf
     cmake_args = args.llama_cmake_args if args.llama_src else "as built (see its CMakeCache)"
     results = {"machine": cpu_info(), "threads": args.threads, "repeats": args.repeats, "lengths": lengths,
                "kv_cache_dtype": args.kv_cache_dtype,
@@ -208,9 +230,9 @@ def main() -> None:
             rounds.append({**{name: llama_round(b, path, args.threads, lengths) for name, b in peers.items()},
                            **{name: w.round() for name, w in workers.items()}})
             print(f"{label} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
-        file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+        file_bytes, step_bytes = tensor_bytes(path)
         results["files"][label] = {
-            "path": str(path), "gguf_tensor_bytes": file_bytes, "rounds": rounds,
+            "path": str(path), "gguf_tensor_bytes": file_bytes, "step_tensor_bytes": step_bytes, "rounds": rounds,
             "lmport": {name: w.info for name, w in workers.items()},
             "summary": {engine: summary(rounds, engine, lengths) for engine in rounds[0]}}
         for w in workers.values():
@@ -235,7 +257,9 @@ def print_table(results: dict) -> None:
           f"medians of {results['repeats']} interleaved rounds, min-max\n")
     lengths = results.get("lengths", DEFAULT_LENGTHS)
     keys = measures(lengths)
-    heads = [f"prefill {lengths['prompt']} tok/s", *(f"decode @{d} tok/s" for d in lengths["depths"])]
+    heads = [*([f"prefill {lengths['prompt']} tok/s"] if lengths["prompt"] else []),
+             *(f"decode @{d} tok/s" for d in lengths["depths"])]
+    prefill_cell = " |" if lengths["prompt"] else ""   # the prefill column's empty cell in the decode-only rows
     print(f"| file | engine | threads | {' | '.join(heads)} | weight bytes |")
     print(f"|---|---|---:|{'---:|' * len(heads)}---:|")
     cell = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"   # noqa: E731
@@ -246,10 +270,17 @@ def print_table(results: dict) -> None:
             threads = f["rounds"][0][engine]["threads"]
             print(f"| {label} | {engine} | {threads} | {' | '.join(cell(s[k]) for k in keys)} | {weights:,} |")
         limit = gbs * 1e9 / f["gguf_tensor_bytes"]
-        print(f"| {label} | byte limit (bandwidth / file bytes) | | |{f' {limit:.1f} |' * len(lengths['depths'])} |")
+        print(f"| {label} | byte limit (bandwidth / file bytes) | |{prefill_cell}"
+              f"{f' {limit:.1f} |' * len(lengths['depths'])} |")
+        if f.get("step_tensor_bytes", f["gguf_tensor_bytes"]) != f["gguf_tensor_bytes"]:
+            step_limit = gbs * 1e9 / f["step_tensor_bytes"]
+            print(f"| {label} | step byte limit (bandwidth / the {f['step_tensor_bytes']:,} bytes a token reads) "
+                  f"| |{prefill_cell}"
+                  f"{f' {step_limit:.1f} |' * len(lengths['depths'])} |")
         for engine in f["summary"]:
             shares = [f["summary"][engine][f"decode@{d}"]["median"] / limit for d in lengths["depths"]]
-            print(f"| {label} | {engine}, decode / byte limit | | |{''.join(f' {100 * x:.0f}% |' for x in shares)} |")
+            print(f"| {label} | {engine}, decode / byte limit | |{prefill_cell}"
+                  f"{''.join(f' {100 * x:.0f}% |' for x in shares)} |")
         ratios, per_round = {}, {}
         pairs = [(engine, "llama.cpp") for engine in f["summary"] if engine not in results["peers"]]
         if AVX2_PEER in f["summary"] and "lmport avx2" in f["summary"]:
