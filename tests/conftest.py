@@ -1,6 +1,7 @@
 """The test session's setup: the Triton interpreter switch, the background subprocesses started once
 collection is done (tests/support/background_runs.py), tokenizers read once a worker
-(tests/support/tokenizer_memo.py), and the shared fixtures (tests/support/fixtures.py).
+(tests/support/tokenizer_memo.py), and the shared fixtures (tests/support/fixtures.py; the vision families' ``hf``
+and ``llm`` from tests/support/vision_helpers.py).
 
 Helper modules live in tests/support/ (on the path as ``support``, tests/ being on it).
 """
