@@ -20,9 +20,10 @@ from PIL import Image
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.llm import LLM
 from lmport.engine.outputs import RequestError
-from support.vision_helpers import (LLAMA4_TILE, LLAMA4_TILE_TOKENS, generate_greedy,
-                                    llama4_reference_processor, llama4_transformers_pixels, lmport_image_processor,
-                                    lmport_prompt, png, processor_inputs, tiny_llama4_dir, client_answers)
+from support.vision_helpers import (LLAMA4_TILE, LLAMA4_TILE_TOKENS, check_prefix_cache_keys_include_the_images,
+                                    client_answers, generate_greedy, llama4_reference_processor,
+                                    llama4_transformers_pixels, lmport_image_processor, lmport_prompt, png,
+                                    processor_inputs, tiny_llama4_dir)
 
 NEW_TOKENS = 10
 ONE_IMAGE = "one image of 2 x 2 tiles, text before and after"
@@ -195,15 +196,7 @@ def test_chunked_prefill_splits_tiles_and_still_equals_transformers(model_dir, r
 @pytest.mark.slow
 def test_prefix_cache_keys_include_the_images(llm, model_dir):
     """Same text, another image: no prefix-cache hit; the same image again: a hit."""
-    text = "A question about this picture, please: which colours and shapes do you see in it?"
-    one = lmport_prompt(llm, model_dir, (text, png(64, 64, 11)))
-    other = lmport_prompt(llm, model_dir, (text, png(64, 64, 12)))
-    assert one[0] == other[0] and len(one[0]) > 2 * llm.config.block_size
-    first = generate_greedy(llm, *one, max_new_tokens=2)
-    assert first.cached_tokens == 0
-    assert generate_greedy(llm, *other, max_new_tokens=2).cached_tokens == 0
-    again = generate_greedy(llm, *one, max_new_tokens=2)
-    assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+    check_prefix_cache_keys_include_the_images(llm, model_dir)
 
 
 @pytest.mark.slow   # a server process: its imports and the model's load
