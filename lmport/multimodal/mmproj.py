@@ -169,17 +169,23 @@ def _idefics3_config(model: Path, header: GGUFHeader, text_cfg):
                           **placeholder_ids(model, {"image_token_id": "<image>"}))
 
 
-def _qwen2_5_vl_config(model: Path, header: GGUFHeader, text_cfg):
-    """Qwen2.5-VL's: its Qwen2 text config (the text GGUF's) with the multimodal rotary's sections, the vision
-    tower's from the mmproj (with llama.cpp's assumptions), the placeholder tokens' ids."""
-    meta = header.metadata
-    from transformers import Qwen2_5_VLConfig
+def _mrope_sections(model: Path, family: str) -> tuple[dict, list[int]]:
+    """The text GGUF's metadata and its multimodal rotary's three sections; ConfigError where the file has none."""
     text_meta = gguf.read(model).metadata
     arch = text_meta["general.architecture"]
     sections = list(text_meta.get(f"{arch}.rope.dimension_sections", []))[:3]
     if len(sections) != 3 or not any(sections):
         raise ConfigError(f"{model.name}: no {arch}.rope.dimension_sections (the multimodal rotary's sections); the "
-                          f"file was not written by llama.cpp's converter from a Qwen2.5-VL checkpoint")
+                          f"file was not written by llama.cpp's converter from a {family} checkpoint")
+    return text_meta, sections
+
+
+def _qwen2_5_vl_config(model: Path, header: GGUFHeader, text_cfg):
+    """Qwen2.5-VL's: its Qwen2 text config (the text GGUF's) with the multimodal rotary's sections, the vision
+    tower's from the mmproj (with llama.cpp's assumptions), the placeholder tokens' ids."""
+    meta = header.metadata
+    from transformers import Qwen2_5_VLConfig
+    _, sections = _mrope_sections(model, "Qwen2.5-VL")
     rope = dict(text_cfg.rope_parameters or {}) | {"mrope_section": sections}
     text = {k: getattr(text_cfg, k) for k in _TEXT_FIELDS}
     patch = meta["clip.vision.patch_size"]
@@ -206,12 +212,8 @@ def _qwen3_vl_config(model: Path, header: GGUFHeader, text_cfg):
     placeholder tokens' ids."""
     meta = header.metadata
     from transformers import Qwen3VLConfig
-    text_meta = gguf.read(model).metadata
+    text_meta, sections = _mrope_sections(model, "Qwen3-VL")
     arch = text_meta["general.architecture"]
-    sections = list(text_meta.get(f"{arch}.rope.dimension_sections", []))[:3]
-    if len(sections) != 3 or not any(sections):
-        raise ConfigError(f"{model.name}: no {arch}.rope.dimension_sections (the multimodal rotary's sections); the "
-                          f"file was not written by llama.cpp's converter from a Qwen3-VL checkpoint")
     rope = dict(text_cfg.rope_parameters or {}) | {"mrope_section": sections, "mrope_interleaved": True}
     text = {k: getattr(text_cfg, k) for k in _TEXT_FIELDS}
     text["head_dim"] = text_meta.get(f"{arch}.attention.key_length", text_cfg.head_dim)   # apart from the width
