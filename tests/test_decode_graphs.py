@@ -153,3 +153,21 @@ def test_model_runner_replays_decode_steps_only(monkeypatch):
     assert tokens[False] == tokens[True]
     # Three decode steps of three sequences, each padded to the captured size 4.
     assert sizes == [(3, 4)] * 3
+
+
+def test_a_step_that_reads_device_values_on_the_host_runs_eagerly(caplog):
+    """A GGUF mixture of experts keeps its experts quantized (lmport.models.quantized.QuantExperts), run expert by
+    expert after reading each expert's token count on the host, which a captured step cannot do: with
+    eager_mode=False the runner captures nothing, says why, and generates as eagerly."""
+    import logging
+
+    import lmport
+    from lmport.backends.cuda import CudaBackend
+    from support.tiny_hf_models import gguf_file
+    cfg = EngineConfig(device_type="cuda", dtype="float32", cache_max_entry_count=16, max_batch_size=4,
+                       eager_mode=False)
+    backend = CudaBackend(device="cpu")
+    with caplog.at_level(logging.WARNING, logger="lmport.worker.runner"):
+        with lmport.pipeline(str(gguf_file("qwen3-moe")), backend_config=cfg, backend=backend) as pipe:
+            assert pipe.engine.runner.graphs is None
+    assert "QuantExperts reads device values on the host" in caplog.text

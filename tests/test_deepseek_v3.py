@@ -74,18 +74,20 @@ def _randomize_constants(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn_like(p) * 0.5)
 
 
+def tiny_model(arch: str):
+    """A seeded float32 model of ``tiny_config(arch)`` (eval)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(2061 + ARCHS.index(arch))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+    _randomize_constants(model)
+    return model
+
+
 @functools.cache
 def tiny_model_dir(arch: str) -> str:
-    """A seeded float32 model of ``tiny_config(arch)`` saved with the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    def make():
-        torch.manual_seed(2061 + ARCHS.index(arch))
-        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
-        _randomize_constants(model)
-        return model
+    """``tiny_model(arch)`` saved with the default model's tokenizer."""
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
-    return saved_model(f"float-tiny-deepseek-v3-{arch}-{digest}", make)
+    return saved_model(f"float-tiny-deepseek-v3-{arch}-{digest}", lambda: tiny_model(arch))
 
 
 def prompts() -> list[list[int]]:

@@ -24,7 +24,7 @@ def test_dry_run_lists_every_step(tmp_path):
     run = json.loads((out / "run.json").read_text())
     status = {r["step"]: r["status"] for r in run["steps"]}
     assert list(status) == ["install", "env", "conformance", "parity", "graphs", "plan", "kernels", "throughput",
-                            "quant"]
+                            "quant", "limits"]
     # Without a GPU each GPU step is skipped with its reason (after its toy-size run), never failed.
     assert all(s == "passed" for k, s in status.items() if k in ("install", "env")), run["steps"]
     for r in run["steps"][2:]:

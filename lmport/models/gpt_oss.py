@@ -48,8 +48,9 @@ class BiasedRouter(nn.Module):
 class BiasedExperts(nn.Module):
     """This rank's slice [start, end) of every expert's intermediate dimension (all of it at tp=1)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup):
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPGroup, backend: Backend):
         super().__init__()
+        self.backend = backend
         self.shard_range, self.rank = expert_range(inter, tp), tp.rank
         part = self.shard_range[1] - self.shard_range[0]
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * part))
@@ -70,8 +71,8 @@ class BiasedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, alpha: float,
                 limit: float) -> torch.Tensor:
-        return ops.clamped_swiglu_moe(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
-                                      self.down_proj_bias, weights, ids, alpha, limit)
+        return self.backend.clamped_swiglu_moe(x, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj,
+                                               self.down_proj_bias, weights, ids, alpha, limit)
 
     def quantized_experts(self, gate, up, down, backend: Backend) -> nn.Module:
         """The twin of these experts over quantized gate, up and down weights as a GGUF stacks them."""
@@ -83,6 +84,9 @@ class QuantBiasedExperts(nn.Module):
     """gpt-oss's experts over quantized weights as llama.cpp's converter writes them: gate, up and down each one
     weight stacked over the experts (``ffn_{gate,up,down}_exps``: MXFP4 blocks in the released files, run on the
     reference op; any other quantized type through its kernel), gate and up apart, each with its bias."""
+
+    # ops.moe_by_expert reads each expert's token count on the host: a decode step holding these is not captured.
+    reads_on_host = True
 
     def __init__(self, gate, up, down, num_experts: int, hidden: int, inter: int, backend: Backend):
         super().__init__()
@@ -116,7 +120,7 @@ class ClampedSwigluMoe(nn.Module):
     def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         self.router = BiasedRouter(cfg.num_local_experts, cfg.hidden_size)
-        self.experts = BiasedExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, tp)
+        self.experts = BiasedExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, tp, backend)
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
         self.backend, self.tp = backend, tp
 

@@ -72,13 +72,14 @@ class Llama4Attention(Attention):
 
 
 class Llama4Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, backend: Backend):
         super().__init__()
+        self.backend = backend
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return ops.input_scaled_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return self.backend.input_scaled_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
 
     def quantized_experts(self, gate, up, down, backend: Backend) -> nn.Module:
         """The twin of these experts over quantized gate, up and down weights as a GGUF stacks them."""
@@ -94,6 +95,9 @@ class Llama4Experts(nn.Module):
 class QuantInputScaledExperts(nn.Module):
     """Llama 4's experts over quantized weights stacked as a GGUF's ``ffn_{gate,up,down}_exps``: the routing weight
     scales each expert's input, as lmport.ops.input_scaled_moe does for float ones."""
+
+    # ops.moe_by_expert reads each expert's token count on the host: a decode step holding these is not captured.
+    reads_on_host = True
 
     def __init__(self, gate, up, down, num_experts: int, backend: Backend):
         super().__init__()
@@ -115,7 +119,7 @@ class Llama4Moe(nn.Module):
     def __init__(self, cfg, backend: Backend, tp: TPGroup):
         super().__init__()
         self.router = Llama4Router(cfg.num_local_experts, cfg.hidden_size)
-        self.experts = Llama4Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.experts = Llama4Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, backend)
         self.shared_expert = MLP(cfg, backend, tp, cfg.intermediate_size)
         self.top_k = cfg.num_experts_per_tok
         self.backend = backend

@@ -160,6 +160,9 @@ class QuantExperts(nn.Module):
     through the backend's linear for their kind (``Backend.ggml_linear`` / ``quant_linear``); gate, up and
     down may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down)."""
 
+    # ops.moe_by_expert reads each expert's token count on the host: a decode step holding these is not captured.
+    reads_on_host = True
+
     def __init__(self, gate: QuantizedWeight | GGMLWeight, up: QuantizedWeight | GGMLWeight,
                  down: QuantizedWeight | GGMLWeight, num_experts: int, backend: Backend):
         super().__init__()

@@ -300,6 +300,17 @@ class Backend:
         """The routed experts' gated MLPs summed with their routing weights (lmport.ops.moe)."""
         return ops.fused_moe(x, gate_up, down, weights, ids)
 
+    def clamped_swiglu_moe(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor,
+                           down: torch.Tensor, down_bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's routed experts (lmport.ops.moe.clamped_swiglu_moe)."""
+        return ops.clamped_swiglu_moe(x, gate_up, gate_up_bias, down, down_bias, weights, ids, alpha, limit)
+
+    def input_scaled_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+        """Llama 4's routed experts, the routing weight scaling each expert's input (lmport.ops.moe)."""
+        return ops.input_scaled_moe(x, gate_up, down, weights, ids)
+
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  batch: ops.LoraBatch) -> torch.Tensor:
         """``y`` plus each row's own adapter update (lmport.ops.lora): rows of several adapters and of the base

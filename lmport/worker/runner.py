@@ -97,7 +97,12 @@ class ModelRunner:
         pin = self.backend.pin_host_memory()
         self.host_caches = (host_tier.allocate_host_pool(self.layout, num_host_blocks, pin_memory=pin)
                             if num_host_blocks else [])
-        if not self.config.eager_mode and spec is None:
+        host_reader = next((type(m).__name__ for m in self.model.modules() if getattr(m, "reads_on_host", False)),
+                           None)
+        if not self.config.eager_mode and host_reader is not None:
+            log.warning("decode steps run eagerly, not as CUDA graphs: %s reads device values on the host",
+                        host_reader)
+        elif not self.config.eager_mode and spec is None:
             # The resolved config keeps eager_mode=False only where the backend captures (resolve_config). A model
             # with recurrent-state layers splits each step by its sequences' lengths on the host, which a captured
             # step does not carry: it runs every step eagerly.

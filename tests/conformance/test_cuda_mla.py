@@ -15,6 +15,7 @@ within 4e-2 (seen: at most 1.6e-2 at outputs up to 3.8, a few units in its last 
 """
 from __future__ import annotations
 
+
 import pytest
 import torch
 
@@ -116,7 +117,8 @@ def test_fill_latent_cache_skips_negative_slots(cuda):
     backend, _ = cuda
     layout = KVLayout(1, 1, 40, 16, torch.float32, 8, layer_kinds=(CacheKind("latent", 1, 40),))
     cache = layout.allocate(2, backend.device)[0]
-    backend.fill_latent_cache(torch.randn(3, 40), cache, torch.tensor([-1, 5, -1]))
+    backend.fill_latent_cache(torch.randn(3, 40, device=backend.device), cache,
+                              torch.tensor([-1, 5, -1], device=backend.device))
     written = (cache.k != 0).flatten(2).any(-1).nonzero().tolist()
     assert written == [[0, 5]] and (cache.k_qparams[0, 5] != 0).all() and (cache.k_qparams[1] == 0).all()
 
@@ -196,13 +198,14 @@ def test_mla_layer_on_cuda_equals_transformers_in_chunks_then_decode(cuda, arch)
 
     backend, mode = cuda
     cfg, hf, ours, rotary = _attention_pair(arch)
+    ours = ours.to(backend.device)
     ours.backend = backend   # the layer's cache fill and attention: the cuda backend's ops
     n, block_size = 23, 16
     x = torch.randn(1, n, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         cos, sin = rotary(x, torch.arange(n)[None])
         want = hf(x, (cos, sin), torch.full((n, n), float("-inf")).triu(1)[None, None])[0][0]
-    cos, sin = cos[0], sin[0]
+    x, cos, sin = x.to(backend.device), cos[0].to(backend.device), sin[0].to(backend.device)
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     layout = KVLayout(1, 1, width, block_size, torch.float32, layer_kinds=(CacheKind("latent", 1, width),))
     cache = layout.allocate(4, backend.device)[0]
@@ -214,7 +217,7 @@ def test_mla_layer_on_cuda_equals_transformers_in_chunks_then_decode(cuda, arch)
             rows = slice(done, done + step)
             got.append(ours.forward(x[0, rows], cos[rows], sin[rows], cache, meta))
             done += step
-    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4, msg=lambda m: f"mode={mode}: {m}")
+    torch.testing.assert_close(torch.cat(got).cpu(), want, atol=1e-4, rtol=1e-4, msg=lambda m: f"mode={mode}: {m}")
 
 
 @pytest.mark.slow

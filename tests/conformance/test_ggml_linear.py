@@ -22,6 +22,8 @@ dequantized weight, within the same bound).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -201,10 +203,9 @@ def test_undeclared_type_runs_the_reference(backend_name, monkeypatch):
     backend, _ = op_backend(backend_name)
     declared = backend.capabilities.ggml_types
     if backend_name == "cpu":
-        from dataclasses import replace
-
         from lmport.backends.cpu import kernels
-        monkeypatch.setattr(backend, "capabilities", replace(backend.capabilities, ggml_types=declared - {"q4_k"}))
+        narrowed = dataclasses.replace(backend.capabilities, ggml_types=declared - {"q4_k"})
+        monkeypatch.setattr(backend, "capabilities", narrowed)
         compiled = kernels.load()
 
         def refused(*args, **kwargs):
@@ -218,7 +219,8 @@ def test_undeclared_type_runs_the_reference(backend_name, monkeypatch):
         pytest.skip(f"{backend_name} declares every block type")
     weight = random_blocks(undeclared[0], OUT, inputs(undeclared[0]))
     x = torch.randn(2, weight.in_features)
-    got = backend.ggml_linear(x.to(backend.device), weight, None)
+    on_device = dataclasses.replace(weight, blocks=weight.blocks.to(backend.device))
+    got = backend.ggml_linear(x.to(backend.device), on_device, None)
     torch.testing.assert_close(got.cpu().float(), ops.ggml_linear(x, weight), atol=1e-5, rtol=1e-5)
 
 

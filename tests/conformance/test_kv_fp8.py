@@ -87,8 +87,17 @@ def test_fp8_fill_stores_the_reference_bytes(backends, name, dtype):
     flat = x.shape[0], HEADS, HEAD_DIM
     got_k, got_v = _bytes(cache.k).view(-1, HEADS, HEAD_DIM)[slots], _bytes(cache.v).view(-1, HEADS, HEAD_DIM)[slots]
     assert got_k.shape == flat
-    assert torch.equal(got_k, quant.quantize_fp8(x, SCALES).view(torch.uint8))
-    assert torch.equal(got_v, quant.quantize_fp8(v, SCALES.flip(0)).view(torch.uint8))
+    _assert_same_bytes(got_k, x, SCALES)
+    _assert_same_bytes(got_v, v, SCALES.flip(0))
+
+
+def _assert_same_bytes(got: torch.Tensor, x: torch.Tensor, scales: torch.Tensor):
+    """``got`` holds quantize_fp8(x, scales)'s bytes; otherwise the first differing inputs are named."""
+    want = quant.quantize_fp8(x, scales).view(torch.uint8)
+    bad = (got != want).nonzero().tolist()
+    assert not bad, f"{len(bad)} of {want.numel()} bytes differ: " + "; ".join(
+        f"x={x[t, h, d].item()!r} (head {h}) got {int(got[t, h, d]):#04x} want {int(want[t, h, d]):#04x}"
+        for t, h, d in bad[:8])
 
 
 def test_fp8_round_trip_bound():

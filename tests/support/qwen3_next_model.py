@@ -37,17 +37,19 @@ def _randomize(model) -> None:
                 p.add_(torch.randn_like(p) * 0.5)
 
 
+def tiny_model(num_layers: int = 4):
+    """A seeded random-weight model of ``tiny_config(num_layers)`` (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(61 + num_layers)
+    model = AutoModelForCausalLM.from_config(tiny_config(num_layers), dtype=torch.float32).eval()
+    _randomize(model)
+    return model
+
+
 @functools.cache
 def tiny_model_dir(num_layers: int = 4) -> str:
-    from transformers import AutoModelForCausalLM
-
-    def make():
-        torch.manual_seed(61 + num_layers)
-        model = AutoModelForCausalLM.from_config(tiny_config(num_layers), dtype=torch.float32).eval()
-        _randomize(model)
-        return model
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
-    return saved_model(f"qwen3-next-tiny-{num_layers}-{digest}", make)
+    return saved_model(f"qwen3-next-tiny-{num_layers}-{digest}", lambda: tiny_model(num_layers))
 
 
 def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

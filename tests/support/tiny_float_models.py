@@ -72,17 +72,18 @@ def _randomize_buffers(model) -> None:
                 p.copy_(torch.randn_like(p) * 0.5)
 
 
+def tiny_model(arch: str):
+    """A random-weight model of ``tiny_config(arch)`` (seeded, float32, eval)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(2026 + ARCHS.index(arch))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
+    _randomize_buffers(model)
+    return model
+
+
 @functools.cache
 def tiny_model_dir(arch: str) -> str:
-    """A random-weight model of ``tiny_config(arch)`` (seeded, float32) saved as a transformers directory with
-    the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    def make():
-        torch.manual_seed(2026 + ARCHS.index(arch))
-        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
-        _randomize_buffers(model)
-        return model
-    return saved_model(f"float-tiny-{arch}-{_version()}", make)
+    """``tiny_model(arch)`` saved as a transformers directory with the default model's tokenizer."""
+    return saved_model(f"float-tiny-{arch}-{_version()}", lambda: tiny_model(arch))
 
 

@@ -18,6 +18,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CARRIED = HERE / "carry" / "smollm2"
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3-moe")
+# The newer families' tiny models, made by the test suite's own builders: {name: (module under tests/, argument of
+# its tiny_model)}.
+NEWER_ARCHS = {
+    "smollm3": ("support.tiny_float_models", "smollm3"), "glm4-moe": ("support.tiny_float_models", "glm4-moe"),
+    "gpt-oss": ("support.tiny_float_models", "gpt-oss"), "llama4": ("support.tiny_float_models", "llama4"),
+    "deepseek-v3": ("test_deepseek_v3", "q-lora"), "deepseek-v3-q-proj": ("test_deepseek_v3", "q-proj"),
+    "qwen3-next": ("support.qwen3_next_model", 4), "qwen3.5-moe": ("support.qwen3_5_model", "moe"),
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 # Llama-3-8B's shape (meta-llama/Meta-Llama-3-8B config.json).
@@ -63,23 +71,36 @@ def _save(model, target: Path) -> Path:
     return target
 
 
+def test_module(name: str):
+    """A module of the test suite (``support.model_helpers``, ``test_deepseek_v3``), imported as the tests do."""
+    import importlib
+    import sys
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    return importlib.import_module(name)
+
+
 def tiny_config(arch: str):
     """The test suite's tiny configs (tests/support/model_helpers.py), so the kit runs the models the tests run."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("lmport_test_models", ROOT / "tests" / "support" / "model_helpers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._tiny_config(arch)
+    return test_module("support.model_helpers")._tiny_config(arch)
 
 
 def tiny_model_dir(arch: str) -> Path:
     target = cache_dir() / f"tiny-{arch}-v1"
     if not (target / "config.json").exists():
-        from transformers import AutoModelForCausalLM
-        torch.manual_seed(1234)
-        _save(AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32), target)
+        if arch in NEWER_ARCHS:
+            _save(newer_model(arch), target)
+        else:
+            from transformers import AutoModelForCausalLM
+            torch.manual_seed(1234)
+            _save(AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32), target)
     return target
+
+
+def newer_model(arch: str):
+    """A newer family's tiny random-weight model (float32), as the test suite builds it."""
+    module, argument = NEWER_ARCHS[arch]
+    return test_module(module).tiny_model(argument)
 
 
 def default_model(gguf: str | None = None) -> tuple[str, str]:
@@ -103,13 +124,23 @@ def default_model(gguf: str | None = None) -> tuple[str, str]:
 
 def llama3_8b_dir(layers: int = 32, device: str = "cuda") -> Path:
     """Llama-3-8B's shape with random bfloat16 weights (``layers`` of its 32), written once to the cache."""
-    target = cache_dir() / f"llama3-8b-shape-{layers}l-v1"
+    return llama_dir(f"llama3-8b-shape-{layers}l-v1", {**LLAMA3_8B, "num_hidden_layers": layers}, device)
+
+
+def small_llama_dir() -> Path:
+    """A two-layer Llama of whole 128 x 128 blocks (fp8's), bfloat16: the dry run's stand-in for Llama-3-8B."""
+    shape = dict(LLAMA3_8B, vocab_size=49152, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    return llama_dir("llama-small-v1", shape, "cpu")
+
+
+def llama_dir(name: str, shape: dict, device: str) -> Path:
+    target = cache_dir() / name
     if not (target / "config.json").exists():
         from transformers import AutoModelForCausalLM, LlamaConfig
-        cfg = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers})
         torch.manual_seed(1234)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16)
         _save(model, target)
         del model
     return target

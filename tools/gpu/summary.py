@@ -2,8 +2,9 @@
 
     python tools/gpu/summary.py OUT [OUT ...] [--write summary.md]
 
-Each OUT is a folder run.py wrote (run.json in it). Several folders (one a device call) merge: a step's
-latest result that ran wins over a skipped one. Prints the markdown.
+Each OUT is a folder run.py wrote (run.json in it) or such a run.json itself, renamed. Several (one a device call)
+merge: a step's latest result that ran wins over a skipped one. A step stopped at its limit shows what it kept
+(its ``partial`` result). Prints the markdown.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ def load(folders: list[Path]) -> tuple[dict, list[dict]]:
     steps: dict[str, dict] = {}
     runs = []
     for folder in folders:
-        run = json.loads((folder / "run.json").read_text())
+        run = json.loads((folder / "run.json" if folder.is_dir() else folder).read_text())
         runs.append(run)
         for r in run["steps"]:
+            if r["status"] == "timeout" and r.get("partial"):
+                r = {**r, "data": r["partial"].get("data")}
             old = steps.get(r["step"])
             if old is None or r["status"] != "skipped" or old["status"] == "skipped":
                 steps[r["step"]] = r
@@ -112,7 +115,38 @@ def render(steps: dict[str, dict], runs: list[dict]) -> str:
                               [[key, pl["plan"][key], pl["engine"][key], pl["ratio"][key]] for key in pl["plan"]]
                               + [["reserve measured", "-", pl["engine"].get("reserve_measured"), None],
                                  ["allocated by torch", "-", pl["engine"].get("allocated_bytes"), None]]))
+    if data.get("limits"):
+        parts.append(_limits(data["limits"]))
     return "\n\n".join(parts) + "\n"
+
+
+def _limits(lim: dict) -> str:
+    """The limits step: its ceilings, the model step in each form against them, decode attention against torch's."""
+    c = lim.get("ceilings", {})
+    bw, peak = c.get("copy_bytes_per_s"), c.get("matmul_flops_per_s")
+    parts = [f"**Against the card's limits** ({lim.get('device')}): device-to-device copy {bw / 1e12:.2f} TB/s (read + "
+             f"write), bfloat16 matmul {peak / 1e12:.0f} TFLOP/s ({c.get('matmul')})." if bw and peak else
+             "**Against the card's limits**:"]
+    forms = [r for key in ("bfloat16", "fp8_kv", "fp8_weights") for r in lim.get(key) or []]
+    decode = [r for r in forms if r["kind"] == "decode"]
+    if decode:
+        parts.append(md_table(["model step", "batch", "context", "ms", "tokens/s", "least GB read", "of copy BW"],
+                              [[r["variant"], r["batch"], r["context"], _ms(r["ms"]), r["tokens_per_s"],
+                                f"{r['least_bytes'] / 1e9:.2f}", pct(r["copy_fraction"])] for r in decode]))
+    prefill = [r for r in forms if r["kind"] == "prefill"]
+    if prefill:
+        parts.append(md_table(["prefill", "sequences x tokens", "ms", "TFLOP/s", "of matmul"],
+                              [[r["variant"], f"{r['batch']} x {r['tokens']}", _ms(r["ms"]), r["tflops"],
+                                pct(r["matmul_fraction"])] for r in prefill]))
+    if lim.get("attention"):
+        parts.append(md_table(["decode attention", "batch", "context", "cache", "ms", "of copy BW"],
+                              [[r["method"], r.get("batch"), r.get("context"), r.get("cache"),
+                                _ms(r.get("ms")) or r.get("error"), pct(r.get("copy_fraction"))]
+                               for r in lim["attention"]]))
+    if lim.get("profile"):
+        parts.append(md_table(["kernel (batch-1 decode, eager)", "calls a step", "ms a step"],
+                              [[r["kernel"], r["calls_per_step"], r["ms_per_step"]] for r in lim["profile"][:15]]))
+    return "\n\n".join(parts)
 
 
 def _ms(x) -> str | None:

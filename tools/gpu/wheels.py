@@ -79,6 +79,11 @@ def image_packages() -> dict[str, str | None]:
     return out
 
 
+def image_meets(req: Requirement, version: str | None) -> bool:
+    """Whether the image's copy meets ``req`` (assumed where image.txt gives no version)."""
+    return version is None or req.specifier.contains(version, prereleases=True)
+
+
 def lmport_requirements() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return [Requirement(r) for r in project["dependencies"]] + [Requirement(r) for r in EXTRA_TOPLEVEL]
@@ -97,7 +102,7 @@ def lock() -> list[str]:
     while todo:
         req = todo.pop()
         name = canonicalize_name(req.name)
-        if name in pins or (name in image and name not in CARRY_ANYWAY):
+        if name in pins or (name in image and name not in CARRY_ANYWAY and image_meets(req, image[name])):
             continue
         try:
             dist = md.distribution(req.name)

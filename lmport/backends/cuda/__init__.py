@@ -48,6 +48,8 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            ggml_linear=ggml_linear.ggml_linear,
                            fp8_linear=fp8_linear.fp8_linear,
                            fused_moe=moe.fused_moe,
+                           clamped_swiglu_moe=moe.clamped_swiglu_moe,
+                           input_scaled_moe=moe.input_scaled_moe,
                            add_lora=lora.add_lora,
                            fill_latent_cache=mla.fill_latent_cache,
                            mla_attention=mla.mla_attention,
@@ -172,6 +174,15 @@ class CudaBackend(Backend):
     def fused_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.fused_moe(x, gate_up, down, weights, ids)
+
+    def clamped_swiglu_moe(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor,
+                           down: torch.Tensor, down_bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           alpha: float, limit: float) -> torch.Tensor:
+        return self.kernels.clamped_swiglu_moe(x, gate_up, gate_up_bias, down, down_bias, weights, ids, alpha, limit)
+
+    def input_scaled_moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.input_scaled_moe(x, gate_up, down, weights, ids)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  batch: ops.LoraBatch) -> torch.Tensor:

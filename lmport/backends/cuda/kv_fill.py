@@ -98,8 +98,8 @@ def _fill(src, s_t, s_h, s_d, dst, qp, tok, head, slot_block, slot_off, valid,
         mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         x = tl.load(row + offs_d[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(qp + head * p_h, mask=valid, other=1.0)   # the head's scale (params strides 0 but p_h)
-        y = tl.math.div_rn(x, scale[:, None])
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+        # A NaN stays the input's, sign included, as torch's division keeps it (a GPU's gives its canonical NaN).
+        y = tl.where(x != x, x, tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
         tl.store(out, encode_e4m3(y).to(tl.uint8), mask=mask)
     else:
         inf = float("inf")

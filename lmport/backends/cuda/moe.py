@@ -85,17 +85,64 @@ def _gemm(a, b, c, sorted_pairs, tile_expert, weights, num_pairs, a_row_div, sca
                         DOT_DTYPE=dot_dtype, DOT_PREC=dot_prec, num_warps=4)
 
 
+class _Routing:
+    """The (token, expert) pairs of ``ids`` [tokens, top_k] grouped by expert into tiles (``_align``), and the
+    two grouped GEMMs of an expert MLP over them."""
+
+    def __init__(self, ids: torch.Tensor, num_experts: int, weights: torch.Tensor):
+        self.tokens, self.top_k = ids.shape
+        self.pairs = self.tokens * self.top_k
+        self.block_m = 16 if INTERPRETED or self.pairs <= 64 else 64
+        self.sorted_pairs, self.tile_expert = _align(ids, num_experts, self.block_m)
+        self.weights = weights.reshape(-1).float().contiguous()
+
+    def up(self, x: torch.Tensor, gate_up: torch.Tensor, rows_per_token: bool) -> torch.Tensor:
+        """[pairs, N]: each pair's input row (x's row of its token, or x's own row when not ``rows_per_token``)
+        times its expert's ``gate_up`` [experts, N, K], in x's dtype."""
+        h = torch.empty(self.pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
+        _gemm(x, gate_up, h, self.sorted_pairs, self.tile_expert, self.weights, self.pairs,
+              self.top_k if rows_per_token else 1, False, self.block_m)
+        return h
+
+    def down(self, act: torch.Tensor, down: torch.Tensor, scale: bool) -> torch.Tensor:
+        """[pairs, hidden] in float32: each pair's activation row times its expert's ``down`` [experts, hidden,
+        inter], times the pair's routing weight when ``scale``."""
+        y = torch.empty(self.pairs, down.shape[1], dtype=torch.float32, device=act.device)
+        _gemm(act.contiguous(), down, y, self.sorted_pairs, self.tile_expert, self.weights, self.pairs, 1, scale,
+              self.block_m)
+        return y
+
+    def summed(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The k pairs of each token summed: [tokens, hidden] in ``dtype``."""
+        return y.view(self.tokens, self.top_k, -1).sum(1).to(dtype)
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
-    t, top_k = ids.shape
-    pairs = t * top_k
-    block_m = 16 if INTERPRETED or pairs <= 64 else 64
-    sorted_pairs, tile_expert = _align(ids, gate_up.shape[0], block_m)
-    w = weights.reshape(-1).float().contiguous()
-    h = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(x, gate_up, h, sorted_pairs, tile_expert, w, pairs, top_k, False, block_m)
-    gate, up = h.chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).contiguous()
-    y = torch.empty(pairs, down.shape[1], dtype=torch.float32, device=x.device)
-    _gemm(act, down, y, sorted_pairs, tile_expert, w, pairs, 1, True, block_m)
-    return y.view(t, top_k, -1).sum(1).to(x.dtype)
+    routing = _Routing(ids, gate_up.shape[0], weights)
+    gate, up = routing.up(x, gate_up, True).chunk(2, dim=-1)
+    return routing.summed(routing.down(torch.nn.functional.silu(gate) * up, down, True), x.dtype)
+
+
+def clamped_swiglu_moe(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                       down_bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, alpha: float,
+                       limit: float) -> torch.Tensor:
+    """gpt-oss's experts (``lmport.ops.clamped_swiglu_moe``: transformers' [experts, in, out] layout, gate and up
+    columns interleaved, biases): the same two grouped GEMMs over the transposed views, the clamped activation
+    and the biases in torch between and after them."""
+    routing = _Routing(ids, gate_up.shape[0], weights)
+    experts = ids.reshape(-1)
+    h = routing.up(x, gate_up.transpose(1, 2), True) + gate_up_bias[experts]
+    gate, up = h[:, ::2].clamp(max=limit), h[:, 1::2].clamp(min=-limit, max=limit)
+    y = routing.down((up + 1) * (gate * torch.sigmoid(gate * alpha)), down.transpose(1, 2), True)
+    return routing.summed(y + down_bias[experts].float() * routing.weights[:, None], x.dtype)
+
+
+def input_scaled_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts (``lmport.ops.input_scaled_moe``: transformers' layout, the routing weight scaling each
+    expert's input): each pair's scaled row made first, then the two grouped GEMMs unscaled."""
+    routing = _Routing(ids, gate_up.shape[0], weights)
+    scaled = (x.repeat_interleave(routing.top_k, 0) * weights.reshape(-1, 1)).to(x.dtype)
+    gate, up = routing.up(scaled, gate_up.transpose(1, 2), False).chunk(2, dim=-1)
+    return routing.summed(routing.down(up * torch.nn.functional.silu(gate), down.transpose(1, 2), False), x.dtype)
