@@ -2,8 +2,9 @@
 llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype f32``; ``--mmproj``) from a tiny random-weight checkpoint
 (tests/support/vision_helpers.py ``tiny_qwen2_5_vl_llama_cpp_dir``); SmolVLM's pair, the tiny Idefics3's
 (``-m slow``: its text GGUF is the Llama decoder saved alone and converted, its mmproj the directory's); and the
-pairs of Gemma 3, Mistral 3 (Pixtral) and Qwen3-VL, each from a tiny checkpoint shaped as llama.cpp reads the
-family (``tiny_*_llama_cpp_dir``; Gemma 3's one-image case by default, the rest ``-m slow``).
+pairs of Gemma 3, Mistral 3 (Pixtral), Qwen3-VL and Llama 4, each from a tiny checkpoint shaped as llama.cpp reads
+the family (``tiny_*_llama_cpp_dir``; Gemma 3's and Llama 4's one-image cases and Llama 4's modules by default, the
+rest ``-m slow``).
 
 References: lmport on the source transformers directory (itself checked against transformers' ``generate`` in
 tests/test_vision.py) for greedy tokens and prompt ids; transformers' vision tower and image processor of the
@@ -32,15 +33,17 @@ from lmport.multimodal import mmproj as mmproj_files
 from lmport.multimodal.images import ImageLimits
 from lmport.multimodal.loading import image_processor, takes_images
 from support.vision_helpers import (CASES, conversation, data_url, generate_greedy, png, tiny_gemma3_llama_cpp_dir,
-                                    tiny_idefics3_dir, tiny_idefics3_text_dir, tiny_mistral3_llama_cpp_dir,
-                                    tiny_qwen2_5_vl_llama_cpp_dir, tiny_qwen3_vl_llama_cpp_dir)
+                                    tiny_idefics3_dir, tiny_idefics3_text_dir, tiny_llama4_llama_cpp_dir,
+                                    tiny_mistral3_llama_cpp_dir, tiny_qwen2_5_vl_llama_cpp_dir,
+                                    tiny_qwen3_vl_llama_cpp_dir)
 
 NEW_TOKENS = 10
 
 
 # The tiny checkpoints converted for each family (tests/support/vision_helpers.py).
 SOURCES = {"qwen2.5-vl": tiny_qwen2_5_vl_llama_cpp_dir, "gemma3": tiny_gemma3_llama_cpp_dir,
-           "mistral3": tiny_mistral3_llama_cpp_dir, "qwen3-vl": tiny_qwen3_vl_llama_cpp_dir}
+           "mistral3": tiny_mistral3_llama_cpp_dir, "qwen3-vl": tiny_qwen3_vl_llama_cpp_dir,
+           "llama4": tiny_llama4_llama_cpp_dir}
 
 
 @functools.cache
@@ -263,7 +266,7 @@ def test_idefics3_greedy_tokens_equal_the_source_directorys(idefics3_pair):
 
 # Where each family's vision modules sit in transformers' model, and the modules lmport builds from the mmproj.
 _MODULES = {"gemma3": ("vision_tower", "multi_modal_projector"), "mistral3": ("vision_tower", "multi_modal_projector"),
-            "qwen3-vl": ("visual",)}
+            "qwen3-vl": ("visual",), "llama4": ("vision_model", "multi_modal_projector")}
 
 
 def _slow_but(first, *rest):
@@ -288,10 +291,12 @@ def family_engines():
 def _mmproj_modules(family: str, text: Path, mmproj: Path, config) -> list[torch.nn.Module]:
     if family == "qwen3-vl":
         return [mmproj_files.vision_tower(mmproj, config.vision_config, torch.float32)]
+    if family == "llama4":
+        return list(mmproj_files.llama4_modules(mmproj, config, torch.float32))
     return list(mmproj_files.tower_and_projector(mmproj, config, torch.float32))
 
 
-@pytest.mark.parametrize("family", _slow_but("gemma3", "mistral3", "qwen3-vl"))
+@pytest.mark.parametrize("family", ["llama4", *_slow_but("gemma3", "mistral3", "qwen3-vl")])
 def test_the_mmproj_config_and_modules_are_the_checkpoints(family):
     """The config made of the two files' metadata (and llama.cpp's assumptions) is the checkpoint's (vision config,
     image token ids, the tokens an image gives); the vision tower and projector built from the mmproj hold the
@@ -301,27 +306,38 @@ def test_the_mmproj_config_and_modules_are_the_checkpoints(family):
     text, mmproj = converted_pair("f32", family)
     source = SOURCES[family]()
     hf = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32).eval()
+    owner = getattr(hf, "model", hf)   # the vision modules' holder (Llama 4's are the model's own)
     made = mmproj_files.checkpoint_config(text, mmproj, read_model_config(str(text)))
     ours_vision = made.vision_config.to_dict()
     want_vision = hf.config.vision_config.to_dict()
     for name in set(ours_vision) | set(want_vision):
-        if name not in ("dtype", "layer_norm_eps"):   # eps: stored as float32
+        if name not in ("dtype", "layer_norm_eps", "initializer_range"):   # eps: stored as float32
             assert ours_vision.get(name) == want_vision.get(name), name
-    for name in ("image_token_id", "boi_token_id", "eoi_token_id", "mm_tokens_per_image", "spatial_merge_size",
+    for name in ("image_token_id", "boi_token_id", "eoi_token_id", "boi_token_index", "eoi_token_index",
+                 "mm_tokens_per_image", "spatial_merge_size",
                  "vision_start_token_id", "vision_end_token_id", "vision_feature_layer"):
         assert getattr(made, name, None) == getattr(hf.config, name, None), name
     modules = _mmproj_modules(family, text, mmproj, made)
     for ours, attribute in zip(modules, _MODULES[family], strict=True):
-        mine, want = ours.state_dict(), getattr(hf.model, attribute).state_dict()
+        mine, want = ours.state_dict(), getattr(owner, attribute).state_dict()
         assert mine.keys() == want.keys()
         for key in want:
             if key != "mm_soft_emb_norm.weight":
                 assert torch.equal(mine[key], want[key]), key
     reference = image_processor(source)
     assert reference is not None
-    _, images = reference.prepare([reference.image_token_id if family != "gemma3" else reference.placeholder_id],
-                                  [png(90, 60, 1)], ImageLimits())
+    placeholder = reference.placeholder_id if family in ("gemma3", "llama4") else reference.image_token_id
+    _, images = reference.prepare([placeholder], [png(90, 60, 1)], ImageLimits())
     pixels = torch.from_numpy(np.stack([images[0].pixel_values]))
+    if family == "llama4":   # the image's tiles and its global view: the processor made from the mmproj's the same
+        ours_processor = image_processor(str(text), str(mmproj))
+        assert ours_processor is not None
+        ours_ids, ours_images = ours_processor.prepare([placeholder], [png(90, 60, 1)], ImageLimits())
+        want_ids, _ = reference.prepare([placeholder], [png(90, 60, 1)], ImageLimits())
+        assert ours_ids == want_ids and len(ours_images) == len(images) > 1
+        for mine, want in zip(ours_images, images, strict=True):
+            assert np.array_equal(mine.pixel_values, want.pixel_values)
+        pixels = torch.from_numpy(np.stack([im.pixel_values for im in images]))
     with torch.inference_mode():
         if family == "qwen3-vl":
             grid = torch.tensor([images[0].grid_thw])
@@ -332,6 +348,9 @@ def test_the_mmproj_config_and_modules_are_the_checkpoints(family):
         elif family == "gemma3":
             pairs = [(modules[1](modules[0](pixel_values=pixels).last_hidden_state),
                       hf.model.multi_modal_projector(hf.model.vision_tower(pixel_values=pixels).last_hidden_state))]
+        elif family == "llama4":
+            pairs = [(modules[1](modules[0](pixels).last_hidden_state),
+                      hf.multi_modal_projector(hf.vision_model(pixels).last_hidden_state))]
         else:
             sizes = torch.tensor([list(pixels.shape[-2:])])
             ours_hidden = modules[0](pixels, image_sizes=sizes).last_hidden_state
@@ -342,10 +361,13 @@ def test_the_mmproj_config_and_modules_are_the_checkpoints(family):
         torch.testing.assert_close(ours_rows, want_rows, rtol=0, atol=0)
 
 
+_DEFAULT_FAMILY_CASES = {("gemma3", "one image, text before and after"), ("llama4", "one image, text before and after")}
+
+
 @pytest.mark.parametrize("family, case", [
-    ("gemma3", "one image, text before and after"),
+    *sorted(_DEFAULT_FAMILY_CASES),
     *(pytest.param(f, c, marks=pytest.mark.slow) for f in SOURCES if f != "qwen2.5-vl" for c in CASES
-      if (f, c) != ("gemma3", "one image, text before and after"))])
+      if (f, c) not in _DEFAULT_FAMILY_CASES)])
 def test_a_familys_greedy_tokens_equal_the_source_directorys(family, case, family_engines):
     """Prompt ids (the text GGUF's tokenizer and template, the image's tokens as the mmproj sizes them) and greedy
     tokens of the pair equal lmport's on the directory it was converted from (itself checked against transformers'
@@ -414,7 +436,7 @@ def test_a_directory_with_an_mmproj_says_it_holds_its_own_tower(source_dir, tmp_
                               "qwen2.5vl_merger (Qwen2.5-VL, with a qwen2vl text model), qwen3vl_merger (Qwen3-VL, "
                               "with a qwen3vl text model), gemma3 (Gemma 3, with a gemma3 text model), pixtral "
                               "(Mistral 3 / Pixtral, with a mistral3 text model), idefics3 (SmolVLM / Idefics3, with "
-                              "a llama text model)"),
+                              "a llama text model), llama4 (Llama 4, with a llama4 text model)"),
 ])
 def test_a_file_that_is_no_mmproj_lmport_runs_is_refused(file, words, tmp_path):
     with pytest.raises(ConfigError, match=re.escape(words)):

@@ -23,7 +23,8 @@ from lmport.engine.outputs import RequestError
 from support.vision_helpers import (LLAMA4_TILE, LLAMA4_TILE_TOKENS, check_prefix_cache_keys_include_the_images,
                                     client_answers, generate_greedy, llama4_reference_processor,
                                     llama4_transformers_pixels, lmport_image_processor, lmport_prompt, png,
-                                    processor_inputs, tiny_llama4_dir)
+                                    processor_inputs, reference_model, tiny_llama4_dir,
+                                    tiny_llama4_llama_cpp_dir, vision_engine)
 
 NEW_TOKENS = 10
 ONE_IMAGE = "one image of 2 x 2 tiles, text before and after"
@@ -95,6 +96,22 @@ def test_greedy_tokens_equal_transformers_generate_one_image(llm, reference, mod
 @pytest.mark.parametrize("case", [c for c in CASES if c != ONE_IMAGE])
 def test_greedy_tokens_equal_transformers_generate(case, llm, reference, model_dir):
     check_greedy(case, llm, reference, model_dir)
+
+
+@pytest.mark.slow   # another checkpoint, its engine and transformers' model
+def test_the_checkpoint_shaped_for_llama_cpp_equals_transformers_generate():
+    """The checkpoint tests/test_vision_gguf.py converts for llama.cpp (3 vision blocks, 4 text layers with the
+    chunk, NoPE interval and temperature floor llama.cpp assumes, up to 16 tiles an image): lmport on its directory
+    gives transformers' greedy tokens for each case, so its GGUF pair's reference is transformers' too."""
+    model_dir = tiny_llama4_llama_cpp_dir()
+    hf, llm = reference_model(model_dir), vision_engine(model_dir)
+    try:
+        processor = llama4_reference_processor(model_dir, functools.partial(lmport_tiles, model_dir))
+        for case in CASES:
+            check_greedy(case, llm, lambda parts: transformers_greedy(hf, processor_inputs(processor, parts)),
+                         model_dir)
+    finally:
+        llm.close()
 
 
 @pytest.mark.slow   # transformers' image processor in a subprocess (its imports)

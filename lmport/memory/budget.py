@@ -113,11 +113,12 @@ def activation_reserve(model_cfg, config: EngineConfig) -> int:
     return int((tokens * per_token * dtype_bytes + logits) * 1.25)
 
 
-# Vision towers (docs/memory.md "The vision side"). Pixels a Qwen image may have at most where the directory's
+# Vision towers (docs/vision.md "Memory"). Pixels a Qwen image may have at most where the directory's
 # processor settings say nothing: transformers' Qwen2-VL / Qwen3-VL image processors' default ``longest_edge``.
 _QWEN_MAX_PIXELS = {"qwen2_5_vl": 12845056, "qwen3_vl": 16777216}
 # Idefics3's tiles an image at most: SmolVLM's processors resize the longest side to 4 tiles, plus the global image.
 _IDEFICS3_TILES = 4 * 4 + 1
+_VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3", "idefics3", "llama4")
 
 
 @dataclass(frozen=True)
@@ -128,14 +129,26 @@ class EncoderReserve:
     bytes: int
 
 
+@dataclass(frozen=True)
+class EncoderCacheReserve:
+    """The encoder cache's rows at most (lmport.multimodal.encoder_cache), held on the engine's device."""
+    rows: int
+    row_bytes: int    # one row: the text model's width (Qwen3-VL's: with its deepstack sets) in the compute dtype
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
 def largest_image_patches(model_cfg, config: EngineConfig) -> int | None:
     """Patches of the largest image the model's processor makes (None for a model without images): from the mmproj
     file's metadata where the engine runs one, else the family's fixed size (Gemma 3: one size; Mistral 3: the
     tower's ``image_size`` as the longest side; Idefics3: 17 tiles), Qwen's pixel limit from the directory's
-    processor settings (``max_image_pixels``, lmport.models.loader.read_model_config) or its default."""
+    processor settings (``max_image_pixels``, lmport.models.loader.read_model_config) or its default. Llama 4: one
+    tile and its class token (each tile is an image of its own to the encoder)."""
     vision = getattr(model_cfg, "vision_config", None)
     kind = getattr(model_cfg, "model_type", None)
-    if vision is None or kind not in ("qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3", "idefics3"):
+    if vision is None or kind not in _VISION_MODEL_TYPES:
         return None
     patch = vision.patch_size
     if config.mmproj is not None:
@@ -145,6 +158,8 @@ def largest_image_patches(model_cfg, config: EngineConfig) -> int | None:
         return mmproj_patches(Path(config.mmproj).expanduser())
     if kind in ("gemma3", "mistral3"):
         return (vision.image_size // patch) ** 2
+    if kind == "llama4":
+        return (vision.image_size // patch) ** 2 + 1
     if kind == "idefics3":
         return _IDEFICS3_TILES * (vision.image_size // patch) ** 2
     return ceil_div(getattr(model_cfg, "max_image_pixels", None) or _QWEN_MAX_PIXELS[kind], patch * patch)
@@ -157,7 +172,9 @@ def encoder_reserve(model_cfg, config: EngineConfig) -> EncoderReserve | None:
     Images per call: a prefill step computes at most ``max_prefill_token_num`` prompt tokens, and every image any of
     them falls in is encoded whole in that step, so a call takes the images of that many tokens and the two largest
     images cut at its ends (Gemma 3's images are never cut: the step's whole images), at least the largest image;
-    Mistral 3 encodes a step's images in calls of at most ``ENCODE_PATCHES`` patches (lmport.models.mistral3).
+    Mistral 3 encodes a step's images in calls of at most ``ENCODE_PATCHES`` patches (lmport.models.mistral3);
+    Llama 4 encodes by tile: a call takes the tiles whose tokens the step computes, the step's tokens over a tile's
+    and the two tiles cut at its ends, each tile's patches and its class token.
     Per patch, the widest live tensors of a vision block: the residual stream and the block's input, q, k and v, the
     attention output and the MLP's two widths, and the float32 pixels; Pixtral's block-diagonal mask over the call's
     patches and the scores it makes the attention materialize. Flash-style attention is assumed elsewhere, as for the
@@ -172,6 +189,9 @@ def encoder_reserve(model_cfg, config: EngineConfig) -> EncoderReserve | None:
     heads = getattr(vision, "num_attention_heads", None) or vision.num_heads
     if kind == "gemma3":   # whole images only, one size: as many as a step's tokens hold
         per_call = max(1, tokens // model_cfg.mm_tokens_per_image) * largest
+    elif kind == "llama4":   # by tile: a tile's patches pixel-shuffled into (patches x ratio^2) tokens
+        tile_tokens = round((largest - 1) * vision.pixel_shuffle_ratio ** 2)
+        per_call = (tokens // tile_tokens + 2) * largest
     else:
         merge = {"idefics3": getattr(model_cfg, "scale_factor", 2)}.get(kind, getattr(
             vision, "spatial_merge_size", None) or getattr(model_cfg, "spatial_merge_size", 1))
@@ -182,8 +202,24 @@ def encoder_reserve(model_cfg, config: EngineConfig) -> EncoderReserve | None:
     hidden, width = vision.hidden_size, vision.intermediate_size
     pixel_values = 3 * patch * patch * getattr(vision, "temporal_patch_size", 1)
     per_patch = (6 * hidden + 2 * width) * dtype_bytes + pixel_values * 4
+    if kind == "llama4":   # its 2D rotary turns q and k in complex float32
+        per_patch += 2 * hidden * 4
     attention = per_call * per_call * (dtype_bytes + heads * 4) if kind == "mistral3" else 0
     return EncoderReserve(largest, per_call, int((per_call * per_patch + attention) * 1.25))
+
+
+def encoder_cache_reserve(model_cfg, config: EngineConfig) -> EncoderCacheReserve | None:
+    """The encoder cache at its most (``ENCODER_CACHE_ROWS`` rows, each an image token's row of the text model's width
+    in the compute dtype; Qwen3-VL's rows hold its deepstack sets beside it), held on the engine's device beside the
+    KV cache; None for a model without images."""
+    if getattr(model_cfg, "model_type", None) not in _VISION_MODEL_TYPES or \
+            getattr(model_cfg, "vision_config", None) is None:
+        return None
+    from lmport.multimodal.encoder_cache import ENCODER_CACHE_ROWS
+    width = model_cfg.hidden_size
+    if model_cfg.model_type == "qwen3_vl":
+        width *= 1 + len(getattr(model_cfg.vision_config, "deepstack_visual_indexes", None) or [])
+    return EncoderCacheReserve(ENCODER_CACHE_ROWS, width * torch_dtype(config.dtype).itemsize)
 
 
 def vision_weight_bytes(path, config: EngineConfig) -> int:
@@ -249,10 +285,17 @@ class MemoryInputs:
         return 0 if reserve is None else reserve.bytes
 
     @property
+    def encoder_cache_bytes(self) -> int:
+        """The encoder cache's bytes at its most (``encoder_cache_reserve``; 0 for a model without images)."""
+        reserve = encoder_cache_reserve(self.model_config, self.config)
+        return 0 if reserve is None else reserve.bytes
+
+    @property
     def usable_bytes(self) -> int:
         """What the cache may take at most: free memory less the activation reserves (the text model's, the vision
-        encoder's) and the recurrent-state slots."""
-        return max(0, self.free_bytes - self.reserve_bytes - self.encoder_bytes - self.state_bytes)
+        encoder's), the encoder cache and the recurrent-state slots."""
+        return max(0, self.free_bytes - self.reserve_bytes - self.encoder_bytes - self.encoder_cache_bytes
+                   - self.state_bytes)
 
     def changed(self, **fields) -> MemoryInputs:
         """These inputs with config fields changed; weights and reserve rescaled to match (for advice)."""

@@ -16,7 +16,8 @@ from lmport.dtypes import torch_dtype
 from lmport.errors import ConfigError
 from lmport.kv.layout import KVLayout
 from lmport.memory.budget import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block,
-                                  encoder_reserve, kv_layout, model_limit, plan_cache, vision_weight_bytes)
+                                  encoder_cache_reserve, encoder_reserve, kv_layout, model_limit, plan_cache,
+                                  vision_weight_bytes)
 from lmport.models.architectures import attention_variants, recurrent_state
 from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
@@ -147,15 +148,16 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
 
 
 def vision_summary(model_cfg, config: EngineConfig, weight_bytes: int) -> dict | None:
-    """A model with images: its vision tower's weights (counted in the weights above) and the encoder's activation
-    reserve for the largest image batch one call runs (lmport.memory.budget.encoder_reserve, set aside before the
-    cache is sized); None for a text model."""
-    reserve = encoder_reserve(model_cfg, config)
-    if reserve is None:
+    """A model with images: its vision tower's weights (counted in the weights above), the encoder's activation
+    reserve for the largest image batch one call runs (lmport.memory.budget.encoder_reserve) and the encoder cache at
+    its most (``encoder_cache_reserve``), both set aside before the cache is sized; None for a text model."""
+    reserve, cache = encoder_reserve(model_cfg, config), encoder_cache_reserve(model_cfg, config)
+    if reserve is None or cache is None:
         return None
     return {"weight_bytes": weight_bytes, "source": "mmproj" if config.mmproj else "checkpoint",
             "largest_image_patches": reserve.largest_image_patches, "patches_per_call": reserve.patches_per_call,
-            "encoder_reserve_bytes": reserve.bytes}
+            "encoder_reserve_bytes": reserve.bytes, "encoder_cache_rows": cache.rows,
+            "encoder_cache_bytes": cache.bytes}
 
 
 def kinds_summary(layout: KVLayout) -> list[dict]:

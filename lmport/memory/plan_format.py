@@ -32,14 +32,17 @@ def _draft_text(d: dict) -> str:
 
 
 def _vision_rows(v: dict | None) -> list[tuple[str, str]]:
-    """A model with images: the vision tower's weights and the encoder's activation reserve, each a row."""
+    """A model with images: the vision tower's weights, the encoder's activation reserve and the encoder cache, each
+    a row."""
     if not v:
         return []
     weights = v["weight_bytes"]
     return [("vision", f"tower and projector ({v['source']}): {fmt_bytes(weights)} ({weights:,} B)"),
             ("encoder", f"reserve {fmt_bytes(v['encoder_reserve_bytes'])} ({v['encoder_reserve_bytes']:,} B) for "
                         f"{v['patches_per_call']:,} patches in one call (the largest image "
-                        f"{v['largest_image_patches']:,} patches; estimate)")]
+                        f"{v['largest_image_patches']:,} patches; estimate)"),
+            ("encoder cache", f"{fmt_bytes(v['encoder_cache_bytes'])} ({v['encoder_cache_bytes']:,} B) for "
+                              f"{v['encoder_cache_rows']:,} image-token rows at most")]
 
 
 def format_plan(r: dict) -> str:

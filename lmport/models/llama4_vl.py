@@ -5,7 +5,8 @@ vision model through its multi-modal projector.
 The front end (lmport.multimodal.llama4) cuts each image into tiles plus, for more than one, a global view, and lays
 out each tile's run of ``<|patch|>`` tokens among the image's start, separators, ``<|image|>`` and end tokens; each
 tile is one ``ImageInput``. The vision model (patch unfold, a class token, 2D rotary, attention within each tile, the
-pixel-shuffle adapter) and the projector are transformers' own modules, taken from the loaded checkpoint: they run on
+pixel-shuffle adapter) and the projector are transformers' own modules, taken from the loaded checkpoint (or built
+from a GGUF text model's mmproj file, lmport.multimodal.mmproj): they run on
 the engine's device as part of the prefill, all the tiles a step computes tokens of in one call, and their rows
 replace the embeddings of the tiles' ``<|patch|>`` tokens; every other token of the image keeps its own embedding.
 Attention stays causal over image tokens (chunked on the rope layers) with the ordinary 1-D positions, as transformers

@@ -1,5 +1,7 @@
 """The vision encoder's output rows by image digest, kept for images whose tokens may be computed again (a split
-prefill, a preemption): at most ``rows`` rows, the least recently used dropped first."""
+prefill, a preemption): at most ``rows`` rows, the least recently used dropped first; each image's rows in a
+storage of their own, so the rows held bound the memory held (the memory plan reserves them:
+lmport.memory.budget.encoder_cache_reserve)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -25,6 +27,8 @@ class EncoderCache:
     def put(self, key: str, rows: torch.Tensor) -> None:
         if key in self.entries or len(rows) > self.rows:
             return
+        if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
+            rows = rows.clone()   # a view of a call's whole output would keep all of it: hold its own rows only
         while self.held + len(rows) > self.rows:
             self.held -= len(self.entries.popitem(last=False)[1])
         self.entries[key] = rows

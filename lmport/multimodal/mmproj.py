@@ -3,24 +3,27 @@
 
 The text GGUF loads as any GGUF does (lmport.weights.gguf; Qwen2.5-VL's is architecture ``qwen2vl``, whose config
 is Qwen2's with the multimodal rotary's sections in ``rope.dimension_sections``; Qwen3-VL's ``qwen3vl``, Qwen3's
-with them; Gemma 3's ``gemma3``; Mistral 3's ``mistral3``, Mistral's). The mmproj file gives:
+with them; Gemma 3's ``gemma3``; Mistral 3's ``mistral3``, Mistral's; Llama 4's ``llama4``). The mmproj file gives:
 
 - the vision config, from its ``clip.vision.*`` keys, with what the converter does not store taken as llama.cpp's
   mtmd takes it (Qwen2.5-VL: a 2 x 2 merge, two frames a patch, a window of 112 pixels, a full-attention block
   every ``n_wa_pattern`` blocks; Qwen3-VL: the deepstack blocks from ``is_deepstack_layers``, the learned position
   grid from its tensor; Gemma 3: the projector's pooling, ``projector.scale_factor`` or 4, and the attention scale
   llama.cpp uses, one over the square root of the head size, 27B's of the width over the heads; Pixtral: a 2D
-  rotary of base 10000, the projector's activation GELU);
+  rotary of base 10000, the projector's activation GELU; Llama 4: a 2D rotary of base 10000, the pixel shuffle's
+  ratio from ``projector.scale_factor``, the adapter's and projector's widths from their tensors);
 - the vision tower: transformers' own modules built from that config, holding the file's tensors under
   transformers' names (llama.cpp's renaming undone; Qwen2.5-VL's q, k and v joined back into ``qkv``, the two frames
   of Qwen's patch embedding stacked back into one 3-D convolution, Pixtral's q and k rows put back in the order
-  its rotary takes, Gemma 3's soft-embedding norm stored as ``1 + w`` taken back to ``w``). F32, F16 and BF16
+  its rotary takes, Gemma 3's soft-embedding norm stored as ``1 + w`` taken back to ``w``, Llama 4's class token,
+  position table and one-layer projector under their own names). F32, F16 and BF16
   tensors load in the compute
   dtype; a quantized one (an mmproj made with ``--outtype q8_0``) is dequantized to it: the tower runs in float;
 - the image preprocessing: transformers' image processor of the family built with the file's sizes, mean and
   standard deviation (Qwen2.5-VL: the pixel limits from ``clip.vision.image_min_pixels`` / ``image_max_pixels``
   where the file has them, else llama.cpp's, 8 to 4096 tokens; Idefics3: the longest side from
-  ``clip.vision.preproc_image_size``, tiles of ``clip.vision.image_size``).
+  ``clip.vision.preproc_image_size``, tiles of ``clip.vision.image_size``; Llama 4: tiles of ``image_size``, at
+  most ``LLAMA4_MAX_TILES`` an image, laid out as transformers' ``Llama4Processor`` does).
 
 The placeholder tokens come from the text GGUF's vocabulary by their text (``<|image_pad|>``, ``<image>``,
 ``<start_of_image>``, ``[IMG]``, ...), where
@@ -54,7 +57,8 @@ PROJECTORS = {"qwen2.5vl_merger": Projector("Qwen2.5-VL", ("qwen2vl",), "qwen2_5
               "qwen3vl_merger": Projector("Qwen3-VL", ("qwen3vl",), "qwen3_vl"),
               "gemma3": Projector("Gemma 3", ("gemma3",), "gemma3"),
               "pixtral": Projector("Mistral 3 / Pixtral", ("mistral3",), "mistral3"),
-              "idefics3": Projector("SmolVLM / Idefics3", ("llama",), "idefics3")}
+              "idefics3": Projector("SmolVLM / Idefics3", ("llama",), "idefics3"),
+              "llama4": Projector("Llama 4", ("llama4",), "llama4")}
 # Qwen2.5-VL's placeholder tokens: config field -> the token's text in the vocabulary.
 _QWEN2_VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                     "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
@@ -67,6 +71,13 @@ _GEMMA3_TOKENS = {"boi_token_index": "<start_of_image>", "eoi_token_index": "<en
 _GEMMA3_POOLING, _GEMMA3_27B_LAYERS = 4, 62
 # Pixtral's tokens: the image token, the end of a row and of the image
 _PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# Llama 4's image tokens: config field -> the token's text (``<|patch|>`` takes the vision rows); what llama.cpp's
+# mtmd assumes of its vision model (clip.cpp): a 2D rotary of base 10000, a pixel shuffle of 2 where the file is
+# silent; and the image processor's tiles an image at most (the file stores none): transformers' default, the
+# released checkpoints' ``max_patches``
+_LLAMA4_TOKENS = {"image_token_index": "<|patch|>", "boi_token_index": "<|image_start|>",
+                  "eoi_token_index": "<|image_end|>"}
+_LLAMA4_ROPE_THETA, _LLAMA4_SHUFFLE, LLAMA4_MAX_TILES = 10000.0, 2, 16
 
 
 def _supported() -> str:
@@ -142,7 +153,7 @@ def checkpoint_config(model: Path, mmproj: Path, text_cfg=None):
     projector = check_pair(model, mmproj)
     text_cfg = text_cfg if text_cfg is not None else gguf.transformers_config(model)
     build = {"idefics3": _idefics3_config, "qwen2_5_vl": _qwen2_5_vl_config, "qwen3_vl": _qwen3_vl_config,
-             "gemma3": _gemma3_config, "mistral3": _mistral3_config}[projector.model_type]
+             "gemma3": _gemma3_config, "mistral3": _mistral3_config, "llama4": _llama4_config}[projector.model_type]
     return build(model, read_mmproj(mmproj), text_cfg)
 
 
@@ -284,6 +295,36 @@ def _mistral3_config(model: Path, header: GGUFHeader, text_cfg):
                           image_token_index=placeholder_ids(model, {"image": _PIXTRAL_TOKENS[0]})["image"])
 
 
+def _llama4_config(model: Path, header: GGUFHeader, text_cfg):
+    """Llama 4's: its text config (the text GGUF's, with what llama.cpp assumes of a llama4 file), the vision
+    model's from the mmproj (the adapter's and projector's widths from their tensors, the pixel shuffle from
+    ``projector.scale_factor``, llama.cpp's rotary base) and the image tokens' ids."""
+    meta = header.metadata
+    from transformers import Llama4Config
+    shapes = {t.name: t.shape for t in header.tensors}
+    missing = [n for n in ("mm.model.mlp.1.weight", "mm.model.mlp.2.weight", "mm.model.fc.weight") if n not in shapes]
+    if missing:
+        raise ConfigError(f"{header.path.name}: no {', '.join(missing)} (Llama 4's pixel-shuffle adapter and "
+                          f"projector); the file is not a complete mmproj of the model")
+    text = {k: v for k, v in text_cfg.to_dict().items() if k not in ("model_type", "architectures", "dtype",
+                                                                      "transformers_version")}
+    vision = {"hidden_size": meta["clip.vision.embedding_length"],
+              "intermediate_size": meta["clip.vision.feed_forward_length"],
+              "num_hidden_layers": meta["clip.vision.block_count"],
+              "num_attention_heads": meta["clip.vision.attention.head_count"],
+              "image_size": meta["clip.vision.image_size"], "patch_size": meta["clip.vision.patch_size"],
+              # stored as float32: the config's decimal back
+              "norm_eps": float(f"{meta.get('clip.vision.attention.layer_norm_epsilon', 1e-5):.7g}"),
+              "pixel_shuffle_ratio": 1.0 / meta.get("clip.vision.projector.scale_factor", _LLAMA4_SHUFFLE),
+              "projector_input_dim": shapes["mm.model.mlp.1.weight"][0],
+              "projector_output_dim": shapes["mm.model.mlp.2.weight"][0],
+              "vision_output_dim": shapes["mm.model.fc.weight"][1],
+              "rope_parameters": {"rope_type": "default", "rope_theta": _LLAMA4_ROPE_THETA}}
+    return Llama4Config(text_config=text, vision_config=vision,
+                        tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
+                        **placeholder_ids(model, _LLAMA4_TOKENS))
+
+
 def placeholder_ids(model: Path, tokens: dict[str, str]) -> dict[str, int]:
     """{config field: id} of the placeholder tokens (by their text) in the text GGUF's vocabulary."""
     vocabulary = read_header(model, string_arrays=("tokenizer.ggml.tokens",)).metadata.get("tokenizer.ggml.tokens")
@@ -308,6 +349,9 @@ def text_rotary(cfg) -> torch.nn.Module:
     if cfg.model_type == "mistral3":
         from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
         return MistralRotaryEmbedding(config=cfg)
+    if cfg.model_type == "llama4":
+        from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding
+        return Llama4TextRotaryEmbedding(config=cfg)
     if cfg.model_type == "qwen3_vl":
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
         return Qwen3VLTextRotaryEmbedding(config=cfg)
@@ -317,9 +361,11 @@ def text_rotary(cfg) -> torch.nn.Module:
 
 def attach(paged: torch.nn.Module, model: Path, mmproj: Path, dtype: torch.dtype) -> None:
     """Give ``paged`` (the text model built from the pair's config) the mmproj's vision modules, under the names its
-    model class runs them by (lmport.models.qwen2_vl, qwen3_vl, idefics3, gemma3_vl, mistral3)."""
+    model class runs them by (lmport.models.qwen2_vl, qwen3_vl, idefics3, gemma3_vl, mistral3, llama4_vl)."""
     config = checkpoint_config(model, mmproj)
-    if config.model_type == "idefics3":
+    if config.model_type == "llama4":
+        paged.vision_model, paged.projector = llama4_modules(mmproj, config, dtype)
+    elif config.model_type == "idefics3":
         paged.vision_model, paged.connector = idefics3_modules(mmproj, config, dtype)
     elif config.model_type in ("gemma3", "mistral3"):
         paged.vision_tower, paged.projector = tower_and_projector(mmproj, config, dtype)
@@ -376,6 +422,23 @@ def idefics3_modules(mmproj: Path, config, dtype: torch.dtype) -> tuple[torch.nn
     return vision.eval(), connector.eval()
 
 
+def llama4_modules(mmproj: Path, config, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' Llama 4 vision model (with its pixel-shuffle adapter) and ``Llama4MultiModalProjector`` holding
+    the mmproj's tensors in ``dtype``."""
+    from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
+    header = read_mmproj(mmproj)
+    with _empty_weights():
+        vision = Llama4VisionModel._from_config(config.vision_config, dtype=dtype)
+        projector = Llama4MultiModalProjector(config).to(dtype)
+    prefixes = ("vision_model.", "multi_modal_projector.")
+    names = [prefixes[0] + n for n in vision.state_dict()] + [prefixes[1] + n for n in projector.state_dict()]
+    state = transformers_tensors(header, dtype, names)
+    for module, prefix in zip((vision, projector), prefixes, strict=True):
+        module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)},
+                               strict=True, assign=True)
+    return vision.eval(), projector.eval()
+
+
 def vision_tower(mmproj: Path, vision_config, dtype: torch.dtype) -> torch.nn.Module:
     """transformers' Qwen2.5-VL or Qwen3-VL vision tower (patch embedding, vision blocks, patch merger; Qwen3-VL's
     learned positions and deepstack mergers) holding the mmproj's tensors in ``dtype``; ValueError naming a tensor
@@ -426,6 +489,8 @@ def transformers_tensors(header: GGUFHeader, dtype: torch.dtype, names: list[str
             state[name] = take(qwen3)
         elif name == "multi_modal_projector.mm_input_projection_weight":   # Gemma 3's, a bare parameter
             state[name] = take(f"{name_map.get_name('multi_modal_projector.mm_input_projection')}.weight")
+        elif projector.model_type == "llama4" and name in _LLAMA4_TENSORS:   # bare parameters, a one-layer projector
+            state[name] = take(_LLAMA4_TENSORS[name])
         elif (mapped := name_map.get_name(base)) is not None:
             state[name] = take(f"{mapped}.{suffix}")
             if name == "multi_modal_projector.mm_soft_emb_norm.weight":
@@ -442,6 +507,13 @@ def transformers_tensors(header: GGUFHeader, dtype: torch.dtype, names: list[str
         raise ValueError(f"{header.path.name}: tensors {', '.join(unused[:4])} have no place in the "
                          f"{projector.family} vision tower built from its metadata")
     return state
+
+
+# Llama 4's tensors the name map does not give by module and suffix: its class token and position table (bare
+# parameters; the converter names the latter ``.weight``), its projector's single layer ``linear_1`` (``mm.model.fc``)
+_LLAMA4_TENSORS = {"vision_model.class_embedding": "v.class_embd",
+                   "vision_model.positional_embedding_vlm": "v.position_embd.weight",
+                   "multi_modal_projector.linear_1.weight": "mm.model.fc.weight"}
 
 
 def _qwen3_vl_merger_tensor(name: str, deepstack: list[int]) -> str | None:
@@ -490,6 +562,8 @@ def image_processor(model: Path, mmproj: Path):
         return _gemma3_image_processor(model, mmproj, meta)
     if projector.model_type == "mistral3":
         return _pixtral_image_processor(model, meta)
+    if projector.model_type == "llama4":
+        return _llama4_image_processor(model, meta)
     from transformers import Qwen2VLImageProcessorPil
 
     from lmport.multimodal.processor import ImageProcessor
@@ -561,10 +635,22 @@ def _pixtral_image_processor(model: Path, meta: dict):
                                  meta.get("clip.vision.spatial_merge_size", 1))
 
 
+def _llama4_image_processor(model: Path, meta: dict):
+    """Llama 4's: its tiles of ``image_size`` (at most ``LLAMA4_MAX_TILES`` and a global view) and the token
+    layout of transformers' ``Llama4Processor``, with the text GGUF's image tokens (lmport.multimodal.llama4)."""
+    from lmport.multimodal.llama4 import TOKEN_DEFAULTS, Llama4ImageProcessor
+    size = meta["clip.vision.image_size"]
+    settings = {"size": {"height": size, "width": size}, "max_patches": LLAMA4_MAX_TILES,
+                "image_mean": list(meta["clip.vision.image_mean"]), "image_std": list(meta["clip.vision.image_std"])}
+    return Llama4ImageProcessor(settings, placeholder_ids(model, TOKEN_DEFAULTS), meta["clip.vision.patch_size"],
+                                1.0 / meta.get("clip.vision.projector.scale_factor", _LLAMA4_SHUFFLE))
+
+
 def largest_image_patches(mmproj: Path) -> int:
     """Patches of the largest image the pair's processor makes (the memory plan's encoder reserve): Qwen's pixel
     limit (``image_max_pixels``, else llama.cpp's 4096 tokens), Gemma 3's and Pixtral's ``image_size`` square,
-    Idefics3's tiles of its ``preproc_image_size`` and the global image."""
+    Idefics3's tiles of its ``preproc_image_size`` and the global image; Llama 4's one tile and its class token
+    (each tile is encoded as an image of its own)."""
     meta = read_mmproj(mmproj).metadata
     kind = projector_of(read_mmproj(mmproj)).model_type
     patch, size = meta["clip.vision.patch_size"], meta["clip.vision.image_size"]
@@ -575,4 +661,6 @@ def largest_image_patches(mmproj: Path) -> int:
     if kind == "idefics3":
         side = -(-meta.get("clip.vision.preproc_image_size", size) // size)
         return (side * side + 1) * (size // patch) ** 2
+    if kind == "llama4":
+        return (size // patch) ** 2 + 1
     return (size // patch) ** 2

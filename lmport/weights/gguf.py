@@ -37,10 +37,12 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 # GGUF architectures lmport runs -> what they hold (llama.cpp writes Mistral and Mixtral as "llama").
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama, Mistral, Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3moe": "Qwen3-MoE",
-    "gemma2": "Gemma 2", "gemma3": "Gemma 3 (text)", "phi3": "Phi-3", "smollm3": "SmolLM3",
+    "gemma2": "Gemma 2", "phi3": "Phi-3", "smollm3": "SmolLM3",
     "glm4moe": "GLM-4.5", "deepseek2": "DeepSeek-V3", "qwen3next": "Qwen3-Next", "gpt-oss": "gpt-oss",
-    "qwen35": "Qwen3.5 (text)", "qwen35moe": "Qwen3.5-MoE (text)", "llama4": "Llama 4 (text)",
-    "qwen2vl": "Qwen2.5-VL (text; its images with an mmproj file, lmport.multimodal.mmproj)",
+    "qwen35": "Qwen3.5 (text)", "qwen35moe": "Qwen3.5-MoE (text)",
+    "gemma3": "Gemma 3 (text; its images with an mmproj file, lmport.multimodal.mmproj)",
+    "llama4": "Llama 4 (text; its images with an mmproj file)",
+    "qwen2vl": "Qwen2.5-VL (text; its images with an mmproj file)",
     "qwen3vl": "Qwen3-VL (text; its images with an mmproj file)",
     "mistral3": "Mistral 3 (text; its images with an mmproj file)",
 }

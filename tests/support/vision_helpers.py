@@ -643,7 +643,11 @@ def tiny_llama4_tokenizer():
 
 class Llama4ProcessorFiles:
     """``preprocessor_config.json`` and ``processor_config.json`` as transformers writes them for a Llama 4
-    checkpoint (its image processor needs torchvision, so it is not built here to save them)."""
+    checkpoint (its image processor needs torchvision, so it is not built here to save them); ``max_tiles``: the
+    image processor's ``max_patches``."""
+
+    def __init__(self, max_tiles: int = LLAMA4_MAX_TILES):
+        self.max_tiles = max_tiles
 
     def save_pretrained(self, target) -> None:
         import json
@@ -651,7 +655,7 @@ class Llama4ProcessorFiles:
         target = Path(target)
         target.mkdir(parents=True, exist_ok=True)
         images = {"image_processor_type": "Llama4ImageProcessor", "processor_class": "Llama4Processor",
-                  "size": {"height": LLAMA4_TILE, "width": LLAMA4_TILE}, "max_patches": LLAMA4_MAX_TILES,
+                  "size": {"height": LLAMA4_TILE, "width": LLAMA4_TILE}, "max_patches": self.max_tiles,
                   "resize_to_max_canvas": False, "resample": 2, "do_resize": True, "do_rescale": True,
                   "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
                   "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
@@ -667,20 +671,41 @@ def tiny_llama4_dir() -> str:
     pixel-shuffle adapter, the projector, a 2-layer Llama 4 text model: a rope layer attending in chunks of 32 with
     L2 q/k norms, a NoPE layer with temperature tuning and 4 experts, top 1, beside a shared expert) and its
     processor's files."""
+    return _tiny_llama4("tiny-llama4-vision-v1", text_layers=2, vision_layers=2, max_tiles=LLAMA4_MAX_TILES,
+                        text_fields=dict(no_rope_layer_interval=2, attention_chunk_size=32, floor_scale=8))
+
+
+# llama.cpp's image processor for Llama 4 (the mmproj does not store one), and transformers' Llama4ImageProcessor's
+# default: at most 16 tiles an image.
+LLAMA4_LLAMA_CPP_MAX_TILES = 16
+
+
+@functools.cache
+def tiny_llama4_llama_cpp_dir() -> str:
+    """A random-weight Llama 4 that llama.cpp's converter and runtime read as transformers does: 3 vision layers (the
+    converter maps the pixel-shuffle adapter's ``fc1`` and ``fc2`` by block index, so the tower needs 3 blocks or
+    more), 4 text layers with what a llama4 GGUF cannot say and llama.cpp assumes of every Llama 4 (chunks of 8192,
+    every 4th layer NoPE, the temperature's floor 8192), images of up to 16 tiles (the image processor's default:
+    the mmproj stores no limit)."""
+    return _tiny_llama4("tiny-llama4-llama-cpp-v1", text_layers=4, vision_layers=3,
+                        max_tiles=LLAMA4_LLAMA_CPP_MAX_TILES,
+                        text_fields=dict(no_rope_layer_interval=4, attention_chunk_size=8192, floor_scale=8192))
+
+
+def _tiny_llama4(name: str, text_layers: int, vision_layers: int, max_tiles: int, text_fields: dict) -> str:
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
     from lmport.models.loader import cache_root
-    target = cache_root() / "test-models" / "tiny-llama4-vision-v1"
+    target = cache_root() / "test-models" / name
     if not (target / "config.json").exists():
         tokenizer = tiny_llama4_tokenizer()
         token = tokenizer.convert_tokens_to_ids
         text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_hidden_layers=text_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     max_position_embeddings=4096, rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=1,
-                    interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=32, floor_scale=8,
-                    attn_scale=0.1, use_qk_norm=True, initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=2, pad_token_id=0)
-        vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                    interleave_moe_layer_step=2, attn_scale=0.1, use_qk_norm=True, initializer_range=0.2,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=2, pad_token_id=0, **text_fields)
+        vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=vision_layers, num_attention_heads=2,
                       image_size=LLAMA4_TILE, patch_size=LLAMA4_PATCH, pixel_shuffle_ratio=0.5,
                       projector_input_dim=32, projector_output_dim=32, vision_output_dim=32,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -690,7 +715,7 @@ def tiny_llama4_dir() -> str:
         torch.manual_seed(1234)
         model = Llama4ForConditionalGeneration(config).to(torch.float32)
         model.generation_config.eos_token_id = 2
-        save_once(target, model, tokenizer, Llama4ProcessorFiles())
+        save_once(target, model, tokenizer, Llama4ProcessorFiles(max_tiles))
     return str(target)
 
 
