@@ -180,3 +180,18 @@ def test_device_memory_must_be_a_size(text):
 def test_an_absent_device_needs_device_memory():
     with pytest.raises(ConfigError, match=r"device 'cuda' is not available here .* --device-memory 24GiB"):
         plan.build_plan(tiny(), EngineConfig(device_type="cuda"))
+
+
+def test_tp_advice_follows_the_checkpoint_not_only_the_config():
+    """A GGUF's weights decide which tp splits it: the tiny Qwen3-MoE's config splits over 2 and 4 ranks, but its
+    quantized experts' down projection (768 inputs in 256-value K-quant blocks) splits into whole blocks over 3 only,
+    which its heads refuse; so the advice proposes no tp and says why (the config alone would propose tp=2). The
+    same model from its transformers directory is advised tp=2."""
+    from support.tiny_hf_models import gguf_file, tiny_model_dir as gguf_source_dir
+    config = EngineConfig(device_type="cpu", cache_max_entry_count=0.001, session_len=2048)
+    gguf = plan.build_plan(str(gguf_file("qwen3-moe")), config, device_memory=1 << 30)["error"]
+    advice = next(line for line in steps(gguf) if line.startswith("5. "))
+    assert advice.startswith("5. tp: no tp above 1 splits this checkpoint (tp=2: ")
+    assert "whole number of blocks" in advice
+    directory = plan.build_plan(gguf_source_dir("qwen3-moe"), config, device_memory=1 << 30)["error"]
+    assert next(line for line in steps(directory) if line.startswith("5. ")).startswith("5. tp=2 (2 devices")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -152,7 +153,6 @@ def largest_image_patches(model_cfg, config: EngineConfig) -> int | None:
         return None
     patch = vision.patch_size
     if config.mmproj is not None:
-        from pathlib import Path
 
         from lmport.multimodal.mmproj import largest_image_patches as mmproj_patches
         return mmproj_patches(Path(config.mmproj).expanduser())
@@ -227,7 +227,6 @@ def vision_weight_bytes(path, config: EngineConfig) -> int:
     or a transformers directory's vision tensors (``visual.``, ``vision_tower.``, ``vision_model.``,
     ``multi_modal_projector.``, ``connector.``), counted from the checkpoint's headers."""
     import re
-    from pathlib import Path
     itemsize = torch_dtype(config.dtype).itemsize
     if config.mmproj is not None:
         from lmport.multimodal.mmproj import read_mmproj
@@ -267,6 +266,8 @@ class MemoryInputs:
     # A speculative draft model's cache mirrors the target's blocks (lmport.speculative.draft): each block
     # costs these bytes more, so the usable memory is split between the two in proportion to their blocks.
     draft_bytes_per_block: int = 0
+    # The model's files, for the advice: a GGUF's quantized weights decide which tp splits it, beside its config.
+    checkpoint: Path | None = None
 
     @property
     def layout(self) -> KVLayout:

@@ -73,12 +73,15 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
         at = f" at cache_max_entry_count={base.config.cache_max_entry_count}" if base is not inp else ""
         lines.append(f"4. session_len: lower it to <= {blocks * bs:,} (what {blocks:,} blocks hold{at}"
                      f"{', with step 1' if too_big else ''})")
-    bigger = [n for n in tp_choices(inp.model_config) if n > c.tp]
+    splits = [n for n in tp_choices(inp.model_config) if n > c.tp]   # by the config; the checkpoint may refuse
+    bigger = [n for n in splits if _checkpoint_refuses(inp, n) is None]
     if bigger:
         alt = base.changed(tp=bigger[0])
         lines.append(f"5. tp={bigger[0]} ({bigger[0]} devices like this one): each holds {fmt_bytes(alt.weight_bytes)} "
                      f"of weights and {alt.layout.num_kv_heads} of {inp.model_config.num_key_value_heads} KV heads: "
                      f"{_room_text(alt)}")
+    elif splits:   # the config splits, the checkpoint's weights do not
+        lines.append(f"5. tp: no tp above {c.tp} splits this checkpoint ({_checkpoint_refuses(inp, splits[0])})")
     elif c.tp < inp.model_config.num_attention_heads:   # a larger tp exists but cannot split this model
         lines.append(f"5. tp: no tp above {c.tp} splits this model (tp={c.tp + 1}: "
                      f"{tp_problem(inp.model_config, c.tp + 1)})")
@@ -86,6 +89,21 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
         lines.append(f"5. tp={c.tp} already splits all {inp.model_config.num_key_value_heads} KV heads")
     lines.append("6. weights: " + _step_weights(base))
     return "\n".join(lines)
+
+
+def _checkpoint_refuses(inp: MemoryInputs, tp: int) -> str | None:
+    """Why the checkpoint's weights cannot be split over ``tp`` ranks although its config can (a GGUF's quantized
+    weights, or its experts' blocks: lmport.weights.checkpoint.check_tensor_parallel); None when they can, or the
+    checkpoint is not known."""
+    from lmport.errors import ConfigError
+    from lmport.weights.checkpoint import check_tensor_parallel
+    if inp.checkpoint is None:
+        return None
+    try:
+        check_tensor_parallel(inp.checkpoint, tp, inp.config.weight_format)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def _bits(quant_policy: int | str) -> int:

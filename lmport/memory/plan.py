@@ -89,7 +89,8 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     rank_inputs = [MemoryInputs(model_cfg, resolved, caps, w + vision_bytes + adapter_bytes + draft_weights,
                                 max(0, device_memory - w - vision_bytes - adapter_bytes - draft_weights),
                                 activation_reserve(model_cfg, resolved), reserve_measured=False,
-                                draft_bytes_per_block=draft["bytes_per_block"] if draft else 0) for w in rank_bytes]
+                                draft_bytes_per_block=draft["bytes_per_block"] if draft else 0, checkpoint=path)
+                   for w in rank_bytes]
     inputs = rank_inputs[rank_bytes.index(weight_bytes)]   # the rank with the least room decides
 
     report = {

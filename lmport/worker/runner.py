@@ -19,7 +19,7 @@ from lmport.platform.backend import Backend, DecodeGraphs
 from lmport.config import EngineConfig
 from lmport.dtypes import torch_dtype
 from lmport.models.architectures import recurrent_state
-from lmport.models.loader import load_model
+from lmport.models.loader import load_model, resolve_model_path
 from lmport.models.lora import LoraLayers
 from lmport.ops import build_attention_metadata, build_lora_batch, host_tensor
 from lmport.kv import host_tier
@@ -53,7 +53,7 @@ class ModelRunner:
     """One rank's part of the model. At tp=1 it lives in the engine's process and is called directly."""
 
     def __init__(self, model: str, config: EngineConfig, backend: Backend, tp: TPGroup | None = None):
-        self.config, self.backend = config, backend
+        self.config, self.backend, self.model_name = config, backend, model
         self.tp = tp or TPGroup()
         self.dtype = torch_dtype(config.dtype)
         self.loaded = load_model(model, backend, self.dtype, self.tp, config.weight_format, config.mmproj)
@@ -79,7 +79,7 @@ class ModelRunner:
         self.memory_inputs = memory.MemoryInputs(
             self.model_config, self.config, self.backend.capabilities, self.loaded.weight_bytes + self.lora_bytes, free,
             measured if measured is not None else memory.activation_reserve(self.model_config, self.config),
-            measured is not None, memory.draft_bytes_per_block(self.config))
+            measured is not None, memory.draft_bytes_per_block(self.config), resolve_model_path(self.model_name))
         self.plan = memory.plan_cache(self.memory_inputs)
         return self.plan.num_blocks
 
