@@ -531,34 +531,7 @@ def tiny_gemma3_dir() -> str:
     """A directory with a random-weight Gemma 3 (a 2-layer SigLIP tower, the pooling projector, a 2-layer Gemma 3
     text model: one sliding layer, one global) and its processor. The projection and the norms, which transformers
     initializes to zeros (an image would then read as zeros), are drawn at random too."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    from lmport.models.loader import cache_root
-    target = cache_root() / "test-models" / "tiny-gemma3-vision-v1"
-    if not (target / "config.json").exists():
-        processor = tiny_gemma3_processor()
-        tokenizer = processor.tokenizer
-        text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                    max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=GEMMA3_WINDOW,
-                    layer_types=["sliding_attention", "full_attention"], bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=2, pad_token_id=0)
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, vision_use_head=False)
-        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
-                              boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
-                              image_token_index=tokenizer.image_token_id)
-        torch.manual_seed(1234)
-        model = Gemma3ForConditionalGeneration(config).to(torch.float32)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("mm_input_projection_weight"):
-                    p.normal_(0.0, 0.3)
-                elif "norm" in name and "vision_tower" not in name:
-                    p.normal_(0.0, 0.3)
-        model.generation_config.eos_token_id = 2
-        save_once(target, model, processor)
-    return str(target)
+    return _tiny_gemma3("tiny-gemma3-vision-v1", ["sliding_attention", "full_attention"], seed=1234)
 
 
 class RenamedTensors:
@@ -585,33 +558,41 @@ def tiny_gemma3_llama_cpp_dir() -> str:
     query_pre_attn_scalar the head size (llama.cpp's scale), the projection's values whole float16 ones (the
     converter stores it F16 whatever the outtype), and the vision tower's tensors under the released checkpoints'
     names (``vision_tower.vision_model.``: the converter's map; transformers loads both)."""
+    return _tiny_gemma3("tiny-gemma3-llama-cpp-v1", ["sliding_attention"] * 5 + ["full_attention"], seed=4321,
+                        llama_cpp=True)
+
+
+def _tiny_gemma3(name: str, layer_types: list[str], seed: int, llama_cpp: bool = False) -> str:
+    """The tiny Gemma 3 with these text layers, saved once under ``name`` (``llama_cpp``: shaped for llama.cpp's
+    converter, as ``tiny_gemma3_llama_cpp_dir`` says)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from lmport.models.loader import cache_root
-    target = cache_root() / "test-models" / "tiny-gemma3-llama-cpp-v1"
+    target = cache_root() / "test-models" / name
     if not (target / "config.json").exists():
         processor = tiny_gemma3_processor()
         tokenizer = processor.tokenizer
-        text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                    max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=GEMMA3_WINDOW,
-                    layer_types=["sliding_attention"] * 5 + ["full_attention"], bos_token_id=tokenizer.bos_token_id,
+        text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    query_pre_attn_scalar=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                    sliding_window=GEMMA3_WINDOW, layer_types=layer_types, bos_token_id=tokenizer.bos_token_id,
                     eos_token_id=2, pad_token_id=0)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, vision_use_head=False)
         config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
                               boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
                               image_token_index=tokenizer.image_token_id)
-        torch.manual_seed(4321)
+        torch.manual_seed(seed)
         model = Gemma3ForConditionalGeneration(config).to(torch.float32)
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("mm_input_projection_weight") or ("norm" in name and "vision_tower" not in name):
+            for weight, p in model.named_parameters():
+                if weight.endswith("mm_input_projection_weight") or ("norm" in weight and "vision_tower" not in weight):
                     p.normal_(0.0, 0.3)
-                if name.endswith("mm_input_projection_weight"):
+                if llama_cpp and weight.endswith("mm_input_projection_weight"):
                     p.copy_(p.half().float())
         model.generation_config.eos_token_id = 2
-        save_once(target, model, processor, RenamedTensors({"vision_tower.": "vision_tower.vision_model."}))
+        renamed = [RenamedTensors({"vision_tower.": "vision_tower.vision_model."})] if llama_cpp else []
+        save_once(target, model, processor, *renamed)
     return str(target)
 
 
