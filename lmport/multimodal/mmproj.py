@@ -161,6 +161,15 @@ _TEXT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id")
 
 
+def _vit_sizes(meta: dict) -> dict:
+    """The tower's sizes a SigLIP-style (or Llama 4) mmproj states, under transformers' vision config names."""
+    return {"hidden_size": meta["clip.vision.embedding_length"],
+            "intermediate_size": meta["clip.vision.feed_forward_length"],
+            "num_hidden_layers": meta["clip.vision.block_count"],
+            "num_attention_heads": meta["clip.vision.attention.head_count"],
+            "image_size": meta["clip.vision.image_size"], "patch_size": meta["clip.vision.patch_size"]}
+
+
 def _idefics3_config(model: Path, header: GGUFHeader, text_cfg):
     """Idefics3's: its Llama text config (the text GGUF's), the SigLIP tower's from the mmproj, the connector's
     pixel shuffle (``projector.scale_factor``) and ``<image>``'s id."""
@@ -168,12 +177,7 @@ def _idefics3_config(model: Path, header: GGUFHeader, text_cfg):
     from transformers import Idefics3Config
     text = {k: getattr(text_cfg, k) for k in (*_TEXT_FIELDS, "rope_parameters", "head_dim", "attention_bias",
                                               "mlp_bias")}
-    vision = {"hidden_size": meta["clip.vision.embedding_length"],
-              "intermediate_size": meta["clip.vision.feed_forward_length"],
-              "num_hidden_layers": meta["clip.vision.block_count"],
-              "num_attention_heads": meta["clip.vision.attention.head_count"],
-              "image_size": meta["clip.vision.image_size"], "patch_size": meta["clip.vision.patch_size"],
-              "layer_norm_eps": meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)}
+    vision = _vit_sizes(meta) | {"layer_norm_eps": meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)}
     return Idefics3Config(text_config=text | {"model_type": "llama"}, vision_config=vision,
                           scale_factor=meta.get("clip.vision.projector.scale_factor", 2),
                           tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
@@ -263,12 +267,8 @@ def _gemma3_config(model: Path, header: GGUFHeader, text_cfg):
         text["query_pre_attn_scalar"] = text_cfg.head_dim
     size, patch = meta["clip.vision.image_size"], meta["clip.vision.patch_size"]
     pooling = meta.get("clip.vision.projector.scale_factor", _GEMMA3_POOLING)
-    vision = {"hidden_size": meta["clip.vision.embedding_length"],
-              "intermediate_size": meta["clip.vision.feed_forward_length"],
-              "num_hidden_layers": meta["clip.vision.block_count"],
-              "num_attention_heads": meta["clip.vision.attention.head_count"], "image_size": size,
-              "patch_size": patch, "layer_norm_eps": meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6),
-              "vision_use_head": False}
+    vision = _vit_sizes(meta) | {"layer_norm_eps": meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6),
+                                 "vision_use_head": False}
     return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=(size // patch // pooling) ** 2,
                         tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", True)),
                         **placeholder_ids(model, _GEMMA3_TOKENS))
@@ -308,18 +308,14 @@ def _llama4_config(model: Path, header: GGUFHeader, text_cfg):
                           f"projector); the file is not a complete mmproj of the model")
     text = {k: v for k, v in text_cfg.to_dict().items() if k not in ("model_type", "architectures", "dtype",
                                                                       "transformers_version")}
-    vision = {"hidden_size": meta["clip.vision.embedding_length"],
-              "intermediate_size": meta["clip.vision.feed_forward_length"],
-              "num_hidden_layers": meta["clip.vision.block_count"],
-              "num_attention_heads": meta["clip.vision.attention.head_count"],
-              "image_size": meta["clip.vision.image_size"], "patch_size": meta["clip.vision.patch_size"],
-              # stored as float32: the config's decimal back
-              "norm_eps": float(f"{meta.get('clip.vision.attention.layer_norm_epsilon', 1e-5):.7g}"),
-              "pixel_shuffle_ratio": 1.0 / meta.get("clip.vision.projector.scale_factor", _LLAMA4_SHUFFLE),
-              "projector_input_dim": shapes["mm.model.mlp.1.weight"][0],
-              "projector_output_dim": shapes["mm.model.mlp.2.weight"][0],
-              "vision_output_dim": shapes["mm.model.fc.weight"][1],
-              "rope_parameters": {"rope_type": "default", "rope_theta": _LLAMA4_ROPE_THETA}}
+    vision = _vit_sizes(meta) | {
+        # stored as float32: the config's decimal back
+        "norm_eps": float(f"{meta.get('clip.vision.attention.layer_norm_epsilon', 1e-5):.7g}"),
+        "pixel_shuffle_ratio": 1.0 / meta.get("clip.vision.projector.scale_factor", _LLAMA4_SHUFFLE),
+        "projector_input_dim": shapes["mm.model.mlp.1.weight"][0],
+        "projector_output_dim": shapes["mm.model.mlp.2.weight"][0],
+        "vision_output_dim": shapes["mm.model.fc.weight"][1],
+        "rope_parameters": {"rope_type": "default", "rope_theta": _LLAMA4_ROPE_THETA}}
     return Llama4Config(text_config=text, vision_config=vision,
                         tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
                         **placeholder_ids(model, _LLAMA4_TOKENS))
