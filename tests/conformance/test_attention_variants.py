@@ -8,9 +8,12 @@ q, k and v held dense, for a prefill over history, a decode batch and a mixed ba
 batches with block sizes 16 and 64, chunks of 8 and 40 tokens (ending inside blocks), sinks alone and with a
 sliding window, float32 (cuda's Triton kernels under the interpreter here). A backend that declares neither
 variant is checked to be refused such a model (lmport.platform.resolution.check_model); a backend that hands the variant
-to the reference op (cpu) is skipped as not applicable. Slow-marked: the tiny gpt-oss and Llama 4 models
-(tests/support/tiny_float_models.py) on each backend that declares their variant, greedy tokens equal to
-transformers'.
+to the reference op is skipped as not applicable. The cpu backend's compiled kernel over every cache form it reads
+(float32, float16, 8- and 4-bit codes with the step's own rows as computed), head dims 32 and 64 with GQA groups 2
+and 4 (its AVX-512 path takes three query heads at a time at 64: 4 leaves one over), one thread and four (a decode
+token's keys then split into parts merged by their softmax statistics, some parts empty). Slow-marked: the tiny
+gpt-oss and Llama 4 models (tests/support/tiny_float_models.py) on each backend that declares their variant, greedy
+tokens equal to transformers'.
 """
 from __future__ import annotations
 
@@ -36,19 +39,22 @@ VARIANTS = {   # name: (window, chunk, sinks)
     "chunk40": (None, 40, False), "chunk40-sinks": (None, 40, True)}
 
 
-def _case(device, block_size, q_lens, kv_lens, seed=0):
-    """A paged cache holding each sequence's K and V, its metadata, q, and the dense K and V of each sequence."""
+def _case(device, block_size, q_lens, kv_lens, seed=0, head_dim=HEAD_DIM, group=GROUP, cache_dtype=torch.float32,
+          policy=0):
+    """A paged cache (``cache_dtype`` values, or ``policy``'s codes) holding each sequence's K and V, its metadata,
+    q, and the dense K and V of each sequence."""
     gen = torch.Generator().manual_seed(seed)
     counts = [-(-n // block_size) for n in kv_lens]
     ids = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
     tables = [ids[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
-    cache = KVLayout(1, KV_HEADS, HEAD_DIM, block_size, torch.float32, 0, "bshd").allocate(sum(counts) + 1, device)[0]
-    k, v = (torch.randn(sum(kv_lens), KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    layout = KVLayout(1, KV_HEADS, head_dim, block_size, cache_dtype, policy, "bshd")
+    cache = layout.allocate(sum(counts) + 1, device)[0]
+    k, v = (torch.randn(sum(kv_lens), KV_HEADS, head_dim, generator=gen) for _ in range(2))
     history = ops.build_attention_metadata(kv_lens, kv_lens, tables, block_size, device)
     ops.fill_kv_cache(k.to(device), v.to(device), cache, history.slot_mapping)
     meta = ops.build_attention_metadata(q_lens, kv_lens, tables, block_size, device)
-    q = torch.randn(sum(q_lens), KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(device)
-    sinks = torch.randn(KV_HEADS * GROUP, generator=gen) * 2
+    q = torch.randn(sum(q_lens), KV_HEADS * group, head_dim, generator=gen).to(device)
+    sinks = torch.randn(KV_HEADS * group, generator=gen) * 2
     return cache, meta, q, sinks, k.split(kv_lens), v.split(kv_lens)
 
 
@@ -145,6 +151,37 @@ def test_backend_matches_reference(backend_name, batch, block_size, variant, rec
         cache, k=cache.k.transpose(1, 2), v=cache.v.transpose(1, 2), axis_order="bshd")
     ref = ops.paged_attention(q, bshd, layer, HEAD_DIM ** -0.5)
     torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
+
+
+CPU_CACHES = {"float32": (torch.float32, 0), "float16": (torch.float16, 0), "int8": (torch.float32, 8),
+              "int4": (torch.float32, 4)}
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("head_dim,group", [(32, 2), (64, 4)])
+@pytest.mark.parametrize("cache_form", list(CPU_CACHES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_cpu_kernel_matches_reference(batch, variant, cache_form, head_dim, group, threads):
+    """The cpu backend keeps sinks and chunks on its compiled kernel, over every cache form it reads."""
+    from lmport.backends.cpu import CpuBackend, kernels
+    assert kernels.load() is not None, "the cpu kernels failed to build; see the warning logged by kernels.load"
+    q_lens, kv_lens = BATCHES[batch]
+    cache_dtype, policy = CPU_CACHES[cache_form]
+    cache, meta, q, sinks, ks, vs = _case("cpu", 16, q_lens, kv_lens, head_dim=head_dim, group=group,
+                                          cache_dtype=cache_dtype, policy=policy)
+    layer = _layer(meta, variant, sinks, "cpu")
+    # The step's own K and V as computed (the last q_len rows of each sequence): over codes they replace theirs.
+    new_kv = tuple(torch.cat([x[len(x) - n:] for x, n in zip(xs, q_lens, strict=True)]) for xs in (ks, vs))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = own_result(CpuBackend(), "paged_attention", q, cache, layer, head_dim ** -0.5, new_kv)
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None, "the cpu backend handed the step to the reference op"
+    torch.testing.assert_close(out, ops.paged_attention(q, cache, layer, head_dim ** -0.5, new_kv),
+                               atol=3e-5, rtol=3e-5)
 
 
 @pytest.mark.parametrize("variant", ["sinks", "chunked", "bidirectional"])

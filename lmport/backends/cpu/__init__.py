@@ -203,19 +203,19 @@ class CpuBackend(Backend):
                         softmax_scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # The kernel covers the caches kernels.cache_takes names (in this backend's bshd order), head dims as
         # attention_takes says.
-        # Sinks, chunks and bidirectional spans run on the reference op (the compiled kernel has none of them).
-        fits = kernels.attention_takes(q.shape[-1]) and kernels.cache_takes(cache) and \
-            meta.sinks is None and meta.chunk is None and meta.bidirectional is None
+        # Windows, soft caps, sinks and chunks run on it; bidirectional spans on the reference op.
+        fits = kernels.attention_takes(q.shape[-1]) and kernels.cache_takes(cache) and meta.bidirectional is None
         compiled = _compiled_for(q) if fits else None
         if compiled is None:
             return super().paged_attention(q, cache, meta, softmax_scale, new_kv)
         step = (meta.block_tables, meta.q_start_loc, meta.kv_lens, softmax_scale, meta.window or 0, meta.softcap or 0.0)
+        variants = {"sinks": meta.sinks, "chunk": meta.chunk or 0}
         if cache.quant_policy == 0:
-            return compiled.paged_attention(q.contiguous(), cache.k, cache.v, *step)
+            return compiled.paged_attention(q.contiguous(), cache.k, cache.v, *step, **variants)
         # The step's own tokens attend to their K and V as computed, not to their codes (lmport.ops.attention).
         k_new, v_new = (None, None) if new_kv is None else (t.float() for t in new_kv)
         return compiled.paged_attention_codes(q.contiguous(), cache.k, cache.v, cache.k_qparams, cache.v_qparams,
-                                              cache.quant_policy, *step, k_new=k_new, v_new=v_new)
+                                              cache.quant_policy, *step, k_new=k_new, v_new=v_new, **variants)
 
 
 # Up to this many (token, expert) pairs the cpu MoE gathers each pair's expert weights and runs one

@@ -31,17 +31,26 @@ StepMetadata step_metadata(const torch::Tensor& block_tables, const torch::Tenso
 
 namespace {
 
-// q [T, Hq, D] over ``pool``; the metadata as step_metadata takes it.
+// q [T, Hq, D] over ``pool``; the metadata as step_metadata takes it; sinks [Hq] (any float dtype) or None.
 torch::Tensor attention_over(const torch::Tensor& q, const kernels::AttentionPool& pool,
                              const torch::Tensor& block_tables, const torch::Tensor& q_start_loc,
-                             const torch::Tensor& kv_lens, double scale, int64_t window, double softcap) {
+                             const torch::Tensor& kv_lens, double scale, int64_t window, double softcap,
+                             const c10::optional<torch::Tensor>& sinks, int64_t chunk) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 8 == 0 && D <= kernels::kMaxHeadDim && Hq % pool.kv_heads == 0,
               "paged_attention needs head_dim % 8 == 0, head_dim <= 256 and whole GQA groups");
+  TORCH_CHECK(window >= 0 && chunk >= 0, "paged_attention: window and chunk are >= 0 (0: none); got ", window,
+              " and ", chunk);
+  torch::Tensor head_sinks;
+  if (sinks.has_value()) {
+    head_sinks = sinks->to(torch::kFloat).contiguous();
+    TORCH_CHECK(head_sinks.numel() == Hq, "paged_attention: sinks are one logit a query head (", Hq, "); got ",
+                sinks->sizes());
+  }
   const StepMetadata meta = step_metadata(block_tables, q_start_loc, kv_lens, T);
   auto out = torch::empty_like(q);
-  kernels::paged_attention(q.data_ptr<float>(), T, Hq, D, pool, meta.view(), scale, window, softcap,
-                           out.data_ptr<float>());
+  kernels::paged_attention(q.data_ptr<float>(), T, Hq, D, pool, meta.view(), scale, window, chunk, softcap,
+                           head_sinks.defined() ? head_sinks.data_ptr<float>() : nullptr, out.data_ptr<float>());
   return out;
 }
 
@@ -312,7 +321,8 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Te
 // Over a pool of values: k_cache, v_cache [blocks, block_size, Hkv, D], float32 or float16 alike.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor q_start_loc,
-                              torch::Tensor kv_lens, double scale, int64_t window, double softcap) {
+                              torch::Tensor kv_lens, double scale, int64_t window, double softcap,
+                              c10::optional<torch::Tensor> sinks, int64_t chunk) {
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat && (dtype == torch::kFloat || dtype == torch::kHalf) &&
               v_cache.scalar_type() == dtype, "paged_attention takes float32 q and float32 or float16 caches alike");
@@ -325,7 +335,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2);
   return attention_over(q, {k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, bs, kv_heads,
                             dtype == torch::kHalf ? 16 : 32},
-                        block_tables, q_start_loc, kv_lens, scale, window, softcap);
+                        block_tables, q_start_loc, kv_lens, scale, window, softcap, sinks, chunk);
 }
 
 // Over a pool of 8- or 4-bit codes: k_cache, v_cache [blocks, block_size, Hkv, D * bits / 8] uint8, their
@@ -337,7 +347,8 @@ torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torc
                                     torch::Tensor block_tables, torch::Tensor q_start_loc,
                                     torch::Tensor kv_lens, double scale, int64_t window, double softcap,
                                     c10::optional<torch::Tensor> k_new,
-                                    c10::optional<torch::Tensor> v_new) {
+                                    c10::optional<torch::Tensor> v_new, c10::optional<torch::Tensor> sinks,
+                                    int64_t chunk) {
   TORCH_CHECK(bits == 8 || bits == 4, "paged_attention_codes takes 8- or 4-bit codes, got ", bits);
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kByte &&
               v_cache.scalar_type() == torch::kByte && k_params.scalar_type() == torch::kFloat &&
@@ -366,7 +377,7 @@ torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torc
   const float* vp = vn.defined() ? vn.data_ptr<float>() : nullptr;
   return attention_over(q, {k_cache.data_ptr(), v_cache.data_ptr(), k_params.data_ptr<float>(),
                             v_params.data_ptr<float>(), bs, kv_heads, static_cast<int>(bits), kp, vp},
-                        block_tables, q_start_loc, kv_lens, scale, window, softcap);
+                        block_tables, q_start_loc, kv_lens, scale, window, softcap, sinks, chunk);
 }
 
 }  // namespace lmport
@@ -374,12 +385,14 @@ torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &lmport::paged_attention, "paged attention over a float32 or float16 block pool",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_start_loc"),
-        py::arg("kv_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("kv_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none(), py::arg("chunk") = 0);
   m.def("paged_attention_codes", &lmport::paged_attention_codes,
         "paged attention over a block pool of 8- or 4-bit codes with a float32 scale and zero per row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_params"), py::arg("v_params"),
         py::arg("bits"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_new") = py::none(), py::arg("v_new") = py::none());
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
+        py::arg("sinks") = py::none(), py::arg("chunk") = 0);
   m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 or float16 bshd block pool",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("fill_kv_cache_codes", &lmport::fill_kv_cache_codes,

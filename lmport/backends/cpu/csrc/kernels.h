@@ -69,9 +69,11 @@ struct StepTables {
   const int32_t* lens;
   int64_t sequences, width;
 };
-// out [T, Hq, D] = attention of q [T, Hq, D] over the pool (D % 8 == 0, D <= 256, whole GQA groups).
+// out [T, Hq, D] = attention of q [T, Hq, D] over the pool (D % 8 == 0, D <= 256, whole GQA groups); window,
+// chunk: 0 for none; sinks: [Hq] logits joining each softmax's denominator, or null.
 void paged_attention(const float* q, int64_t T, int64_t Hq, int64_t D, const AttentionPool& pool,
-                     const StepTables& step, double scale, int64_t window, double softcap, float* out);
+                     const StepTables& step, double scale, int64_t window, int64_t chunk, double softcap,
+                     const float* sinks, float* out);
 constexpr int64_t kMaxHeadDim = 256;
 
 // ---- kv_fill.cpp ----

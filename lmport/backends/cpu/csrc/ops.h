@@ -26,13 +26,15 @@ torch::Tensor ggml_dequantize(torch::Tensor blocks, const std::string& type, int
                               c10::optional<torch::Tensor> rows = c10::nullopt);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor q_start_loc, torch::Tensor kv_lens,
-                              double scale, int64_t window, double softcap);
+                              double scale, int64_t window, double softcap,
+                              c10::optional<torch::Tensor> sinks = c10::nullopt, int64_t chunk = 0);
 torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                     torch::Tensor k_params, torch::Tensor v_params, int64_t bits,
                                     torch::Tensor block_tables, torch::Tensor q_start_loc, torch::Tensor kv_lens,
                                     double scale, int64_t window, double softcap,
                                     c10::optional<torch::Tensor> k_new = c10::nullopt,
-                                    c10::optional<torch::Tensor> v_new = c10::nullopt);
+                                    c10::optional<torch::Tensor> v_new = c10::nullopt,
+                                    c10::optional<torch::Tensor> sinks = c10::nullopt, int64_t chunk = 0);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 void fill_kv_cache_codes(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,

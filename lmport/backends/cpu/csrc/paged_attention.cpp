@@ -11,21 +11,23 @@ namespace {
 
 template <int kBits>
 void attention_over(const float* qp, int64_t T, int64_t Hq, int64_t D, const Pool<kBits>& pool, const StepTables& step,
-                    double scale, int64_t window, double softcap, float* op) {
+                    double scale, int64_t window, int64_t chunk, double softcap, const float* sinks, float* op) {
   AttentionWork work(step.tables, step.starts, step.lens, step.sequences, step.width, T, Hq, D, at::get_num_threads());
   at::parallel_for(0, work.workers, 1, [&](int64_t first_worker, int64_t last_worker) {
     Scratch scratch;
     for (int64_t w = first_worker; w < last_worker; ++w)
-      attend_items(work, w, qp, Hq * D, pool, op, scale, window, softcap, scratch);
+      attend_items(work, w, qp, Hq * D, pool, op, scale, window, softcap, scratch, chunk, sinks);
   });
-  merge_parts(work, op);
+  merge_parts(work, op, sinks);
 }
 
 }  // namespace
 
 void paged_attention(const float* q, int64_t T, int64_t Hq, int64_t D, const AttentionPool& p, const StepTables& step,
-                     double scale, int64_t window, double softcap, float* out) {
-  const auto over = [&](auto pool) { attention_over(q, T, Hq, D, pool, step, scale, window, softcap, out); };
+                     double scale, int64_t window, int64_t chunk, double softcap, const float* sinks, float* out) {
+  const auto over = [&](auto pool) {
+    attention_over(q, T, Hq, D, pool, step, scale, window, chunk, softcap, sinks, out);
+  };
   switch (p.bits) {
     case 32: return over(Pool<32>{p.k, p.v, nullptr, nullptr, p.block_size, p.kv_heads, D});
     case 16: return over(Pool<16>{p.k, p.v, nullptr, nullptr, p.block_size, p.kv_heads, D});

@@ -128,13 +128,14 @@ inline void sum_values(const float* p, int64_t width, const int64_t* rows, int64
 // Query token with heads q[Hq, D] at position end - 1 of a sequence whose blocks are
 // ``blocks``, over the keys at positions [first, end) (at least one) of a pool of float32 or float16
 // values (kBits 32 or 16): out[Hq, D], and when ``stats`` is given each head's largest score and sum of
-// exp(score - largest) in stats[2h], stats[2h + 1], which merge attention over parts of the keys. kD is
+// exp(score - largest) in stats[2h], stats[2h + 1], which merge attention over parts of the keys. ``sinks``
+// (null: none): each head's logit that joins its softmax's denominator with no value (gpt-oss). kD is
 // the head dim when known at compile time (then the output accumulators live in registers), 0 to read it
 // from the pool.
 template <int64_t kD, int kBits>
 void attend_values(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
-                   int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch,
-                   Scratch& scratch) {
+                   int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, const float* sinks,
+                   bool prefetch, Scratch& scratch) {
   static_assert(kBits == 32 || kBits == 16, "values: float32 or float16");
   const int64_t D = kD ? kD : pool.head_dim, bs = pool.block_size, row = pool.kv_heads * pool.row_bytes();
   const int64_t n = end - first;  // visible keys; row j below is position first + j
@@ -195,15 +196,16 @@ void attend_values(const float* q, float* out, float* stats, const int32_t* bloc
     float* s = scores.data() + h * width;
     vec8 m8 = load(s);
     for (int64_t j = 8; j < width; j += 8) m8 = vmax(m8, load(s + j));
-    const float m = max(m8);
+    const float m = sinks ? std::max(max(m8), sinks[h]) : max(m8);
     vec8 total = {};
     for (int64_t j = 0; j < width; j += 8) {
       const vec8 e = exp8(load(s + j) - m);
       store(s + j, e);
       total += e;
     }
-    inv[h] = 1.f / sum(total);
-    if (stats) stats[2 * h] = m, stats[2 * h + 1] = sum(total);
+    const float denominator = sum(total) + (sinks ? std::exp(sinks[h] - m) : 0.f);
+    inv[h] = 1.f / denominator;
+    if (stats) stats[2 * h] = m, stats[2 * h + 1] = denominator;
   }
   for (int64_t h = 0, chunk; h < q_heads; h += chunk) {
     chunk = chunk_at(h);
@@ -221,10 +223,10 @@ void attend_values(const float* q, float* out, float* stats, const int32_t* bloc
 // from new_first on are the step's own tokens, rows new_row on of the pool's k_new and v_new.
 template <int64_t kD, int kBits>
 void attend(const float* q, float* out, float* stats, const int32_t* blocks, int64_t first, int64_t end,
-            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, bool prefetch, Scratch& scratch,
-            int64_t new_first, int64_t new_row) {
+            int64_t q_heads, const Pool<kBits>& pool, float scale, float softcap, const float* sinks, bool prefetch,
+            Scratch& scratch, int64_t new_first, int64_t new_row) {
   if constexpr (kBits == 32 || kBits == 16) {
-    attend_values<kD>(q, out, stats, blocks, first, end, q_heads, pool, scale, softcap, prefetch, scratch);
+    attend_values<kD>(q, out, stats, blocks, first, end, q_heads, pool, scale, softcap, sinks, prefetch, scratch);
   } else {
     // Codes: the visible rows dequantized once, (code - zero) * scale as the reference computes them, into
     // a float32 pool of one block that the float path then reads (each KV head's rows serve its whole
@@ -250,13 +252,14 @@ void attend(const float* q, float* out, float* stats, const int32_t* blocks, int
     }
     const Pool<32> flat{values, values + n * H * D, nullptr, nullptr, n, H, D};
     const int32_t only_block = 0;
-    attend_values<kD>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, false, scratch);
+    attend_values<kD>(q, out, stats, &only_block, 0, n, q_heads, flat, scale, softcap, sinks, false, scratch);
   }
 }
 
 // A step's attention work, from its metadata: block_tables [B, max_blocks]; q_start_loc [B + 1]; kv_lens [B].
 // Token t of sequence b sits at position kv_lens[b] - q_len + (t - q_start_loc[b]) and attends to positions
-// <= that; with a sliding window (window > 0) only to those > that - window.
+// <= that; with a sliding window (window > 0) only to those > that - window; with chunks (chunk > 0) only to
+// those in its own chunk, from (position / chunk) * chunk on (Llama 4's local layers).
 //
 // Work items are (token, part of its keys). A small step (a decode step of a few sequences, a verification
 // of a few proposed tokens) splits each token's keys into parts, attended apart and merged by their softmax
@@ -288,17 +291,20 @@ struct AttentionWork {
 
 // Worker ``worker``'s items of ``work``: query token t's heads at q + t * q_stride, its output at out + t * Hq * D
 // (where a token is one item; else the item's share, merged by merge_parts). softcap > 0: scores become
-// softcap * tanh(scores / softcap) before the softmax.
+// softcap * tanh(scores / softcap) before the softmax. chunk: 0 for none; sinks: [Hq] or null, as attend_values
+// takes them.
 template <int kBits>
 void attend_items(AttentionWork& work, int64_t worker, const float* q, int64_t q_stride, const Pool<kBits>& pool,
-                  float* out, double scale, int64_t window, double softcap, Scratch& scratch) {
+                  float* out, double scale, int64_t window, double softcap, Scratch& scratch, int64_t chunk = 0,
+                  const float* sinks = nullptr) {
   const int64_t Hq = work.Hq, D = work.D, parts = work.parts;
   const auto run = D == 64 ? attend<64, kBits> : D == 128 ? attend<128, kBits> : attend<0, kBits>;
   const int32_t *st = work.st, *kl = work.kl;
   for (int64_t i = worker; i < work.items; i += work.workers) {
     const int64_t t = i / parts, part = i % parts, b = work.seq_of[t];
     const int64_t end = kl[b] - (st[b + 1] - t) + 1;  // token t sits at position end - 1
-    const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    if (chunk > 0) first = std::max(first, (end - 1) / chunk * chunk);
     const int64_t lo = first + (end - first) * part / parts, hi = first + (end - first) * (part + 1) / parts;
     float* stats = parts > 1 ? work.part_stats.data() + i * Hq * 2 : nullptr;
     if (lo == hi) {  // more parts than keys: this one weighs nothing in the merge
@@ -307,26 +313,29 @@ void attend_items(AttentionWork& work, int64_t worker, const float* q, int64_t q
     }
     // A decode token reads its history cold; prefill tokens of one sequence share it in cache.
     const bool decode = st[b + 1] - st[b] == 1;
+    // Split into parts, a token's sinks join its softmax once, where merge_parts weighs the parts.
     run(q + t * q_stride, parts > 1 ? work.part_out.data() + i * Hq * D : out + t * Hq * D, stats,
-        work.tab + b * work.width, lo, hi, Hq, pool, static_cast<float>(scale), static_cast<float>(softcap), decode,
-        scratch, kl[b] - (st[b + 1] - st[b]), st[b]);
+        work.tab + b * work.width, lo, hi, Hq, pool, static_cast<float>(scale), static_cast<float>(softcap),
+        parts > 1 ? nullptr : sinks, decode, scratch, kl[b] - (st[b + 1] - st[b]), st[b]);
   }
 }
 
 // Each head's parts of ``work`` into out [T, Hq, D], weighed by their share of the softmax mass:
-// exp(max_part - max) * sum_part. Nothing to do where a token is one item.
-inline void merge_parts(AttentionWork& work, float* out) {
+// exp(max_part - max) * sum_part, each head's sink (sinks: [Hq] or null) joining the denominator once. Nothing
+// to do where a token is one item.
+inline void merge_parts(AttentionWork& work, float* out, const float* sinks = nullptr) {
   const int64_t T = work.T, Hq = work.Hq, D = work.D, parts = work.parts;
   std::vector<float> weight(parts);
   for (int64_t t = 0; t < T && parts > 1; ++t)
     for (int64_t h = 0; h < Hq; ++h) {
-      float m = -INFINITY, total = 0.f;
+      float m = sinks ? sinks[h] : -INFINITY, total = 0.f;
       for (int64_t part = 0; part < parts; ++part) m = std::max(m, work.part_stats[((t * parts + part) * Hq + h) * 2]);
       for (int64_t part = 0; part < parts; ++part) {
         const float* st2 = work.part_stats.data() + ((t * parts + part) * Hq + h) * 2;
         weight[part] = st2[1] > 0.f ? std::exp(st2[0] - m) * st2[1] : 0.f;
         total += weight[part];
       }
+      if (sinks) total += std::exp(sinks[h] - m);
       float* o = out + (t * Hq + h) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
       for (int64_t part = 0; part < parts; ++part) {
