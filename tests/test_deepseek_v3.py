@@ -34,6 +34,7 @@ from lmport import EngineConfig, GenerationConfig, ops
 from lmport.errors import ConfigError
 from lmport.kv.layout import CacheKind, KVLayout
 from support.model_helpers import saved_model
+from support.tiny_float_models import randomize_constants
 
 VOCAB = 49152
 NEW_TOKENS = 24
@@ -64,22 +65,12 @@ def tiny_config(arch: str):
         **variant)
 
 
-def _randomize_constants(model: torch.nn.Module) -> None:
-    """Norms (initialized to 1) and routing biases (to 0) made random, so that a model ignoring them would differ."""
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn_like(p) * 0.5)
-
-
 def tiny_model(arch: str):
     """A seeded float32 model of ``tiny_config(arch)`` (eval)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(2061 + ARCHS.index(arch))
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
-    _randomize_constants(model)
+    randomize_constants(model)
     return model
 
 

@@ -124,8 +124,8 @@ def tp3_model_dir(family: str) -> str:
     from transformers import AutoModelForCausalLM
 
     from support.model_helpers import _tiny_config, saved_model
-    from support.tiny_float_models import tiny_config as float_config
-    from test_deepseek_v3 import _randomize_constants, tiny_config as deepseek_config
+    from support.tiny_float_models import randomize_constants, tiny_config as float_config
+    from test_deepseek_v3 import tiny_config as deepseek_config
     base, split = {"qwen3-moe": (lambda: _tiny_config("qwen3-moe"), {"moe_intermediate_size": 48}),
                    "gpt-oss": (lambda: float_config("gpt-oss"), {"intermediate_size": 48}),
                    "deepseek-v3": (lambda: deepseek_config("q-lora"), {"moe_intermediate_size": 48})}[family]
@@ -136,7 +136,7 @@ def tp3_model_dir(family: str) -> str:
     def make():
         torch.manual_seed(6103)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        _randomize_constants(model)   # norms and routing biases
+        randomize_constants(model, biases=("e_score_correction_bias",))   # norms and routing biases
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):

@@ -17,8 +17,8 @@ from lmport.engine.outputs import RequestError
 from lmport.multimodal.inputs import ImageInput
 from lmport.multimodal.mrope import mrope_positions
 from support.model_helpers import tiny_model_dir
-from support.vision_helpers import (CASES, conversation, generate_greedy, greedy_reference, lmport_prompt, png,
-                                    tiny_qwen2_5_vl_dir)
+from support.vision_helpers import (CASES, check_prefix_cache_keys_include_the_images, conversation, generate_greedy,
+                                    greedy_reference, lmport_prompt, png, tiny_qwen2_5_vl_dir)
 
 NEW_TOKENS = 10
 
@@ -109,14 +109,8 @@ def test_chunked_prefill_splits_an_image_and_still_equals_transformers(model_dir
 
 def test_prefix_cache_keys_include_the_images(llm, model_dir):
     """Same text, another image: no prefix-cache hit (its K/V are other); the same image again: a hit."""
-    one = lmport_prompt(llm, model_dir, ("A long enough question about this picture, please:", png(90, 60, 11)))
-    other = lmport_prompt(llm, model_dir, ("A long enough question about this picture, please:", png(90, 60, 12)))
-    assert one[0] == other[0] and len(one[0]) > 2 * llm.config.block_size
-    first = generate(llm, *one, max_new_tokens=2)
-    assert first.cached_tokens == 0
-    assert generate(llm, *other, max_new_tokens=2).cached_tokens == 0
-    again = generate(llm, *one, max_new_tokens=2)
-    assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+    check_prefix_cache_keys_include_the_images(llm, model_dir, "A long enough question about this picture, please:",
+                                               (90, 60))
 
 
 def test_a_text_model_refuses_images_naming_itself(llm, model_dir):

@@ -13,8 +13,9 @@ import torch
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.llm import LLM
 from lmport.multimodal.loading import image_processor
-from support.vision_helpers import (CASES, IDEFICS3_IMAGE_SEQ_LEN, generate_greedy, greedy_reference, lmport_prompt,
-                                    png, processor_inputs, served_answers, tiny_idefics3_dir)
+from support.vision_helpers import (CASES, IDEFICS3_IMAGE_SEQ_LEN, check_prefix_cache_keys_include_the_images,
+                                    generate_greedy, greedy_reference, lmport_prompt, png, processor_inputs,
+                                    served_answers, tiny_idefics3_dir)
 
 NEW_TOKENS = 10
 
@@ -110,14 +111,7 @@ def test_chunked_prefill_splits_a_tile_and_still_equals_transformers(model_dir, 
 
 def test_prefix_cache_keys_include_the_images(llm, model_dir):
     """Same text, another image: no prefix-cache hit; the same image again: a hit."""
-    one = lmport_prompt(llm, model_dir, ("A question about this picture, please:", png(90, 60, 11)))
-    other = lmport_prompt(llm, model_dir, ("A question about this picture, please:", png(90, 60, 12)))
-    assert one[0] == other[0] and len(one[0]) > 2 * llm.config.block_size
-    first = generate(llm, *one, max_new_tokens=2)
-    assert first.cached_tokens == 0
-    assert generate(llm, *other, max_new_tokens=2).cached_tokens == 0
-    again = generate(llm, *one, max_new_tokens=2)
-    assert again.cached_tokens > 0 and again.token_ids == first.token_ids
+    check_prefix_cache_keys_include_the_images(llm, model_dir, "A question about this picture, please:", (90, 60))
 
 
 def test_openai_and_anthropic_clients_get_transformers_answer(model_dir, reference):

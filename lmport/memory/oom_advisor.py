@@ -73,15 +73,16 @@ def advise(inp: MemoryInputs, problem: str, available: int | None = None) -> str
         at = f" at cache_max_entry_count={base.config.cache_max_entry_count}" if base is not inp else ""
         lines.append(f"4. session_len: lower it to <= {blocks * bs:,} (what {blocks:,} blocks hold{at}"
                      f"{', with step 1' if too_big else ''})")
-    splits = [n for n in tp_choices(inp.model_config) if n > c.tp]   # by the config; the checkpoint may refuse
-    bigger = [n for n in splits if _checkpoint_refuses(inp, n) is None]
+    # The tp values the config splits, and why the checkpoint refuses each (None: it splits too).
+    refusals = {n: _checkpoint_refuses(inp, n) for n in tp_choices(inp.model_config) if n > c.tp}
+    bigger = [n for n, refused in refusals.items() if refused is None]
     if bigger:
         alt = base.changed(tp=bigger[0])
         lines.append(f"5. tp={bigger[0]} ({bigger[0]} devices like this one): each holds {fmt_bytes(alt.weight_bytes)} "
                      f"of weights and {alt.layout.num_kv_heads} of {inp.model_config.num_key_value_heads} KV heads: "
                      f"{_room_text(alt)}")
-    elif splits:   # the config splits, the checkpoint's weights do not
-        lines.append(f"5. tp: no tp above {c.tp} splits this checkpoint ({_checkpoint_refuses(inp, splits[0])})")
+    elif refusals:   # the config splits, the checkpoint's weights do not
+        lines.append(f"5. tp: no tp above {c.tp} splits this checkpoint ({next(iter(refusals.values()))})")
     elif c.tp < inp.model_config.num_attention_heads:   # a larger tp exists but cannot split this model
         lines.append(f"5. tp: no tp above {c.tp} splits this model (tp={c.tp + 1}: "
                      f"{tp_problem(inp.model_config, c.tp + 1)})")

@@ -94,7 +94,7 @@ def tiny_model_dir(arch: str) -> str:
         def make_scaled():
             torch.manual_seed(4044)
             model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
-            tiny_float_models._randomize_buffers(model)
+            tiny_float_models.randomize_constants(model)
             return model
         return saved_model(f"float-tiny-{arch}-{tiny_float_models._version()}", make_scaled)
     from support import tiny_float_models

@@ -61,14 +61,14 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def _randomize_buffers(model) -> None:
-    """Parameters transformers initializes to constants (norms to 1, routing biases and sinks to 0) made random,
-    so that a model that ignored them would differ."""
+def randomize_constants(model, biases: tuple[str, ...] = ("e_score_correction_bias", "sinks", "router.bias")) -> None:
+    """Parameters transformers initializes to constants (norms to 1, the ``biases``: routing biases and sinks, to 0)
+    made random, so that a model that ignored them would differ."""
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(("e_score_correction_bias", "sinks", "router.bias")):
+            elif name.endswith(biases):
                 p.copy_(torch.randn_like(p) * 0.5)
 
 
@@ -77,7 +77,7 @@ def tiny_model(arch: str):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(2026 + ARCHS.index(arch))
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32).eval()
-    _randomize_buffers(model)
+    randomize_constants(model)
     return model
 
 

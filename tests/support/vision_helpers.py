@@ -159,11 +159,12 @@ def media_type(image: bytes) -> str:
     return "image/jpeg" if image.startswith(b"\xff\xd8") else "image/png"
 
 
-def check_prefix_cache_keys_include_the_images(llm, model_dir: str) -> None:
+def check_prefix_cache_keys_include_the_images(
+        llm, model_dir: str, text: str = "A question about this picture, please: which colours and shapes do you see "
+                                          "in it?", size: tuple[int, int] = (64, 64)) -> None:
     """Same text with another image: no prefix-cache hit; the same image again: a hit, with the same tokens."""
-    text = "A question about this picture, please: which colours and shapes do you see in it?"
-    one = lmport_prompt(llm, model_dir, (text, png(64, 64, 11)))
-    other = lmport_prompt(llm, model_dir, (text, png(64, 64, 12)))
+    one = lmport_prompt(llm, model_dir, (text, png(*size, 11)))
+    other = lmport_prompt(llm, model_dir, (text, png(*size, 12)))
     assert one[0] == other[0] and len(one[0]) > 2 * llm.config.block_size
     first = generate_greedy(llm, *one, max_new_tokens=2)
     assert first.cached_tokens == 0
