@@ -455,6 +455,24 @@ def test_an_mmproj_of_another_model_names_both_files(pair, tmp_path):
         engine(text, other)
 
 
+def test_a_llama4_mmproj_without_its_adapter_and_projector_is_refused(tmp_path):
+    """A Llama 4 mmproj missing the pixel-shuffle adapter's and the projector's tensors is refused before a weight
+    loads, naming each missing tensor."""
+    from transformers import Llama4TextConfig
+    text = tmp_path / "llama4.gguf"
+    writer = gguf.GGUFWriter(text, "llama4")
+    writer.add_uint32("llama4.embedding_length", 64)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    mmproj = metadata_only_mmproj(tmp_path / "mmproj.gguf", projector="llama4")
+    with pytest.raises(ConfigError, match=re.escape(
+            "mmproj.gguf: no mm.model.mlp.1.weight, mm.model.mlp.2.weight, mm.model.fc.weight (Llama 4's "
+            "pixel-shuffle adapter and projector); the file is not a complete mmproj of the model")):
+        mmproj_files.checkpoint_config(text, mmproj, Llama4TextConfig(hidden_size=64))
+
+
 def test_an_empty_mmproj_path_is_refused_by_the_config():
     with pytest.raises(ConfigError, match="mmproj must be the path of an mmproj GGUF file"):
         EngineConfig(mmproj=" ")
