@@ -73,9 +73,10 @@ def served_url(proc: subprocess.Popen, log_path: Path, deadline: float, pattern:
 
 
 def start_server(model: str, extra: list[str], log_path: Path, threads: int | None,
-                 cwd: Path | None = None) -> subprocess.Popen:
-    """`lmport serve MODEL` on a free loopback port (read it with served_url), its output in ``log_path``."""
-    lmport = Path(sys.executable).parent / "lmport"
+                 cwd: Path | None = None, bin_dir: Path | None = None) -> subprocess.Popen:
+    """`lmport serve MODEL` on a free loopback port (read it with served_url), its output in ``log_path``; the
+    `lmport` of ``bin_dir`` (another checkout's venv) where given, else this interpreter's."""
+    lmport = (bin_dir or Path(sys.executable).parent) / "lmport"
     cmd = [str(lmport)] if lmport.exists() else [sys.executable, "-m", "lmport"]
     cmd += ["serve", model, "--host", "127.0.0.1", "--port", "0", *extra]
     print("starting:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
