@@ -48,7 +48,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _heads_first(q, k, v, g, beta):
+def heads_first(q, k, v, g, beta):
     """float32 [B, Hv, T, ...] with q and k repeated to the value heads, L2-normalized, q scaled."""
     hk, hv = k.shape[-2], v.shape[-2]
     if hv % hk:
@@ -69,7 +69,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     b, t = q.shape[:2]
     hv, dv = v.shape[-2:]
     dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    q, k, v, g, beta = heads_first(q, k, v, g, beta)
     dk = k.shape[-1]
     s = q.new_zeros(b, hv, dk, dv) if state is None else state.float().clone()
     pad = (-t) % chunk_size
@@ -110,7 +110,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     b, t = q.shape[:2]
     hv, dv = v.shape[-2:]
     dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    q, k, v, g, beta = heads_first(q, k, v, g, beta)
     s = q.new_zeros(b, hv, k.shape[-1], dv) if state is None else state.float().clone()
     out = torch.empty_like(v)
     for i in range(t):

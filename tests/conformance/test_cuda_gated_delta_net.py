@@ -7,11 +7,7 @@ heads a multiple of the key heads) and head dims that are not powers of two; q, 
 and float16, read as views split from the conv's output (strided, as the model passes them); a prefill continued
 by decode steps; the state columns split over programs.
 
-Bounds, derived from the dtypes: the kernel and the reference both compute in float32 from the same inputs, in a
-different order, and round the output to v's dtype. So each output differs by at most one unit in the last place
-of its dtype (rtol = the dtype's eps) plus the float32 difference, bounded by one float32 eps per product summed
-along the way (T tokens x (Dk + Dv) terms) times the largest value; the float32 state by the latter alone. The
-chunked reference (its triangular solves another order again) is held to the same bound.
+The inputs, cases and bounds: gdn_cases.py.
 """
 from __future__ import annotations
 
@@ -19,7 +15,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from gdn_cases import CASES, assert_within, inputs
 
 from lmport.ops import gated_delta_net as gdn
 
@@ -32,57 +29,17 @@ def cuda(backends):
     return backends("cuda")
 
 
-def _inputs(b: int, t: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, with_state: bool,
-            device, seed: int = 0):
-    """q, k, v split from one [B, T, channels] tensor (the conv's output, as the model splits it), log decays g
-    (float32, <= 0, as the model computes them), beta in ``dtype``, and a float32 state or None."""
-    gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(b, t, 2 * hk * dk + hv * dv, generator=gen).to(dtype).to(device)
-    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
-    g = (-F.softplus(torch.randn(b, t, hv, generator=gen))).to(device)
-    beta = torch.sigmoid(torch.randn(b, t, hv, generator=gen)).to(dtype).to(device)
-    state = torch.randn(b, hv, dk, dv, generator=gen).to(device) if with_state else None
-    return q, k, v, g, beta, state
-
-
-def _assert_within(got_out, got_state, want_out, want_state, tokens: int, dk: int, dv: int):
-    assert got_out.shape == want_out.shape and got_out.dtype == want_out.dtype
-    assert got_state.shape == want_state.shape and got_state.dtype == torch.float32
-    terms = max(tokens, 1) * (dk + dv)
-    eps32 = torch.finfo(torch.float32).eps
-    out_atol = terms * eps32 * float(want_out.abs().max())
-    torch.testing.assert_close(got_out.float().cpu(), want_out.float().cpu(), atol=out_atol,
-                               rtol=torch.finfo(want_out.dtype).eps)
-    torch.testing.assert_close(got_state.cpu(), want_state.cpu(), atol=terms * eps32 * float(want_state.abs().max()),
-                               rtol=0)
-
-
-def _errors(got_out, got_state, want_out, want_state) -> tuple[float, float]:
-    return (float((got_out.float() - want_out.float()).abs().max()),
-            float((got_state - want_state).abs().max()))
-
-
-CASES = {
-    # (B, T, key heads, value heads, Dk, Dv, state)
-    "decode": (3, 1, 2, 4, 16, 8, True),
-    "prefill": (2, 19, 2, 4, 16, 8, False),
-    "prefill-over-state": (1, 23, 1, 2, 8, 16, True),
-    "odd-dims": (2, 6, 1, 3, 12, 20, True),
-}
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_equals_the_recurrent_reference(cuda, case, dtype):
     backend, mode = cuda
     b, t, hk, hv, dk, dv, with_state = CASES[case]
-    args = _inputs(b, t, hk, hv, dk, dv, dtype, with_state, backend.device)
+    args = inputs(b, t, hk, hv, dk, dv, dtype, with_state, backend.device)
     from lmport.backends.cuda import gated_delta_net as kernel
     got = kernel.recurrent_gated_delta_rule(*args)
     want = gdn.recurrent_gated_delta_rule(*args)
     assert torch.isfinite(got[0]).all()
-    _assert_within(*got, *want, t, dk, dv)
+    assert_within(*got, *want, t, dk, dv)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -92,11 +49,11 @@ def test_chunked_kernel_equals_the_recurrent_reference(cuda, case, dtype):
     19 and 23 tokens (a whole chunk of 16, then a partial one)."""
     backend, _ = cuda
     b, t, hk, hv, dk, dv, with_state = CASES[case]
-    args = _inputs(b, t, hk, hv, dk, dv, dtype, with_state, backend.device)
+    args = inputs(b, t, hk, hv, dk, dv, dtype, with_state, backend.device)
     from lmport.backends.cuda import gated_delta_net as kernel
     got = kernel.chunk_gated_delta_rule(*args)
     assert torch.isfinite(got[0]).all()
-    _assert_within(*got, *gdn.recurrent_gated_delta_rule(*args), t, dk, dv)
+    assert_within(*got, *gdn.recurrent_gated_delta_rule(*args), t, dk, dv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -105,10 +62,10 @@ def test_prefill_equals_the_chunked_reference(cuda, with_state, dtype):
     """The backend's chunk_gated_delta_rule (the model's prefill call: the chunked kernel at this length) against the
     chunked reference, over more tokens than one of the reference's chunks (64)."""
     backend, _ = cuda
-    args = _inputs(1, 67, 1, 2, 16, 8, dtype, with_state, backend.device, seed=1)
+    args = inputs(1, 67, 1, 2, 16, 8, dtype, with_state, backend.device, seed=1)
     got = backend.chunk_gated_delta_rule(*args)
     want = gdn.chunk_gated_delta_rule(*args)
-    _assert_within(*got, *want, 67, 16, 8)
+    assert_within(*got, *want, 67, 16, 8)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
@@ -118,18 +75,18 @@ def test_chunked_kernel_with_nearly_equal_keys(cuda, chunk_size):
     it stays within the bound."""
     backend, _ = cuda
     from lmport.backends.cuda import gated_delta_net as kernel
-    q, k, v, g, beta, state = _inputs(1, 40, 1, 1, 16, 16, torch.float32, True, backend.device, seed=6)
+    q, k, v, g, beta, state = inputs(1, 40, 1, 1, 16, 16, torch.float32, True, backend.device, seed=6)
     k = k[:, :1] + 0.05 * k
     beta, g = torch.full_like(beta, 0.999), torch.full_like(g, -1e-3)
     got = kernel.chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk_size)
-    _assert_within(*got, *gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state), 40, 16, 16)
+    assert_within(*got, *gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state), 40, 16, 16)
 
 
 def test_prefill_then_decode_steps_carry_the_state(cuda):
     """A prompt of 20 tokens, then 3 decode steps each from the state the last left: the outputs and final state of
     the reference over all 23 tokens at once."""
     backend, _ = cuda
-    q, k, v, g, beta, state = _inputs(2, 23, 2, 4, 16, 8, torch.float32, True, backend.device, seed=2)
+    q, k, v, g, beta, state = inputs(2, 23, 2, 4, 16, 8, torch.float32, True, backend.device, seed=2)
     want_out, want_state = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state)
     outs = []
     out, s = backend.chunk_gated_delta_rule(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], state)
@@ -137,7 +94,7 @@ def test_prefill_then_decode_steps_carry_the_state(cuda):
     for i in range(20, 23):
         out, s = backend.recurrent_gated_delta_rule(*(x[:, i:i + 1] for x in (q, k, v, g, beta)), s)
         outs.append(out)
-    _assert_within(torch.cat(outs, 1), s, want_out, want_state, 23, 16, 8)
+    assert_within(torch.cat(outs, 1), s, want_out, want_state, 23, 16, 8)
 
 
 @pytest.mark.parametrize("block_v", [4, 8, 16])
@@ -149,13 +106,13 @@ def test_state_columns_split_over_programs(cuda, form, block_v):
     backend, mode = cuda
     from lmport.backends.cuda import gated_delta_net as kernel
     run = getattr(kernel, f"{form}_gated_delta_rule")
-    args = _inputs(2, 18, 1, 2, 12, 20, torch.float32, True, backend.device, seed=3)
+    args = inputs(2, 18, 1, 2, 12, 20, torch.float32, True, backend.device, seed=3)
     split = run(*args, block_v=block_v)
     whole = run(*args, block_v=32)
     if form == "recurrent" and mode == "interpreter":
         torch.testing.assert_close(split, whole, atol=0, rtol=0)
     else:
-        _assert_within(*split, *whole, 18, 12, 20)
+        assert_within(*split, *whole, 18, 12, 20)
 
 
 @pytest.mark.slow
@@ -165,11 +122,11 @@ def test_qwen3_next_widths(cuda, tokens):
     in the GPU's tiles of 32 columns (GPU_BLOCK_V) and in one."""
     backend, _ = cuda
     from lmport.backends.cuda import gated_delta_net as kernel
-    args = _inputs(2, tokens, 16, 32, 128, 128, torch.bfloat16, True, backend.device, seed=5)
+    args = inputs(2, tokens, 16, 32, 128, 128, torch.bfloat16, True, backend.device, seed=5)
     want = gdn.recurrent_gated_delta_rule(*args)
     for block_v in (kernel.GPU_BLOCK_V, 128):
-        _assert_within(*kernel.recurrent_gated_delta_rule(*args, block_v=block_v), *want, tokens, 128, 128)
-        _assert_within(*kernel.chunk_gated_delta_rule(*args, block_v=block_v), *want, tokens, 128, 128)
+        assert_within(*kernel.recurrent_gated_delta_rule(*args, block_v=block_v), *want, tokens, 128, 128)
+        assert_within(*kernel.chunk_gated_delta_rule(*args, block_v=block_v), *want, tokens, 128, 128)
 
 
 def test_the_backend_runs_the_kernel_not_the_reference(cuda, monkeypatch):
@@ -179,7 +136,7 @@ def test_the_backend_runs_the_kernel_not_the_reference(cuda, monkeypatch):
         raise AssertionError("the cuda backend ran the reference op")
     monkeypatch.setattr(gdn, "recurrent_gated_delta_rule", refuse)
     monkeypatch.setattr(gdn, "chunk_gated_delta_rule", refuse)
-    args = _inputs(1, 3, 1, 1, 8, 8, torch.float32, False, backend.device)
+    args = inputs(1, 3, 1, 1, 8, 8, torch.float32, False, backend.device)
     for op in (backend.recurrent_gated_delta_rule, backend.chunk_gated_delta_rule):
         out, state = op(*args)
         assert out.shape == (1, 3, 1, 8) and state.shape == (1, 1, 8, 8)
@@ -194,16 +151,16 @@ def test_prefills_from_one_chunk_on_run_the_chunked_kernel(cuda, monkeypatch):
         monkeypatch.setattr(kernel, f"{form}_gated_delta_rule",
                             lambda *args, form=form, run=run, **kw: ran.append(form) or run(*args, **kw))
     for tokens in (1, kernel.CHUNK - 1, kernel.CHUNK):
-        backend.chunk_gated_delta_rule(*_inputs(1, tokens, 1, 1, 8, 8, torch.float32, False, backend.device)[:5])
+        backend.chunk_gated_delta_rule(*inputs(1, tokens, 1, 1, 8, 8, torch.float32, False, backend.device)[:5])
     assert ran == ["recurrent", "recurrent", "chunk"]
 
 
 def test_bad_shapes_are_refused(cuda):
     backend, _ = cuda
-    q, k, v, g, beta, state = _inputs(1, 2, 2, 3, 8, 8, torch.float32, True, backend.device)
+    q, k, v, g, beta, state = inputs(1, 2, 2, 3, 8, 8, torch.float32, True, backend.device)
     with pytest.raises(ValueError, match="3 value heads are not a multiple of 2 key heads"):
         backend.recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    q, k, v, g, beta, state = _inputs(1, 2, 1, 2, 8, 8, torch.float32, True, backend.device)
+    q, k, v, g, beta, state = inputs(1, 2, 1, 2, 8, 8, torch.float32, True, backend.device)
     with pytest.raises(ValueError, match=r"the state must be \[B, value heads, Dk, Dv\]"):
         backend.recurrent_gated_delta_rule(q, k, v, g, beta, state[..., :4])
     with pytest.raises(ValueError, match=r"beta must be \[B, T, value heads\]"):
@@ -247,7 +204,7 @@ def test_linear_attention_layer_on_cuda_equals_the_reference_ops(cuda):
         results[name] = (torch.cat(outs), states.state[0][1:].cpu(), states.conv[0][1:].cpu())
     (want, want_state, want_conv), (got, got_state, got_conv) = results["reference"], results["cuda"]
     assert torch.equal(got_conv, want_conv)   # the conv window stays on the reference op
-    _assert_within(got[None], got_state, want[None], want_state, 20, cfg.linear_key_head_dim,
+    assert_within(got[None], got_state, want[None], want_state, 20, cfg.linear_key_head_dim,
                    cfg.linear_value_head_dim)
 
 

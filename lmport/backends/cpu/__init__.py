@@ -1,6 +1,7 @@
 """cpu backend: host memory; C++ kernels (kernels.py) for paged attention, KV fill, small-batch
 linear, linear over int4/int8 weights and over GGUF block weights, RMSNorm, rotary and the
-silu-gated activation on float32, the reference ops for everything else."""
+silu-gated activation on float32, the gated delta rule token by token (Gated DeltaNet's decode), the
+reference ops for everything else."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +10,7 @@ import os
 import torch
 
 from lmport import ops
+from lmport.ops import gated_delta_net
 from lmport.platform.backend import Backend, Capabilities, ProbeResult
 from lmport.backends.cpu import kernels, malloc
 from lmport.backends.cpu.decoder_runner import build as build_decoder_runner
@@ -39,8 +41,9 @@ class CpuBackend(Backend):
         # Host RAM is shared with everything else on the machine: take a smaller share.
         default_cache_max_entry_count=0.05,
         lora=True,
-        # sinks, chunks and bidirectional spans on the reference op (paged_attention below), latent (MLA) on
-        # lmport.ops.mla, recurrent state (Gated DeltaNet) on lmport.ops.gated_delta_net
+        # sinks and chunks in the compiled paged attention, bidirectional spans on the reference op, latent (MLA)
+        # on lmport.ops.mla, recurrent state (Gated DeltaNet): its decode in the compiled gated delta rule, its
+        # prefill on the chunked reference op
         attention_variants=frozenset({"sinks", "chunked", "latent", "recurrent_state", "bidirectional"}),
     )
 
@@ -118,6 +121,17 @@ class CpuBackend(Backend):
             return compiled.quant_dequantize(weight.qweight, weight.scales, weight.mins, weight.bits,
                                              weight.group_size, row_group=weight.row_group)
         return compiled.ggml_dequantize(weight.blocks, weight.type_name, weight.in_features, row_group=weight.row_group)
+
+    def recurrent_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, state: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        compiled = kernels.load()
+        if compiled is None:
+            return super().recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        dtype = v.dtype
+        out, after = compiled.recurrent_gated_delta_rule(*gated_delta_net.heads_first(q, k, v, g, beta),
+                                                         None if state is None else state.float())
+        return out.transpose(1, 2).to(dtype).contiguous(), after
 
     def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         compiled = kernels.load() if dtype == torch.float32 else None

@@ -318,6 +318,36 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Te
   return {q_out, k_out};
 }
 
+// q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T], state [B, H, Dk, Dv] or None (zeros), all float32 ->
+// (out [B, H, T, Dv], the state after the T tokens).
+std::tuple<torch::Tensor, torch::Tensor> recurrent_gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                                    torch::Tensor g, torch::Tensor beta,
+                                                                    std::optional<torch::Tensor> state) {
+  for (const auto* t : {&q, &k, &v, &g, &beta})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat, "recurrent_gated_delta_rule takes float32 tensors");
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
+              "recurrent_gated_delta_rule: q, k [B, H, T, Dk] and v [B, H, T, Dv]");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dk = q.size(3), Dv = v.size(3);
+  TORCH_CHECK(g.sizes() == q.sizes().slice(0, 3) && beta.sizes() == g.sizes(),
+              "recurrent_gated_delta_rule: g and beta [B, H, T]");
+  TORCH_CHECK(Dv <= kernels::kMaxStateColumns, "recurrent_gated_delta_rule: value heads of up to ",
+              kernels::kMaxStateColumns, ", got ", Dv);
+  torch::Tensor before;
+  if (state) {
+    TORCH_CHECK(state->scalar_type() == torch::kFloat && state->sizes() == torch::IntArrayRef({B, H, Dk, Dv}),
+                "recurrent_gated_delta_rule: a float32 state [B, H, Dk, Dv]");
+    before = state->contiguous();
+  }
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous(), bc = beta.contiguous();
+  auto out = torch::empty_like(vc);
+  auto after = torch::empty({B, H, Dk, Dv}, q.options());
+  kernels::recurrent_gated_delta_rule(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                                      gc.data_ptr<float>(), bc.data_ptr<float>(),
+                                      state ? before.data_ptr<float>() : nullptr, B, H, T, Dk, Dv,
+                                      after.data_ptr<float>(), out.data_ptr<float>());
+  return {out, after};
+}
+
 // Over a pool of values: k_cache, v_cache [blocks, block_size, Hkv, D], float32 or float16 alike.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor q_start_loc,
@@ -426,6 +456,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &lmport::rms_norm, "RMSNorm over the last axis (float32)");
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");
+  m.def("recurrent_gated_delta_rule", &lmport::recurrent_gated_delta_rule,
+        "the gated delta rule token by token over [B, H, T, D] heads (float32): (out, state after)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state") = py::none());
 
   // module_local: the classes are this module's alone. Every build registers the same C++ types, and pybind11
   // refuses a type another loaded module registered globally; a process that loads a second build (another

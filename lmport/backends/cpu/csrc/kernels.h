@@ -1,5 +1,5 @@
 // The kernels' entry points, on raw arrays: each is defined in its family's .cpp (linear.cpp,
-// quant_linear.cpp, ggml_linear.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp) and called by
+// quant_linear.cpp, ggml_linear.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp, gated_delta_net.cpp) and called by
 // bindings.cpp, which checks the tensors, makes them contiguous and allocates the outputs. Nothing here
 // knows torch's tensors; the threads are ATen's (at::parallel_for).
 #pragma once
@@ -91,6 +91,16 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
 void silu_and_mul(const float* gate, const float* up, float* out, int64_t n);
 // x, out [T, H, D] rotated by cos, sin [T, D] (rotate half).
 void apply_rotary(const float* x, float* out, const float* cos, const float* sin, int64_t T, int64_t H, int64_t D);
+
+// ---- gated_delta_net.cpp ----
+// The gated delta rule token by token (lmport.ops.gated_delta_net.recurrent_gated_delta_rule) over H value heads of
+// B sequences, T tokens each: q, k [B, H, T, Dk] (L2-normalized, q scaled, repeated to the value heads), v [B, H, T,
+// Dv], g (log decay) and beta [B, H, T]; ``state`` [B, H, Dk, Dv] before them (null: zeros), ``state_after`` after
+// them; out [B, H, T, Dv]. Dv <= kMaxStateColumns.
+constexpr int64_t kMaxStateColumns = 512;
+void recurrent_gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                                const float* state, int64_t B, int64_t H, int64_t T, int64_t Dk, int64_t Dv,
+                                float* state_after, float* out);
 
 }  // namespace kernels
 }  // namespace lmport

@@ -1,0 +1,65 @@
+"""The cpu backend's gated delta rule token by token (Gated DeltaNet's decode: the compiled kernel, csrc/
+gated_delta_net.cpp) against the reference op (lmport.ops.gated_delta_net), on gdn_cases.py's cases and bounds, and
+at Qwen3-Next-80B's widths."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gdn_cases import CASES, assert_within, inputs
+
+from lmport.ops import gated_delta_net as gdn
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from lmport.backends.cpu import CpuBackend, kernels
+    if kernels.load() is None:
+        pytest.skip("the cpu kernels did not build here")
+    return CpuBackend()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_equals_the_recurrent_reference(cpu, case, dtype):
+    b, t, hk, hv, dk, dv, with_state = CASES[case]
+    args = inputs(b, t, hk, hv, dk, dv, dtype, with_state, "cpu")
+    assert_within(*cpu.recurrent_gated_delta_rule(*args), *gdn.recurrent_gated_delta_rule(*args), t, dk, dv)
+
+
+def test_qwen3_next_widths(cpu):
+    """16 key heads, 32 value heads, Dk = Dv = 128, a decode step of 3 sequences from their states."""
+    args = inputs(3, 1, 16, 32, 128, 128, torch.float32, True, "cpu", seed=5)
+    assert_within(*cpu.recurrent_gated_delta_rule(*args), *gdn.recurrent_gated_delta_rule(*args), 1, 128, 128)
+
+
+def test_prefill_then_decode_steps_carry_the_state(cpu):
+    """A prompt of 20 tokens on the chunked reference, then 3 decode steps on the kernel, each from the state the last
+    left: the reference's outputs and final state over all 23 tokens at once."""
+    q, k, v, g, beta, state = inputs(2, 23, 2, 4, 16, 8, torch.float32, True, "cpu", seed=2)
+    want_out, want_state = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    out, s = cpu.chunk_gated_delta_rule(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], state)
+    outs = [out]
+    for i in range(20, 23):
+        out, s = cpu.recurrent_gated_delta_rule(*(x[:, i:i + 1] for x in (q, k, v, g, beta)), s)
+        outs.append(out)
+    assert_within(torch.cat(outs, 1), s, want_out, want_state, 23, 16, 8)
+
+
+def test_the_backend_runs_the_kernel_and_leaves_the_state_it_was_given(cpu, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cpu backend ran the reference op")
+    monkeypatch.setattr(gdn, "recurrent_gated_delta_rule", refuse)
+    q, k, v, g, beta, state = inputs(2, 1, 1, 2, 8, 8, torch.float32, True, "cpu")
+    before = state.clone()
+    out, after = cpu.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    assert out.shape == (2, 1, 2, 8) and after.shape == (2, 2, 8, 8)
+    assert torch.equal(state, before) and not torch.equal(after, before)
+
+
+def test_a_value_head_wider_than_the_kernel_takes_is_refused(cpu):
+    from lmport.backends.cpu import kernels
+    args = inputs(1, 1, 1, 1, 8, 520, torch.float32, False, "cpu")
+    with pytest.raises(RuntimeError, match="value heads of up to 512"):
+        kernels.load().recurrent_gated_delta_rule(*gdn.heads_first(*args[:5]))
