@@ -266,16 +266,15 @@ def llama_tokens(path: Path, ids: list[int], new_tokens: int, llama_bin: Path, t
     server = llama_bin / "llama-server"
     if not server.exists():
         raise SystemExit(f"no llama-server in {llama_bin}: pass --llama-bin")
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lmport.bench.client import LLAMA_SERVING, served_url
     log = path.with_suffix(".llama-server.log")
-    with log.open("w") as out:
-        proc = subprocess.Popen([str(server), "-m", str(path), "--port", str(port), "-t", str(threads), "-c", "512",
-                                 "-np", "1"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with log.open("w") as out:   # port 0: the server binds a free port and prints it
+        proc = subprocess.Popen([str(server), "-m", str(path), "--host", "127.0.0.1", "--port", "0",
+                                 "-t", str(threads), "-c", "512", "-np", "1"],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+        deadline = time.monotonic() + 300
+        url = served_url(proc, log, deadline, LLAMA_SERVING)
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"llama-server exited {proc.returncode} on {path.name}:\n{log.read_text()[-3000:]}")

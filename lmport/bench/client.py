@@ -23,9 +23,10 @@ import httpx
 
 from lmport.bench.datasets import STORY_SCHEMA, chat_messages
 
-# The lines lmport serve and llama-server print once they listen.
+# The lines lmport serve and llama-server print once they listen (llama-server: "main: server is listening on
+# URL" in older builds, "llama_server: listening on URL" in newer ones).
 SERVING = re.compile(r"^lmport serve: .* on (http://\S+) \(", re.M)
-LLAMA_SERVING = re.compile(r"server is listening on (http://\S+)")
+LLAMA_SERVING = re.compile(r"\blistening on (http://\S+)")
 
 
 def percentile(values: list[float], p: float) -> float | None:
