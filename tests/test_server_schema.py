@@ -1,12 +1,15 @@
 """Every answer the server sends is what its OpenAPI document says, field for field.
 
-The routes build their answers as plain dicts (serialised off the event loop by json's C encoder); the document's
-response models (lmport.server.openapi) are the one declaration of their shapes. Here every route's answers, whole
-and streamed (each event), with reasoning, tool calls, logprobs, usage and errors, are validated against those
-models with no undeclared field allowed, so a field a route adds without declaring it fails here.
+The routes build their answers as plain dicts typed by the answers' shapes (lmport.server.shapes, TypedDicts
+the type checker holds the builders to), and the document's response schemas are made from the same shapes
+(lmport.server.openapi). Here every route's answers, whole and streamed (each event), with reasoning, tool calls,
+logprobs, usage and errors, are validated against those shapes through pydantic's TypeAdapter with no undeclared
+field allowed, so what the type checker cannot see (a value of the wrong kind at run time, a key added through an
+untyped dict) fails here too.
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -14,7 +17,7 @@ import pydantic
 import pytest
 from support.chat_families import FamilyServers, reply_ids, scripted
 
-from lmport.server import openapi
+from lmport.server import shapes
 
 KEY = "sk-schema-test"
 HI = [{"role": "user", "content": "Hi"}]
@@ -35,13 +38,34 @@ def qwen3():
     made.close()
 
 
-def strict(model: type[pydantic.BaseModel], data: dict) -> None:
-    """``data`` validated against ``model`` with every nested model closed to undeclared fields."""
+@functools.cache
+def adapter(shape) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(shape)
+
+
+def strict(shape, data: dict) -> None:
+    """``data`` validated against ``shape``, whose every nested shape is closed to undeclared fields."""
     try:
-        model.model_validate(data)
+        adapter(shape).validate_python(data)
     except pydantic.ValidationError as exc:
-        raise AssertionError(f"{model.__name__} does not describe the answer: {exc}\n{json.dumps(data)[:2000]}") \
-            from None
+        name = adapter(shape).json_schema()["title"]
+        raise AssertionError(f"{name} does not describe the answer: {exc}\n{json.dumps(data)[:2000]}") from None
+
+
+def test_a_key_the_shape_does_not_declare_is_refused():
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "tiny", "usage": usage,
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop",
+                           "logprobs": None}]}
+    strict(shapes.ChatCompletion, answer)
+    for extra in ({**answer, "extra": 1}, {**answer, "usage": {**usage, "extra": 1}},
+                  {**answer, "choices": [{**answer["choices"][0], "extra": 1}]}):
+        with pytest.raises(AssertionError, match="ChatCompletion does not describe the answer"):
+            strict(shapes.ChatCompletion, extra)
+    event = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}}
+    strict(shapes.AnthropicStreamEvent, event)
+    with pytest.raises(AssertionError, match="AnthropicStreamEvent does not describe"):
+        strict(shapes.AnthropicStreamEvent, {**event, "delta": {**event["delta"], "extra": 1}})
 
 
 def post(thread, path: str, body: dict) -> httpx.Response:
@@ -72,15 +96,15 @@ def test_openai_answers_are_the_documented_shapes(qwen3, reply):
     with scripted(engine, reply_ids(engine, reply)):
         r = post(thread, "/v1/chat/completions", chat)
         assert r.status_code == 200, r.text
-        strict(openapi.ChatCompletion, r.json())
+        strict(shapes.ChatCompletion, r.json())
         for _, chunk in events(thread, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}):
-            strict(openapi.ChatCompletionChunk, chunk)
+            strict(shapes.ChatCompletionChunk, chunk)
         r = post(thread, "/v1/completions", completion)
         assert r.status_code == 200, r.text
-        strict(openapi.Completion, r.json())
+        strict(shapes.Completion, r.json())
         for _, chunk in events(thread, "/v1/completions", {**completion, "echo": False,
                                                            "stream_options": {"include_usage": True}}):
-            strict(openapi.CompletionChunk, chunk)
+            strict(shapes.CompletionChunk, chunk)
 
 
 @pytest.mark.parametrize("reply", [REASONED, CALL], ids=["reasoning", "tool-call"])
@@ -90,12 +114,12 @@ def test_anthropic_answers_are_the_documented_shapes(qwen3, reply):
     with scripted(engine, reply_ids(engine, reply)):
         r = post(thread, "/v1/messages", body)
         assert r.status_code == 200, r.text
-        strict(openapi.AnthropicMessage, r.json())
+        strict(shapes.AnthropicMessage, r.json())
         for name, event in events(thread, "/v1/messages", body):
             assert name == event["type"]
-            strict(openapi.AnthropicStreamEvent, event)
+            strict(shapes.AnthropicStreamEvent, event)
     r = post(thread, "/v1/messages/count_tokens", {"model": "tiny", "messages": HI})
-    strict(openapi.MessageTokensCount, r.json())
+    strict(shapes.MessageTokensCount, r.json())
 
 
 @pytest.mark.parametrize("reply", [REASONED, CALL], ids=["reasoning", "tool-call"])
@@ -105,30 +129,30 @@ def test_responses_answers_are_the_documented_shapes(qwen3, reply):
     with scripted(engine, reply_ids(engine, reply)):
         r = post(thread, "/v1/responses", body)
         assert r.status_code == 200, r.text
-        strict(openapi.ResponseObject, r.json())
+        strict(shapes.ResponseObject, r.json())
         for name, event in events(thread, "/v1/responses", body):
             assert name == event["type"]
-            strict(openapi.ResponseStreamEvent, event)
+            strict(shapes.ResponseStreamEvent, event)
     r = post(thread, "/v1/responses/input_tokens", {"model": "tiny", "input": "Hi"})
-    strict(openapi.InputTokensCount, r.json())
+    strict(shapes.InputTokensCount, r.json())
 
 
 def test_the_other_routes_and_errors_are_the_documented_shapes(qwen3):
     thread, _ = qwen3
     auth = {"Authorization": f"Bearer {KEY}"}
-    strict(openapi.ModelList, httpx.get(thread.url + "/v1/models", headers=auth).json())
-    strict(openapi.ModelCard, httpx.get(thread.url + "/v1/models/tiny", headers=auth).json())
-    strict(openapi.Health, httpx.get(thread.url + "/health").json())
+    strict(shapes.ModelList, httpx.get(thread.url + "/v1/models", headers=auth).json())
+    strict(shapes.ModelCard, httpx.get(thread.url + "/v1/models/tiny", headers=auth).json())
+    strict(shapes.Health, httpx.get(thread.url + "/health").json())
     tokens = post(thread, "/tokenize", {"model": "tiny", "prompt": "Hi there", "return_token_strs": True}).json()
-    strict(openapi.TokenizeResponse, tokens)
+    strict(shapes.TokenizeResponse, tokens)
     detokenized = post(thread, "/detokenize", {"model": "tiny", "tokens": tokens["tokens"]}).json()
-    strict(openapi.DetokenizeResponse, detokenized)
+    strict(shapes.DetokenizeResponse, detokenized)
     for path, body in (("/v1/chat/completions", {"model": "tiny", "messages": HI, "max_tokens": -1}),
                        ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_k": 10**9}),
                        ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": -1})):
         r = post(thread, path, body)
         assert r.status_code == 400
-        strict(openapi.ErrorResponse, r.json())
+        strict(shapes.ErrorResponse, r.json())
     r = post(thread, "/v1/messages", {"model": "tiny", "messages": HI, "max_tokens": -1})
     assert r.status_code == 400
-    strict(openapi.AnthropicError, r.json())
+    strict(shapes.AnthropicError, r.json())

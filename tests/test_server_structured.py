@@ -173,7 +173,7 @@ def test_tool_prompt_and_parse_formats():
     out = [parser.feed(text[i:i + 3], i + 3 >= len(text)) for i in range(0, len(text), 3)]
     assert "".join(c for c, _ in out) == "Sure.\n"
     deltas = [d for _, ds in out for d in ds]
-    assert deltas[0]["function"] == {"name": "add", "arguments": ""} and deltas[0]["id"].startswith("call_")
+    assert deltas[0]["function"] == {"name": "add", "arguments": ""} and deltas[0].get("id", "").startswith("call_")
     assert len(deltas) > 3 and {d["index"] for d in deltas} == {0}   # the arguments arrive in pieces
     assert "".join(d["function"]["arguments"] for d in deltas) == tools.parse(text, setup)[1][0]["function"][
         "arguments"] == '{"a": 1, "b": {"c": [1, 2, 3, 4, 5, 6, 7]}}'

@@ -13,12 +13,14 @@ import logging
 
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict
+from typing_extensions import TypedDict
 
 from lmport.config import ConfigError
 from lmport.lora import AdapterError
 from lmport.server import jsonbody
 from lmport.server.auth import AUTH
 from lmport.server.protocol import APIError, Unimplemented, _Request, bounded_int, brief
+from lmport.server.shapes import OpenAICard
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +85,19 @@ def adapter_for(frontend, model: str) -> str | None:
                         f"(see GET /v1/models)", param="model", code="model_not_found")
 
 
-def model_cards(frontend) -> list[dict]:
+class _Root(TypedDict, total=False):
+    root: str   # an adapter's path on the server's disk, where the server shows paths
+
+
+def model_cards(frontend) -> list[OpenAICard]:
     """/v1/models' entries for the loaded adapters (vLLM's shape: ``root`` the path, ``parent`` the base)."""
-    return [{"id": a.name, "object": "model", "created": a.created, "owned_by": "lmport",
-             **({"root": a.path} if frontend.expose_adapter_paths else {}),   # a path on the server's disk
-             "parent": frontend.model_name, "max_model_len": frontend.info.session_len}
-            for a in list(frontend.core.adapters.values())]
+    cards: list[OpenAICard] = []
+    for a in list(frontend.core.adapters.values()):
+        root: _Root = {"root": a.path} if frontend.expose_adapter_paths else {}
+        card: OpenAICard = {"id": a.name, "object": "model", "created": a.created, "owned_by": "lmport", **root,
+                            "parent": frontend.model_name, "max_model_len": frontend.info.session_len}
+        cards.append(card)
+    return cards
 
 
 def _loading_frontend(request: Request):

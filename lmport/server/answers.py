@@ -12,26 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar, overload
 
 from fastapi.responses import Response
 
 from lmport.server.frontend import Frontend, Job
 from lmport.server.protocol import APIError
 
+T = TypeVar("T")
 
-class Each(Sequence):
+
+class Each(Sequence[T]):
     """A JSON array whose items are made when they are read (``make(index)``): ``pieces`` reads it a slice at a
     time and drops each slice once it is written, so its items are never all held at once."""
     __slots__ = ("size", "make")
 
-    def __init__(self, size: int, make: Callable[[int], object]):
+    def __init__(self, size: int, make: Callable[[int], T]):
         self.size, self.make = size, make
 
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
             return [self.make(i) for i in range(*index.indices(self.size))]
         if not -self.size <= index < self.size:
@@ -152,7 +161,7 @@ class SlicedResponse(Response):
             await self.background()
 
 
-async def json_response(build: Callable[[], dict]) -> Response:
+async def json_response(build: Callable[[], Mapping[str, object]]) -> Response:
     """The answer ``build()`` makes, built and serialised in a worker thread, in pieces (``pieces``), and sent in
     slices (``SlicedResponse``)."""
     content = await asyncio.to_thread(lambda: joined(build()))

@@ -27,6 +27,9 @@ from lmport.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, APIError, 
                                     JSONPathRequest, Unimplemented, _Request, bounded_int)
 from lmport.server.frontend import Frontend, Job
 from lmport.server.replies import pieces, renamed, reply_calls, reply_thinking, stop_sequence
+from lmport.server.shapes import (AnthropicBlock, AnthropicError, AnthropicErrorBody, AnthropicMessage, AnthropicUsage,
+                                  BlockDelta, ContentBlockDelta, ContentBlockStart, ContentBlockStop, MessageDelta,
+                                  MessageStart, MessageStop, MessageTokensCount, Ping, StopReason)
 from lmport.server.streaming import event
 
 PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
@@ -37,9 +40,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
-def error_body(exc: APIError) -> dict:
+def error_body(exc: APIError) -> AnthropicError:
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    error = {"type": kind, "message": exc.message, **({"details": exc.details} if exc.details else {})}
+    error: AnthropicErrorBody = {"type": kind, "message": exc.message}
+    if exc.details:
+        error["details"] = exc.details
     return {"type": "error", "error": error, "request_id": access_log.request_id() or f"req_{uuid.uuid4().hex}"}
 
 
@@ -351,7 +356,7 @@ async def _prompt(frontend: Frontend, req: _Conversation) -> tuple[routes.ChatPr
 
 # -- routes ---------------------------------------------------------------------------------------------------
 
-async def count_tokens(frontend: Frontend, request: Request):
+async def count_tokens(frontend: Frontend, request: Request) -> MessageTokensCount:
     """POST /v1/messages/count_tokens: the prompt's tokens as the model would see it, tools included."""
     req = await frontend.parse(request, CountTokensRequest)
     prompt, _ = await _prompt(frontend, req)
@@ -383,12 +388,12 @@ class _Reply:
         self.frontend, self.job, self.tools, self.stop_words = frontend, job, prompt.tools, stop_words
         self.reasoning = prompt.reasoning   # the model's thinking comes back as thinking blocks
 
-    def _usage(self, out: RequestOutput) -> dict:
+    def _usage(self, out: RequestOutput) -> AnthropicUsage:
         # Anthropic counts the prompt tokens read from its cache apart from input_tokens.
         return {"input_tokens": out.prompt_tokens - out.cached_tokens, "output_tokens": len(out.token_ids),
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": out.cached_tokens}
 
-    def _stop(self, out: RequestOutput, called: bool) -> tuple[str, str | None]:
+    def _stop(self, out: RequestOutput, called: bool) -> tuple[StopReason, str | None]:
         """(stop_reason, stop_sequence)."""
         if out.finish_reason == "length":
             return "max_tokens", None
@@ -397,26 +402,31 @@ class _Reply:
         word = stop_sequence(self.frontend.tokenizer, out, self.stop_words)
         return ("end_turn", None) if word is None else ("stop_sequence", word)
 
-    def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
+    def _message(self, content: list[AnthropicBlock], stop: tuple[StopReason | None, str | None],
+                 usage: AnthropicUsage) -> AnthropicMessage:
         return {"id": f"msg_{self.job.id}", "type": "message", "role": "assistant", "model": self.frontend.model_name,
                 "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
-    def body(self, out: RequestOutput) -> dict:
+    def body(self, out: RequestOutput) -> AnthropicMessage:
         text, calls = reply_calls(out, self.tools, self.reasoning)
         thought = reply_thinking(out, self.reasoning)
-        content = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought is not None else []
-        content += [{"type": "text", "text": text}] if text else []
-        content += [{"type": "tool_use", "id": _tool_id(), "name": c["function"]["name"],
-                     "input": json.loads(c["function"]["arguments"])} for c in calls]
-        return self._message(content, self._stop(out, bool(calls)), self._usage(out))
+        thinking: list[AnthropicBlock] = [{"type": "thinking", "thinking": thought, "signature": ""}] \
+            if thought is not None else []
+        said: list[AnthropicBlock] = [{"type": "text", "text": text}] if text else []
+        uses: list[AnthropicBlock] = [{"type": "tool_use", "id": _tool_id(), "name": c["function"]["name"],
+                                       "input": json.loads(c["function"]["arguments"])} for c in calls]
+        return self._message(thinking + said + uses, self._stop(out, bool(calls)), self._usage(out))
 
     async def events(self):
-        prompt_tokens = len(self.job.prompts[0])
-        yield event("message_start", {"type": "message_start", "message": self._message([], (None, None), {
-            "input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0})})
-        yield event("ping", {"type": "ping"})
+        # Each event's data is annotated with its shape (lmport.server.shapes), which the type checker holds it to.
+        usage: AnthropicUsage = {"input_tokens": len(self.job.prompts[0]), "output_tokens": 0,
+                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        start: MessageStart = {"type": "message_start", "message": self._message([], (None, None), usage)}
+        yield event("message_start", start)
+        ping: Ping = {"type": "ping"}
+        yield event("ping", ping)
         index, open_kind, called, final = -1, None, False, None
+        stop: ContentBlockStop
         try:
             async for new, out in pieces(self.frontend, self.job, self.tools, self.reasoning):
                 access_log.note_output(0, out.token_ids)
@@ -424,32 +434,38 @@ class _Reply:
                     kind = piece.kind if piece.kind in ("text", "thinking") else "tool_use"
                     if piece.kind == "call" or kind != open_kind:
                         if open_kind is not None:
-                            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+                            stop = {"type": "content_block_stop", "index": index}
+                            yield event("content_block_stop", stop)
                         index, open_kind = index + 1, kind
-                        block = {"type": "text", "text": ""} if kind == "text" else {
+                        block: AnthropicBlock = {"type": "text", "text": ""} if kind == "text" else {
                             "type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {
                             "type": "tool_use", "id": _tool_id(), "name": piece.text, "input": {}}
                         called |= kind == "tool_use"
-                        yield event("content_block_start", {"type": "content_block_start", "index": index,
-                                                            "content_block": block})
+                        opened: ContentBlockStart = {"type": "content_block_start", "index": index,
+                                                     "content_block": block}
+                        yield event("content_block_start", opened)
                     if piece.kind != "call":
-                        delta = {"type": "text_delta", "text": piece.text} if kind == "text" else {
+                        delta: BlockDelta = {"type": "text_delta", "text": piece.text} if kind == "text" else {
                             "type": "thinking_delta", "thinking": piece.text} if kind == "thinking" else {
                             "type": "input_json_delta", "partial_json": piece.text}
-                        yield event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                            "delta": delta})
+                        more: ContentBlockDelta = {"type": "content_block_delta", "index": index, "delta": delta}
+                        yield event("content_block_delta", more)
                 if out.finished:
                     final = out
         except Exception as exc:   # a timeout, shutdown, failed generation or bug: the stream ends with an error event
             yield event("error", error_body(streaming.stream_error(exc)))
             return
         if open_kind is not None:
-            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+            stop = {"type": "content_block_stop", "index": index}
+            yield event("content_block_stop", stop)
         if final is not None:
             stop_reason, word = self._stop(final, called)
-            yield event("message_delta", {"type": "message_delta", "delta": {
-                "stop_reason": stop_reason, "stop_sequence": word}, "usage": self._usage(final)})
-        yield event("message_stop", {"type": "message_stop"})
+            ended: MessageDelta = {"type": "message_delta", "delta": {"stop_reason": stop_reason,
+                                                                      "stop_sequence": word},
+                                   "usage": self._usage(final)}
+            yield event("message_delta", ended)
+        last: MessageStop = {"type": "message_stop"}
+        yield event("message_stop", last)
 
 
 router = APIRouter(dependencies=AUTH)

@@ -42,6 +42,7 @@ from lmport.server.limits import Limits
 from lmport.server.metrics import ReplicaCollector
 from lmport.server.protocol import APIError, brief
 from lmport.server.quiet_log import Throttled
+from lmport.server.shapes import AnthropicError, ErrorResponse
 from lmport.server.frontend import MAX_BODY_BYTES, Frontend
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ async def http_error(request: Request, exc: StarletteHTTPException):
                                              code=code, headers=exc.headers))
 
 
-def error_body(path: str, exc: APIError) -> dict:
+def error_body(path: str, exc: APIError) -> ErrorResponse | AnthropicError:
     """An error in the shape of the API the route belongs to: Anthropic's on its routes, else OpenAI's."""
     return anthropic.error_body(exc) if path in anthropic.PATHS else exc.body()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from lmport import chat_template, reasoning, tool_parsers
 from lmport.errors import ConfigError
 from lmport.reasoning import Parser
+from lmport.server.shapes import ChatCard
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ class ChatFormat:
     reasoning_parser: Parser | None
     tool_parser: str
 
-    def card(self) -> dict:
+    def card(self) -> ChatCard:
         """What /v1/models says about it."""
         return {"chat_template": self.template, "reasoning_parser": self.reasoning_parser and
                 self.reasoning_parser.name, "tool_call_parser": self.tool_parser}

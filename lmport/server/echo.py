@@ -7,6 +7,8 @@ step. OpenAI's shape: the first prompt token has no logprob (``null``).
 """
 from __future__ import annotations
 
+from lmport.server.shapes import CompletionLogprobs
+
 
 def prompt_scores(prompt_ids: list[int], entries: list[dict[int, float]]) -> tuple[list, list]:
     """([None, log p(t_1 | t_0), ...], [None, {token: logprob} at each position]) from the engine's entries."""
@@ -14,7 +16,7 @@ def prompt_scores(prompt_ids: list[int], entries: list[dict[int, float]]) -> tup
 
 
 def merge(tokenizer, prompt_ids: list[int], prompt_lps: tuple[list, list] | None, top: int | None,
-          generated: dict | None) -> dict | None:
+          generated: CompletionLogprobs | None) -> CompletionLogprobs | None:
     """OpenAI's legacy logprobs for prompt + completion: tokens, token_logprobs, top_logprobs, text_offset."""
     if top is None:
         return None
@@ -32,5 +34,5 @@ def merge(tokenizer, prompt_ids: list[int], prompt_lps: tuple[list, list] | None
     if generated is None:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops_text, "text_offset": offsets}
     return {"tokens": tokens + generated["tokens"], "token_logprobs": lps + generated["token_logprobs"],
-            "top_logprobs": tops_text + generated["top_logprobs"],
+            "top_logprobs": [*tops_text, *generated["top_logprobs"]],
             "text_offset": offsets + [offset + o for o in generated["text_offset"]]}

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -45,7 +46,8 @@ class Job:
     configs: list[GenerationConfig]   # len(prompts) * n, choice index = prompt index * n + sample index
     n: int
     received: float                   # perf_counter() when the request arrived, for time to first token
-    header: dict = field(default_factory=dict)   # id, object, created, model: the start of every response
+    # The start of every chunk and answer of a chat or text completion (shapes.ChatHeader, .CompletionHeader).
+    header: Mapping[str, object] = field(default_factory=dict)
     include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
     continuous_usage: bool = False    # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     release: object = None            # gives its engine requests back to Admission (idempotent)

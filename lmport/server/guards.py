@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from lmport.server.protocol import APIError
 
@@ -46,7 +46,7 @@ def allowed_host_names(bind_host: str, allowed_hosts: list[str] | None) -> set[s
 
 class Guards:
     def __init__(self, app, allowed_hosts: set[str] | None, json_paths: frozenset[str] | None = None,
-                 error_body: Callable[[str, APIError], dict] | None = None):
+                 error_body: Callable[[str, APIError], Mapping[str, object]] | None = None):
         """``error_body(path, error)``: an error in the shape of the API that ``path`` belongs to."""
         self.app = app
         self.allowed_hosts = allowed_hosts

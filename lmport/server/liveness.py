@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
+from lmport.server.shapes import Health
 
-def stall(core, threshold: float) -> dict | None:
+
+def stall(core, threshold: float) -> Health | None:
     """/health's 503 body when ``core`` has had work pending and made no progress for over ``threshold`` s."""
     stalled_since = getattr(core, "stalled_since", None)   # the data-parallel front end reports its replicas instead
     since = stalled_since() if stalled_since is not None else None

@@ -6,7 +6,8 @@ reply goes; Anthropic's and the Responses API's requests are mapped here too (as
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 from lmport.config import ConfigError, GenerationConfig
 from lmport.engine.outputs import FinishReason, RequestError, RequestOutput
@@ -15,9 +16,15 @@ from lmport.server import echo, tools
 from lmport.server.answers import Each
 from lmport.server.frontend import Frontend, Job
 from lmport.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from lmport.server.shapes import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
+                                  ChatDelta, ChatFinish, ChatHeader, ChatLogprobs, Completion, CompletionChoice,
+                                  CompletionChunk, CompletionHeader, CompletionLogprobs, Finish, TokenLogprob,
+                                  ToolCallDelta, TopLogprob, Usage)
 
 # (choice index, output so far, its new text, the first logprob not sent yet) -> the chunks to send
-Chunks = Callable[[int, RequestOutput, str, int], list[dict]]
+Chunks = Callable[[int, RequestOutput, str, int], Sequence[ChatCompletionChunk | CompletionChunk]]
+# every choice's final output (None: a choice with no output) -> the stream's last chunk, with usage
+UsageChunk = Callable[[list[RequestOutput | None]], ChatCompletionChunk | CompletionChunk]
 
 
 # -- requests -------------------------------------------------------------------------------------------------
@@ -69,8 +76,9 @@ def chat_job(frontend: Frontend, req: ChatCompletionRequest, prompt_ids: list[in
              received: float, key: str | None) -> Job:
     job = job_for(frontend, req, [prompt_ids], "messages", req.max_completion_tokens or req.max_tokens,
                   chat_top_logprobs(req), received, response_format, key=key)
-    job.header = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
-                  "model": req.model, "system_fingerprint": frontend.fingerprint}
+    header: ChatHeader = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created,
+                          "model": req.model, "system_fingerprint": frontend.fingerprint}
+    job.header = header
     job.stream_usage(req.stream_options)
     return job
 
@@ -81,8 +89,9 @@ def completion_job(frontend: Frontend, req: CompletionRequest, prompts: list[lis
     scoring = (req.logprobs or 0) if req.echo and (req.logprobs is not None or req.max_tokens == 0) else None
     job = job_for(frontend, req, prompts, "prompt", req.max_tokens, req.logprobs, received, response_format,
                   key=key, prompt_logprobs=scoring)
-    job.header = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
-                  "model": req.model, "system_fingerprint": frontend.fingerprint}
+    header: CompletionHeader = {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                                "model": req.model, "system_fingerprint": frontend.fingerprint}
+    job.header = header
     job.stream_usage(req.stream_options)
     return job
 
@@ -97,6 +106,7 @@ class ChatReply:
         """``reasoning``: where the reply thinks; its thinking is given apart from the answer (as
         ``reasoning_content`` and, vLLM's newer name, ``reasoning``), or left out with include_reasoning false."""
         self.tokenizer, self.job, self.setup = tokenizer, job, setup
+        self.header = cast(ChatHeader, job.header)   # chat_job's
         self.reasoning, self.show_reasoning = reasoning, req.include_reasoning
         self.top = chat_top_logprobs(req)
         choices = len(job.configs)
@@ -105,25 +115,27 @@ class ChatReply:
         self.called = [False] * choices
         self.started = [False] * choices
 
-    def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[dict]:
+    def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[ChatCompletionChunk]:
         """OpenAI's stream: the role alone first, then only non-empty deltas, then an empty delta with the
         finish reason. Logprobs go with the text they are of (text held back keeps them back too)."""
-        def one(delta, finish, logprobs):
-            return {**self.job.header, "choices": [{"index": choice, "delta": delta, "finish_reason": finish,
-                                                    "logprobs": logprobs}]}
-        chunks = []
+        def one(delta: ChatDelta, finish: ChatFinish | None, logprobs: ChatLogprobs | None) -> ChatCompletionChunk:
+            return {**self.header, "choices": [{"index": choice, "delta": delta, "finish_reason": finish,
+                                                "logprobs": logprobs}]}
+        chunks: list[ChatCompletionChunk] = []
         if not self.started[choice]:
             self.started[choice] = True
-            chunks.append(one({"role": "assistant", "content": None}, None, None))
-        calls, thought = [], ""
+            role: ChatDelta = {"role": "assistant", "content": None}
+            chunks.append(one(role, None, None))
+        calls: list[ToolCallDelta] = []
+        thought = ""
         if self.splitters:
             thought, text = self.splitters[choice].feed(text, out.finished)
         if self.parsers:
             text, calls = self.parsers[choice].feed(text, out.finished)
             self.called[choice] |= bool(calls)
-        delta = {"content": text} if text else {}
+        delta: ChatDelta = {"content": text} if text else {}
         if thought and self.show_reasoning:
-            delta.update(reasoning_content=thought, reasoning=thought)
+            delta["reasoning_content"] = delta["reasoning"] = thought
         if calls:
             delta["tool_calls"] = calls
         top = self.top
@@ -137,28 +149,33 @@ class ChatReply:
                               None if delta else logprobs))
         return chunks
 
-    def body(self, outs: list[RequestOutput]) -> dict:
+    def usage_chunk(self, outs: list[RequestOutput | None]) -> ChatCompletionChunk:
+        """The stream's last chunk (stream_options.include_usage): no choices, the usage."""
+        return {**self.header, "choices": [], "usage": usage(self.job, outs)}
+
+    def body(self, outs: list[RequestOutput]) -> ChatCompletion:
         """The whole answer; its choices, and each choice's logprobs a token at a time, are made as they are
         written (answers.Each)."""
         for o in outs:
             finish_reason(o)   # a failed choice fails the answer before any of it is written
-        return {**self.job.header, "object": "chat.completion", "usage": usage(self.job, outs),
+        return {**self.header, "object": "chat.completion", "usage": usage(self.job, outs),
                 "choices": Each(len(outs), lambda c: self._choice(c, outs[c]))}
 
-    def _choice(self, c: int, o: RequestOutput) -> dict:
-        message, finish = {"role": "assistant", "content": o.text}, finish_reason(o)
+    def _choice(self, c: int, o: RequestOutput) -> ChatChoice:
+        message: AssistantMessage = {"role": "assistant", "content": o.text}
+        finish: ChatFinish = final_reason(o)
         if self.reasoning is not None:
             thought, answer = self.reasoning.split(o.text)
             message["content"] = answer if answer or thought is None else None
             if self.show_reasoning:
-                message.update(reasoning_content=thought, reasoning=thought)
+                message["reasoning_content"] = message["reasoning"] = thought
         if self.setup is not None and message["content"] is not None:
             message["content"], calls = tools.parse(message["content"], self.setup)
             if calls:
                 message["tool_calls"] = calls
                 finish = "tool_calls" if finish == "stop" else finish
         top = self.top
-        logprobs = None if top is None else {"content": Each(
+        logprobs: ChatLogprobs | None = None if top is None else {"content": Each(
             min(len(o.token_ids), len(o.logprobs)),
             lambda i: chat_logprob(self.tokenizer, o.token_ids[i], o.logprobs[i], top))}
         return {"index": c, "message": message, "finish_reason": finish, "logprobs": logprobs}
@@ -170,37 +187,44 @@ class CompletionReply:
     def __init__(self, tokenizer, job: Job, req: CompletionRequest, given: list[str | list[int]]):
         """``given``: each prompt as the request gave it (text or token ids), for echo."""
         self.tokenizer, self.job, self.top, self.echo, self.given = tokenizer, job, req.logprobs, req.echo, given
+        self.header = cast(CompletionHeader, job.header)   # completion_job's
 
-    def _logprobs(self, out: RequestOutput, start: int, lazy: bool = False) -> dict | None:
+    def _logprobs(self, out: RequestOutput, start: int, lazy: bool = False) -> CompletionLogprobs | None:
         return None if self.top is None else completion_logprobs(self.tokenizer, out, start, self.top, lazy)
 
-    def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[dict]:
+    def chunks(self, choice: int, out: RequestOutput, text: str, lp_from: int) -> list[CompletionChunk]:
         if not text and not out.finished:
             return []
-        return [{**self.job.header, "choices": [{"index": choice, "text": text, "finish_reason": finish_reason(out),
-                                                 "logprobs": self._logprobs(out, lp_from)}]}]
+        return [{**self.header, "choices": [{"index": choice, "text": text, "finish_reason": finish_reason(out),
+                                             "logprobs": self._logprobs(out, lp_from)}]}]
 
-    def body(self, outs: list[RequestOutput]) -> dict:
+    def usage_chunk(self, outs: list[RequestOutput | None]) -> CompletionChunk:
+        """The stream's last chunk (stream_options.include_usage): no choices, the usage."""
+        return {**self.header, "choices": [], "usage": usage(self.job, outs)}
+
+    def body(self, outs: list[RequestOutput]) -> Completion:
         """The whole answer; its choices are made one at a time as they are written (answers.Each)."""
         for o in outs:
             finish_reason(o)   # a failed choice fails the answer before any of it is written
         if self.echo:
             return self._echo_body(outs)
-        return {**self.job.header, "usage": usage(self.job, outs), "choices": Each(len(outs), lambda c: {
-            "index": c, "text": outs[c].text, "finish_reason": finish_reason(outs[c]),
-            "logprobs": self._logprobs(outs[c], 0, lazy=True)})}
 
-    def _echo_body(self, outs: list[RequestOutput]) -> dict:
+        def choice(c: int) -> CompletionChoice:
+            return {"index": c, "text": outs[c].text, "finish_reason": final_reason(outs[c]),
+                    "logprobs": self._logprobs(outs[c], 0, lazy=True)}
+        return {**self.header, "usage": usage(self.job, outs), "choices": Each(len(outs), choice)}
+
+    def _echo_body(self, outs: list[RequestOutput]) -> Completion:
         """The prompt (text and logprobs) before each choice's completion; only the prompt with max_tokens 0."""
         job, top = self.job, self.top
         texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in self.given]
 
-        def choice(c: int) -> dict:
+        def choice(c: int) -> CompletionChoice:
             o, ids = outs[c], job.prompt_of(c)
             scores = None if top is None else echo.prompt_scores(ids, o.prompt_logprobs or [])
-            return {"index": c, "text": texts[c // job.n] + o.text, "finish_reason": finish_reason(o),
+            return {"index": c, "text": texts[c // job.n] + o.text, "finish_reason": final_reason(o),
                     "logprobs": echo.merge(self.tokenizer, ids, scores, top, self._logprobs(o, 0))}
-        return {**job.header, "choices": Each(len(outs), choice), "usage": usage(job, outs)}
+        return {**self.header, "choices": Each(len(outs), choice), "usage": usage(job, outs)}
 
 
 # -- pieces of replies ----------------------------------------------------------------------------------------
@@ -209,19 +233,20 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def chat_logprobs(tokenizer, out: RequestOutput, start: int, top: int) -> dict:
+def chat_logprobs(tokenizer, out: RequestOutput, start: int, top: int) -> ChatLogprobs:
     return {"content": [chat_logprob(tokenizer, token_id, entry, top)
                         for token_id, entry in zip(out.token_ids[start:], out.logprobs[start:])]}
 
 
-def chat_logprob(tokenizer, token_id: int, entry: dict[int, float], top: int) -> dict:
+def chat_logprob(tokenizer, token_id: int, entry: dict[int, float], top: int) -> TokenLogprob:
     """One token's entry in a chat answer's logprobs: the token and its ``top`` alternatives."""
     best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
     return {**_logprob(tokenizer, token_id, entry[token_id]),
             "top_logprobs": [_logprob(tokenizer, t, lp) for t, lp in best]}
 
 
-def completion_logprobs(tokenizer, out: RequestOutput, start: int, top: int, lazy: bool = False) -> dict:
+def completion_logprobs(tokenizer, out: RequestOutput, start: int, top: int,
+                        lazy: bool = False) -> CompletionLogprobs:
     """OpenAI's legacy logprobs for tokens ``start:``; text_offset counts the tokens' own texts. ``lazy``: the
     top logprobs (a dict a token) made as they are written (answers.Each), for a whole answer."""
     offset = sum(len(token_text(tokenizer, t)) for t in out.token_ids[:start])
@@ -240,12 +265,12 @@ def completion_logprobs(tokenizer, out: RequestOutput, start: int, top: int, laz
             "text_offset": offsets}
 
 
-def _logprob(tokenizer, token_id: int, logprob: float) -> dict:
+def _logprob(tokenizer, token_id: int, logprob: float) -> TopLogprob:
     text = token_text(tokenizer, token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def usage(job: Job, outs: list[RequestOutput | None]) -> dict:
+def usage(job: Job, outs: list[RequestOutput] | list[RequestOutput | None]) -> Usage:
     """``outs`` by choice (None: a choice with no output)."""
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(len(o.token_ids) for o in outs if o is not None)
@@ -256,12 +281,17 @@ def usage(job: Job, outs: list[RequestOutput | None]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finish_reason(out: RequestOutput) -> str | None:
-    if not out.finished:
-        return None
+def finish_reason(out: RequestOutput) -> Finish | None:
+    """An output's finish reason, None until it has finished; a failed one raises its error."""
+    return final_reason(out) if out.finished else None
+
+
+def final_reason(out: RequestOutput) -> Finish:
+    """A finished output's finish reason; a failed one raises its error."""
     if out.finish_reason == FinishReason.ERROR:
         raise generation_error(out)
-    return str(out.finish_reason)   # the enum's string, as the API has it
+    # The enum's string, as the API has it: stop or length (an aborted output is never answered).
+    return str(out.finish_reason)   # pyright: ignore[reportReturnType]
 
 
 def generation_error(out: RequestOutput, choice: int | None = None) -> APIError:

@@ -5,8 +5,8 @@ an error that names its field instead of a silent coercion. A request body's
 unknown top-level fields are never dropped silently: one that would change what
 the request asks for (each route's ``UNIMPLEMENTED``) is a 400 naming it, any
 other (``user``, ``service_tier``: clients send fields that do not change
-generation) is accepted and logged once. Responses are plain dicts
-(``openai_mapping.py``; ``anthropic.py`` and ``responses.py`` for their APIs).
+generation) is accepted and logged once. Responses are plain dicts typed by their shapes
+(``shapes.py``), built in ``openai_mapping.py`` (``anthropic.py`` and ``responses.py`` for their APIs).
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lmport.server.shapes import ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class APIError(Exception):
         self.headers = headers
         self.details = details   # machine-readable cause, where an API defines one (Anthropic's error.details)
 
-    def body(self) -> dict:
+    def body(self) -> ErrorResponse:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

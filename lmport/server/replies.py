@@ -19,6 +19,7 @@ from lmport.server import tools
 from lmport.server.frontend import Frontend, Job
 from lmport.server.openai_mapping import finish_reason
 from lmport.server.protocol import APIError
+from lmport.server.shapes import ReplyToolCall
 from lmport.server.streaming import outputs
 
 
@@ -63,7 +64,7 @@ async def pieces(frontend: Frontend, job: Job, setup: tools.ToolSetup | None, re
 
 
 def reply_calls(out: RequestOutput, setup: tools.ToolSetup | None, reasoning: Reasoning | None = None
-                ) -> tuple[str, list[dict]]:
+                ) -> tuple[str, list[ReplyToolCall]]:
     """A finished output's answer text (without its thinking) and tool calls (OpenAI's chat shape:
     {"function": {"name", "arguments"}})."""
     answer = out.text if reasoning is None else reasoning.split(out.text)[1]

@@ -31,6 +31,11 @@ from lmport.server.protocol import (APIError, ChatCompletionRequest, JSONPathReq
                                     bounded_int, empty_arguments)
 from lmport.server.frontend import Frontend, Job
 from lmport.server.replies import pieces, renamed, reply_calls, reply_thinking
+from lmport.server.shapes import (ArgumentsDeltaEvent, ArgumentsDoneEvent, ContentPartEvent, FunctionCallOutput,
+                                  InputTokensCount, ItemStatus, MessageOutput, OutputItem, OutputItemEvent,
+                                  ReasoningOutput, ReplyOutputText, ResponseLifecycle, ResponseObject,
+                                  ResponseStatus, ResponseStreamEvent, ResponseUsage, StreamError, TextDeltaEvent,
+                                  TextDoneEvent)
 from lmport.server.streaming import event
 
 
@@ -387,7 +392,7 @@ async def _prompt(frontend: Frontend,
     return prompt, chat
 
 
-async def input_tokens(frontend: Frontend, request: Request):
+async def input_tokens(frontend: Frontend, request: Request) -> InputTokensCount:
     """POST /v1/responses/input_tokens: the input's tokens as the model would read it, tools included."""
     req: InputTokensRequest = await frontend.parse(request, InputTokensRequest)
     prompt, _ = await _prompt(frontend, req)
@@ -404,12 +409,12 @@ class _Reply:
     def __init__(self, frontend: Frontend, job: Job, prompt: routes.ChatPrompt, req: ResponsesRequest):
         self.frontend, self.job, self.tools, self.req = frontend, job, prompt.tools, req
         self.reasoning = prompt.reasoning   # the model's thinking comes back as a reasoning item
-        self.sequence = 0
+        self.sequence = 0   # the next event's sequence_number
 
-    def response(self, status: str, output: list[dict], out: RequestOutput | None = None,
-                 error: dict | None = None) -> dict:
+    def response(self, status: ResponseStatus, output: list[OutputItem], out: RequestOutput | None = None,
+                 error: dict | None = None) -> ResponseObject:
         req = self.req
-        usage = None
+        usage: ResponseUsage | None = None
         if out is not None:
             thinking = self.reasoning.token_count(out.token_ids, self.frontend.tokenizer) if self.reasoning else 0
             usage = {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.cached_tokens},
@@ -426,75 +431,100 @@ class _Reply:
                 "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
                 "temperature": req.temperature, "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "tool_choice": choice, "tools": [t.model_dump() for t in req.tools or []], "top_p": req.top_p,
-                "truncation": req.truncation, "usage": usage, "user": req.user, "metadata": req.metadata or {}}
+                # "auto" is refused (unsupported_problem)
+                "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {}}
 
     @staticmethod
-    def _status(out: RequestOutput) -> str:
+    def _status(out: RequestOutput) -> Literal["incomplete", "completed"]:
         return "incomplete" if out.finish_reason == "length" else "completed"
 
     @staticmethod
-    def _message(text: str, status: str, item_id: str | None = None) -> dict:
+    def _message(text: str, status: ItemStatus, item_id: str | None = None) -> MessageOutput:
         return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text or
                 status != "in_progress" else []}
 
     @staticmethod
-    def _reasoning(text: str, status: str) -> dict:
+    def _reasoning(text: str, status: ItemStatus) -> ReasoningOutput:
         return {"type": "reasoning", "id": _id("rs"), "status": status, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
-    def body(self, out: RequestOutput) -> dict:
+    def body(self, out: RequestOutput) -> ResponseObject:
         text, calls = reply_calls(out, self.tools, self.reasoning)
         thought = reply_thinking(out, self.reasoning)
         status = self._status(out)
-        output = [self._reasoning(thought, status)] if thought is not None else []
+        output: list[OutputItem] = [self._reasoning(thought, status)] if thought is not None else []
         output += [self._message(text, status)] if text or not calls else []
-        output += [{"type": "function_call", "id": _id("fc"), "call_id": _id("call"), "name": c["function"]["name"],
-                    "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+        output += [self._call(c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
         return self.response(status, output, out)
 
-    def _event(self, kind: str, **data) -> str:
-        line = event(kind, {"type": kind, "sequence_number": self.sequence, **data})
-        self.sequence += 1
-        return line
+    @staticmethod
+    def _call(name: str, arguments: str, status: ItemStatus) -> FunctionCallOutput:
+        return {"type": "function_call", "id": _id("fc"), "call_id": _id("call"), "name": name,
+                "arguments": arguments, "status": status}
 
-    def _close(self, item: dict, index: int, status: str, text: str) -> list[str]:
+    # Each event is built with the sequence number it is sent with (``self.sequence``), then sent (``_send``).
+
+    def _send(self, data: ResponseStreamEvent) -> str:
+        self.sequence += 1
+        return event(data["type"], data)
+
+    def _close(self, item: OutputItem, index: int, status: ItemStatus, text: str) -> list[str]:
         """The events that end an open output item (its text or arguments whole, then the item)."""
         lines = []
         if item["type"] == "reasoning":
-            lines.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                     content_index=0, text=text))
+            done: TextDoneEvent = {"type": "response.reasoning_text.done", "sequence_number": self.sequence,
+                                   "item_id": item["id"], "output_index": index, "content_index": 0, "text": text}
+            lines.append(self._send(done))
             item["content"] = [{"type": "reasoning_text", "text": text}]
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            lines.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                     content_index=0, text=text, logprobs=[]))
-            lines.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                     content_index=0, part=part))
+            part: ReplyOutputText = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            done = {"type": "response.output_text.done", "sequence_number": self.sequence, "item_id": item["id"],
+                    "output_index": index, "content_index": 0, "text": text, "logprobs": []}
+            lines.append(self._send(done))
+            part_done: ContentPartEvent = {"type": "response.content_part.done", "sequence_number": self.sequence,
+                                           "item_id": item["id"], "output_index": index, "content_index": 0,
+                                           "part": part}
+            lines.append(self._send(part_done))
             item["content"] = [part]
         else:
-            lines.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                     name=item["name"], arguments=item["arguments"]))
+            arguments: ArgumentsDoneEvent = {"type": "response.function_call_arguments.done",
+                                             "sequence_number": self.sequence, "item_id": item["id"],
+                                             "output_index": index, "name": item["name"],
+                                             "arguments": item["arguments"]}
+            lines.append(self._send(arguments))
         item["status"] = status
-        lines.append(self._event("response.output_item.done", output_index=index, item=item))
+        item_done: OutputItemEvent = {"type": "response.output_item.done", "sequence_number": self.sequence,
+                                      "output_index": index, "item": item}
+        lines.append(self._send(item_done))
         return lines
 
-    def _open(self, item: dict, output: list[dict]) -> list[str]:
+    def _open(self, item: OutputItem, output: list[OutputItem]) -> list[str]:
         output.append(item)
         index = len(output) - 1
-        lines = [self._event("response.output_item.added", output_index=index, item=item)]
+        added: OutputItemEvent = {"type": "response.output_item.added", "sequence_number": self.sequence,
+                                  "output_index": index, "item": item}
+        lines = [self._send(added)]
         if item["type"] == "message":
-            lines.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+            part_added: ContentPartEvent = {"type": "response.content_part.added", "sequence_number": self.sequence,
+                                            "item_id": item["id"], "output_index": index, "content_index": 0,
+                                            "part": {"type": "output_text", "text": "", "annotations": []}}
+            lines.append(self._send(part_added))
         return lines
 
+    def _lifecycle(self, kind: Literal["response.created", "response.in_progress", "response.completed",
+                                       "response.incomplete", "response.failed"], response: ResponseObject) -> str:
+        lifecycle: ResponseLifecycle = {"type": kind, "sequence_number": self.sequence, "response": response}
+        return self._send(lifecycle)
+
     async def events(self):
-        yield self._event("response.created", response=self.response("in_progress", []))
-        yield self._event("response.in_progress", response=self.response("in_progress", []))
-        output: list[dict] = []
-        item: dict | None = None    # the output item being streamed
-        text = ""                   # its text so far, when it is a message
+        yield self._lifecycle("response.created", self.response("in_progress", []))
+        yield self._lifecycle("response.in_progress", self.response("in_progress", []))
+        output: list[OutputItem] = []
+        item: OutputItem | None = None    # the output item being streamed (the last of output)
+        text = ""                         # its text so far, when it is a message
         final = None
+        delta: TextDeltaEvent
         try:
             async for new, out in pieces(self.frontend, self.job, self.tools, self.reasoning):
                 access_log.note_output(0, out.token_ids)
@@ -504,32 +534,38 @@ class _Reply:
                         if item is not None:
                             for line in self._close(item, len(output) - 1, "completed", text):
                                 yield line
-                        item, text = self._message("", "in_progress") if kind == "message" else \
-                            self._reasoning("", "in_progress") if kind == "reasoning" else {
-                                "type": "function_call", "id": _id("fc"), "call_id": _id("call"),
-                                "name": piece.text, "arguments": "", "status": "in_progress"}, ""
+                        item = self._message("", "in_progress") if kind == "message" else \
+                            self._reasoning("", "in_progress") if kind == "reasoning" else \
+                            self._call(piece.text, "", "in_progress")
+                        text = ""
                         for line in self._open(item, output):
                             yield line
-                    current = output[-1]   # the open item (it was just opened if need be)
                     if piece.kind == "thinking":
                         text += piece.text
-                        yield self._event("response.reasoning_text.delta", item_id=current["id"],
-                                          output_index=len(output) - 1, content_index=0, delta=piece.text)
+                        delta = {"type": "response.reasoning_text.delta", "sequence_number": self.sequence,
+                                 "item_id": item["id"], "output_index": len(output) - 1, "content_index": 0,
+                                 "delta": piece.text}
+                        yield self._send(delta)
                     elif piece.kind == "text":
                         text += piece.text
-                        yield self._event("response.output_text.delta", item_id=current["id"],
-                                          output_index=len(output) - 1, content_index=0, delta=piece.text,
-                                          logprobs=[])
-                    elif piece.kind == "arguments":
-                        current["arguments"] += piece.text
-                        yield self._event("response.function_call_arguments.delta", item_id=current["id"],
-                                          output_index=len(output) - 1, delta=piece.text)
+                        delta = {"type": "response.output_text.delta", "sequence_number": self.sequence,
+                                 "item_id": item["id"], "output_index": len(output) - 1, "content_index": 0,
+                                 "delta": piece.text, "logprobs": []}
+                        yield self._send(delta)
+                    elif piece.kind == "arguments" and item["type"] == "function_call":
+                        item["arguments"] += piece.text
+                        arguments: ArgumentsDeltaEvent = {
+                            "type": "response.function_call_arguments.delta", "sequence_number": self.sequence,
+                            "item_id": item["id"], "output_index": len(output) - 1, "delta": piece.text}
+                        yield self._send(arguments)
                 if out.finished:
                     final = out
         except Exception as caught:   # a timeout, shutdown, failed generation or bug: an error event, response.failed
             exc = streaming.stream_error(caught)
-            yield self._event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
-            yield self._event("response.failed", response=self.response(
+            error: StreamError = {"type": "error", "sequence_number": self.sequence, "code": exc.code or exc.type,
+                                  "message": exc.message, "param": exc.param}
+            yield self._send(error)
+            yield self._lifecycle("response.failed", self.response(
                 "failed", output, error={"code": exc.code or exc.type, "message": exc.message}))
             return
         if final is None:   # outputs() ends only once the choice has finished
@@ -545,8 +581,8 @@ class _Reply:
                 yield line
         for line in self._close(item, len(output) - 1, status, text):
             yield line
-        name = "response.incomplete" if status == "incomplete" else "response.completed"
-        yield self._event(name, response=self.response(status, output, final))
+        yield self._lifecycle("response.incomplete" if status == "incomplete" else "response.completed",
+                              self.response(status, output, final))
 
 
 router = APIRouter(dependencies=AUTH)

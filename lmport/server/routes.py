@@ -32,8 +32,9 @@ async def chat_completions(frontend: Frontend, request: Request):
     frontend.admit(job)
     reply = openai_mapping.ChatReply(frontend.tokenizer, job, req, prompt.tools, prompt.reasoning)
     chunks, body = access_log.counting_chunks(reply.chunks), access_log.counting_body(reply.body)
-    return await streaming.respond(frontend, request, job, lambda: streaming.event_lines(frontend, job, chunks),
-                                   body, stream=req.stream)
+    return await streaming.respond(
+        frontend, request, job, lambda: streaming.event_lines(frontend, job, chunks, reply.usage_chunk), body,
+        stream=req.stream)
 
 
 async def completions(frontend: Frontend, request: Request):
@@ -46,8 +47,9 @@ async def completions(frontend: Frontend, request: Request):
     frontend.admit(job)
     reply = openai_mapping.CompletionReply(frontend.tokenizer, job, req, prompt.given)
     chunks, body = access_log.counting_chunks(reply.chunks), access_log.counting_body(reply.body)
-    return await streaming.respond(frontend, request, job, lambda: streaming.event_lines(frontend, job, chunks),
-                                   body, stream=req.stream)
+    return await streaming.respond(
+        frontend, request, job, lambda: streaming.event_lines(frontend, job, chunks, reply.usage_chunk), body,
+        stream=req.stream)
 
 
 @dataclass

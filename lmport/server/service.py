@@ -12,26 +12,35 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lmport.server import adapters, liveness
 from lmport.server import openapi as openapi_doc
 from lmport.server.auth import AUTH
+from lmport.server.chat_format import ChatFormat
 from lmport.server.protocol import APIError, brief
+from lmport.server.shapes import Health, ModelCard, ModelList, OpenAICard
 
 health_router = APIRouter()
 router = APIRouter(dependencies=AUTH)
 docs_router = APIRouter(dependencies=AUTH, include_in_schema=False)
 
 
+# The routes' answers are annotated variables: a route's return annotation would become FastAPI's response model.
+
 @health_router.get("/health")
 async def health(request: Request):
     frontend, replicas = request.app.state.frontend, request.app.state.replicas
     problem = frontend.engine_problem()
+    answer: Health
     if problem is not None:
-        return JSONResponse({"status": "engine stopped", "reason": problem}, status_code=503)
+        answer = {"status": "engine stopped", "reason": problem}
+        return JSONResponse(answer, status_code=503)
     if frontend.admission.closed:
-        return JSONResponse({"status": "shutting down"}, status_code=503)
+        answer = {"status": "shutting down"}
+        return JSONResponse(answer, status_code=503)
     if (stalled := liveness.stall(frontend.core, frontend.limits.engine_stall_timeout)) is not None:
         return JSONResponse(stalled, status_code=503)
     if replicas is not None:
-        return {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
-    return {"status": "ok"}
+        answer = {"status": "ok", "replicas": [{k: v for k, v in r.items() if k != "usage"} for r in replicas()]}
+        return answer
+    answer = {"status": "ok"}
+    return answer
 
 
 @router.get("/metrics")
@@ -39,10 +48,11 @@ async def metrics(request: Request):
     return Response(generate_latest(request.app.state.frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(request: Request) -> dict:
+def _model_card(request: Request) -> OpenAICard:
     frontend = request.app.state.frontend
+    chat: ChatFormat = request.app.state.chat
     return {"id": frontend.model_name, "object": "model", "created": frontend.created, "owned_by": "lmport",
-            "max_model_len": frontend.info.session_len, **request.app.state.chat.card()}
+            "max_model_len": frontend.info.session_len, **chat.card()}
 
 
 @router.get("/v1/models")
@@ -50,7 +60,9 @@ async def models(request: Request):
     cards = [with_anthropic_fields(card) for card in [_model_card(request),
                                                       *adapters.model_cards(request.app.state.frontend)]]
     # Anthropic's list shape beside OpenAI's: one page holds every model.
-    return {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}
+    answer: ModelList = {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"],
+                         "last_id": cards[-1]["id"]}
+    return answer
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -64,7 +76,7 @@ async def model(request: Request, model_id: str):
     return with_anthropic_fields(_model_card(request))
 
 
-def with_anthropic_fields(card: dict) -> dict:
+def with_anthropic_fields(card: OpenAICard) -> ModelCard:
     """An OpenAI model card with the fields Anthropic's model object has too (type, display_name, created_at as
     RFC 3339), so both APIs' clients read it."""
     created = datetime.datetime.fromtimestamp(card["created"], datetime.timezone.utc)

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import cast
 
 from fastapi import Request
@@ -23,14 +23,15 @@ from lmport.engine.messages import EngineRequest
 from lmport.lora import AdapterError
 from lmport.server import adapters, answers
 from lmport.server.frontend import Frontend, Job
-from lmport.server.openai_mapping import Chunks, generation_error, usage
+from lmport.server.openai_mapping import Chunks, UsageChunk, generation_error
 from lmport.server.protocol import APIError, brief
+from lmport.server.shapes import Usage
 
 log = logging.getLogger(__name__)
 
 
 async def respond(frontend: Frontend, request: Request, job: Job, events: Callable[[], AsyncIterator[str]],
-                  body: Callable[[list[RequestOutput]], dict], *, stream: bool):
+                  body: Callable[[list[RequestOutput]], Mapping[str, object]], *, stream: bool):
     """An admitted job's reply: ``events()`` (server-sent event lines) as a stream, or ``body(final outputs)``
     once all are done, within the size limit and built off the event loop (lmport.server.answers); 499 when
     the client left first."""
@@ -240,19 +241,19 @@ def stream_error(exc: Exception) -> APIError:
                     code="internal_error")
 
 
-def sse(data: dict | str) -> str:
+def sse(data: Mapping[str, object] | str) -> str:
     """An unnamed event, as OpenAI's streams send them: a dict as JSON, or text such as ``[DONE]``."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def event(name: str, data: dict) -> str:
+def event(name: str, data: Mapping[str, object]) -> str:
     """A server-sent event with a name (``event:``), as Anthropic's and the Responses API's streams send them."""
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def event_lines(frontend: Frontend, job: Job, chunks: Chunks) -> AsyncIterator[str]:
+async def event_lines(frontend: Frontend, job: Job, chunks: Chunks, usage_chunk: UsageChunk) -> AsyncIterator[str]:
     """OpenAI's stream of a job: the chunks ``chunks(choice, out, delta, logprobs_from)`` makes of each output
-    (none when it holds the text back), usage when asked, [DONE].
+    (none when it holds the text back), ``usage_chunk(final outputs)`` when usage is asked for, [DONE].
 
     ``out.text`` never shows what may still turn out to be a stop string: the engine holds it back.
     """
@@ -276,15 +277,16 @@ async def event_lines(frontend: Frontend, job: Job, chunks: Chunks) -> AsyncIter
                 for piece in pieces:
                     if job.continuous_usage:
                         prompt = len(job.prompt_of(choice))
-                        piece["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(out.token_ids),
-                                          "total_tokens": prompt + len(out.token_ids)}
+                        so_far: Usage = {"prompt_tokens": prompt, "completion_tokens": len(out.token_ids),
+                                         "total_tokens": prompt + len(out.token_ids)}
+                        piece["usage"] = so_far
                     yield sse(piece)
         except Exception as exc:  # timeout, shutdown, engine stopped, a bug: the stream still ends properly
             yield sse(stream_error(exc).body())
             yield sse("[DONE]")
             return
         if job.include_usage:
-            yield sse({**job.header, "choices": [], "usage": usage(job, finals)})
+            yield sse(usage_chunk(finals))
         yield sse("[DONE]")
     finally:
         await stream.aclose()

@@ -16,6 +16,7 @@ from pydantic import ConfigDict
 from lmport.server import adapters, jsonbody, routes
 from lmport.server.auth import AUTH
 from lmport.server.protocol import APIError, ChatCompletionRequest, ChatMessage, Unimplemented, _Request, brief
+from lmport.server.shapes import DetokenizeResponse, TokenizeResponse
 
 
 class TokenizeRequest(_Request):
@@ -56,7 +57,7 @@ def _with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
     return prefix + ids + marks[len(prefix):]
 
 
-async def tokenize(frontend, request: Request) -> dict:
+async def tokenize(frontend, request: Request) -> TokenizeResponse:
     req = await jsonbody.read(request, TokenizeRequest)
     if (problem := req.unknown_field_problem()) is not None:
         raise problem
@@ -82,7 +83,7 @@ async def tokenize(frontend, request: Request) -> dict:
     return {"count": len(ids), "max_model_len": frontend.info.session_len, "tokens": ids, "token_strs": strs}
 
 
-async def detokenize(frontend, request: Request) -> dict:
+async def detokenize(frontend, request: Request) -> DetokenizeResponse:
     req = await jsonbody.read(request, DetokenizeRequest)
     if (problem := req.unknown_field_problem()) is not None:
         raise problem

@@ -23,6 +23,7 @@ from lmport import chat_template
 from lmport.structured_output.grammar import Grammars, GuidedDecodingError, enforceable_schema, grammar_key
 from lmport.tool_parsers.formats import ARGS, FORMATS, ToolFormat, Unconstrainable, rebase
 from lmport.server.protocol import APIError, ChatCompletionRequest
+from lmport.server.shapes import ReplyToolCall, ToolCallDelta
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -295,13 +296,13 @@ def _special_texts(tokenizer) -> re.Pattern | None:
     return pattern
 
 
-def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
+def parse(text: str, setup: ToolSetup) -> tuple[str | None, list[ReplyToolCall]]:
     """(content, tool_calls) of a reply, in the setup's format; only the first call without parallel calls."""
     content, calls = _parse_hermes(text, setup) if setup.format is None else _parse_family(text, setup)
     return content, calls if setup.parallel else calls[:1]
 
 
-def _parse_family(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
+def _parse_family(text: str, setup: ToolSetup) -> tuple[str | None, list[ReplyToolCall]]:
     """A reply in one of lmport.tool_parsers' formats: the text before its calls, and the calls; the whole text
     as content when what follows the marker is no call to a given tool."""
     fmt = cast(ToolFormat, setup.format)
@@ -314,13 +315,13 @@ def _parse_family(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
                              for name, args in found]
 
 
-def _parse_hermes(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
+def _parse_hermes(text: str, setup: ToolSetup) -> tuple[str | None, list[ReplyToolCall]]:
     """(content, tool_calls) of a reply: every well-formed block naming a tool becomes a call.
 
     A reply with a malformed block is left as plain content (no calls), as the model did not
     produce a call the client could run.
     """
-    calls = []
+    calls: list[ReplyToolCall] = []
     for block in CALL_BLOCK.findall(text):
         call = _call(block, setup)
         if call is None:
@@ -336,7 +337,7 @@ def _parse_hermes(text: str, setup: ToolSetup) -> tuple[str | None, list[dict]]:
 HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
-def _call(block: str, setup: ToolSetup) -> dict | None:
+def _call(block: str, setup: ToolSetup) -> ReplyToolCall | None:
     """The call a block's JSON text makes, or None when it is malformed or names no given tool.
 
     ``arguments`` is the model's own JSON text when the block is in the taught order (so a stream can
@@ -384,7 +385,7 @@ class FirstCallOnly:
     def __init__(self, parser):
         self.parser = parser
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
         content, calls = self.parser.feed(delta, finished)
         return content, [c for c in calls if c["index"] == 0]
 
@@ -398,7 +399,7 @@ class FamilyStream:
         self.buffer = ""
         self.mode = "text"   # "calls" once a marker is seen; "plain" once a reply that must start with one did not
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
         self.buffer += delta
         content = ""
         if self.mode == "text":
@@ -443,9 +444,10 @@ class StreamParser:
         self.calls = 0          # calls started so far (the next one's index)
         self.open = None        # the call being streamed: {"index", "id", "sent"} once its name is known
 
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
         self.buffer += delta
-        content, calls = "", []
+        content = ""
+        calls: list[ToolCallDelta] = []
         while True:
             start = self.buffer.find(OPEN)
             if start < 0:
@@ -468,9 +470,9 @@ class StreamParser:
             content += text
             calls += done
 
-    def _progress(self, body: str) -> list[dict]:
+    def _progress(self, body: str) -> list[ToolCallDelta]:
         """Deltas for an open block: its header once the name is known, then new argument text."""
-        out = []
+        out: list[ToolCallDelta] = []
         if self.open is None:
             header = HEADER.match(body)
             if not header or json.loads(f'"{header.group(1)}"') not in self.setup.names:
@@ -478,15 +480,18 @@ class StreamParser:
             self.open = {"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "sent": "",
                          "start": header.end()}
             self.calls += 1
-            out.append({"index": self.open["index"], "id": self.open["id"], "type": "function",
-                        "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}})
+            named: ToolCallDelta = {"index": self.open["index"], "id": self.open["id"], "type": "function",
+                                    "function": {"name": json.loads(f'"{header.group(1)}"'), "arguments": ""}}
+            out.append(named)
         ready = body[self.open["start"]:len(body) - self.HOLD]
         if len(ready) > len(self.open["sent"]):
-            out.append({"index": self.open["index"], "function": {"arguments": ready[len(self.open["sent"]):]}})
+            more: ToolCallDelta = {"index": self.open["index"],
+                                   "function": {"arguments": ready[len(self.open["sent"]):]}}
+            out.append(more)
             self.open["sent"] = ready
         return out
 
-    def _close(self, block: str) -> tuple[str, list[dict]]:
+    def _close(self, block: str) -> tuple[str, list[ToolCallDelta]]:
         """(content, deltas) that finish a block: the rest of its arguments, the whole call if nothing
         was sent yet, or the block as content when it is no call."""
         opened, self.open = self.open, None
