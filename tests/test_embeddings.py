@@ -104,9 +104,12 @@ def test_default_model_matches_sentence_transformers():
 
 
 def test_server_embeddings_with_the_openai_client():
+    import httpx
     import openai
+    import pydantic
     from test_server import ServerThread
 
+    from lmport.server import shapes
     from lmport.server.app import create_app
     path = tiny_st_dir("mean", True)
     want = [st_model(path).encode(t, convert_to_numpy=True) for t in TEXTS]
@@ -121,6 +124,10 @@ def test_server_embeddings_with_the_openai_client():
         check_close([d.embedding for d in packed.data], want)
         check_close([d.embedding for d in ids.data], want)
         assert floats.model == "tiny-st" and [d.index for d in floats.data] == [0, 1, 2, 3]
+        for encoding in ("float", "base64"):   # the answer as sent is the document's EmbeddingList, no field more
+            raw = httpx.post(srv.url + "/v1/embeddings", json={"model": "tiny-st", "input": TEXTS[:2],
+                                                               "encoding_format": encoding}, timeout=60)
+            pydantic.TypeAdapter(shapes.EmbeddingList).validate_python(raw.json())
         assert floats.usage.prompt_tokens == sum(len(engine.tokenizer.encode(t)) for t in TEXTS)
         for bad, param in (({"dimensions": 7}, "dimensions"), ({"input": []}, "input"), ({"input": ""}, "input"),
                            ({"extra_body": {"truncate_prompt_tokens": 2}}, "truncate_prompt_tokens"),

@@ -10,6 +10,7 @@ import json
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 from test_server import ServerThread
@@ -17,7 +18,7 @@ from test_server import ServerThread
 from lmport.engine import core_process as engine_core
 from lmport.config import ConfigError, EngineConfig
 from lmport.engine.engine import Engine
-from lmport.server import adapters
+from lmport.server import adapters, shapes
 from lmport.server.app import create_app
 from support.model_helpers import hf_model, tiny_model_dir
 from support.lora_adapters import adapter_dir, greedy, merged_model
@@ -84,6 +85,8 @@ def test_load_use_unload_under_load(server):
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "hot", "lora_path": path, "load_inplace": False,
                                                "x_client_note": "hi"})
     assert r.status_code == 200, r.text
+    loaded = pydantic.TypeAdapter(shapes.LoadedAdapter).validate_python(r.json())   # the document's, no field more
+    assert loaded["id"] == "hot" and loaded["parent"] == "tiny"
     assert "hot" in [m.id for m in client(server).models.list().data]
     requests = prompts() * 2
     # a thread each: every request is sent before the unload (a queued one would arrive after it, refused)
@@ -93,6 +96,7 @@ def test_load_use_unload_under_load(server):
         assert first.model == "hot"
         r = post(server, "/v1/unload_lora_adapter", {"lora_name": "hot"})
         assert r.status_code == 200, r.text
+        assert pydantic.TypeAdapter(shapes.UnloadedAdapter).validate_python(r.json())["deleted"] is True
         replies = [f.result() for f in running]
     assert all(x.choices[0].finish_reason == "length" and x.usage.completion_tokens == 48 for x in replies)
     want = greedy(merged_model(model_dir, path), prompts(), 48)

@@ -20,7 +20,7 @@ from lmport.lora import AdapterError
 from lmport.server import jsonbody
 from lmport.server.auth import AUTH
 from lmport.server.protocol import APIError, Unimplemented, _Request, bounded_int, brief
-from lmport.server.shapes import OpenAICard
+from lmport.server.shapes import LoadedAdapter, OpenAICard, UnloadedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,10 @@ async def load_lora_adapter(request: Request):
         loaded = await frontend.core.load_adapter(req.lora_name, req.lora_path)
     except AdapterError as exc:
         raise adapter_error(exc, frontend.expose_adapter_paths) from None
-    return {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
-            **({"root": loaded.path} if frontend.expose_adapter_paths else {}), "parent": frontend.model_name}
+    root: _Root = {"root": loaded.path} if frontend.expose_adapter_paths else {}
+    answer: LoadedAdapter = {"id": loaded.name, "object": "model", "created": loaded.created, "owned_by": "lmport",
+                             **root, "parent": frontend.model_name}
+    return answer
 
 
 @router.post("/v1/unload_lora_adapter")
@@ -137,4 +139,5 @@ async def unload_lora_adapter(request: Request):
         unloaded = await frontend.core.unload_adapter(req.lora_name)
     except AdapterError as exc:
         raise adapter_error(exc) from None
-    return {"id": unloaded.name, "object": "model", "deleted": True}
+    answer: UnloadedAdapter = {"id": unloaded.name, "object": "model", "deleted": True}
+    return answer

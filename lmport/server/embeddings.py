@@ -26,6 +26,7 @@ from lmport.server.protocol import APIError, Unimplemented, _Request, bounded_in
 from lmport.server import jsonbody, streaming
 from lmport.server.auth import AUTH
 from lmport.server.frontend import Job
+from lmport.server.shapes import Embedding, EmbeddingList
 
 Input = str | list[str] | list[int] | list[list[int]]
 
@@ -99,15 +100,16 @@ async def embed(frontend, pooling: PoolingConfig, request: Request):
         job.release()
     if vectors is None:   # the client went away; its requests were aborted
         return None
-    data = []
+    data: list[Embedding] = []
     for i, vector in enumerate(vectors):
         vector = finish(vector, pooling)
         encoded = (base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
                    if req.encoding_format == "base64" else vector)
         data.append({"object": "embedding", "index": i, "embedding": encoded})
     tokens = sum(len(p) for p in prompts)
-    return {"object": "list", "data": data, "model": req.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    answer: EmbeddingList = {"object": "list", "data": data, "model": req.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return answer
 
 
 async def _run(frontend, job: Job, mode: str) -> list[list[float]]:

@@ -93,7 +93,7 @@ DOCUMENTED = (ChatCompletionRequest, CompletionRequest, shapes.ErrorResponse, sh
               shapes.AnthropicMessage, shapes.MessageTokensCount, shapes.AnthropicStreamEvent, shapes.ResponseObject,
               shapes.ResponseStreamEvent, EmbeddingRequest, LoadLoraAdapter, UnloadLoraAdapter, TokenizeRequest,
               shapes.TokenizeResponse, DetokenizeRequest, shapes.DetokenizeResponse, InputTokensRequest,
-              shapes.InputTokensCount)
+              shapes.InputTokensCount, shapes.EmbeddingList, shapes.LoadedAdapter, shapes.UnloadedAdapter)
 
 
 def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
@@ -179,15 +179,15 @@ def build(app: FastAPI, model_name: str, api_key: bool, vocab: int) -> dict:
                            "content": {**_json("ResponseObject"), "text/event-stream": _named_stream(
                                "ResponseStreamEvent")}},
                    **_errors(*common)})
-    # A body is required (without one: 415); the replies are objects (docs/embeddings.md, docs/lora.md).
-    for path, request, statuses in (("/v1/embeddings", "EmbeddingRequest", common),
-                                    ("/v1/load_lora_adapter", "LoadLoraAdapter", (*common, 403, 409)),
-                                    ("/v1/unload_lora_adapter", "UnloadLoraAdapter", (*common, 403, 409))):
+    # A body is required (without one: 415) (docs/embeddings.md, docs/lora.md).
+    for path, request, response, statuses in (
+            ("/v1/embeddings", "EmbeddingRequest", "EmbeddingList", common),
+            ("/v1/load_lora_adapter", "LoadLoraAdapter", "LoadedAdapter", (*common, 403, 409)),
+            ("/v1/unload_lora_adapter", "UnloadLoraAdapter", "UnloadedAdapter", (*common, 403, 409))):
         if path in paths:
-            paths[path]["post"].update(
-                requestBody={"required": True, "content": _json(request)},
-                responses={"200": {"description": "the result", "content": {"application/json": {
-                    "schema": {"type": "object"}}}}, **_errors(*statuses)})
+            paths[path]["post"].update(requestBody={"required": True, "content": _json(request)},
+                                       responses={"200": {"description": "the result", "content": _json(response)},
+                                                  **_errors(*statuses)})
     for path, request, response in (("/tokenize", "TokenizeRequest", "TokenizeResponse"),
                                     ("/detokenize", "DetokenizeRequest", "DetokenizeResponse"),
                                     ("/v1/responses/input_tokens", "InputTokensRequest", "InputTokensCount")):

@@ -618,3 +618,42 @@ class DetokenizeResponse(TypedDict):
 class InputTokensCount(TypedDict):
     object: Literal["response.input_tokens"]
     input_tokens: int
+
+
+@closed
+class Embedding(TypedDict):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str   # the floats, or (encoding_format "base64") their little-endian float32 bytes
+
+
+@closed
+class EmbeddingUsage(TypedDict):
+    prompt_tokens: int
+    total_tokens: int
+
+
+@closed
+class EmbeddingList(TypedDict):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+@closed
+class LoadedAdapter(TypedDict):
+    """A LoRA adapter just loaded: the name requests give as ``model``, and the base model it adapts."""
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: NotRequired[Annotated[str | None, ABSENT]]   # its path, where the server shows adapter paths
+    parent: str
+
+
+@closed
+class UnloadedAdapter(TypedDict):
+    id: str
+    object: Literal["model"]
+    deleted: Literal[True]
