@@ -185,10 +185,9 @@ class GatedDeltaNet(nn.Module):
             rows = torch.tensor([starts[i] for i in decoding], device=x.device)
             index = torch.tensor([slots[i] for i in decoding], device=x.device)   # pyright: ignore[reportOptionalSubscript]
             out, windows = gdn.causal_conv1d_step(mixed[rows], weight, conv[index])   # pyright: ignore[reportOptionalSubscript]
-            o, s = self.backend.recurrent_gated_delta_rule(*self.heads(out[:, None]), g[rows][:, None],
-                                                           beta[rows][:, None], state[index])   # pyright: ignore[reportOptionalSubscript]
+            o = self.backend.recurrent_gated_delta_rule_in_place(*self.heads(out[:, None]), g[rows][:, None],
+                                                                 beta[rows][:, None], state, index)
             conv[index] = windows   # pyright: ignore[reportOptionalSubscript]
-            state[index] = s.to(state.dtype)   # pyright: ignore[reportOptionalSubscript,reportOptionalMemberAccess]
             core[rows] = o[:, 0].to(core.dtype)
         batched = set(decoding)
         for i, (lo, hi) in enumerate(zip(starts, starts[1:])):

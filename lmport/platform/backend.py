@@ -274,6 +274,16 @@ class Backend:
         v's dtype and the float32 state after): a decode step of the "recurrent_state" variant's layers."""
         return gated_delta_net.recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
+    def recurrent_gated_delta_rule_in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                            g: torch.Tensor, beta: torch.Tensor, pool: torch.Tensor,
+                                            slots: torch.Tensor) -> torch.Tensor:
+        """``recurrent_gated_delta_rule`` for sequences whose states are the rows ``slots`` (int64 [B]) of ``pool``
+        [rows, Hv, Dk, Dv]: returns the output and leaves each sequence's state after its tokens in its row.
+        Here: the rows gathered, the op, the rows written back; a backend may update them where they lie."""
+        out, state = self.recurrent_gated_delta_rule(q, k, v, g, beta, pool[slots])
+        pool[slots] = state.to(pool.dtype)
+        return out
+
     def chunk_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:

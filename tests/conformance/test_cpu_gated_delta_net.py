@@ -1,6 +1,6 @@
 """The cpu backend's gated delta rule token by token (Gated DeltaNet's decode: the compiled kernel, csrc/
-gated_delta_net.cpp) against the reference op (lmport.ops.gated_delta_net), on gdn_cases.py's cases and bounds, and
-at Qwen3-Next-80B's widths."""
+gated_delta_net.cpp, which updates each sequence's state in its row of the state pool) against the reference op
+(lmport.ops.gated_delta_net), on gdn_cases.py's cases and bounds, and at Qwen3-Next-80B's widths."""
 from __future__ import annotations
 
 import pytest
@@ -58,8 +58,26 @@ def test_the_backend_runs_the_kernel_and_leaves_the_state_it_was_given(cpu, monk
     assert torch.equal(state, before) and not torch.equal(after, before)
 
 
-def test_a_value_head_wider_than_the_kernel_takes_is_refused(cpu):
+def test_the_states_are_updated_in_their_rows_of_the_pool(cpu):
+    """A decode step of 2 sequences whose states are rows 2 and 0 of a pool of 4 (the model's state slots): the
+    reference's outputs, those rows left as the reference's states after the step, the other rows untouched."""
+    q, k, v, g, beta, state = inputs(2, 1, 2, 4, 16, 8, torch.float32, True, "cpu", seed=7)
+    pool = torch.randn(4, 4, 16, 8, generator=torch.Generator().manual_seed(8))
+    slots = torch.tensor([2, 0])
+    pool[slots] = state
+    before = pool.clone()
+    want_out, want_state = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    out = cpu.recurrent_gated_delta_rule_in_place(q, k, v, g, beta, pool, slots)
+    assert_within(out, pool[slots], want_out, want_state, 1, 16, 8)
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+
+
+def test_what_the_kernel_cannot_take_is_refused_by_name(cpu):
     from lmport.backends.cpu import kernels
+    compiled = kernels.load()
     args = inputs(1, 1, 1, 1, 8, 520, torch.float32, False, "cpu")
     with pytest.raises(RuntimeError, match="value heads of up to 512"):
-        kernels.load().recurrent_gated_delta_rule(*gdn.heads_first(*args[:5]))
+        compiled.recurrent_gated_delta_rule(*gdn.heads_first(*args[:5]), torch.zeros(1, 1, 8, 520), torch.tensor([0]))
+    args = inputs(1, 1, 1, 1, 8, 8, torch.float32, False, "cpu")
+    with pytest.raises(RuntimeError, match="row 3 of a pool of 2"):
+        compiled.recurrent_gated_delta_rule(*gdn.heads_first(*args[:5]), torch.zeros(2, 1, 8, 8), torch.tensor([3]))

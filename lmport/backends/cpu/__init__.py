@@ -125,13 +125,21 @@ class CpuBackend(Backend):
     def recurrent_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                    beta: torch.Tensor, state: torch.Tensor | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        compiled = kernels.load()
-        if compiled is None:
+        if kernels.load() is None:
             return super().recurrent_gated_delta_rule(q, k, v, g, beta, state)
-        dtype = v.dtype
-        out, after = compiled.recurrent_gated_delta_rule(*gated_delta_net.heads_first(q, k, v, g, beta),
-                                                         None if state is None else state.float())
-        return out.transpose(1, 2).to(dtype).contiguous(), after
+        b, hv, dk, dv = q.shape[0], v.shape[-2], k.shape[-1], v.shape[-1]
+        after = q.new_zeros(b, hv, dk, dv, dtype=torch.float32) if state is None else state.float().clone()
+        out = self.recurrent_gated_delta_rule_in_place(q, k, v, g, beta, after, torch.arange(b))
+        return out, after
+
+    def recurrent_gated_delta_rule_in_place(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                            g: torch.Tensor, beta: torch.Tensor, pool: torch.Tensor,
+                                            slots: torch.Tensor) -> torch.Tensor:
+        compiled = kernels.load()
+        if compiled is None or pool.dtype != torch.float32 or not pool.is_contiguous():
+            return super().recurrent_gated_delta_rule_in_place(q, k, v, g, beta, pool, slots)
+        out = compiled.recurrent_gated_delta_rule(*gated_delta_net.heads_first(q, k, v, g, beta), pool, slots)
+        return out.transpose(1, 2).to(v.dtype).contiguous()
 
     def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         compiled = kernels.load() if dtype == torch.float32 else None

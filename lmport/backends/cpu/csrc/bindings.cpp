@@ -318,12 +318,11 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Te
   return {q_out, k_out};
 }
 
-// q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T], state [B, H, Dk, Dv] or None (zeros), all float32 ->
-// (out [B, H, T, Dv], the state after the T tokens).
-std::tuple<torch::Tensor, torch::Tensor> recurrent_gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                                                    torch::Tensor g, torch::Tensor beta,
-                                                                    std::optional<torch::Tensor> state) {
-  for (const auto* t : {&q, &k, &v, &g, &beta})
+// q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T] float32; each sequence's state the row rows[b] (int64 [B],
+// distinct) of ``states`` [N, H, Dk, Dv] (float32, contiguous), updated there -> out [B, H, T, Dv].
+torch::Tensor recurrent_gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                         torch::Tensor beta, torch::Tensor states, torch::Tensor rows) {
+  for (const auto* t : {&q, &k, &v, &g, &beta, &states})
     TORCH_CHECK(t->scalar_type() == torch::kFloat, "recurrent_gated_delta_rule takes float32 tensors");
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3),
               "recurrent_gated_delta_rule: q, k [B, H, T, Dk] and v [B, H, T, Dv]");
@@ -332,20 +331,22 @@ std::tuple<torch::Tensor, torch::Tensor> recurrent_gated_delta_rule(torch::Tenso
               "recurrent_gated_delta_rule: g and beta [B, H, T]");
   TORCH_CHECK(Dv <= kernels::kMaxStateColumns, "recurrent_gated_delta_rule: value heads of up to ",
               kernels::kMaxStateColumns, ", got ", Dv);
-  torch::Tensor before;
-  if (state) {
-    TORCH_CHECK(state->scalar_type() == torch::kFloat && state->sizes() == torch::IntArrayRef({B, H, Dk, Dv}),
-                "recurrent_gated_delta_rule: a float32 state [B, H, Dk, Dv]");
-    before = state->contiguous();
-  }
+  TORCH_CHECK(states.dim() == 4 && states.size(1) == H && states.size(2) == Dk && states.size(3) == Dv &&
+                  states.is_contiguous(),
+              "recurrent_gated_delta_rule: a contiguous float32 state pool [rows, H, Dk, Dv]");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1 && rows.size(0) == B,
+              "recurrent_gated_delta_rule: one int64 row of the pool per sequence");
+  auto r = rows.contiguous();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < states.size(0), "recurrent_gated_delta_rule: row ", rp[b], " of a pool of ",
+                states.size(0));
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous(), bc = beta.contiguous();
   auto out = torch::empty_like(vc);
-  auto after = torch::empty({B, H, Dk, Dv}, q.options());
   kernels::recurrent_gated_delta_rule(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                                      gc.data_ptr<float>(), bc.data_ptr<float>(),
-                                      state ? before.data_ptr<float>() : nullptr, B, H, T, Dk, Dv,
-                                      after.data_ptr<float>(), out.data_ptr<float>());
-  return {out, after};
+                                      gc.data_ptr<float>(), bc.data_ptr<float>(), states.data_ptr<float>(), rp, B, H,
+                                      T, Dk, Dv, out.data_ptr<float>());
+  return out;
 }
 
 // Over a pool of values: k_cache, v_cache [blocks, block_size, Hkv, D], float32 or float16 alike.
@@ -457,8 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &lmport::silu_and_mul, "silu(gate) * up (float32)");
   m.def("apply_rotary", &lmport::apply_rotary, "rotate-half rotary embedding of q and k (float32)");
   m.def("recurrent_gated_delta_rule", &lmport::recurrent_gated_delta_rule,
-        "the gated delta rule token by token over [B, H, T, D] heads (float32): (out, state after)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state") = py::none());
+        "the gated delta rule token by token over [B, H, T, D] heads (float32), each sequence's state updated in its "
+        "row of the pool: out");
 
   // module_local: the classes are this module's alone. Every build registers the same C++ types, and pybind11
   // refuses a type another loaded module registered globally; a process that loads a second build (another

@@ -1,11 +1,11 @@
 // The gated delta rule token by token (Gated DeltaNet's decode; lmport.ops.gated_delta_net states the rule): each
 // value head's state matrix [Dk, Dv] read twice a token (what it predicts for k, then its update and the output),
-// in cache, instead of the reference's passes over the whole batch's state with a temporary each.
+// in cache and in its row of the state pool, instead of the reference's passes over the whole batch's state with a
+// temporary each and the rows gathered and written back around them.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "kernels.h"
 
@@ -13,14 +13,12 @@ namespace lmport {
 namespace kernels {
 
 void recurrent_gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                                const float* state, int64_t B, int64_t H, int64_t T, int64_t Dk, int64_t Dv,
-                                float* state_after, float* out) {
+                                float* states, const int64_t* rows, int64_t B, int64_t H, int64_t T, int64_t Dk,
+                                int64_t Dv, float* out) {
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     float predicted[kMaxStateColumns], delta[kMaxStateColumns], o[kMaxStateColumns];
     for (int64_t head = begin; head < end; ++head) {
-      float* s = state_after + head * Dk * Dv;
-      if (state) std::memcpy(s, state + head * Dk * Dv, sizeof(float) * Dk * Dv);
-      else std::fill(s, s + Dk * Dv, 0.0f);
+      float* s = states + (rows[head / H] * H + head % H) * Dk * Dv;   // updated where it lies
       for (int64_t t = 0; t < T; ++t) {
         const int64_t token = head * T + t;
         const float* kt = k + token * Dk;

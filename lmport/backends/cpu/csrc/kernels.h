@@ -95,12 +95,12 @@ void apply_rotary(const float* x, float* out, const float* cos, const float* sin
 // ---- gated_delta_net.cpp ----
 // The gated delta rule token by token (lmport.ops.gated_delta_net.recurrent_gated_delta_rule) over H value heads of
 // B sequences, T tokens each: q, k [B, H, T, Dk] (L2-normalized, q scaled, repeated to the value heads), v [B, H, T,
-// Dv], g (log decay) and beta [B, H, T]; ``state`` [B, H, Dk, Dv] before them (null: zeros), ``state_after`` after
-// them; out [B, H, T, Dv]. Dv <= kMaxStateColumns.
+// Dv], g (log decay) and beta [B, H, T]; sequence b's state [H, Dk, Dv] is row rows[b] of ``states``, read and left
+// there after the tokens (rows distinct); out [B, H, T, Dv]. Dv <= kMaxStateColumns.
 constexpr int64_t kMaxStateColumns = 512;
 void recurrent_gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                                const float* state, int64_t B, int64_t H, int64_t T, int64_t Dk, int64_t Dv,
-                                float* state_after, float* out);
+                                float* states, const int64_t* rows, int64_t B, int64_t H, int64_t T, int64_t Dk,
+                                int64_t Dv, float* out);
 
 }  // namespace kernels
 }  // namespace lmport
