@@ -552,7 +552,9 @@ class _Reply:
                                  "item_id": item["id"], "output_index": len(output) - 1, "content_index": 0,
                                  "delta": piece.text, "logprobs": []}
                         yield self._send(delta)
-                    elif piece.kind == "arguments" and item["type"] == "function_call":
+                    elif piece.kind == "arguments":
+                        if item["type"] != "function_call":   # pieces() opens a call before its arguments
+                            raise RuntimeError(f"arguments for an open {item['type']} item")
                         item["arguments"] += piece.text
                         arguments: ArgumentsDeltaEvent = {
                             "type": "response.function_call_arguments.delta", "sequence_number": self.sequence,
