@@ -81,3 +81,6 @@ def test_what_the_kernel_cannot_take_is_refused_by_name(cpu):
     args = inputs(1, 1, 1, 1, 8, 8, torch.float32, False, "cpu")
     with pytest.raises(RuntimeError, match="row 3 of a pool of 2"):
         compiled.recurrent_gated_delta_rule(*gdn.heads_first(*args[:5]), torch.zeros(2, 1, 8, 8), torch.tensor([3]))
+    args = inputs(2, 1, 1, 1, 8, 8, torch.float32, False, "cpu")
+    with pytest.raises(RuntimeError, match="each sequence needs a row of its own"):
+        compiled.recurrent_gated_delta_rule(*gdn.heads_first(*args[:5]), torch.zeros(2, 1, 8, 8), torch.tensor([1, 1]))

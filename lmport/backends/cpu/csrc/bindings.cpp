@@ -341,6 +341,10 @@ torch::Tensor recurrent_gated_delta_rule(torch::Tensor q, torch::Tensor k, torch
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(rp[b] >= 0 && rp[b] < states.size(0), "recurrent_gated_delta_rule: row ", rp[b], " of a pool of ",
                 states.size(0));
+  std::vector<int64_t> sorted(rp, rp + B);   // two sequences updating one row would race
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+              "recurrent_gated_delta_rule: each sequence needs a row of its own");
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous(), bc = beta.contiguous();
   auto out = torch::empty_like(vc);
   kernels::recurrent_gated_delta_rule(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
