@@ -56,11 +56,11 @@ def test_mxfp4_experts_stay_mxfp4_and_match_transformers():
     with _pipeline(path) as pipe:
         experts = pipe.engine.model.model.layers[0].mlp.experts
         assert isinstance(experts, QuantBiasedExperts)
-        held = [m.quantized for m in (experts.stacked.gate_proj, experts.stacked.up_proj, experts.stacked.down_proj)]
+        held = [m.quantized for m in (experts.gate_proj, experts.up_proj, experts.down_proj)]
         assert all(isinstance(w, GGMLWeight) and w.type_name == "mxfp4" for w in held)
         assert pipe.engine.weight_bytes <= 1.1 * tensor_bytes(path)
         # the experts alone, on the cpu kernel: transformers' experts of layer 0 on the same routing
-        x = torch.randn(9, experts.stacked.gate_proj.quantized.in_features)
+        x = torch.randn(9, experts.gate_proj.quantized.in_features)
         ids_, weights = torch.randint(0, 4, (9, 2)), torch.rand(9, 2)
         hf_experts = ref.model.layers[0].mlp.experts
         with torch.inference_mode():

@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from support import greedy
+from support.saved_dirs import own_tmp
 from support.tiny_hf_models import ARCHS, gguf_file, tiny_config, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -100,7 +101,7 @@ def converted_f16(arch: str) -> Path:
     convert = _tool("convert_hf_to_gguf.py")
     out = _out_dir() / f"tiny-{arch}-{Path(tiny_model_dir(arch)).name}-F16.gguf"
     if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = own_tmp(out)
         # --model-name: llama.cpp keys per-token attributes on general.name (one with "phi3" in it must have
         # Phi-3's SentencePiece tokens), which the converter otherwise takes from the directory's name
         _run([sys.executable, convert, tiny_model_dir(arch), "--outtype", "f16", "--outfile", tmp,
@@ -114,7 +115,7 @@ def quantized(source: Path, preset: str, requantize: bool = False) -> Path:
     """``llama-quantize [--allow-requantize] SOURCE OUT PRESET``."""
     out = _out_dir() / f"{source.stem.removesuffix('-F16')}-{preset}.gguf"
     if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = own_tmp(out)
         flags = ["--allow-requantize"] if requantize else []
         _run([_tool("llama-quantize"), *flags, source, tmp, preset])
         tmp.replace(out)

@@ -41,6 +41,7 @@ import torch
 from support import greedy
 from support.gguf_files import dequantized_tensors, unpermute_qk, with_value
 from support import tiny_float_models
+from support.saved_dirs import move_into_place, own_tmp
 from test_gguf_llama_cpp import _out_dir, _run, _tool, quantized
 
 pytestmark = pytest.mark.slow
@@ -99,18 +100,18 @@ def _source_dir(arch: str) -> Path:
     if arch in _RELEASED_KEYS:
         target = _out_dir() / f"{source.name}-released-keys"
         if not target.exists():
-            tmp = target.with_name(target.name + ".tmp")
+            tmp = own_tmp(target)
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(source, tmp)
             config = json.loads((tmp / "config.json").read_text()) | _RELEASED_KEYS[arch]
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            tmp.rename(target)
+            move_into_place(tmp, target)
         return target
     if arch != "glm4-moe":
         return source
     target = _out_dir() / f"{source.name}-glm-vocab"
     if not target.exists():
-        tmp = target.with_name(target.name + ".tmp")
+        tmp = own_tmp(target)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(source, tmp)
         tokenizer = json.loads((tmp / "tokenizer.json").read_text())
@@ -120,7 +121,7 @@ def _source_dir(arch: str) -> Path:
         for old, new in _GLM_TOKENS.items():
             vocab[new] = vocab.pop(old)
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer))
-        tmp.rename(target)
+        move_into_place(tmp, target)
     return target
 
 
@@ -131,7 +132,7 @@ def converted(arch: str, outtype: str) -> Path:
     source = _source_dir(arch)
     out = _out_dir() / f"tiny-{arch}-{Path(tiny_model_dir(arch)).name}-{outtype.upper()}.gguf"
     if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = own_tmp(out)
         _run([sys.executable, convert, source, "--outtype", outtype, "--outfile", tmp, "--model-name", "tiny-random",
               *_CONVERTER_FLAGS.get(arch, [])])
         tmp.replace(out)

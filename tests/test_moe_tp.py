@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from support.model_helpers import hf_greedy
+from support.saved_dirs import own_tmp
 
 from lmport.config import EngineConfig, GenerationConfig
 from lmport.engine.engine import Engine
@@ -265,7 +266,7 @@ def llama_cpp_gguf(name: str, cfg, preset: str) -> Path:
     source = Path(saved_model(f"gguf-source-{name}-{digest}", make))
     f16 = _out_dir() / f"{source.name}-F16.gguf"
     if not f16.exists():
-        tmp = f16.with_name(f16.name + ".tmp")
+        tmp = own_tmp(f16)
         _run([sys.executable, "-c", _CONVERT_WITH_OWN_TOKENIZER, _tool("convert_hf_to_gguf.py"), source,
               "--outtype", "f16", "--outfile", tmp, "--model-name", "tiny-random"])
         tmp.replace(f16)

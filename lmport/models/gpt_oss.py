@@ -24,6 +24,7 @@ from lmport.platform.backend import Backend
 from lmport.models.layers import RMSNorm
 from lmport.models.llama import Attention, PagedCausalLM
 from lmport.models.moe import expert_range, refuse_tp, shard_experts
+from lmport.models.quantized import QuantExperts
 from lmport.parallel import TPGroup
 
 GPT_OSS_MODEL_TYPES = ("gpt_oss",)
@@ -80,40 +81,28 @@ class BiasedExperts(nn.Module):
         return QuantBiasedExperts(gate, up, down, num_experts, hidden, gate_up // 2, backend)
 
 
-class QuantBiasedExperts(nn.Module):
+class QuantBiasedExperts(QuantExperts):
     """gpt-oss's experts over quantized weights as llama.cpp's converter writes them: gate, up and down each one
-    weight stacked over the experts (``ffn_{gate,up,down}_exps``: MXFP4 blocks in the released files, run on the
-    reference op; any other quantized type through its kernel), gate and up apart, each with its bias."""
-
-    # ops.moe_by_expert reads each expert's token count on the host: a decode step holding these is not captured.
-    reads_on_host = True
+    weight stacked over the experts (``ffn_{gate,up,down}_exps``: MXFP4 blocks in the released files), gate and up
+    apart, each with its bias; run by ``Backend.quantized_moe`` with the clamped SwiGLU."""
 
     def __init__(self, gate, up, down, num_experts: int, hidden: int, inter: int, backend: Backend):
-        super().__init__()
-        from lmport.models.quantized import QuantExperts
         for name, w, rows, inputs in (("gate_proj", gate, inter, hidden), ("up_proj", up, inter, hidden),
                                       ("down_proj", down, hidden, inter)):
             if (w.out_features, w.in_features) != (num_experts * rows, inputs):
                 raise ValueError(f"experts.{name}: quantized experts are [{w.out_features}, {w.in_features}] but "
                                  f"the model config makes them {num_experts} x {[rows, inputs]}")
-        self.stacked = QuantExperts(gate, up, down, num_experts, backend)
+        super().__init__(gate, up, down, num_experts, backend)
         self.gate_proj_bias = nn.Parameter(torch.empty(num_experts, inter), requires_grad=False)
         self.up_proj_bias = nn.Parameter(torch.empty(num_experts, inter), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.backend = backend
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, alpha: float,
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate_proj_bias, self.up_proj_bias, self.down_proj_bias
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, alpha: float,  # type: ignore[override]
                 limit: float) -> torch.Tensor:
-        from lmport.models.quantized import quantized_linear
-
-        def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
-            gate_w, up_w, down_w = self.stacked.experts()[expert]
-            gate = (quantized_linear(self.backend, xs, gate_w) + self.gate_proj_bias[expert]).clamp(max=limit)
-            up = (quantized_linear(self.backend, xs, up_w) + self.up_proj_bias[expert]).clamp(min=-limit, max=limit)
-            h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-            return quantized_linear(self.backend, h, down_w) + self.down_proj_bias[expert]
-
-        return ops.moe_by_expert(x, weights, ids, self.stacked.num_experts, expert_mlp)
+        return self.backend.quantized_moe(x, self.described(clamp=(alpha, limit)), weights, ids)
 
 
 class ClampedSwigluMoe(nn.Module):

@@ -28,6 +28,7 @@ from lmport.kv.layout import LayerCache
 from lmport.models.layers import RMSNorm, apply_rope
 from lmport.models.llama import MLP, Attention, PagedCausalLM, no_rope_layers
 from lmport.models.moe import refuse_tp
+from lmport.models.quantized import QuantExperts
 from lmport.parallel import TPGroup
 
 LLAMA4_MODEL_TYPES = ("llama4_text",)
@@ -89,24 +90,7 @@ class Llama4Experts(nn.Module):
             if (w.out_features, w.in_features) != (num_experts * want[0], want[1]):
                 raise ValueError(f"experts.{name}: quantized experts are [{w.out_features}, {w.in_features}] but "
                                  f"the model config makes them {num_experts} x {list(want)}")
-        return QuantInputScaledExperts(gate, up, down, num_experts, backend)
-
-
-class QuantInputScaledExperts(nn.Module):
-    """Llama 4's experts over quantized weights stacked as a GGUF's ``ffn_{gate,up,down}_exps``: the routing weight
-    scales each expert's input, as lmport.ops.input_scaled_moe does for float ones."""
-
-    # ops.moe_by_expert reads each expert's token count on the host: a decode step holding these is not captured.
-    reads_on_host = True
-
-    def __init__(self, gate, up, down, num_experts: int, backend: Backend):
-        super().__init__()
-        from lmport.models.quantized import QuantExperts
-        self.stacked = QuantExperts(gate, up, down, num_experts, backend)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return ops.moe_by_expert(x, weights, ids, self.stacked.num_experts, self.stacked._expert_mlp,
-                                 scale_inputs=True)
+        return QuantExperts(gate, up, down, num_experts, backend, scale_inputs=True)
 
 
 class Llama4Router(nn.Module):

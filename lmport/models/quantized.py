@@ -20,7 +20,7 @@ from lmport.platform.backend import Backend
 from lmport.weights import tensors
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.fp8 import Fp8Weight
-from lmport.weights.ggml import GGMLWeight, dequantize_mxfp4
+from lmport.weights.ggml import GGMLWeight
 from lmport.weights.residency import page_out
 
 W = TypeVar("W", QuantizedWeight, GGMLWeight, Fp8Weight)
@@ -107,46 +107,35 @@ class GGMLEmbedding(_Embedding[GGMLWeight]):
 
 def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> None:
     """Each quantized linear's weight in the layout the backend's kernels read it in
-    (``Backend.hold_quantized``), the pages under what it relaid handed back. The embedding of a tied LM
-    head holds the head's weight as held (its lookup takes rows from any layout:
-    lmport.weights.interleaved.file_rows); an embedding of its own stays as it is."""
+    (``Backend.hold_quantized``), and each experts block's (``Backend.hold_experts``), the pages under what was
+    relaid handed back. The embedding of a tied LM head holds the head's weight as held (its lookup takes rows
+    from any layout: lmport.weights.interleaved.file_rows); an embedding of its own stays as it is."""
     embeddings = [m for m in model.modules() if isinstance(m, _Embedding)]
     for module in model.modules():
+        if isinstance(module, QuantExperts):
+            module.hold_for(dtype)
         if not isinstance(module, _Linear):
             continue
         old = module.quantized
-        before = list(tensors(old).values())
         held = backend.hold_quantized(old, dtype)
         if held is not old:
-            module.hold(held)
+            rehold(module, held)
             for embedding in embeddings:
                 if _codes(embedding.quantized).data_ptr() == _codes(old).data_ptr():
                     embedding.hold(held)
-            kept = {t.data_ptr() for t in tensors(held).values()}
-            page_out([t for t in before if t.data_ptr() not in kept])   # what was copied, not what was relaid
+
+
+def rehold(module: HoldsWeight, held) -> None:
+    """``module`` holding ``held`` in place of its weight, the pages under what was copied (not relaid in place)
+    handed back."""
+    before = list(tensors(module.quantized).values())
+    module.hold(held)
+    kept = {t.data_ptr() for t in tensors(held).values()}
+    page_out([t for t in before if t.data_ptr() not in kept])
 
 
 def _codes(weight: QuantizedWeight | GGMLWeight) -> torch.Tensor:
     return weight.blocks if isinstance(weight, GGMLWeight) else weight.qweight
-
-
-def quantized_linear(backend: Backend, x: torch.Tensor,
-                     weight: QuantizedWeight | GGMLWeight | Fp8Weight) -> torch.Tensor:
-    """x @ weight^T through the backend's kernel for the weight's kind (MXFP4 where the backend declares no kernel
-    for it: its torch reference on the weight's device, lmport.weights.ggml.REFERENCE_BLOCK_TYPES)."""
-    if isinstance(weight, GGMLWeight) and weight.type_name == "mxfp4" and \
-            "mxfp4" not in backend.capabilities.ggml_types:
-        return torch.nn.functional.linear(x, dequantize_mxfp4(weight, x.dtype))
-    if isinstance(weight, GGMLWeight):
-        return backend.ggml_linear(x, weight)
-    if isinstance(weight, Fp8Weight):
-        return backend.fp8_linear(x, weight)
-    return backend.quant_linear(x, weight)
-
-
-def row_range(weight: W, start: int, stop: int) -> W:
-    """The output rows [start, stop) of a quantized weight, as views of its tensors (no copy)."""
-    return dataclasses.replace(weight, **{name: t[start:stop] for name, t in tensors(weight).items()})
 
 
 # The names a loader hands a mixture-of-experts block's quantized experts under ("<block>.experts.gate_proj").
@@ -156,40 +145,49 @@ EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 class QuantExperts(nn.Module):
     """A mixture-of-experts block's experts over quantized weights: gate, up and down each one weight stacked
     over the experts (``experts * rows`` output rows, the experts' rows in turn, as a GGUF's ``ffn_*_exps``
-    holds them), so the file's blocks load as they are. Each expert's weights are views of its rows, run
-    through the backend's linear for their kind (``Backend.ggml_linear`` / ``quant_linear``); gate, up and
-    down may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down)."""
+    holds them), so the file's blocks load as they are; run by ``Backend.quantized_moe`` (lmport.ops.moe's
+    ``QuantizedExperts`` describes them). Gate, up and down may be of different kinds (a Q4_K_M file's Q4_K gate
+    and up, Q6_K down). ``scale_inputs``: the routing weight scales each expert's input (Llama 4)."""
 
-    # ops.moe_by_expert reads each expert's token count on the host: a decode step holding these is not captured.
+    # Backend.quantized_moe may read each expert's token count on the host: a decode step holding these is not
+    # captured.
     reads_on_host = True
 
     def __init__(self, gate: QuantizedWeight | GGMLWeight, up: QuantizedWeight | GGMLWeight,
-                 down: QuantizedWeight | GGMLWeight, num_experts: int, backend: Backend):
+                 down: QuantizedWeight | GGMLWeight, num_experts: int, backend: Backend, scale_inputs: bool = False):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (HoldsWeight(w) for w in (gate, up, down))
         self.num_experts = num_experts
         self.backend = backend
-        self._views: list[tuple] | None = None   # per expert: (gate, up, down) views, built at the first call
+        self.scale_inputs = scale_inputs
+        self._described: ops.QuantizedExperts | None = None   # built at the first call (its views with it)
 
-    def experts(self) -> list[tuple]:
-        """(gate, up, down) of each expert: views of its rows in the stacked weights."""
-        if self._views is None:
-            stacked = [m.quantized for m in (self.gate_proj, self.up_proj, self.down_proj)]
-            rows = [w.out_features // self.num_experts for w in stacked]
-            self._views = [tuple(row_range(w, e * n, (e + 1) * n) for w, n in zip(stacked, rows, strict=True))
-                           for e in range(self.num_experts)]
-        return self._views
+    def described(self, clamp: tuple[float, float] | None = None) -> ops.QuantizedExperts:
+        """These experts as the backend runs them; ``clamp``: gpt-oss's activation (QuantBiasedExperts)."""
+        if self._described is None or self._described.clamp != clamp:
+            stacked = (m.quantized for m in (self.gate_proj, self.up_proj, self.down_proj))
+            self._described = ops.QuantizedExperts(*stacked, self.num_experts, biases=self.biases(), clamp=clamp,
+                                                   scale_inputs=self.scale_inputs)
+        return self._described
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The biases of gate, up and down ([experts, rows] each), where the experts have them."""
+        return None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return ops.moe_by_expert(x, weights, ids, self.num_experts, self._expert_mlp)
+        return self.backend.quantized_moe(x, self.described(), weights, ids)
 
-    def _expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self.experts()[expert]
-        b = self.backend
-        return quantized_linear(b, b.silu_and_mul(quantized_linear(b, x, gate), quantized_linear(b, x, up)), down)
+    def hold_for(self, dtype: torch.dtype) -> None:
+        """The stacked weights in the layout the backend's kernels read them in (``Backend.hold_experts``)."""
+        held = self.backend.hold_experts(self.described(), dtype)
+        for part, weight in zip((self.gate_proj, self.up_proj, self.down_proj), (held.gate, held.up, held.down),
+                                strict=True):
+            if weight is not part.quantized:
+                rehold(part, weight)
+        self._described = None
 
     def _apply(self, fn, recurse=True):
-        self._views = None   # .to() and the like replace the stacked tensors
+        self._described = None   # .to() and the like replace the stacked tensors
         return super()._apply(fn, recurse)
 
 

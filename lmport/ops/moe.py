@@ -6,14 +6,24 @@ the up projection's) and ``down`` [experts, hidden, inter]. Routing follows Mixt
 model says so (Mixtral always; Qwen3-MoE when ``norm_topk_prob``); GLM-4.5's group-limited sigmoid
 routing is ``route_grouped``, gpt-oss's softmax over the top k logits ``route_top_k_softmax`` (its
 experts, with biases and a clamped SwiGLU, ``clamped_swiglu_moe``), Llama 4's sigmoid of the top k
-``route_top_k_sigmoid`` (its experts, the weight scaling their input, ``input_scaled_moe``).
+``route_top_k_sigmoid`` (its experts, the weight scaling their input, ``input_scaled_moe``). Experts over
+quantized weights as a GGUF stacks them are described by ``QuantizedExperts`` (run by ``Backend.quantized_moe``).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lmport.weights import row_range
+from lmport.weights.format import QuantizedWeight
+from lmport.weights.fp8 import Fp8Weight
+from lmport.weights.ggml import GGMLWeight
+
+Quantized = QuantizedWeight | GGMLWeight | Fp8Weight
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,10 +72,15 @@ def clamped_swiglu_moe(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: tor
     computes (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), then down."""
     def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
         h = xs @ gate_up[expert] + gate_up_bias[expert]
-        gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ down[expert] + down_bias[expert]
+        return clamped_swiglu(h[..., ::2], h[..., 1::2], alpha, limit) @ down[expert] + down_bias[expert]
 
     return moe_by_expert(x, weights, ids, gate_up.shape[0], expert_mlp)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def route_top_k_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,3 +137,47 @@ def moe_by_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num
         y = expert_mlp(expert, x[tokens])
         out.index_add_(0, tokens, y.float() * w)
     return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A mixture of experts' routed experts over quantized weights as a GGUF stacks them: ``gate``, ``up`` and
+    ``down`` each one weight of ``num_experts`` times an expert's rows (the experts' rows in turn, as
+    ``ffn_{gate,up,down}_exps`` hold them), each of any kind (a Q4_K_M file's Q4_K gate and up, Q6_K down).
+    An expert computes down(silu(gate x) * up x); with ``clamp`` (gpt-oss's alpha and limit) and ``biases`` (gate,
+    up, down: [experts, rows] each, added after each projection) the activation is ``clamped_swiglu``.
+    ``scale_inputs``: the routing weight scales the expert's input, not its output (Llama 4)."""
+    gate: Quantized
+    up: Quantized
+    down: Quantized
+    num_experts: int
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    clamp: tuple[float, float] | None = None
+    scale_inputs: bool = False
+
+    @functools.cached_property
+    def views(self) -> list[tuple[Quantized, Quantized, Quantized]]:
+        """(gate, up, down) of each expert: views of its rows in the stacked weights, made once."""
+        def rows(w: Quantized, e: int) -> Quantized:
+            n = w.out_features // self.num_experts
+            return row_range(w, e * n, (e + 1) * n)
+
+        return [(rows(self.gate, e), rows(self.up, e), rows(self.down, e)) for e in range(self.num_experts)]
+
+
+def quantized_moe(x: torch.Tensor, experts: QuantizedExperts, weights: torch.Tensor, ids: torch.Tensor,
+                  linear: Callable[[torch.Tensor, Quantized], torch.Tensor],
+                  silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed experts ``experts`` describes, each that has tokens in turn (``moe_by_expert``), its projections
+    by ``linear`` (x @ W^T for a quantized W) and its silu(gate) * up by ``silu_and_mul``: a backend's kernels."""
+    def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
+        gate_w, up_w, down_w = experts.views[expert]
+        gate, up = linear(xs, gate_w), linear(xs, up_w)
+        if experts.clamp is None:
+            return linear(silu_and_mul(gate, up), down_w)
+        assert experts.biases is not None, "gpt-oss's clamped experts come with biases"
+        gate_bias, up_bias, down_bias = experts.biases
+        h = clamped_swiglu(gate + gate_bias[expert], up + up_bias[expert], *experts.clamp)
+        return linear(h, down_w) + down_bias[expert]
+
+    return moe_by_expert(x, weights, ids, experts.num_experts, expert_mlp, scale_inputs=experts.scale_inputs)

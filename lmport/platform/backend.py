@@ -18,6 +18,7 @@ from lmport import ops
 from lmport.kv.layout import LayerCache
 from lmport.ops import gated_delta_net
 from lmport.weights import fp8
+from lmport.weights.ggml import dequantize_mxfp4
 
 
 # Attention variants a model may need (lmport.models.architectures.attention_variants): "sinks", a learned
@@ -229,6 +230,19 @@ class Backend:
         only for the scale layouts ``capabilities.fp8_weight_scales`` declares."""
         return fp8.fp8_linear(x, weight, bias)
 
+    def quantized_linear(self, x: torch.Tensor, weight: ops.QuantizedWeight | ops.GGMLWeight | fp8.Fp8Weight
+                         ) -> torch.Tensor:
+        """x @ weight^T through this backend's linear for the weight's kind; MXFP4 blocks where ``capabilities``
+        declare no kernel for them by their torch reference (lmport.weights.ggml.REFERENCE_BLOCK_TYPES)."""
+        if isinstance(weight, ops.GGMLWeight) and weight.type_name == "mxfp4" and \
+                "mxfp4" not in self.capabilities.ggml_types:
+            return torch.nn.functional.linear(x, dequantize_mxfp4(weight, x.dtype))
+        if isinstance(weight, ops.GGMLWeight):
+            return self.ggml_linear(x, weight)
+        if isinstance(weight, fp8.Fp8Weight):
+            return self.fp8_linear(x, weight)
+        return self.quant_linear(x, weight)
+
     def quant_embedding(self, ids: torch.Tensor, weight: ops.QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of an embedding table in the internal quantized format, as ``dtype``
         [*ids.shape, in_features]; the table in any layout ``hold_quantized`` gave it (a tied LM head's)."""
@@ -244,6 +258,12 @@ class Backend:
         it in, for activations of ``dtype``; asked once the model is loaded (lmport.weights.interleaved). The
         weight handed in is not used after: its tensors may be relaid in place. Default: as it is."""
         return weight
+
+    def hold_experts(self, experts: ops.QuantizedExperts, dtype: torch.dtype) -> ops.QuantizedExperts:
+        """Routed experts' stacked weights in the layout this backend's kernels read them in, as ``hold_quantized``
+        holds a linear's, each expert's rows still a slice of the whole; the weights handed in are not used after.
+        Default: as they are."""
+        return experts
 
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
@@ -320,6 +340,13 @@ class Backend:
                          ids: torch.Tensor) -> torch.Tensor:
         """Llama 4's routed experts, the routing weight scaling each expert's input (lmport.ops.moe)."""
         return ops.input_scaled_moe(x, gate_up, down, weights, ids)
+
+    def quantized_moe(self, x: torch.Tensor, experts: ops.QuantizedExperts, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts over quantized weights (a GGUF's, ``ops.QuantizedExperts``) summed with their routing
+        weights. Here: each expert that has tokens in turn, its projections by ``quantized_linear``; it reads each
+        expert's token count on the host."""
+        return ops.quantized_moe(x, experts, weights, ids, self.quantized_linear, self.silu_and_mul)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  batch: ops.LoraBatch) -> torch.Tensor:

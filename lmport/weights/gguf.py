@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from lmport.config import ConfigError
+from lmport.weights import row_range
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import HELD_BLOCK_TYPES, GGMLWeight
 from lmport.weights.gguf_checks import DamagedHeader, check_metadata
@@ -253,13 +254,7 @@ def _rows(value, index: torch.Tensor):
 
 def _row_range(value, start: int, stop: int):
     """Rows ``start:stop`` of a float tensor or a quantized weight; a view (of the mapped file, for blocks)."""
-    if isinstance(value, torch.Tensor):
-        return value[start:stop]
-    if isinstance(value, GGMLWeight):
-        return GGMLWeight(value.blocks[start:stop], value.type_name, value.in_features)
-    return QuantizedWeight(value.qweight[start:stop], value.scales[start:stop], value.mins[start:stop],
-                           value.bits, value.group_size, value.zero_mins)
-
+    return value[start:stop] if isinstance(value, torch.Tensor) else row_range(value, start, stop)
 
 
 def quantized_stacked_experts(path: Path) -> list[TensorInfo]:
@@ -499,9 +494,9 @@ def _biased_experts(values: dict, prefix: str, num_experts: int, dtype: torch.dt
 
 
 def _llama4_experts(values: dict, prefix: str, num_experts: int, dtype: torch.dtype) -> None:
-    """Llama 4's stacked experts: kept as they are where all three are quantized
-    (lmport.models.llama4.QuantInputScaledExperts runs them), else float in transformers' layout: ``gate_up_proj``
-    [experts, hidden, 2 * inter] (the gate's columns, then up's), ``down_proj`` [experts, inter, hidden]."""
+    """Llama 4's stacked experts: kept as they are where all three are quantized (lmport.models.quantized.QuantExperts
+    with ``scale_inputs`` runs them), else float in transformers' layout: ``gate_up_proj`` [experts, hidden,
+    2 * inter] (the gate's columns, then up's), ``down_proj`` [experts, inter, hidden]."""
     parts = [f"{prefix}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     if (stacked := _float_experts(values, parts, num_experts, dtype)) is None:
         return

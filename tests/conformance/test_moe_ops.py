@@ -139,3 +139,88 @@ def test_quantized_experts_match_the_reference_on_their_dequantized_weights(back
     # The kernels round x to int16 (cpu decode; its one-row int8 path as finely) or sum in another order:
     # within 1e-4 of the largest output.
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+# Experts wholly in GGUF blocks (Q4_K gate and up, Q6_K down, as a Q4_K_M file holds them) in each activation a
+# family uses: Qwen3-MoE's silu (weights on the outputs), Llama 4's (weights on the inputs) and gpt-oss's clamped
+# SwiGLU with biases.
+ACTIVATIONS = ("silu", "scale_inputs", "clamped")
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def _gguf_experts(activation: str, device: torch.device):
+    """The experts (``ops.QuantizedExperts``) and the reference op over their dequantized weights."""
+    from ggml_cases import random_blocks
+    gate, up = (random_blocks("q4_k", EXPERTS * Q_HIDDEN, Q_HIDDEN, seed=s) for s in (1, 2))
+    down = random_blocks("q6_k", EXPERTS * Q_HIDDEN, Q_HIDDEN, seed=3)
+    g, u, d = (ops.dequantize_ggml(w).reshape(EXPERTS, Q_HIDDEN, Q_HIDDEN) for w in (gate, up, down))
+    biases = tuple(torch.randn(EXPERTS, Q_HIDDEN, generator=torch.Generator().manual_seed(s)) for s in (4, 5, 6))
+    on_device = (ops.GGMLWeight(w.blocks.to(device), w.type_name, w.in_features) for w in (gate, up, down))
+    experts = ops.QuantizedExperts(*on_device, EXPERTS,
+                                   biases=tuple(b.to(device) for b in biases) if activation == "clamped" else None,
+                                   clamp=(ALPHA, LIMIT) if activation == "clamped" else None,
+                                   scale_inputs=activation == "scale_inputs")
+    if activation == "silu":
+        return experts, lambda x, w, i: ops.fused_moe(x, torch.cat([g, u], 1), d, w, i)
+    if activation == "scale_inputs":
+        return experts, lambda x, w, i: ops.input_scaled_moe(x, torch.cat([g, u], 1).mT, d.mT, w, i)
+    gate_up = torch.stack([g.mT, u.mT], dim=-1).flatten(2)                  # gate and up columns interleaved
+    gate_up_bias = torch.stack(biases[:2], dim=-1).flatten(1)
+    return experts, lambda x, w, i: ops.clamped_swiglu_moe(x, gate_up, gate_up_bias, d.mT, biases[2], w, i, ALPHA,
+                                                           LIMIT)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_gguf_experts_of_every_activation_match_the_reference(backend_name, activation, tokens, record_property):
+    backend, mode = op_backend(backend_name)
+    record_property("mode", mode)
+    if not {"q4_k", "q6_k"} <= backend.capabilities.ggml_types:
+        pytest.skip(f"{backend_name} does not run Q4_K and Q6_K blocks")
+    if mode == "interpreter" and tokens != 1:
+        pytest.skip("the Triton interpreter is slow: one shape keeps the run short")
+    experts, reference = _gguf_experts(activation, backend.device)
+    experts = backend.hold_experts(experts, torch.float32)   # as the loader holds them
+    gen = torch.Generator().manual_seed(tokens)
+    x, logits = torch.randn(tokens, Q_HIDDEN, generator=gen), torch.randn(tokens, EXPERTS, generator=gen)
+    logits[:, 3] = -1e9          # expert 3 gets no token
+    weights, ids = ops.route(logits, TOP_K, True)
+    got = backend.quantized_moe(x.to(backend.device), experts, weights.to(backend.device),
+                                ids.to(backend.device)).cpu()
+    want = reference(x, weights, ids)
+    # As the test above: the kernels round x (int16 or two int8 codes) or sum in another order.
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["file-rows", "held"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("tokens", [1, 5, 40, 130])
+def test_cpu_experts_in_one_call_are_the_loop_over_its_kernels(activation, tokens, held):
+    """The cpu backend runs GGUF experts in one kernel call (csrc/ggml_experts.cpp) that stands for the reference
+    loop over its own linear kernels: the same kernels on the same rows, so the same outputs up to the rounding
+    of the sums and of gpt-oss's sigmoid; and a wrong row, expert or routing weight would be off by whole units.
+    Over the rows as the file lays them out and as ``hold_experts`` holds them (interleaved where the build reads
+    them so); past SMALL_BATCH_TOKENS tokens only where the loop would run the same kernels (held rows, a build
+    whose group kernels run prefills)."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
+    from lmport.platform.backend import Backend
+    compiled = kernels.load()
+    if compiled is None:
+        pytest.skip("the cpu kernels are not built here")
+    backend = CpuBackend()
+    experts, _ = _gguf_experts(activation, backend.device)
+    interleaves = {"q4_k", "q6_k"} <= set(compiled.ggml_interleaved_types())
+    if held:
+        experts = backend.hold_experts(experts, torch.float32)
+        assert {w.row_group for w in (experts.gate, experts.up, experts.down)} == ({16} if interleaves else {1})
+    gen = torch.Generator().manual_seed(tokens)
+    x, logits = torch.randn(tokens, Q_HIDDEN, generator=gen), torch.randn(tokens, EXPERTS, generator=gen)
+    logits[:, 3] = -1e9
+    weights, ids = ops.route(logits, TOP_K, True)
+    got = own_result(backend, "quantized_moe", x, experts, weights, ids)
+    one_call = tokens <= SMALL_BATCH_TOKENS or (held and interleaves and compiled.interleaved_prefill())
+    assert (got is not None) == one_call, "the cpu backend picked the other of its kernel call and its loop"
+    if got is None:
+        pytest.skip("n/a: the loop runs this case (each expert's tokens through a GEMM)")
+    want = Backend.quantized_moe(backend, x, experts, weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)

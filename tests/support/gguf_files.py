@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from support import ggml_quantize
+from support.saved_dirs import own_tmp
 
 # transformers model_type -> GGUF architecture (llama.cpp's MODEL_ARCH_NAMES)
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -262,7 +263,7 @@ def write_gguf(path: str | Path, hf_config, state_dict: dict[str, torch.Tensor],
                  for name, shape in shapes.items()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = own_tmp(path)
     w = gguf.GGUFWriter(tmp, GGUF_ARCH[cfg.model_type])
     _write_metadata(w, cfg, file_type)
     for name, value in tensors.items():

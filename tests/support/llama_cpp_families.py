@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from support.gguf_files import dequantized_tensors
+from support.saved_dirs import own_tmp
 
 GGUF_ARCH = {"gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3.5": gguf.MODEL_ARCH.QWEN35,
              "qwen3.5-moe": gguf.MODEL_ARCH.QWEN35MOE, "llama4": gguf.MODEL_ARCH.LLAMA4,
@@ -124,7 +125,7 @@ def converted(arch: str, outtype: str) -> Path:
     source = Path(tiny_model_dir(arch))
     out = _out_dir() / f"tiny-{arch}-{source.name}-{outtype.upper()}.gguf"
     if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = own_tmp(out)
         _run([sys.executable, "-c", _CONVERT_WITH_OWN_TOKENIZER, convert, source, "--outtype", outtype, "--outfile",
               tmp, "--model-name", "tiny-random", *_CONVERTER_FLAGS.get(arch, [])])
         tmp.replace(out)

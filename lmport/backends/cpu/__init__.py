@@ -4,6 +4,7 @@ silu-gated activation on float32, the gated delta rule token by token (Gated Del
 reference ops for everything else."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -171,6 +172,13 @@ class CpuBackend(Backend):
             held = weight.type_name in compiled.ggml_interleaved_types()
         return interleaved.interleave(weight, in_place=True) if held else weight
 
+    def hold_experts(self, experts: ops.QuantizedExperts, dtype: torch.dtype) -> ops.QuantizedExperts:
+        """Each stacked weight as ``hold_quantized`` holds a linear's where every expert's rows are whole groups (a
+        group straddling two experts would belong to neither)."""
+        held = {name: self.hold_quantized(w, dtype) for name in ("gate", "up", "down")
+                if (w := getattr(experts, name)).out_features // experts.num_experts % interleaved.GROUP == 0}
+        return dataclasses.replace(experts, **held)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compiled = _compiled_for(x, weight)
         if compiled is None:
@@ -195,6 +203,26 @@ class CpuBackend(Backend):
         if ids.numel() <= MOE_GATHER_PAIRS:
             return moe_by_gather(x, gate_up, down, weights, ids)
         return super().fused_moe(x, gate_up, down, weights, ids)
+
+    def quantized_moe(self, x: torch.Tensor, experts: ops.QuantizedExperts, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        # GGUF blocks the kernels run, every expert in one call where the loop would run each expert's tokens through
+        # the compiled ggml_linear (as ggml_linear picks: a step of up to SMALL_BATCH_TOKENS tokens, or held rows
+        # where the build's group kernels run a prefill); else the loop, each expert through the GEMM of its weights
+        # expanded.
+        stacked = (experts.gate, experts.up, experts.down)
+        compiled = _compiled_for(x) if x.dim() == 2 else None
+        if compiled is None or not all(isinstance(w, ops.GGMLWeight) and w.type_name in self.capabilities.ggml_types
+                                       for w in stacked):
+            return super().quantized_moe(x, experts, weights, ids)
+        held = compiled.interleaved_prefill() and all(w.row_group != 1 for w in stacked)
+        if x.shape[0] > SMALL_BATCH_TOKENS and not held:
+            return super().quantized_moe(x, experts, weights, ids)
+        gate, up, down = ((w.blocks, w.type_name, w.row_group) for w in stacked if isinstance(w, ops.GGMLWeight))
+        alpha, limit = experts.clamp or (None, None)
+        return compiled.ggml_experts(x, ids, weights.float(), experts.num_experts, *gate, *up, *down,
+                                     biases=experts.biases, alpha=alpha, limit=limit,
+                                     scale_inputs=experts.scale_inputs)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  batch: ops.LoraBatch) -> torch.Tensor:

@@ -1,7 +1,7 @@
 // The extension's torch glue: each op's tensors checked, made contiguous and allocated here, then handed to its
 // kernel (kernels.h) as arrays; and the module's registrations with Python. The kernels live one family a file
-// (linear.cpp, quant_linear.cpp, ggml_linear.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp,
-// decoder_layers.cpp), the instruction sets' code under isa/.
+// (linear.cpp, quant_linear.cpp, ggml_linear.cpp, ggml_experts.cpp, paged_attention.cpp, kv_fill.cpp,
+// elementwise.cpp, decoder_layers.cpp), the instruction sets' code under isa/.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -191,6 +191,55 @@ torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const std::stri
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
   kernels::ggml_linear(x.data_ptr<float>(), M, K, w, N, type, row_group, bp, y.data_ptr<float>());
   return y;
+}
+
+// One of an experts block's stacked weights (GGUF blocks, rows interleaved in groups of ``row_group``) checked for
+// ``experts`` of ``rows`` rows and ``in_features`` inputs each; ``bias`` [experts, rows] float32 or None.
+static kernels::ExpertStack expert_stack(const char* name, const torch::Tensor& blocks, const std::string& type,
+                                         int64_t row_group, int64_t experts, int64_t rows, int64_t in_features,
+                                         const c10::optional<torch::Tensor>& bias) {
+  checked_inputs(blocks, type, in_features);
+  check_ggml_row_group(type, row_group);
+  TORCH_CHECK(blocks.is_contiguous() && blocks.size(0) == experts * rows && rows % row_group == 0, "ggml_experts: ",
+              name, " must be ", experts, " experts x ", rows, " contiguous rows, each expert's whole groups of ",
+              row_group, "; got ", blocks.sizes());
+  if (bias)
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == experts * rows,
+                "ggml_experts: the ", name, " bias must be contiguous float32 [", experts, ", ", rows, "]");
+  return {blocks.data_ptr<uint8_t>(), type, rows, in_features, row_group, bias ? bias->data_ptr<float>() : nullptr};
+}
+
+torch::Tensor ggml_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, int64_t experts,
+                           torch::Tensor gate, const std::string& gate_type, int64_t gate_row_group,
+                           torch::Tensor up, const std::string& up_type, int64_t up_row_group, torch::Tensor down,
+                           const std::string& down_type, int64_t down_row_group,
+                           c10::optional<std::vector<torch::Tensor>> biases, c10::optional<double> alpha,
+                           c10::optional<double> limit, bool scale_inputs) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "ggml_experts: x must be float32 [tokens, hidden]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 2 && ids.size(0) == x.size(0) &&
+                  weights.scalar_type() == torch::kFloat && weights.sizes() == ids.sizes(),
+              "ggml_experts: ids int64 and weights float32 [tokens, k]; got ", ids.scalar_type(), " ", ids.sizes(),
+              " and ", weights.scalar_type(), " ", weights.sizes());
+  TORCH_CHECK(experts > 0 && gate.dim() == 2 && gate.size(0) % experts == 0, "ggml_experts: gate must stack ",
+              experts, " experts' rows");
+  TORCH_CHECK(!biases || biases->size() == 3, "ggml_experts: biases are gate's, up's and down's");
+  TORCH_CHECK(alpha.has_value() == limit.has_value(), "ggml_experts: the clamped SwiGLU takes alpha and limit");
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), inter = gate.size(0) / experts;
+  auto bias = [&](int i) { return biases ? c10::optional<torch::Tensor>((*biases)[i]) : c10::nullopt; };
+  const auto g = expert_stack("gate", gate, gate_type, gate_row_group, experts, inter, H, bias(0));
+  const auto u = expert_stack("up", up, up_type, up_row_group, experts, inter, H, bias(1));
+  const auto d = expert_stack("down", down, down_type, down_row_group, experts, H, inter, bias(2));
+  x = x.contiguous(), ids = ids.contiguous(), weights = weights.contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(idp, idp + ids.numel(), [&](int64_t e) { return e >= 0 && e < experts; }),
+              "ggml_experts: expert ids must be in [0, ", experts, ")");
+  kernels::ExpertActivation act;
+  act.clamped = alpha.has_value(), act.scale_inputs = scale_inputs;
+  act.alpha = static_cast<float>(alpha.value_or(0)), act.limit = static_cast<float>(limit.value_or(0));
+  auto out = torch::empty({T, H}, x.options());
+  kernels::ggml_experts(x.data_ptr<float>(), T, H, idp, weights.data_ptr<float>(), k, experts, g, u, d, act,
+                        out.data_ptr<float>());
+  return out;
 }
 
 // W in float32; with ``rows`` (int64 indices) only those rows, in that order (an embedding lookup).
@@ -451,6 +500,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_linear", &lmport::ggml_linear, "x W^T (+ b), W in GGUF blocks of the named type, x float32 rows",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::arg("row_group") = 1);
+  m.def("ggml_experts", &lmport::ggml_experts,
+        "a mixture of experts' routed experts over GGUF blocks stacked over the experts (float32 x): [tokens, hidden]",
+        py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("experts"), py::arg("gate"), py::arg("gate_type"),
+        py::arg("gate_row_group"), py::arg("up"), py::arg("up_type"), py::arg("up_row_group"), py::arg("down"),
+        py::arg("down_type"), py::arg("down_row_group"), py::arg("biases") = py::none(),
+        py::arg("alpha") = py::none(), py::arg("limit") = py::none(), py::arg("scale_inputs") = false);
   m.def("ggml_dequantize", &lmport::ggml_dequantize, "W in GGUF blocks of the named type -> float32 (rows: only those, in that order)",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("row_group") = 1,
         py::arg("rows") = py::none());

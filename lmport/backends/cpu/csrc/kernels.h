@@ -1,6 +1,6 @@
 // The kernels' entry points, on raw arrays: each is defined in its family's .cpp (linear.cpp,
-// quant_linear.cpp, ggml_linear.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp, gated_delta_net.cpp) and called by
-// bindings.cpp, which checks the tensors, makes them contiguous and allocates the outputs. Nothing here
+// quant_linear.cpp, ggml_linear.cpp, ggml_experts.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp,
+// gated_delta_net.cpp) and called by bindings.cpp, which checks the tensors, makes them contiguous and allocates the outputs. Nothing here
 // knows torch's tensors; the threads are ATen's (at::parallel_for).
 #pragma once
 
@@ -46,6 +46,28 @@ std::vector<std::string> ggml_types();   // the types ggml_linear runs
 std::vector<std::string> ggml_interleaved_types();   // those this build reads interleaved
 std::vector<std::string> ggml_row_group_types();   // those with an interleaved layout at all
 std::vector<std::string> ggml_int8_types();   // those whose few-rows path holds x as two int8 codes
+
+// ---- ggml_experts.cpp: a mixture of experts' routed experts over GGUF blocks ----
+// One of gate, up and down stacked over the experts: each expert's ``rows`` output rows in turn, interleaved in
+// groups of ``row_group`` as ggml_linear takes them (rows a multiple of it); its biases [experts, rows] or null.
+struct ExpertStack {
+  const uint8_t* blocks;
+  std::string type;
+  int64_t rows, in_features, row_group;
+  const float* bias;
+};
+// Between gate and up: silu(g) * u, or (clamped) gpt-oss's clamped SwiGLU; scale_inputs: the routing weight
+// scales the expert's input instead of its output (Llama 4).
+struct ExpertActivation {
+  bool clamped = false;
+  float alpha = 0, limit = 0;
+  bool scale_inputs = false;
+};
+// out [T, H] = sum over the k slots of each token of down_e(act(gate_e x_t, up_e x_t)) times the slot's routing
+// weight, e = ids[t, k] (lmport.ops.moe.quantized_moe): ids [T, k] in [0, experts), weights [T, k].
+void ggml_experts(const float* x, int64_t T, int64_t H, const int64_t* ids, const float* weights, int64_t k,
+                  int64_t experts, const ExpertStack& gate, const ExpertStack& up, const ExpertStack& down,
+                  const ExpertActivation& activation, float* out);
 
 // ---- paged_attention.cpp ----
 // A block pool [blocks, block_size, kv_heads, row]: ``bits`` 32 or 16 (float32 or float16 values), or 8 or 4
