@@ -101,10 +101,12 @@ def _decode_absorbed(q_nope, q_rope, cache, meta, seqs, kv_lens, kv_b_weight, sc
     q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope, w_k), q_rope], dim=-1)     # [B, H, rank + rope]
     kv_pos = torch.arange(latents.shape[1], device=q.device)
     mask = kv_pos[None, :] < torch.tensor(lens, device=q.device)[:, None]          # [B, S]
-    # One KV head shared by all the query heads (MQA over the latents); the values are the c's.
-    o = F.scaled_dot_product_attention(q[:, :, None], latents[:, None], latents[:, None, :, :rank],
-                                       attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
-    return torch.einsum("bhr,hvr->bhv", o[:, :, 0], w_v)
+    # One KV head shared by all the query heads (MQA over the latents); the values are the c's. Two batched
+    # products: one query token a head needs nothing more (SDPA's general path costs several times as much here).
+    scores = torch.einsum("bhw,bsw->bhs", q, latents).float() * scale
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
+    o = torch.einsum("bhs,bsr->bhr", probs, latents[..., :rank])
+    return torch.einsum("bhr,hvr->bhv", o, w_v)
 
 
 def _prefill_expanded(q_nope, q_rope, cache, meta, seq, kv_len, kv_b_weight, scale, own) -> torch.Tensor:
