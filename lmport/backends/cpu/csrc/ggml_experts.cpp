@@ -1,8 +1,7 @@
 // A mixture of experts' routed experts over GGUF blocks in one call (lmport.ops.moe.quantized_moe, which the
 // backend's Python loop runs): each expert that has tokens in turn, its gate, up and down by ggml_linear on its
-// rows of the stacked weights, the activation between them, its results added into out in expert order. The same
-// kernels on the same rows in the same order, without the dozen torch calls an expert costs in Python, which at
-// decode (one token, up to ten experts a layer) take longer than the experts' weight reads.
+// rows of the stacked weights, the activation between them, its results added into out in expert order: the same
+// kernels on the same rows in the same order, without the dozen torch calls an expert costs in Python.
 #include <algorithm>
 #include <cmath>
 #include <vector>
