@@ -144,8 +144,9 @@ class QuantizedExperts:
     """A mixture of experts' routed experts over quantized weights as a GGUF stacks them: ``gate``, ``up`` and
     ``down`` each one weight of ``num_experts`` times an expert's rows (the experts' rows in turn, as
     ``ffn_{gate,up,down}_exps`` hold them), each of any kind (a Q4_K_M file's Q4_K gate and up, Q6_K down).
-    An expert computes down(silu(gate x) * up x); with ``clamp`` (gpt-oss's alpha and limit) and ``biases`` (gate,
-    up, down: [experts, rows] each, added after each projection) the activation is ``clamped_swiglu``.
+    An expert computes down(silu(gate x) * up x), with ``clamp`` (gpt-oss's alpha and limit) ``clamped_swiglu``
+    in place of the silu; ``biases`` (gate's, up's and down's: [experts, rows] each, gpt-oss's) are added after
+    each projection.
     ``scale_inputs``: the routing weight scales the expert's input, not its output (Llama 4)."""
     gate: Quantized
     up: Quantized
@@ -173,11 +174,10 @@ def quantized_moe(x: torch.Tensor, experts: QuantizedExperts, weights: torch.Ten
     def expert_mlp(expert: int, xs: torch.Tensor) -> torch.Tensor:
         gate_w, up_w, down_w = experts.views[expert]
         gate, up = linear(xs, gate_w), linear(xs, up_w)
-        if experts.clamp is None:
-            return linear(silu_and_mul(gate, up), down_w)
-        assert experts.biases is not None, "gpt-oss's clamped experts come with biases"
-        gate_bias, up_bias, down_bias = experts.biases
-        h = clamped_swiglu(gate + gate_bias[expert], up + up_bias[expert], *experts.clamp)
-        return linear(h, down_w) + down_bias[expert]
+        if experts.biases is not None:
+            gate, up = gate + experts.biases[0][expert], up + experts.biases[1][expert]
+        h = silu_and_mul(gate, up) if experts.clamp is None else clamped_swiglu(gate, up, *experts.clamp)
+        out = linear(h, down_w)
+        return out if experts.biases is None else out + experts.biases[2][expert]
 
     return moe_by_expert(x, weights, ids, experts.num_experts, expert_mlp, scale_inputs=experts.scale_inputs)
