@@ -1,7 +1,7 @@
 // The kernels' entry points, on raw arrays: each is defined in its family's .cpp (linear.cpp,
 // quant_linear.cpp, ggml_linear.cpp, ggml_experts.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp,
-// gated_delta_net.cpp) and called by bindings.cpp, which checks the tensors, makes them contiguous and allocates the outputs. Nothing here
-// knows torch's tensors; the threads are ATen's (at::parallel_for).
+// gated_delta_net.cpp) and called by bindings.cpp, which checks the tensors, makes them contiguous and allocates
+// the outputs. Nothing here knows torch's tensors; the threads are ATen's (at::parallel_for).
 #pragma once
 
 #include <c10/util/Half.h>
