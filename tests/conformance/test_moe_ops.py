@@ -224,3 +224,20 @@ def test_cpu_experts_in_one_call_are_the_loop_over_its_kernels(activation, token
         pytest.skip("n/a: the loop runs this case (each expert's tokens through a GEMM)")
     want = Backend.quantized_moe(backend, x, experts, weights, ids)
     torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
+
+
+def test_cpu_experts_kernel_refuses_bad_ids_and_shapes_by_name():
+    """The kernel call's own checks: an expert id outside the experts, and a stacked weight whose rows are not the
+    experts' whole rows, are refused with what was expected, not read out of bounds."""
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    if compiled is None:
+        pytest.skip("the cpu kernels are not built here")
+    experts, _ = _gguf_experts("silu", torch.device("cpu"))
+    stacks = [(w.blocks, w.type_name, w.row_group) for w in (experts.gate, experts.up, experts.down)]
+    x, weights = torch.randn(1, Q_HIDDEN), torch.ones(1, TOP_K)
+    with pytest.raises(RuntimeError, match=r"expert ids must be in \[0, 8\)"):
+        compiled.ggml_experts(x, torch.tensor([[0, EXPERTS]]), weights, EXPERTS, *stacks[0], *stacks[1], *stacks[2])
+    short_down = (stacks[2][0][:-1], *stacks[2][1:])
+    with pytest.raises(RuntimeError, match="down must be 8 experts x 256 contiguous rows"):
+        compiled.ggml_experts(x, torch.tensor([[0, 1]]), weights, EXPERTS, *stacks[0], *stacks[1], *short_down)

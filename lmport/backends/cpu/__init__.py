@@ -85,8 +85,7 @@ class CpuBackend(Backend):
         if compiled is None or x.dim() != 2:
             return super().quant_linear(x, weight, bias)
         q = weight
-        # a decode step, or a prefill over held rows where the build's group kernels beat the GEMM
-        if x.shape[0] <= SMALL_BATCH_TOKENS or (q.row_group != 1 and compiled.interleaved_prefill()):
+        if runs_compiled(compiled, q, x.shape[0]):
             return compiled.quant_linear(x, q.qweight, q.scales, kernels.kernel_mins(q), q.bits, q.group_size, bias,
                                          row_group=q.row_group)
         # prefill: the weight expanded once for a GEMM, which is then as fast as on float weights
@@ -98,8 +97,7 @@ class CpuBackend(Backend):
         if compiled is None or weight.type_name not in self.capabilities.ggml_types:
             return super().ggml_linear(x, weight, bias)
         x2 = x.reshape(-1, weight.in_features)
-        # a decode step, or a prefill over held rows where the build's group kernels beat the GEMM
-        if x2.shape[0] <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and compiled.interleaved_prefill()):
+        if runs_compiled(compiled, weight, x2.shape[0]):
             y = compiled.ggml_linear(x2, weight.blocks, weight.type_name, weight.in_features, bias,
                                      row_group=weight.row_group)
         else:  # prefill: the weight expanded once for a GEMM
@@ -206,17 +204,12 @@ class CpuBackend(Backend):
 
     def quantized_moe(self, x: torch.Tensor, experts: ops.QuantizedExperts, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
-        # GGUF blocks the kernels run, every expert in one call where the loop would run each expert's tokens through
-        # the compiled ggml_linear (as ggml_linear picks: a step of up to SMALL_BATCH_TOKENS tokens, or held rows
-        # where the build's group kernels run a prefill); else the loop, each expert through the GEMM of its weights
-        # expanded.
+        # Every expert in one call over GGUF blocks the kernels run, where the loop would run each expert's tokens
+        # through the compiled ggml_linear (runs_compiled); else the loop, each expert through a GEMM.
         stacked = (experts.gate, experts.up, experts.down)
         compiled = _compiled_for(x) if x.dim() == 2 else None
         if compiled is None or not all(isinstance(w, ops.GGMLWeight) and w.type_name in self.capabilities.ggml_types
-                                       for w in stacked):
-            return super().quantized_moe(x, experts, weights, ids)
-        held = compiled.interleaved_prefill() and all(w.row_group != 1 for w in stacked)
-        if x.shape[0] > SMALL_BATCH_TOKENS and not held:
+                                       and runs_compiled(compiled, w, x.shape[0]) for w in stacked):
             return super().quantized_moe(x, experts, weights, ids)
         gate, up, down = ((w.blocks, w.type_name, w.row_group) for w in stacked if isinstance(w, ops.GGMLWeight))
         alpha, limit = experts.clamp or (None, None)
@@ -266,6 +259,13 @@ class CpuBackend(Backend):
         k_new, v_new = (None, None) if new_kv is None else (t.float() for t in new_kv)
         return compiled.paged_attention_codes(q.contiguous(), cache.k, cache.v, cache.k_qparams, cache.v_qparams,
                                               cache.quant_policy, *step, k_new=k_new, v_new=v_new, **variants)
+
+
+def runs_compiled(compiled, weight: ops.QuantizedWeight | ops.GGMLWeight, rows: int) -> bool:
+    """Whether ``rows`` float32 rows of x over ``weight`` go to the compiled quant_linear / ggml_linear (a decode
+    step, or a prefill over held rows where the build's group kernels beat the GEMM) rather than to a GEMM over the
+    weight expanded."""
+    return rows <= SMALL_BATCH_TOKENS or (weight.row_group != 1 and compiled.interleaved_prefill())
 
 
 # Up to this many (token, expert) pairs the cpu MoE gathers each pair's expert weights and runs one
