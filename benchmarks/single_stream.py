@@ -53,7 +53,9 @@ from worker_process import WorkerProcess, step
 PROMPT_TOKENS, DECODE_TOKENS, DEPTHS = 256, 128, (0, 256)
 DEFAULT_LENGTHS = {"prompt": PROMPT_TOKENS, "decode": DECODE_TOKENS, "depths": list(DEPTHS)}
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON"
-LMPORT_PATHS = {"lmport": "native", "lmport avx2": "avx2"}
+# lmport's kernel paths: the environment each worker runs under
+LMPORT_PATHS = {"lmport": {"LMPORT_CPU_ISA": "native"}, "lmport avx2": {"LMPORT_CPU_ISA": "avx2"},
+                "lmport bf16 prefill": {"LMPORT_CPU_ISA": "native", "LMPORT_CPU_PREFILL": "bf16"}}
 AVX2_PEER = "llama.cpp avx2"   # llama.cpp without AVX-512 (--llama-avx2-bin): the peer of lmport's AVX2 path
 
 
@@ -100,12 +102,12 @@ def llama_round(bin_dir: Path, model: Path, threads: int, lengths: dict) -> dict
 
 # ---- lmport, one worker process per kernel path ----
 
-def lmport_worker(model: Path, isa: str, threads: int, kv_cache_dtype: str, lengths: dict) -> WorkerProcess:
-    """This script run as ``--worker FILE`` under LMPORT_CPU_ISA=``isa``: one engine, a round per request."""
+def lmport_worker(model: Path, env: dict, threads: int, kv_cache_dtype: str, lengths: dict) -> WorkerProcess:
+    """This script run as ``--worker FILE`` with ``env`` (a kernel path's) added: one engine, a round per request."""
     return WorkerProcess([sys.executable, __file__, "--worker", str(model), "--threads", str(threads),
                           "--kv-cache-dtype", kv_cache_dtype, "--prompt-tokens", str(lengths["prompt"]),
                           "--decode-tokens", str(lengths["decode"]), "--depths", ",".join(map(str, lengths["depths"]))],
-                         dict(os.environ, LMPORT_CPU_ISA=isa))
+                         dict(os.environ, **env))
 
 
 def worker_main(model: str, threads: int, kv_cache_dtype: str, lengths: dict) -> None:
@@ -143,7 +145,8 @@ def worker_main(model: str, threads: int, kv_cache_dtype: str, lengths: dict) ->
     compiled = kernels.load()
     one_round()   # warm-up: kernels built, caches touched
     print(json.dumps({"weight_bytes": engine.weight_bytes, "kernels": None if compiled is None else compiled.__name__,
-                      "isa": os.environ.get("LMPORT_CPU_ISA", "native")}), flush=True)
+                      "isa": os.environ.get("LMPORT_CPU_ISA", "native"),
+                      "prefill": kernels.prefill_precision()}), flush=True)
     for _ in sys.stdin:
         print(json.dumps(one_round()), flush=True)
 

@@ -18,7 +18,8 @@ reference's own result at x so rounded. Each case runs again with the weight as 
 model's linears where that differs from the file's layout (cpu: Q5_0, Q4_K and Q6_K rows interleaved in
 groups of 16), whose kernel holds x as the one-row path does for every step, a prefill's too: two int8
 codes with AVX-512 VNNI, int16 on the AVX2 path (whose backend runs a prefill over them as a GEMM on the
-dequantized weight, within the same bound).
+dequantized weight, within the same bound); a prefill on AMX tiles rounds x and the weights to bfloat16
+(test_quant_linear.py's held_rounding_bound).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from harness import op_backend
 from lmport import ops
 from lmport.platform.backend import Backend
 from lmport.weights.ggml import HELD_BLOCK_TYPES
-from test_quant_linear import (float32_summation_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
+from test_quant_linear import (assert_each_rows_own_result, bf16_prefill, bf16_rounding_bound, float32_summation_bound,
+                               held_rounding_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
                                rounded_as_held)
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
@@ -90,11 +92,12 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
     for b in (None, bias):
         got = ggml_backend.ggml_linear(x.to(device), on_device, None if b is None else b.to(device))
         want = ops.ggml_linear(x, weight, b)
-        # rows interleaved: every step the kernel takes (a prefill's too) holds x as the one-row path does
-        interleaved = weight.row_group != 1
-        int8_path = (SHAPES[shape] <= int8_rows() or interleaved) and type_name in int8_types()
-        rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
-        bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
+        if weight.row_group != 1:   # rows interleaved: every step's x held as the one-row path holds it, or bf16
+            bound = float32_summation_bound(x, w) + held_rounding_bound(x, w)
+        else:
+            int8_path = SHAPES[shape] <= int8_rows() and type_name in int8_types()
+            rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
+            bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
         if name != "cpu":   # float32 dot products of float32 weights: summation order only
             bound = float32_summation_bound(x, w)
         assert ((got.cpu() - want).abs() <= bound + 1e-6).all(), (got.cpu() - want).abs().max()
@@ -135,8 +138,9 @@ def test_cpu_one_row_path_is_the_reference_at_x_as_it_holds_it(type_name, layout
 @pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
 def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
     """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit.
-    Rows interleaved as the backend holds them: so for every step, a batched decode or a prefill (259 rows:
-    more than one of the kernel's chunks of rows at these inputs), on either ISA's path."""
+    Rows interleaved as the backend holds them: each row's result is its own for every step, a batched decode or
+    a prefill (259 rows: more than one of the kernel's chunks of rows), on every ISA's path
+    (assert_each_rows_own_result)."""
     if layout == "file" and (type_name not in int8_types() or int8_rows() < 2):
         pytest.skip("this build runs no few-row int8 path (no AVX-512 VNNI)")
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
@@ -146,11 +150,37 @@ def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
         weight, rows = CpuBackend().hold_quantized(weight, torch.float32), 2 * SMALL_BATCH_TOKENS + 3
         assert weight.row_group == 16
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(9))
-    call = kernels.load().ggml_linear
-    together = call(x, weight.blocks, type_name, weight.in_features, None, weight.row_group)
-    alone = torch.cat([call(x[m:m + 1], weight.blocks, type_name, weight.in_features, None, weight.row_group)
-                       for m in range(len(x))])
-    assert torch.equal(together, alone)
+
+    def call(rows_of_x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().ggml_linear(rows_of_x, weight.blocks, type_name, weight.in_features, None,
+                                          weight.row_group)
+
+    if layout == "held":
+        assert_each_rows_own_result(call, x)
+    else:
+        assert torch.equal(call(x), torch.cat([call(x[m:m + 1]) for m in range(len(x))]))
+
+
+@pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
+def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(type_name):
+    """A prefill over interleaved rows on AMX tiles (LMPORT_CPU_PREFILL=bf16): within float32 summation and
+    bfloat16 rounding of x and the weights of the reference, with and without bias, each row's result its own."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
+    file_rows = random_blocks(type_name, OUT, inputs(type_name), seed=12)
+    weight = CpuBackend().hold_quantized(copied(file_rows), torch.float32)
+    g = torch.Generator().manual_seed(13)
+    x, bias = torch.randn(2 * SMALL_BATCH_TOKENS + 3, weight.in_features, generator=g), torch.randn(OUT, generator=g)
+    w = ops.dequantize_ggml(file_rows)
+
+    def call(rows_of_x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.load().ggml_linear(rows_of_x, weight.blocks, type_name, weight.in_features, b, weight.row_group)
+
+    with bf16_prefill():
+        for b in (None, bias):
+            got, want = call(x, b), ops.ggml_linear(x, file_rows, b)
+            bound = float32_summation_bound(x, w) + bf16_rounding_bound(x, w)
+            assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
+        assert_each_rows_own_result(call, x)
 
 
 @pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))

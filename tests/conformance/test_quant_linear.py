@@ -14,9 +14,13 @@ int8 codes an input instead (quant_linear.h): a step of max|x_run| / (127 * 256)
 each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the reference's
 own result at x so rounded. Rows interleaved as the backend holds them (``held``) take every row of x,
 a prefill's too, as the build's one-row path holds it: two int8 codes with AVX-512 VNNI, int16 on the
-AVX2 path (whose backend runs a prefill over them as a GEMM on the dequantized weight, within the same bound).
+AVX2 path (whose backend runs a prefill over them as a GEMM on the dequantized weight, within the same bound);
+from the rows the kernel names in ``interleaved_bf16_rows`` (a prefill, on a machine with AMX tiles) x and the
+weights rounded to bfloat16 instead, each product within 2^-8 of itself.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -54,6 +58,50 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def int8_pair_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     step = x.abs().reshape(x.shape[0], -1, 32).amax(-1) / (127 * 256)           # [M, runs]
     return step.repeat_interleave(32, dim=1) @ w.abs().T
+
+
+def bf16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x and w each rounded to bfloat16 (at most 2^-9 of itself each): every product within 2^-8 + 2^-18 of
+    itself, sum_k |x_k w_k| (2^-8 + 2^-18)."""
+    return (2.0 ** -8 + 2.0 ** -18) * (x.abs() @ w.abs().T)
+
+
+def bf16_rows() -> int:
+    """The rows of x from which the cpu kernels take bfloat16 products over interleaved rows (0: never)."""
+    from lmport.backends.cpu import kernels
+    return kernels.load().interleaved_bf16_rows()
+
+
+@contextlib.contextmanager
+def bf16_prefill():
+    """The cpu kernels' prefills over interleaved rows on AMX tiles in bfloat16 (LMPORT_CPU_PREFILL=bf16) inside
+    the block; skips where the CPU or build has no tiles."""
+    from lmport.backends.cpu import kernels
+    module = kernels.load()
+    try:
+        if not module.set_bf16_prefill(True):
+            pytest.skip("no AMX tiles on this CPU (or build)")
+        yield
+    finally:
+        module.set_bf16_prefill(kernels.prefill_precision() == "bf16")
+
+
+def held_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the cpu kernels' rounding of x (and, on AMX tiles, of w) adds over rows interleaved in groups."""
+    if 0 < bf16_rows() <= x.shape[0]:
+        return bf16_rounding_bound(x, w)
+    return int8_pair_rounding_bound(x, w) if int8_rows() > 0 else int16_rounding_bound(x, w)
+
+
+def assert_each_rows_own_result(call, x: torch.Tensor) -> None:
+    """``call`` over rows interleaved in groups: up to a decode step's rows of x each row's result is the one it
+    has alone, bit for bit (a batched decode does not change a sequence's logits); from the rows where the build
+    takes bfloat16 products (``bf16_rows``, a prefill) each row's is the one it has in any other such prefill."""
+    first_bf16 = bf16_rows()
+    decode = len(x) if first_bf16 == 0 else min(len(x), first_bf16 - 1)
+    assert torch.equal(call(x[:decode]), torch.cat([call(x[m:m + 1]) for m in range(decode)]))
+    if 0 < first_bf16 and 2 * first_bf16 <= len(x):
+        assert torch.equal(call(x), torch.cat([call(x[:first_bf16]), call(x[first_bf16:])]))
 
 
 def rounded_to_int16(x: torch.Tensor) -> torch.Tensor:
@@ -136,10 +184,11 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, 
         want = ops.quant_linear(x.float(), weight, None if b is None else b.float())
         if name == "cpu":
             w = ops.dequantize(weight)
-            interleaved = weight.row_group != 1
-            int8_path = SHAPES[shape] <= int8_rows() or (interleaved and int8_rows() > 0)
-            rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
-            bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") or interleaved else 0)
+            if weight.row_group != 1:
+                bound = float32_summation_bound(x, w) + held_rounding_bound(x, w)
+            else:
+                rounding = int8_pair_rounding_bound if SHAPES[shape] <= int8_rows() else int16_rounding_bound
+                bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
             assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
         elif name == "cuda":   # fp32 IEEE dot products: summation order only
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -233,9 +282,8 @@ def test_cpu_dequantize_kernel_is_the_reference():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cpu_held_rows_are_each_rows_own_result_for_every_step(bits):
-    """Rows interleaved as the backend holds them: each row of x's result is the one it has alone, bit for
-    bit, for every step (a batched decode does not change a sequence's logits), a prefill's too (259 rows:
-    more than one of the kernel's chunks of rows at these inputs)."""
+    """Rows interleaved as the backend holds them: each row of x's result is its own for every step
+    (assert_each_rows_own_result), a prefill's too (259 rows: more than one of the kernel's chunks of rows)."""
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
     weight = CpuBackend().hold_quantized(random_weight(bits, 32, n=99, k=288, seed=6), torch.float32)
     if weight.row_group == 1:
@@ -245,7 +293,40 @@ def test_cpu_held_rows_are_each_rows_own_result_for_every_step(bits):
     def call(rows_of_x: torch.Tensor) -> torch.Tensor:
         return kernels.load().quant_linear(rows_of_x, weight.qweight, weight.scales, weight.mins, bits, 32, None, 16)
 
-    assert torch.equal(call(x), torch.cat([call(x[m:m + 1]) for m in range(len(x))]))
+    assert_each_rows_own_result(call, x)
+
+
+def test_cpu_prefill_is_exact_unless_bf16_is_asked_for(monkeypatch):
+    """By default no step takes bfloat16 products; asked for, only more rows than the backend's decode step (a
+    prefill); a precision the kernels do not know is refused by name."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
+    assert kernels.prefill_precision() == "exact" and bf16_rows() == 0
+    with bf16_prefill():
+        assert bf16_rows() == SMALL_BATCH_TOKENS + 1
+    monkeypatch.setenv("LMPORT_CPU_PREFILL", "fast")
+    with pytest.raises(ValueError, match="LMPORT_CPU_PREFILL='fast'"):
+        kernels.prefill_precision()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(bits):
+    """A prefill over interleaved rows on AMX tiles: within float32 summation and bfloat16 rounding of x and the
+    weights of the reference, with and without bias, each row's result its own (assert_each_rows_own_result)."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend, kernels
+    weight = CpuBackend().hold_quantized(random_weight(bits, 32, n=99, k=288, seed=10), torch.float32)
+    g = torch.Generator().manual_seed(11)
+    x, bias = torch.randn(2 * SMALL_BATCH_TOKENS + 3, weight.in_features, generator=g), torch.randn(99, generator=g)
+    w = ops.dequantize(weight)
+
+    def call(rows_of_x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.load().quant_linear(rows_of_x, weight.qweight, weight.scales, weight.mins, bits, 32, b, 16)
+
+    with bf16_prefill():
+        for b in (None, bias):
+            got, want = call(x, b), ops.quant_linear(x, weight, b)
+            bound = float32_summation_bound(x, w) + bf16_rounding_bound(x, w)
+            assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
+        assert_each_rows_own_result(call, x)
 
 
 def test_cpu_kernel_refuses_rows_interleaved_otherwise():

@@ -22,7 +22,8 @@ from lmport.weights import interleaved
 # BLAS, which is tuned for large batches; prefill GEMMs stay with the BLAS, except over quantized
 # rows held interleaved (hold_quantized) where the build's integer kernels run a prefill faster than a
 # GEMM over the weight expanded to float32 (AVX-512 VNNI: the build's interleaved_prefill(); measured by
-# `lmport bench kernels cpu --only held`).
+# `lmport bench kernels cpu --only held`); past it, those kernels take AMX tiles where asked for
+# (LMPORT_CPU_PREFILL=bf16; csrc/interleaved_rows.h's kDecodeRows is this count).
 SMALL_BATCH_TOKENS = 128
 
 

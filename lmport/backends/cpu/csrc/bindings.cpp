@@ -497,6 +497,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the int4/int8 widths quant_linear and quant_dequantize read with rows interleaved in groups of 16");
   m.def("interleaved_prefill", &lmport::kernels::interleaved_prefill,
         "whether a prefill over interleaved rows is best run by quant_linear / ggml_linear, not a GEMM on the dequantized weight");
+  m.def("set_bf16_prefill", &lmport::kernels::set_bf16_prefill,
+        "run a prefill over interleaved rows on AMX tiles in bfloat16 (on: where the CPU has them) or exactly; whether it now does");
+  m.def("interleaved_bf16_rows", &lmport::kernels::interleaved_bf16_rows,
+        "rows of x from which quant_linear / ggml_linear over interleaved rows take bfloat16 products on AMX tiles (0: never)");
   m.def("ggml_linear", &lmport::ggml_linear, "x W^T (+ b), W in GGUF blocks of the named type, x float32 rows",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("bias") = py::none(),
         py::arg("row_group") = 1);

@@ -13,6 +13,9 @@
 #elif defined(LMPORT_INTERLEAVED_AVX2)
 #include "isa/avx2/interleaved_groups.h"
 #endif
+#if defined(LMPORT_ISA_AMX)
+#include "isa/amx/bf16_groups.h"
+#endif
 
 namespace lmport {
 namespace interleaved {
@@ -59,11 +62,19 @@ inline void groups_range(L layout, const BlockCodes* const* x, int64_t M, int64_
   }
 }
 
+// Up to this many rows of x (a decode step's, lmport.backends.cpu.SMALL_BATCH_TOKENS) each row's result is the
+// one it has alone; more (a prefill) go to the AMX tiles where asked for and the machine has them.
+constexpr int64_t kDecodeRows = 128;
+
 // y [M, N] (rows ``y_stride`` apart) = x W^T (+ bias) over the whole groups of W (``groups`` of them): the
 // threads share the groups (groups_range).
 template <class L>
 inline void linear_groups(L layout, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t groups,
                           int64_t group_bytes, int64_t blocks, const float* bias, float* y, int64_t y_stride) {
+#if defined(LMPORT_ISA_AMX)
+  if (M > kDecodeRows && amx::enabled())
+    return amx::linear_groups(layout, x, M, K, w, groups, group_bytes, blocks, bias, y, y_stride);
+#endif
   std::vector<BlockCodes> xs;
   for (int64_t m = 0; m < M; ++m) xs.push_back(block_codes(x + m * K, K));
   std::vector<const BlockCodes*> rows;

@@ -32,6 +32,8 @@ std::vector<int64_t> quant_interleaved_bits();   // the widths read with rows in
 bool interleaved_kernels();   // whether this build reads rows interleaved in groups
 int64_t interleaved_group();   // the rows of such a group (16)
 bool interleaved_prefill();   // whether a prefill over interleaved rows is best run by the group kernels
+bool set_bf16_prefill(bool on);   // a prefill over interleaved rows on AMX tiles in bfloat16: whether it now is
+int64_t interleaved_bf16_rows();   // rows of x from which those take bfloat16 products on AMX tiles (0: never)
 
 // ---- ggml_linear.cpp: GGUF blocks ----
 // The inputs and bytes of a block of ``type``; false for a type with no kernel.

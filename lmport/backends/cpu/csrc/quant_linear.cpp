@@ -19,6 +19,23 @@ bool interleaved_kernels() { return interleaved::kKernels; }
 
 bool interleaved_prefill() { return interleaved::kPrefill; }
 
+bool set_bf16_prefill(bool on) {
+#ifdef LMPORT_ISA_AMX
+  interleaved::amx::asked() = on;
+  return interleaved::amx::enabled();
+#else
+  return false;
+#endif
+}
+
+int64_t interleaved_bf16_rows() {
+#ifdef LMPORT_ISA_AMX
+  return interleaved::amx::enabled() ? interleaved::kDecodeRows + 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 int64_t interleaved_group() { return interleaved::kGroup; }
 
 int64_t quant_int8_rows() {

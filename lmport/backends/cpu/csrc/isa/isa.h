@@ -11,6 +11,7 @@
 //   isa/x86.h           small x86 helpers shared by the quantized kernels (256-bit sums, int16 dot products).
 //   isa/avx512/*.h      the AVX-512 (BW, VL, VNNI) bodies of the quantized kernels: int8 activations and
 //                       vpdpbusd dot products, the interleaved-row group kernels.
+//   isa/amx/*.h         the AMX tile loop of a prefill over interleaved rows (bfloat16 products).
 //   isa/avx2/*.h        the AVX2 (FMA, F16C) bodies of the interleaved-row group kernels.
 //   isa/neon/           (not written yet) the place for an ARM port: the same functions as isa/avx2/ over
 //                       NEON's sdot / vmlal, selected by an LMPORT_ISA_NEON branch below. Until then a
@@ -30,6 +31,12 @@
 // AVX-512 with byte dot products (vpdpbusd): the int8 paths of quant_linear and ggml_linear.
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define LMPORT_ISA_AVX512 1
+#endif
+
+// AMX tiles with bfloat16 products (and AVX-512's bfloat16 conversions): a prefill over interleaved rows
+// (isa/amx/bf16_groups.h).
+#if defined(LMPORT_ISA_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LMPORT_ISA_AMX 1
 #endif
 
 // Kernels over rows interleaved in groups of 16 (interleaved_rows.h): AVX-512 VNNI's, or AVX2's (with FMA

@@ -123,29 +123,35 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
   for (int m = 0; m < MT; ++m) out[m] = acc[m];
 }
 
+// A Q4_K block's 8 sub-blocks' 6-bit scales and mins (lanes: the group's rows) from its 12 scale bytes, as
+// llama.cpp's get_scale_min_k4.
+inline void q4_k_scales(const uint8_t* c, __m512 (&sc)[8], __m512 (&mn)[8]) {
+  const __m512i low6 = _mm512_set1_epi32(63);
+  const auto byte = [&](int q) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q4_KRows::kScales + 16 * q)));
+  };
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a = byte(q), b = byte(q + 4), e = byte(q + 8);
+    sc[q] = _mm512_cvtepi32_ps(_mm512_and_si512(a, low6));
+    mn[q] = _mm512_cvtepi32_ps(_mm512_and_si512(b, low6));
+    sc[q + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xF)),
+                                                   _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4)));
+    mn[q + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 4)));
+  }
+}
+
 template <int MT>
 inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
                       Lanes* out) {
   constexpr int64_t kBlock = kGroup * Q4_KRows::kBytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi32(63);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MT], mins[MT];
   for (int m = 0; m < MT; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
-    // The 8 sub-blocks' 6-bit scales and mins from the 12 scale bytes, as llama.cpp's get_scale_min_k4.
-    const auto byte = [&](int q) {
-      return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + Q4_KRows::kScales + 16 * q)));
-    };
     __m512 sc[8], mn[8];
-    for (int q = 0; q < 4; ++q) {
-      const __m512i a = byte(q), b = byte(q + 4), e = byte(q + 8);
-      sc[q] = _mm512_cvtepi32_ps(_mm512_and_si512(a, low6));
-      mn[q] = _mm512_cvtepi32_ps(_mm512_and_si512(b, low6));
-      sc[q + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xF)),
-                                                     _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4)));
-      mn[q + 4] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 4)));
-    }
+    q4_k_scales(c, sc, mn);
     __m512 block[MT], block_mins[MT];
     for (int m = 0; m < MT; ++m) block[m] = block_mins[m] = _mm512_setzero_ps();
     for (int q = 0; q < 4; ++q) {   // sub-blocks 2 q (low nibbles of qs bytes 32 q ..) and 2 q + 1 (high)
