@@ -1,4 +1,4 @@
-"""Single-stream decode of this checkout against another checkout, paired round by round.
+"""Single-stream prefill and decode of this checkout against another checkout, paired round by round.
 
 A change to the C++ kernels is judged by this: the same GGUF file decoded in two worker processes, each running
 its own checkout's code (its lmport package first on the path, so its Python and the kernels built from its own
@@ -8,6 +8,7 @@ The workers take turns round by round, in the order A B B A ..., so the memory b
 which drifts over seconds and minutes, falls on both alike; each round's ratio compares two runs made seconds
 apart. The table gives each side's median (min-max) tok/s and the median (min-max) of the per-round ratios.
 
+- prefill: a 256-token prompt in one step (its first token included), as single_stream.py.
 - decode: 64 tokens at context depth 0 (after a one-token prompt) and at depth 256, as single_stream.py.
 - LMPORT_CPU_ISA applies to both workers (avx2: both AVX2 builds); --kv-cache-dtype to both engines (default
   float16, as single_stream.py; auto for a base whose kernels read only float32 caches).
@@ -65,11 +66,19 @@ def decode(depth):
         step()
     return job["decode_tokens"] / (time.perf_counter() - start)
 
-for depth in job["depths"]:   # warm-up: kernels built, caches touched
+def prefill():
+    engine.add_request(prompt, GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        step()
+    return len(prompt) / (time.perf_counter() - start)
+
+prefill()   # warm-up: kernels built, caches touched
+for depth in job["depths"]:
     decode(depth)
 print(json.dumps({"lmport": os.path.dirname(os.path.abspath(lmport.__file__))}), flush=True)
 for _ in sys.stdin:
-    print(json.dumps({f"decode@{d}": decode(d) for d in job["depths"]}), flush=True)
+    print(json.dumps({"prefill": prefill(), **{f"decode@{d}": decode(d) for d in job["depths"]}}), flush=True)
 '''
 
 
@@ -92,8 +101,7 @@ def rounded(values: list[float], digits: int) -> dict:
 
 def summary(rounds: list[dict], a: str, b: str) -> dict:
     out = {}
-    for d in DEPTHS:
-        key = f"decode@{d}"
+    for key in ("prefill", *(f"decode@{d}" for d in DEPTHS)):
         out[key] = {a: rounded([r[a][key] for r in rounds], 1), b: rounded([r[b][key] for r in rounds], 1),
                     "B / A": rounded([r[b][key] / r[a][key] for r in rounds], 3)}
     return out
@@ -145,7 +153,7 @@ def print_table(results: dict) -> None:
           f"{results['threads']} threads, K/V {results['kv_cache_dtype']}; "
           f"read bandwidth {results['bandwidth']['best_gbs']:.1f} GB/s "
           f"({results['bandwidth_after']['best_gbs']:.1f} after); A: {results['checkouts']['A (base)']}\n")
-    print("| file | decode | A tok/s | B tok/s | B / A, per round |")
+    print("| file | measure | A tok/s | B tok/s | B / A, per round |")
     print("|---|---|---:|---:|---:|")
     cell = lambda s, d: f"{s['median']:.{d}f} ({s['min']:.{d}f}-{s['max']:.{d}f})"   # noqa: E731
     for label, f in results["files"].items():

@@ -38,9 +38,12 @@ def test_one_round_or_a_missing_gguf_path_is_refused_before_anything_runs(tmp_pa
 
 def test_each_rounds_ratio_is_paired():
     kernel_ab = load_benchmark("kernel_ab")
-    rounds = [{"A": {"decode@0": 100.0, "decode@256": 80.0}, "B": {"decode@0": 110.0, "decode@256": 80.0}},
-              {"A": {"decode@0": 50.0, "decode@256": 40.0}, "B": {"decode@0": 60.0, "decode@256": 36.0}}]
+    rounds = [{"A": {"prefill": 300.0, "decode@0": 100.0, "decode@256": 80.0},
+               "B": {"prefill": 330.0, "decode@0": 110.0, "decode@256": 80.0}},
+              {"A": {"prefill": 200.0, "decode@0": 50.0, "decode@256": 40.0},
+               "B": {"prefill": 200.0, "decode@0": 60.0, "decode@256": 36.0}}]
     summary = kernel_ab.summary(rounds, "A", "B")
+    assert summary["prefill"]["B / A"] == {"median": 1.05, "min": 1.0, "max": 1.1}
     assert summary["decode@0"]["B / A"] == {"median": 1.15, "min": 1.1, "max": 1.2}   # not 85 / 75
     assert summary["decode@256"]["B / A"] == {"median": 0.95, "min": 0.9, "max": 1.0}
     assert summary["decode@0"]["A"] == {"median": 75.0, "min": 50.0, "max": 100.0}

@@ -65,18 +65,12 @@ inline void expand4(__m512i codes, __m512 scale, __m512 offset, int64_t k, uint3
 // Each type's codes in the group kernels' order (isa/avx512/interleaved_groups.h reads the same bytes): a group's
 // ``blocks`` blocks expanded into ``pairs``.
 inline void expand(Q5_0Rows, const uint8_t* group, int64_t blocks, uint32_t* pairs) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kGroup * Q5_0Rows::kBytes;
     const __m512 d = halves(c), offset = _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(c + Q5_0Rows::kNibbles + 64 * j);
-      uint64_t first, second;
-      std::memcpy(&first, c + Q5_0Rows::kMasks + 8 * j, 8);
-      std::memcpy(&second, c + Q5_0Rows::kMasks + 8 * (4 + j), 8);
-      __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      low = _mm512_mask_add_epi8(low, _cvtu64_mask64(first), low, sixteen);
-      high = _mm512_mask_add_epi8(high, _cvtu64_mask64(second), high, sixteen);
+      __m512i low, high;
+      q5_0_codes(c, j, low, high);
       expand4(low, d, offset, 32 * i + 4 * j, pairs);
       expand4(high, d, offset, 32 * i + 16 + 4 * j, pairs);
     }
@@ -103,19 +97,13 @@ inline void expand(Q4_KRows, const uint8_t* group, int64_t blocks, uint32_t* pai
 }
 
 inline void expand(Q6_KRows, const uint8_t* group, int64_t blocks, uint32_t* pairs) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kGroup * Q6_KRows::kBytes;
     const __m512 d = halves(c + Q6_KRows::kScale);
     for (int h = 0; h < 2; ++h)
       for (int j = 0; j < 8; ++j) {   // bytes 4 j .. of each 32-byte run of ql and of qh
-        const __m512i q0 = _mm512_loadu_si512(c + 64 * (16 * h + j)), q1 = _mm512_loadu_si512(c + 64 * (16 * h + 8 + j));
-        const __m512i qh = _mm512_loadu_si512(c + Q6_KRows::kHigh + 64 * (8 * h + j));
-        const __m512i codes[4] = {
-            _mm512_or_si512(_mm512_and_si512(q0, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), high2)),
-            _mm512_or_si512(_mm512_and_si512(q1, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), _mm512_and_si512(qh, high2)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
+        __m512i codes[4];
+        q6_k_codes(c, h, j, codes);
         for (int t = 0; t < 4; ++t) {   // inputs 128 h + 32 t + 4 j .., sub-block 8 h + 2 t + j / 4; codes q + 32
           const int s = 8 * h + 2 * t + j / 4;
           const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(

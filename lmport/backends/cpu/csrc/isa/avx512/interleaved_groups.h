@@ -87,11 +87,23 @@ inline void clear(__m512i (&hi)[T][MT], __m512i (&lo)[T][MT]) {
     for (int m = 0; m < MT; ++m) hi[t][m] = lo[t][m] = _mm512_setzero_si512();
 }
 
+// A Q5_0 block's (``c``: the group's) unsigned 5-bit codes of vector j: inputs 4 j .. 4 j + 3 (``low``) and
+// 16 + 4 j .. (``high``) of the 16 rows.
+inline void q5_0_codes(const uint8_t* c, int j, __m512i& low, __m512i& high) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i v = _mm512_loadu_si512(c + Q5_0Rows::kNibbles + 64 * j);
+  uint64_t first, second;
+  std::memcpy(&first, c + Q5_0Rows::kMasks + 8 * j, 8);
+  std::memcpy(&second, c + Q5_0Rows::kMasks + 8 * (4 + j), 8);
+  low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  low = _mm512_mask_add_epi8(low, _cvtu64_mask64(first), low, sixteen);
+  high = _mm512_mask_add_epi8(high, _cvtu64_mask64(second), high, sixteen);
+}
+
 template <int MT>
 inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
                       Lanes* out) {
   constexpr int64_t kBlock = kGroup * Q5_0Rows::kBytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   __m512 acc[MT];
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
@@ -102,13 +114,8 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
     clear(hi, lo);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
-      const __m512i v = _mm512_loadu_si512(c + Q5_0Rows::kNibbles + 64 * j);
-      uint64_t first, second;
-      std::memcpy(&first, c + Q5_0Rows::kMasks + 8 * j, 8);
-      std::memcpy(&second, c + Q5_0Rows::kMasks + 8 * (4 + j), 8);
-      __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      low = _mm512_mask_add_epi8(low, _cvtu64_mask64(first), low, sixteen);
-      high = _mm512_mask_add_epi8(high, _cvtu64_mask64(second), high, sixteen);
+      __m512i low, high;
+      q5_0_codes(c, j, low, high);
       dot4<MT>(low, x, 32 * i + 4 * j, hi[j % C], lo[j % C]);
       dot4<MT>(high, x, 32 * i + 16 + 4 * j, hi[j % C], lo[j % C]);
     }
@@ -183,11 +190,23 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
   for (int m = 0; m < MT; ++m) out[m] = _mm512_sub_ps(acc[m], mins[m]);
 }
 
+// A Q6_K block's (``c``: the group's) unsigned 6-bit codes (q + 32) from bytes 4 j .. of each 32-byte run of ql
+// and qh in half h: codes[t] holds inputs 128 h + 32 t + 4 j .. 128 h + 32 t + 4 j + 3 of the 16 rows.
+inline void q6_k_codes(const uint8_t* c, int h, int j, __m512i (&codes)[4]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
+  const __m512i q0 = _mm512_loadu_si512(c + 64 * (16 * h + j)), q1 = _mm512_loadu_si512(c + 64 * (16 * h + 8 + j));
+  const __m512i qh = _mm512_loadu_si512(c + Q6_KRows::kHigh + 64 * (8 * h + j));
+  codes[0] = _mm512_or_si512(_mm512_and_si512(q0, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), high2));
+  codes[1] = _mm512_or_si512(_mm512_and_si512(q1, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2));
+  codes[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), _mm512_and_si512(qh, high2));
+  codes[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low4),
+                             _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2));
+}
+
 template <int MT>
 inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
                       Lanes* out) {
   constexpr int64_t kBlock = kGroup * Q6_KRows::kBytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), high2 = _mm512_set1_epi8(0x30);
   __m512 acc[MT];
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
@@ -202,13 +221,8 @@ inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bloc
 #pragma GCC unroll 4
         for (int jj = 0; jj < 4; ++jj) {
           const int j = 4 * half + jj;   // bytes 4 j .. of each 32-byte run of ql and of qh
-          const __m512i q0 = _mm512_loadu_si512(c + 64 * (16 * h + j)), q1 = _mm512_loadu_si512(c + 64 * (16 * h + 8 + j));
-          const __m512i qh = _mm512_loadu_si512(c + Q6_KRows::kHigh + 64 * (8 * h + j));
-          const __m512i codes[4] = {
-              _mm512_or_si512(_mm512_and_si512(q0, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), high2)),
-              _mm512_or_si512(_mm512_and_si512(q1, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), _mm512_and_si512(qh, high2)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
+          __m512i codes[4];
+          q6_k_codes(c, h, j, codes);
           for (int t = 0; t < 4; ++t) dot4<MT>(codes[t], x, 256 * i + 128 * h + 32 * t + 4 * j, hi[t], lo[t]);
         }
         for (int t = 0; t < 4; ++t) {
