@@ -300,12 +300,14 @@ def test_cpu_prefill_is_exact_unless_bf16_is_asked_for(monkeypatch):
     """By default no step takes bfloat16 products; asked for, only more rows than the backend's decode step (a
     prefill); a precision the kernels do not know is refused by name."""
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
-    assert kernels.prefill_precision() == "exact" and bf16_rows() == 0
-    with bf16_prefill():
-        assert bf16_rows() == SMALL_BATCH_TOKENS + 1
     monkeypatch.setenv("LMPORT_CPU_PREFILL", "fast")
     with pytest.raises(ValueError, match="LMPORT_CPU_PREFILL='fast'"):
         kernels.prefill_precision()
+    monkeypatch.delenv("LMPORT_CPU_PREFILL")
+    assert kernels.prefill_precision() == "exact"
+    with bf16_prefill():
+        assert bf16_rows() == SMALL_BATCH_TOKENS + 1
+    assert bf16_rows() == 0   # back to the default
 
 
 @pytest.mark.parametrize("bits", [4, 8])
