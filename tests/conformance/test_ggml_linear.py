@@ -35,9 +35,9 @@ from harness import op_backend
 from lmport import ops
 from lmport.platform.backend import Backend
 from lmport.weights.ggml import HELD_BLOCK_TYPES
-from test_quant_linear import (assert_each_rows_own_result, bf16_prefill, bf16_rounding_bound, float32_summation_bound,
-                               held_rounding_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
-                               rounded_as_held)
+from test_quant_linear import (assert_bf16_prefill_is_the_reference, assert_each_rows_own_result,
+                               float32_summation_bound, held_rounding_bound, int8_pair_rounding_bound, int8_rows,
+                               int16_rounding_bound, rounded_as_held)
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
 OUT = 99
@@ -175,12 +175,7 @@ def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(type_name):
     def call(rows_of_x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.load().ggml_linear(rows_of_x, weight.blocks, type_name, weight.in_features, b, weight.row_group)
 
-    with bf16_prefill():
-        for b in (None, bias):
-            got, want = call(x, b), ops.ggml_linear(x, file_rows, b)
-            bound = float32_summation_bound(x, w) + bf16_rounding_bound(x, w)
-            assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
-        assert_each_rows_own_result(call, x)
+    assert_bf16_prefill_is_the_reference(call, lambda b: ops.ggml_linear(x, file_rows, b), x, bias, w)
 
 
 @pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))

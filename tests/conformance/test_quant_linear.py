@@ -104,6 +104,18 @@ def assert_each_rows_own_result(call, x: torch.Tensor) -> None:
         assert torch.equal(call(x), torch.cat([call(x[:first_bf16]), call(x[first_bf16:])]))
 
 
+def assert_bf16_prefill_is_the_reference(call, reference, x: torch.Tensor, bias: torch.Tensor, w: torch.Tensor) -> None:
+    """``call(x, b)`` (a kernel over interleaved rows) with bfloat16 prefills on: the reference's ``reference(b)``
+    within float32 summation and bfloat16 rounding of x and ``w`` (the dequantized weight), with and without
+    ``bias``, each row's result its own (assert_each_rows_own_result). Skips without AMX tiles."""
+    with bf16_prefill():
+        for b in (None, bias):
+            got, want = call(x, b), reference(b)
+            bound = float32_summation_bound(x, w) + bf16_rounding_bound(x, w)
+            assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
+        assert_each_rows_own_result(call, x)
+
+
 def rounded_to_int16(x: torch.Tensor) -> torch.Tensor:
     """x as the AVX2 path's integer kernels hold it, as float: per run of 32, d = max|x_run| / 32767 and
     x / d (a float32 product by 1 / d) rounded to nearest even, x = d q."""
@@ -323,12 +335,7 @@ def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(bits):
     def call(rows_of_x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.load().quant_linear(rows_of_x, weight.qweight, weight.scales, weight.mins, bits, 32, b, 16)
 
-    with bf16_prefill():
-        for b in (None, bias):
-            got, want = call(x, b), ops.quant_linear(x, weight, b)
-            bound = float32_summation_bound(x, w) + bf16_rounding_bound(x, w)
-            assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
-        assert_each_rows_own_result(call, x)
+    assert_bf16_prefill_is_the_reference(call, lambda b: ops.quant_linear(x, weight, b), x, bias, w)
 
 
 def test_cpu_kernel_refuses_rows_interleaved_otherwise():

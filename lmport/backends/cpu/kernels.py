@@ -174,9 +174,9 @@ def prefill_precision() -> str:
     return value
 
 
-def configured(module):
-    """``module`` running prefills as LMPORT_CPU_PREFILL asks."""
-    bf16 = prefill_precision() == "bf16"
+def configured(module, precision: str):
+    """``module`` running prefills at ``precision`` (prefill_precision's)."""
+    bf16 = precision == "bf16"
     if module.set_bf16_prefill(bf16) != bf16:
         log.warning("LMPORT_CPU_PREFILL=bf16: this CPU (or build) has no AMX tiles; prefills stay exact")
     return module
@@ -189,18 +189,18 @@ def load():
         log.info("cpu kernels off (LMPORT_CPU_KERNELS=0): using the reference ops")
         return None
     isa = isa_flags()   # a bad LMPORT_CPU_ISA is the user's to fix, not a build failure to fall back from
-    prefill_precision()   # likewise LMPORT_CPU_PREFILL
+    precision = prefill_precision()   # likewise LMPORT_CPU_PREFILL
     try:
         from torch.utils.cpp_extension import load as build
         log.info("loading the cpu kernels (built on first use, once per kind of CPU)")
         directory = build_directory()
         built = _load_built(directory)
         if built is not None:
-            return configured(built)
+            return configured(built, precision)
         module = build(build_name(), staged_sources(directory), extra_cflags=["-O3", *isa, "-fopenmp"],
                        extra_ldflags=["-fopenmp"], build_directory=str(directory))
         _mark_built(directory, Path(module.__file__))
-        return configured(module)
+        return configured(module, precision)
     except Exception as exc:  # any build failure leaves the reference ops in place
         log.warning("cpu kernels unavailable, using the reference ops: %s: %s", type(exc).__name__,
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
