@@ -164,7 +164,7 @@ def test_mla_op_batches_decodes_beside_a_prefill():
     """Three sequences in one step: two decoding (different history lengths), one prefilling a chunk with history;
     each sequence's rows equal the op run on that sequence alone."""
     cfg = tiny_config("q-proj")
-    heads, nope, rope, rank, v = 4, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    heads, rope, rank = 4, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     g = torch.Generator().manual_seed(9)
     width, bs = rank + rope, 8
     layout = KVLayout(1, 1, width, bs, torch.float32, layer_kinds=(CacheKind("latent", 1, width),))
@@ -174,18 +174,17 @@ def test_mla_op_batches_decodes_beside_a_prefill():
     for table, kv_len in zip(tables, kv_lens):
         meta = ops.build_attention_metadata([kv_len], [kv_len], [table], bs)
         ops.fill_latent_cache(torch.randn(kv_len, width, generator=g), cache, meta.slot_mapping)
-    w = torch.randn(heads * (nope + v), rank, generator=g) * 0.3
     t = sum(q_lens)
-    q_nope, q_rope = torch.randn(t, heads, nope, generator=g), torch.randn(t, heads, rope, generator=g)
-    batch = ops.mla_attention(q_nope, q_rope, cache, ops.build_attention_metadata(q_lens, kv_lens, tables, bs), w, 0.2)
+    q_lat, q_rope = torch.randn(t, heads, rank, generator=g), torch.randn(t, heads, rope, generator=g)
+    batch = ops.latent_attention(q_lat, q_rope, cache, ops.build_attention_metadata(q_lens, kv_lens, tables, bs), 0.2)
     start = 0
     for table, q_len, kv_len in zip(tables, q_lens, kv_lens):
         rows = slice(start, start + q_len)
-        alone = ops.mla_attention(q_nope[rows], q_rope[rows], cache,
-                                  ops.build_attention_metadata([q_len], [kv_len], [table], bs), w, 0.2)
+        alone = ops.latent_attention(q_lat[rows], q_rope[rows], cache,
+                                     ops.build_attention_metadata([q_len], [kv_len], [table], bs), 0.2)
         torch.testing.assert_close(batch[rows], alone, atol=1e-5, rtol=1e-5)
         start += q_len
-    assert batch.shape == (t, heads, v)
+    assert batch.shape == (t, heads, rank)
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1], [5]], ids=["decode", "prefill"])
@@ -195,7 +194,7 @@ def test_quantized_latent_cache_reads_its_dequantized_values(policy, q_lens):
     lmport.kv.quant, one head of kv_lora_rank + rope values a token: codes with a scale and zero a token, or fp8
     codes with the head's scale)."""
     from lmport.kv import quant
-    heads, nope, rope, rank, v, bs = 4, 16, 8, 32, 16, 8
+    heads, rope, rank, bs = 4, 8, 32, 8
     width = rank + rope
     kinds = (CacheKind("latent", 1, width),)
     qcache = KVLayout(1, 1, width, bs, torch.float32, policy, layer_kinds=kinds).allocate(8, "cpu")[0]
@@ -212,11 +211,10 @@ def test_quantized_latent_cache_reads_its_dequantized_values(policy, q_lens):
         assert qcache.k.dtype == torch.uint8 and qcache.k_qparams is not None
         fcache.k.copy_(quant.dequantize(qcache.k, qcache.k_qparams, policy, torch.float32))
     meta = ops.build_attention_metadata(q_lens, kv_lens, tables, bs)
-    w = torch.randn(heads * (nope + v), rank, generator=g) * 0.3
     t = sum(q_lens)
-    q_nope, q_rope = torch.randn(t, heads, nope, generator=g), torch.randn(t, heads, rope, generator=g)
-    torch.testing.assert_close(ops.mla_attention(q_nope, q_rope, qcache, meta, w, 0.2),
-                               ops.mla_attention(q_nope, q_rope, fcache, meta, w, 0.2), atol=1e-5, rtol=1e-5)
+    q_lat, q_rope = torch.randn(t, heads, rank, generator=g), torch.randn(t, heads, rope, generator=g)
+    torch.testing.assert_close(ops.latent_attention(q_lat, q_rope, qcache, meta, 0.2),
+                               ops.latent_attention(q_lat, q_rope, fcache, meta, 0.2), atol=1e-5, rtol=1e-5)
 
 
 # -- the engine against transformers' generate ------------------------------------------------------------------

@@ -219,15 +219,16 @@ def test_estimate_scales_with_prefill_tokens_and_tp():
     assert memory.kv_layout(cfg, split).num_kv_heads == 1
 
 
-def test_the_estimate_counts_latent_attention_expanded_per_head():
-    """DeepSeek-V3's prefill (lmport.ops.mla) makes, per token: q [128 heads x (128 + 64)], the latent expanded by
-    kv_b_proj [128 x (128 + 128)], keys [128 x (128 + 64)] and values [128 x 128], beside the latent (512 + 64) and
-    the query's latent (1536); its widest MLP is the dense layers' 18,432. Its config's head_dim is the rotary
-    part's 64, which a q/k/v count of heads x head_dim would take for the whole head."""
+def test_the_estimate_counts_latent_attention_per_head():
+    """DeepSeek-V3's prefill (lmport.ops.mla, the projections absorbed) makes, per token: q [128 heads x (128 + 64)],
+    its latent [128 x 512], that beside the rotary part [128 x (512 + 64)], the weighted sum of latents [128 x 512]
+    and the values [128 x 128], beside the latent (512 + 64) and the query's latent (1536); its widest MLP is the
+    dense layers' 18,432. Its config's head_dim is the rotary part's 64, which a q/k/v count of heads x head_dim
+    would take for the whole head."""
     cfg = plan.read_model_config("tests/data/deepseek_v3")
     config = resolve_config(EngineConfig(device_type="cuda", dtype="bfloat16", max_prefill_token_num=4096,
                                          max_batch_size=8))
-    attention = 128 * (192 + 256 + 192 + 128) + 512 + 64 + 1536
+    attention = 128 * (192 + 512 + 576 + 512 + 128) + 512 + 64 + 1536
     per_token = 3 * 18432 + attention + 4 * 7168
     logits = 8 * 129280 * (2 + 12)
     assert memory.activation_reserve(cfg, config) == int((4096 * per_token * 2 + logits) * 1.25)

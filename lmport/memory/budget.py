@@ -86,15 +86,16 @@ def mlp_width(model_cfg) -> int:
 
 def attention_width(model_cfg) -> int:
     """Values a token's attention makes. Multi-head attention: q, k and v, ``heads x head_dim`` each. Latent
-    attention (MLA: ``kv_lora_rank`` set; lmport.ops.mla) makes per head a query and a key of nope + rope values,
-    the latent expanded by kv_b_proj (nope + v) and a value (v), beside the latent and the query's latent; its
-    config's ``head_dim`` is the rotary part alone."""
+    attention (MLA: ``kv_lora_rank`` set; lmport.ops.mla, the projections absorbed) makes per head a query of
+    nope + rope values, its latent (rank), that beside the rotary part (rank + rope), the weighted sum of latents
+    (rank) and a value (v), beside the latent and the query's latent; its config's ``head_dim`` is the rotary
+    part alone."""
     heads = model_cfg.num_attention_heads
     rank = getattr(model_cfg, "kv_lora_rank", None)
     if rank is None:
         return 3 * heads * head_dim_of(model_cfg)
     nope, rope, v = model_cfg.qk_nope_head_dim, model_cfg.qk_rope_head_dim, model_cfg.v_head_dim
-    return heads * (2 * (nope + rope) + (nope + v) + v) + rank + rope + (getattr(model_cfg, "q_lora_rank", None) or 0)
+    return heads * (nope + 2 * rope + 3 * rank + v) + rank + rope + (getattr(model_cfg, "q_lora_rank", None) or 0)
 
 
 def activation_reserve(model_cfg, config: EngineConfig) -> int:

@@ -6,9 +6,10 @@ What differs from the Llama family, each as transformers' DeepseekV3 modules com
   ``q_b_proj``) when ``q_lora_rank`` is set; each head's q splits into ``qk_nope_head_dim`` values without rotary
   and ``qk_rope_head_dim`` turned by rotary. ``kv_a_proj_with_mqa`` gives the compressed KV (``kv_lora_rank``,
   then an RMSNorm) and one rotary key shared by the heads; those two, side by side, are what a layer caches
-  (the "latent" cache kind: 576 values a token for DeepSeek-V3), and ``kv_b_proj`` expands them into keys and
-  values when attending. A backend runs it as the "latent" attention variant, or the model is refused before
-  loading;
+  (the "latent" cache kind: 576 values a token for DeepSeek-V3). ``kv_b_proj``, which expands them into keys and
+  values, is held as its two per-head halves and absorbed (``k_b_proj`` before attention, ``v_b_proj`` after,
+  as llama.cpp's converter splits it). A backend runs it as the "latent" attention variant, or the model is
+  refused before loading;
 - the two low-rank RMSNorms take transformers' default epsilon (1e-6), not ``rms_norm_eps``;
 - the softmax scale is 1 / sqrt(nope + rope) times yarn's mscale(factor, mscale_all_dim) squared when the rope
   is scaled; with ``rope_interleave`` transformers rotates interleaved pairs (2i, 2i + 1) of the rotary part and
@@ -19,7 +20,7 @@ What differs from the Llama family, each as transformers' DeepseekV3 modules com
   when ``norm_topk_prob``, times ``routed_scaling_factor``: lmport.models.glm4_moe.SharedExpertMoeBlock).
 The multi-token-prediction layer of the released checkpoints is not loaded (transformers drops it too).
 
-Under tensor parallelism each rank holds its attention heads (q / q_b and kv_b by output, o by input, one
+Under tensor parallelism each rank holds its attention heads (q / q_b, k_b and v_b by output, o by input, one
 all-reduce) and the whole latent path (q_a, kv_a and their norms, and the latent cache: every head reads it), and
 a slice of every routed and shared expert's intermediate dimension (lmport.models.moe).
 """
@@ -33,7 +34,7 @@ from torch import nn
 from lmport import ops
 from lmport.kv.layout import CacheKind, LayerCache
 from lmport.models.glm4_moe import Glm4MoeCausalLM
-from lmport.models.layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
+from lmport.models.layers import ColumnParallelLinear, HeadParallelLinear, Linear, RMSNorm, RowParallelLinear
 from lmport.models.llama import MLP
 from lmport.parallel import TPGroup
 from lmport.platform.backend import Backend
@@ -82,8 +83,10 @@ class MlaAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, (h0 * qk_dim, h1 * qk_dim), False, backend)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_rank + self.rope_dim, bias, backend)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LOW_RANK_NORM_EPS, backend)
-        kv_b = self.nope_dim + self.v_dim
-        self.kv_b_proj = ColumnParallelLinear(self.kv_rank, (h0 * kv_b, h1 * kv_b), False, backend)
+        # transformers' kv_b_proj as its two per-head halves, absorbed (lmport.ops.mla): each head's W_k
+        # transposed [rank, nope], and W_v [v, rank]
+        self.k_b_proj = HeadParallelLinear(self.nope_dim, self.kv_rank, (h0, h1), backend)
+        self.v_b_proj = HeadParallelLinear(self.kv_rank, self.v_dim, (h0, h1), backend)
         self.o_proj = RowParallelLinear((h0 * self.v_dim, h1 * self.v_dim), hidden, bias, backend, tp)
         self.scale = softmax_scale(cfg)
 
@@ -99,7 +102,9 @@ class MlaAttention(nn.Module):
         q_rope, k_rope = self.backend.apply_rotary(q_rope.contiguous(), k_rope[:, None].contiguous(), cos, sin)
         latent = torch.cat([c_kv, k_rope[:, 0]], dim=-1)
         self.backend.fill_latent_cache(latent, cache, meta.slot_mapping)
-        out = self.backend.mla_attention(q_nope, q_rope, cache, meta, self.kv_b_proj.weight, self.scale, latent)
+        q_lat = self.k_b_proj.forward(q_nope.contiguous())
+        o_lat = self.backend.latent_attention(q_lat, q_rope, cache, meta, self.scale, latent)
+        out = self.v_b_proj.forward(o_lat)
         return self.o_proj.forward(out.reshape(t, self.num_heads * self.v_dim))
 
 
@@ -139,13 +144,18 @@ class DeepseekV3CausalLM(Glm4MoeCausalLM):
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cfg = self.config
-        if not getattr(cfg, "rope_interleave", False):
-            return super().shard_state_dict(full)   # GLM-4.5's: the experts sharded too
         nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         qk = nope + rope
         turned = dict(full)
         for name, t in full.items():
-            if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            if name.endswith("self_attn.kv_b_proj.weight"):   # [heads x (nope + v), rank]: its absorbed halves
+                prefix, heads = name.removesuffix("kv_b_proj.weight"), t.unflatten(0, (cfg.num_attention_heads, -1))
+                turned[f"{prefix}k_b_proj.weight"] = heads[:, :nope].transpose(1, 2).flatten(0, 1)
+                turned[f"{prefix}v_b_proj.weight"] = heads[:, nope:].flatten(0, 1)
+                del turned[name]
+            elif not getattr(cfg, "rope_interleave", False):
+                continue
+            elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
                 heads = t.unflatten(0, (-1, qk))   # [heads, nope + rope, in]: each head's rotary rows reordered
                 rope_rows = heads[:, nope:].unflatten(1, (-1, 2)).transpose(1, 2).flatten(1, 2)
                 turned[name] = torch.cat([heads[:, :nope], rope_rows], dim=1).flatten(0, 1)

@@ -52,6 +52,18 @@ class ColumnParallelLinear(Linear):
         self.shard_range = out_range
 
 
+class HeadParallelLinear(ColumnParallelLinear):
+    """Each of this rank's heads through its own ``out_features // heads`` rows of the weight: x [T, heads, in]
+    -> [T, heads, out] (MLA's absorbed projections, lmport.ops.mla); the rows of the heads [h0, h1) under tp."""
+
+    def __init__(self, in_features: int, head_rows: int, head_range: tuple[int, int], backend: Backend):
+        super().__init__(in_features, (head_range[0] * head_rows, head_range[1] * head_rows), False, backend)
+        self.heads = head_range[1] - head_range[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.head_linear(x, self.weight)
+
+
 class RowParallelLinear(Linear):
     """This rank's input features [start, end) of the full weight; the partial results are summed
     over the ranks (one all-reduce), then the (replicated) bias is added once."""

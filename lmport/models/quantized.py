@@ -88,6 +88,18 @@ class Fp8Linear(_Linear[Fp8Weight]):
         return self.backend.fp8_linear(x, self.quantized, self.bias)
 
 
+class QuantHeadLinear(HoldsWeight[W]):
+    """A per-head projection (lmport.models.layers.HeadParallelLinear) over a quantized weight."""
+
+    def __init__(self, weight: W, heads: int, backend: Backend):
+        super().__init__(weight)
+        self.heads = heads
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.head_linear(x, self.quantized)
+
+
 class _Embedding(HoldsWeight[W]):
     def __init__(self, weight: W, dtype: torch.dtype, backend: Backend):
         super().__init__(weight)
@@ -114,6 +126,11 @@ def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> 
     for module in model.modules():
         if isinstance(module, QuantExperts):
             module.hold_for(dtype)
+        if isinstance(module, QuantHeadLinear):
+            old = module.quantized
+            held = backend.hold_heads(old, module.heads, dtype)
+            if held is not old:
+                rehold(module, held)
         if not isinstance(module, _Linear):
             continue
         old = module.quantized
@@ -228,6 +245,7 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight 
     """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
     the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias. A
     mixture-of-experts block's experts come as "<block>.experts.gate_proj" / "up_proj" / "down_proj"."""
+    from lmport.models.layers import HeadParallelLinear   # layers builds on this module
     experts = _install_experts(model, quantized, backend)
     for name, weight in quantized.items():
         if name in experts:
@@ -241,6 +259,12 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight 
             raise ValueError(f"{name}: quantized weight is [{weight.out_features}, {weight.in_features}] "
                              f"but the model config makes it {list(want)}")
         blocks = isinstance(weight, GGMLWeight)
+        if isinstance(old, HeadParallelLinear):
+            if isinstance(weight, Fp8Weight):
+                raise ValueError(f"{name}: a per-head projection in fp8 is not supported; use "
+                                 "weight_format='dequantize'")
+            setattr(parent, attr, QuantHeadLinear(weight, old.heads, backend))
+            continue
         if isinstance(weight, Fp8Weight):
             if isinstance(old, nn.Embedding):
                 raise ValueError(f"{name}: an fp8 embedding table is not supported; use weight_format='dequantize'")

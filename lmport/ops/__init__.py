@@ -7,7 +7,7 @@ q [T, Hq, D]; k, v [T, Hkv, D]; caches as in ``lmport.kv.layout``, in the "bshd"
 from lmport.ops.metadata import AttentionMetadata, build_attention_metadata, host_tensor
 from lmport.ops.kv_fill import fill_kv_cache
 from lmport.ops.attention import paged_attention, gather_kv
-from lmport.ops.mla import fill_latent_cache, mla_attention
+from lmport.ops.mla import fill_latent_cache, head_linear, latent_attention
 from lmport.ops.block_copy import copy_blocks
 from lmport.ops.norm import rms_norm
 from lmport.ops.rotary import apply_rotary
@@ -23,7 +23,8 @@ from lmport.weights.ggml import GGMLWeight
 
 __all__ = [
     "AttentionMetadata", "build_attention_metadata", "host_tensor", "fill_kv_cache", "paged_attention",
-    "gather_kv", "fill_latent_cache", "mla_attention", "copy_blocks", "rms_norm", "apply_rotary", "silu_and_mul",
+    "gather_kv", "fill_latent_cache", "head_linear", "latent_attention", "copy_blocks", "rms_norm", "apply_rotary",
+    "silu_and_mul",
     "fused_moe", "moe_by_expert", "QuantizedExperts", "quantized_moe", "route",
     "route_grouped", "route_top_k_softmax", "clamped_swiglu_moe", "route_top_k_sigmoid", "input_scaled_moe",
     "QuantizedWeight", "dequantize", "quant_linear", "quant_embedding",

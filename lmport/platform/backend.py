@@ -17,14 +17,14 @@ import torch
 from lmport import ops
 from lmport.kv.layout import LayerCache
 from lmport.ops import gated_delta_net
-from lmport.weights import fp8
+from lmport.weights import fp8, row_range
 from lmport.weights.ggml import dequantize_mxfp4
 
 
 # Attention variants a model may need (lmport.models.architectures.attention_variants): "sinks", a learned
 # logit per head in each softmax's denominator (gpt-oss); "chunked", each token attending within its own
 # chunk of positions (Llama 4's local layers); "latent", multi-head latent attention over a paged latent cache
-# (DeepSeek-V3's MLA: ``fill_latent_cache`` and ``mla_attention``); "recurrent_state", linear-attention layers
+# (DeepSeek-V3's MLA: ``fill_latent_cache`` and ``latent_attention``); "recurrent_state", linear-attention layers
 # keeping a fixed-size state per sequence instead of paged K/V (Qwen3-Next's Gated DeltaNet:
 # lmport.ops.gated_delta_net, in the slots of lmport.kv.state_pool); "bidirectional", spans of a prefill whose
 # tokens also see the later tokens of their span (Gemma 3's images: AttentionMetadata.bidirectional).
@@ -265,6 +265,13 @@ class Backend:
         Default: as they are."""
         return experts
 
+    def hold_heads(self, weight: ops.QuantizedWeight | ops.GGMLWeight, heads: int,
+                   dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
+        """A per-head projection's quantized weight (``head_linear``'s) in the layout this backend's kernels read
+        it in, each head's rows still a slice of the whole; the weight handed in is not used after. Default: as
+        it is."""
+        return weight
+
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
                       slot_mapping: torch.Tensor) -> None:
         ops.fill_kv_cache(k, v, cache, slot_mapping)
@@ -279,12 +286,25 @@ class Backend:
         """A "latent" layer's new tokens [T, width] into its cache (lmport.ops.mla); the "latent" variant."""
         ops.fill_latent_cache(latent, cache, slot_mapping)
 
-    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache,
-                      meta: ops.AttentionMetadata, kv_b_weight: torch.Tensor, softmax_scale: float,
-                      new_latent: torch.Tensor | None = None) -> torch.Tensor:
-        """Multi-head latent attention over a "latent" cache (lmport.ops.mla): [T, H, v_head_dim]; ``new_latent``:
-        the step's latents as fill_latent_cache took them, read instead of their quantized copies."""
-        return ops.mla_attention(q_nope, q_rope, cache, meta, kv_b_weight, softmax_scale, new_latent)
+    def latent_attention(self, q_lat: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache,
+                         meta: ops.AttentionMetadata, softmax_scale: float,
+                         new_latent: torch.Tensor | None = None) -> torch.Tensor:
+        """Multi-head latent attention over a "latent" cache with the projections absorbed (lmport.ops.mla):
+        q_lat [T, H, rank], q_rope [T, H, rope] -> [T, H, rank]; ``new_latent``: the step's latents as
+        fill_latent_cache took them, read instead of their quantized copies."""
+        return ops.latent_attention(q_lat, q_rope, cache, meta, softmax_scale, new_latent)
+
+    def head_linear(self, x: torch.Tensor,
+                    weight: torch.Tensor | ops.QuantizedWeight | ops.GGMLWeight) -> torch.Tensor:
+        """x [T, H, in] -> [T, H, out]: head h's inputs through its own rows [h * out, (h + 1) * out) of ``weight``
+        [H * out, in] (MLA's absorbed projections, lmport.ops.mla), float or quantized (as ``hold_heads`` held it):
+        each head's rows through ``quantized_linear``."""
+        if isinstance(weight, torch.Tensor):
+            return ops.head_linear(x, weight)
+        heads = x.shape[1]
+        rows = weight.out_features // heads
+        return torch.stack([self.quantized_linear(x[:, h].contiguous(), row_range(weight, h * rows, (h + 1) * rows))
+                            for h in range(heads)], dim=1)
 
     def recurrent_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                    beta: torch.Tensor, state: torch.Tensor | None = None

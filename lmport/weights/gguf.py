@@ -316,9 +316,6 @@ def checkpoint_names(model_names: list[str], model_type: str) -> list[str]:
         if base.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
             names += [name.replace("gate_up_proj", "gate_proj"), name.replace("gate_up_proj", "up_proj")]
             continue
-        if model_type == "deepseek_v3" and base.endswith("self_attn.kv_b_proj"):
-            names += [name.replace("kv_b_proj", "k_b_proj"), name.replace("kv_b_proj", "v_b_proj")]
-            continue
         names.append(name)
     return names
 
@@ -412,8 +409,9 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
         elif name.endswith("mlp.experts.gate_proj"):
             experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
             _experts(values, name.removesuffix(".gate_proj"), experts, dtype)
-        elif arch == "deepseek2" and name.endswith("self_attn.k_b_proj.weight"):
-            _latent_expansion(values, name.removesuffix(".k_b_proj.weight"), cfg, dtype)
+        elif arch == "deepseek2" and isinstance(value, torch.Tensor) and name.endswith(
+                ("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):
+            values[name] = value.flatten(0, -2)   # [heads, rows, in] as the converter writes it: each head's rows
         elif arch == "deepseek2" and not isinstance(value, torch.Tensor) and name.endswith(
                 ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")):
             values[name] = _rows(value, _rope_halves(_out_features(value), cfg, "kv_a" in name))
@@ -427,24 +425,6 @@ def _undo_conversion(values: dict, arch: str, cfg, dtype: torch.dtype) -> None:
                 values[f"{prefix}{part}.weight"] = _row_range(value, start, start + size)
                 start += size
             del values[name]
-
-
-def _latent_expansion(values: dict, prefix: str, cfg, dtype: torch.dtype) -> None:
-    """DeepSeek-V3's kv_b_proj [heads x (nope + v), kv_lora_rank], float (the MLA op reads it as a float weight),
-    from the converter's two halves: ``attn_k_b`` [heads, rank, nope] (each head's key rows, transposed) and
-    ``attn_v_b`` [heads, v, rank]."""
-    from lmport import ops
-    heads, rank = cfg.num_attention_heads, cfg.kv_lora_rank
-    halves = []
-    for part, shape in (("k_b_proj", (heads, rank, cfg.qk_nope_head_dim)), ("v_b_proj", (heads, cfg.v_head_dim, rank))):
-        w = values.pop(f"{prefix}.{part}.weight")
-        if isinstance(w, GGMLWeight):
-            w = ops.dequantize_ggml(w, dtype)
-        elif isinstance(w, QuantizedWeight):
-            w = ops.dequantize(w, dtype)
-        halves.append(w.reshape(shape))
-    keys, vals = halves
-    values[f"{prefix}.kv_b_proj.weight"] = torch.cat([keys.transpose(1, 2), vals], dim=1).reshape(-1, rank)
 
 
 def _rope_halves(rows: int, cfg, latent: bool) -> torch.Tensor:

@@ -8,10 +8,9 @@ powers of two (32 + 8, and DeepSeek-V3's 512 + 64 in a slow case); quant_policy 
 latents read as computed.
 
 Tolerances: the fill is bit-identical to the reference under the interpreter (on a GPU: levels within one, params
-exact, as test_cuda_kernels allows). Attention: the reference decodes absorbed (the same arithmetic) and prefills
-with the latents expanded per head (transformers' arithmetic), the kernel absorbs both, so the results differ by
-rounding only: float32 within 2e-5 (absolute and relative; seen under the interpreter: at most 7e-7), bfloat16
-within 4e-2 (seen: at most 1.6e-2 at outputs up to 3.8, a few units in its last place).
+exact, as test_cuda_kernels allows). Attention (``latent_attention``, the projections absorbed in both): the same
+arithmetic in another order, so the results differ by rounding only: float32 within 2e-5 (absolute and relative),
+bfloat16 within 4e-2 (a few units in its last place at outputs up to a few).
 """
 from __future__ import annotations
 
@@ -40,9 +39,9 @@ def _sequences(block_size: int, decode: bool) -> tuple[list[int], list[int]]:
     return [1, block_size, 20, 37], [9, block_size, block_size + 21, 37]
 
 
-def _setup(device, policy, block_size, dtype, q_lens, kv_lens, heads=4, rank=32, rope=8, nope=16, v_dim=16, seed=0):
+def _setup(device, policy, block_size, dtype, q_lens, kv_lens, heads=4, rank=32, rope=8, seed=0):
     """A latent cache whose shuffled blocks (block 0 unused) hold every sequence's latents, history and step, written
-    by the reference fill; the step's metadata, its latents, q and kv_b_proj's weight."""
+    by the reference fill; the step's metadata, its latents and q (q_lat: q_nope W_k, and q_rope)."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in kv_lens]
     ids = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
@@ -61,10 +60,9 @@ def _setup(device, policy, block_size, dtype, q_lens, kv_lens, heads=4, rank=32,
     starts = [sum(kv_lens[:i]) for i in range(len(kv_lens))]
     step = torch.cat([latents[s + k - q:s + k] for s, k, q in zip(starts, kv_lens, q_lens)])
     t = sum(q_lens)
-    q_nope = torch.randn(t, heads, nope, generator=gen).to(dtype).to(device)
+    q_lat = torch.randn(t, heads, rank, generator=gen).to(dtype).to(device)
     q_rope = torch.randn(t, heads, rope, generator=gen).to(dtype).to(device)
-    kv_b = (torch.randn(heads * (nope + v_dim), rank, generator=gen) / rank ** 0.5).to(dtype).to(device)
-    return cache, meta, step, q_nope, q_rope, kv_b
+    return cache, meta, step, q_lat, q_rope
 
 
 def _clone(cache: LayerCache) -> LayerCache:
@@ -72,15 +70,15 @@ def _clone(cache: LayerCache) -> LayerCache:
                       cache.quant_policy, cache.block_size, kind="latent", k_scale=cache.k_scale)
 
 
-def _check_mla(backend, cache, meta, step, q_nope, q_rope, kv_b, new_latent: bool):
-    scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5
+def _check_mla(backend, cache, meta, step, q_lat, q_rope, new_latent: bool):
+    scale = (q_lat.shape[-1] + q_rope.shape[-1]) ** -0.5
     own = step if new_latent else None
-    got = own_result(backend, "mla_attention", q_nope, q_rope, cache, meta, kv_b, scale, own)
+    got = own_result(backend, "latent_attention", q_lat, q_rope, cache, meta, scale, own)
     assert got is not None, "the cuda backend ran the reference op"
-    want = ops.mla_attention(q_nope, q_rope, cache, meta, kv_b, scale, own)
+    want = ops.latent_attention(q_lat, q_rope, cache, meta, scale, own)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, **TOL[q_nope.dtype])
+    torch.testing.assert_close(got, want, **TOL[q_lat.dtype])
 
 
 # -- fill -------------------------------------------------------------------------------------------------------
@@ -128,23 +126,23 @@ def test_fill_latent_cache_skips_negative_slots(cuda):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_mla_attention_equals_the_reference(cuda, decode, block_size, dtype):
+def test_latent_attention_equals_the_reference(cuda, decode, block_size, dtype):
     backend, _ = cuda
     q_lens, kv_lens = _sequences(block_size, decode)
-    cache, meta, step, q_nope, q_rope, kv_b = _setup(backend.device, 0, block_size, dtype, q_lens, kv_lens)
+    cache, meta, step, q_lat, q_rope = _setup(backend.device, 0, block_size, dtype, q_lens, kv_lens)
     assert meta.is_decode == decode
-    _check_mla(backend, cache, meta, step, q_nope, q_rope, kv_b, new_latent=True)
+    _check_mla(backend, cache, meta, step, q_lat, q_rope, new_latent=True)
 
 
 @pytest.mark.parametrize("policy", [8, 4, "fp8"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_mla_attention_over_a_quantized_cache(cuda, decode, policy):
+def test_latent_attention_over_a_quantized_cache(cuda, decode, policy):
     """The history read from its codes, the step's own latents as computed (and, without them, from the codes)."""
     backend, _ = cuda
     q_lens, kv_lens = _sequences(16, decode)
-    cache, meta, step, q_nope, q_rope, kv_b = _setup(backend.device, policy, 16, torch.float32, q_lens, kv_lens)
-    _check_mla(backend, cache, meta, step, q_nope, q_rope, kv_b, new_latent=True)
-    _check_mla(backend, cache, meta, step, q_nope, q_rope, kv_b, new_latent=False)
+    cache, meta, step, q_lat, q_rope = _setup(backend.device, policy, 16, torch.float32, q_lens, kv_lens)
+    _check_mla(backend, cache, meta, step, q_lat, q_rope, new_latent=True)
+    _check_mla(backend, cache, meta, step, q_lat, q_rope, new_latent=False)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
@@ -152,38 +150,34 @@ def test_decode_split_counts(cuda, num_splits):
     """Any split count of the keys merges to the same result, empty splits (short sequences) included."""
     backend, _ = cuda
     from lmport.backends.cuda import mla
-    cache, meta, step, q_nope, q_rope, kv_b = _setup(backend.device, 0, 16, torch.float32, [1] * 3, [1, 150, 64])
-    heads, nope, rank = q_nope.shape[1], q_nope.shape[2], kv_b.shape[1]
-    w = kv_b.view(heads, -1, rank)
-    q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, :nope])
-    o = mla.latent_attention(q_lat, q_rope, cache, meta, 0.2, num_splits=num_splits)
-    got = torch.einsum("thr,hvr->thv", o, w[:, nope:])
-    torch.testing.assert_close(got, ops.mla_attention(q_nope, q_rope, cache, meta, kv_b, 0.2), **TOL[torch.float32])
+    cache, meta, step, q_lat, q_rope = _setup(backend.device, 0, 16, torch.float32, [1] * 3, [1, 150, 64])
+    got = mla.latent_attention(q_lat, q_rope, cache, meta, 0.2, num_splits=num_splits)
+    torch.testing.assert_close(got, ops.latent_attention(q_lat, q_rope, cache, meta, 0.2), **TOL[torch.float32])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_deepseek_v3_widths(cuda, decode):
-    """DeepSeek-V3's latent (512 + 64) and head dims (nope 128, v 128), 16 heads, bfloat16."""
+    """DeepSeek-V3's latent (512 + 64), 16 heads, bfloat16."""
     backend, _ = cuda
     q_lens, kv_lens = ([1, 1], [1, 70]) if decode else ([1, 24], [1, 70])
-    cache, meta, step, q_nope, q_rope, kv_b = _setup(backend.device, 0, 64, torch.bfloat16, q_lens, kv_lens,
-                                                     heads=16, rank=512, rope=64, nope=128, v_dim=128)
-    _check_mla(backend, cache, meta, step, q_nope, q_rope, kv_b, new_latent=True)
+    cache, meta, step, q_lat, q_rope = _setup(backend.device, 0, 64, torch.bfloat16, q_lens, kv_lens,
+                                                     heads=16, rank=512, rope=64)
+    _check_mla(backend, cache, meta, step, q_lat, q_rope, new_latent=True)
 
 
 def test_window_and_sinks_are_refused(cuda):
     backend, _ = cuda
-    cache, meta, step, q_nope, q_rope, kv_b = _setup(backend.device, 0, 16, torch.float32, [1], [5])
+    cache, meta, step, q_lat, q_rope = _setup(backend.device, 0, 16, torch.float32, [1], [5])
     with pytest.raises(ValueError, match="full causal attention"):
-        backend.mla_attention(q_nope, q_rope, cache, meta.for_layer(4), kv_b, 0.2)
+        backend.latent_attention(q_lat, q_rope, cache, meta.for_layer(4), 0.2)
 
 
 def test_a_cache_of_another_width_is_refused(cuda):
     backend, _ = cuda
-    cache, meta, step, q_nope, q_rope, kv_b = _setup(backend.device, 0, 16, torch.float32, [1], [5])
-    with pytest.raises(ValueError, match="holds 40 values a token .* not kv_b_proj's rank 24 \\+ the rotary 8"):
-        backend.mla_attention(q_nope, q_rope, cache, meta, kv_b[:, :24], 0.2)
+    cache, meta, step, q_lat, q_rope = _setup(backend.device, 0, 16, torch.float32, [1], [5])
+    with pytest.raises(ValueError, match="holds 40 values a token .* not the query's latent rank 24 \\+ the rotary 8"):
+        backend.latent_attention(q_lat[..., :24], q_rope, cache, meta, 0.2)
 
 
 # -- the model --------------------------------------------------------------------------------------------------

@@ -218,6 +218,25 @@ class CpuBackend(Backend):
                                      biases=experts.biases, alpha=alpha, limit=limit,
                                      scale_inputs=experts.scale_inputs)
 
+    def hold_heads(self, weight: ops.QuantizedWeight | ops.GGMLWeight, heads: int,
+                   dtype: torch.dtype) -> ops.QuantizedWeight | ops.GGMLWeight:
+        """As ``hold_quantized`` holds a linear's, where each head's rows are whole groups."""
+        if weight.out_features // heads % interleaved.GROUP:
+            return weight
+        return self.hold_quantized(weight, dtype)
+
+    def head_linear(self, x: torch.Tensor,
+                    weight: torch.Tensor | ops.QuantizedWeight | ops.GGMLWeight) -> torch.Tensor:
+        # Every head in one call over GGUF blocks, where the loop would run each head through the compiled
+        # ggml_linear (runs_compiled).
+        compiled = _compiled_for(x) if isinstance(weight, ops.GGMLWeight) else None
+        if compiled is None or weight.type_name not in self.capabilities.ggml_types or \
+                not runs_compiled(compiled, weight, x.shape[0]):
+            return super().head_linear(x, weight)
+        y = compiled.ggml_head_linear(x.transpose(0, 1), weight.blocks, weight.type_name, weight.in_features,
+                                      row_group=weight.row_group)
+        return y.transpose(0, 1)
+
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  batch: ops.LoraBatch) -> torch.Tensor:
         # Each adapter's rows as one gather, two GEMMs and one scatter-add: the work is GEMMs, which the BLAS

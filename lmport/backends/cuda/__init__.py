@@ -8,7 +8,7 @@ the process that wants the interpreter sets it (the tests do, in tests/conftest.
 ``CudaBackend(device="cpu")`` without it fails on its first op, naming the fix.
 
 Ops: fill_kv_cache, paged_attention (decode: split-K; otherwise prefill),
-fill_latent_cache and mla_attention (MLA: absorbed multi-query attention over the latents),
+fill_latent_cache and latent_attention (MLA: absorbed multi-query attention over the latents),
 recurrent_gated_delta_rule and chunk_gated_delta_rule (the linear-attention layers' gated delta rule: token by
 token for decode and short prefills, in chunks of tokens with matmuls for longer ones),
 quant_linear, ggml_linear (GGUF blocks dequantized in registers), fp8_linear (float8 e4m3 weights
@@ -52,7 +52,7 @@ def _load_kernels(device: torch.device) -> SimpleNamespace:
                            input_scaled_moe=moe.input_scaled_moe,
                            add_lora=lora.add_lora,
                            fill_latent_cache=mla.fill_latent_cache,
-                           mla_attention=mla.mla_attention,
+                           latent_attention=mla.latent_attention,
                            recurrent_gated_delta_rule=gated_delta_net.recurrent_gated_delta_rule,
                            prefill_gated_delta_rule=gated_delta_net.prefill_gated_delta_rule)
 
@@ -156,10 +156,10 @@ class CudaBackend(Backend):
     def fill_latent_cache(self, latent: torch.Tensor, cache: LayerCache, slot_mapping: torch.Tensor) -> None:
         self.kernels.fill_latent_cache(latent, cache, slot_mapping)
 
-    def mla_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache,
-                      meta: ops.AttentionMetadata, kv_b_weight: torch.Tensor, softmax_scale: float,
-                      new_latent: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.mla_attention(q_nope, q_rope, cache, meta, kv_b_weight, softmax_scale, new_latent)
+    def latent_attention(self, q_lat: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache,
+                         meta: ops.AttentionMetadata, softmax_scale: float,
+                         new_latent: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.latent_attention(q_lat, q_rope, cache, meta, softmax_scale, new_latent)
 
     def recurrent_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                    beta: torch.Tensor, state: torch.Tensor | None = None

@@ -1,21 +1,19 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent cache: the cuda backend's kernels.
 
-Matches ``lmport.ops.fill_latent_cache`` and ``lmport.ops.mla_attention``. A latent layer caches one vector a
+Matches ``lmport.ops.fill_latent_cache`` and ``lmport.ops.latent_attention``. A latent layer caches one vector a
 token, ``[c, k_rope]`` (``kv_lora_rank`` + ``qk_rope_head_dim`` values: 512 + 64 in DeepSeek-V3), shared by every
 query head. With kv_b_proj's key rows absorbed into the query (``q_nope W_k``, a query in latent space), attention
 is multi-query attention with one KV head whose key is the whole cached vector and whose value is its first
 ``kv_lora_rank`` values, the ``c`` (vLLM's Triton MLA backend does the same). The kernel loads each tile of latents
 once and uses its ``c`` part for the scores and for the values, its rope part for the scores only; the two parts
 are tiled separately (BLOCK_C, BLOCK_R: each its own power of two, padded lanes masked), so 512 + 64 needs no
-padding to 1024. The output, a weighted sum of ``c``s a head, goes through kv_b_proj's value rows (``W_v``) in
-torch, as does the absorption: both are per-head matmuls.
+padding to 1024. The absorption before (``q_nope W_k``) and the value rows after (``W_v``, on each head's weighted
+sum of ``c``s) are the model's per-head projections (``Backend.head_linear``).
 
 Every sequence runs this way, prefill (chunks over history) and decode alike: a program owns one sequence, a
 tile of rows, each a (new token, query head) pair that all share its latent tiles, and a split of the keys.
 Decode steps split the keys (split-K, merged by ``decode_attention``'s log-sum-exp reduction) so a small batch
-still fills the GPU; prefill runs one split. The reference expands the latents per head for prefill
-(transformers' arithmetic); absorbed, prefill reads 576-value keys and 512-value values a head instead of
-192 and 128, more arithmetic over a cache a tenth the size: the same result within rounding.
+still fills the GPU; prefill runs one split.
 
 A quantized cache (8, 4, fp8) is dequantized per tile as ``paged_attention`` dequantizes K and V
 (``paged_kv.load_kv_tile``); given the step's latents (``new_latent``), the step's own positions read those as
@@ -202,6 +200,9 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: LayerCach
     sum of its sequence's cached ``c``s, causal; ``new_latent`` [T, rank + rope]: the step's latents, read instead
     of their codes in a quantized cache. ``num_splits``: key splits a decode step (default: enough to fill the
     GPU); prefill runs one."""
+    _require_latent(cache, "the cuda latent_attention")
+    if meta.window is not None or meta.chunk is not None or meta.sinks is not None or meta.softcap is not None:
+        raise ValueError("the cuda latent_attention runs full causal attention: no window, chunk, sinks or soft cap")
     t, heads, rank = q_lat.shape
     rope = q_rope.shape[2]
     if cache.k.shape[2] != 1 or q_lat.shape[:2] != q_rope.shape[:2]:
@@ -209,7 +210,7 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: LayerCach
                          f"got {tuple(q_lat.shape)}, {tuple(q_rope.shape)} and a cache of {cache.k.shape[2]} heads")
     if quant.packed_dim(rank + rope, cache.quant_policy) != cache.k.shape[3]:
         raise ValueError(f"the latent cache holds {cache.k.shape[3]} values a token (quant_policy="
-                         f"{cache.quant_policy!r}), not kv_b_proj's rank {rank} + the rotary {rope}: a cache "
+                         f"{cache.quant_policy!r}), not the query's latent rank {rank} + the rotary {rope}: a cache "
                          f"allocated for another model's latent width")
     tokens, block_h, block_n, num_warps = _tiling(heads, rank, meta.is_decode)
     head_blocks = triton.cdiv(heads, block_h)
@@ -255,20 +256,3 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: LayerCach
             num_warps=4 if block_c >= 128 else 2,
         )
     return out
-
-
-def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
-                  kv_b_weight: torch.Tensor, softmax_scale: float,
-                  new_latent: torch.Tensor | None = None) -> torch.Tensor:
-    """q_nope [T, H, nope], q_rope [T, H, rope] (rotated) -> [T, H, v], as ``lmport.ops.mla_attention``:
-    kv_b_proj's key rows absorbed into the query, latent attention, then its value rows."""
-    _require_latent(cache, "the cuda mla_attention")
-    if meta.window is not None or meta.chunk is not None or meta.sinks is not None or meta.softcap is not None:
-        raise ValueError("the cuda mla_attention runs full causal attention: no window, chunk, sinks or soft cap")
-    heads, nope = q_nope.shape[1], q_nope.shape[2]
-    rank = kv_b_weight.shape[1]
-    w = kv_b_weight.view(heads, -1, rank)
-    w_k, w_v = w[:, :nope], w[:, nope:]
-    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_k)
-    o = latent_attention(q_lat, q_rope, cache, meta, softmax_scale, new_latent)
-    return torch.einsum("thr,hvr->thv", o, w_v)

@@ -193,6 +193,28 @@ torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const std::stri
   return y;
 }
 
+// x [heads, T, in_features] through each head's own rows of ``blocks`` ([heads x rows, ...], each head's rows whole
+// groups of ``row_group``): [heads, T, rows], by ggml_linear a head at a time (MLA's absorbed projections).
+torch::Tensor ggml_head_linear(torch::Tensor x, torch::Tensor blocks, const std::string& type, int64_t in_features,
+                               int64_t row_group) {
+  const int64_t K = checked_inputs(blocks, type, in_features);
+  check_ggml_row_group(type, row_group);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(2) == K && x.size(0) > 0,
+              "ggml_head_linear: x must be float32 [heads, tokens, ", K, "], got ", x.scalar_type(), " ", x.sizes());
+  const int64_t heads = x.size(0), T = x.size(1), rows = blocks.size(0) / heads;
+  TORCH_CHECK(blocks.is_contiguous() && rows * heads == blocks.size(0) && rows % row_group == 0,
+              "ggml_head_linear: the weight must be ", heads, " heads' contiguous rows, each head's whole groups of ",
+              row_group, "; got ", blocks.sizes());
+  x = x.contiguous();
+  auto y = torch::empty({heads, T, rows}, x.options());
+  if (T == 0) return y;
+  const int64_t row_bytes = blocks.size(1);
+  for (int64_t h = 0; h < heads; ++h)
+    kernels::ggml_linear(x.data_ptr<float>() + h * T * K, T, K, blocks.data_ptr<uint8_t>() + h * rows * row_bytes,
+                         rows, type, row_group, nullptr, y.data_ptr<float>() + h * T * rows);
+  return y;
+}
+
 // One of an experts block's stacked weights (GGUF blocks, rows interleaved in groups of ``row_group``) checked for
 // ``experts`` of ``rows`` rows and ``in_features`` inputs each; ``bias`` [experts, rows] float32 or None.
 static kernels::ExpertStack expert_stack(const char* name, const torch::Tensor& blocks, const std::string& type,
@@ -510,6 +532,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_row_group"), py::arg("up"), py::arg("up_type"), py::arg("up_row_group"), py::arg("down"),
         py::arg("down_type"), py::arg("down_row_group"), py::arg("biases") = py::none(),
         py::arg("alpha") = py::none(), py::arg("limit") = py::none(), py::arg("scale_inputs") = false);
+  m.def("ggml_head_linear", &lmport::ggml_head_linear,
+        "each head's float32 x [heads, tokens, in] through its own rows of GGUF blocks: [heads, tokens, rows]",
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("row_group") = 1);
   m.def("ggml_dequantize", &lmport::ggml_dequantize, "W in GGUF blocks of the named type -> float32 (rows: only those, in that order)",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("row_group") = 1,
         py::arg("rows") = py::none());
