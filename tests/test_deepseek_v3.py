@@ -187,6 +187,24 @@ def test_mla_op_batches_decodes_beside_a_prefill():
     assert batch.shape == (t, heads, rank)
 
 
+def test_a_long_prefill_attends_in_runs_of_tokens(monkeypatch):
+    """A prefill whose scores would pass PREFILL_SCORES attends a run of its tokens at a time: runs of 3 tokens
+    (the last one shorter) give what one run gives."""
+    from lmport.ops import mla
+    heads, rope, rank, bs = 4, 8, 32, 8
+    width = rank + rope
+    cache = KVLayout(1, 1, width, bs, torch.float32, layer_kinds=(CacheKind("latent", 1, width),)).allocate(8, "cpu")[0]
+    g = torch.Generator().manual_seed(12)
+    table, kv_len, q_len = [6, 2, 4, 1], 30, 20
+    meta = ops.build_attention_metadata([kv_len], [kv_len], [table], bs)
+    ops.fill_latent_cache(torch.randn(kv_len, width, generator=g), cache, meta.slot_mapping)
+    meta = ops.build_attention_metadata([q_len], [kv_len], [table], bs)
+    q_lat, q_rope = torch.randn(q_len, heads, rank, generator=g), torch.randn(q_len, heads, rope, generator=g)
+    whole = ops.latent_attention(q_lat, q_rope, cache, meta, 0.2)
+    monkeypatch.setattr(mla, "PREFILL_SCORES", 3 * heads * kv_len)
+    torch.testing.assert_close(ops.latent_attention(q_lat, q_rope, cache, meta, 0.2), whole)
+
+
 @pytest.mark.parametrize("q_lens", [[1, 1], [5]], ids=["decode", "prefill"])
 @pytest.mark.parametrize("policy", [8, 4, "fp8"])
 def test_quantized_latent_cache_reads_its_dequantized_values(policy, q_lens):

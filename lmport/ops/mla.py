@@ -21,7 +21,6 @@ the blocks read are dequantized as ``paged_attention`` dequantizes K and V, and,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lmport.kv.layout import LayerCache
 from lmport.ops.attention import gather_kv
@@ -109,14 +108,24 @@ def _decode(q, cache, meta, seqs, kv_lens, rank, scale, own) -> torch.Tensor:
     return torch.einsum("bhs,bsr->bhr", probs, latents[..., :rank])
 
 
+# Scores a prefill computes at once (float32 values): its new tokens go in runs that keep [rows, H, S] within it.
+PREFILL_SCORES = 1 << 24
+
+
 def _prefill(q, cache, meta, seq, kv_len, rank, scale, own) -> torch.Tensor:
-    """A sequence's new tokens q [n, H, rank + rope] over its history and themselves -> [n, H, rank]."""
-    n = q.shape[0]
+    """A sequence's new tokens q [n, H, rank + rope] over its history and themselves -> [n, H, rank], as ``_decode``
+    computes a token (SDPA's masked path costs more here), a run of tokens at a time."""
+    n, heads = q.shape[0], q.shape[1]
     latent = _latents(cache, meta, [seq], kv_len, q.dtype)[0, :kv_len]           # [S, rank + rope]
     if own is not None:   # the new tokens are the last n positions
         latent[kv_len - n:] = own.to(latent.dtype)
-    q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
-    mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]       # [n, S]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), latent[None], latent[None, :, :rank], attn_mask=mask,
-                                         scale=scale)                              # [H, n, rank]
-    return out.transpose(0, 1)
+    kv_pos = torch.arange(kv_len, device=q.device)
+    out = q.new_empty(n, heads, rank)
+    run = max(1, PREFILL_SCORES // (heads * kv_len))
+    for s in range(0, n, run):
+        e = min(n, s + run)
+        mask = kv_pos[None, :] <= kv_pos[kv_len - n + s:kv_len - n + e, None]      # [rows, S]
+        scores = torch.einsum("nhw,sw->nhs", q[s:e], latent).float() * scale
+        probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
+        out[s:e] = torch.einsum("nhs,sr->nhr", probs, latent[:, :rank])
+    return out
