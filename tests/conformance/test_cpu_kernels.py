@@ -227,10 +227,18 @@ def test_instruction_sets_chosen_by_environment(monkeypatch):
         kernels.isa_flags()
 
 
+@pytest.fixture
+def float32_gemm():
+    """The prefill GEMMs in float32 whatever LMPORT_CPU_PREFILL says (the cases compare with torch's float32)."""
+    kernels.set_bf16_gemm(False)
+    yield
+    kernels.set_bf16_gemm(kernels.prefill_precision() == "bf16")
+
+
 @pytest.mark.parametrize("rows", (1, 2, 3, 4, 7, 16, SMALL_BATCH_TOKENS, SMALL_BATCH_TOKENS + 1, 300))
 @pytest.mark.parametrize("out_features", (160, 163))  # 163: rows left over from the four-row tiles
 @pytest.mark.parametrize("bias", (False, True))
-def test_linear_matches_torch(rows, out_features, bias):
+def test_linear_matches_torch(rows, out_features, bias, float32_gemm):
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(out_features, 96, generator=gen) / 96 ** 0.5
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -243,7 +251,7 @@ def test_linear_matches_torch(rows, out_features, bias):
 
 @pytest.mark.parametrize("bias", (False, True))
 @pytest.mark.parametrize("onednn", (True, False))
-def test_prefill_gemm_over_an_expanded_weight_matches_torch(bias, onednn, monkeypatch):
+def test_prefill_gemm_over_an_expanded_weight_matches_torch(bias, onednn, monkeypatch, float32_gemm):
     """Prefill's GEMM (oneDNN where torch has it, else F.linear) gives F.linear's result up to the order of
     the float32 sums, with or without oneDNN."""
     import lmport.backends.cpu as cpu

@@ -36,8 +36,9 @@ from lmport import ops
 from lmport.platform.backend import Backend
 from lmport.weights.ggml import HELD_BLOCK_TYPES
 from test_quant_linear import (assert_bf16_prefill_is_the_reference, assert_each_rows_own_result,
-                               float32_summation_bound, held_rounding_bound, int8_pair_rounding_bound, int8_rows,
-                               int16_rounding_bound, rounded_as_held)
+                               bf16_rounding_bound, cpu_prefill, expanded_rounding_bound, float32_summation_bound,
+                               held_rounding_bound, int8_pair_rounding_bound, int8_rows, int16_rounding_bound,
+                               random_weight, rounded_as_held)
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
 OUT = 99
@@ -98,6 +99,7 @@ def test_ggml_linear_matches_the_reference(ggml_backend, type_name, shape, layou
             int8_path = SHAPES[shape] <= int8_rows() and type_name in int8_types()
             rounding = int8_pair_rounding_bound if int8_path else int16_rounding_bound
             bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
+            bound += expanded_rounding_bound(x, w)
         if name != "cpu":   # float32 dot products of float32 weights: summation order only
             bound = float32_summation_bound(x, w)
         assert ((got.cpu() - want).abs() <= bound + 1e-6).all(), (got.cpu() - want).abs().max()
@@ -176,6 +178,40 @@ def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(type_name):
         return kernels.load().ggml_linear(rows_of_x, weight.blocks, type_name, weight.in_features, b, weight.row_group)
 
     assert_bf16_prefill_is_the_reference(call, lambda b: ops.ggml_linear(x, file_rows, b), x, bias, w)
+
+
+@pytest.mark.parametrize("precision", ["exact", "bf16"])
+@pytest.mark.parametrize("type_name", ["q8_0", "q5_k"])
+def test_cpu_prefill_over_rows_in_file_order(type_name, precision):
+    """A prefill over a weight whose rows are in the file's order (Q8_0 as lmport loads it: int8 codes, a float16
+    scale per 32 inputs, no mins), which the backend runs as a GEMM over the weight expanded to float32: the
+    reference within float32 summation (exact, the default) and, under LMPORT_CPU_PREFILL=bf16, within bfloat16
+    rounding of x and the weights too, with and without bias. The bfloat16 result is the reference's at x and the
+    weights rounded to bfloat16 (nearest even) up to float32 summation: the products are taken in bfloat16, the
+    sums and the result in float32. Skips bf16 on a CPU without bfloat16 products."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, CpuBackend
+    backend = CpuBackend()
+    if type_name == "q8_0":
+        weight = dataclasses.replace(random_weight(8, 32, n=OUT, k=288, seed=14), zero_mins=True)
+        w, reference = ops.dequantize(weight), lambda x, b: ops.quant_linear(x, weight, b)
+        call = backend.quant_linear
+    else:
+        weight = random_blocks(type_name, OUT, inputs(type_name), seed=14)
+        w, reference = ops.dequantize_ggml(weight), lambda x, b: ops.ggml_linear(x, weight, b)
+        call = backend.ggml_linear
+    assert weight.row_group == 1 and backend.prefill_expands(weight)
+    g = torch.Generator().manual_seed(15)
+    x, bias = torch.randn(2 * SMALL_BATCH_TOKENS + 3, weight.in_features, generator=g), torch.randn(OUT, generator=g)
+    with cpu_prefill(precision):
+        for b in (None, bias):
+            got, want = call(x, weight, b), reference(x, b)
+            bound = float32_summation_bound(x, w)
+            if precision == "bf16":
+                rounded = (x.bfloat16().double() @ w.bfloat16().double().T).float()
+                rounded = rounded if b is None else rounded + b
+                assert ((got - rounded).abs() <= bound + 1e-6).all(), (got - rounded).abs().max()
+                bound = bound + bf16_rounding_bound(x, w)
+            assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("type_name", list(HELD_BLOCK_TYPES))

@@ -16,7 +16,8 @@ own result at x so rounded. Rows interleaved as the backend holds them (``held``
 a prefill's too, as the build's one-row path holds it: two int8 codes with AVX-512 VNNI, int16 on the
 AVX2 path (whose backend runs a prefill over them as a GEMM on the dequantized weight, within the same bound);
 from the rows the kernel names in ``interleaved_bf16_rows`` (a prefill, on a machine with AMX tiles) x and the
-weights rounded to bfloat16 instead, each product within 2^-8 of itself.
+weights rounded to bfloat16 instead, each product within 2^-8 of itself. A prefill's GEMM over the expanded weight
+rounds them so too under LMPORT_CPU_PREFILL=bf16 where the CPU has bfloat16 products (``expanded_rounding_bound``).
 """
 from __future__ import annotations
 
@@ -73,17 +74,39 @@ def bf16_rows() -> int:
 
 
 @contextlib.contextmanager
+def cpu_prefill(precision: str, tiles: bool = False):
+    """The cpu backend's prefills at ``precision`` inside the block, as LMPORT_CPU_PREFILL sets them: under 'bf16'
+    the kernels' prefills over interleaved rows on AMX tiles and the prefill GEMMs over float32 weights (expanded
+    ones too) in bfloat16. 'bf16' skips where the CPU has no bfloat16 products, or, with ``tiles``, where the CPU
+    or build has no AMX tiles."""
+    from lmport.backends.cpu import kernels
+    module, bf16 = kernels.load(), precision == "bf16"
+    try:
+        on_tiles, on_gemm = module.set_bf16_prefill(bf16), kernels.set_bf16_gemm(bf16)
+        if bf16 and not on_tiles and tiles:
+            pytest.skip("no AMX tiles on this CPU (or build)")
+        if bf16 and not on_gemm:
+            pytest.skip("no bfloat16 products on this CPU (AMX or AVX512_BF16)")
+        yield
+    finally:
+        default = kernels.prefill_precision() == "bf16"
+        module.set_bf16_prefill(default)
+        kernels.set_bf16_gemm(default)
+
+
 def bf16_prefill():
     """The cpu kernels' prefills over interleaved rows on AMX tiles in bfloat16 (LMPORT_CPU_PREFILL=bf16) inside
     the block; skips where the CPU or build has no tiles."""
-    from lmport.backends.cpu import kernels
-    module = kernels.load()
-    try:
-        if not module.set_bf16_prefill(True):
-            pytest.skip("no AMX tiles on this CPU (or build)")
-        yield
-    finally:
-        module.set_bf16_prefill(kernels.prefill_precision() == "bf16")
+    return cpu_prefill("bf16", tiles=True)
+
+
+def expanded_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the cpu backend's prefill GEMM over a weight expanded to float32 adds to float32 summation: bfloat16
+    rounding where it computes in bfloat16 (LMPORT_CPU_PREFILL=bf16 on a CPU with bfloat16 products), else 0."""
+    from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
+    if kernels.bf16_gemm() and x.shape[0] > SMALL_BATCH_TOKENS:
+        return bf16_rounding_bound(x, w)
+    return torch.zeros(x.shape[0], w.shape[0])
 
 
 def held_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -201,6 +224,7 @@ def test_quant_linear_matches_the_reference(native_backend, bits, group, shape, 
             else:
                 rounding = int8_pair_rounding_bound if SHAPES[shape] <= int8_rows() else int16_rounding_bound
                 bound = float32_summation_bound(x, w) + (rounding(x, w) if shape.startswith("decode") else 0)
+                bound += expanded_rounding_bound(x, w)
             assert ((got - want).abs() <= bound + 1e-6).all(), (got - want).abs().max()
         elif name == "cuda":   # fp32 IEEE dot products: summation order only
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -319,7 +343,8 @@ def test_cpu_prefill_is_exact_unless_bf16_is_asked_for(monkeypatch):
     assert kernels.prefill_precision() == "exact"
     with bf16_prefill():
         assert bf16_rows() == SMALL_BATCH_TOKENS + 1
-    assert bf16_rows() == 0   # back to the default
+        assert kernels.bf16_gemm()
+    assert bf16_rows() == 0 and not kernels.bf16_gemm()   # back to the default
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -297,7 +297,20 @@ def prefill_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     """x @ w^T (+ bias) in float32 for more rows than a decode step (a float weight, or a quantized one just
     expanded): by oneDNN's matmul where torch has it, which runs these GEMMs faster than torch's default
     BLAS (MKL) on the AMD EPYCs measured (`lmport bench kernels cpu --only prefill`); the same sums in
-    another order."""
+    another order. Under LMPORT_CPU_PREFILL=bf16 on a CPU with bfloat16 products (kernels.bf16_gemm) oneDNN's
+    bfloat16 math mode: x and w rounded to bfloat16 as the GEMM reads them, the products summed in float32, the
+    result float32 (torch's CPU GEMM over bfloat16 tensors returns bfloat16)."""
+    if not kernels.bf16_gemm():
+        return _float32_gemm(x, w, bias)
+    matmul = torch.backends.mkldnn.matmul
+    before, matmul.fp32_precision = matmul.fp32_precision, "bf16"
+    try:
+        return _float32_gemm(x, w, bias)
+    finally:
+        matmul.fp32_precision = before
+
+
+def _float32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     onednn = onednn_linear()
     if onednn is None:
         return torch.nn.functional.linear(x, w, bias)

@@ -9,8 +9,8 @@ If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
 The kernels have an AVX-512 path (BW, VL and VNNI) and an AVX2 one; the build targets the CPU it
 runs on. ``LMPORT_CPU_ISA=avx2`` builds the AVX2 path on an AVX-512 machine (``-mno-avx512f``, which
 turns off every AVX-512 subset), to measure and test what a CPU without AVX-512 runs.
-``LMPORT_CPU_PREFILL=bf16`` runs a prefill over a model's held linears on AMX tiles in bfloat16 where the CPU
-has them (``prefill_precision``).
+``LMPORT_CPU_PREFILL=bf16`` runs a prefill's linears in bfloat16 where the CPU has bfloat16 products
+(``prefill_precision``).
 """
 from __future__ import annotations
 
@@ -166,19 +166,68 @@ def _load_built(directory: Path):
 
 def prefill_precision() -> str:
     """LMPORT_CPU_PREFILL: 'exact' (the default: a prefill's linears hold x to 16 bits and the weights exactly, as
-    a decode step's do) or 'bf16' (a prefill over a model's held linears on AMX tiles, x and the weights rounded to
-    bfloat16, where the CPU has them: several times the rate, each product within 2^-8 of itself)."""
+    a decode step's do, or run a float32 GEMM) or 'bf16' (a prefill's linears with x and the weights rounded to
+    bfloat16, the products summed in float32: several times the rate, each product within 2^-8 of itself). Under
+    'bf16' the build's kernels over rows held interleaved take AMX tiles, where the CPU and build have them; the
+    GEMMs over float32 weights (a float model's, or a quantized one expanded for a prefill) take oneDNN's bfloat16
+    math where the CPU has bfloat16 products (``bf16_products``). Elsewhere they stay exact."""
     value = os.environ.get("LMPORT_CPU_PREFILL", "exact")
     if value not in ("exact", "bf16"):
-        raise ValueError(f"LMPORT_CPU_PREFILL={value!r}: use 'exact' (the default) or 'bf16' (AMX tiles)")
+        raise ValueError(f"LMPORT_CPU_PREFILL={value!r}: use 'exact' (the default) or 'bf16' (AMX tiles, AVX512_BF16)")
     return value
 
 
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+
+
+def bf16_products() -> bool:
+    """Whether oneDNN (torch's) computes bfloat16 products in hardware here: AMX tiles or AVX512_BF16 (Linux's
+    CPU flags), with torch built with oneDNN, and not under LMPORT_CPU_ISA=avx2, which stands for a CPU without
+    AVX-512. Without them oneDNN emulates bfloat16, slower than its float32 GEMM."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.backends.mkldnn.matmul, "fp32_precision")
+            and len(isa_flags()) == 1 and not _cpu_flags().isdisjoint({"amx_bf16", "avx512_bf16"}))
+
+
+# Whether a prefill's GEMM over a float32 weight (CpuBackend's prefill_gemm) computes in bfloat16 (set_bf16_gemm).
+_bf16_gemm = False
+
+
+def set_bf16_gemm(on: bool) -> bool:
+    """A prefill's GEMMs over float32 weights in bfloat16 (on) or float32: whether they now are (never without
+    ``bf16_products``)."""
+    global _bf16_gemm
+    _bf16_gemm = on and bf16_products()
+    return _bf16_gemm
+
+
+def bf16_gemm() -> bool:
+    return _bf16_gemm
+
+
 def configured(module, precision: str):
-    """``module`` running prefills at ``precision`` (prefill_precision's)."""
+    """``module`` running prefills at ``precision`` (prefill_precision's); the prefill GEMMs set to match."""
     bf16 = precision == "bf16"
-    if module.set_bf16_prefill(bf16) != bf16:
-        log.warning("LMPORT_CPU_PREFILL=bf16: this CPU (or build) has no AMX tiles; prefills stay exact")
+    tiles, gemm = module.set_bf16_prefill(bf16), set_bf16_gemm(bf16)
+    if bf16 and not (tiles or gemm):
+        log.warning("LMPORT_CPU_PREFILL=bf16: this CPU has no bfloat16 products (AMX or AVX512_BF16; or "
+                    "LMPORT_CPU_ISA=avx2 is set); prefills stay exact")
+    elif bf16 and not gemm:
+        log.warning("LMPORT_CPU_PREFILL=bf16: this torch has no oneDNN: a prefill over weights held with their rows "
+                    "interleaved takes AMX tiles; its GEMMs over float32 weights and over quantized weights expanded "
+                    "to float32 stay float32")
+    elif bf16 and not tiles:
+        held = [f"int{bits}" for bits in module.quant_interleaved_bits()]
+        held += [name.upper() for name in module.ggml_interleaved_types()]
+        log.warning("LMPORT_CPU_PREFILL=bf16: this CPU (or build) has no AMX tiles: a prefill over the weights held "
+                    "with their rows interleaved (%s; GGUF's Q4_0, Q4_1 and Q8_0 load as int4 and int8) stays "
+                    "exact; its GEMMs over float32 weights and over the other quantized weights, expanded to "
+                    "float32, take bfloat16", ", ".join(held))
     return module
 
 
