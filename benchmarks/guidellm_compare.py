@@ -1,9 +1,9 @@
 """guidellm against `lmport serve` and llama-server, one after the other, on the same model and machine.
 
-For each server: start it fresh, run guidellm synchronous and then at concurrency 16 (POST /v1/completions,
-streamed, synthetic prompts of --prompt-tokens tokens, --output-tokens out, a fixed seed a profile, so that
-the concurrent run's prompts are not the synchronous run's), then the same two runs again with the same
-prompts, so that a prefix cache (lmport's, on by default in `lmport serve`; llama-server's prompt reuse) can
+For each server: start it fresh, run guidellm synchronous and then at --concurrency streams (default 16; POST
+/v1/completions, streamed, synthetic prompts of --prompt-tokens tokens, --output-tokens out, a fixed seed a
+profile, so that the concurrent run's prompts are not the synchronous run's), then the same two runs again with the
+same prompts, so that a prefix cache (lmport's, on by default in `lmport serve`; llama-server's prompt reuse) can
 answer; stop it. Prints output tok/s and time-to-first-token p50 side by
 side with lmport / llama-server ratios, and writes JSON.
 
@@ -31,7 +31,13 @@ from serve_load import start_server  # noqa: E402
 from serve_throughput import start_llama_server, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = (("synchronous", {"kind": "synchronous"}), ("concurrency 16", {"kind": "concurrent", "streams": [16]}))
+PROFILES = ("synchronous", "concurrent")
+
+
+def profile_of(label: str, concurrency: int) -> tuple[str, dict]:
+    if label == "synchronous":
+        return label, {"kind": "synchronous"}
+    return f"concurrency {concurrency}", {"kind": "concurrent", "streams": [concurrency]}
 
 
 def scenario(url: str, model: str, tokenizer_dir: str, profile: dict, seed: int, args, out: Path) -> dict:
@@ -98,9 +104,10 @@ def run_server(args, name: str, work: Path, tokenizer_dir: str) -> dict:
     try:
         asyncio.run(ready(url, proc))
         for setting in args.settings:
-            for index, (label, profile) in enumerate(PROFILES):
-                if label not in args.profiles:
+            for index, kind in enumerate(PROFILES):
+                if kind not in args.profiles:
                     continue
+                label, profile = profile_of(kind, args.concurrency)
                 key = f"{setting}, {label}"
                 print(f"{name}: {key}", file=sys.stderr)
                 results[key] = run_guidellm(args, url, model, tokenizer_dir, profile, args.seed + index, work,
@@ -141,8 +148,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=2, help="torch threads of lmport serve; llama-server -t")
     p.add_argument("--serve-args", default="", help="more `lmport serve` flags")
-    p.add_argument("--profiles", nargs="+", default=[label for label, _ in PROFILES],
-                   choices=[label for label, _ in PROFILES], help="guidellm profiles to run (default: both)")
+    p.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES,
+                   help="guidellm profiles to run (default: both)")
+    p.add_argument("--concurrency", type=int, default=16, help="streams of the concurrent profile")
     p.add_argument("--settings", nargs="+", default=["fresh", "repeated"], choices=["fresh", "repeated"],
                    help="fresh prompts, then the same again (default: both)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one guidellm run may take")
