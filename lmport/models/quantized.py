@@ -245,7 +245,6 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight 
     """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
     the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias. A
     mixture-of-experts block's experts come as "<block>.experts.gate_proj" / "up_proj" / "down_proj"."""
-    from lmport.models.layers import HeadParallelLinear   # layers builds on this module
     experts = _install_experts(model, quantized, backend)
     for name, weight in quantized.items():
         if name in experts:
@@ -259,11 +258,12 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight 
             raise ValueError(f"{name}: quantized weight is [{weight.out_features}, {weight.in_features}] "
                              f"but the model config makes it {list(want)}")
         blocks = isinstance(weight, GGMLWeight)
-        if isinstance(old, HeadParallelLinear):
+        heads = getattr(old, "heads", None)   # a per-head projection (lmport.models.layers.HeadParallelLinear)
+        if heads is not None:
             if isinstance(weight, Fp8Weight):
                 raise ValueError(f"{name}: a per-head projection in fp8 is not supported; use "
                                  "weight_format='dequantize'")
-            setattr(parent, attr, QuantHeadLinear(weight, old.heads, backend))
+            setattr(parent, attr, QuantHeadLinear(weight, heads, backend))
             continue
         if isinstance(weight, Fp8Weight):
             if isinstance(old, nn.Embedding):
