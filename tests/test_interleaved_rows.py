@@ -69,12 +69,19 @@ def test_q5_0_layout_puts_each_part_where_the_kernel_reads_it():
 
 
 def test_k_quant_layouts_put_each_segment_where_the_kernels_read_it():
-    """Q4_K's scale byte q of row r at 64 + 16 q + r and qs bytes 4 j .. at 256 + 64 j + 4 r; Q6_K's qh bytes
+    """Q4_K's scale byte q of row r at 64 + 16 q + r and qs bytes 4 j .. at 256 + 64 j + 4 r; Q5_K's the same
+    first 256 bytes, qh bytes 4 j .. at 256 + 64 j + 4 r and qs bytes 4 j .. at 768 + 64 j + 4 r; Q6_K's qh bytes
     4 j .. at 2048 + 64 j + 4 r, its scale s at 3072 + 16 s + r and d at 3328 + 2 r."""
     q4 = random_blocks("q4_k", 16, 512)
     block, row = interleave(q4).blocks.reshape(-1)[2304:4608], q4.blocks[7, 144:288]
     assert all(block[64 + 16 * q + 7] == row[4 + q] for q in range(12))
     assert all(torch.equal(block[256 + 64 * j + 28:256 + 64 * j + 32], row[16 + 4 * j:20 + 4 * j]) for j in range(32))
+    q5 = random_blocks("q5_k", 16, 512)
+    block, row = interleave(q5).blocks.reshape(-1)[2816:5632], q5.blocks[11, 176:352]
+    assert torch.equal(block[22:24], row[0:2]) and torch.equal(block[32 + 22:32 + 24], row[2:4])
+    assert all(block[64 + 16 * q + 11] == row[4 + q] for q in range(12))
+    assert all(torch.equal(block[256 + 64 * j + 44:256 + 64 * j + 48], row[16 + 4 * j:20 + 4 * j]) for j in range(8))
+    assert all(torch.equal(block[768 + 64 * j + 44:768 + 64 * j + 48], row[48 + 4 * j:52 + 4 * j]) for j in range(32))
     q6 = random_blocks("q6_k", 16, 256)
     block, row = interleave(q6).blocks.reshape(-1), q6.blocks[9]
     assert all(torch.equal(block[2048 + 64 * j + 36:2048 + 64 * j + 40], row[128 + 4 * j:132 + 4 * j])
@@ -135,7 +142,7 @@ def test_file_rows_are_the_files_rows(kind):
 
 
 @pytest.mark.parametrize("layout", ["file", "held"])
-@pytest.mark.parametrize("kind", ["int4", "int8", "q5_0", "q4_k", "q6_k", "q2_k", "iq4_xs"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "q5_0", "q4_k", "q5_k", "q6_k", "q2_k", "iq4_xs"])
 def test_the_cpu_backends_embedding_is_the_reference(kind, layout):
     """The cpu backend's lookup (its dequantize kernel over the rows asked for) against the reference op, rows
     in order and as the backend holds a tied LM head's table."""

@@ -13,7 +13,9 @@ Block i of a group is its 16 rows' block i, segment by segment in the file's ord
 holding unit k of row 0, of row 1, ... of row 15. Q5_0's fifth bits go 4 at a time (a unit of half a
 byte: vector k is a 64-bit mask, bits 4 r .. 4 r + 3 being row r's inputs 4 k .. 4 k + 3). So with
 4-byte units of nibbles, lane r of vector k is row r's bytes 4 k .. 4 k + 3, the four inputs one
-vpdpbusd lane sums.
+vpdpbusd lane sums. Q5_K's fifth bits go 4 bytes at a time too: qh byte j holds the fifth bits of inputs
+j, 32 + j, .. of its 8 sub-blocks, so lane r of qh vector k has the fifth bits of the inputs that lane r of
+each of the block's nibble vectors 8 c + k holds.
 
 The int4 / int8 format's tensors go the same way, each over its whole row: ``qweight`` 4 bytes a unit
 (lane r of vector k: row r's bytes 4 k .. 4 k + 3), ``scales`` and ``mins`` a float16 a unit (vector g:
@@ -48,6 +50,7 @@ QUANTIZED_UNITS = {"qweight": 4, "scales": 2, "mins": 2}
 SEGMENTS = {
     "q5_0": ((0, 2, 2), (2, 4, NIBBLE), (6, 16, 4)),                    # d, qh, qs
     "q4_k": ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 128, 4)),           # d, dmin, scales, qs
+    "q5_k": ((0, 2, 2), (2, 2, 2), (4, 12, 1), (16, 32, 4), (48, 128, 4)),   # d, dmin, scales, qh, qs
     "q6_k": ((0, 128, 4), (128, 64, 4), (192, 16, 1), (208, 2, 2)),     # ql, qh, scales, d
 }
 

@@ -12,11 +12,11 @@ bit for bit (tested below), so what is left is float32 summation in another orde
 reference's, |error| <= K * 2^-24 * sum_k |x_k w_k|, and on the decode path the rounding of x to
 int16 per run of 32 (step max|x_run| / 32767, at most half a step each), sum_k |w_k| * step_k / 2.
 Up to ``quant_int8_rows()`` rows of x (AVX-512 VNNI), the types the kernel lists in ``ggml_int8_types``
-(Q5_0, Q4_K, Q6_K) hold x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
+(Q5_0, Q4_K, Q5_K, Q6_K) hold x as two int8 codes per input (int8_rows.h): a step of max|x_run| / (127 * 256), at most
 one step each (the second code saturates at 127), sum_k |w_k| * step_k; and, tested apart, the
 reference's own result at x so rounded. Each case runs again with the weight as the backend holds a
-model's linears where that differs from the file's layout (cpu: Q5_0, Q4_K and Q6_K rows interleaved in
-groups of 16), whose kernel holds x as the one-row path does for every step, a prefill's too: two int8
+model's linears where that differs from the file's layout (cpu: Q5_0, Q4_K, Q5_K and Q6_K rows
+interleaved in groups of 16), whose kernel holds x as the one-row path does for every step, a prefill's too: two int8
 codes with AVX-512 VNNI, int16 on the AVX2 path (whose backend runs a prefill over them as a GEMM on the
 dequantized weight, within the same bound); a prefill on AMX tiles rounds x and the weights to bfloat16
 (test_quant_linear.py's held_rounding_bound).
@@ -42,6 +42,7 @@ from test_quant_linear import (assert_bf16_prefill_is_the_reference, assert_each
 
 SHAPES = {"decode-1": 1, "decode-4": 4, "decode-8": 8, "batch-9": 9, "batch-40": 40, "prefill-129": 129}
 OUT = 99
+INTERLEAVED = ["q5_0", "q4_k", "q5_k", "q6_k"]   # the types the cpu backend holds interleaved (with its kernels)
 
 
 def inputs(type_name: str) -> int:
@@ -116,16 +117,16 @@ def test_reference_dequantizer_is_gguf_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize("layout", ["file", "held"])
-@pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("type_name", INTERLEAVED)
 def test_cpu_one_row_path_is_the_reference_at_x_as_it_holds_it(type_name, layout):
     """One row of x over the interleaved types: the integer sums are exact, so the result is the
     reference's at x as the path holds it (two int8 codes with AVX-512 VNNI, int16 on the AVX2 path) up to
-    float32 summation. Q4_K's mins meet x's own sums (not the rounded x's), so here its blocks' dmin is
-    zeroed. ``held``: rows interleaved as the backend holds a model's linears, where it does."""
+    float32 summation. Q4_K's and Q5_K's mins meet x's own sums (not the rounded x's), so here their blocks' dmin
+    is zeroed. ``held``: rows interleaved as the backend holds a model's linears, where it does."""
     from lmport.backends.cpu import CpuBackend, kernels
     weight = random_blocks(type_name, OUT, inputs(type_name), seed=4)
-    if type_name == "q4_k":
-        weight.blocks.view(OUT, -1, 144)[:, :, 2:4] = 0
+    if type_name in ("q4_k", "q5_k"):
+        weight.blocks.view(OUT, -1, HELD_BLOCK_TYPES[type_name].nbytes)[:, :, 2:4] = 0
     held = CpuBackend().hold_quantized(copied(weight), torch.float32) if layout == "held" else weight
     if layout == "held" and held.row_group == 1:
         pytest.skip(f"the cpu backend holds {type_name} as the file lays it out")
@@ -137,7 +138,7 @@ def test_cpu_one_row_path_is_the_reference_at_x_as_it_holds_it(type_name, layout
 
 
 @pytest.mark.parametrize("layout", ["file", "held"])
-@pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("type_name", INTERLEAVED)
 def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
     """A few rows of x over the int8 path's types: each row's result is the one it has alone, bit for bit.
     Rows interleaved as the backend holds them: each row's result is its own for every step, a batched decode or
@@ -163,7 +164,7 @@ def test_cpu_int8_rows_are_each_rows_own_result(type_name, layout):
         assert torch.equal(call(x), torch.cat([call(x[m:m + 1]) for m in range(len(x))]))
 
 
-@pytest.mark.parametrize("type_name", ["q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("type_name", INTERLEAVED)
 def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(type_name):
     """A prefill over interleaved rows on AMX tiles (LMPORT_CPU_PREFILL=bf16): within float32 summation and
     bfloat16 rounding of x and the weights of the reference, with and without bias, each row's result its own."""
@@ -181,7 +182,7 @@ def test_cpu_bf16_prefill_is_the_reference_within_bfloat16_rounding(type_name):
 
 
 @pytest.mark.parametrize("precision", ["exact", "bf16"])
-@pytest.mark.parametrize("type_name", ["q8_0", "q5_k"])
+@pytest.mark.parametrize("type_name", ["q8_0", "q3_k"])
 def test_cpu_prefill_over_rows_in_file_order(type_name, precision):
     """A prefill over a weight whose rows are in the file's order (Q8_0 as lmport loads it: int8 codes, a float16
     scale per 32 inputs, no mins), which the backend runs as a GEMM over the weight expanded to float32: the

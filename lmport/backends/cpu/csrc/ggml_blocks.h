@@ -199,6 +199,7 @@ struct Q4_K {
 struct Q5_K {
   static constexpr int kElements = 256, kBytes = 176, kSub = 32;
   static constexpr bool kMin = true, kCodes512 = false;
+  static void scales(const uint8_t* b, float* scale, float* min) { k4_scales(b + 4, f16(b), f16(b + 2), scale, min); }
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* min) {
     const u8x32 qh = load32(b + 16);
     for (int c = 0; c < 4; ++c) {
@@ -206,7 +207,7 @@ struct Q5_K {
       store(q + 64 * c, (v & 0xF) | bit_to(qh, 2 * c, 4));
       store(q + 64 * c + 32, bits_to(v, 4, 0, 4) | bit_to(qh, 2 * c + 1, 4));
     }
-    k4_scales(b + 4, f16(b), f16(b + 2), scale, min);
+    scales(b, scale, min);
   }
 };
 
@@ -347,6 +348,7 @@ inline void decode_row_scales(const uint8_t* row, int64_t K, RowBuffer& buf) {
 template <class T> struct RowsOf { using type = void; };
 template <> struct RowsOf<Q5_0> { using type = interleaved::Q5_0Rows; };
 template <> struct RowsOf<Q4_K> { using type = interleaved::Q4_KRows; };
+template <> struct RowsOf<Q5_K> { using type = interleaved::Q5_KRows; };
 template <> struct RowsOf<Q6_K> { using type = interleaved::Q6_KRows; };
 
 // Row n of a weight of N rows in the file's layout, where its rows are interleaved in groups of

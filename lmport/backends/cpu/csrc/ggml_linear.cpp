@@ -67,7 +67,7 @@ std::vector<std::string> ggml_row_group_types() { return interleaved::type_names
 
 std::vector<std::string> ggml_int8_types() {
 #ifdef LMPORT_ISA_AVX512
-  return {"q5_0", "q4_k", "q6_k"};
+  return {"q5_0", "q4_k", "q5_k", "q6_k"};
 #else
   return {};
 #endif

@@ -8,9 +8,9 @@
 // float32 for every type here (a float16 times integers of 23 bits at most in all), so only the min's
 // add rounds, as in the reference: the weights expand bit for bit. Everything else is shared:
 //
-// - Q5_0, Q4_K and Q6_K rows interleaved in groups of 16 (a model's linears, as the cpu backend holds
+// - Q5_0, Q4_K, Q5_K and Q6_K rows interleaved in groups of 16 (a model's linears, as the cpu backend holds
 //   them): every row of x a step passes, by interleaved_rows.h's kernels.
-// - Up to 8 rows of x (decode) over Q5_0, Q4_K and Q6_K with AVX-512 VNNI: x held as two int8
+// - Up to 8 rows of x (decode) over Q5_0, Q4_K, Q5_K and Q6_K with AVX-512 VNNI: x held as two int8
 //   codes per input (as fine as int16), the blocks' codes unpacked to bytes a run pair at a time and
 //   dotted with each by vpdpbusd (isa/avx512/int8_rows.h, isa/avx512/ggml_int8.h), 8 weight rows at a time.
 // - Otherwise up to kIntegerRows rows of x (decode): x is rounded to int16 per run of 32 inputs, as in
@@ -38,7 +38,7 @@
 #include "linear.h"
 #include "quant_linear.h"
 #ifdef LMPORT_ISA_AVX512
-#include "isa/avx512/ggml_int8.h"   // up to 8 rows of x over Q5_0, Q4_K and Q6_K in int8 arithmetic
+#include "isa/avx512/ggml_int8.h"   // up to 8 rows of x over Q5_0, Q4_K, Q5_K and Q6_K in int8 arithmetic
 #endif
 #include "ggml_activations.h"   // x rounded to int16 (the integer path)
 #ifdef LMPORT_ISA_AVX512

@@ -9,8 +9,8 @@
 // On the AVX2 path, x rounded to int16 as its row-by-row kernels round it, a group's rows taken as two
 // halves of 8: the codes widened to int16 and vpmaddwd gives the exact int32 sums (see its kernels). Either
 // way a type whose codes are offset (Q5_0's q + 16, Q6_K's q + 32, int8's q + 128) takes the offset times
-// x's codes summed back off. The sums are scaled in float32 by the rows' scales times x's step; Q4_K's mins
-// meet the float sums of x. The dequantize kernels (an embedding lookup in a tied LM head's table) read a
+// x's codes summed back off. The sums are scaled in float32 by the rows' scales times x's step; Q4_K's and Q5_K's
+// mins meet the float sums of x. The dequantize kernels (an embedding lookup in a tied LM head's table) read a
 // row back in the file's layout (file_row).
 //
 // This file: the layouts and what every instruction set's kernels share; isa/*/interleaved_groups.h the
@@ -21,6 +21,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "isa/isa.h"
@@ -51,6 +52,18 @@ struct Q4_KRows {   // d, dmin, scales (bytes 0..11 a vector each), qs (vector 8
   Q4_KRows group(int64_t) const { return *this; }   // what group g reads besides its bytes: nothing
 };
 
+struct Q5_KRows {   // Q4_K's d, dmin, scales; qh (vector j: bytes 4 j .. 4 j + 3); qs (as Q4_K's)
+  static constexpr int kElements = 256, kBytes = 176;
+  static constexpr Segment kSegments[] = {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 32, 4}, {48, 128, 4}};
+  static constexpr int kMin = 32, kScales = 64, kHigh = 256, kNibbles = 768;
+  Q5_KRows group(int64_t) const { return *this; }   // what group g reads besides its bytes: nothing
+};
+static_assert(Q5_KRows::kMin == Q4_KRows::kMin && Q5_KRows::kScales == Q4_KRows::kScales,
+              "Q5_K's block starts as Q4_K's: the kernels read both's scales alike");
+
+// Q4_K and Q5_K: 8 sub-blocks of 32 inputs, w = d sc q - dmin m, the same 16 bytes of d, dmin and scales first.
+template <class L> constexpr bool kLikeQ4_K = std::is_same_v<L, Q4_KRows> || std::is_same_v<L, Q5_KRows>;
+
 struct Q6_KRows {   // ql (vector k: bytes 4 k ..), qh (likewise), scales (sub-block s a vector), d
   static constexpr int kElements = 256, kBytes = 210;
   static constexpr Segment kSegments[] = {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
@@ -60,7 +73,7 @@ struct Q6_KRows {   // ql (vector k: bytes 4 k ..), qh (likewise), scales (sub-b
 
 // The GGUF block types with an interleaved layout (lmport.weights.interleaved.SEGMENTS).
 inline const std::vector<std::string>& type_names() {
-  static const std::vector<std::string> names{"q5_0", "q4_k", "q6_k"};
+  static const std::vector<std::string> names{"q5_0", "q4_k", "q5_k", "q6_k"};
   return names;
 }
 

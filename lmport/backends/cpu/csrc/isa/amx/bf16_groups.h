@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../../interleaved_layout.h"
@@ -76,21 +77,23 @@ inline void expand(Q5_0Rows, const uint8_t* group, int64_t blocks, uint32_t* pai
   }
 }
 
-inline void expand(Q4_KRows, const uint8_t* group, int64_t blocks, uint32_t* pairs) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+// Q4_K and Q5_K (k_codes gives each one's codes).
+template <class L, std::enable_if_t<kLikeQ4_K<L>, int> = 0>
+inline void expand(L, const uint8_t* group, int64_t blocks, uint32_t* pairs) {
   for (int64_t i = 0; i < blocks; ++i) {
-    const uint8_t* c = group + i * kGroup * Q4_KRows::kBytes;
-    const __m512 d = halves(c), dmin = halves(c + Q4_KRows::kMin);
+    const uint8_t* c = group + i * kGroup * L::kBytes;
+    const __m512 d = halves(c), dmin = halves(c + L::kMin);
     __m512 sc[8], mn[8], scale[8], offset[8];   // sub-block s: d sc_s and -dmin m_s
     q4_k_scales(c, sc, mn);
     for (int s = 0; s < 8; ++s)
       scale[s] = _mm512_mul_ps(d, sc[s]), offset[s] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn[s]));
     for (int q = 0; q < 4; ++q)   // sub-blocks 2 q (low nibbles of qs bytes 32 q ..) and 2 q + 1 (high)
       for (int j = 0; j < 8; ++j) {
-        const __m512i v = _mm512_loadu_si512(c + Q4_KRows::kNibbles + 64 * (8 * q + j));
+        __m512i low, high;
+        k_codes(L{}, c, q, j, low, high);
         const int64_t k = 256 * i + 64 * q + 4 * j;
-        expand4(_mm512_and_si512(v, low4), scale[2 * q], offset[2 * q], k, pairs);
-        expand4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), scale[2 * q + 1], offset[2 * q + 1], k + 32, pairs);
+        expand4(low, scale[2 * q], offset[2 * q], k, pairs);
+        expand4(high, scale[2 * q + 1], offset[2 * q + 1], k + 32, pairs);
       }
   }
 }

@@ -180,11 +180,32 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
   for (int m = 0; m < MT; ++m) out[m] = {{acc[0][m], acc[1][m]}};
 }
 
-template <int MT>
-inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                      Lanes* out) {
-  constexpr int64_t kBlock = kGroup * Q4_KRows::kBytes;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low6 = _mm256_set1_epi32(63);
+// A Q4_K or Q5_K block's (``c``: the group's) unsigned codes of half h of qs vector 8 q + j: inputs
+// 64 q + 4 j .. 64 q + 4 j + 3 (``low``, sub-block 2 q) and 64 q + 32 + 4 j .. (``high``, 2 q + 1) of rows 8 h ..
+// 8 h + 7. Q4_K: the nibbles.
+inline void k_codes(Q4_KRows, const uint8_t* c, int h, int q, int j, __m256i& low, __m256i& high) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = load8(c + Q4_KRows::kNibbles + 64 * (8 * q + j) + 32 * h);
+  low = _mm256_and_si256(v, low4), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+
+// Q5_K: the nibbles with qh vector j's bits 2 q (low) and 2 q + 1 (high) on top, 0..31.
+inline void k_codes(Q5_KRows, const uint8_t* c, int h, int q, int j, __m256i& low, __m256i& high) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i v = load8(c + Q5_KRows::kNibbles + 64 * (8 * q + j) + 32 * h);
+  // bits 2 q, 2 q + 1 of each byte to bits 0, 1 (the bits a 16-bit shift brings down land above them)
+  const __m256i qh = _mm256_srli_epi16(load8(c + Q5_KRows::kHigh + 64 * j + 32 * h), 2 * q);
+  low = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+  high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                         _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+}
+
+// Q4_K and Q5_K (the same scales and mins): 8 sub-blocks of 32 inputs, w = d sc q - dmin m, the codes by k_codes.
+template <int MT, class L>
+inline void dot_k_group(L, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                        Lanes* out) {
+  constexpr int64_t kBlock = kGroup * L::kBytes;
+  const __m256i low6 = _mm256_set1_epi32(63);
   __m256 acc[2][MT], mins[2][MT];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MT; ++m) acc[h][m] = mins[h][m] = _mm256_setzero_ps();
@@ -193,7 +214,7 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
     for (int h = 0; h < 2; ++h) {
       // Sub-block s's 6-bit scale and min from the 12 scale bytes, as llama.cpp's get_scale_min_k4.
-      const auto byte = [&](int q) { return bytes_u(c + Q4_KRows::kScales + 16 * q + 8 * h); };
+      const auto byte = [&](int q) { return bytes_u(c + L::kScales + 16 * q + 8 * h); };
       const auto scale_min = [&](int s, __m256& sc, __m256& mn) {
         if (s < 4) {
           sc = _mm256_cvtepi32_ps(_mm256_and_si256(byte(s), low6));
@@ -211,10 +232,11 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
         Sums s[2][MT];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
-          const __m256i v = load8(c + Q4_KRows::kNibbles + 64 * (8 * q + j) + 32 * h);
+          __m256i low, high;
+          k_codes(L{}, c, h, q, j, low, high);
           const int64_t k = 256 * i + 64 * q + 4 * j;
-          dot4<MT>(widen(_mm256_and_si256(v, low4)), x, k, s[0]);
-          dot4<MT>(widen(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), x, k + 32, s[1]);
+          dot4<MT>(widen(low), x, k, s[0]);
+          dot4<MT>(widen(high), x, k + 32, s[1]);
         }
         for (int t = 0; t < 2; ++t) {
           const int64_t run = 8 * i + 2 * q + t;
@@ -226,7 +248,7 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
           }
         }
       }
-      const __m256 d = halves(c + 16 * h), dmin = halves(c + Q4_KRows::kMin + 16 * h);
+      const __m256 d = halves(c + 16 * h), dmin = halves(c + L::kMin + 16 * h);
       for (int m = 0; m < MT; ++m) {
         acc[h][m] = _mm256_fmadd_ps(block[m], d, acc[h][m]);
         mins[h][m] = _mm256_fmadd_ps(block_mins[m], dmin, mins[h][m]);
@@ -235,6 +257,18 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
   }
   for (int m = 0; m < MT; ++m)
     out[m] = {{_mm256_sub_ps(acc[0][m], mins[0][m]), _mm256_sub_ps(acc[1][m], mins[1][m])}};
+}
+
+template <int MT>
+inline void dot_group(Q4_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      Lanes* out) {
+  dot_k_group<MT>(l, group, blocks, x, next, out);
+}
+
+template <int MT>
+inline void dot_group(Q5_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      Lanes* out) {
+  dot_k_group<MT>(l, group, blocks, x, next, out);
 }
 
 template <int MT>
@@ -322,7 +356,7 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
 }
 
 // Rows of x a kernel takes at once: as many as keep their sums in AVX2's 16 registers.
-template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 1 : std::is_same_v<L, Q4_KRows> ? 2 : 3;
+template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 1 : kLikeQ4_K<L> ? 2 : 3;
 
 }  // namespace interleaved
 }  // namespace lmport

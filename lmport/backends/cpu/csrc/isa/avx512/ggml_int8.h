@@ -1,4 +1,4 @@
-// ggml_linear's AVX-512 VNNI path: up to 8 rows of x over Q5_0, Q4_K and Q6_K blocks in int8 arithmetic
+// ggml_linear's AVX-512 VNNI path: up to 8 rows of x over Q5_0, Q4_K, Q5_K and Q6_K blocks in int8 arithmetic
 // (int8_rows.h), each type's run pairs of codes unpacked to unsigned bytes.
 #pragma once
 
@@ -14,8 +14,8 @@
 namespace lmport {
 namespace ggml_detail {
 
-// ---- Up to 8 rows of x (decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M
-// file: Q5_0 (its 576-wide rows), Q4_K and Q6_K. Each gives its run pairs' codes as unsigned bytes. ----
+// ---- Up to 8 rows of x (decode) in int8 arithmetic (int8_rows.h) for the types of a Q4_K_M or Q5_K_M
+// file: Q5_0 (its 576-wide rows), Q4_K, Q5_K and Q6_K. Each gives its run pairs' codes as unsigned bytes. ----
 
 // Two Q5_0 blocks' 32 + 32 codes q (0..31, w = d (q - 16)) in input order: both blocks' 16 bytes side by
 // side, their low nibbles (inputs 0..15) and high nibbles (16..31) interleaved 16 bytes at a time, the
@@ -67,6 +67,26 @@ struct Q4_KInt8 {
   }
 };
 
+// Q5_K's as Q4_K's, with bits 2 c (the low nibbles) and 2 c + 1 (the high) of qh bytes 0..31 on top: codes 0..31.
+struct Q5_KInt8 {
+  static constexpr int kOffset = 0, kSubs = 2;
+  static constexpr bool kInlineScales = false;
+  static __m128 scales(const uint8_t*, int64_t, int64_t, __m128) { return _mm_setzero_ps(); }
+  static __m512i lanes() { return Q4_KInt8::lanes(); }
+  static __m512i pair(const uint8_t* row, int64_t p, int64_t) {
+    const uint8_t* b = row + p / 4 * Q5_K::kBytes;
+    const int c = static_cast<int>(p % 4);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
+    // bits 2 c, 2 c + 1 of each byte to bits 0, 1 (the bits a 16-bit shift brings down land above them)
+    const __m256i qh = _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), 2 * c);
+    const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i low = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+    const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                         _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  }
+};
+
 // Q6_K's pair q of a block (half h = q / 2, t = q % 2): the low (t = 0) or high (t = 1) nibbles of ql
 // bytes 64 h .. 64 h + 63, with bits 4 t, 4 t + 1 (first run) and 4 t + 2, 4 t + 3 (second) of qh bytes
 // 32 h .. 32 h + 31 on top; codes 0..63 for w = d sc (q - 32), a scale every 16 inputs.
@@ -89,11 +109,12 @@ struct Q6_KInt8 {
   }
 };
 
-// y [M, N] for a few rows of x over T's blocks, T one of the three above's types.
+// y [M, N] for a few rows of x over T's blocks, T one of the four above's types.
 template <class T>
 inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y) {
   using Codes = std::conditional_t<std::is_same_v<T, Q5_0>, Q5_0Int8,
-                                   std::conditional_t<std::is_same_v<T, Q4_K>, Q4_KInt8, Q6_KInt8>>;
+                std::conditional_t<std::is_same_v<T, Q4_K>, Q4_KInt8,
+                std::conditional_t<std::is_same_v<T, Q5_K>, Q5_KInt8, Q6_KInt8>>>;
   using int8_rows::kRowBlock;
   std::vector<int8_rows::Activations> xs;
   for (int64_t m = 0; m < M; ++m) xs.push_back(int8_rows::quantize(x + m * K, K));
@@ -116,7 +137,7 @@ inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, 
       __m256 mins = _mm256_setzero_ps();
       for (int64_t i = 0; i < blocks; ++i) {
         const uint8_t* block = row + i * T::kBytes;
-        if constexpr (std::is_same_v<T, Q4_K>) {   // 8 sub-blocks of 32: a run each
+        if constexpr (std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K>) {   // 8 sub-blocks of 32: a run each
           float scale[8], min[8];
           T::scales(block, scale, min);
           _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(scale), _mm256_loadu_ps(steps + 8 * i)));
@@ -141,7 +162,8 @@ inline void linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, 
 
 // The types linear_int8 runs.
 template <class T>
-constexpr bool kInt8 = std::is_same_v<T, Q5_0> || std::is_same_v<T, Q4_K> || std::is_same_v<T, Q6_K>;
+constexpr bool kInt8 =
+    std::is_same_v<T, Q5_0> || std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K> || std::is_same_v<T, Q6_K>;
 
 }  // namespace ggml_detail
 }  // namespace lmport

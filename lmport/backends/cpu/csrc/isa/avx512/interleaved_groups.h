@@ -130,8 +130,8 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
   for (int m = 0; m < MT; ++m) out[m] = acc[m];
 }
 
-// A Q4_K block's 8 sub-blocks' 6-bit scales and mins (lanes: the group's rows) from its 12 scale bytes, as
-// llama.cpp's get_scale_min_k4.
+// A Q4_K (or Q5_K: the same first 16 bytes) block's 8 sub-blocks' 6-bit scales and mins (lanes: the group's rows)
+// from its 12 scale bytes, as llama.cpp's get_scale_min_k4.
 inline void q4_k_scales(const uint8_t* c, __m512 (&sc)[8], __m512 (&mn)[8]) {
   const __m512i low6 = _mm512_set1_epi32(63);
   const auto byte = [&](int q) {
@@ -147,11 +147,30 @@ inline void q4_k_scales(const uint8_t* c, __m512 (&sc)[8], __m512 (&mn)[8]) {
   }
 }
 
-template <int MT>
-inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                      Lanes* out) {
-  constexpr int64_t kBlock = kGroup * Q4_KRows::kBytes;
+// A Q4_K or Q5_K block's (``c``: the group's) unsigned codes of qs vector 8 q + j: inputs 64 q + 4 j .. 64 q + 4 j + 3
+// (``low``, sub-block 2 q) and 64 q + 32 + 4 j .. (``high``, sub-block 2 q + 1) of the 16 rows. Q4_K: the nibbles.
+inline void k_codes(Q4_KRows, const uint8_t* c, int q, int j, __m512i& low, __m512i& high) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(c + Q4_KRows::kNibbles + 64 * (8 * q + j));
+  low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+}
+
+// Q5_K: the nibbles with qh vector j's bits 2 q (low) and 2 q + 1 (high) on top, 0..31.
+inline void k_codes(Q5_KRows, const uint8_t* c, int q, int j, __m512i& low, __m512i& high) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i v = _mm512_loadu_si512(c + Q5_KRows::kNibbles + 64 * (8 * q + j));
+  // bits 2 q, 2 q + 1 of each byte to bits 0, 1 (the bits a 16-bit shift brings down land above them)
+  const __m512i qh = _mm512_srli_epi16(_mm512_loadu_si512(c + Q5_KRows::kHigh + 64 * j), 2 * q);
+  low = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), bit4));
+  high = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                         _mm512_and_si512(_mm512_slli_epi16(qh, 3), bit4));
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32 inputs, w = d sc q - dmin m, the codes by k_codes.
+template <int MT, class L>
+inline void dot_k_group(L, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                        Lanes* out) {
+  constexpr int64_t kBlock = kGroup * L::kBytes;
   __m512 acc[MT], mins[MT];
   for (int m = 0; m < MT; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
@@ -166,10 +185,11 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
       clear(hi, lo);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m512i v = _mm512_loadu_si512(c + Q4_KRows::kNibbles + 64 * (8 * q + j));
+        __m512i low, high;
+        k_codes(L{}, c, q, j, low, high);
         const int64_t k = 256 * i + 64 * q + 4 * j;
-        dot4<MT>(_mm512_and_si512(v, low4), x, k, hi[0], lo[0]);
-        dot4<MT>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x, k + 32, hi[1], lo[1]);
+        dot4<MT>(low, x, k, hi[0], lo[0]);
+        dot4<MT>(high, x, k + 32, hi[1], lo[1]);
       }
       for (int t = 0; t < 2; ++t) {
         const int s = 2 * q + t;
@@ -181,13 +201,25 @@ inline void dot_group(Q4_KRows, const uint8_t* group, int64_t blocks, const Bloc
         }
       }
     }
-    const __m512 d = halves(c), dmin = halves(c + Q4_KRows::kMin);
+    const __m512 d = halves(c), dmin = halves(c + L::kMin);
     for (int m = 0; m < MT; ++m) {
       acc[m] = _mm512_fmadd_ps(block[m], d, acc[m]);
       mins[m] = _mm512_fmadd_ps(block_mins[m], dmin, mins[m]);
     }
   }
   for (int m = 0; m < MT; ++m) out[m] = _mm512_sub_ps(acc[m], mins[m]);
+}
+
+template <int MT>
+inline void dot_group(Q4_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      Lanes* out) {
+  dot_k_group<MT>(l, group, blocks, x, next, out);
+}
+
+template <int MT>
+inline void dot_group(Q5_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      Lanes* out) {
+  dot_k_group<MT>(l, group, blocks, x, next, out);
 }
 
 // A Q6_K block's (``c``: the group's) unsigned 6-bit codes (q + 32) from bytes 4 j .. of each 32-byte run of ql
@@ -282,9 +314,9 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
   for (int m = 0; m < MT; ++m) out[m] = _mm512_add_ps(acc[m], acc_mins[m]);
 }
 
-// Rows of x a kernel takes at once: as many as keep their sums in registers (Q4_K keeps two sub-blocks'
+// Rows of x a kernel takes at once: as many as keep their sums in registers (Q4_K and Q5_K keep two sub-blocks'
 // sums a row, Q6_K four). Five: a speculative verification's step (four proposals and the last token).
-template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 2 : std::is_same_v<L, Q4_KRows> ? 4 : 5;
+template <class L> constexpr int kRowsAtOnce = std::is_same_v<L, Q6_KRows> ? 2 : kLikeQ4_K<L> ? 4 : 5;
 
 }  // namespace interleaved
 }  // namespace lmport
