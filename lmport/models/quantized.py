@@ -119,22 +119,19 @@ class GGMLEmbedding(_Embedding[GGMLWeight]):
 
 def hold_for_backend(model: nn.Module, backend: Backend, dtype: torch.dtype) -> None:
     """Each quantized linear's weight in the layout the backend's kernels read it in
-    (``Backend.hold_quantized``), and each experts block's (``Backend.hold_experts``), the pages under what was
-    relaid handed back. The embedding of a tied LM head holds the head's weight as held (its lookup takes rows
-    from any layout: lmport.weights.interleaved.file_rows); an embedding of its own stays as it is."""
+    (``Backend.hold_quantized``), each per-head projection's (``Backend.hold_heads``) and each experts block's
+    (``Backend.hold_experts``), the pages under what was relaid handed back. The embedding of a tied LM head holds
+    the head's weight as held (its lookup takes rows from any layout: lmport.weights.interleaved.file_rows); an
+    embedding of its own stays as it is."""
     embeddings = [m for m in model.modules() if isinstance(m, _Embedding)]
     for module in model.modules():
         if isinstance(module, QuantExperts):
             module.hold_for(dtype)
-        if isinstance(module, QuantHeadLinear):
-            old = module.quantized
-            held = backend.hold_heads(old, module.heads, dtype)
-            if held is not old:
-                rehold(module, held)
-        if not isinstance(module, _Linear):
+        if not isinstance(module, (_Linear, QuantHeadLinear)):
             continue
         old = module.quantized
-        held = backend.hold_quantized(old, dtype)
+        held = (backend.hold_heads(old, module.heads, dtype) if isinstance(module, QuantHeadLinear)
+                else backend.hold_quantized(old, dtype))
         if held is not old:
             rehold(module, held)
             for embedding in embeddings:

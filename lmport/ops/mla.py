@@ -101,11 +101,7 @@ def _decode(q, cache, meta, seqs, kv_lens, rank, scale, own) -> torch.Tensor:
             own.to(latents.dtype)
     kv_pos = torch.arange(latents.shape[1], device=q.device)
     mask = kv_pos[None, :] < torch.tensor(lens, device=q.device)[:, None]          # [B, S]
-    # One KV head shared by all the query heads; the values are the c's. Two batched products: one query token a
-    # head needs nothing more (SDPA's general path costs several times as much here).
-    scores = torch.einsum("bhw,bsw->bhs", q, latents).float() * scale
-    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
-    return torch.einsum("bhs,bsr->bhr", probs, latents[..., :rank])
+    return _attend(q, latents, mask, rank, scale)
 
 
 # Scores a prefill computes at once (float32 values): its new tokens go in runs that keep [rows, H, S] within it.
@@ -113,8 +109,8 @@ PREFILL_SCORES = 1 << 24
 
 
 def _prefill(q, cache, meta, seq, kv_len, rank, scale, own) -> torch.Tensor:
-    """A sequence's new tokens q [n, H, rank + rope] over its history and themselves -> [n, H, rank], as ``_decode``
-    computes a token (SDPA's masked path costs more here), a run of tokens at a time."""
+    """A sequence's new tokens q [n, H, rank + rope] over its history and themselves -> [n, H, rank], a run of
+    tokens at a time."""
     n, heads = q.shape[0], q.shape[1]
     latent = _latents(cache, meta, [seq], kv_len, q.dtype)[0, :kv_len]           # [S, rank + rope]
     if own is not None:   # the new tokens are the last n positions
@@ -125,7 +121,14 @@ def _prefill(q, cache, meta, seq, kv_len, rank, scale, own) -> torch.Tensor:
     for s in range(0, n, run):
         e = min(n, s + run)
         mask = kv_pos[None, :] <= kv_pos[kv_len - n + s:kv_len - n + e, None]      # [rows, S]
-        scores = torch.einsum("nhw,sw->nhs", q[s:e], latent).float() * scale
-        probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
-        out[s:e] = torch.einsum("nhs,sr->nhr", probs, latent[:, :rank])
+        out[s:e] = _attend(q[s:e], latent, mask, rank, scale)
     return out
+
+
+def _attend(q, latents, mask, rank, scale) -> torch.Tensor:
+    """q [N, H, rank + rope] over ``latents`` ([N, S, rank + rope], a row's own, or [S, rank + rope] shared by the
+    rows) where ``mask`` [N, S] allows -> [N, H, rank]. One KV head shared by all the query heads, whose values are
+    the c's: two batched products and a float32 softmax (SDPA's general and masked paths cost more here)."""
+    scores = torch.matmul(q, latents.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, latents[..., :rank])

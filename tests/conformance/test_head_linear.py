@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from ggml_cases import copied, random_blocks  # noqa: E402
 from harness import op_backend  # noqa: E402
 from lmport import ops  # noqa: E402
 
@@ -25,7 +26,6 @@ HEADS = 4
 
 def _weight(kind: str, rows: int, in_features: int):
     """(the weight as the loader hands it, the same dequantized to float32)."""
-    from ggml_cases import random_blocks
     from lmport.weights.format import from_codes
     if kind == "q8_0":
         g = torch.Generator().manual_seed(rows + in_features)
@@ -35,12 +35,6 @@ def _weight(kind: str, rows: int, in_features: int):
         return weight, ops.dequantize(weight)
     weight = random_blocks(kind, HEADS * rows, in_features, seed=rows)
     return weight, ops.dequantize_ggml(weight)
-
-
-def _on(weight, device):
-    from lmport.weights import tensors
-    import dataclasses
-    return dataclasses.replace(weight, **{name: t.to(device) for name, t in tensors(weight).items()})
 
 
 SHAPES = {"k_b": (64, 32), "v_b": (32, 256), "8-row heads": (8, 256)}
@@ -61,7 +55,7 @@ def test_head_linear_matches_the_reference(backend_name, kind, shape, tokens, re
     if mode == "interpreter" and tokens != 1:
         pytest.skip("the Triton interpreter is slow: one shape keeps the run short")
     weight, dense = _weight(kind, rows, in_features)
-    held = backend.hold_heads(_on(weight, backend.device), HEADS, torch.float32)
+    held = backend.hold_heads(copied(weight, backend.device), HEADS, torch.float32)
     x = torch.randn(tokens, HEADS, in_features, generator=torch.Generator().manual_seed(tokens))
     got = backend.head_linear(x.to(backend.device), held).cpu()
     want = ops.head_linear(x, dense)

@@ -194,7 +194,7 @@ torch::Tensor ggml_linear(torch::Tensor x, torch::Tensor blocks, const std::stri
 }
 
 // x [heads, T, in_features] through each head's own rows of ``blocks`` ([heads x rows, ...], each head's rows whole
-// groups of ``row_group``): [heads, T, rows], by ggml_linear a head at a time (MLA's absorbed projections).
+// groups of ``row_group``): [heads, T, rows] (MLA's absorbed projections).
 torch::Tensor ggml_head_linear(torch::Tensor x, torch::Tensor blocks, const std::string& type, int64_t in_features,
                                int64_t row_group) {
   const int64_t K = checked_inputs(blocks, type, in_features);
@@ -208,10 +208,8 @@ torch::Tensor ggml_head_linear(torch::Tensor x, torch::Tensor blocks, const std:
   x = x.contiguous();
   auto y = torch::empty({heads, T, rows}, x.options());
   if (T == 0) return y;
-  const int64_t row_bytes = blocks.size(1);
-  for (int64_t h = 0; h < heads; ++h)
-    kernels::ggml_linear(x.data_ptr<float>() + h * T * K, T, K, blocks.data_ptr<uint8_t>() + h * rows * row_bytes,
-                         rows, type, row_group, nullptr, y.data_ptr<float>() + h * T * rows);
+  kernels::ggml_head_linear(x.data_ptr<float>(), heads, T, K, blocks.data_ptr<uint8_t>(), rows, type, row_group,
+                            y.data_ptr<float>());
   return y;
 }
 

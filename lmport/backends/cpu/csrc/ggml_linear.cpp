@@ -43,6 +43,15 @@ void ggml_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   });
 }
 
+void ggml_head_linear(const float* x, int64_t heads, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                      const std::string& type, int64_t row_group, float* y) {
+  int64_t elements = 0, bytes = 0;
+  ggml_block_shape(type, elements, bytes);
+  const int64_t row_bytes = K / elements * bytes;
+  for (int64_t h = 0; h < heads; ++h)
+    ggml_linear(x + h * M * K, M, K, w + h * N * row_bytes, N, type, row_group, nullptr, y + h * M * N);
+}
+
 void ggml_dequantize(const uint8_t* w, int64_t N, int64_t K, const std::string& type, int64_t row_group,
                      const int64_t* index, int64_t count, float* op) {
   with_type(type, [&](auto t) {

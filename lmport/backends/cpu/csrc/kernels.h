@@ -42,6 +42,10 @@ bool ggml_block_shape(const std::string& type, int64_t& elements, int64_t& bytes
 // ``row_group`` (1, or interleaved_group() for ggml_row_group_types()). M > 0.
 void ggml_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const std::string& type,
                  int64_t row_group, const float* bias, float* y);
+// y [heads, M, N] = each head's x [heads, M, K] through its own N rows of W ([heads x N] rows, each head's whole
+// groups of ``row_group``): ggml_linear a head at a time (MLA's absorbed projections). M > 0.
+void ggml_head_linear(const float* x, int64_t heads, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                      const std::string& type, int64_t row_group, float* y);
 void ggml_dequantize(const uint8_t* w, int64_t N, int64_t K, const std::string& type, int64_t row_group,
                      const int64_t* index, int64_t count, float* out);
 std::vector<std::string> ggml_types();   // the types ggml_linear runs

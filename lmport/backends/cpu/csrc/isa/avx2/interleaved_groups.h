@@ -201,9 +201,9 @@ inline void k_codes(Q5_KRows, const uint8_t* c, int h, int q, int j, __m256i& lo
 }
 
 // Q4_K and Q5_K (the same scales and mins): 8 sub-blocks of 32 inputs, w = d sc q - dmin m, the codes by k_codes.
-template <int MT, class L>
-inline void dot_k_group(L, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                        Lanes* out) {
+template <int MT, class L, std::enable_if_t<kLikeQ4_K<L>, int> = 0>
+inline void dot_group(L, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      Lanes* out) {
   constexpr int64_t kBlock = kGroup * L::kBytes;
   const __m256i low6 = _mm256_set1_epi32(63);
   __m256 acc[2][MT], mins[2][MT];
@@ -257,18 +257,6 @@ inline void dot_k_group(L, const uint8_t* group, int64_t blocks, const BlockCode
   }
   for (int m = 0; m < MT; ++m)
     out[m] = {{_mm256_sub_ps(acc[0][m], mins[0][m]), _mm256_sub_ps(acc[1][m], mins[1][m])}};
-}
-
-template <int MT>
-inline void dot_group(Q4_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                      Lanes* out) {
-  dot_k_group<MT>(l, group, blocks, x, next, out);
-}
-
-template <int MT>
-inline void dot_group(Q5_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                      Lanes* out) {
-  dot_k_group<MT>(l, group, blocks, x, next, out);
 }
 
 template <int MT>

@@ -167,9 +167,9 @@ inline void k_codes(Q5_KRows, const uint8_t* c, int q, int j, __m512i& low, __m5
 }
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 inputs, w = d sc q - dmin m, the codes by k_codes.
-template <int MT, class L>
-inline void dot_k_group(L, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                        Lanes* out) {
+template <int MT, class L, std::enable_if_t<kLikeQ4_K<L>, int> = 0>
+inline void dot_group(L, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
+                      Lanes* out) {
   constexpr int64_t kBlock = kGroup * L::kBytes;
   __m512 acc[MT], mins[MT];
   for (int m = 0; m < MT; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
@@ -208,18 +208,6 @@ inline void dot_k_group(L, const uint8_t* group, int64_t blocks, const BlockCode
     }
   }
   for (int m = 0; m < MT; ++m) out[m] = _mm512_sub_ps(acc[m], mins[m]);
-}
-
-template <int MT>
-inline void dot_group(Q4_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                      Lanes* out) {
-  dot_k_group<MT>(l, group, blocks, x, next, out);
-}
-
-template <int MT>
-inline void dot_group(Q5_KRows l, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
-                      Lanes* out) {
-  dot_k_group<MT>(l, group, blocks, x, next, out);
 }
 
 // A Q6_K block's (``c``: the group's) unsigned 6-bit codes (q + 32) from bytes 4 j .. of each 32-byte run of ql
