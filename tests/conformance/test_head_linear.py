@@ -90,3 +90,18 @@ def test_cpu_holds_whole_groups_a_head_and_runs_them_in_one_call():
     finally:
         compiled.ggml_head_linear = original
     assert calls == [1]
+
+
+def test_cpu_kernel_names_a_weight_that_does_not_split_into_the_heads():
+    """The compiled per-head call refuses, by what is wrong, rows that are not the heads' equal shares and x of
+    another width."""
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    if compiled is None:
+        pytest.skip("no compiled kernels on this machine")
+    weight = random_blocks("q5_0", 4 * 8 + 1, 32, seed=1)
+    with pytest.raises(RuntimeError, match="must be 4 heads' contiguous rows"):
+        compiled.ggml_head_linear(torch.randn(HEADS, 2, 32), weight.blocks, "q5_0", 32)
+    weight = random_blocks("q5_0", 4 * 8, 32, seed=1)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[heads, tokens, 32\]"):
+        compiled.ggml_head_linear(torch.randn(HEADS, 2, 64), weight.blocks, "q5_0", 32)
