@@ -25,7 +25,7 @@ shared machine timings drift, so only one run's ratios mean much.
 
 llama.cpp is not vendored: pass its bin directory (--llama-bin or LMPORT_LLAMA_CPP_BIN).
 
-Run: python benchmarks/load.py [--repeats 5] [--skip-1b] [--only NAME ...] [--files A.gguf ...]
+Run: python benchmarks/load.py [--repeats 5] [--skip-1b] [--only NAME ...] [--files A.gguf ...] [--files-only]
      [--out benchmarks/results/load.json]
 """
 from __future__ import annotations
@@ -228,6 +228,8 @@ def main() -> None:
     ap.add_argument("--files", nargs="*", default=[])
     ap.add_argument("--skip-1b", action="store_true", help="leave out the ~1.1B random Llama")
     ap.add_argument("--only", nargs="*", default=None, help="file names (as printed) to run, of those made")
+    ap.add_argument("--files-only", action="store_true",
+                    help="only the --files given: make none of the default model's (no llama-quantize needed)")
     ap.add_argument("--out", default="benchmarks/results/load.json")
     args = ap.parse_args()
     bin_dir = Path(args.llama_bin)
@@ -236,8 +238,10 @@ def main() -> None:
     from lmport.weights import gguf
     shipped = resolve_model_path("smollm2")
     cache = cache_root() / "benchmark-models"
-    files = [shipped, *(requantize(bin_dir, shipped, k, cache) for k in ("Q4_K_M", "Q6_K")),
-             *([] if args.skip_1b else [random_llama_1b(bin_dir, shipped, cache)]), *map(Path, args.files)]
+    made = [] if args.files_only else [
+        shipped, *(requantize(bin_dir, shipped, k, cache) for k in ("Q4_K_M", "Q6_K")),
+        *([] if args.skip_1b else [random_llama_1b(bin_dir, shipped, cache)])]
+    files = [*made, *map(Path, args.files)]
     if args.only is not None:
         files = [f for f in files if f.name in args.only]
     results = {"machine": machine(bin_dir, args.threads), "kernel_build": measured([sys.executable, "-c", BUILD_CHILD]),

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -108,10 +109,12 @@ async def run_served(name: str, url: str, model: str, requests, timeout: float) 
                    len(requests), [e for _, _, _, e in results if e])
 
 
-def start_llama_server(binary: str, gguf: str, threads: int, slots: int, log: Path) -> subprocess.Popen:
-    """llama-server on a port it picks (its address: serve_load.served_url with LLAMA_SERVING)."""
+def start_llama_server(binary: str, gguf: str, threads: int, slots: int, log: Path,
+                       extra: Sequence[str] = ()) -> subprocess.Popen:
+    """llama-server on a port it picks (its address: serve_load.served_url with LLAMA_SERVING), ``extra`` flags
+    after the others."""
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "0", "-t", str(threads), "-np", str(slots),
-           "-cb", "-c", str(slots * 2048)]
+           "-cb", "-c", str(slots * 2048), *extra]
     print("starting:", " ".join(cmd), file=sys.stderr)
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 

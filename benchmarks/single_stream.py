@@ -55,6 +55,7 @@ DEFAULT_LENGTHS = {"prompt": PROMPT_TOKENS, "decode": DECODE_TOKENS, "depths": l
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON"
 # lmport's kernel paths: the environment each worker runs under
 LMPORT_PATHS = {"lmport": {"LMPORT_CPU_ISA": "native"}, "lmport avx2": {"LMPORT_CPU_ISA": "avx2"},
+                "lmport exact prefill": {"LMPORT_CPU_ISA": "native", "LMPORT_CPU_PREFILL": "exact"},
                 "lmport bf16 prefill": {"LMPORT_CPU_ISA": "native", "LMPORT_CPU_PREFILL": "bf16"}}
 AVX2_PEER = "llama.cpp avx2"   # llama.cpp without AVX-512 (--llama-avx2-bin): the peer of lmport's AVX2 path
 

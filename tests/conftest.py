@@ -1,4 +1,4 @@
-"""The test session's setup: the Triton interpreter switch, the background subprocesses started once
+"""The test session's setup: the Triton interpreter switch, exact cpu prefills, the background subprocesses started once
 collection is done (tests/support/background_runs.py), tokenizers read once a worker
 (tests/support/tokenizer_memo.py), and the shared fixtures (tests/support/fixtures.py; the vision families' ``hf``
 and ``llm`` from tests/support/vision_helpers.py).
@@ -22,6 +22,12 @@ from support.vision_helpers import hf, llm  # noqa: F401  (over the requesting m
 # switch when the kernels are first imported, so the test session sets it here, before any test runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The cpu kernels' prefills compute exactly (x to 16 bits, the weights' codes exact) whatever the CPU: the tests
+# compare them, and greedy tokens over them, with references at float32 precision. The default, bfloat16 on AMX
+# tiles where the CPU has them, is tested where a test asks for it (tests/conformance/test_quant_linear.py's
+# cpu_prefill).
+os.environ.setdefault("LMPORT_CPU_PREFILL", "exact")
 
 # pytest-xdist workers share the machine's cores: each worker's torch threads (and the servers and background runs
 # it starts, through OMP_NUM_THREADS) take its share, since torch's default of one thread a core in every worker

@@ -75,23 +75,21 @@ def bf16_rows() -> int:
 
 @contextlib.contextmanager
 def cpu_prefill(precision: str, tiles: bool = False):
-    """The cpu backend's prefills at ``precision`` inside the block, as LMPORT_CPU_PREFILL sets them: under 'bf16'
-    the kernels' prefills over interleaved rows on AMX tiles and the prefill GEMMs over float32 weights (expanded
-    ones too) in bfloat16. 'bf16' skips where the CPU has no bfloat16 products, or, with ``tiles``, where the CPU
-    or build has no AMX tiles."""
+    """The cpu backend's prefills at ``precision`` inside the block, as LMPORT_CPU_PREFILL sets them: under 'auto'
+    the kernels' prefills over interleaved rows on AMX tiles in bfloat16, under 'bf16' the prefill GEMMs over
+    float32 weights (expanded ones too) as well. 'bf16' skips where the CPU has no bfloat16 products, or, with
+    ``tiles``, where the CPU or build has no AMX tiles."""
     from lmport.backends.cpu import kernels
-    module, bf16 = kernels.load(), precision == "bf16"
+    module = kernels.load()
     try:
-        on_tiles, on_gemm = module.set_bf16_prefill(bf16), kernels.set_bf16_gemm(bf16)
-        if bf16 and not on_tiles and tiles:
+        on_tiles, on_gemm = module.set_bf16_prefill(precision != "exact"), kernels.set_bf16_gemm(precision == "bf16")
+        if precision == "bf16" and not on_tiles and tiles:
             pytest.skip("no AMX tiles on this CPU (or build)")
-        if bf16 and not on_gemm:
+        if precision == "bf16" and not on_gemm:
             pytest.skip("no bfloat16 products on this CPU (AMX or AVX512_BF16)")
         yield
     finally:
-        default = kernels.prefill_precision() == "bf16"
-        module.set_bf16_prefill(default)
-        kernels.set_bf16_gemm(default)
+        kernels.configured(module, kernels.prefill_precision())
 
 
 def bf16_prefill():
@@ -332,19 +330,32 @@ def test_cpu_held_rows_are_each_rows_own_result_for_every_step(bits):
     assert_each_rows_own_result(call, x)
 
 
-def test_cpu_prefill_is_exact_unless_bf16_is_asked_for(monkeypatch):
-    """By default no step takes bfloat16 products; asked for, only more rows than the backend's decode step (a
-    prefill); a precision the kernels do not know is refused by name."""
+def test_cpu_prefill_takes_amx_tiles_by_default_and_bf16_gemms_when_asked(monkeypatch):
+    """By default a prefill (more rows than the backend's decode step) over interleaved rows takes the AMX tiles
+    where the CPU has them, and the GEMMs over float32 weights stay float32; 'exact' takes no bfloat16 products,
+    'bf16' the GEMMs' too; a precision the kernels do not know is refused by name."""
     from lmport.backends.cpu import SMALL_BATCH_TOKENS, kernels
     monkeypatch.setenv("LMPORT_CPU_PREFILL", "fast")
     with pytest.raises(ValueError, match="LMPORT_CPU_PREFILL='fast'"):
         kernels.prefill_precision()
     monkeypatch.delenv("LMPORT_CPU_PREFILL")
-    assert kernels.prefill_precision() == "exact"
-    with bf16_prefill():
-        assert bf16_rows() == SMALL_BATCH_TOKENS + 1
-        assert kernels.bf16_gemm()
-    assert bf16_rows() == 0 and not kernels.bf16_gemm()   # back to the default
+    assert kernels.prefill_precision() == "auto"
+    module = kernels.load()
+    try:
+        kernels.configured(module, "auto")
+        default_rows = bf16_rows()
+        can_take_tiles = module.set_bf16_prefill(True)
+        assert default_rows == (SMALL_BATCH_TOKENS + 1 if can_take_tiles else 0) and not kernels.bf16_gemm()
+        with cpu_prefill("exact"):
+            assert bf16_rows() == 0 and not kernels.bf16_gemm()
+        assert bf16_rows() == default_rows and not kernels.bf16_gemm()   # back to the default
+        with bf16_prefill():
+            assert bf16_rows() == SMALL_BATCH_TOKENS + 1
+            assert kernels.bf16_gemm()
+        assert bf16_rows() == default_rows and not kernels.bf16_gemm()
+    finally:
+        monkeypatch.undo()
+        kernels.configured(module, kernels.prefill_precision())
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -9,8 +9,8 @@ If it cannot run (no compiler, no ninja) or ``LMPORT_CPU_KERNELS=0`` is set,
 The kernels have an AVX-512 path (BW, VL and VNNI) and an AVX2 one; the build targets the CPU it
 runs on. ``LMPORT_CPU_ISA=avx2`` builds the AVX2 path on an AVX-512 machine (``-mno-avx512f``, which
 turns off every AVX-512 subset), to measure and test what a CPU without AVX-512 runs.
-``LMPORT_CPU_PREFILL=bf16`` runs a prefill's linears in bfloat16 where the CPU has bfloat16 products
-(``prefill_precision``).
+``LMPORT_CPU_PREFILL`` says how precisely a prefill's linears compute (``prefill_precision``): by default a
+prefill over quantized weights held interleaved takes AMX tiles in bfloat16 where the CPU has them.
 """
 from __future__ import annotations
 
@@ -164,16 +164,25 @@ def _load_built(directory: Path):
     return module
 
 
+PREFILL_PRECISIONS = ("auto", "exact", "bf16")
+
+
 def prefill_precision() -> str:
-    """LMPORT_CPU_PREFILL: 'exact' (the default: a prefill's linears hold x to 16 bits and the weights exactly, as
-    a decode step's do, or run a float32 GEMM) or 'bf16' (a prefill's linears with x and the weights rounded to
-    bfloat16, the products summed in float32: several times the rate, each product within 2^-8 of itself). Under
-    'bf16' the build's kernels over rows held interleaved take AMX tiles, where the CPU and build have them; the
-    GEMMs over float32 weights (a float model's, or a quantized one expanded for a prefill) take oneDNN's bfloat16
-    math where the CPU has bfloat16 products (``bf16_products``). Elsewhere they stay exact."""
-    value = os.environ.get("LMPORT_CPU_PREFILL", "exact")
-    if value not in ("exact", "bf16"):
-        raise ValueError(f"LMPORT_CPU_PREFILL={value!r}: use 'exact' (the default) or 'bf16' (AMX tiles, AVX512_BF16)")
+    """LMPORT_CPU_PREFILL, how a prefill's linears compute (a step of more than 128 rows of x):
+
+    - 'auto' (the default): over quantized weights held with their rows interleaved (``hold_quantized``: GGUF's
+      Q4_K, Q5_K, Q6_K and Q5_0, int4 and int8 weights) on AMX tiles in bfloat16 where the CPU and build have
+      them, else as 'exact'; GEMMs over float32 weights in float32. The quantized model's activations are rounded to
+      bfloat16 (8 significant bits), finer than the 8-bit codes llama.cpp gives them, at several times the rate.
+    - 'exact': x held to 16 bits and the weights exactly, as a decode step's are, or a float32 GEMM.
+    - 'bf16': as 'auto', and the GEMMs over float32 weights (a float model's, or a quantized one expanded for a
+      prefill) in oneDNN's bfloat16 math where the CPU has bfloat16 products (``bf16_products``).
+
+    A step of at most 128 rows of x (a decode step's) always runs the exact kernels."""
+    value = os.environ.get("LMPORT_CPU_PREFILL", "auto")
+    if value not in PREFILL_PRECISIONS:
+        raise ValueError(f"LMPORT_CPU_PREFILL={value!r}: use 'auto' (the default: quantized weights on AMX tiles "
+                         f"in bfloat16 where the CPU has them), 'exact' or 'bf16' (every prefill GEMM in bfloat16)")
     return value
 
 
@@ -213,7 +222,10 @@ def bf16_gemm() -> bool:
 def configured(module, precision: str):
     """``module`` running prefills at ``precision`` (prefill_precision's); the prefill GEMMs set to match."""
     bf16 = precision == "bf16"
-    tiles, gemm = module.set_bf16_prefill(bf16), set_bf16_gemm(bf16)
+    tiles, gemm = module.set_bf16_prefill(precision != "exact"), set_bf16_gemm(bf16)
+    if precision == "auto":
+        log.info("cpu prefill over quantized weights held interleaved: %s",
+                 "AMX tiles in bfloat16" if tiles else "exact (no AMX tiles on this CPU or build)")
     if bf16 and not (tiles or gemm):
         log.warning("LMPORT_CPU_PREFILL=bf16: this CPU has no bfloat16 products (AMX or AVX512_BF16; or "
                     "LMPORT_CPU_ISA=avx2 is set); prefills stay exact")
