@@ -6,11 +6,12 @@ chunks within 2e-4 (absolute; 1e-4 relative) of transformers' forward, as for th
 The newer families (SmolLM3, GLM-4.5, gpt-oss, Llama 4 text; tests/support/tiny_float_models.py) against
 transformers' generate: the five prompts batched, 24 new tokens each, prefilled in chunks of 40 tokens (across
 block boundaries), with block sizes 16 and 64; after preemptions; and with prefix caching, a repeated prompt
-giving the same tokens from cached blocks. A GGUF of an architecture lmport does not run is refused by its name
-(SmolLM3 and GLM-4.5 files: tests/test_gguf_new_families.py; gpt-oss, Llama 4: tests/test_gguf_gpt_oss.py,
-tests/test_gguf_llama4.py).
+giving the same tokens from cached blocks. A GGUF of an architecture lmport does not run (Qwen3-VL-MoE, GLM-4) is
+refused by its name; the newer families' GGUF files load and are tested in tests/test_gguf_new_families.py
+(SmolLM3, GLM-4.5), tests/test_gguf_gpt_oss.py, tests/test_gguf_llama4.py and, under these conditions,
+tests/test_gguf_family_conditions.py.
 
-The tiny models (tests/models.py) have a 32-token window on their sliding layers, so the 200-token
+The tiny models (tests/support/model_helpers.py) have a 32-token window on their sliding layers, so the 200-token
 prompts cross it; Gemma 2's are soft-capped (attention and final logits). The other backends run the
 same models in tests/conformance/test_engine_backends.py.
 """

@@ -1,5 +1,7 @@
-"""Tiny random-weight models of the newer families (SmolLM3, GLM-4.5, gpt-oss, Llama 4 text), which lmport runs
-from transformers directories only (a GGUF of them is refused by its architecture name).
+"""Tiny random-weight models of the newer families (SmolLM3, GLM-4.5, gpt-oss, Llama 4 text), saved as transformers
+directories. lmport loads these families from GGUF files too: the GGUF tests convert models of these configs with
+llama.cpp's converter (tests/test_gguf_new_families.py: SmolLM3, GLM-4.5; tests/support/llama_cpp_families.py:
+gpt-oss, Llama 4).
 
 Built as tests/support/tiny_hf_models.py builds the older families' (seeded ``from_config``, float32, saved with
 the default model's tokenizer), with the shapes of tests/support/model_helpers.py (hidden 64) and four layers, so
