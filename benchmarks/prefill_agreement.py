@@ -19,6 +19,7 @@ and writes JSON. Files as users have them: e.g. the default model requantized by
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lmport.bench import machine  # noqa: E402
-from lmport.bench.client import LLAMA_SERVING, served_url  # noqa: E402
+from lmport.bench.client import LLAMA_SERVING, served_url, wait_ready  # noqa: E402
 from serve_throughput import start_llama_server, stop  # noqa: E402
 
 LENGTHS, SEED = (5, 12, 40, 100), 17
@@ -82,10 +83,10 @@ def llama_greedy(binary: str, path: Path, ids: list[list[int]], new: int, cache_
     proc = start_llama_server(binary, str(path), threads=2, slots=1, log=log,
                               extra=["--cache-type-k", cache_type, "--cache-type-v", cache_type])
     try:
-        url = served_url(proc, log, time.monotonic() + 300, LLAMA_SERVING)
+        deadline = time.monotonic() + 300
+        url = served_url(proc, log, deadline, LLAMA_SERVING)
+        asyncio.run(wait_ready(url, proc, deadline))
         with httpx.Client(timeout=600) as http:
-            while http.get(url + "/health").status_code != 200:
-                time.sleep(0.2)
             body = {"n_predict": new, "top_k": 1, "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False,
                     "return_tokens": True}
             return [http.post(url + "/completion", json={**body, "prompt": p}).raise_for_status().json()["tokens"]

@@ -22,7 +22,6 @@ batch), prefilled 40 tokens a step (chunks end inside blocks of 16 and of 64), w
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 
@@ -44,12 +43,13 @@ def _ids(files):
     return [f"{arch}-{kind}" for arch, kind in files]
 
 
-def gguf_path(arch: str, kind: str) -> Path:
+def family_files(arch: str):
+    """The module that makes ``arch``'s files and its reference model (``gguf_file``, ``reference_model``)."""
     import test_gguf_new_families as new_families
     if arch in new_families.FAMILIES:
-        return new_families._file(arch, kind)
-    from support.llama_cpp_families import gguf_file
-    return gguf_file(arch, kind)
+        return new_families
+    from support import llama_cpp_families
+    return llama_cpp_families
 
 
 def prompts() -> list[list[int]]:
@@ -59,13 +59,8 @@ def prompts() -> list[list[int]]:
 @functools.cache
 def reference(arch: str, kind: str) -> tuple[list[int], ...]:
     """transformers' greedy tokens of the prompts on the file's dequantized tensors."""
-    import test_gguf_new_families as new_families
-    path = gguf_path(arch, kind)
-    if arch in new_families.FAMILIES:
-        model = new_families.reference_model(arch, path)
-    else:
-        from support.llama_cpp_families import reference_model
-        model = reference_model(arch, path)
+    files = family_files(arch)
+    model = files.reference_model(arch, files.gguf_file(arch, kind))
     return tuple(greedy.hf_greedy(model, prompts(), NEW_TOKENS))
 
 
@@ -81,7 +76,7 @@ def run(arch: str, kind: str, prompt_batches: list[list[list[int]]], **config):
     from lmport import EngineConfig, GenerationConfig
     config = dict(device_type="cpu", dtype="float32", max_prefill_token_num=CHUNK) | config
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    with lmport.pipeline(str(gguf_path(arch, kind)), backend_config=EngineConfig(**config)) as pipe:
+    with lmport.pipeline(str(family_files(arch).gguf_file(arch, kind)), backend_config=EngineConfig(**config)) as pipe:
         tokens = [[r.token_ids for r in pipe.generate(batch, gen)] for batch in prompt_batches]
         usage = pipe.engine.usage()
         cache = pipe.engine.block_manager.cache

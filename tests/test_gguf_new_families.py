@@ -139,7 +139,7 @@ def converted(arch: str, outtype: str) -> Path:
     return out
 
 
-def _file(arch: str, preset: str) -> Path:
+def gguf_file(arch: str, preset: str) -> Path:
     return converted(arch, "q8_0") if preset == "Q8_0" else quantized(converted(arch, "f16"), preset)
 
 
@@ -208,7 +208,7 @@ def _qwen3_next_linear(cfg, name: str, deq: dict, names) -> torch.Tensor:
 def test_tiny_models_converted_by_llama_cpp(arch, preset):
     import lmport
     from lmport import EngineConfig
-    path = _file(arch, preset)
+    path = gguf_file(arch, preset)
     ids = greedy.prompts(PROMPTS)
     want = greedy.hf_greedy(reference_model(arch, path), ids, NEW_TOKENS)
     cfg = EngineConfig(device_type="cpu", dtype="float32", cache_max_entry_count=256)
