@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from lmport.errors import ConfigError
 from lmport.units import ceil_div
+from lmport.weights import fp8
 from lmport.weights.format import check_quantized_tp
 
 
@@ -73,8 +74,14 @@ def check_tp(model_cfg, tp: int) -> None:
         raise ConfigError(f"tp={tp} cannot split this model: {problem}; "
                           f"this model supports tp in {tp_choices(model_cfg)}")
     # An AWQ / GPTQ config says so itself; a GGUF's quantization is in its tensors (weights.checkpoint).
-    check_quantized_tp(tp, "this checkpoint", bool(getattr(model_cfg, "quantization_config", None)),
-                       can_dequantize=False)
+    quantization = getattr(model_cfg, "quantization_config", None)
+    if tp > 1 and model_cfg.model_type in EXPERT_WIDTH_FIELDS and \
+            (checkpoint := fp8.from_quantization_config(quantization, "this checkpoint's quantization_config")):
+        # An fp8 mixture of experts: its experts split in their scale blocks, its other weights load in the compute
+        # dtype and split as float ones do (lmport.weights.fp8.load_tensors).
+        fp8.check_expert_split(checkpoint, model_cfg, tp)
+        return
+    check_quantized_tp(tp, "this checkpoint", bool(quantization), can_dequantize=False)
 
 
 def kv_heads_per_rank(model_cfg, tp: int) -> int:

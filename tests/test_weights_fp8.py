@@ -256,15 +256,14 @@ def test_a_scale_of_the_wrong_shape_is_named(tmp_path):
 
 
 def test_mixture_of_experts_loads_dequantized_and_its_tokens_equal_transformers(tmp_path):
-    """Qwen3-MoE with 128 x 128 block-scaled experts (stored one by one, as Qwen3-30B-A3B-FP8): kept fp8 it is
-    refused on every backend (the experts run dequantized only), and with weight_format='dequantize' the experts are
-    stacked as lmport holds them and the greedy tokens are transformers' on the same checkpoint."""
+    """Qwen3-MoE with 128 x 128 block-scaled experts (stored one by one, as Qwen3-30B-A3B-FP8): cuda keeps them fp8
+    (tests/test_fp8_experts.py), and with weight_format='dequantize' the experts are stacked as lmport holds them and
+    the greedy tokens are transformers' on the same checkpoint."""
     from lmport.backends.cuda import CudaBackend
     from lmport.weights.checkpoint import check_backend
     directory, written = build(tmp_path, "qwen3-moe", "fp8-block", moe_intermediate_size=128)
     assert "model.layers.1.mlp.experts.7.down_proj.weight_scale_inv" in written
-    with pytest.raises(ConfigError, match="8 routed experts.*weight_format='dequantize'"):
-        check_backend(directory, CudaBackend.capabilities)
+    assert check_backend(directory, CudaBackend.capabilities)   # kept fp8
     hf = transformers_reference(directory, "fp8-block", written, torch.float32)
     ids = prompts(3, seed=5, lengths=(5, 17, 40))
     with lmport.pipeline(str(directory), backend_config=EngineConfig(

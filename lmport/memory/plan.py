@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from lmport.platform import registry
 from lmport.platform.backend import Backend
 from lmport.config import EngineConfig
@@ -18,15 +20,16 @@ from lmport.kv.layout import KVLayout
 from lmport.memory.budget import (CacheDoesNotFit, MemoryInputs, activation_reserve, draft_bytes_per_block,
                                   encoder_cache_reserve, encoder_reserve, kv_layout, model_limit, plan_cache,
                                   vision_weight_bytes)
-from lmport.models.architectures import attention_variants, recurrent_state
+from lmport.models.architectures import attention_variants, model_class, recurrent_state
 from lmport.models.dims import head_dim_of
 from lmport.models.loader import read_model_config, resolve_model_path
 from lmport.models.lora import lora_bytes
+from lmport.models.moe import Experts
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
 from lmport.parallel import TPGroup
 from lmport.platform.resolution import check_model, resolve_config
-from lmport.weights import gguf
+from lmport.weights import fp8, gguf
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
 
 def build_plan(model: str, config: EngineConfig, device_memory: int | None = None, dp: int = 1) -> dict:
@@ -54,7 +57,9 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
     bytes_by_format = {resolved.dtype: weight_bytes}
     path = resolve_model_path(model)
     check_tensor_parallel(path, resolved.tp, resolved.weight_format)
-    quantized_gguf = check_backend(path, caps, resolved.weight_format) and path.suffix == ".gguf"
+    keeps_quantized = check_backend(path, caps, resolved.weight_format)
+    quantized_gguf = keeps_quantized and path.suffix == ".gguf"
+    fp8_checkpoint = fp8.read_checkpoint(path) if keeps_quantized and path.is_dir() else None
     if quantized_gguf and resolved.tp == 1:
         # Kept quantized: the bytes of its format, from the GGUF header.
         bytes_by_format = gguf.planned_bytes(path, dtype)
@@ -64,6 +69,13 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         # A mixture-of-experts GGUF under tp: each rank a slice of the quantized experts, the rest in the compute
         # dtype (lmport.models.moe.shard_quantized_experts).
         expert_params, expert_bytes = gguf.split_experts_per_rank(path, resolved.tp)
+        rank_bytes = [b - expert_params * dtype.itemsize + sum(expert_bytes.values()) for b in rank_bytes]
+        weight_bytes = max(rank_bytes)
+        bytes_by_format = {resolved.dtype: weight_bytes - sum(expert_bytes.values())} | expert_bytes
+    elif fp8_checkpoint is not None and (fp8_experts := fp8_expert_bytes(model_cfg, fp8_checkpoint, resolved.tp)):
+        # An fp8 mixture of experts: each rank's slice of the routed experts in fp8 with their scales, the rest in
+        # the compute dtype, as lmport.weights.fp8.load_tensors loads it.
+        expert_params, expert_bytes = fp8_experts
         rank_bytes = [b - expert_params * dtype.itemsize + sum(expert_bytes.values()) for b in rank_bytes]
         weight_bytes = max(rank_bytes)
         bytes_by_format = {resolved.dtype: weight_bytes - sum(expert_bytes.values())} | expert_bytes
@@ -146,6 +158,25 @@ def build_plan(model: str, config: EngineConfig, device_memory: int | None = Non
         "max_concurrent_sequences": min(plan.max_sequences, resolved.max_batch_size),
     }
     return report
+
+
+def fp8_expert_bytes(model_cfg, checkpoint: fp8.Fp8Checkpoint, tp: int) -> tuple[int, dict[str, int]] | None:
+    """(parameters, bytes by format: "fp8 e4m3" codes, "fp8 scales" at 4 B) of the routed experts one of ``tp`` ranks
+    holds from an fp8 checkpoint (lmport.models.moe.Experts' shapes on the meta device; every rank's slice is
+    equal); None for a model without them. ConfigError where ``tp`` cuts the experts' scale blocks."""
+    fp8.check_expert_split(checkpoint, model_cfg, tp)
+    with torch.device("meta"):
+        model = model_class(model_cfg)(model_cfg, backend=None, rotary=None, tp=TPGroup(0, tp))
+    params = scales = 0
+    for module in model.modules():
+        if not isinstance(module, Experts):
+            continue
+        experts, gate_up_rows, hidden = module.gate_up_proj.shape
+        piece = gate_up_rows // 2
+        params += module.gate_up_proj.numel() + module.down_proj.numel()
+        scales += experts * (2 * fp8.scale_count(checkpoint, piece, hidden)
+                             + fp8.scale_count(checkpoint, hidden, piece))
+    return (params, {"fp8 e4m3": params, "fp8 scales": 4 * scales}) if params else None
 
 
 def vision_summary(model_cfg, config: EngineConfig, weight_bytes: int) -> dict | None:

@@ -148,7 +148,11 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
                 quantized = {}
                 if fp8_checkpoint is not None:   # its experts come one by one, as transformers' checkpoints store them
                     floats = fp8.stack_experts(floats)
-            paged = _paged_from_tensors(path, cfg, quantized, floats, backend, dtype)
+            with torch.device("meta"):
+                paged = model_class(cfg)(cfg, backend, rotary=None, tp=tp)
+            # Under tp an fp8 mixture of experts' experts are cut to this rank's slice (the rest is float).
+            quantized, floats = shard_quantized_experts(paged, fp8.stack_quantized_experts(quantized), floats)
+            paged = _paged_from_tensors(path, cfg, quantized, paged.shard_state_dict(floats), backend, dtype, paged)
             paged.rotary = rotary_for(cfg)
             eos = _eos_ids(_generation_config(path))
         else:

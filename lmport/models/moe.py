@@ -14,8 +14,8 @@ Under tensor parallelism each expert is split like a dense MLP: every rank holds
 expert's intermediate dimension (gate and up by output, down by input), the router is replicated, and the
 block's output is one all-reduce of the ranks' partial sums. An expert's intermediate size must divide by
 tp (lmport.parallel.experts_tp_problem); Llama 4's and Qwen3-Next's experts are not split yet, so those
-models run at tp=1. A GGUF's quantized experts split the same way in their file's blocks
-(``shard_quantized_experts``), never dequantized.
+models run at tp=1. A GGUF's quantized experts split the same way in their file's blocks, an fp8 checkpoint's in its
+scale blocks (``shard_quantized_experts``), never dequantized.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ from lmport.models.llama import PagedCausalLM
 from lmport.ops import route
 from lmport.parallel import TPGroup, experts_tp_problem, tp_choices
 from lmport.models.quantized import EXPERT_PARTS
+from lmport.weights import fp8
 from lmport.weights.format import QuantizedWeight
+from lmport.weights.fp8 import Fp8Weight
 from lmport.weights.ggml import GGMLWeight
 from lmport.weights.split import input_range
 from lmport.weights.residency import page_out
@@ -99,7 +101,7 @@ def shard_experts(model: PagedCausalLM, state: dict[str, torch.Tensor]) -> dict[
 
 def shard_quantized_experts(model: PagedCausalLM, quantized: dict, floats: dict[str, torch.Tensor]
                             ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(quantized, floats) as a GGUF loader hands them, with every block's stacked quantized experts
+    """(quantized, floats) as a GGUF or fp8 loader hands them, with every block's stacked quantized experts
     ("<block>.experts.gate_proj" / "up_proj" / "down_proj", [experts x rows, inputs]) cut to this rank's slice of
     each expert's intermediate dimension, as ``Experts.shard_expert_tensor`` cuts float ones: gate and up keep each
     expert's rows [start, end) (whole rows: any type), down its inputs [start, end) (whole blocks of its type;
@@ -118,6 +120,9 @@ def shard_quantized_experts(model: PagedCausalLM, quantized: dict, floats: dict[
                               "weights only; load the others in the compute dtype (weight_format='dequantize')")
         start, end = shard_range
         num_experts = module.get_parameter("gate_up_proj").shape[0]
+        if isinstance(weight, Fp8Weight):   # an fp8 checkpoint's, in whole scale blocks (fp8.expert_split_problem)
+            quantized[name] = fp8.expert_slice(weight, num_experts, start, end, by_inputs=part == "down_proj")
+            continue
         if part == "down_proj":
             quantized[name] = input_range(weight, start, end, name)
             continue

@@ -5,7 +5,8 @@ GGUF blocks held as the file stores them (lmport.weights.ggml).
 ``nn.Embedding`` of the paged model by name when a loader hands a quantized weight for it; float and
 quantized layers mix freely. A tied LM head shares its embedding's buffers. ``QuantExperts`` replaces a
 mixture-of-experts block's float experts when their gate, up and down weights come quantized, each
-stacked over the experts as a GGUF's ``ffn_*_exps`` stores them.
+stacked over the experts as a GGUF's ``ffn_*_exps`` stores them (an fp8 checkpoint's, codes and block scales,
+stacked alike).
 """
 from __future__ import annotations
 
@@ -167,8 +168,9 @@ class QuantExperts(nn.Module):
     # captured.
     reads_on_host = True
 
-    def __init__(self, gate: QuantizedWeight | GGMLWeight, up: QuantizedWeight | GGMLWeight,
-                 down: QuantizedWeight | GGMLWeight, num_experts: int, backend: Backend, scale_inputs: bool = False):
+    def __init__(self, gate: QuantizedWeight | GGMLWeight | Fp8Weight, up: QuantizedWeight | GGMLWeight | Fp8Weight,
+                 down: QuantizedWeight | GGMLWeight | Fp8Weight, num_experts: int, backend: Backend,
+                 scale_inputs: bool = False):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (HoldsWeight(w) for w in (gate, up, down))
         self.num_experts = num_experts
@@ -205,7 +207,7 @@ class QuantExperts(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def _install_experts(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight],
+def _install_experts(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight | Fp8Weight],
                      backend: Backend) -> set[str]:
     """Swap each experts module named in ``quantized`` (its gate, up and down: "<block>.experts.gate_proj", ...)
     for QuantExperts; the names consumed."""
@@ -241,7 +243,8 @@ def install(model: nn.Module, quantized: dict[str, QuantizedWeight | GGMLWeight 
             backend: Backend, dtype: torch.dtype) -> None:
     """Swap each layer named in ``quantized`` ("model.layers.0.mlp.up_proj.weight" ->
     the module "model.layers.0.mlp.up_proj") for its quantized twin; ``floats`` may hold its bias. A
-    mixture-of-experts block's experts come as "<block>.experts.gate_proj" / "up_proj" / "down_proj"."""
+    mixture-of-experts block's experts come as "<block>.experts.gate_proj" / "up_proj" / "down_proj" (an fp8
+    checkpoint's, stored one by one, stacked so by lmport.weights.fp8.stack_quantized_experts)."""
     experts = _install_experts(model, quantized, backend)
     for name, weight in quantized.items():
         if name in experts:

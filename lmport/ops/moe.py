@@ -7,7 +7,8 @@ model says so (Mixtral always; Qwen3-MoE when ``norm_topk_prob``); GLM-4.5's gro
 routing is ``route_grouped``, gpt-oss's softmax over the top k logits ``route_top_k_softmax`` (its
 experts, with biases and a clamped SwiGLU, ``clamped_swiglu_moe``), Llama 4's sigmoid of the top k
 ``route_top_k_sigmoid`` (its experts, the weight scaling their input, ``input_scaled_moe``). Experts over
-quantized weights as a GGUF stacks them are described by ``QuantizedExperts`` (run by ``Backend.quantized_moe``).
+quantized weights as a GGUF stacks them (or an fp8 checkpoint's, stacked alike: lmport.weights.fp8) are described
+by ``QuantizedExperts`` (run by ``Backend.quantized_moe``).
 """
 from __future__ import annotations
 
@@ -161,6 +162,8 @@ class QuantizedExperts:
         """(gate, up, down) of each expert: views of its rows in the stacked weights, made once."""
         def rows(w: Quantized, e: int) -> Quantized:
             n = w.out_features // self.num_experts
+            if isinstance(w, Fp8Weight):   # its scale rows are per block of rows
+                return w.row_range(e * n, (e + 1) * n)
             return row_range(w, e * n, (e + 1) * n)
 
         return [(rows(self.gate, e), rows(self.up, e), rows(self.down, e)) for e in range(self.num_experts)]

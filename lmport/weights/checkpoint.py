@@ -70,9 +70,12 @@ def check_tensor_parallel(path: Path, tp: int, weight_format: str) -> None:
     (lmport.weights.format.check_quantized_tp). An AWQ / GPTQ directory's packed weights are refused whatever
     ``weight_format`` says; a GGUF's dequantize at load with weight_format='dequantize'. A mixture-of-experts
     GGUF's quantized experts split by their intermediate dimension (in whole blocks: gguf.check_expert_split),
-    its other tensors loading in the compute dtype."""
+    its other tensors loading in the compute dtype; so do an fp8 mixture of experts' experts (in their scale
+    blocks)."""
     if tp == 1:
         return
+    if path.is_dir() and fp8.read_checkpoint(path) is not None and fp8.routed_experts(path):
+        return   # its experts split in their scale blocks (lmport.parallel.check_tp), the rest loads float
     packed = path.is_dir() and packed_int.quantization_config(path) is not None
     if path.suffix == ".gguf" and weight_format == "auto" and is_quantized(path):
         from lmport.weights import gguf

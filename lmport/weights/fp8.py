@@ -73,6 +73,14 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale))
 
+    def row_range(self, start: int, stop: int) -> Fp8Weight:
+        """Output rows [start, stop) as views of its tensors (no copy), their scale rows with them: whole row blocks
+        (the last may be short where ``stop`` is the last row); ValueError for a range that cuts a block."""
+        if start % self.block_out or (stop % self.block_out and stop != self.out_features):
+            raise ValueError(f"rows {start}:{stop} of an fp8 weight cut its {self.block_out}-row scale blocks")
+        return Fp8Weight(self.qweight[start:stop], self.scale[start // self.block_out:-(-stop // self.block_out)],
+                         self.block_out, self.block_in)
+
     def check(self, name: str = "weight") -> Fp8Weight:
         """Raises ValueError naming ``name`` when the tensors do not form a weight of this format."""
         if self.qweight.dtype != FP8_DTYPE or self.qweight.dim() != 2:
@@ -139,9 +147,14 @@ def read_checkpoint(directory: Path) -> Fp8Checkpoint | None:
     if not config_file.exists():
         return None
     q = json.loads(config_file.read_text()).get("quantization_config")
+    return from_quantization_config(q, f"{config_file} quantization_config")
+
+
+def from_quantization_config(q, where: str) -> Fp8Checkpoint | None:
+    """The fp8 weight scheme of a ``quantization_config`` (``where``: where it was read, for errors); None when it is
+    not one."""
     if not isinstance(q, dict):
         return None
-    where = f"{config_file} quantization_config"
     if q.get("quant_method") == "fp8":
         return _fine_grained(q, where)
     if q.get("quant_method") == "compressed-tensors":
@@ -195,16 +208,8 @@ def _compressed_tensors(q: dict, where: str) -> Fp8Checkpoint:
 
 def check_backend(checkpoint: Fp8Checkpoint, directory: Path, caps, backends_running) -> None:
     """ConfigError when ``caps`` cannot run the checkpoint's fp8 weights, naming the backends that can and the
-    option that dequantizes them at load instead. A model with routed experts is refused on every backend: its
-    experts' fp8 weights load dequantized only."""
-    name = directory.name
-    config = json.loads((directory / "config.json").read_text())
-    experts = next((config[k] for k in EXPERT_COUNTS if config.get(k)), None)
-    if experts:
-        raise ConfigError(
-            f"{name} holds {checkpoint.describe()} for a model with {experts} routed experts, whose fp8 expert weights "
-            f"lmport does not run in fp8 yet; use weight_format='dequantize' (--weight-format dequantize) to "
-            f"dequantize them to the model's dtype at load")
+    option that dequantizes them at load instead. A model's routed experts are run as its linears are (each
+    expert's rows through ``Backend.fp8_linear``), so they need nothing more."""
     missing = sorted(checkpoint.layouts - caps.fp8_weight_scales)
     if not missing:
         return
@@ -212,9 +217,9 @@ def check_backend(checkpoint: Fp8Checkpoint, directory: Path, caps, backends_run
             if caps.fp8_weight_scales else "its Capabilities.fp8_weight_scales declares no fp8 weights")
     where = ", ".join(backends_running(lambda c: checkpoint.layouts <= c.fp8_weight_scales))
     raise ConfigError(
-        f"{name} holds {checkpoint.describe()}, which device {caps.device_type!r} cannot run ({runs}); backends "
-        f"that run them: {where}. Use one of those, or weight_format='dequantize' (--weight-format dequantize) to "
-        f"dequantize them to the model's dtype at load (twice the weight memory of fp8 at 16 bits)")
+        f"{directory.name} holds {checkpoint.describe()}, which device {caps.device_type!r} cannot run ({runs}); "
+        f"backends that run them: {where}. Use one of those, or weight_format='dequantize' (--weight-format "
+        f"dequantize) to dequantize them to the model's dtype at load (twice the weight memory of fp8 at 16 bits)")
 
 
 EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -245,9 +250,122 @@ def stack_experts(floats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def stack_quantized_experts(quantized: dict) -> dict:
+    """``quantized`` with a mixture-of-experts block's per-expert fp8 weights ("<block>.experts.<e>.gate_proj.weight",
+    ...) stacked as the experts' quantized holder takes them (lmport.models.quantized.QuantExperts): one Fp8Weight
+    each for "<block>.experts.gate_proj", "up_proj" and "down_proj", [experts x rows, inputs], the experts' codes and
+    scale rows in turn, so that an expert's rows are whole scale blocks (``Fp8Weight.row_range``). Other weights
+    (and experts of other kinds) pass through."""
+    parts: dict[str, dict[int, dict[str, Fp8Weight]]] = {}
+    out = {}
+    for name, w in quantized.items():
+        m = EXPERT_WEIGHT.fullmatch(name)
+        if m is None or not isinstance(w, Fp8Weight):
+            out[name] = w
+        else:
+            parts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = w
+    for block, experts in parts.items():
+        if sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
+            raise ValueError(f"{block}: fp8 experts {sorted(experts)} must be numbered from 0 and each have "
+                             f"gate_proj, up_proj and down_proj weights in fp8")
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{block}.{part}"] = _stacked([experts[e][part] for e in range(len(experts))], f"{block}.{part}")
+    return out
+
+
+def _stacked(weights: list[Fp8Weight], name: str) -> Fp8Weight:
+    """The experts' weights of one projection as one, each expert's rows a whole number of scale blocks: its
+    blocks' rows, or, where an expert's rows fit one block, that block (a per-tensor scale, a short block)."""
+    first = weights[0]
+    kind = (tuple(first.qweight.shape), tuple(first.scale.shape), first.scale.dtype, first.block_out, first.block_in)
+    if any((tuple(w.qweight.shape), tuple(w.scale.shape), w.scale.dtype, w.block_out, w.block_in) != kind
+           for w in weights):
+        raise ValueError(f"{name}: the experts' fp8 weights differ in shape, scale layout or scale dtype")
+    rows = first.out_features
+    if rows % first.block_out == 0:
+        block_out = first.block_out
+    elif first.scale.shape[0] == 1:
+        block_out = rows
+    else:
+        raise ValueError(f"{name}: an expert's {rows} rows end inside a {first.block_out}-row scale block, so the "
+                         f"experts cannot be held stacked in fp8; use weight_format='dequantize'")
+    return Fp8Weight(torch.cat([w.qweight for w in weights]), torch.cat([w.scale for w in weights]), block_out,
+                     first.block_in).check(name)
+
+
+def scale_count(checkpoint: Fp8Checkpoint, rows: int, inputs: int) -> int:
+    """Scales beside a [rows, inputs] weight of the checkpoint: a block's each where it names a block size, else a
+    row's each (per-channel) or one (per-tensor)."""
+    if checkpoint.block is not None:
+        return math.ceil(rows / checkpoint.block[0]) * math.ceil(inputs / checkpoint.block[1])
+    return rows if "channel" in checkpoint.layouts else 1
+
+
+def _cut(start: int, stop: int, block: int, size: int) -> tuple[int, int, int] | None:
+    """[start, stop) of a dimension of ``size`` in blocks of ``block``, as (first block, end block, block size of
+    the piece): whole blocks (the last may be short at ``size``), or a piece inside one block, which keeps that
+    block's scale; None where the range cuts blocks otherwise."""
+    if start % block == 0 and (stop % block == 0 or stop == size):
+        return start // block, -(-stop // block), block
+    if start // block == (stop - 1) // block:
+        return start // block, start // block + 1, stop - start
+    return None
+
+
+def expert_split_problem(checkpoint: Fp8Checkpoint, inter: int, tp: int) -> str | None:
+    """Why ``tp`` equal slices of every routed expert's ``inter`` intermediate rows (gate and up by their rows, down by
+    its inputs: lmport.models.moe) cannot be cut from the checkpoint's fp8 experts in whole scale blocks; None where
+    they can."""
+    if tp == 1:
+        return None
+    rows, inputs = checkpoint.block or ((1 if "channel" in checkpoint.layouts else inter), inter)
+    piece = inter // tp
+    if all(_cut(r * piece, (r + 1) * piece, b, inter) for r in range(tp) for b in (rows, inputs)):
+        return None
+    return (f"each of tp={tp} ranks would hold {piece} of every routed expert's {inter} intermediate rows, which cuts "
+            f"the fp8 experts' {rows} x {inputs} scale blocks")
+
+
+def check_expert_split(checkpoint: Fp8Checkpoint, model_cfg, tp: int) -> None:
+    """ConfigError, before any weight loads, where ``tp`` cannot cut the model's routed experts from the checkpoint's
+    fp8 experts in whole scale blocks (``expert_split_problem``), naming the tp values that can and the option that
+    loads the experts in the compute dtype instead."""
+    from lmport.parallel import EXPERT_WIDTH_FIELDS, tp_choices   # (lmport.parallel imports the weight formats)
+    field = EXPERT_WIDTH_FIELDS.get(model_cfg.model_type)
+    problem = None if field is None else expert_split_problem(checkpoint, getattr(model_cfg, field), tp)
+    if problem:
+        choices = [n for n in tp_choices(model_cfg)
+                   if not expert_split_problem(checkpoint, getattr(model_cfg, field), n)]
+        raise ConfigError(f"tp={tp}: {problem}; use tp in {choices}, or weight_format='dequantize' "
+                          f"(--weight-format dequantize) to load the experts in the compute dtype")
+
+
+def expert_slice(weight: Fp8Weight, num_experts: int, start: int, stop: int, by_inputs: bool) -> Fp8Weight:
+    """Stacked fp8 experts (``stack_quantized_experts``) cut to each expert's rows [start, stop) (gate, up), or to
+    every row's inputs [start, stop) (down), with their scales: a copy. ValueError where the range cuts scale
+    blocks (``expert_split_problem`` says so before any weight loads)."""
+    if by_inputs:
+        cut = _cut(start, stop, weight.block_in, weight.in_features)
+        if cut is None:
+            raise ValueError(f"inputs {start}:{stop} cut the fp8 experts' {weight.block_in}-input scale blocks")
+        return Fp8Weight(weight.qweight[:, start:stop].contiguous(), weight.scale[:, cut[0]:cut[1]].contiguous(),
+                         weight.block_out, cut[2])
+    rows = weight.out_features // num_experts
+    cut = _cut(start, stop, weight.block_out, rows)
+    if cut is None:
+        raise ValueError(f"rows {start}:{stop} of each expert cut the fp8 experts' {weight.block_out}-row scale blocks")
+    blocks = -(-rows // weight.block_out)   # an expert's scale rows
+    codes = weight.qweight.unflatten(0, (num_experts, rows))[:, start:stop].flatten(0, 1).contiguous()
+    scale = weight.scale.unflatten(0, (num_experts, blocks))[:, cut[0]:cut[1]].flatten(0, 1).contiguous()
+    return Fp8Weight(codes, scale, cut[2], weight.block_in).check()
+
+
 def load_tensors(directory: Path, checkpoint: Fp8Checkpoint,
                  dtype: torch.dtype) -> tuple[dict[str, Fp8Weight], dict[str, torch.Tensor]]:
-    """(fp8 weights by transformers' weight name, float tensors in ``dtype``) of an fp8 safetensors directory."""
+    """(fp8 weights by transformers' weight name, float tensors in ``dtype``) of an fp8 safetensors directory. A
+    model with routed experts keeps its experts' weights (one by one, as stored: ``stack_quantized_experts`` stacks
+    them) in fp8, the bulk of its bytes, and has its other fp8 weights dequantized to ``dtype`` among the floats,
+    which the model may turn at load and tensor parallelism shards."""
     from safetensors import safe_open
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
@@ -276,7 +394,17 @@ def load_tensors(directory: Path, checkpoint: Fp8Checkpoint,
         if name.endswith(f".{checkpoint.scale_name}"):
             raise ValueError(f"{directory.name}: {name} has no fp8 weight beside it")
         floats[name] = t.to(dtype) if t.is_floating_point() else t
+    if routed_experts(directory):
+        dense = {name: w for name, w in quantized.items() if EXPERT_WEIGHT.fullmatch(name) is None}
+        floats |= {name: dequantize(w, dtype) for name, w in dense.items()}
+        quantized = {name: w for name, w in quantized.items() if name not in dense}
     return quantized, floats
+
+
+def routed_experts(directory: Path) -> int:
+    """The routed experts a transformers directory's config.json gives its model (0: none)."""
+    config = json.loads((directory / "config.json").read_text())
+    return next((int(config[k]) for k in EXPERT_COUNTS if config.get(k)), 0)
 
 
 def _weight(name: str, q: torch.Tensor, scale: torch.Tensor, checkpoint: Fp8Checkpoint) -> Fp8Weight:
