@@ -48,9 +48,10 @@ GIB = 2 ** 30
 POLICY_NAMES = {0: "off", 8: "INT8", 4: "INT4", "fp8": "fp8 e4m3"}
 
 
-def load_text() -> str:
-    """The book with its hard line wraps undone: one line per paragraph, single spaces."""
-    raw = TEXT_FILE.read_text(encoding="ascii")
+def load_text(path: Path = TEXT_FILE) -> str:
+    """The book (or another text file of the Canterbury corpus) with its hard line wraps undone: one line per
+    paragraph, single spaces."""
+    raw = path.read_text(encoding="ascii")
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", raw) if p.strip()]
     return "\n\n".join(paragraphs)
 
