@@ -79,9 +79,24 @@ def check_tp(model_cfg, tp: int) -> None:
             (checkpoint := fp8.from_quantization_config(quantization, "this checkpoint's quantization_config")):
         # An fp8 mixture of experts: its experts split in their scale blocks, its other weights load in the compute
         # dtype and split as float ones do (lmport.weights.fp8.load_tensors).
-        fp8.check_expert_split(checkpoint, model_cfg, tp)
+        check_fp8_expert_split(checkpoint, model_cfg, tp)
         return
     check_quantized_tp(tp, "this checkpoint", bool(quantization), can_dequantize=False)
+
+
+def check_fp8_expert_split(checkpoint: fp8.Fp8Checkpoint, model_cfg, tp: int) -> None:
+    """ConfigError, before any weight loads, where ``tp`` cannot cut the model's routed experts from the checkpoint's
+    fp8 experts in whole scale blocks (``fp8.expert_split_problem``), naming the tp values that can and the option
+    that loads the experts in the compute dtype instead."""
+    field = EXPERT_WIDTH_FIELDS.get(model_cfg.model_type)
+    if field is None:
+        return
+    problem = fp8.expert_split_problem(checkpoint, getattr(model_cfg, field), tp)
+    if problem:
+        choices = [n for n in tp_choices(model_cfg)
+                   if not fp8.expert_split_problem(checkpoint, getattr(model_cfg, field), n)]
+        raise ConfigError(f"tp={tp}: {problem}; use tp in {choices}, or weight_format='dequantize' "
+                          f"(--weight-format dequantize) to load the experts in the compute dtype")
 
 
 def kv_heads_per_rank(model_cfg, tp: int) -> int:

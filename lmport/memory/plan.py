@@ -27,7 +27,7 @@ from lmport.models.lora import lora_bytes
 from lmport.models.moe import Experts
 from lmport.models.parameters import count_parameters
 from lmport.models.windows import layer_windows
-from lmport.parallel import TPGroup
+from lmport.parallel import TPGroup, check_fp8_expert_split
 from lmport.platform.resolution import check_model, resolve_config
 from lmport.weights import fp8, gguf
 from lmport.weights.checkpoint import check_backend, check_tensor_parallel
@@ -164,7 +164,7 @@ def fp8_expert_bytes(model_cfg, checkpoint: fp8.Fp8Checkpoint, tp: int) -> tuple
     """(parameters, bytes by format: "fp8 e4m3" codes, "fp8 scales" at 4 B) of the routed experts one of ``tp`` ranks
     holds from an fp8 checkpoint (lmport.models.moe.Experts' shapes on the meta device; every rank's slice is
     equal); None for a model without them. ConfigError where ``tp`` cuts the experts' scale blocks."""
-    fp8.check_expert_split(checkpoint, model_cfg, tp)
+    check_fp8_expert_split(checkpoint, model_cfg, tp)
     with torch.device("meta"):
         model = model_class(model_cfg)(model_cfg, backend=None, rotary=None, tp=TPGroup(0, tp))
     params = scales = 0

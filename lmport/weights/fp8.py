@@ -232,21 +232,10 @@ def stack_experts(floats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ("<block>.experts.<e>.gate_proj.weight", ...), stacked as lmport's experts hold them (lmport.models.moe):
     "<block>.experts.gate_up_proj" [experts, 2 * inter, hidden] (each expert's gate rows, then its up rows) and
     "<block>.experts.down_proj" [experts, hidden, inter]."""
-    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for name, t in floats.items():
-        m = EXPERT_WEIGHT.fullmatch(name)
-        if m is None:
-            out[name] = t
-        else:
-            parts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
-    for block, experts in parts.items():
-        if sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
-            raise ValueError(f"{block}: experts {sorted(experts)} must be numbered from 0 and each have gate_proj, "
-                             f"up_proj and down_proj weights")
-        ordered = [experts[e] for e in range(len(experts))]
-        out[f"{block}.gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in ordered])
-        out[f"{block}.down_proj"] = torch.stack([e["down_proj"] for e in ordered])
+    out, blocks = _experts_by_block(floats, lambda t: True)
+    for block, experts in blocks.items():
+        out[f"{block}.gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in experts])
+        out[f"{block}.down_proj"] = torch.stack([e["down_proj"] for e in experts])
     return out
 
 
@@ -256,21 +245,29 @@ def stack_quantized_experts(quantized: dict) -> dict:
     each for "<block>.experts.gate_proj", "up_proj" and "down_proj", [experts x rows, inputs], the experts' codes and
     scale rows in turn, so that an expert's rows are whole scale blocks (``Fp8Weight.row_range``). Other weights
     (and experts of other kinds) pass through."""
-    parts: dict[str, dict[int, dict[str, Fp8Weight]]] = {}
-    out = {}
-    for name, w in quantized.items():
-        m = EXPERT_WEIGHT.fullmatch(name)
-        if m is None or not isinstance(w, Fp8Weight):
-            out[name] = w
-        else:
-            parts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = w
-    for block, experts in parts.items():
-        if sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
-            raise ValueError(f"{block}: fp8 experts {sorted(experts)} must be numbered from 0 and each have "
-                             f"gate_proj, up_proj and down_proj weights in fp8")
+    out, blocks = _experts_by_block(quantized, lambda w: isinstance(w, Fp8Weight))
+    for block, experts in blocks.items():
         for part in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{block}.{part}"] = _stacked([experts[e][part] for e in range(len(experts))], f"{block}.{part}")
+            out[f"{block}.{part}"] = _stacked([e[part] for e in experts], f"{block}.{part}")
     return out
+
+
+def _experts_by_block(weights: dict, select) -> tuple[dict, dict[str, list[dict]]]:
+    """(the weights that are not a routed expert's, or that ``select`` leaves out; each block's experts in order,
+    an expert's gate_proj, up_proj and down_proj by name). ValueError where a block's experts are not numbered
+    from 0 or one lacks a part."""
+    others, blocks = {}, {}
+    for name, w in weights.items():
+        m = EXPERT_WEIGHT.fullmatch(name)
+        if m is None or not select(w):
+            others[name] = w
+        else:
+            blocks.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = w
+    for block, experts in blocks.items():
+        if sorted(experts) != list(range(len(experts))) or any(len(e) != 3 for e in experts.values()):
+            raise ValueError(f"{block}: experts {sorted(experts)} must be numbered from 0 and each have gate_proj, "
+                             f"up_proj and down_proj weights (in fp8 where any is)")
+    return others, {block: [experts[e] for e in range(len(experts))] for block, experts in blocks.items()}
 
 
 def _stacked(weights: list[Fp8Weight], name: str) -> Fp8Weight:
@@ -324,20 +321,6 @@ def expert_split_problem(checkpoint: Fp8Checkpoint, inter: int, tp: int) -> str 
         return None
     return (f"each of tp={tp} ranks would hold {piece} of every routed expert's {inter} intermediate rows, which cuts "
             f"the fp8 experts' {rows} x {inputs} scale blocks")
-
-
-def check_expert_split(checkpoint: Fp8Checkpoint, model_cfg, tp: int) -> None:
-    """ConfigError, before any weight loads, where ``tp`` cannot cut the model's routed experts from the checkpoint's
-    fp8 experts in whole scale blocks (``expert_split_problem``), naming the tp values that can and the option that
-    loads the experts in the compute dtype instead."""
-    from lmport.parallel import EXPERT_WIDTH_FIELDS, tp_choices   # (lmport.parallel imports the weight formats)
-    field = EXPERT_WIDTH_FIELDS.get(model_cfg.model_type)
-    problem = None if field is None else expert_split_problem(checkpoint, getattr(model_cfg, field), tp)
-    if problem:
-        choices = [n for n in tp_choices(model_cfg)
-                   if not expert_split_problem(checkpoint, getattr(model_cfg, field), n)]
-        raise ConfigError(f"tp={tp}: {problem}; use tp in {choices}, or weight_format='dequantize' "
-                          f"(--weight-format dequantize) to load the experts in the compute dtype")
 
 
 def expert_slice(weight: Fp8Weight, num_experts: int, start: int, stop: int, by_inputs: bool) -> Fp8Weight:
