@@ -57,18 +57,10 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
 
 def transformers_greedy(path: Path, ids: list[list[int]], new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.greedy import hf_greedy   # the tests' argmax loop over transformers' forward
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in ids:
-            past, x, got = None, torch.tensor([prompt]), []
-            for _ in range(new):
-                r = model(x, past_key_values=past, use_cache=True)
-                past, token = r.past_key_values, int(r.logits[0, -1].argmax())
-                got.append(token)
-                x = torch.tensor([[token]])
-            out.append(got)
-    return out
+    return hf_greedy(model, ids, new)
 
 
 def lmport_greedy(path: Path, ids: list[list[int]], new: int, precision: str) -> list[list[int]]:
