@@ -105,6 +105,20 @@ def test_experts_whose_rows_end_inside_a_block_are_refused_stacked():
                        fp8.dequantize(small["m.experts.1.down_proj.weight"], torch.float32))
 
 
+def test_experts_missing_one_or_a_part_are_named():
+    """A block whose experts skip a number, or whose expert lacks a projection, is refused naming the block, in fp8
+    and in float alike."""
+    w = fp8.quantize(torch.ones(128, 128), 128, 128)
+    parts = ("gate_proj", "up_proj", "down_proj")
+    skipped = {f"m.experts.{e}.{part}.weight": w for e in (0, 2) for part in parts}
+    lacking = {f"m.experts.0.{part}.weight": w for part in parts[:2]}
+    for experts in (skipped, lacking):
+        with pytest.raises(ValueError, match=r"m\.experts: experts \[0.*numbered from 0.*down_proj"):
+            fp8.stack_quantized_experts(experts)
+        with pytest.raises(ValueError, match=r"m\.experts: experts \[0.*numbered from 0.*down_proj"):
+            fp8.stack_experts({name: torch.ones(128, 128) for name in experts})
+
+
 def test_a_tp_slice_of_the_experts_is_whole_scale_blocks():
     """Under tp each rank keeps a slice of every expert's intermediate rows (gate and up by rows, down by inputs);
     fp8 experts are cut in whole 128 x 128 blocks (or a piece inside one block, which keeps its scale), their scales
