@@ -169,25 +169,9 @@ class Frontend:
 
     # -- request parsing ------------------------------------------------------------------------
     async def parse(self, request: Request, cls):
-        """Read the body (up to max_body_bytes) and validate it into ``cls``. Its 413s come before
-        lmport.server.bodies' and without their ``Connection: close``: the rest of the body is read and dropped, so
-        a client still sending gets the answer rather than a reset connection."""
-        too_large = APIError(413, f"the request body is larger than the server's limit of {self.max_body_bytes} "
-                                  f"bytes", code="request_too_large")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            raise too_large
-        body = bytearray()
-        try:
-            async with asyncio.timeout(self.limits.body_timeout):
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > self.max_body_bytes:
-                        raise too_large
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s",
-                           code="body_timeout") from None
-        req = jsonbody.validate(cls, bytes(body))   # with the JSON depth limit, as on every route
+        """Read the body and validate it into ``cls``; lmport.server.bodies bounds the read (413, 408)."""
+        body = await request.body()
+        req = jsonbody.validate(cls, body)   # with the JSON depth limit, as on every route
         adapters.adapter_for(self, req.model)   # the base model or a loaded LoRA adapter, else a 404
         for problem in (req.unknown_field_problem(), req.unsupported_problem(), req.stop_problem()):
             if problem is not None:
