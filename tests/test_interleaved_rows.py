@@ -112,6 +112,44 @@ def test_in_place_relays_what_torch_owns_and_copies_a_mapped_files_view(tmp_path
     assert torch.equal(held.blocks, want.blocks) and held.blocks.data_ptr() != mapped.blocks.data_ptr()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("kind", ["int4", "int8", *sorted(SEGMENTS)])
+def test_the_cpu_relay_kernel_gives_torchs_bytes(kind, in_place):
+    """The cpu backend relays a weight at load in one pass of its own (its interleave_groups): the bytes torch's
+    relay gives, in place or into new tensors, the rows past the last whole group kept."""
+    compiled = _compiled()
+    rows = 16 * 70 + 3
+    weight = int_weight(int(kind[3:]), rows) if kind.startswith("int") else random_blocks(kind, rows, 512, seed=3)
+    want = interleave(copied(weight))
+    owned = copied(weight)
+    held = interleave(owned, in_place=in_place, kernel=compiled.interleave_groups)
+    assert held.row_group == GROUP
+    for name, t in tensors(held).items():
+        assert torch.equal(t, tensors(want)[name]), name
+        assert (t.data_ptr() == tensors(owned)[name].data_ptr()) == in_place
+
+
+def test_the_cpu_relay_kernel_refuses_what_it_cannot_relay():
+    relay = _compiled().interleave_groups
+    rows = torch.zeros(32, 144, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="segments follow each other from 0"):
+        relay(rows, rows.clone(), [(0, 2, 2), (4, 140, 4)], 144)
+    with pytest.raises(RuntimeError, match="the segments make up the 144-byte block"):
+        relay(rows, rows.clone(), [(0, 2, 2), (2, 2, 2)], 144)
+    with pytest.raises(RuntimeError, match="rows in whole groups of 16"):
+        relay(rows[:20], rows[:20].clone(), [(0, 144, 4)], 144)
+    with pytest.raises(RuntimeError, match="dst is src itself or apart from it"):
+        relay(rows[:16], rows[8:24], [(0, 144, 4)], 144)
+
+
+def _compiled():
+    from lmport.backends.cpu import kernels
+    compiled = kernels.load()
+    if compiled is None:
+        pytest.skip("no cpu kernels here (no compiler, or LMPORT_CPU_KERNELS=0)")
+    return compiled
+
+
 def test_interleaved_rows_refuse_what_needs_the_files_rows():
     held = interleave(random_blocks("q5_0", 32, 64))
     with pytest.raises(ValueError, match="interleaved already"):

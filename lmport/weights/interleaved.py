@@ -28,7 +28,7 @@ exactly: the reference ops read interleaved weights through it.
 from __future__ import annotations
 
 import dataclasses
-import functools
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -38,6 +38,7 @@ from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
 
 W = TypeVar("W", GGMLWeight, QuantizedWeight)
+Kernel = Callable[[torch.Tensor, torch.Tensor, tuple, int], None]
 
 GROUP = 16
 NIBBLE = 0   # a unit of half a byte
@@ -85,15 +86,17 @@ def _vectors_to_segment(vec: torch.Tensor, unit: int) -> torch.Tensor:
     return vec.unflatten(-1, (-1, GROUP, unit)).transpose(-3, -2).flatten(-2)
 
 
-def interleave(weight: W, in_place: bool = False) -> W:
+def interleave(weight: W, in_place: bool = False, kernel: Kernel | None = None) -> W:
     """``weight`` with its rows interleaved in groups of 16; the rows past the last whole group as they are.
     New tensors, or with ``in_place`` (``weight`` is not used after) each tensor torch allocated itself (a
-    checkpoint's copy, merged projections) relaid where it lies, a few groups at a time, so that a model's
-    memory does not grow while it is relaid; a view of a mapped file still goes to a new tensor (the file's
-    pages can then go)."""
+    checkpoint's copy, merged projections) relaid where it lies, so that a model's memory does not grow while it
+    is relaid; a view of a mapped file still goes to a new tensor (the file's pages can then go). ``kernel``:
+    what relays whole groups in one pass, ``kernel(src, dst, segments, block_bytes)`` on uint8 [16 g, row bytes]
+    (dst src itself or apart from it), to give the same bytes faster (the cpu backend's ``interleave_groups``);
+    else torch does, a few groups at a time."""
     if weight.row_group != 1:
         raise ValueError(f"{_kind(weight)} weight is interleaved already (row_group={weight.row_group})")
-    return _relaid(weight, GROUP, in_place)
+    return _relaid(weight, GROUP, in_place, kernel)
 
 
 def file_layout(weight: W) -> W:
@@ -127,57 +130,59 @@ def _kind(weight: GGMLWeight | QuantizedWeight) -> str:
     return f"int{weight.bits}" if isinstance(weight, QuantizedWeight) else weight.type_name
 
 
-# Groups relaid at a time: the transient copies stay a few MB whatever the weight's size.
+# Groups relaid at a time by torch: the transient copies stay a few MB whatever the weight's size.
 CHUNK_GROUPS = 64
 
 
-def _relaid(weight: W, row_group: int, in_place: bool) -> W:
+def _relaid(weight: W, row_group: int, in_place: bool, kernel: Kernel | None = None) -> W:
     """``weight`` with its rows interleaved (row_group 16) or in order (1)."""
-    if isinstance(weight, QuantizedWeight):
-        tensors = {name: _relaid_rows(getattr(weight, name), functools.partial(_units, unit=unit, row_group=row_group),
-                                      in_place) for name, unit in QUANTIZED_UNITS.items()}
+    if isinstance(weight, QuantizedWeight):   # each tensor one block a row, of one segment
+        layouts = {}
+        for name, unit in QUANTIZED_UNITS.items():
+            t = getattr(weight, name)
+            row_bytes = t.numel() // t.shape[0] * t.element_size()
+            layouts[name] = (((0, row_bytes, unit),), row_bytes)
     else:
-        t = weight.block_type
-        blocks = weight.in_features // t.elements
-        relay = functools.partial(_blocks, segments=SEGMENTS[weight.type_name], blocks=blocks, nbytes=t.nbytes,
-                                  row_group=row_group)
-        tensors = {"blocks": _relaid_rows(weight.blocks, relay, in_place)}
-    return dataclasses.replace(weight, row_group=row_group, **tensors)
+        layouts = {"blocks": (SEGMENTS[weight.type_name], weight.block_type.nbytes)}
+    relaid = {name: _relaid_rows(getattr(weight, name), segments, block_bytes, row_group, in_place, kernel)
+              for name, (segments, block_bytes) in layouts.items()}
+    return dataclasses.replace(weight, row_group=row_group, **relaid)
 
 
-def _relaid_rows(t: torch.Tensor, relay, in_place: bool) -> torch.Tensor:
-    """[rows, ...] ``t`` with each chunk of whole groups of 16 rows relaid (``relay``: uint8 [16 g, bytes] ->
-    the same shape), into ``t`` itself where in_place and torch owns its memory, else into a new tensor."""
+def _relaid_rows(t: torch.Tensor, segments, block_bytes: int, row_group: int, in_place: bool,
+                 kernel: Kernel | None) -> torch.Tensor:
+    """[rows, ...] ``t`` with its whole groups of 16 rows relaid, into ``t`` itself where in_place and torch owns
+    its memory, else into a new tensor."""
     rows = t.contiguous()   # a transposed view (AWQ / GPTQ scales) as its rows: a copy of its own
     raw = rows.reshape(-1).view(torch.uint8).reshape(rows.shape[0], -1)   # flat first: a [rows, 1] view's stride
     # Relaid in place only where the bytes are the whole of an allocation torch made (resizable: not a mapped
     # file's or another library's buffer), so no other tensor's bytes move with them.
     storage = rows.untyped_storage()
     own = in_place and storage.resizable() and storage.nbytes() == raw.numel()
-    out = raw if own else raw.clone()
-    whole, step = t.shape[0] // GROUP * GROUP, CHUNK_GROUPS * GROUP
-    for start in range(0, whole, step):
-        rows = slice(start, min(start + step, whole))
-        out[rows] = relay(raw[rows])
+    whole = t.shape[0] // GROUP * GROUP
+    if kernel is not None and row_group == GROUP:
+        out = raw if own else torch.empty_like(raw)
+        out[whole:] = raw[whole:]
+        kernel(raw[:whole], out[:whole], segments, block_bytes)
+    else:
+        out = raw if own else raw.clone()
+        step = CHUNK_GROUPS * GROUP
+        for start in range(0, whole, step):
+            chunk = slice(start, min(start + step, whole))
+            out[chunk] = _blocks(raw[chunk], segments, block_bytes, row_group)
     return out.reshape(-1).view(t.dtype).reshape(t.shape)
 
 
-def _blocks(rows: torch.Tensor, segments, blocks: int, nbytes: int, row_group: int) -> torch.Tensor:
-    """Whole groups of GGUF block rows [16 g, blocks x nbytes] relaid."""
+def _blocks(rows: torch.Tensor, segments, block_bytes: int, row_group: int) -> torch.Tensor:
+    """Whole groups of rows [16 g, blocks x block_bytes] relaid."""
+    blocks = rows.shape[1] // block_bytes
     if row_group == GROUP:
-        groups = rows.reshape(-1, GROUP, blocks, nbytes).transpose(1, 2)   # [groups, blocks, 16 rows, bytes]
+        groups = rows.reshape(-1, GROUP, blocks, block_bytes).transpose(1, 2)   # [groups, blocks, 16 rows, bytes]
         parts = [_segment_to_vectors(groups[..., start:start + length], unit) for start, length, unit in segments]
         return torch.cat(parts, -1).reshape(rows.shape)
-    groups = rows.reshape(-1, blocks, GROUP * nbytes)   # [groups, blocks, 16 x bytes]
+    groups = rows.reshape(-1, blocks, GROUP * block_bytes)   # [groups, blocks, 16 x bytes]
     parts, at = [], 0
     for _, length, unit in segments:
         parts.append(_vectors_to_segment(groups[..., at:at + GROUP * length], unit))
         at += GROUP * length
     return torch.cat(parts, -1).transpose(1, 2).reshape(rows.shape)
-
-
-def _units(rows: torch.Tensor, unit: int, row_group: int) -> torch.Tensor:
-    """Whole groups of rows [16 g, bytes] as vectors of ``unit`` bytes, unit k of each row in turn (16), or back (1)."""
-    n_units = rows.shape[1] // unit
-    shape = (-1, GROUP, n_units, unit) if row_group == GROUP else (-1, n_units, GROUP, unit)
-    return rows.reshape(shape).transpose(1, 2).reshape(rows.shape)

@@ -169,7 +169,7 @@ class CpuBackend(Backend):
             held = weight.bits in compiled.quant_interleaved_bits()
         else:
             held = weight.type_name in compiled.ggml_interleaved_types()
-        return interleaved.interleave(weight, in_place=True) if held else weight
+        return interleaved.interleave(weight, in_place=True, kernel=compiled.interleave_groups) if held else weight
 
     def hold_experts(self, experts: ops.QuantizedExperts, dtype: torch.dtype) -> ops.QuantizedExperts:
         """Each stacked weight as ``hold_quantized`` holds a linear's where every expert's rows are whole groups (a

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 # per instruction set) are what they include. docs/architecture.md shows the layout.
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ["bindings.cpp", "decoder_layers.cpp", "elementwise.cpp", "gated_delta_net.cpp", "ggml_experts.cpp",
-           "ggml_linear.cpp", "kv_fill.cpp", "linear.cpp", "paged_attention.cpp", "quant_linear.cpp"]
+           "ggml_linear.cpp", "interleave.cpp", "kv_fill.cpp", "linear.cpp", "paged_attention.cpp",
+           "quant_linear.cpp"]
 
 
 def source_files() -> list[Path]:

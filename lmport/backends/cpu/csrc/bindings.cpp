@@ -285,6 +285,35 @@ void check_slots(const char* op, const int64_t* slot, int64_t T, int64_t slots) 
                 " slots of the cache");
 }
 
+void interleave_groups(torch::Tensor src, torch::Tensor dst,
+                       const std::vector<std::tuple<int64_t, int64_t, int64_t>>& segments, int64_t block_bytes) {
+  TORCH_CHECK(src.scalar_type() == torch::kUInt8 && dst.scalar_type() == torch::kUInt8 && src.dim() == 2 &&
+                  src.sizes() == dst.sizes() && src.is_contiguous() && dst.is_contiguous(),
+              "interleave_groups takes contiguous uint8 src and dst of one shape [rows, row_bytes]; got ",
+              src.sizes(), " and ", dst.sizes());
+  const int64_t rows = src.size(0), row_bytes = src.size(1);
+  TORCH_CHECK(rows % kernels::interleaved_group() == 0 && block_bytes > 0 && row_bytes % block_bytes == 0,
+              "interleave_groups: rows in whole groups of ", kernels::interleaved_group(), " and rows of whole ", block_bytes,
+              "-byte blocks; got ", src.sizes());
+  std::vector<int64_t> flat;
+  for (auto [start, length, unit] : segments) {
+    const int64_t at = flat.empty() ? 0 : flat[flat.size() - 3] + flat[flat.size() - 2];
+    TORCH_CHECK(start == at && length > 0 && (unit == 0 || unit == 1 || unit == 2 || unit == 4) &&
+                    length % std::max<int64_t>(unit, 1) == 0,
+                "interleave_groups: segments follow each other from 0, each a whole number of units of 0 (half a "
+                "byte), 1, 2 or 4 bytes; got (", start, ", ", length, ", ", unit, ")");
+    flat.insert(flat.end(), {start, length, unit});
+  }
+  TORCH_CHECK(!flat.empty() && flat[flat.size() - 3] + flat[flat.size() - 2] == block_bytes,
+              "interleave_groups: the segments make up the ", block_bytes, "-byte block");
+  const auto* s = src.data_ptr<uint8_t>();
+  auto* d = dst.data_ptr<uint8_t>();
+  TORCH_CHECK(s == d || s + src.numel() <= d || d + dst.numel() <= s,
+              "interleave_groups: dst is src itself or apart from it");
+  kernels::interleave_groups(s, d, rows / kernels::interleaved_group(), row_bytes, flat.data(), static_cast<int64_t>(segments.size()),
+                             block_bytes);
+}
+
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping) {
   const auto dtype = k_cache.scalar_type();
@@ -497,6 +526,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bits"), py::arg("block_tables"), py::arg("q_start_loc"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
         py::arg("sinks") = py::none(), py::arg("chunk") = 0);
+  m.def("interleave_groups", &lmport::interleave_groups,
+        "whole groups of 16 rows of src (uint8 [rows, row_bytes], blocks of block_bytes made of segments (start, "
+        "length, unit)) relaid into dst (src itself, or apart from it) as lmport.weights.interleaved lays them out",
+        py::arg("src"), py::arg("dst"), py::arg("segments"), py::arg("block_bytes"));
   m.def("fill_kv_cache", &lmport::fill_kv_cache, "write new K/V rows into a float32 or float16 bshd block pool",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("fill_kv_cache_codes", &lmport::fill_kv_cache_codes,

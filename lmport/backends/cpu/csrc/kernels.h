@@ -1,7 +1,7 @@
 // The kernels' entry points, on raw arrays: each is defined in its family's .cpp (linear.cpp,
 // quant_linear.cpp, ggml_linear.cpp, ggml_experts.cpp, paged_attention.cpp, kv_fill.cpp, elementwise.cpp,
-// gated_delta_net.cpp) and called by bindings.cpp, which checks the tensors, makes them contiguous and allocates
-// the outputs. Nothing here knows torch's tensors; the threads are ATen's (at::parallel_for).
+// gated_delta_net.cpp, interleave.cpp) and called by bindings.cpp, which checks the tensors, makes them contiguous
+// and allocates the outputs. Nothing here knows torch's tensors; the threads are ATen's (at::parallel_for).
 #pragma once
 
 #include <c10/util/Half.h>
@@ -12,6 +12,13 @@
 
 namespace lmport {
 namespace kernels {
+
+// ---- interleave.cpp: the layout of rows interleaved in groups (interleaved_layout.h), made at load ----
+// ``groups`` groups of 16 rows of ``row_bytes`` (blocks of ``block_bytes``, each ``count`` segments as (start,
+// length, unit) triples as lmport.weights.interleaved.SEGMENTS gives them) from src relaid into dst; dst may be
+// src itself, else the two do not overlap.
+void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t groups, int64_t row_bytes, const int64_t* segments,
+                       int64_t count, int64_t block_bytes);
 
 // ---- linear.cpp: float32 weights ----
 // y [M, N] = x [M, K] W [N, K]^T (+ bias [N]; null: none), K a multiple of 8.

@@ -35,6 +35,8 @@ torch::Tensor paged_attention_codes(torch::Tensor q, torch::Tensor k_cache, torc
                                     c10::optional<torch::Tensor> k_new = c10::nullopt,
                                     c10::optional<torch::Tensor> v_new = c10::nullopt,
                                     c10::optional<torch::Tensor> sinks = c10::nullopt, int64_t chunk = 0);
+void interleave_groups(torch::Tensor src, torch::Tensor dst,
+                       const std::vector<std::tuple<int64_t, int64_t, int64_t>>& segments, int64_t block_bytes);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 void fill_kv_cache_codes(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
