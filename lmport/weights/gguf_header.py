@@ -18,6 +18,7 @@ import numpy as np
 
 from lmport.weights.gguf_checks import (MIN_KV_BYTES, MIN_TENSOR_BYTES, check_alignment, check_count,
                                         check_dims_count, check_tensor_size)
+from lmport.weights.residency import map_file
 
 # Fixed-size metadata value types: struct format by GGUF type id (8 = string, 9 = array are read apart).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -55,7 +56,7 @@ def read_header(path: Path, string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
     tensor table that points past the end of the file (a truncated download); its subclass
     lmport.weights.gguf_checks.DamagedHeader for a count, length, alignment or dims the file cannot hold."""
     import gguf
-    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    blob = map_file(path)
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError("it does not start with the GGUF magic bytes")
     version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)

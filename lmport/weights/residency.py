@@ -3,7 +3,11 @@ the loaded weights backed with huge pages.
 
 Weights copied out of a memory-mapped checkpoint (a GGUF's Q4_1 blocks split into codes and scales,
 projections merged into one linear) leave the pages they were copied from resident: the file's other
-tensors keep the mapping alive. Paging those out keeps a process's memory at the weights it uses.
+tensors keep the mapping alive. Paging those out keeps a process's memory at the weights it uses. Pages of a
+file this module mapped (``map_file``) are only let go by the process (``MADV_DONTNEED``): the OS keeps them
+in its page cache, so that the next load of the file (a server restarted) reads memory, not the disk. Others
+are reclaimed (``MADV_PAGEOUT``): advice that may drop their contents would be wrong for memory whose owner is
+not known.
 A load reads every tensor: asking the OS up front to read the whole range (``MADV_WILLNEED``) turns a
 cold file's page faults, one readahead window at a time, into one sequential read the load overlaps.
 """
@@ -12,12 +16,29 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import weakref
+from pathlib import Path
 
+import numpy as np
 import torch
 
 MADV_WILLNEED = 3
+MADV_DONTNEED = 4
 MADV_PAGEOUT = 21   # Linux 5.4+ (asm-generic/mman-common.h); Python's mmap module may not name it
 MADV_COLLAPSE = 25   # Linux 6.1+: back a range with transparent huge pages now, whatever the THP setting
+
+
+# The address ranges of the files map_file mapped (start: end), each while its mapping lives.
+_mapped_files: dict[int, int] = {}
+
+
+def map_file(path: str | Path) -> np.memmap:
+    """``path`` mapped read-only, the whole file."""
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    start = blob.ctypes.data
+    _mapped_files[start] = start + blob.nbytes
+    weakref.finalize(blob._mmap, _mapped_files.pop, start, None)   # unmapped with its last view
+    return blob
 
 
 def read_ahead(tensor: torch.Tensor) -> None:
@@ -26,9 +47,17 @@ def read_ahead(tensor: torch.Tensor) -> None:
 
 
 def page_out(tensors: list[torch.Tensor]) -> None:
-    """Ask the OS to reclaim the whole pages under these host tensors (Linux ``MADV_PAGEOUT``, which
-    keeps their contents: a later read faults them back in)."""
-    _advise(tensors, MADV_PAGEOUT, outer=False)
+    """Hand back the whole pages under these host tensors, their contents kept (a later read faults them back
+    in): a mapped file's to the page cache, others to be reclaimed."""
+    in_file = [_in_mapped_file(t) for t in tensors]
+    _advise([t for t, mapped in zip(tensors, in_file) if mapped], MADV_DONTNEED, outer=False)
+    _advise([t for t, mapped in zip(tensors, in_file) if not mapped], MADV_PAGEOUT, outer=False)
+
+
+def _in_mapped_file(t: torch.Tensor) -> bool:
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    return t.device.type == "cpu" and any(first <= start and end <= last for first, last in _mapped_files.items())
 
 
 def _advise(tensors: list[torch.Tensor], advice: int, outer: bool, page: int = mmap.PAGESIZE) -> bool:
