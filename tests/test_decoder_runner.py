@@ -87,6 +87,21 @@ def mixed_layers(model) -> None:
     model._runner = None
 
 
+def k_quant_layers(model) -> None:
+    """As a Q4_K_M file holds a layer: q and k in Q4_K beside v in Q6_K within qkv, o in Q5_K, gate/up in Q4_K,
+    down in Q6_K."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = attn.qkv_proj.weight
+        qk = (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+        attn.qkv_proj = ConcatLinear([ggml_blocks(w[:qk], None, "q4_k", model.backend),
+                                      ggml_blocks(w[qk:], None, "q6_k", model.backend)])
+        for parent, name, kind in [(attn, "o_proj", "q5_k"), (mlp, "gate_up_proj", "q4_k"), (mlp, "down_proj", "q6_k")]:
+            linear = getattr(parent, name)
+            setattr(parent, name, ggml_blocks(linear.weight, linear.bias, kind, model.backend))
+    model._runner = None
+
+
 def interleave_layers(model) -> None:
     """Every quantized projection's rows interleaved where the kernels read them so, as a model loads."""
     hold_for_backend(model, model.backend, torch.float32)
@@ -207,11 +222,12 @@ def test_python_loop_gives_the_native_loops_hidden_states(arch, weights):
 
 
 # Interleaved weights: decode steps run as one parallel region (csrc/decoder_layers.h's team). Qwen2's biases,
-# a sliding window (mistral-sw32), Qwen3's q/k norms, a projection of two formats (q5_0+int8), and Gemma's
-# gelu-tanh MLP, output norms and soft caps (gemma2) and rope bases (gemma3).
-# A float16 cache (kv_cache_dtype) too.
+# a sliding window (mistral-sw32), Qwen3's q/k norms, a projection of two formats (q5_0+int8), a Q4_K_M file's
+# K-quants (rows of whole 256-input blocks), and Gemma's gelu-tanh MLP, output norms and soft caps (gemma2) and rope
+# bases (gemma3). A float16 cache (kv_cache_dtype) too.
 TEAM_CASES = [("llama", "int8"), ("qwen2", "int4"), ("mistral-sw32", "int4"), ("qwen3", "int8"), ("llama", "q5_0+int8"),
-              ("gemma2", "int4"), ("gemma3", "int8"), ("llama", "int8, kv float16"), ("gemma3", "int4, kv float16")]
+              ("llama-256", "k-quants"), ("gemma2", "int4"), ("gemma3", "int8"), ("llama", "int8, kv float16"),
+              ("gemma3", "int4, kv float16")]
 
 
 @pytest.mark.parametrize("sequences", [1, 2])
@@ -246,9 +262,15 @@ def assert_team_matches_modules(arch: str, weights: str, sequences: int) -> None
     assert engine.caches[0].k.dtype == (torch.float16 if kv == "float16" else torch.float32)
     if weights == "q5_0+int8":
         mixed_layers(engine.model)
+    elif weights == "k-quants":
+        k_quant_layers(engine.model)
     else:
         quantize_layers(engine.model, int(weights[3]), 32)
     interleave_layers(engine.model)
+    if weights == "k-quants":   # held interleaved as the kernels read them, every type of the mix
+        held = {m.quantized.type_name: m.quantized.row_group for m in engine.model.model.layers.modules()
+                if isinstance(m, GGMLLinear)}
+        assert held == {"q4_k": 16, "q5_k": 16, "q6_k": 16}, held
     specs = [layer.spec() for layer in engine.model.model.layers]
     assert compiled.DecoderLayers([_bind_layer_native(spec, compiled) for spec in specs]).runs_as_team()
     want = hidden_states(engine, PROMPTS[:sequences], 4, use_runner=False)

@@ -25,6 +25,8 @@ def _tiny_config(arch: str):
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         return transformers.LlamaConfig(**common)
+    if arch == "llama-256":   # rows of 256 and 512 inputs: whole blocks of the K-quants
+        return transformers.LlamaConfig(**dict(common, hidden_size=256, intermediate_size=512))
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
