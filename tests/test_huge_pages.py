@@ -7,21 +7,7 @@ import pytest
 import torch
 
 from lmport.weights.residency import MADV_COLLAPSE, _huge_page_size, back_with_huge_pages
-
-
-def huge_bytes_under(t: torch.Tensor) -> int:
-    """Bytes of transparent huge pages in the mappings that overlap ``t`` (/proc/self/smaps)."""
-    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(a, 16) for a in head.split("-"))
-                inside = lo < end and start < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
+from support.smaps import mapped_bytes
 
 
 def fresh_pages(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -56,9 +42,10 @@ def test_weights_move_to_huge_pages_with_their_contents():
                     "or backs anonymous memory with huge pages by itself (THP 'always')")
     region, weight = fresh_pages(5 * size)   # four whole huge pages at least, faulted in as small pages
     weight.copy_(torch.arange(weight.numel(), dtype=torch.float32))
-    before, huge_before = weight.clone(), huge_bytes_under(weight)
+    before, huge_before = weight.clone(), mapped_bytes(weight, "AnonHugePages:")
     back_with_huge_pages([weight])
-    assert huge_bytes_under(weight) >= huge_before + size   # (a kernel short of free huge pages may collapse fewer)
+    # (a kernel short of free huge pages may collapse fewer)
+    assert mapped_bytes(weight, "AnonHugePages:") >= huge_before + size
     assert torch.equal(weight, before)
     del weight
     region.close()

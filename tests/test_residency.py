@@ -12,24 +12,10 @@ import pytest
 import torch
 
 from lmport.weights import residency
+from support.smaps import mapped_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore as Linux has them")
 FILE_BYTES = 256 * mmap.PAGESIZE
-
-
-def mapped_rss(t: torch.Tensor) -> int:
-    """Bytes of this process's resident pages in the mappings that overlap ``t`` (/proc/self/smaps)."""
-    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(a, 16) for a in head.split("-"))
-                inside = lo < end and start < hi
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def cached_pages(path) -> int:
@@ -58,9 +44,9 @@ def test_pages_of_a_mapped_file_leave_the_process_and_stay_cached(weights_file):
         warnings.simplefilter("ignore", UserWarning)   # torch's warning on a non-writable array
         weights = torch.from_numpy(blob[mmap.PAGESIZE:])   # a tensor's view, as a checkpoint's tensors are
     copy = weights.clone()   # what a load keeps
-    assert mapped_rss(weights) >= FILE_BYTES - mmap.PAGESIZE
+    assert mapped_bytes(weights, "Rss:") >= FILE_BYTES - mmap.PAGESIZE
     residency.page_out([weights])
-    assert mapped_rss(weights) <= mmap.PAGESIZE   # the process holds what it copied, not the file's pages
+    assert mapped_bytes(weights, "Rss:") <= mmap.PAGESIZE   # the process holds what it copied, not the file's pages
     assert cached_pages(weights_file) >= FILE_BYTES // mmap.PAGESIZE - 1   # the next load finds them in memory
     assert torch.equal(weights, copy)   # read again, faulted back in
 
