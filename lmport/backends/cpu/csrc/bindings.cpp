@@ -291,9 +291,9 @@ void interleave_groups(torch::Tensor src, torch::Tensor dst,
                   src.sizes() == dst.sizes() && src.is_contiguous() && dst.is_contiguous(),
               "interleave_groups takes contiguous uint8 src and dst of one shape [rows, row_bytes]; got ",
               src.sizes(), " and ", dst.sizes());
-  const int64_t rows = src.size(0), row_bytes = src.size(1);
-  TORCH_CHECK(rows % kernels::interleaved_group() == 0 && block_bytes > 0 && row_bytes % block_bytes == 0,
-              "interleave_groups: rows in whole groups of ", kernels::interleaved_group(), " and rows of whole ", block_bytes,
+  const int64_t rows = src.size(0), row_bytes = src.size(1), group = kernels::interleaved_group();
+  TORCH_CHECK(rows % group == 0 && block_bytes > 0 && row_bytes % block_bytes == 0,
+              "interleave_groups: rows in whole groups of ", group, " and rows of whole ", block_bytes,
               "-byte blocks; got ", src.sizes());
   std::vector<int64_t> flat;
   for (auto [start, length, unit] : segments) {
@@ -310,7 +310,7 @@ void interleave_groups(torch::Tensor src, torch::Tensor dst,
   auto* d = dst.data_ptr<uint8_t>();
   TORCH_CHECK(s == d || s + src.numel() <= d || d + dst.numel() <= s,
               "interleave_groups: dst is src itself or apart from it");
-  kernels::interleave_groups(s, d, rows / kernels::interleaved_group(), row_bytes, flat.data(), static_cast<int64_t>(segments.size()),
+  kernels::interleave_groups(s, d, rows / group, row_bytes, flat.data(), static_cast<int64_t>(segments.size()),
                              block_bytes);
 }
 
