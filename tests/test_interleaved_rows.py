@@ -16,7 +16,9 @@ from ggml_cases import copied, random_blocks  # noqa: E402
 
 from lmport import ops  # noqa: E402
 from lmport.weights import tensors  # noqa: E402
+from lmport.weights import interleaved, residency  # noqa: E402
 from lmport.weights.interleaved import GROUP, SEGMENTS, file_layout, file_rows, interleave  # noqa: E402
+from support.smaps import mapped_bytes  # noqa: E402
 
 
 @pytest.mark.parametrize("rows", [16, 35, 48])
@@ -90,26 +92,32 @@ def test_k_quant_layouts_put_each_segment_where_the_kernels_read_it():
     assert torch.equal(block[3328 + 18:3328 + 20], row[208:210])
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu kernel"])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_in_place_relays_what_torch_owns_and_copies_a_mapped_files_view(tmp_path, in_place):
+def test_in_place_relays_what_torch_owns_and_copies_a_mapped_files_view(tmp_path, monkeypatch, in_place, kernel):
     """In place (a model's own copy), the same memory holds the interleaved rows, a few groups at a time; a
-    tensor over a mapped file (not torch's to write) goes to a new tensor either way; the weight is then the
+    tensor over a mapped file (not torch's to write) goes to a new tensor either way, and in place (the weight
+    not used after) the file's pages under each chunk are handed back as it is copied; the weight is then the
     same as one interleaved into new tensors."""
-    import numpy as np
+    relay = _compiled().interleave_groups if kernel else None
+    monkeypatch.setattr(interleaved, "CHUNK_BYTES", 8 * GROUP * 144)   # 8 groups a chunk: several chunks
     weight = random_blocks("q4_k", 16 * 70 + 3, 256, seed=9)   # more groups than a chunk, and rows after them
     want = interleave(copied(weight))
     owned = copied(weight)
-    held = interleave(owned, in_place=in_place)
+    held = interleave(owned, in_place=in_place, kernel=relay)
     assert torch.equal(held.blocks, want.blocks)
     assert (held.blocks.data_ptr() == owned.blocks.data_ptr()) == in_place
     path = tmp_path / "blocks"
     weight.blocks.numpy().tofile(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)   # torch's warning on a non-writable array
-        view = torch.from_numpy(np.memmap(path, np.uint8, "r", shape=tuple(weight.blocks.shape)))
+        view = torch.from_numpy(residency.map_file(path)).view(weight.blocks.shape)   # as a GGUF is mapped
     mapped = dataclasses.replace(weight, blocks=view)
-    held = interleave(mapped, in_place=in_place)
+    assert mapped_bytes(view, "Rss:") == 0   # nothing read yet
+    held = interleave(mapped, in_place=in_place, kernel=relay)
     assert torch.equal(held.blocks, want.blocks) and held.blocks.data_ptr() != mapped.blocks.data_ptr()
+    # every page but those a chunk shares with the next, or with the rows after the groups, handed back
+    assert (mapped_bytes(view, "Rss:") < view.numel() // 4) == in_place
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -36,6 +36,7 @@ import torch
 from lmport.weights import tensors
 from lmport.weights.format import QuantizedWeight
 from lmport.weights.ggml import GGMLWeight
+from lmport.weights.residency import page_out
 
 W = TypeVar("W", GGMLWeight, QuantizedWeight)
 Kernel = Callable[[torch.Tensor, torch.Tensor, tuple, int], None]
@@ -130,8 +131,9 @@ def _kind(weight: GGMLWeight | QuantizedWeight) -> str:
     return f"int{weight.bits}" if isinstance(weight, QuantizedWeight) else weight.type_name
 
 
-# Groups relaid at a time by torch: the transient copies stay a few MB whatever the weight's size.
-CHUNK_GROUPS = 64
+# Bytes relaid at a time: torch's transient copies stay this size, and a weight copied out of a mapped file is
+# never whole in memory twice (each chunk's source pages go back as it is copied).
+CHUNK_BYTES = 16 << 20
 
 
 def _relaid(weight: W, row_group: int, in_place: bool, kernel: Kernel | None = None) -> W:
@@ -159,17 +161,19 @@ def _relaid_rows(t: torch.Tensor, segments, block_bytes: int, row_group: int, in
     # file's or another library's buffer), so no other tensor's bytes move with them.
     storage = rows.untyped_storage()
     own = in_place and storage.resizable() and storage.nbytes() == raw.numel()
+    out = raw if own else torch.empty_like(raw)
     whole = t.shape[0] // GROUP * GROUP
-    if kernel is not None and row_group == GROUP:
-        out = raw if own else torch.empty_like(raw)
+    if out is not raw:
         out[whole:] = raw[whole:]
-        kernel(raw[:whole], out[:whole], segments, block_bytes)
-    else:
-        out = raw if own else raw.clone()
-        step = CHUNK_GROUPS * GROUP
-        for start in range(0, whole, step):
-            chunk = slice(start, min(start + step, whole))
+    step = max(1, CHUNK_BYTES // (GROUP * raw.shape[1])) * GROUP
+    for start in range(0, whole, step):
+        chunk = slice(start, min(start + step, whole))
+        if kernel is not None and row_group == GROUP:
+            kernel(raw[chunk], out[chunk], segments, block_bytes)
+        else:
             out[chunk] = _blocks(raw[chunk], segments, block_bytes, row_group)
+        if in_place and out is not raw:   # the weight is not used after: its copied pages can go
+            page_out([raw[chunk]])
     return out.reshape(-1).view(t.dtype).reshape(t.shape)
 
 
