@@ -100,7 +100,7 @@ def test_in_place_relays_what_torch_owns_and_copies_a_mapped_files_view(tmp_path
     not used after) the file's pages under each chunk are handed back as it is copied; the weight is then the
     same as one interleaved into new tensors."""
     relay = _compiled().interleave_groups if kernel else None
-    monkeypatch.setattr(interleaved, "CHUNK_BYTES", 8 * GROUP * 144)   # 8 groups a chunk: several chunks
+    monkeypatch.setattr(interleaved, "CHUNK_BYTES", 24 * GROUP * 144)   # 24 groups a chunk: several chunks
     weight = random_blocks("q4_k", 16 * 70 + 3, 256, seed=9)   # more groups than a chunk, and rows after them
     want = interleave(copied(weight))
     owned = copied(weight)
