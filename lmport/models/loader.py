@@ -128,7 +128,7 @@ def load_model(model: str, backend: Backend, dtype: torch.dtype, tp: TPGroup | N
     check_tensor_parallel(path, tp.size if tp is not None else 1, weight_format)
     with tqdm(total=3, desc=f"loading {model}", unit="step", disable=None) as bar:
         tokenizer, cfg = load_tokenizer(model), read_model_config(model)
-        # The tokenizer's build freed its temporaries (hundreds of MB for a 150,000-token vocabulary), which the
+        # The tokenizer's build freed its temporaries (about 200 MB for a 150,000-token vocabulary), which the
         # host allocator keeps: handed back before the weights take their place.
         backend.release_idle_memory()
         if mmproj is not None:   # the text GGUF's config read as the vision-language checkpoint's

@@ -195,8 +195,9 @@ class Backend:
         return None
 
     def release_idle_memory(self) -> None:
-        """Called when the engine has had no work for a while: give back to the system the memory kept for the
-        next step's use (freed activations a host allocator holds). Default: nothing."""
+        """Called when the engine has had no work for a while, and at load once the tokenizer is built: give back to
+        the system the memory a host allocator holds freed (a step's activations, the tokenizer's temporaries).
+        Default: nothing."""
 
     def prepare(self) -> None:
         """Called once a rank's model is loaded, before the engine serves: what the ops need and the backend
