@@ -100,8 +100,10 @@ def test_in_place_relays_what_torch_owns_and_copies_a_mapped_files_view(tmp_path
     not used after) the file's pages under each chunk are handed back as it is copied; the weight is then the
     same as one interleaved into new tensors."""
     relay = _compiled().interleave_groups if kernel else None
-    monkeypatch.setattr(interleaved, "CHUNK_BYTES", 24 * GROUP * 144)   # 24 groups a chunk: several chunks
-    weight = random_blocks("q4_k", 16 * 70 + 3, 256, seed=9)   # more groups than a chunk, and rows after them
+    # More groups than a chunk, and rows after them. A chunk of 1.7 MiB: far more than the pages the OS maps
+    # around a fault (which may map a handed-back neighbour again), as a load's chunks are.
+    weight = random_blocks("q4_k", 16 * 70 + 3, 256 * 32, seed=9)
+    monkeypatch.setattr(interleaved, "CHUNK_BYTES", 24 * GROUP * weight.blocks.shape[1])   # 3 chunks
     want = interleave(copied(weight))
     owned = copied(weight)
     held = interleave(owned, in_place=in_place, kernel=relay)
