@@ -4,8 +4,9 @@ For each server: start it fresh, run guidellm synchronous and then at --concurre
 /v1/completions, streamed, synthetic prompts of --prompt-tokens tokens, --output-tokens out, a fixed seed a
 profile, so that the concurrent run's prompts are not the synchronous run's), then the same two runs again with the
 same prompts, so that a prefix cache (lmport's, on by default in `lmport serve`; llama-server's prompt reuse) can
-answer; stop it. Prints output tok/s and time-to-first-token p50 side by
-side with lmport / llama-server ratios, and writes JSON.
+answer; stop it. With --rounds N the servers take turns N times (the first to go alternating), each round on
+fresh servers. Prints output tok/s and time-to-first-token p50 side by side (medians (min-max) over the rounds)
+with the lmport / llama-server ratios of each round's pair, and writes JSON.
 
 guidellm lives in its own environment (its dependencies are not lmport's):
 
@@ -117,22 +118,29 @@ def run_server(args, name: str, work: Path, tokenizer_dir: str) -> dict:
     return results
 
 
-def table(results: dict) -> str:
-    names = list(results)
-    keys = list(results[names[0]])
+def table(rounds: dict[str, list[dict]]) -> str:
+    """Each run's output tok/s and TTFT p50 as median (min-max) over the rounds, and the median (min-max) of each
+    round's lmport / llama-server ratio; a run that errored in any round shows its first error."""
+    names = list(rounds)
+    keys = list(rounds[names[0]][0])
+    pair = len(names) == 2
     lines = ["| run | " + " | ".join(f"{n} tok/s | {n} TTFT p50 ms" for n in names) +
-             (" | lmport / llama-server tok/s |" if len(names) == 2 else " |"),
-             "|---|" + "---|---|" * len(names) + ("---|" if len(names) == 2 else "")]
+             (" | lmport / llama-server tok/s |" if pair else " |"),
+             "|---|" + "---|---|" * len(names) + ("---|" if pair else "")]
     for key in keys:
-        cells = []
+        cells, rates = [], {}
         for n in names:
-            r = results[n][key]
-            cells += ([f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_ms']:.0f}"] if "error" not in r
-                      else [r["error"], "-"])
+            runs = [r[key] for r in rounds[n]]
+            error = next((r["error"] for r in runs if "error" in r), None)
+            if error:
+                cells += [error, "-"]
+                continue
+            rates[n] = [r["output_tokens_per_s"] for r in runs]
+            cells += [machine.spread(rates[n], ".1f"), machine.spread([r["ttft_p50_ms"] for r in runs], ".0f")]
         ratio = ""
-        if len(names) == 2 and all("error" not in results[n][key] for n in names):
-            ours, theirs = (results[n][key]["output_tokens_per_s"] for n in names)
-            ratio = f" | {ours / theirs:.2f}x"
+        if pair and len(rates) == 2:
+            ours, theirs = (rates[n] for n in names)
+            ratio = " | " + machine.spread([a / b for a, b in zip(ours, theirs)], ".2f")
         lines.append(f"| {key} | " + " | ".join(cells) + ratio + " |")
     return "\n".join(lines)
 
@@ -154,6 +162,7 @@ def main() -> int:
     p.add_argument("--settings", nargs="+", default=["fresh", "repeated"], choices=["fresh", "repeated"],
                    help="fresh prompts, then the same again (default: both)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one guidellm run may take")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of fresh servers, taking turns")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "guidellm_compare.json"))
     args = p.parse_args()
 
@@ -163,14 +172,19 @@ def main() -> int:
     tokenizer_dir = str(work / "tokenizer")
     load_tokenizer(args.model).save_pretrained(tokenizer_dir)   # guidellm counts synthetic prompts with it
 
-    results = {"lmport": run_server(args, "lmport", work, tokenizer_dir)}
-    if args.llama_server:
-        results["llama-server"] = run_server(args, "llama-server", work, tokenizer_dir)
+    names = ["lmport", "llama-server"] if args.llama_server else ["lmport"]
+    rounds: dict[str, list[dict]] = {name: [] for name in names}
+    for index in range(args.rounds):
+        round_work = work / f"round-{index + 1}"
+        round_work.mkdir()
+        for name in names if index % 2 == 0 else names[::-1]:
+            print(f"round {index + 1} of {args.rounds}", file=sys.stderr)
+            rounds[name].append(run_server(args, name, round_work, tokenizer_dir))
     info = machine.describe()
     print(f"\nguidellm, /v1/completions streamed, {args.prompt_tokens} prompt tokens, {args.output_tokens} output, "
-          f"{args.requests} requests a run; {machine.line(info)}\n")
-    print(table(results))
-    machine.write_result(args.out, {"results": results, "machine": info, "args": vars(args)})
+          f"{args.requests} requests a run, {args.rounds} rounds; {machine.line(info)}\n")
+    print(table(rounds))
+    machine.write_result(args.out, {"rounds": rounds, "machine": info, "args": vars(args)})
     return 0
 
 
