@@ -16,7 +16,8 @@ that builds an Engine (cpu backend, a 16-block KV cache) and generates one token
 the parent: wall seconds to the first token, the child's peak RSS (its own VmHWM: read by the
 parent from /proc before ending llama-server, printed by the lmport child as it ends) and the bytes it
 wrote to disk (``os.wait4``'s ru_oublock). The Python process's own floor (``lmport.engine.engine`` imported, no
-model) is measured too and printed beside lmport's RSS. The cpu kernels are built (once per CPU and source
+model) is measured too and printed beside lmport's RSS, and lmport's RSS at its first token split into anonymous
+and file-backed memory beside the weights and KV cache it holds. The cpu kernels are built (once per CPU and source
 version, as llama.cpp is built beforehand) before the first round, so that no round times the compiler. Targets checked
 in the table: peak RSS at most 1.3x the file's tensor bytes plus the KV cache, nothing written, cold
 first token within 3x llama.cpp's. The machine is named in the output (CPU model, the SIMD flags that
@@ -53,7 +54,7 @@ engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=1, ignore_eos=True
 while not any(out.finished for out in engine.step()):
     pass
 print("kv_bytes", engine.plan.cache_bytes, "weight_bytes", engine.weight_bytes, flush=True)
-print("peak_rss_bytes", {VMHWM})
+print("peak_rss_bytes", {VMHWM}, "rss_anon_bytes", {RSSANON}, "rss_file_bytes", {RSSFILE})
 """
 FLOOR_CHILD = "import lmport.engine.engine\nprint('peak_rss_bytes', {VMHWM})"
 # The cpu backend's kernels are compiled once per CPU and source version (llama.cpp's are built beforehand
@@ -63,9 +64,12 @@ BUILD_CHILD = ("from lmport.backends.cpu import kernels\n"
 
 
 # A process's own peak RSS (VmHWM, kB). Not ``wait4``'s ru_maxrss: Linux carries the forking parent's RSS into
-# the child's maximum across exec, and this parent has torch imported.
-VMHWM = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024"
-LMPORT_CHILD, FLOOR_CHILD = LMPORT_CHILD.replace("{VMHWM}", VMHWM), FLOOR_CHILD.replace("{VMHWM}", VMHWM)
+# the child's maximum across exec, and this parent has torch imported. And its RSS now: anonymous memory (what it
+# allocated) and file-backed (a mapped file's pages it reads, its libraries).
+VMHWM, RSSANON, RSSFILE = (f"int(next(l for l in open('/proc/self/status') if l.startswith('{field}')).split()[1]) "
+                           f"* 1024" for field in ("VmHWM", "RssAnon", "RssFile"))
+LMPORT_CHILD = LMPORT_CHILD.replace("{VMHWM}", VMHWM).replace("{RSSANON}", RSSANON).replace("{RSSFILE}", RSSFILE)
+FLOOR_CHILD = FLOOR_CHILD.replace("{VMHWM}", VMHWM)
 
 
 def peak_rss(pid: int) -> int:
@@ -292,6 +296,12 @@ def main() -> None:
         print(f"| {f['file']} | | cold first token, lmport / llama.cpp | {cold['lmport'] / cold['llama.cpp']:.1f}x | "
               f"| | |")
     print(f"({args.repeats} rounds, engines alternating, {args.threads} threads; JSON in {args.out})")
+    for f in results["files"]:   # what lmport's memory holds once it has generated (the warm rounds' medians)
+        anon, file, weights, kv = (statistics.median(r[k] for r in f["runs"]["lmport warm"]) / mib
+                                   for k in ("rss_anon_bytes", "rss_file_bytes", "weight_bytes", "kv_bytes"))
+        print(f"{f['file']}: lmport's RSS at its first token: {anon:.0f} MiB anonymous, {file:.0f} MiB file-backed; "
+              f"it holds {weights:.0f} MiB of weights (those not copied out of the file are read in place) and a "
+              f"{kv:.0f} MiB KV cache")
 
 
 if __name__ == "__main__":
