@@ -15,7 +15,8 @@ def test_rounds_are_medians_with_ratios_taken_round_by_round():
               "llama-server": [{"fresh, synchronous": run(r, t)} for r, t in ((4.0, 900), (1.0, 700), (2.0, 800))]}
     row = compare.table(rounds).splitlines()[2]
     # ratios 1.5, 3.0, 4.0 by round: their median, not 6.0 / 2.0
-    assert row == "| fresh, synchronous | 6.0 (3.0-8.0) | 200 (100-300) | 2.0 (1.0-4.0) | 800 (700-900) | 3.00 (1.50-4.00) |"
+    assert row == ("| fresh, synchronous | 6.0 (3.0-8.0) | 200 (100-300) | 2.0 (1.0-4.0) | 800 (700-900) "
+                   "| 3.00 (1.50-4.00) |")
 
 
 def test_a_run_that_errored_in_any_round_shows_its_error():
