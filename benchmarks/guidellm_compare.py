@@ -145,6 +145,12 @@ def table(rounds: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def rounds_count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of rounds, at least 1")
+    return int(text)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -162,7 +168,7 @@ def main() -> int:
     p.add_argument("--settings", nargs="+", default=["fresh", "repeated"], choices=["fresh", "repeated"],
                    help="fresh prompts, then the same again (default: both)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one guidellm run may take")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of fresh servers, taking turns")
+    p.add_argument("--rounds", type=rounds_count, default=1, help="rounds of fresh servers, taking turns")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "guidellm_compare.json"))
     args = p.parse_args()
 
@@ -177,8 +183,8 @@ def main() -> int:
     for index in range(args.rounds):
         round_work = work / f"round-{index + 1}"
         round_work.mkdir()
+        print(f"round {index + 1} of {args.rounds}", file=sys.stderr)
         for name in names if index % 2 == 0 else names[::-1]:
-            print(f"round {index + 1} of {args.rounds}", file=sys.stderr)
             rounds[name].append(run_server(args, name, round_work, tokenizer_dir))
     info = machine.describe()
     print(f"\nguidellm, /v1/completions streamed, {args.prompt_tokens} prompt tokens, {args.output_tokens} output, "

@@ -1,8 +1,12 @@
 """benchmarks/guidellm_compare.py's table over rounds: each server's output tok/s and TTFT p50 as median (min-max),
-the lmport / llama-server ratio taken round by round, and a run that errored in any round named, not averaged."""
+the lmport / llama-server ratio taken round by round, and a run that errored in any round named, not averaged;
+--rounds below one refused before any server starts."""
 from __future__ import annotations
 
-from benchmark_module import load_benchmark
+import subprocess
+import sys
+
+from benchmark_module import BENCHMARKS, load_benchmark
 
 
 def run(rate: float, ttft: float) -> dict:
@@ -25,3 +29,10 @@ def test_a_run_that_errored_in_any_round_shows_its_error():
               "llama-server": [{"fresh, synchronous": run(4.0, 900)}, {"fresh, synchronous": run(2.0, 800)}]}
     row = compare.table(rounds).splitlines()[2]
     assert row == "| fresh, synchronous | guidellm exited 1 | - | 3.0 (2.0-4.0) | 850 (800-900) |"
+
+
+def test_rounds_below_one_are_refused_before_any_server_starts():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "guidellm_compare.py"), "--rounds", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--rounds: '0': give a whole number of rounds, at least 1" in out.stderr
