@@ -259,6 +259,8 @@ inline void dot_group(L, const uint8_t* group, int64_t blocks, const BlockCodes*
     out[m] = {{_mm256_sub_ps(acc[0][m], mins[0][m]), _mm256_sub_ps(acc[1][m], mins[1][m])}};
 }
 
+// Q6_K: each 64-byte vector's two halves of the rows in one pass (x's four codes broadcast once for all 16
+// rows, the block's bytes read in order), each sub-block of 16 inputs scaled as it ends.
 template <int MT>
 inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const BlockCodes* const* x, const uint8_t* next,
                       Lanes* out) {
@@ -270,35 +272,44 @@ inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bloc
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
     prefetch(next ? next + i * kBlock : nullptr, kBlock);
-    for (int h = 0; h < 2; ++h) {
-      __m256 block[MT];
-      for (auto& b : block) b = _mm256_setzero_ps();
-      for (int top = 0; top < 2; ++top)
-        for (int half = 0; half < 2; ++half)   // inputs 128 top + 32 t + 16 half + .., sub-block 8 top + 2 t + half
-          for (int u = 0; u < 2; ++u) {   // t = u (ql's low nibbles) and u + 2 (high): ql vectors 16 top + 8 u + j
-          Sums s[2][MT];
+    __m256 block[2][MT];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m) block[h][m] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int top = 0; top < 2; ++top)
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half)   // inputs 128 top + 32 t + 16 half + .., sub-block 8 top + 2 t + half
+#pragma GCC unroll 2
+        for (int u = 0; u < 2; ++u) {   // t = u (ql's low nibbles) and u + 2 (high): ql vectors 16 top + 8 u + j
+          Sums s[2][2][MT];   // [half of the rows h][t = u + 2 v]
 #pragma GCC unroll 4
           for (int j = 4 * half; j < 4 * half + 4; ++j) {
-            const __m256i q = load8(c + 64 * (16 * top + 8 * u + j) + 32 * h);
-            const __m256i qh = load8(c + Q6_KRows::kHigh + 64 * (8 * top + j) + 32 * h);
-            // qh's bits 2 t, 2 t + 1 to bits 4, 5
-            const __m256i high_low = u ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4);
-            const __m256i high_high = u ? _mm256_srli_epi16(qh, 2) : qh;
             const int64_t k = 256 * i + 128 * top + 32 * u + 4 * j;
-            dot4<MT>(widen(_mm256_or_si256(_mm256_and_si256(q, low4), _mm256_and_si256(high_low, high2))), x, k, s[0]);
-            dot4<MT>(widen(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4),
-                                           _mm256_and_si256(high_high, high2))), x, k + 64, s[1]);
+            for (int h = 0; h < 2; ++h) {
+              const __m256i q = load8(c + 64 * (16 * top + 8 * u + j) + 32 * h);
+              const __m256i qh = load8(c + Q6_KRows::kHigh + 64 * (8 * top + j) + 32 * h);
+              // qh's bits 2 t, 2 t + 1 to bits 4, 5
+              const __m256i high_low = u ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4);
+              const __m256i high_high = u ? _mm256_srli_epi16(qh, 2) : qh;
+              dot4<MT>(widen(_mm256_or_si256(_mm256_and_si256(q, low4), _mm256_and_si256(high_low, high2))), x, k,
+                       s[h][0]);
+              dot4<MT>(widen(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4),
+                                             _mm256_and_si256(high_high, high2))), x, k + 64, s[h][1]);
+            }
           }
-          for (int v = 0; v < 2; ++v) {
-            const int t = u + 2 * v, sub = 8 * top + 2 * t + half;
-            const __m256 sc = _mm256_cvtepi32_ps(bytes_s(c + Q6_KRows::kScales + 16 * sub + 8 * h));
-            for (int m = 0; m < MT; ++m)
-              block[m] = _mm256_fmadd_ps(floats(s[v][m], 32 * x[m]->code_sums[16 * i + sub]),
-                                         _mm256_mul_ps(sc, _mm256_set1_ps(x[m]->steps[8 * i + 4 * top + t])), block[m]);
-          }
+          for (int h = 0; h < 2; ++h)
+            for (int v = 0; v < 2; ++v) {
+              const int t = u + 2 * v, sub = 8 * top + 2 * t + half;
+              const __m256 sc = _mm256_cvtepi32_ps(bytes_s(c + Q6_KRows::kScales + 16 * sub + 8 * h));
+              for (int m = 0; m < MT; ++m)
+                block[h][m] = _mm256_fmadd_ps(floats(s[h][v][m], 32 * x[m]->code_sums[16 * i + sub]),
+                                              _mm256_mul_ps(sc, _mm256_set1_ps(x[m]->steps[8 * i + 4 * top + t])),
+                                              block[h][m]);
+            }
         }
+    for (int h = 0; h < 2; ++h) {
       const __m256 d = halves(c + Q6_KRows::kScale + 16 * h);
-      for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_fmadd_ps(block[m], d, acc[h][m]);
+      for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_fmadd_ps(block[h][m], d, acc[h][m]);
     }
   }
   for (int m = 0; m < MT; ++m) out[m] = {{acc[0][m], acc[1][m]}};
