@@ -99,6 +99,7 @@ class EngineClient:
         self._heard = time.monotonic()
         self._closing = False
         self.process: multiprocessing.process.BaseProcess | None = None   # the core's, when it has its own
+        self.tokenizer = None   # the model's, for the caller's own thread (start_process loads one), not the reader's
         self._reader = threading.Thread(target=self._read, name="lmport-engine-outputs", daemon=True)
         self._reader.start()
 
@@ -131,8 +132,8 @@ class EngineClient:
     @classmethod
     def start_process(cls, model: str, config: EngineConfig, loras: dict[str, str] | None = None) -> EngineClient:
         """Start the core process and wait until its engine is built and the LoRA adapters ``loras`` (name ->
-        peft directory) are loaded. A configuration the engine refuses raises ConfigError; any other failure to
-        build it, RuntimeError with the core's reason."""
+        peft directory) are loaded; the client's ``tokenizer`` is the model's, loaded meanwhile. A configuration the
+        engine refuses raises ConfigError; any other failure to build it, RuntimeError with the core's reason."""
         # fork: the core inherits the front end's imports (and any patches applied to them) without importing
         # again; the front end has started no thread and touched no device yet.
         from lmport.engine import core_process as engine_core   # imported before the fork, as said
@@ -146,7 +147,9 @@ class EngineClient:
         process.start()
         core_requests.close()   # the core holds these ends now: its exit closes the output pipe
         core_outputs.close()
-        tokenizer = load_tokenizer(model)   # while the core loads the model
+        # While the core loads the model: the tokenizer, and the reader thread's own copy of it.
+        tokenizer = load_tokenizer(model)
+        reader_tokenizer = copy.deepcopy(tokenizer)
 
         def receive() -> bytes:
             ready = wait([outputs, process.sentinel])
@@ -187,8 +190,9 @@ class EngineClient:
                 process.kill()
                 process.join(5)
 
-        client = cls(first.info, first.usage, first.adapters, outbox.put, receive, stop, process.is_alive, tokenizer)
-        client.process = process
+        client = cls(first.info, first.usage, first.adapters, outbox.put, receive, stop, process.is_alive,
+                     reader_tokenizer)
+        client.process, client.tokenizer = process, tokenizer
         return client
 
     # -- requests --------------------------------------------------------------------------------------------

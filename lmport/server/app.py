@@ -207,18 +207,20 @@ def serve(args) -> int:
         if settings.max_loras:
             raise ConfigError("LoRA adapters (--lora, --enable-lora-loading) run with --dp 1 only")
         from lmport.dp import cluster
+        tokenizer = load_tokenizer(args.model)
         core = cluster.start(args.model, settings, args.dp, policy=args.dp_routing,
                              balance_threshold=args.dp_balance_threshold)
         where = f"KV blocks on each of {args.dp} replicas ({args.dp_routing} routing)"
     else:
         core = EngineClient.start_process(args.model, settings, loras)
+        tokenizer = core.tokenizer   # loaded while the core loaded the model
         where = "KV blocks"
     try:
         app = create_app(core, model_name=args.model, api_key=api_key, limits=limits,
                          allowed_hosts=allowed_host_names(args.host, args.allowed_hosts),
                          cors_origins=args.cors_origins, docs=args.docs,
                          cache_salt_by_api_key=args.cache_salt_by_api_key,
-                         enable_lora_loading=args.enable_lora_loading, tokenizer=load_tokenizer(args.model),
+                         enable_lora_loading=args.enable_lora_loading, tokenizer=tokenizer,
                          expose_adapter_paths=args.expose_adapter_paths, access_log_format=access_log_format,
                          chat_template=chat_template, reasoning_parser=args.reasoning_parser,
                          tool_call_parser=args.tool_call_parser, image_limits=image_limits)
