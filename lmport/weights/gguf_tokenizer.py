@@ -261,16 +261,28 @@ def _metadata(blob) -> dict:
                 meta[key] = list(struct.unpack_from(f"<{n}{_SCALARS[element][1]}", blob, pos))
                 pos += n * width
             elif element == 8:
-                values = []
-                for _ in range(n):
-                    value, pos = string(pos)
-                    values.append(value)
-                meta[key] = values
+                meta[key], pos = _strings(blob, pos, n)
             else:
                 raise ValueError(f"metadata {key!r} is an array of GGUF type {element}")
         else:
             raise ValueError(f"metadata {key!r} has GGUF type {kind}")
     return meta
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def _strings(blob, pos: int, count: int) -> tuple[list[str], int]:
+    """``count`` GGUF strings from ``pos`` (each a little-endian u64 length, then its bytes) and the position after
+    them: a vocabulary holds hundreds of thousands, so the loop makes no call a string beyond its length's."""
+    length, raw = _LENGTH.unpack_from, []
+    for _ in range(count):
+        (n,) = length(blob, pos)
+        raw.append(blob[pos + 8:pos + 8 + n])
+        pos += 8 + n
+    if pos > len(blob):
+        raise struct.error("a string runs past the end of the file")
+    return [text.decode("utf-8", errors="replace") for text in raw], pos
 
 
 def build_tokenizer(vocab: GGUFVocab):
@@ -300,17 +312,11 @@ def build_tokenizer(vocab: GGUFVocab):
 
 def _bpe_model(vocab: GGUFVocab, ids: dict[str, int]):
     from tokenizers import models
-    pairs, seen = [], set()
-    for merge in vocab.merges:
-        cut = merge.find(" ", 1)   # llama.cpp splits at the first space after the first character
-        if cut < 0:
-            continue
-        pair = (merge[:cut], merge[cut + 1:])
-        # llama.cpp keeps a repeated pair's first rank; tokenizers refuses a pair whose parts or product are
-        # not tokens (a converted file has none; a cut vocabulary has)
-        if pair not in seen and pair[0] in ids and pair[1] in ids and pair[0] + pair[1] in ids:
-            seen.add(pair)
-            pairs.append(pair)
+    # llama.cpp splits a merge at the first space after its first character, and keeps a repeated pair's first
+    # rank (dict.fromkeys keeps first occurrences in order); tokenizers refuses a pair whose parts or product are
+    # not tokens (a converted file has none; a cut vocabulary has)
+    split = dict.fromkeys((merge[:cut], merge[cut + 1:]) for merge in vocab.merges if (cut := merge.find(" ", 1)) > 0)
+    pairs = [(a, b) for a, b in split if a in ids and b in ids and a + b in ids]
     ignore_merges = _PRE_TYPES[PRE_TOKENIZERS[vocab.pre]][1]
     return models.BPE(vocab=ids, merges=pairs, ignore_merges=ignore_merges)
 
