@@ -252,3 +252,17 @@ def test_live_llama_cpp_ids(tmp_path):
         counted.append((name, len(texts)))
     print(f"{len(counted)} files, {sum(n for _, n in counted)} texts (+40 each with special tokens):", counted)
     assert not failed
+
+
+@pytest.mark.parametrize("cut", ["in the tokens", "a token's length past the end"])
+def test_a_file_damaged_in_its_vocabulary_is_refused_as_damaged(tmp_path, cut):
+    blob = bytearray((DATA / COMMITTED[0]).read_bytes())
+    tokens = blob.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4 + 8   # type, count
+    if cut == "in the tokens":
+        blob = blob[:tokens + 1000]
+    else:
+        blob[tokens:tokens + 8] = (len(blob)).to_bytes(8, "little")
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=r"damaged\.gguf: its GGUF metadata cannot be read .*the file is damaged"):
+        read_vocab(path)

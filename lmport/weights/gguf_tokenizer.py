@@ -235,22 +235,15 @@ def _metadata(blob) -> dict:
         raise ValueError("not a GGUF file of version 2 or 3")
     (count,) = struct.unpack_from("<Q", blob, 16)
     pos, meta = 24, {}
-
-    def string(at: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", blob, at)
-        if at + 8 + n > len(blob):
-            raise struct.error("a string runs past the end of the file")
-        return blob[at + 8:at + 8 + n].decode("utf-8", errors="replace"), at + 8 + n
-
     for _ in range(count):
-        key, pos = string(pos)
+        (key,), pos = _strings(blob, pos, 1)
         (kind,) = struct.unpack_from("<I", blob, pos)
         pos += 4
         if kind in _SCALARS:
             (meta[key],) = struct.unpack_from(_SCALARS[kind], blob, pos)
             pos += struct.calcsize(_SCALARS[kind])
         elif kind == 8:
-            meta[key], pos = string(pos)
+            (meta[key],), pos = _strings(blob, pos, 1)
         elif kind == 9:
             element, n = struct.unpack_from("<IQ", blob, pos)
             pos += 12
