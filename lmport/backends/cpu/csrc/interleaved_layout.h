@@ -150,10 +150,19 @@ struct QuantRows {
 
 // The next group's block, fetched into L2 while this one is worked on (none: ``next`` null). Not for int8
 // codes with AVX-512: that kernel does the least work a byte, the hardware prefetchers keep ahead of it
-// alone, and the prefetches only cost it load slots (docs/weight-quantization.md, "Prefetching int8 codes").
+// alone, and the prefetches only cost it load slots (docs/weight-quantization.md, "Prefetching").
 inline void prefetch(const uint8_t* next, int64_t bytes) {
   if (next != nullptr)
     for (int64_t line = 0; line < bytes; line += 64) isa::prefetch_l2(next + line);
+}
+
+// Part ``part`` of ``parts`` of those ``bytes``' cache lines: the AVX2 kernels ask for the next block a part with
+// each stretch of their own block's work. Asked for all at once at the block's start, the lines left a
+// first-generation Zen's kernels waiting on memory (docs/weight-quantization.md, "Prefetching").
+inline void prefetch_part(const uint8_t* next, int64_t bytes, int part, int parts) {
+  if (next == nullptr) return;
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line) isa::prefetch_l2(next + 64 * line);
 }
 
 }  // namespace interleaved

@@ -158,8 +158,9 @@ inline void dot_group(Q5_0Rows, const uint8_t* group, int64_t blocks, const Bloc
     for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
-    prefetch(next ? next + i * kBlock : nullptr, kBlock);
+    const uint8_t* later = next ? next + i * kBlock : nullptr;
     for (int h = 0; h < 2; ++h) {
+      prefetch_part(later, kBlock, h, 2);
       Sums s[MT];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {   // inputs 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high)
@@ -211,7 +212,7 @@ inline void dot_group(L, const uint8_t* group, int64_t blocks, const BlockCodes*
     for (int m = 0; m < MT; ++m) acc[h][m] = mins[h][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
-    prefetch(next ? next + i * kBlock : nullptr, kBlock);
+    const uint8_t* later = next ? next + i * kBlock : nullptr;
     for (int h = 0; h < 2; ++h) {
       // Sub-block s's 6-bit scale and min from the 12 scale bytes, as llama.cpp's get_scale_min_k4.
       const auto byte = [&](int q) { return bytes_u(c + L::kScales + 16 * q + 8 * h); };
@@ -229,6 +230,7 @@ inline void dot_group(L, const uint8_t* group, int64_t blocks, const BlockCodes*
       __m256 block[MT], block_mins[MT];
       for (int m = 0; m < MT; ++m) block[m] = block_mins[m] = _mm256_setzero_ps();
       for (int q = 0; q < 4; ++q) {   // sub-blocks 2 q (low nibbles of qs bytes 32 q ..) and 2 q + 1 (high)
+        prefetch_part(later, kBlock, 4 * h + q, 8);
         Sums s[2][MT];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
@@ -271,7 +273,7 @@ inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bloc
     for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
   for (int64_t i = 0; i < blocks; ++i) {
     const uint8_t* c = group + i * kBlock;
-    prefetch(next ? next + i * kBlock : nullptr, kBlock);
+    const uint8_t* later = next ? next + i * kBlock : nullptr;
     __m256 block[2][MT];
     for (int h = 0; h < 2; ++h)
       for (int m = 0; m < MT; ++m) block[h][m] = _mm256_setzero_ps();
@@ -281,6 +283,7 @@ inline void dot_group(Q6_KRows, const uint8_t* group, int64_t blocks, const Bloc
       for (int half = 0; half < 2; ++half)   // inputs 128 top + 32 t + 16 half + .., sub-block 8 top + 2 t + half
 #pragma GCC unroll 2
         for (int u = 0; u < 2; ++u) {   // t = u (ql's low nibbles) and u + 2 (high): ql vectors 16 top + 8 u + j
+          prefetch_part(later, kBlock, 4 * top + 2 * half + u, 8);
           Sums s[2][2][MT];   // [half of the rows h][t = u + 2 v]
 #pragma GCC unroll 4
           for (int j = 4 * half; j < 4 * half + 4; ++j) {
@@ -327,9 +330,10 @@ inline void dot_group(QuantRows<BITS> w, const uint8_t* q, int64_t, const BlockC
     for (int m = 0; m < MT; ++m) acc[h][m] = acc_mins[h][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.K / 32; ++b) {
     const uint8_t* c = q + 64 * kVectors * b;
-    prefetch(next ? next + 64 * kVectors * b : nullptr, 64 * kVectors);
+    const uint8_t* later = next ? next + 64 * kVectors * b : nullptr;
     const int64_t g = b / runs_per_group;
     for (int h = 0; h < 2; ++h) {
+      prefetch_part(later, 64 * kVectors, h, 2);
       Sums s[MT];
 #pragma GCC unroll 8
       for (int j = 0; j < kVectors; ++j) {
